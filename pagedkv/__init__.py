@@ -1,0 +1,28 @@
+"""pagedkv: a paged KV cache whose read paths are proved equal by property-based tests.
+
+Architecture (one concept a module):
+
+- :mod:`pagedkv.config`: cache geometry and 64-bit slot arithmetic.
+- :mod:`pagedkv.errors`: the exception hierarchy.
+- :mod:`pagedkv.validation`: argument checks every op runs before touching memory.
+- :mod:`pagedkv.allocator`: free list, reference counts, prefix caching, LRU eviction.
+- :mod:`pagedkv.cache`: K/V pools plus per-sequence block tables, fork, copy-on-write, slot mapping.
+- :mod:`pagedkv.attention`: dense attention and the fp64 reference.
+- :mod:`pagedkv.backends`: ``loop``, ``indexed``, ``triton`` and the loader for candidates.
+- :mod:`pagedkv.cases`: plain-data test cases (JSON round trip), their tensors, the property checks.
+- :mod:`pagedkv.cli`: ``python -m pagedkv ...``.
+"""
+
+from .backends import available_backends, get_backend, load_backend
+from .config import CacheConfig
+from .errors import (AllocatorError, BackendError, BackendUnavailableError, BlockIndexError, DeviceMismatchError,
+                     DoubleFreeError, DTypeMismatchError, OutOfBlocksError, PagedKVError, ShapeError,
+                     UnknownBlockError)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllocatorError", "BackendError", "BackendUnavailableError", "BlockIndexError", "CacheConfig",
+    "DeviceMismatchError", "DoubleFreeError", "DTypeMismatchError", "OutOfBlocksError", "PagedKVError",
+    "ShapeError", "UnknownBlockError", "available_backends", "get_backend", "load_backend",
+]

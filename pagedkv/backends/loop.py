@@ -1,0 +1,119 @@
+"""The ``loop`` backend: Python loops over blocks, one ``torch.cat`` per gather.
+
+The simple design from the paged-attention tutorial: a gather slices each logical block out of the
+pool and concatenates; a scatter writes block-sized slices; ``write_kv`` writes token by token. It
+is the readable baseline the other backends are proved equal to, not a fast path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import paged_attention_by_gather
+from ..config import blocks_needed
+from ..validation import attention_args, check_gather, check_scatter, check_write_kv, normalize_block_table
+
+name = "loop"
+
+
+def gather(cache: torch.Tensor, block_table, seq_len: int, validate: bool = True) -> torch.Tensor:
+    """Read logical positions ``0 .. seq_len - 1`` of one sequence.
+
+    Args:
+        cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pool (any strides).
+        block_table: ``int32``/``int64 [>= ceil(seq_len / block_size)]`` tensor or list of ints.
+        seq_len: tokens to read, ``>= 0``.
+        validate: check arguments first (see :func:`pagedkv.validation.check_gather`).
+
+    Returns:
+        A new ``[seq_len, num_kv_heads, head_dim]`` tensor, ``cache.dtype``, on ``cache.device``.
+
+    Raises:
+        ShapeError, BlockIndexError: as ``check_gather``.
+    """
+    if validate:
+        table, seq_len = check_gather(cache, block_table, seq_len)
+    else:
+        table = normalize_block_table(block_table, cache.device)
+    block_size = cache.shape[1]
+    ids = table[: blocks_needed(seq_len, block_size)].tolist()
+    parts = [cache[b, : min(block_size, seq_len - i * block_size)] for i, b in enumerate(ids)]
+    if not parts:
+        return cache.new_empty((0, *cache.shape[2:]))
+    return torch.cat(parts)
+
+
+def scatter(cache: torch.Tensor, block_table, values: torch.Tensor, start: int = 0, validate: bool = True) -> None:
+    """Write ``values[j]`` to logical position ``start + j``, in place, one block slice at a time.
+
+    Args:
+        cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pool, written in place.
+        block_table: ``int32``/``int64`` tensor or list with ``>= ceil((start + n) / block_size)`` entries.
+        values: ``[n, num_kv_heads, head_dim]``, ``cache.dtype``, on ``cache.device``.
+        start: logical position of ``values[0]``.
+
+    Raises:
+        ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError: as
+        :func:`pagedkv.validation.check_scatter`; nothing is written then.
+    """
+    if validate:
+        table, start, n = check_scatter(cache, block_table, values, start)
+    else:
+        table, n = normalize_block_table(block_table, cache.device), values.shape[0]
+    block_size = cache.shape[1]
+    ids = table.tolist()
+    pos = start
+    while pos < start + n:
+        offset = pos % block_size
+        count = min(block_size - offset, start + n - pos)
+        cache[ids[pos // block_size], offset : offset + count] = values[pos - start : pos - start + count]
+        pos += count
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor, validate: bool = True) -> None:
+    """vLLM ``reshape_and_cache``: token ``i`` goes to ``slot_mapping[i]``, token by token.
+
+    Args:
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pools, written in place.
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype and device.
+        slot_mapping: ``int64 [num_tokens]`` (int32 accepted), ``block_id * block_size + offset``;
+            negative slots are skipped (padding tokens).
+
+    Raises:
+        ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError: as
+        :func:`pagedkv.validation.check_write_kv`; nothing is written then.
+    """
+    slots = check_write_kv(k_cache, v_cache, key, value, slot_mapping) if validate else slot_mapping.to(torch.int64)
+    block_size = k_cache.shape[1]
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            k_cache[slot // block_size, slot % block_size] = key[i]
+            v_cache[slot // block_size, slot % block_size] = value[i]
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float | None = None,
+                    validate: bool = True) -> torch.Tensor:
+    """Causal varlen attention over paged K/V: loop-gather each sequence, then dense attention.
+
+    Args:
+        query: ``[total_q, num_q_heads, head_dim]``, packed by ``query_start_loc``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_tables: ``int32 [batch, max_blocks_per_seq]``, ``-1``-padded.
+        seq_lens: ``int32 [batch]`` context lengths including the new query tokens.
+        query_start_loc: ``int32 [batch + 1]`` (flash-attn's ``cu_seqlens_q``).
+        scale: logits multiplier, default ``1 / sqrt(head_dim)``.
+
+    Returns:
+        ``[total_q, num_q_heads, head_dim]`` in ``query.dtype`` (math in float32).
+
+    Raises:
+        as :func:`pagedkv.validation.check_paged_attention`.
+    """
+    args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate)
+    return paged_attention_by_gather(gather, query, k_cache, v_cache, args)
+
+
+#: The tutorial's name for the loop gather.
+gather_kv_from_blocks = gather

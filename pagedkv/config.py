@@ -1,0 +1,116 @@
+"""Cache geometry and slot arithmetic.
+
+A *slot* is the flat index of one token position in the pool: ``slot = block_id * block_size +
+offset`` (vLLM's ``slot_mapping``). Slots and element offsets are always formed in 64-bit integers:
+a pool of 2**31 slots or more is ordinary at large batch sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
+    """Map ``"float32" | "float16" | "bfloat16"`` (or a torch dtype) to a torch dtype.
+
+    Raises:
+        DTypeMismatchError: for any other dtype.
+    """
+    from .errors import DTypeMismatchError
+
+    if isinstance(name, torch.dtype):
+        if name in DTYPES.values():
+            return name
+    elif name in DTYPES:
+        return DTYPES[name]
+    raise DTypeMismatchError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Inverse of :func:`dtype_from_name` (``torch.float16 -> "float16"``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Geometry of a paged KV cache.
+
+    Attributes:
+        num_blocks: physical blocks in each pool.
+        block_size: token slots per block (any positive integer; 1 and non-powers of two are fine).
+        num_kv_heads: K/V heads per token.
+        head_dim: elements per head.
+        dtype: element type of the pools (float32, float16 or bfloat16).
+        device: where the pools live.
+        num_layers: one K pool and one V pool per layer.
+    """
+
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    num_layers: int = 1
+
+    def __post_init__(self) -> None:
+        from .errors import ShapeError
+
+        for name in ("num_blocks", "block_size", "num_kv_heads", "head_dim", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ShapeError(f"{name} must be a positive int, got {value!r}")
+        object.__setattr__(self, "dtype", dtype_from_name(self.dtype))
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots in one pool (``num_blocks * block_size``), a Python int (unbounded)."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        """``(block_size, num_kv_heads, head_dim)``: the shape of one block."""
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block of one pool (K or V of one layer)."""
+        return self.block_size * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """``ceil(num_tokens / block_size)``: table entries that hold ``num_tokens`` tokens."""
+    return -(-num_tokens // block_size)
+
+
+def slot_of(block_id: int, offset: int, block_size: int) -> int:
+    """Slot of ``offset`` inside ``block_id`` (Python ints: exact at any pool size)."""
+    return block_id * block_size + offset
+
+
+def slots_for_positions(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slots of logical ``positions`` of a sequence, as ``int64``.
+
+    Args:
+        block_table: ``int32`` or ``int64 [num_table_entries]``.
+        positions: integer ``[n]`` logical token positions.
+        block_size: tokens per block.
+
+    Returns:
+        ``int64 [n]``: ``block_table[p // block_size] * block_size + p % block_size``, computed in
+        64 bits so that pools past 2**31 slots are exact (an int32 product would wrap).
+    """
+    positions = positions.to(torch.int64)
+    blocks = block_table.to(torch.int64)[positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
+def element_offset(slot: int | torch.Tensor, num_kv_heads: int, head_dim: int) -> int | torch.Tensor:
+    """Element offset of ``slot``'s first value in a contiguous pool (64-bit for tensors)."""
+    if isinstance(slot, torch.Tensor):
+        return slot.to(torch.int64) * (num_kv_heads * head_dim)
+    return slot * num_kv_heads * head_dim

@@ -1,0 +1,50 @@
+"""One exception hierarchy for pagedkv.
+
+Every error the library raises on purpose derives from :class:`PagedKVError` *and* from the builtin
+type the backend contract names (``IndexError``, ``ValueError``, ``TypeError``, ``RuntimeError``), so
+callers can catch either the library's type or the builtin one.
+"""
+
+
+class PagedKVError(Exception):
+    """Base class of every error pagedkv raises on purpose."""
+
+
+class BlockIndexError(PagedKVError, IndexError):
+    """A block id (or slot) that would be read or written lies outside ``[0, num_blocks)``."""
+
+
+class ShapeError(PagedKVError, ValueError):
+    """Shapes, lengths or table sizes that do not fit together (contract: ``ValueError``)."""
+
+
+class DeviceMismatchError(PagedKVError, ValueError):
+    """Tensors that must share a device do not (contract: ``ValueError``)."""
+
+
+class DTypeMismatchError(PagedKVError, TypeError):
+    """Tensors that must share a dtype do not, or a dtype is unsupported (contract: ``TypeError``)."""
+
+
+class AllocatorError(PagedKVError, RuntimeError):
+    """Base class of block-allocator errors; a failed allocator call changes no state."""
+
+
+class OutOfBlocksError(AllocatorError):
+    """Not enough free (or evictable) blocks for the request."""
+
+
+class DoubleFreeError(AllocatorError, ValueError):
+    """A block (or a sequence) was freed when it held no reference."""
+
+
+class UnknownBlockError(AllocatorError, ValueError):
+    """A block id outside the pool, or a sequence id the cache does not know."""
+
+
+class BackendError(PagedKVError, ValueError):
+    """A backend name is unknown, a ``module:attr`` spec cannot be loaded, or an object breaks the contract."""
+
+
+class BackendUnavailableError(BackendError):
+    """A known backend cannot run here (for example Triton is not installed)."""

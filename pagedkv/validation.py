@@ -1,0 +1,290 @@
+"""Argument checks shared by every backend, run before any kernel launch and before any write.
+
+On CUDA an out-of-range block id that reaches a kernel is a device-side assert (which poisons the
+whole process) or a silent out-of-bounds access, so every backend op calls one of the ``check_*``
+functions below first. They read block tables and lengths on the host (one small device-to-host
+copy on CUDA); callers that already validated can pass ``validate=False`` to the ops to skip them.
+
+Each check returns the normalised arguments the op needs (tables as ``int64`` on the cache device,
+lengths as Python ints) so backends do not repeat the work.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .config import DTYPES, blocks_needed
+from .errors import BlockIndexError, DeviceMismatchError, DTypeMismatchError, ShapeError
+
+TableLike = torch.Tensor | Sequence[int]
+
+
+def _check_tensor(name: str, x: object, ndim: int) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ShapeError(f"{name} must have {ndim} dims, got shape {tuple(x.shape)}")
+    return x
+
+
+def check_cache(name: str, cache: object) -> torch.Tensor:
+    """Check one pool: a 4-D ``[num_blocks, block_size, num_kv_heads, head_dim]`` float tensor.
+
+    Raises:
+        TypeError: not a tensor. DTypeMismatchError: not float32/float16/bfloat16.
+        ShapeError: wrong rank or an empty dimension.
+    """
+    cache = _check_tensor(name, cache, 4)
+    if cache.dtype not in DTYPES.values():
+        raise DTypeMismatchError(f"{name}.dtype must be one of float32/float16/bfloat16, got {cache.dtype}")
+    if min(cache.shape) < 1:
+        raise ShapeError(f"{name} must have non-empty dims [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got {tuple(cache.shape)}")
+    return cache
+
+
+def check_cache_pair(k_cache: object, v_cache: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check ``k_cache`` and ``v_cache``: same shape, dtype and device."""
+    k_cache = check_cache("k_cache", k_cache)
+    v_cache = check_cache("v_cache", v_cache)
+    if k_cache.shape != v_cache.shape:
+        raise ShapeError(f"k_cache and v_cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
+    if k_cache.dtype != v_cache.dtype:
+        raise DTypeMismatchError(f"k_cache.dtype {k_cache.dtype} != v_cache.dtype {v_cache.dtype}")
+    if k_cache.device != v_cache.device:
+        raise DeviceMismatchError(f"k_cache is on {k_cache.device}, v_cache on {v_cache.device}")
+    return k_cache, v_cache
+
+
+def _check_like_cache(name: str, x: torch.Tensor, cache: torch.Tensor, cache_name: str) -> None:
+    if x.dtype != cache.dtype:
+        raise DTypeMismatchError(f"{name}.dtype {x.dtype} != {cache_name}.dtype {cache.dtype}")
+    if x.device != cache.device:
+        raise DeviceMismatchError(f"{name} is on {x.device}, {cache_name} on {cache.device}")
+
+
+def _check_int_tensor(name: str, x: torch.Tensor, allowed=(torch.int32, torch.int64)) -> None:
+    if x.dtype not in allowed:
+        raise DTypeMismatchError(f"{name}.dtype must be one of {[str(d) for d in allowed]}, got {x.dtype}")
+
+
+def normalize_block_table(block_table: TableLike, device: torch.device, name: str = "block_table") -> torch.Tensor:
+    """A 1-D block table (tensor or list of ints) as ``int64`` on ``device``."""
+    if isinstance(block_table, torch.Tensor):
+        if block_table.dim() != 1:
+            raise ShapeError(f"{name} must be 1-D, got shape {tuple(block_table.shape)}")
+        _check_int_tensor(name, block_table)
+        return block_table.to(device=device, dtype=torch.int64)
+    try:
+        values = [int(b) for b in block_table]
+    except TypeError as exc:
+        raise TypeError(f"{name} must be a 1-D integer tensor or a sequence of ints, got {type(block_table).__name__}") from exc
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _check_ids_in_range(name: str, ids: torch.Tensor, num_blocks: int, what: str = "block id") -> None:
+    if ids.numel() == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= num_blocks:
+        bad = lo if lo < 0 else hi
+        pos = int(torch.nonzero(ids == bad)[0][0]) if ids.dim() == 1 else None
+        where = f" at entry {pos}" if pos is not None else ""
+        raise BlockIndexError(f"{name} has {what} {bad}{where}, outside [0, num_blocks={num_blocks})")
+
+
+def _check_length(name: str, value: object) -> int:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ShapeError(f"{name} must be a scalar, got shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int) and not (hasattr(value, "__index__")):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
+    if value < 0:
+        raise ShapeError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def check_scatter(cache: object, block_table: TableLike, values: object, start: int = 0) -> tuple[torch.Tensor, int, int]:
+    """Validate ``scatter(cache, block_table, values, start)``.
+
+    Returns:
+        ``(table_int64_on_cache_device, start, n)``.
+
+    Raises:
+        ShapeError: ``values`` not ``[n, num_kv_heads, head_dim]``, negative ``start``, a table too short
+            for ``start + n`` tokens, or one physical block at two written logical blocks.
+        BlockIndexError: a written block id outside ``[0, num_blocks)``.
+        DTypeMismatchError / DeviceMismatchError: ``values`` unlike ``cache``.
+    """
+    cache = check_cache("cache", cache)
+    values = _check_tensor("values", values, 3)
+    _check_like_cache("values", values, cache, "cache")
+    if tuple(values.shape[1:]) != tuple(cache.shape[2:]):
+        raise ShapeError(f"values must be [n, num_kv_heads, head_dim] = [n, {cache.shape[2]}, {cache.shape[3]}], "
+                         f"got {tuple(values.shape)}")
+    start = _check_length("start", start)
+    n = values.shape[0]
+    table = normalize_block_table(block_table, cache.device)
+    block_size = cache.shape[1]
+    if n == 0:
+        return table, start, 0
+    first, last = start // block_size, blocks_needed(start + n, block_size)
+    if table.numel() < last:
+        raise ShapeError(f"block_table has {table.numel()} entries, but start + n = {start} + {n} = {start + n} "
+                         f"tokens need {last} blocks of block_size {block_size}")
+    written = table[first:last]
+    _check_ids_in_range("block_table", written, cache.shape[0])
+    if torch.unique(written).numel() != written.numel():
+        raise ShapeError(f"block_table maps two written logical blocks to one physical block: {written.tolist()}")
+    return table, start, n
+
+
+def check_gather(cache: object, block_table: TableLike, seq_len: int) -> tuple[torch.Tensor, int]:
+    """Validate ``gather(cache, block_table, seq_len)``.
+
+    Returns:
+        ``(table_int64_on_cache_device, seq_len)``.
+
+    Raises:
+        ShapeError: negative ``seq_len`` or a table with fewer than ``ceil(seq_len / block_size)`` entries.
+        BlockIndexError: a read block id outside ``[0, num_blocks)`` (``-1`` padding past the read
+            entries is fine).
+    """
+    cache = check_cache("cache", cache)
+    seq_len = _check_length("seq_len", seq_len)
+    table = normalize_block_table(block_table, cache.device)
+    need = blocks_needed(seq_len, cache.shape[1])
+    if table.numel() < need:
+        raise ShapeError(f"block_table has {table.numel()} entries, but seq_len {seq_len} needs {need} blocks "
+                         f"of block_size {cache.shape[1]}")
+    _check_ids_in_range("block_table", table[:need], cache.shape[0])
+    return table, seq_len
+
+
+def check_write_kv(k_cache: object, v_cache: object, key: object, value: object, slot_mapping: object) -> torch.Tensor:
+    """Validate ``write_kv`` (vLLM ``reshape_and_cache``).
+
+    Returns:
+        ``slot_mapping`` as ``int64`` on the cache device.
+
+    Raises:
+        ShapeError: ``key``/``value`` not ``[num_tokens, num_kv_heads, head_dim]``, ``slot_mapping`` not
+            ``[num_tokens]``, or one slot written twice.
+        BlockIndexError: a non-negative slot ``>= num_blocks * block_size``.
+        DTypeMismatchError / DeviceMismatchError: key/value/slot_mapping unlike the caches.
+    """
+    k_cache, v_cache = check_cache_pair(k_cache, v_cache)
+    key = _check_tensor("key", key, 3)
+    value = _check_tensor("value", value, 3)
+    for name, x, cname, c in (("key", key, "k_cache", k_cache), ("value", value, "v_cache", v_cache)):
+        _check_like_cache(name, x, c, cname)
+        if tuple(x.shape[1:]) != tuple(c.shape[2:]):
+            raise ShapeError(f"{name} must be [num_tokens, num_kv_heads, head_dim] = [num_tokens, {c.shape[2]}, "
+                             f"{c.shape[3]}], got {tuple(x.shape)}")
+    if key.shape[0] != value.shape[0]:
+        raise ShapeError(f"key has {key.shape[0]} tokens, value has {value.shape[0]}")
+    slot_mapping = _check_tensor("slot_mapping", slot_mapping, 1)
+    _check_int_tensor("slot_mapping", slot_mapping)
+    if slot_mapping.device != k_cache.device:
+        raise DeviceMismatchError(f"slot_mapping is on {slot_mapping.device}, k_cache on {k_cache.device}")
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ShapeError(f"slot_mapping has {slot_mapping.shape[0]} entries, key has {key.shape[0]} tokens")
+    slots = slot_mapping.to(torch.int64)
+    valid = slots[slots >= 0]
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if valid.numel():
+        hi = int(valid.max())
+        if hi >= num_slots:
+            raise BlockIndexError(f"slot_mapping has slot {hi} (block {hi // k_cache.shape[1]}), outside "
+                                  f"[0, num_blocks * block_size = {num_slots})")
+        if torch.unique(valid).numel() != valid.numel():
+            raise ShapeError("slot_mapping writes one slot twice")
+    return slots
+
+
+@dataclass(frozen=True)
+class AttentionArgs:
+    """Normalised ``paged_attention`` arguments (host copies of the small metadata)."""
+
+    block_tables: torch.Tensor  # int64 [batch, max_blocks] on the cache device
+    seq_lens: list[int]
+    q_starts: list[int]  # query_start_loc as Python ints, len batch + 1
+    scale: float
+    num_queries_per_kv: int
+
+
+def check_paged_attention(query: object, k_cache: object, v_cache: object, block_tables: object, seq_lens: object,
+                          query_start_loc: object, scale: float | None = None) -> AttentionArgs:
+    """Validate ``paged_attention`` (packed varlen, flash-attn's ``cu_seqlens_q`` convention).
+
+    Raises:
+        ShapeError: wrong ranks; ``num_q_heads % num_kv_heads != 0``; ``head_dim`` mismatch;
+            ``query_start_loc`` not ``[batch + 1]``, not starting at 0, decreasing, or not ending at
+            ``total_q``; ``seq_lens`` not ``[batch]`` or negative; ``q_len > seq_len``; a table row too
+            short for its ``seq_len``; ``scale`` not finite.
+        BlockIndexError: a read block id outside ``[0, num_blocks)``.
+        DTypeMismatchError / DeviceMismatchError: query or metadata unlike the caches.
+    """
+    k_cache, v_cache = check_cache_pair(k_cache, v_cache)
+    query = _check_tensor("query", query, 3)
+    _check_like_cache("query", query, k_cache, "k_cache")
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if query.shape[2] != head_dim:
+        raise ShapeError(f"query head_dim {query.shape[2]} != k_cache head_dim {head_dim}")
+    if query.shape[1] % num_kv_heads != 0 or query.shape[1] == 0:
+        raise ShapeError(f"num_q_heads {query.shape[1]} is not a positive multiple of num_kv_heads {num_kv_heads}")
+    block_tables = _check_tensor("block_tables", block_tables, 2)
+    seq_lens = _check_tensor("seq_lens", seq_lens, 1)
+    query_start_loc = _check_tensor("query_start_loc", query_start_loc, 1)
+    for name, x in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        _check_int_tensor(name, x)
+        if x.device != k_cache.device:
+            raise DeviceMismatchError(f"{name} is on {x.device}, k_cache on {k_cache.device}")
+    batch = seq_lens.shape[0]
+    if block_tables.shape[0] != batch:
+        raise ShapeError(f"block_tables has {block_tables.shape[0]} rows, seq_lens has {batch} entries")
+    if query_start_loc.shape[0] != batch + 1:
+        raise ShapeError(f"query_start_loc must have batch + 1 = {batch + 1} entries, got {query_start_loc.shape[0]}")
+    lens = [int(x) for x in seq_lens.tolist()]
+    starts = [int(x) for x in query_start_loc.tolist()]
+    if starts[0] != 0:
+        raise ShapeError(f"query_start_loc[0] must be 0, got {starts[0]}")
+    if starts[-1] != query.shape[0]:
+        raise ShapeError(f"query_start_loc[-1] = {starts[-1]} != total_q = query.shape[0] = {query.shape[0]}")
+    tables = block_tables.to(torch.int64)
+    for b in range(batch):
+        q_len = starts[b + 1] - starts[b]
+        if q_len < 0:
+            raise ShapeError(f"query_start_loc decreases at sequence {b}: {starts[b]} -> {starts[b + 1]}")
+        if lens[b] < 0:
+            raise ShapeError(f"seq_lens[{b}] = {lens[b]} is negative")
+        if q_len > lens[b]:
+            raise ShapeError(f"sequence {b} has q_len {q_len} > seq_lens[{b}] = {lens[b]}")
+        need = blocks_needed(lens[b], block_size)
+        if need > tables.shape[1]:
+            raise ShapeError(f"seq_lens[{b}] = {lens[b]} needs {need} blocks of block_size {block_size}, "
+                             f"block_tables has {tables.shape[1]} columns")
+        _check_ids_in_range(f"block_tables[{b}]", tables[b, :need], num_blocks)
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ShapeError(f"scale must be finite, got {scale}")
+    return AttentionArgs(tables, lens, starts, scale, query.shape[1] // num_kv_heads)
+
+
+def attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,
+                   validate: bool = True) -> AttentionArgs:
+    """:func:`check_paged_attention`, or with ``validate=False`` only the normalisation (caller checked)."""
+    if validate:
+        return check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    return AttentionArgs(block_tables.to(torch.int64), [int(x) for x in seq_lens.tolist()],
+                         [int(x) for x in query_start_loc.tolist()],
+                         1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale),
+                         query.shape[1] // k_cache.shape[2])
