@@ -62,8 +62,19 @@ def assert_attention_close(actual: torch.Tensor, expected: torch.Tensor, *, max_
                                msg=lambda m: f"{msg}{m}")
 
 
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """The raw bit pattern of ``x`` as an integer tensor of the same width (NaN payloads included)."""
+    return x.contiguous().view(_SAME_WIDTH_INT[x.element_size()])
+
+
 def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, msg: str = "") -> None:
-    """Assert two tensors are identical bit for bit (same shape, dtype, every value; NaN never equal).
+    """Assert two tensors are identical bit for bit: same shape, dtype and bit pattern everywhere.
+
+    Comparing bit patterns (not values) means ``-0.0 != 0.0`` and a NaN matches only the same NaN,
+    so poison that should be untouched is checked exactly and a NaN cannot stand in for a value.
 
     Raises:
         AssertionError: naming the first differing index and both values.
@@ -71,8 +82,9 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, msg: str 
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         raise AssertionError(f"{msg}shape/dtype differ: {tuple(actual.shape)} {actual.dtype} vs "
                              f"{tuple(expected.shape)} {expected.dtype}")
-    if not torch.equal(actual, expected) or torch.isnan(actual).any():
-        diff = (actual != expected) | torch.isnan(actual) | torch.isnan(expected)
+    a, e = bits(actual.cpu()), bits(expected.cpu())
+    if not torch.equal(a, e):
+        diff = a != e
         idx = torch.nonzero(diff)[0].tolist()
         raise AssertionError(f"{msg}first mismatch at index {idx}: got {actual[tuple(idx)].item()!r}, "
                              f"expected {expected[tuple(idx)].item()!r} "
