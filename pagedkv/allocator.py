@@ -1,0 +1,252 @@
+"""Block allocator: free list, reference counts, prefix caching with LRU eviction.
+
+Design (after vLLM's block manager and its v1 prefix cache):
+
+- Every physical block is in exactly one of three states: *free* (no owner, no cached content),
+  *used* (reference count >= 1: referenced by that many block tables) or *evictable* (reference
+  count 0 but holding a cached full block that a later prefix lookup may revive).
+- ``num_free`` counts free + evictable blocks, so ``num_free + num_used == num_blocks`` always.
+- Allocation takes free blocks first, then evicts the least recently released evictable block.
+- Prefix caching keys each full block by a chained hash ``h_i = hash_fn(h_{i-1}, tokens_i)``; a
+  lookup also compares the whole token prefix, so a hash collision is never a hit.
+- Every method either succeeds or raises before changing anything.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Hashable, Sequence
+
+from .errors import DoubleFreeError, OutOfBlocksError, UnknownBlockError
+
+HashFn = Callable[[Hashable, tuple[int, ...]], Hashable]
+
+
+def default_block_hash(parent_hash: Hashable, token_ids: tuple[int, ...]) -> Hashable:
+    """Chained block hash: Python's tuple hash of ``(parent_hash, token_ids)`` (deterministic for ints)."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockAllocator:
+    """Hands out physical block ids ``0 .. num_blocks - 1`` with reference counting and a prefix cache.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: tokens per block (prefix caching hashes full blocks of this many tokens).
+        enable_prefix_caching: keep released full blocks for reuse by later prompts.
+        hash_fn: ``hash_fn(parent_hash, token_ids_tuple) -> hashable``; inject one (even a constant)
+            to test collision handling.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 hash_fn: HashFn = default_block_hash) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_fn = hash_fn
+        self._ref = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self._hash_of: dict[int, Hashable] = {}  # cached block -> its chained hash
+        self._prefix_of: dict[int, tuple[int, ...]] = {}  # cached block -> the full token prefix it ends
+        self._by_hash: dict[Hashable, list[int]] = {}
+        self.num_evictions = 0
+        self.prefix_queries = 0  # full blocks looked up
+        self.prefix_hits = 0  # full blocks found
+
+    # -- state --------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can take now (free plus evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks with reference count >= 1."""
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding a prefix-cache entry (used or evictable)."""
+        return len(self._hash_of)
+
+    def ref_count(self, block: int) -> int:
+        """Reference count of ``block``. Raises UnknownBlockError outside the pool."""
+        self._check_id(block)
+        return self._ref[block]
+
+    def is_free(self, block: int) -> bool:
+        """True when ``block`` can be handed out (free or evictable)."""
+        self._check_id(block)
+        return block in self._free or block in self._evictable
+
+    def _check_id(self, block: int) -> None:
+        if not isinstance(block, int) or not 0 <= block < self.num_blocks:
+            raise UnknownBlockError(f"block id {block!r} outside [0, num_blocks={self.num_blocks})")
+
+    # -- allocate / share / release ------------------------------------------------------------
+    def allocate(self, n: int = 1) -> list[int]:
+        """Take ``n`` blocks (reference count 1 each): free ones first, then the LRU evictable ones.
+
+        Raises:
+            OutOfBlocksError: fewer than ``n`` blocks can be taken; nothing changes.
+            ValueError: ``n < 0``.
+        """
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if n > self.num_free:
+            raise OutOfBlocksError(f"need {n} blocks, only {self.num_free} free of {self.num_blocks}")
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                block, _ = self._free.popitem(last=False)
+            else:
+                block, _ = self._evictable.popitem(last=False)
+                self._uncache(block)
+                self.num_evictions += 1
+            self._ref[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def incref(self, block: int) -> None:
+        """Add one reference to a used block (a fork, or a prefix hit on a used block).
+
+        Raises:
+            UnknownBlockError: outside the pool, or the block is free (nothing to share).
+        """
+        self._check_id(block)
+        if self._ref[block] == 0:
+            raise UnknownBlockError(f"block {block} is not allocated; cannot add a reference")
+        self._ref[block] += 1
+
+    def free(self, block: int) -> None:
+        """Drop one reference; at zero the block becomes evictable (cached) or free.
+
+        Raises:
+            UnknownBlockError: outside the pool.
+            DoubleFreeError: the block holds no reference (already free); nothing changes.
+        """
+        self._check_id(block)
+        if self._ref[block] == 0:
+            raise DoubleFreeError(f"block {block} freed twice: it holds no reference")
+        self._ref[block] -= 1
+        if self._ref[block] == 0:
+            if block in self._hash_of:
+                self._evictable[block] = None
+            else:
+                self._free[block] = None
+
+    def free_all(self, blocks: Sequence[int]) -> None:
+        """Drop one reference from each of ``blocks``, all or nothing.
+
+        Released in reverse order so a sequence's tail blocks are evicted before its shared prefix.
+
+        Raises:
+            UnknownBlockError / DoubleFreeError: before any reference is dropped.
+        """
+        need: dict[int, int] = {}
+        for block in blocks:
+            self._check_id(block)
+            need[block] = need.get(block, 0) + 1
+        for block, count in need.items():
+            if self._ref[block] < count:
+                raise DoubleFreeError(f"block {block} released {count} times but holds {self._ref[block]} references")
+        for block in reversed(blocks):
+            self.free(block)
+
+    # -- prefix cache ---------------------------------------------------------------------------
+    def _uncache(self, block: int) -> None:
+        h = self._hash_of.pop(block)
+        del self._prefix_of[block]
+        owners = self._by_hash[h]
+        owners.remove(block)
+        if not owners:
+            del self._by_hash[h]
+
+    def block_hashes(self, token_ids: Sequence[int]) -> list[Hashable]:
+        """Chained hashes of every full block of ``token_ids``."""
+        hashes, parent = [], None
+        for end in range(self.block_size, len(token_ids) + 1, self.block_size):
+            parent = self.hash_fn(parent, tuple(token_ids[end - self.block_size:end]))
+            hashes.append(parent)
+        return hashes
+
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Blocks caching the longest run of leading full blocks of ``token_ids`` (no references taken).
+
+        A candidate found by hash counts only when its whole cached token prefix equals
+        ``token_ids[:end]``, so colliding hashes never produce a false hit.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        tokens = tuple(token_ids)
+        found = []
+        for i, h in enumerate(self.block_hashes(tokens)):
+            self.prefix_queries += 1
+            end = (i + 1) * self.block_size
+            match = next((b for b in self._by_hash.get(h, ()) if self._prefix_of[b] == tokens[:end]), None)
+            if match is None:
+                break
+            self.prefix_hits += 1
+            found.append(match)
+        return found
+
+    def acquire(self, blocks: Sequence[int]) -> None:
+        """Take one reference on each cached block found by :meth:`find_cached_prefix`, reviving evictable ones.
+
+        Raises:
+            UnknownBlockError: a block that is neither used nor evictable-cached; nothing changes.
+        """
+        for block in blocks:
+            self._check_id(block)
+            if self._ref[block] == 0 and block not in self._evictable:
+                raise UnknownBlockError(f"block {block} is free and caches nothing; cannot acquire it")
+        for block in blocks:
+            if self._ref[block] == 0:
+                del self._evictable[block]
+            self._ref[block] += 1
+
+    def cache_full_block(self, block: int, prefix_token_ids: Sequence[int]) -> None:
+        """Register used ``block`` as holding the last full block of ``prefix_token_ids``.
+
+        ``len(prefix_token_ids)`` must be a positive multiple of ``block_size``. Re-registering a block
+        is a no-op; a disabled prefix cache ignores the call.
+
+        Raises:
+            UnknownBlockError: the block is not used. ValueError: the prefix is not whole blocks.
+        """
+        if not self.enable_prefix_caching:
+            return
+        self._check_id(block)
+        if self._ref[block] == 0:
+            raise UnknownBlockError(f"block {block} is not allocated; cannot cache it")
+        if not prefix_token_ids or len(prefix_token_ids) % self.block_size:
+            raise ValueError(f"prefix length {len(prefix_token_ids)} is not a positive multiple of "
+                             f"block_size {self.block_size}")
+        if block in self._hash_of:
+            return
+        tokens = tuple(prefix_token_ids)
+        h = self.block_hashes(tokens)[-1]
+        self._hash_of[block] = h
+        self._prefix_of[block] = tokens
+        self._by_hash.setdefault(h, []).append(block)
+
+    def check_invariants(self, expected_refs: dict[int, int] | None = None) -> None:
+        """Raise AssertionError unless the allocator's state is consistent.
+
+        Checks: free + used == total; free, evictable and used are disjoint; free blocks cache
+        nothing; evictable blocks are cached with reference 0; and, when given, every block's
+        reference count equals ``expected_refs.get(block, 0)`` (the number of tables holding it).
+        """
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free) and not free & evictable, "a block is listed twice as free"
+        used = {b for b in range(self.num_blocks) if self._ref[b] > 0}
+        assert not used & (free | evictable), f"blocks both used and free: {sorted(used & (free | evictable))}"
+        assert len(free) + len(evictable) + len(used) == self.num_blocks, "free + used != total"
+        assert all(b in self._hash_of for b in evictable), "an evictable block caches nothing"
+        assert not free & set(self._hash_of), "a free block still caches a prefix"
+        assert all(r >= 0 for r in self._ref), "negative reference count"
+        if expected_refs is not None:
+            for b in range(self.num_blocks):
+                assert self._ref[b] == expected_refs.get(b, 0), \
+                    f"block {b}: reference count {self._ref[b]} != {expected_refs.get(b, 0)} referencing tables"

@@ -1,0 +1,223 @@
+"""The paged KV cache: K/V pools plus per-sequence block tables.
+
+``PagedKVCache`` owns one K and one V pool per layer, each ``[num_blocks, block_size, num_kv_heads,
+head_dim]`` (the NHD layout of vLLM and FlashInfer), and the bookkeeping an engine's scheduler needs:
+which blocks each sequence owns, where its next tokens go (``slot_mapping``), sharing by ``fork``,
+copy-on-write when a shared, partially filled block is appended to, and prefix caching.
+
+A step of an engine looks like::
+
+    cached = cache.add_sequence(seq_id, prompt)           # prefix-cache hit: tokens not to recompute
+    slots = cache.append(seq_id, prompt[cached:])         # reserve slots for the new tokens
+    backend.write_kv(cache.k_cache(layer), cache.v_cache(layer), k, v, slots)   # per layer
+    out = backend.paged_attention(q, cache.k_cache(layer), cache.v_cache(layer),
+                                  cache.block_tables(ids), cache.seq_lens(ids), query_start_loc)
+
+Full blocks are registered in the prefix cache by ``append``: write their K/V (as above) before the
+next ``add_sequence`` can look them up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from .allocator import BlockAllocator, HashFn, default_block_hash
+from .config import CacheConfig, blocks_needed
+from .errors import DoubleFreeError, OutOfBlocksError, UnknownBlockError
+
+
+@dataclass
+class SequenceState:
+    """One sequence's block table and the token ids whose K/V it stores."""
+
+    block_table: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class PagedKVCache:
+    """K/V pools for ``config.num_layers`` layers and the sequences stored in them.
+
+    Args:
+        config: the geometry; pools are allocated zero-filled on ``config.device``.
+        enable_prefix_caching: reuse full blocks of earlier prompts (vLLM's automatic prefix caching).
+        hash_fn: the allocator's chained block hash (inject one to test collisions).
+    """
+
+    def __init__(self, config: CacheConfig, *, enable_prefix_caching: bool = True,
+                 hash_fn: HashFn = default_block_hash) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.allocator = BlockAllocator(config.num_blocks, config.block_size,
+                                        enable_prefix_caching=enable_prefix_caching, hash_fn=hash_fn)
+        # [layers, K/V, num_blocks, block_size, num_kv_heads, head_dim]: one allocation; k_cache(l) is a view.
+        self.kv = torch.zeros((config.num_layers, 2, config.num_blocks, *config.block_shape), dtype=config.dtype,
+                              device=config.device)
+        self.sequences: dict[int, SequenceState] = {}
+        self._finished: set[int] = set()
+        self.num_cow_copies = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+
+    # -- pools ------------------------------------------------------------------------------------
+    def k_cache(self, layer: int = 0) -> torch.Tensor:
+        """Layer ``layer``'s K pool, ``[num_blocks, block_size, num_kv_heads, head_dim]`` (a view)."""
+        return self.kv[layer, 0]
+
+    def v_cache(self, layer: int = 0) -> torch.Tensor:
+        """Layer ``layer``'s V pool, ``[num_blocks, block_size, num_kv_heads, head_dim]`` (a view)."""
+        return self.kv[layer, 1]
+
+    # -- sequences --------------------------------------------------------------------------------
+    def _seq(self, seq_id: int) -> SequenceState:
+        try:
+            return self.sequences[seq_id]
+        except KeyError:
+            if seq_id in self._finished:
+                raise DoubleFreeError(f"sequence {seq_id} was already freed") from None
+            raise UnknownBlockError(f"unknown sequence id {seq_id}") from None
+
+    def add_sequence(self, seq_id: int, prompt_token_ids: Sequence[int] = ()) -> int:
+        """Start sequence ``seq_id``; reuse cached full blocks of its prompt.
+
+        At most ``len(prompt) - 1`` tokens are served from the cache, so the last prompt token is
+        always computed (its logits are needed), as in vLLM.
+
+        Returns:
+            The number of leading prompt tokens whose K/V is already cached (a multiple of
+            ``block_size``); the caller then calls ``append(seq_id, prompt[cached:])``.
+
+        Raises:
+            ValueError: ``seq_id`` is live already.
+        """
+        if seq_id in self.sequences:
+            raise ValueError(f"sequence {seq_id} already exists")
+        cacheable = (max(len(prompt_token_ids) - 1, 0) // self.block_size) * self.block_size
+        blocks = self.allocator.find_cached_prefix(list(prompt_token_ids[:cacheable]))
+        self.allocator.acquire(blocks)
+        cached = len(blocks) * self.block_size
+        self.sequences[seq_id] = SequenceState(list(blocks), list(prompt_token_ids[:cached]))
+        self._finished.discard(seq_id)
+        self.num_cached_tokens += cached
+        return cached
+
+    def append(self, seq_id: int, token_ids: Sequence[int]) -> torch.Tensor:
+        """Reserve slots for ``token_ids`` after the sequence's current tokens.
+
+        Allocates blocks as needed; when the last block is partially filled and shared (after a
+        ``fork``), copies it first (copy-on-write) so the other owners never see these tokens.
+        Blocks that become full are registered in the prefix cache.
+
+        Returns:
+            ``int64 [len(token_ids)]`` slot_mapping on the cache's device, for ``write_kv``.
+
+        Raises:
+            OutOfBlocksError: not enough free blocks; nothing changes.
+            UnknownBlockError / DoubleFreeError: unknown or freed ``seq_id``.
+        """
+        seq = self._seq(seq_id)
+        n, start, bs = len(token_ids), seq.num_tokens, self.block_size
+        table = seq.block_table
+        cow = n > 0 and start % bs != 0 and self.allocator.ref_count(table[-1]) > 1
+        new_blocks = blocks_needed(start + n, bs) - len(table)
+        blocks = self.allocator.allocate(new_blocks + cow)  # raises before any change
+        if cow:
+            old, table[-1] = table[-1], blocks.pop(0)
+            self.kv[:, :, table[-1]] = self.kv[:, :, old]
+            self.allocator.free(old)
+            self.num_cow_copies += 1
+        table.extend(blocks)
+        seq.token_ids.extend(int(t) for t in token_ids)
+        for i in range(start // bs, (start + n) // bs):  # blocks completed by this append
+            self.allocator.cache_full_block(table[i], seq.token_ids[: (i + 1) * bs])
+        positions = torch.arange(start, start + n, dtype=torch.int64)
+        table_t = torch.tensor(table, dtype=torch.int64)
+        slots = table_t[positions // bs] * bs + positions % bs if n else positions
+        return slots.to(self.config.device)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Make ``child_id`` share every block (and token) of ``parent_id``; no K/V is copied.
+
+        Raises:
+            ValueError: ``child_id`` is live. UnknownBlockError / DoubleFreeError: bad ``parent_id``.
+        """
+        parent = self._seq(parent_id)
+        if child_id in self.sequences:
+            raise ValueError(f"sequence {child_id} already exists")
+        for block in parent.block_table:
+            self.allocator.incref(block)
+        self.sequences[child_id] = SequenceState(list(parent.block_table), list(parent.token_ids))
+        self._finished.discard(child_id)
+
+    def free(self, seq_id: int) -> None:
+        """Release a finished (or preempted) sequence's blocks; shared blocks stay with their other owners.
+
+        Raises:
+            DoubleFreeError: the sequence was freed already. UnknownBlockError: never existed.
+        """
+        seq = self._seq(seq_id)
+        self.allocator.free_all(seq.block_table)
+        del self.sequences[seq_id]
+        self._finished.add(seq_id)
+
+    def can_append(self, seq_id: int, num_tokens: int) -> bool:
+        """Whether ``append(seq_id, <num_tokens tokens>)`` would find enough blocks."""
+        seq = self._seq(seq_id)
+        cow = num_tokens > 0 and seq.num_tokens % self.block_size != 0 and \
+            self.allocator.ref_count(seq.block_table[-1]) > 1
+        return blocks_needed(seq.num_tokens + num_tokens, self.block_size) - len(seq.block_table) + cow \
+            <= self.allocator.num_free
+
+    # -- metadata for the ops ---------------------------------------------------------------------
+    def seq_len(self, seq_id: int) -> int:
+        """Tokens stored for ``seq_id``."""
+        return self._seq(seq_id).num_tokens
+
+    def block_table(self, seq_id: int) -> torch.Tensor:
+        """``int32 [num_blocks_of_seq]`` block table of one sequence, on the cache's device."""
+        return torch.tensor(self._seq(seq_id).block_table, dtype=torch.int32, device=self.config.device)
+
+    def block_tables(self, seq_ids: Iterable[int], pad: int = -1, width: int | None = None) -> torch.Tensor:
+        """``int32 [batch, width]`` block tables, ``pad``-filled (``width`` defaults to the longest table)."""
+        tables = [self._seq(s).block_table for s in seq_ids]
+        width = max((len(t) for t in tables), default=0) if width is None else width
+        out = torch.full((len(tables), width), pad, dtype=torch.int32)
+        for row, table in enumerate(tables):
+            out[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        return out.to(self.config.device)
+
+    def seq_lens(self, seq_ids: Iterable[int]) -> torch.Tensor:
+        """``int32 [batch]`` stored lengths."""
+        return torch.tensor([self._seq(s).num_tokens for s in seq_ids], dtype=torch.int32, device=self.config.device)
+
+    # -- reports ----------------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Blocks used / shared / free / cached, prefix-cache hit rate, copy-on-write copies, evictions."""
+        a = self.allocator
+        shared = sum(1 for b in range(a.num_blocks) if a._ref[b] > 1)
+        return {
+            "num_blocks": a.num_blocks, "used": a.num_used, "shared": shared, "free": a.num_free,
+            "cached": a.num_cached, "prefix_hit_rate": a.prefix_hits / a.prefix_queries if a.prefix_queries else 0.0,
+            "cached_tokens": self.num_cached_tokens, "cow_copies": self.num_cow_copies, "evictions": a.num_evictions,
+            "live_sequences": len(self.sequences),
+        }
+
+    def reference_counts(self) -> dict[int, int]:
+        """``{block: number of live block tables holding it}`` (what the allocator's counts must equal)."""
+        refs: dict[int, int] = {}
+        for seq in self.sequences.values():
+            for block in seq.block_table:
+                refs[block] = refs.get(block, 0) + 1
+        return refs
+
+    def check_invariants(self) -> None:
+        """AssertionError unless allocator counts match the live tables and every table fits its tokens."""
+        self.allocator.check_invariants(self.reference_counts())
+        for seq_id, seq in self.sequences.items():
+            assert len(seq.block_table) == blocks_needed(seq.num_tokens, self.block_size), \
+                f"sequence {seq_id}: {len(seq.block_table)} blocks for {seq.num_tokens} tokens"
