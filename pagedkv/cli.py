@@ -1,0 +1,54 @@
+"""``python -m pagedkv``: the command line.
+
+Each subcommand lives in its own module, which exposes ``add_parser(subparsers)`` (registering its
+arguments and ``set_defaults(func=run)``) and keeps heavy imports inside ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module (relative to this package)
+SUBCOMMANDS = {
+    "demo": ".demo",
+    "replay": ".replay",
+    "mutants": ".mutants",
+    "bench": ".bench",
+    "e2e": ".e2e",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="python -m pagedkv",
+        description="pagedkv: a paged KV cache whose loop, indexed and fused read paths are proved equal.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"pagedkv {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in SUBCOMMANDS.values():
+        try:
+            module = importlib.import_module(module_name, __package__)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__package__}{module_name}":
+                raise
+            continue  # optional module not present in this installation
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen subcommand; returns its exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
