@@ -1,0 +1,270 @@
+"""Test cases as plain data: small frozen dataclasses whose ``repr`` is valid Python, a JSON round
+trip, and the tensors they describe, built from a seed on the CPU so every device sees the same values.
+
+A :class:`Case` is a batch of sequences over one pool: each :class:`SeqSpec` has a block table,
+a length, the number of new query tokens (attention) and a write start (scatter). Slots that no
+sequence owns (including the unused tail of each last block) hold *poison* (NaN, inf or a sentinel),
+so a read path that touches them shows it.
+
+This module needs only torch: cases run, replay and report without Hypothesis installed
+(``strategies/`` draws them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import blocks_needed, dtype_from_name
+
+VALUE_PATTERNS = ("normal", "identity", "large")
+POISONS = ("nan", "inf", "sentinel", "zero")
+LAYOUTS = ("contiguous", "kv_interleaved")
+_EXACT_INTEGERS = {"float32": 2**24, "float16": 2**11, "bfloat16": 2**8}  # ids a dtype holds exactly
+_LARGE = 30.0  # |q|, |k| ~ 30: logits in the hundreds, exp() overflows without max subtraction
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Pool geometry: ``num_blocks`` blocks of ``[block_size, num_kv_heads, head_dim]``, and
+    ``num_kv_heads * num_queries_per_kv`` query heads (GQA group size ``num_queries_per_kv``)."""
+
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int = 1
+    head_dim: int = 4
+    num_queries_per_kv: int = 1
+    dtype: str = "float32"
+
+    @property
+    def num_q_heads(self) -> int:
+        return self.num_kv_heads * self.num_queries_per_kv
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+
+@dataclass(frozen=True)
+class SeqSpec:
+    """One sequence: ``block_table`` (physical ids, at least ``ceil(seq_len / block_size)``), its
+    length, ``q_len`` new query tokens (its last ``q_len`` positions) and a scatter ``start``."""
+
+    block_table: tuple[int, ...]
+    seq_len: int
+    q_len: int = 1
+    start: int = 0
+
+
+@dataclass(frozen=True)
+class Case:
+    """A batch of sequences over one pool, with value pattern, poison, padding and seed.
+
+    Attributes:
+        values: ``"normal"`` (standard normal), ``"identity"`` (each token's K is its own id, V its
+            negation: a wrong read names the token it returned) or ``"large"`` (q and k ~ 30x normal).
+        poison: what every unowned slot holds: ``"nan"``, ``"inf"``, ``"sentinel"`` (the dtype's
+            max) or ``"zero"``.
+        pad_value: fills block-table entries past each sequence's table.
+        pad_columns: extra padded columns in the batch's block tables.
+        table_dtype: ``"int32"`` or ``"int64"`` block tables.
+        layout: ``"contiguous"`` pools or ``"kv_interleaved"`` (``kv[:, 0]`` / ``kv[:, 1]`` views of one
+            ``[num_blocks, 2, block_size, H, D]`` tensor: non-contiguous).
+        scale: attention scale (``None``: ``1 / sqrt(head_dim)``).
+    """
+
+    geometry: Geometry
+    seqs: tuple[SeqSpec, ...]
+    values: str = "normal"
+    poison: str = "nan"
+    pad_value: int = -1
+    pad_columns: int = 0
+    table_dtype: str = "int32"
+    layout: str = "contiguous"
+    scale: float | None = None
+    seed: int = 0
+
+    # -- plain data ------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Case":
+        data = dict(data)
+        data["geometry"] = Geometry(**data["geometry"])
+        data["seqs"] = tuple(SeqSpec(**{**s, "block_table": tuple(s["block_table"])}) for s in data["seqs"])
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> "Case":
+        return cls.from_dict(json.loads(text))
+
+    def replace(self, **changes) -> "Case":
+        return dataclasses.replace(self, **changes)
+
+    # -- derived metadata ------------------------------------------------------------------------
+    @property
+    def seq_lens_list(self) -> list[int]:
+        return [s.seq_len for s in self.seqs]
+
+    @property
+    def query_start_loc_list(self) -> list[int]:
+        out = [0]
+        for s in self.seqs:
+            out.append(out[-1] + s.q_len)
+        return out
+
+    def used_table(self, i: int) -> tuple[int, ...]:
+        """The entries of sequence ``i``'s table that are read (``ceil(seq_len / block_size)``)."""
+        s = self.seqs[i]
+        return s.block_table[: blocks_needed(s.seq_len, self.geometry.block_size)]
+
+    def block_tables(self, device="cpu") -> torch.Tensor:
+        """``[batch, width]`` tables in ``table_dtype``, ``pad_value`` past each sequence's entries."""
+        width = max((len(s.block_table) for s in self.seqs), default=0) + self.pad_columns
+        out = torch.full((len(self.seqs), width), self.pad_value, dtype=torch.int64)
+        for row, s in enumerate(self.seqs):
+            out[row, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
+        return out.to(device=device, dtype=getattr(torch, self.table_dtype))
+
+    def seq_lens(self, device="cpu") -> torch.Tensor:
+        return torch.tensor(self.seq_lens_list, dtype=torch.int32, device=device)
+
+    def query_start_loc(self, device="cpu") -> torch.Tensor:
+        return torch.tensor(self.query_start_loc_list, dtype=torch.int32, device=device)
+
+    def owned_slots(self) -> set[int]:
+        """Slots some sequence owns (position < seq_len)."""
+        bs = self.geometry.block_size
+        return {b * bs + p % bs for i, s in enumerate(self.seqs) for p in range(s.seq_len)
+                for b in [self.used_table(i)[p // bs]]}
+
+    # -- tensors (CPU generator, then cast and moved: identical on every device) ----------------------
+    def _generator(self, stream: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + stream)
+
+    def _poison_value(self) -> float:
+        dtype = self.geometry.torch_dtype
+        return {"nan": float("nan"), "inf": float("inf"), "sentinel": torch.finfo(dtype).max, "zero": 0.0}[self.poison]
+
+    def logical_kv(self, stream: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per sequence, ``(K, V)`` of shape ``[seq_len, num_kv_heads, head_dim]`` in the case dtype (CPU).
+
+        ``stream`` selects an independent draw (0: the cache's initial content, 1: values to write).
+        """
+        g, gen = self.geometry, self._generator(stream)
+        out, uid = [], 0
+        exact = _EXACT_INTEGERS[g.dtype]
+        for s in self.seqs:
+            shape = (s.seq_len, g.num_kv_heads, g.head_dim)
+            if self.values == "identity":
+                ids = (torch.arange(uid, uid + s.seq_len) % (exact - 1) + 1).to(torch.float32)
+                k = ids.view(-1, 1, 1).expand(shape) * (1 if stream == 0 else -1)
+                v = -k
+            else:
+                k = torch.randn(shape, generator=gen)
+                v = torch.randn(shape, generator=gen)
+                if self.values == "large":
+                    k = k * _LARGE
+            uid += s.seq_len
+            out.append((k.to(g.torch_dtype).contiguous(), v.to(g.torch_dtype).contiguous()))
+        return out
+
+    def query(self, device="cpu") -> torch.Tensor:
+        """``[total_q, num_q_heads, head_dim]`` queries in the case dtype."""
+        g, gen = self.geometry, self._generator(2)
+        q = torch.randn((self.query_start_loc_list[-1], g.num_q_heads, g.head_dim), generator=gen)
+        if self.values == "large":
+            q = q * _LARGE
+        return q.to(g.torch_dtype).to(device)
+
+    def empty_caches(self, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Poison-filled ``(k_cache, v_cache)`` in the case's layout."""
+        g = self.geometry
+        shape = (g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
+        if self.layout == "kv_interleaved":
+            kv = torch.full((g.num_blocks, 2, *shape[1:]), self._poison_value(), dtype=g.torch_dtype, device=device)
+            return kv[:, 0], kv[:, 1]
+        return (torch.full(shape, self._poison_value(), dtype=g.torch_dtype, device=device),
+                torch.full(shape, self._poison_value(), dtype=g.torch_dtype, device=device))
+
+    def caches(self, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_cache, v_cache)``: poison everywhere, each sequence's K/V at its owned slots.
+
+        Written by :func:`reference_write` in sequence order; where read-only tables share a block,
+        later sequences overwrite earlier ones (what a reader then sees is what the pool holds).
+        """
+        k_cache, v_cache = self.empty_caches(device)
+        for i, (k, v) in enumerate(self.logical_kv(0)):
+            reference_write(k_cache, self.used_table(i), k.to(device), 0)
+            reference_write(v_cache, self.used_table(i), v.to(device), 0)
+        return k_cache, v_cache
+
+
+def reference_write(cache: torch.Tensor, block_table, values: torch.Tensor, start: int = 0) -> None:
+    """The definition of a write, position by position: ``cache[table[p // bs], p % bs] = values[p - start]``."""
+    bs = cache.shape[1]
+    for j in range(values.shape[0]):
+        p = start + j
+        cache[int(block_table[p // bs]), p % bs] = values[j]
+
+
+def reference_gather(cache: torch.Tensor, block_table, seq_len: int) -> torch.Tensor:
+    """The definition of a read, position by position: row ``p`` is ``cache[table[p // bs], p % bs]``."""
+    bs = cache.shape[1]
+    rows = [cache[int(block_table[p // bs]), p % bs] for p in range(seq_len)]
+    return torch.stack(rows) if rows else cache.new_empty((0, *cache.shape[2:]))
+
+
+@dataclass(frozen=True)
+class CacheScenario:
+    """A history of cache operations (plain data) for sharing, copy-on-write and prefix-cache properties.
+
+    ``ops`` is a tuple of tuples:
+
+    - ``("add", seq_id, token_ids)``: add_sequence with a prompt, then append its uncached tokens;
+    - ``("append", seq_id, token_ids)``: append decode/prefill tokens;
+    - ``("fork", parent_id, child_id)``;
+    - ``("free", seq_id)``.
+
+    Each token's K/V is a function of (token id, position, seed), so a sequence's expected content
+    follows from its tokens alone. ``constant_hash`` injects a hash function that collides always.
+    """
+
+    geometry: Geometry
+    ops: tuple = ()
+    enable_prefix_caching: bool = True
+    constant_hash: bool = False
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "ops": [list(op) for op in self.ops]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CacheScenario":
+        data = dict(data)
+        data["geometry"] = Geometry(**data["geometry"])
+        data["ops"] = tuple(tuple(tuple(x) if isinstance(x, list) else x for x in op) for op in data["ops"])
+        return cls(**data)
+
+    def replace(self, **changes) -> "CacheScenario":
+        return dataclasses.replace(self, **changes)
+
+
+def token_kv(geometry: Geometry, token_ids, start: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V rows for ``token_ids`` at positions ``start ..``: a deterministic function of
+    (token, position, seed), ``[n, num_kv_heads, head_dim]`` in the geometry's dtype (CPU)."""
+    n = len(token_ids)
+    ids = torch.tensor(list(token_ids), dtype=torch.float32).view(n, 1, 1)
+    pos = torch.arange(start, start + n, dtype=torch.float32).view(n, 1, 1)
+    h = torch.arange(geometry.num_kv_heads, dtype=torch.float32).view(1, -1, 1)
+    d = torch.arange(geometry.head_dim, dtype=torch.float32).view(1, 1, -1)
+    base = ids * 0.37 + pos * 0.011 + h * 0.13 + d * 0.07 + seed * 0.003
+    k, v = torch.sin(base), torch.cos(base * 1.3)
+    return k.to(geometry.torch_dtype), v.to(geometry.torch_dtype)

@@ -1,0 +1,560 @@
+"""The properties, as plain functions of ``(backend, case, device)``.
+
+Each check builds the case's tensors, runs the backend and raises :class:`Mismatch` (an
+``AssertionError``) on the first disagreement, naming the sequence, logical position, physical block
+and slot. The pytest suite drives them with Hypothesis; ``python -m pagedkv replay`` reruns one
+from a case file on any device, without Hypothesis.
+
+What "equal" means is :mod:`pagedkv.tolerance`: data movement bit for bit, attention within the
+per-dtype tolerance of an fp64 reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .attention import reference_attention
+from .backends import backend_name, load_backend
+from .cache import PagedKVCache
+from .cases import Case, CacheScenario, reference_gather, reference_write, token_kv
+from .config import CacheConfig, blocks_needed
+from .tolerance import assert_attention_close, assert_bitwise_equal, bits
+
+GATHERING_BACKENDS = {"loop", "indexed"}  # attention = gather + the same dense op: bitwise equal to each other
+
+
+class Mismatch(AssertionError):
+    """A property failed. ``where`` locates the first bad element when there is one:
+    ``{"seq", "position", "block", "slot", "expected", "actual"}``."""
+
+    def __init__(self, message: str, where: dict | None = None):
+        super().__init__(message)
+        self.where = where or {}
+
+
+class MissingOp(Exception):
+    """The backend under test does not provide an op this property needs (the test is skipped)."""
+
+
+def require(backend: Any, op: str) -> Callable:
+    fn = getattr(backend, op, None)
+    if not callable(fn):
+        raise MissingOp(f"{backend_name(backend)} does not provide {op!r}")
+    return fn
+
+
+def _locate(case: Case, seq: int, position: int) -> dict:
+    bs = case.geometry.block_size
+    block = case.seqs[seq].block_table[position // bs]
+    return {"seq": seq, "position": position, "block": block, "slot": block * bs + position % bs}
+
+
+def _compare_rows(actual: torch.Tensor, expected: torch.Tensor, case: Case, seq: int, what: str) -> None:
+    """Bitwise row comparison of a gathered sequence, reporting the first bad logical position."""
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        raise Mismatch(f"{what} of sequence {seq}: got {tuple(actual.shape)} {actual.dtype}, expected "
+                       f"{tuple(expected.shape)} {expected.dtype}", {"seq": seq})
+    a, e = bits(actual.cpu()), bits(expected.cpu())
+    bad_rows = (a != e).flatten(1).any(1).nonzero()
+    if bad_rows.numel():
+        p = int(bad_rows[0])
+        where = _locate(case, seq, p)
+        where.update(expected=expected[p].flatten()[:4].tolist(), actual=actual[p].flatten()[:4].tolist())
+        raise Mismatch(f"{what} of sequence {seq} differs at logical position {p} (block {where['block']}, "
+                       f"slot {where['slot']}): got {where['actual']}..., expected {where['expected']}...", where)
+
+
+def _compare_pool(actual: torch.Tensor, expected: torch.Tensor, case: Case, what: str) -> None:
+    """Bitwise pool comparison reporting the first bad slot (covers the frame condition)."""
+    a, e = bits(actual.cpu()), bits(expected.cpu())
+    bad = (a != e).flatten(2).any(2).nonzero()
+    if bad.numel():
+        block, offset = (int(x) for x in bad[0])
+        slot = block * case.geometry.block_size + offset
+        where = {"block": block, "slot": slot, "expected": expected[block, offset].flatten()[:4].tolist(),
+                 "actual": actual[block, offset].flatten()[:4].tolist()}
+        for i, s in enumerate(case.seqs):  # name a sequence position at that slot, if any
+            for p in range(s.seq_len):
+                if case.used_table(i)[p // case.geometry.block_size] == block and p % case.geometry.block_size == offset:
+                    where.update(seq=i, position=p)
+                    break
+            if "seq" in where:
+                break
+        raise Mismatch(f"{what}: slot {slot} (block {block}, offset {offset}) got {where['actual']}..., expected "
+                       f"{where['expected']}... ({int((a != e).flatten(2).any(2).sum())} slots differ)", where)
+
+
+# -- data movement -------------------------------------------------------------------------------------
+def gather_matches_definition(backend: Any, case: Case, device: str = "cpu") -> None:
+    """Gather returns, bit for bit, ``cache[table[p // bs], p % bs]`` for every position, and writes nothing."""
+    gather = require(backend, "gather")
+    k_cache, _ = case.caches(device)
+    before = k_cache.clone()
+    tables = case.block_tables(device)
+    for i, s in enumerate(case.seqs):
+        out = gather(k_cache, tables[i], s.seq_len)
+        _compare_rows(out, reference_gather(before, case.used_table(i), s.seq_len), case, i, "gather")
+        if out.device != k_cache.device:
+            raise Mismatch(f"gather returned a tensor on {out.device}, cache is on {k_cache.device}")
+    _compare_pool(k_cache, before, case, "gather wrote to the pool")
+
+
+def _writable(case: Case) -> list[int]:
+    """Sequences whose written range ``[start, seq_len)`` uses distinct blocks, disjoint from earlier ones."""
+    bs, taken, out = case.geometry.block_size, set(), []
+    for i, s in enumerate(case.seqs):
+        blocks = case.used_table(i)[s.start // bs:] if s.seq_len > s.start else ()
+        if len(set(blocks)) == len(blocks) and not taken & set(blocks):
+            taken |= set(blocks)
+            out.append(i)
+    return out
+
+
+def scatter_round_trip(backend: Any, case: Case, device: str = "cpu") -> None:
+    """``scatter`` writes exactly positions ``start .. seq_len - 1`` of each sequence and nothing else
+    (frame condition, bit for bit), and ``gather`` then returns what was written."""
+    scatter, gather = require(backend, "scatter"), require(backend, "gather")
+    new = case.logical_kv(1)
+    tables = case.block_tables(device)
+    for i in _writable(case):
+        s = case.seqs[i]
+        k_cache, _ = case.caches(device)
+        expected = k_cache.clone()
+        values = new[i][0][s.start:].to(device)
+        reference_write(expected, case.used_table(i), values, s.start)
+        scatter(k_cache, tables[i], values, s.start)
+        _compare_pool(k_cache, expected, case, f"scatter of sequence {i} (start {s.start}, n {values.shape[0]})")
+        _compare_rows(gather(k_cache, tables[i], s.seq_len), reference_gather(expected, case.used_table(i), s.seq_len),
+                      case, i, "gather after scatter")
+
+
+def write_slot_mapping(case: Case) -> tuple[list[int], list[tuple[int, int]]]:
+    """The ``slot_mapping`` a ``write_kv`` of the case writes: positions ``start .. seq_len - 1`` of each
+    writable sequence, with a ``-1`` padding token after every third real one. Also returns, per
+    token, ``(seq, position)`` (``(-1, -1)`` for padding)."""
+    bs, slots, owners = case.geometry.block_size, [], []
+    for i in _writable(case):
+        s = case.seqs[i]
+        for p in range(s.start, s.seq_len):
+            slots.append(case.used_table(i)[p // bs] * bs + p % bs)
+            owners.append((i, p))
+            if len(slots) % 4 == 3:
+                slots.append(-1)
+                owners.append((-1, -1))
+    return slots, owners
+
+
+def write_kv_matches_definition(backend: Any, case: Case, device: str = "cpu") -> None:
+    """``write_kv`` puts token ``t`` at ``slot_mapping[t]`` in both pools, skips negative slots and
+    leaves every other slot bit-identical."""
+    write_kv = require(backend, "write_kv")
+    slots, owners = write_slot_mapping(case)
+    new = case.logical_kv(1)
+    g = case.geometry
+    key = torch.empty((len(slots), g.num_kv_heads, g.head_dim), dtype=g.torch_dtype)
+    value = torch.empty_like(key)
+    for t, (i, p) in enumerate(owners):
+        src = new[i] if i >= 0 else new[0] if new else None
+        key[t] = src[0][p] if i >= 0 else float(t + 1000)
+        value[t] = src[1][p] if i >= 0 else -float(t + 1000)
+    k_cache, v_cache = case.caches(device)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            k_expected[slot // g.block_size, slot % g.block_size] = key[t]
+            v_expected[slot // g.block_size, slot % g.block_size] = value[t]
+    write_kv(k_cache, v_cache, key.to(device), value.to(device), torch.tensor(slots, dtype=torch.int64, device=device))
+    _compare_pool(k_cache, k_expected, case, "write_kv (k_cache)")
+    _compare_pool(v_cache, v_expected, case, "write_kv (v_cache)")
+
+
+# -- attention -----------------------------------------------------------------------------------------
+def run_attention(backend: Any, case: Case, device: str = "cpu") -> torch.Tensor:
+    """The backend's ``paged_attention`` on the case's caches, tables, lengths and queries."""
+    attn = require(backend, "paged_attention")
+    k_cache, v_cache = case.caches(device)
+    return attn(case.query(device), k_cache, v_cache, case.block_tables(device), case.seq_lens(device),
+                case.query_start_loc(device), case.scale)
+
+
+def reference_output(case: Case) -> tuple[torch.Tensor, float, float]:
+    """fp64 attention over the case's logical K/V (read by definition from the pool), with the
+    largest |logit| and |V| (for the tolerance)."""
+    k_cache, v_cache = case.caches("cpu")
+    keys = [reference_gather(k_cache, case.used_table(i), s.seq_len) for i, s in enumerate(case.seqs)]
+    values = [reference_gather(v_cache, case.used_table(i), s.seq_len) for i, s in enumerate(case.seqs)]
+    query = case.query("cpu")
+    out = reference_attention(query, keys, values, case.query_start_loc_list, case.scale)
+    scale = case.scale if case.scale is not None else case.geometry.head_dim ** -0.5
+    q_max = float(query.double().abs().max()) if query.numel() else 0.0
+    k_max = max((float(k.double().abs().max()) for k in keys if k.numel()), default=0.0)
+    v_max = max((float(v.double().abs().max()) for v in values if v.numel()), default=1.0)
+    return out, abs(scale) * q_max * k_max * case.geometry.head_dim, v_max
+
+
+def attention_matches_reference(backend: Any, case: Case, device: str = "cpu") -> None:
+    """``paged_attention`` equals the fp64 dense reference within the dtype's tolerance (NaN never passes)."""
+    out = run_attention(backend, case, device)
+    expected, max_logit, max_v = reference_output(case)
+    if out.shape != expected.shape or out.dtype != case.geometry.torch_dtype:
+        raise Mismatch(f"paged_attention returned {tuple(out.shape)} {out.dtype}, expected "
+                       f"{tuple(expected.shape)} {case.geometry.torch_dtype}")
+    try:
+        assert_attention_close(out.cpu(), expected, max_abs_logit=max_logit, max_abs_value=max_v)
+    except AssertionError as exc:
+        raise Mismatch(f"paged_attention vs fp64 reference: {exc}") from None
+
+
+# -- agreement and invariances -----------------------------------------------------------------------
+def inputs(case: Case, device: str = "cpu") -> dict[str, Any]:
+    """The case as backend inputs: ``query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale``."""
+    k_cache, v_cache = case.caches(device)
+    return {"query": case.query(device), "k_cache": k_cache, "v_cache": v_cache,
+            "block_tables": case.block_tables(device), "seq_lens": case.seq_lens(device),
+            "query_start_loc": case.query_start_loc(device), "scale": case.scale}
+
+
+def outputs(backend: Any, args: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Everything a backend computes on ``args`` (see :func:`inputs`), as CPU tensors keyed by op and
+    sequence (``gather[i]``, ``paged_attention[i]``); ops it lacks are left out."""
+    out: dict[str, torch.Tensor] = {}
+    if callable(getattr(backend, "gather", None)):
+        for i, n in enumerate(args["seq_lens"].tolist()):
+            out[f"gather[{i}]"] = backend.gather(args["k_cache"], args["block_tables"][i], n).cpu()
+    if callable(getattr(backend, "paged_attention", None)):
+        attn = backend.paged_attention(args["query"], args["k_cache"], args["v_cache"], args["block_tables"],
+                                       args["seq_lens"], args["query_start_loc"], args["scale"]).cpu()
+        qsl = args["query_start_loc"].tolist()
+        for i in range(len(qsl) - 1):
+            out[f"paged_attention[{i}]"] = attn[qsl[i]:qsl[i + 1]]
+    return out
+
+
+def backends_agree(backend: Any, other: Any, case: Case, device: str = "cpu") -> None:
+    """Two backends agree: data movement bit for bit (gather, scatter, write_kv pools), attention bit for
+    bit between gathering backends and within tolerance otherwise."""
+    for op in ("gather", "scatter", "write_kv", "paged_attention"):
+        require(backend, op), require(other, op)
+    pair = f"{backend_name(backend)} vs {backend_name(other)}"
+    a, b = outputs(backend, inputs(case, device)), outputs(other, inputs(case, device))
+    _, max_logit, max_v = reference_output(case)
+    for key in a:
+        i = int(key[key.index("[") + 1:-1])
+        if key.startswith("gather"):
+            _compare_rows(a[key], b[key], case, i, f"{pair} gather")
+        elif {backend_name(backend), backend_name(other)} <= GATHERING_BACKENDS:
+            try:
+                assert_bitwise_equal(a[key], b[key], f"{pair} {key}: ")
+            except AssertionError as exc:
+                raise Mismatch(str(exc), {"seq": i}) from None
+        else:
+            try:
+                assert_attention_close(a[key], b[key].double(), max_abs_logit=max_logit, max_abs_value=max_v)
+            except AssertionError as exc:
+                raise Mismatch(f"{pair} {key}: {exc}", {"seq": i}) from None
+    for op in ("scatter", "write_kv"):
+        pools = []
+        for impl in (backend, other):
+            k_cache, v_cache = case.caches(device)
+            tables = case.block_tables(device)
+            if op == "scatter":
+                new = case.logical_kv(1)
+                for i in _writable(case):
+                    impl.scatter(k_cache, tables[i], new[i][0][case.seqs[i].start:].to(device), case.seqs[i].start)
+            else:
+                slots, _ = write_slot_mapping(case)
+                g = case.geometry
+                key = torch.randn((len(slots), g.num_kv_heads, g.head_dim), generator=case._generator(3)).to(g.torch_dtype)
+                impl.write_kv(k_cache, v_cache, key.to(device), (-key).to(device),
+                              torch.tensor(slots, dtype=torch.int64, device=device))
+            pools.append((k_cache.cpu(), v_cache.cpu()))
+        _compare_pool(pools[0][0], pools[1][0], case, f"{pair} {op} k_cache")
+        _compare_pool(pools[0][1], pools[1][1], case, f"{pair} {op} v_cache")
+
+
+def _owned_mask(case: Case, device) -> torch.Tensor:
+    g = case.geometry
+    mask = torch.zeros(g.num_blocks * g.block_size, dtype=torch.bool)
+    mask[sorted(case.owned_slots())] = True
+    return mask.view(g.num_blocks, g.block_size).to(device)
+
+
+def _renumber(case: Case, args: dict) -> dict:
+    perm = torch.randperm(case.geometry.num_blocks, generator=case._generator(4)).to(args["k_cache"].device)
+    out = dict(args)
+    for name in ("k_cache", "v_cache"):
+        out[name] = torch.empty_like(args[name])
+        out[name][perm] = args[name]
+    tables = args["block_tables"].to(torch.int64)
+    real = torch.zeros_like(tables, dtype=torch.bool)
+    for i, s in enumerate(case.seqs):
+        real[i, : len(s.block_table)] = True
+    out["block_tables"] = torch.where(real, perm[tables.clamp(min=0)], tables).to(args["block_tables"].dtype)
+    return out
+
+
+def _repad(case: Case, args: dict) -> dict:
+    tables = args["block_tables"]
+    wide = torch.full((tables.shape[0], tables.shape[1] + 2), case.geometry.num_blocks + 7, dtype=tables.dtype,
+                      device=tables.device)
+    for i, s in enumerate(case.seqs):
+        wide[i, : len(s.block_table)] = tables[i, : len(s.block_table)]
+    return {**args, "block_tables": wide}
+
+
+def _repoison(case: Case, args: dict) -> dict:
+    owned = _owned_mask(case, args["k_cache"].device)[..., None, None]
+    other = {"nan": float("inf"), "inf": float("nan"), "sentinel": float("nan"), "zero": float("nan")}[case.poison]
+    return {**args, **{n: torch.where(owned, args[n], torch.full_like(args[n], other)) for n in ("k_cache", "v_cache")}}
+
+
+def _relayout(case: Case, args: dict) -> dict:
+    k = args["k_cache"]
+    if k.is_contiguous():  # to views of one [num_blocks, 2, block_size, H, D] tensor
+        kv = torch.stack((k, args["v_cache"]), dim=1)
+        return {**args, "k_cache": kv[:, 0], "v_cache": kv[:, 1]}
+    return {**args, "k_cache": k.contiguous(), "v_cache": args["v_cache"].contiguous()}
+
+
+def _reverse_batch(case: Case, args: dict) -> dict:
+    qsl = args["query_start_loc"].tolist()
+    n = len(qsl) - 1
+    q_parts = [args["query"][qsl[i]:qsl[i + 1]] for i in reversed(range(n))]
+    lens = [qsl[i + 1] - qsl[i] for i in reversed(range(n))]
+    new_qsl = torch.tensor([0] + torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32,
+                           device=args["query_start_loc"].device)
+    return {**args, "query": torch.cat(q_parts) if q_parts else args["query"], "query_start_loc": new_qsl,
+            "block_tables": args["block_tables"].flip(0), "seq_lens": args["seq_lens"].flip(0)}
+
+
+# name -> transform of the backend inputs (same pool content, same queries, other representation)
+TRANSFORMS: dict[str, Callable[[Case, dict], dict]] = {
+    "renumber_blocks": _renumber,
+    "pad_value": _repad,
+    "table_dtype": lambda case, a: {**a, "block_tables": a["block_tables"].to(
+        torch.int64 if a["block_tables"].dtype == torch.int32 else torch.int32)},
+    "poison": _repoison,
+    "layout": _relayout,
+    "batch_order": _reverse_batch,
+}
+
+
+def invariant_under(backend: Any, case: Case, transform: str, device: str = "cpu") -> None:
+    """Outputs (gathers and attention) are bit-identical after ``transform`` of the inputs: physical
+    blocks renumbered (pool permuted, tables mapped), another padding value, int32 vs int64 tables,
+    other poison in unowned slots, strided pools, reversed batch order."""
+    args = inputs(case, device)
+    a = outputs(backend, args)
+    if not a:
+        raise MissingOp(f"{backend_name(backend)} provides neither gather nor paged_attention")
+    b = outputs(backend, TRANSFORMS[transform](case, args))
+    n = len(case.seqs)
+    if transform == "batch_order":
+        b = {re.sub(r"\[(\d+)\]", lambda m: f"[{n - 1 - int(m.group(1))}]", k): v for k, v in b.items()}
+    for key in a:
+        try:
+            assert_bitwise_equal(b[key], a[key], f"{key} changed under {transform}: ")
+        except AssertionError as exc:
+            raise Mismatch(str(exc)) from None
+
+
+def alone_equals_in_batch(backend: Any, case: Case, device: str = "cpu") -> None:
+    """Each request's attention alone (a batch of one over the same pool) equals, bit for bit, its rows
+    in the batch."""
+    attn = require(backend, "paged_attention")
+    args = inputs(case, device)
+    full = outputs(backend, args)
+    qsl = case.query_start_loc_list
+    for i, s in enumerate(case.seqs):
+        alone = attn(args["query"][qsl[i]:qsl[i + 1]], args["k_cache"], args["v_cache"], args["block_tables"][i:i + 1],
+                     args["seq_lens"][i:i + 1], torch.tensor([0, s.q_len], dtype=torch.int32, device=device),
+                     case.scale).cpu()
+        try:
+            assert_bitwise_equal(alone, full[f"paged_attention[{i}]"], f"sequence {i} alone vs in batch: ")
+        except AssertionError as exc:
+            raise Mismatch(str(exc), {"seq": i}) from None
+
+
+def decode_matches_prefill(backend: Any, case: Case, device: str = "cpu") -> None:
+    """Attention of ``q_len`` new tokens in one prefill call equals decoding them one call per token,
+    and chunked prefill (two calls), within the dtype tolerance."""
+    attn = require(backend, "paged_attention")
+    k_cache, v_cache = case.caches(device)
+    q = case.query(device)
+    qsl = case.query_start_loc_list
+    one_shot = run_attention(backend, case, device).cpu()
+    _, max_logit, max_v = reference_output(case)
+    tables = case.block_tables(device)
+    for i, s in enumerate(case.seqs):
+        rows = []
+        chunks = [(j, j + 1) for j in range(s.q_len)] if s.q_len <= 8 else []
+        half = s.q_len // 2
+        for lo, hi in chunks + ([(0, half), (half, s.q_len)] if s.q_len > 1 else []):
+            ctx = s.seq_len - s.q_len + hi
+            out = attn(q[qsl[i] + lo: qsl[i] + hi], k_cache, v_cache, tables[i:i + 1],
+                       torch.tensor([ctx], dtype=torch.int32, device=device),
+                       torch.tensor([0, hi - lo], dtype=torch.int32, device=device), case.scale).cpu()
+            try:
+                assert_attention_close(out, one_shot[qsl[i] + lo: qsl[i] + hi].double(), max_abs_logit=max_logit,
+                                       max_abs_value=max_v)
+            except AssertionError as exc:
+                raise Mismatch(f"sequence {i}: rows {lo}..{hi - 1} computed alone (seq_len {ctx}) differ from "
+                               f"one prefill: {exc}", {"seq": i}) from None
+
+
+# -- the cache: sharing, copy-on-write, prefix caching ---------------------------------------------------
+def run_scenario(backend: Any, scenario: CacheScenario, device: str = "cpu",
+                 after_op: Callable[[PagedKVCache, dict], None] | None = None) -> tuple[PagedKVCache, dict]:
+    """Replay ``scenario.ops`` on a real :class:`PagedKVCache`, writing each token's K/V with the
+    backend's ``write_kv``. Returns the cache and the shadow ``{seq_id: token_ids}``. Operations the
+    cache refuses (out of blocks) are skipped, as a scheduler would. ``after_op`` sees both after each op."""
+    write_kv = require(backend, "write_kv")
+    g = scenario.geometry
+    cache = PagedKVCache(CacheConfig(g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim, g.torch_dtype, device),
+                         enable_prefix_caching=scenario.enable_prefix_caching,
+                         **({"hash_fn": lambda parent, tokens: 0} if scenario.constant_hash else {}))
+    shadow: dict[int, list[int]] = {}
+
+    def write(seq_id: int, tokens, start: int) -> None:
+        slots = cache.append(seq_id, tokens)
+        k, v = token_kv(g, tokens, start, scenario.seed)
+        write_kv(cache.k_cache(), cache.v_cache(), k.to(device), v.to(device), slots)
+
+    from .errors import OutOfBlocksError
+
+    for op in scenario.ops:
+        kind = op[0]
+        try:
+            if kind == "add" and op[1] not in shadow:
+                tokens = list(op[2])
+                cached = cache.add_sequence(op[1], tokens)
+                shadow[op[1]] = tokens
+                try:
+                    write(op[1], tokens[cached:], cached)
+                except OutOfBlocksError:
+                    cache.free(op[1])
+                    del shadow[op[1]]
+                    raise
+            elif kind == "append" and op[1] in shadow:
+                write(op[1], list(op[2]), len(shadow[op[1]]))
+                shadow[op[1]] = shadow[op[1]] + list(op[2])
+            elif kind == "fork" and op[1] in shadow and op[2] not in shadow:
+                cache.fork(op[1], op[2])
+                shadow[op[2]] = list(shadow[op[1]])
+            elif kind == "free" and op[1] in shadow:
+                cache.free(op[1])
+                del shadow[op[1]]
+        except OutOfBlocksError:
+            pass
+        if after_op is not None:
+            after_op(cache, shadow)
+    return cache, shadow
+
+
+def check_live_sequences(backend: Any, cache: PagedKVCache, shadow: dict, scenario: CacheScenario) -> None:
+    """Every live sequence gathers, bit for bit, the K/V of its own tokens (and the cache's counts hold)."""
+    cache.check_invariants()
+    for seq_id, tokens in shadow.items():
+        k_exp, v_exp = token_kv(scenario.geometry, tokens, 0, scenario.seed)
+        table = cache.block_table(seq_id)
+        for pool, exp, name in ((cache.k_cache(), k_exp, "K"), (cache.v_cache(), v_exp, "V")):
+            got = backend.gather(pool, table, len(tokens)).cpu()
+            a, e = bits(got), bits(exp)
+            if got.shape != exp.shape or not torch.equal(a, e):
+                p = int((a != e).flatten(1).any(1).nonzero()[0]) if got.shape == exp.shape else -1
+                block = int(table[p // scenario.geometry.block_size]) if p >= 0 else -1
+                raise Mismatch(f"sequence {seq_id} reads a wrong {name} at position {p} (block {block}) of "
+                               f"{len(tokens)} tokens: another sequence's write, or a stale block",
+                               {"seq": seq_id, "position": p, "block": block})
+
+
+def sharing_isolated(backend: Any, scenario: CacheScenario, device: str = "cpu") -> None:
+    """After every operation, every live sequence (forked, copy-on-write, prefix-cached) reads exactly
+    its own tokens' K/V, and the allocator's counts match the live tables."""
+    require(backend, "gather")
+    run_scenario(backend, scenario, device, lambda cache, shadow: check_live_sequences(backend, cache, shadow, scenario))
+
+
+def prefix_cache_transparent(backend: Any, scenario: CacheScenario, device: str = "cpu") -> None:
+    """Prefix caching on and off give every live sequence the same K/V and the same attention output."""
+    attn = require(backend, "paged_attention")
+    results = []
+    for enabled in (True, False):
+        cache, shadow = run_scenario(backend, scenario.replace(enable_prefix_caching=enabled), device)
+        ids = sorted(shadow)
+        g = scenario.geometry
+        q = torch.randn((len(ids), g.num_q_heads, g.head_dim), generator=torch.Generator().manual_seed(scenario.seed))
+        q = q.to(g.torch_dtype).to(device)
+        out = attn(q, cache.k_cache(), cache.v_cache(), cache.block_tables(ids), cache.seq_lens(ids),
+                   torch.arange(len(ids) + 1, dtype=torch.int32, device=device), None) if ids else q
+        results.append((ids, {i: shadow[i] for i in ids}, out.cpu()))
+    (ids_on, tok_on, out_on), (ids_off, tok_off, out_off) = results
+    if tok_on != tok_off:
+        raise Mismatch(f"live sequences differ with prefix caching on/off: {sorted(tok_on)} vs {sorted(tok_off)}")
+    try:
+        assert_bitwise_equal(out_on, out_off, "decode attention with prefix caching on vs off: ")
+    except AssertionError as exc:
+        raise Mismatch(str(exc)) from None
+
+
+# -- registry, failure files -------------------------------------------------------------------------------
+CASE_CHECKS: dict[str, Callable] = {
+    "gather_matches_definition": gather_matches_definition,
+    "scatter_round_trip": scatter_round_trip,
+    "write_kv_matches_definition": write_kv_matches_definition,
+    "attention_matches_reference": attention_matches_reference,
+    "alone_equals_in_batch": alone_equals_in_batch,
+    "decode_matches_prefill": decode_matches_prefill,
+}
+SCENARIO_CHECKS: dict[str, Callable] = {
+    "sharing_isolated": sharing_isolated,
+    "prefix_cache_transparent": prefix_cache_transparent,
+}
+
+
+def failure_dir() -> Path:
+    """Where failing cases are written: ``$PAGEDKV_FAILURE_DIR``, else ``.pagedkv-failures`` in the cwd."""
+    return Path(os.environ.get("PAGEDKV_FAILURE_DIR", ".pagedkv-failures"))
+
+
+def save_failure(check: str, backend_spec: str, case: Case | CacheScenario, *, other: str | None = None,
+                 transform: str | None = None, test_id: str | None = None, error: str = "") -> Path:
+    """Write a failing case as JSON (no tensors: geometry, tables, lengths, pattern, seed) and return its path.
+
+    One file per test id: Hypothesis replays the shrunk example last, so the file left holds it.
+    """
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", test_id or f"{check}-{backend_spec}").strip("_")[:150]
+    path = failure_dir() / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"check": check, "backend": backend_spec, "other": other, "transform": transform,
+              "kind": type(case).__name__, "case": case.to_dict(), "error": error.splitlines()[0][:500] if error else ""}
+    path.write_text(json.dumps(record, indent=1))
+    return path
+
+
+def load_failure(path: str | Path) -> dict:
+    """Read a case file: the record with ``case`` rebuilt as a :class:`Case` or :class:`CacheScenario`."""
+    record = json.loads(Path(path).read_text())
+    kind = Case if record.get("kind", "Case") == "Case" else CacheScenario
+    record["case"] = kind.from_dict(record["case"])
+    return record
+
+
+def run_record(record: dict, backend: Any | None = None, device: str = "cpu") -> None:
+    """Rerun a failure record's check (optionally on another backend or device); raises on failure."""
+    impl = backend if backend is not None else load_backend(record["backend"])
+    check, case = record["check"], record["case"]
+    if check == "backends_agree":
+        return backends_agree(impl, load_backend(record["other"]), case, device)
+    if check == "invariant_under":
+        return invariant_under(impl, case, record["transform"], device)
+    fn = CASE_CHECKS.get(check) or SCENARIO_CHECKS.get(check)
+    if fn is None:
+        raise KeyError(f"unknown check {check!r} in case file")
+    return fn(impl, case, device)
