@@ -1,0 +1,133 @@
+"""The ``triton`` backend: fused paged attention and token-tiled copies as Triton kernels.
+
+``paged_attention`` reads K/V straight from the cache blocks through the block table, with an online
+softmax, as vLLM's paged attention does (no gather); one kernel serves decode and prefill over a
+cached prefix. ``gather``, ``scatter`` and ``write_kv`` (vLLM ``reshape_and_cache``) are copy kernels.
+The kernels live in :mod:`pagedkv.triton_kernels`; the readable torch version of the attention
+algorithm is :mod:`pagedkv.blockwise`.
+
+Without a CUDA device the kernels run on the CPU in Triton's interpreter: importing this module sets
+``TRITON_INTERPRET=1`` (unless already set) before Triton defines any kernel. Importing it raises
+``ImportError`` when Triton is missing and :class:`~pagedkv.errors.BackendUnavailableError` when
+there is no CUDA device and the kernels were nevertheless defined for compilation.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402,F401  (ImportError here: the registry reports the backend unavailable)
+
+from .. import triton_kernels as _kernels  # noqa: E402
+from ..errors import BackendUnavailableError  # noqa: E402
+from ..validation import (attention_args, check_gather, check_scatter, check_write_kv,  # noqa: E402
+                          normalize_block_table)
+
+if not torch.cuda.is_available() and not _kernels.interpreting():
+    raise BackendUnavailableError(
+        "backend 'triton' has no CUDA device here and its kernels were not defined for Triton's interpreter "
+        f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}): set TRITON_INTERPRET=1 before importing "
+        "triton (or pagedkv.triton_kernels)")
+
+name = "triton"
+
+
+def gather(cache: torch.Tensor, block_table, seq_len: int, validate: bool = True) -> torch.Tensor:
+    """Read logical positions ``0 .. seq_len - 1`` of one sequence with a token-tiled copy kernel.
+
+    Args:
+        cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pool (any strides).
+        block_table: ``int32``/``int64 [>= ceil(seq_len / block_size)]`` tensor or list of ints; only
+            the first ``ceil(seq_len / block_size)`` entries are read.
+        seq_len: tokens to read, ``>= 0``.
+        validate: check arguments first (see :func:`pagedkv.validation.check_gather`).
+
+    Returns:
+        A new contiguous ``[seq_len, num_kv_heads, head_dim]`` tensor, ``cache.dtype``, on ``cache.device``.
+
+    Raises:
+        ShapeError, BlockIndexError: as ``check_gather``.
+    """
+    if validate:
+        table, seq_len = check_gather(cache, block_table, seq_len)
+    else:
+        table = normalize_block_table(block_table, cache.device)
+    return _kernels.gather(cache, table, int(seq_len))
+
+
+def scatter(cache: torch.Tensor, block_table, values: torch.Tensor, start: int = 0, validate: bool = True) -> None:
+    """Write ``values[j]`` to logical position ``start + j``, in place, with a token-tiled copy kernel.
+
+    Args:
+        cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pool, written in place.
+        block_table: ``int32``/``int64`` tensor or list with ``>= ceil((start + n) / block_size)`` entries.
+        values: ``[n, num_kv_heads, head_dim]``, ``cache.dtype``, on ``cache.device`` (any strides).
+        start: logical position of ``values[0]``.
+        validate: check arguments first (see :func:`pagedkv.validation.check_scatter`).
+
+    Raises:
+        ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError: as
+        :func:`pagedkv.validation.check_scatter`; nothing is written then.
+    """
+    if validate:
+        table, start, _ = check_scatter(cache, block_table, values, start)
+    else:
+        table = normalize_block_table(block_table, cache.device)
+    _kernels.scatter(cache, table, values, int(start))
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor, validate: bool = True) -> None:
+    """vLLM ``reshape_and_cache``: token ``i`` of ``key``/``value`` goes to ``slot_mapping[i]``, one kernel.
+
+    Args:
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pools, written in place.
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype and device (any strides).
+        slot_mapping: ``int64 [num_tokens]`` (int32 accepted), ``block_id * block_size + offset``;
+            negative slots are skipped (padding tokens).
+        validate: check arguments first (see :func:`pagedkv.validation.check_write_kv`).
+
+    Raises:
+        ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError: as
+        :func:`pagedkv.validation.check_write_kv`; nothing is written then.
+    """
+    slots = check_write_kv(k_cache, v_cache, key, value, slot_mapping) if validate else slot_mapping.to(torch.int64)
+    _kernels.write_kv(k_cache, v_cache, key, value, slots.contiguous())
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float | None = None,
+                    validate: bool = True) -> torch.Tensor:
+    """Causal varlen attention over paged K/V in one fused kernel (vLLM paged attention, flash-attn varlen).
+
+    K/V are read block by block through ``block_tables`` inside the kernel (never gathered) with an
+    online softmax in float32; decode (``q_len = 1``) and prefill over a cached prefix (``q_len > 1``)
+    share the kernel. Each program serves one sequence, one kv head and a tile of query tokens with
+    the kv head's whole GQA group, so K/V are read once per group.
+
+    Args:
+        query: ``[total_q, num_q_heads, head_dim]``, packed by ``query_start_loc`` (any strides).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (any strides).
+        block_tables: ``int32 [batch, max_blocks_per_seq]``, ``-1``-padded; only the first
+            ``ceil(seq_len / block_size)`` entries of a row are read.
+        seq_lens: ``int32 [batch]`` context lengths including the new query tokens.
+        query_start_loc: ``int32 [batch + 1]`` (flash-attn's ``cu_seqlens_q``).
+        scale: logits multiplier, default ``1 / sqrt(head_dim)``.
+        validate: check arguments first (see :func:`pagedkv.validation.check_paged_attention`).
+
+    Returns:
+        ``[total_q, num_q_heads, head_dim]`` in ``query.dtype`` (math in float32). No slot at a
+        position ``>= seq_len`` is loaded, so poison there cannot reach the output.
+
+    Raises:
+        as :func:`pagedkv.validation.check_paged_attention`.
+    """
+    args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate)
+    q_lens = [hi - lo for lo, hi in zip(args.q_starts, args.q_starts[1:])]
+    return _kernels.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, args.scale,
+                                    max(q_lens, default=0))

@@ -1,0 +1,81 @@
+"""Blockwise paged attention in plain PyTorch: the fused kernel's algorithm, written to be read.
+
+The Triton kernel (:mod:`pagedkv.triton_kernels`) computes attention block by block with an online
+softmax (FlashAttention's running max / running sum, as in vLLM's paged attention) and never gathers
+K/V. This module does the same math with torch ops, one sequence and one cache block at a time, in
+float32. Compared with the fp64 dense reference it separates the two ways the kernel can be wrong:
+an error here is in the algorithm, an error only in the kernel is in the kernel.
+
+Per query row, with ``m`` the largest logit so far, ``l`` the sum of ``exp(logit - m)`` and ``acc``
+the sum of ``exp(logit - m) * v``, each block of keys does::
+
+    m_new = max(m, max(block logits));  alpha = exp(m - m_new)
+    p = exp(block logits - m_new);  l = l * alpha + sum(p);  acc = acc * alpha + p @ V_block
+
+and the output is ``acc / l``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import blocks_needed
+from .validation import attention_args
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float | None = None,
+                    validate: bool = True) -> torch.Tensor:
+    """Causal varlen attention over paged K/V, block by block with an online softmax (float32).
+
+    Args:
+        query: ``[total_q, num_q_heads, head_dim]``, packed by ``query_start_loc``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (any strides).
+        block_tables: ``int32 [batch, max_blocks_per_seq]``, ``-1``-padded; only the first
+            ``ceil(seq_len / block_size)`` entries of a row are read.
+        seq_lens: ``int32 [batch]`` context lengths including the new query tokens.
+        query_start_loc: ``int32 [batch + 1]`` (flash-attn's ``cu_seqlens_q``).
+        scale: logits multiplier, default ``1 / sqrt(head_dim)``.
+        validate: check arguments first (see :func:`pagedkv.validation.check_paged_attention`).
+
+    Returns:
+        ``[total_q, num_q_heads, head_dim]`` in ``query.dtype``. Slots at positions ``>= seq_len``
+        (the tail of the last block) are never read, so poison there cannot reach the output.
+
+    Raises:
+        as :func:`pagedkv.validation.check_paged_attention`.
+    """
+    args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate)
+    block_size = k_cache.shape[1]
+    num_q_heads = query.shape[1]
+    # GQA/MQA: query head h uses kv head h // group.
+    kv_head_of = torch.arange(num_q_heads, device=query.device) // args.num_queries_per_kv
+    out = torch.empty_like(query)
+    for b, seq_len in enumerate(args.seq_lens):
+        lo, hi = args.q_starts[b], args.q_starts[b + 1]
+        q_len = hi - lo
+        if q_len == 0:
+            continue
+        q = query[lo:hi].float().transpose(0, 1)  # [num_q_heads, q_len, head_dim]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # row i sits at seq_len - q_len + i
+        m = torch.full((num_q_heads, q_len), float("-inf"), device=query.device)
+        l = torch.zeros((num_q_heads, q_len), device=query.device)
+        acc = torch.zeros_like(q)
+        for i in range(blocks_needed(seq_len, block_size)):
+            block = int(args.block_tables[b, i])
+            n = min(block_size, seq_len - i * block_size)  # the last block's tail is not ours: not read
+            k = k_cache[block, :n, kv_head_of].float().transpose(0, 1)  # [num_q_heads, n, head_dim]
+            v = v_cache[block, :n, kv_head_of].float().transpose(0, 1)
+            logits = torch.matmul(q, k.transpose(1, 2)) * args.scale  # [num_q_heads, q_len, n]
+            k_pos = torch.arange(i * block_size, i * block_size + n, device=query.device)
+            logits = logits.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+            m_new = torch.maximum(m, logits.amax(-1))
+            # A row that sees no key yet keeps m = -inf; shift it by 0 so exp(-inf - -inf) = NaN never arises.
+            m_shift = torch.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = torch.exp(m - m_shift)
+            p = torch.exp(logits - m_shift[..., None])
+            l = l * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + torch.matmul(p, v)
+            m = m_new
+        out[lo:hi] = (acc / l[..., None]).transpose(0, 1).to(query.dtype)
+    return out

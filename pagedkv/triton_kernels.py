@@ -1,0 +1,334 @@
+"""Triton kernels of the ``triton`` backend, and their launchers.
+
+- :func:`paged_attention`: one kernel for decode (``q_len = 1``) and for prefill over a cached prefix
+  (``q_len > 1``, causal), packed varlen batches (flash-attn's ``cu_seqlens_q``) and any GQA/MQA group.
+  As in vLLM's paged attention it reads K/V straight from the blocks through the block table, one
+  table entry per token position, and never gathers them. Softmax is online (running max and sum,
+  FlashAttention): float32 logits and accumulators whatever the cache dtype.
+- :func:`gather`, :func:`scatter`, :func:`write_kv` (vLLM ``reshape_and_cache``): token-tiled copies.
+
+The launchers do no argument checking (``pagedkv.backends.triton`` validates first) and launch
+nothing for empty work. Every tensor is addressed through explicit strides, so non-contiguous cache
+views such as ``kv[:, 0]`` of a ``[num_blocks, 2, block_size, H, D]`` tensor work, and every element
+offset is formed in 64 bits (a pool can exceed 2**31 elements).
+
+Without a CUDA device the kernels run on the CPU in Triton's interpreter (``TRITON_INTERPRET=1``,
+set below before any kernel is defined, since Triton reads it when a kernel is decorated).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------------
+# Paged attention
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    scale_log2,  # scale * log2(e): the softmax is computed in base 2 (exp2 is the fast path on GPUs)
+    num_q_tiles,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_tb, stride_tn,
+    num_kv_heads,
+    QUERIES_PER_KV: tl.constexpr,  # num_q_heads // num_kv_heads
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block (any positive int)
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # next power of two >= max(HEAD_DIM, 16)
+    BLOCK_M: tl.constexpr,  # query rows per program: BLOCK_M // QUERIES_PER_KV tokens x the whole group
+    BLOCK_N: tl.constexpr,  # key positions per iteration
+    UPCAST: tl.constexpr,  # do the dots in float32 (float32 caches, bfloat16 under the interpreter)
+    DOT_PRECISION: tl.constexpr,
+):
+    # One program: one sequence, one kv head, one tile of that sequence's query tokens. All query heads
+    # of the kv head's group share the tile, so each K/V block is read once per group, not per head.
+    pid = tl.program_id(0)
+    seq = pid // num_q_tiles
+    q_tile = pid % num_q_tiles
+    kv_head = tl.program_id(1).to(tl.int64)
+    BLOCK_Q: tl.constexpr = BLOCK_M // QUERIES_PER_KV
+
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q_len = (tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start).to(tl.int32)
+    if q_tile * BLOCK_Q >= q_len:  # shorter sequence than the longest in the batch (or q_len = 0)
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    context_len = seq_len - q_len  # the new query tokens are the last q_len positions
+
+    rows = tl.arange(0, BLOCK_M)
+    q_tok = q_tile * BLOCK_Q + rows // QUERIES_PER_KV  # query token of each row, within the sequence
+    g = rows % QUERIES_PER_KV
+    # GQA/MQA: query head h uses kv head h // QUERIES_PER_KV, so kv head k serves query heads
+    # k * QUERIES_PER_KV .. k * QUERIES_PER_KV + QUERIES_PER_KV - 1.
+    q_head = kv_head * QUERIES_PER_KV + g
+    row_ok = (rows < BLOCK_Q * QUERIES_PER_KV) & (q_tok < q_len)
+    q_pos = context_len + q_tok  # row's position in the sequence: it sees keys 0 .. q_pos
+
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    q_rows = (q_start + q_tok).to(tl.int64)
+    q_off = q_rows[:, None] * stride_qt + q_head[:, None] * stride_qh + d[None, :] * stride_qd
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of each row's logits (base 2)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(logit - m_i)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)  # running sum of exp2(logit - m_i) * v
+
+    num_seq_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    # Causal: no row of this tile sees past the tile's last query token.
+    kv_end = context_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_tb
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+    for kv_start in range(0, kv_end, BLOCK_N):
+        kpos = kv_start + offs_n
+        blk_idx = kpos // BLOCK_SIZE
+        # Only the first ceil(seq_len / block_size) table entries are read (the rest may be -1 padding).
+        blk = tl.load(table_row + blk_idx * stride_tn, mask=blk_idx < num_seq_blocks, other=0).to(tl.int64)
+        # Slots at positions >= seq_len (the tail of the last block) are not this sequence's and may
+        # hold NaN: mask the load itself, since a zero softmax weight would not hide them (0 * NaN = NaN).
+        tok_ok = kpos < seq_len
+        slot = (kpos % BLOCK_SIZE).to(tl.int64)
+        kv_mask = tok_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_head + blk[:, None] * stride_kb + slot[:, None] * stride_ks + d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_head + blk[:, None] * stride_vb + slot[:, None] * stride_vs + d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        visible = (kpos[None, :] <= q_pos[:, None]) & tok_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that sees nothing yet (padding rows) keeps m = -inf: shift by 0 there, not by -inf,
+        # so that exp2(-inf - -inf) = NaN never arises.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)  # rescales what was accumulated under the old max
+        p = tl.exp2(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # Every stored row saw at least key 0, so l_i > 0 there; padding rows are not stored.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_off = q_rows[:, None] * stride_ot + q_head[:, None] * stride_oh + d[None, :] * stride_od
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def interpreting() -> bool:
+    """True when the kernels of this module were defined for Triton's CPU interpreter."""
+    return type(_paged_attention_kernel).__name__ == "InterpretedFunction"
+
+
+def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype, max_q_len: int) -> dict:
+    """Tile sizes and launch options of :func:`paged_attention`.
+
+    Decode (``max_q_len == 1``) tiles one token x the whole GQA group (16 rows at least, the smallest
+    tensor-core tile); prefill tiles 64 rows. ``BLOCK_N`` keeps a K or V tile at <= 16 KiB.
+    """
+    group = triton.next_power_of_2(num_queries_per_kv)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    block_m = max(16 if max_q_len <= 1 else 64, group)
+    elem = torch.finfo(dtype).bits // 8
+    block_n = max(16, min(64, 16384 // (head_dim_pad * elem)))
+    upcast = dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
+    return dict(
+        QUERIES_PER_KV=num_queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        # Triton's interpreter multiplies bfloat16 bit patterns as integers in tl.dot, so it gets float32
+        # operands; on a GPU float16/bfloat16 operands use tensor cores with float32 accumulation
+        # (their products are exact in float32).
+        UPCAST=upcast,
+        # float32 caches: full-precision dots, not TF32 (10-bit mantissa breaks float32 tolerance).
+        DOT_PRECISION="ieee" if upcast else "tf32",
+        num_warps=4 if block_m * head_dim_pad <= 16384 else 8, num_stages=2,
+    )
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_q_len: int) -> torch.Tensor:
+    """Launch the fused paged-attention kernel (no argument checks: the caller validated).
+
+    Args:
+        query: ``[total_q, num_q_heads, head_dim]`` (any strides), packed by ``query_start_loc``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (any strides).
+        block_tables: ``int32``/``int64 [batch, max_blocks]``; seq_lens: ``int32``/``int64 [batch]``;
+        query_start_loc: ``int32``/``int64 [batch + 1]``; all on the cache's device.
+        scale: logits multiplier.
+        max_q_len: the largest ``q_len`` in the batch (sizes the grid).
+
+    Returns:
+        A new contiguous ``[total_q, num_q_heads, head_dim]`` tensor in ``query.dtype``.
+    """
+    total_q, num_q_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty((total_q, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    batch = seq_lens.shape[0]
+    if total_q == 0 or batch == 0 or max_q_len == 0:
+        return out
+    cfg = attention_config(num_q_heads // num_kv_heads, head_dim, query.dtype, max_q_len)
+    block_q = cfg["BLOCK_M"] // cfg["QUERIES_PER_KV"]
+    num_q_tiles = triton.cdiv(max_q_len, block_q)
+    grid = (batch * num_q_tiles, num_kv_heads)
+    _paged_attention_kernel[grid](
+        out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        float(scale) * 1.4426950408889634,  # log2(e)
+        num_q_tiles,
+        *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+        num_kv_heads,
+        BLOCK_SIZE=block_size, **cfg,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data movement: gather, scatter, write_kv
+#
+# A program copies a [BLOCK_T tokens, BLOCK_H heads, HEAD_DIM_PAD] tile. The innermost dim is head_dim,
+# which is contiguous in an NHD cache, so loads and stores vectorise; a token of a block is one
+# contiguous num_kv_heads * head_dim run.
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _head_tile(pid_h, num_kv_heads, stride_h, stride_d, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+               HEAD_DIM_PAD: tl.constexpr):
+    """``[1, BLOCK_H, HEAD_DIM_PAD]`` element offsets (int64) and mask of a tile's heads."""
+    h = (pid_h * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM_PAD).to(tl.int64)
+    off = h[None, :, None] * stride_h + d[None, None, :] * stride_d
+    ok = (h[None, :, None] < num_kv_heads) & (d[None, None, :] < HEAD_DIM)
+    return off, ok
+
+
+@triton.jit
+def _gather_kernel(
+    out_ptr, cache_ptr, table_ptr, seq_len, num_kv_heads,
+    stride_tn, stride_cb, stride_cs, stride_ch, stride_cd, stride_ot, stride_oh, stride_od,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    pos = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    tok_ok = pos < seq_len  # also keeps table reads within the first ceil(seq_len / block_size) entries
+    blk = tl.load(table_ptr + (pos // BLOCK_SIZE) * stride_tn, mask=tok_ok, other=0).to(tl.int64)
+    c_head, ok = _head_tile(tl.program_id(1), num_kv_heads, stride_ch, stride_cd, BLOCK_H, HEAD_DIM, HEAD_DIM_PAD)
+    o_head, _ = _head_tile(tl.program_id(1), num_kv_heads, stride_oh, stride_od, BLOCK_H, HEAD_DIM, HEAD_DIM_PAD)
+    mask = tok_ok[:, None, None] & ok
+    src = (blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs)[:, None, None] + c_head
+    x = tl.load(cache_ptr + src, mask=mask)
+    tl.store(out_ptr + (pos * stride_ot)[:, None, None] + o_head, x, mask=mask)
+
+
+@triton.jit
+def _scatter_kernel(
+    cache_ptr, values_ptr, table_ptr, start, n, num_kv_heads,
+    stride_tn, stride_cb, stride_cs, stride_ch, stride_cd, stride_vt, stride_vh, stride_vd,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    j = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    tok_ok = j < n
+    pos = start + j  # logical position written by values[j]
+    blk = tl.load(table_ptr + (pos // BLOCK_SIZE) * stride_tn, mask=tok_ok, other=0).to(tl.int64)
+    c_head, ok = _head_tile(tl.program_id(1), num_kv_heads, stride_ch, stride_cd, BLOCK_H, HEAD_DIM, HEAD_DIM_PAD)
+    v_head, _ = _head_tile(tl.program_id(1), num_kv_heads, stride_vh, stride_vd, BLOCK_H, HEAD_DIM, HEAD_DIM_PAD)
+    mask = tok_ok[:, None, None] & ok
+    x = tl.load(values_ptr + (j * stride_vt)[:, None, None] + v_head, mask=mask)
+    dst = (blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs)[:, None, None] + c_head
+    tl.store(cache_ptr + dst, x, mask=mask)
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_cache_ptr, v_cache_ptr, key_ptr, value_ptr, slot_ptr, num_tokens, num_kv_heads,
+    stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_kt, stride_kth, stride_ktd, stride_vt, stride_vth, stride_vtd,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    i = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    slot = tl.load(slot_ptr + i, mask=i < num_tokens, other=-1).to(tl.int64)
+    tok_ok = slot >= 0  # a negative slot is a padding token: skipped (vLLM reshape_and_cache)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    kc_head, ok = _head_tile(tl.program_id(1), num_kv_heads, stride_kh, stride_kd, BLOCK_H, HEAD_DIM, HEAD_DIM_PAD)
+    vc_head, _ = _head_tile(tl.program_id(1), num_kv_heads, stride_vh, stride_vd, BLOCK_H, HEAD_DIM, HEAD_DIM_PAD)
+    kt_head, _ = _head_tile(tl.program_id(1), num_kv_heads, stride_kth, stride_ktd, BLOCK_H, HEAD_DIM, HEAD_DIM_PAD)
+    vt_head, _ = _head_tile(tl.program_id(1), num_kv_heads, stride_vth, stride_vtd, BLOCK_H, HEAD_DIM, HEAD_DIM_PAD)
+    mask = tok_ok[:, None, None] & ok
+    k = tl.load(key_ptr + (i * stride_kt)[:, None, None] + kt_head, mask=mask)
+    v = tl.load(value_ptr + (i * stride_vt)[:, None, None] + vt_head, mask=mask)
+    tl.store(k_cache_ptr + (blk * stride_kb + off * stride_ks)[:, None, None] + kc_head, k, mask=mask)
+    tl.store(v_cache_ptr + (blk * stride_vb + off * stride_vs)[:, None, None] + vc_head, v, mask=mask)
+
+
+def copy_config(num_kv_heads: int, head_dim: int) -> dict:
+    """Tile of the copy kernels: ~4096 elements (8 KiB in 16-bit), all heads of a token when they fit."""
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 1024 // head_dim_pad))
+    block_t = max(1, min(64, 4096 // (block_h * head_dim_pad)))
+    return dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)
+
+
+def _copy_grid(num_tokens: int, num_kv_heads: int, cfg: dict) -> tuple[int, int]:
+    return triton.cdiv(num_tokens, cfg["BLOCK_T"]), triton.cdiv(num_kv_heads, cfg["BLOCK_H"])
+
+
+def gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Positions ``0 .. seq_len - 1`` of one sequence as a new contiguous ``[seq_len, H, D]`` tensor.
+
+    ``block_table``: 1-D integer tensor on the cache's device (no checks: the caller validated).
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    out = cache.new_empty((seq_len, num_kv_heads, head_dim))
+    if seq_len == 0:
+        return out
+    cfg = copy_config(num_kv_heads, head_dim)
+    _gather_kernel[_copy_grid(seq_len, num_kv_heads, cfg)](
+        out, cache, block_table, seq_len, num_kv_heads, block_table.stride(0), *cache.stride(), *out.stride(),
+        BLOCK_SIZE=block_size, **cfg)
+    return out
+
+
+def scatter(cache: torch.Tensor, block_table: torch.Tensor, values: torch.Tensor, start: int) -> None:
+    """Write ``values[j]`` (``[n, H, D]``) to logical position ``start + j`` in place (no checks)."""
+    n = values.shape[0]
+    if n == 0:
+        return
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    cfg = copy_config(num_kv_heads, head_dim)
+    _scatter_kernel[_copy_grid(n, num_kv_heads, cfg)](
+        cache, values, block_table, start, n, num_kv_heads, block_table.stride(0), *cache.stride(),
+        *values.stride(), BLOCK_SIZE=block_size, **cfg)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """vLLM ``reshape_and_cache``: ``key[i]``/``value[i]`` to ``slot_mapping[i]``, negatives skipped (no checks)."""
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    cfg = copy_config(num_kv_heads, head_dim)
+    _write_kv_kernel[_copy_grid(num_tokens, num_kv_heads, cfg)](
+        k_cache, v_cache, key, value, slot_mapping, num_tokens, num_kv_heads,
+        *k_cache.stride(), *v_cache.stride(), *key.stride(), *value.stride(), BLOCK_SIZE=block_size, **cfg)
