@@ -1,0 +1,50 @@
+"""Sharing scenarios: prompts with common prefixes, forks (also mid-block), appends, frees."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from pagedkv.cases import CacheScenario, Geometry
+
+from .geometry import seq_lens
+
+
+@st.composite
+def scenarios(draw, *, max_ops: int = 14, max_seqs: int = 6, constant_hash: bool | None = None,
+              enable_prefix_caching: bool = True) -> CacheScenario:
+    """A history of ``add`` (prompt = a shared system prompt + own suffix), ``append``, ``fork`` and
+    ``free`` over a small pool, so prefix-cache hits, shared partial blocks (copy-on-write), evictions
+    and out-of-blocks refusals all happen."""
+    bs = draw(st.sampled_from((1, 2, 3, 4, 5, 8)))
+    geometry = Geometry(num_blocks=draw(st.integers(2, 24)), block_size=bs, num_kv_heads=draw(st.integers(1, 2)),
+                        head_dim=draw(st.sampled_from((1, 2, 4))), num_queries_per_kv=draw(st.sampled_from((1, 3))),
+                        dtype=draw(st.sampled_from(("float32", "bfloat16"))))
+    vocab = st.integers(0, 7)  # a small vocabulary makes equal blocks (and hash hits) likely
+    systems = draw(st.lists(st.lists(vocab, min_size=0, max_size=0).flatmap(
+        lambda _: st.integers(0, 3 * bs + 1).flatmap(lambda n: st.lists(vocab, min_size=n, max_size=n))),
+        min_size=1, max_size=2))
+    ops, live, next_id = [], [], 0
+    for _ in range(draw(st.integers(1, max_ops))):
+        kind = draw(st.sampled_from(("add", "add", "append", "append", "fork", "free")))
+        if kind == "add" or not live:
+            system = draw(st.sampled_from(systems))
+            suffix = draw(seq_lens(bs, 2 * bs).flatmap(lambda n: st.lists(vocab, min_size=n, max_size=n)))
+            if not system and not suffix:
+                suffix = [draw(vocab)]
+            ops.append(("add", next_id, tuple(system + suffix)))
+            live.append(next_id)
+            next_id += 1
+        elif kind == "append":
+            n = draw(st.integers(1, bs + 1))
+            ops.append(("append", draw(st.sampled_from(live)), tuple(draw(st.lists(vocab, min_size=n, max_size=n)))))
+        elif kind == "fork" and next_id < max_seqs * 3:
+            ops.append(("fork", draw(st.sampled_from(live)), next_id))
+            live.append(next_id)
+            next_id += 1
+        elif kind == "free":
+            victim = draw(st.sampled_from(live))
+            ops.append(("free", victim))
+            live.remove(victim)
+    return CacheScenario(geometry, tuple(ops), enable_prefix_caching=enable_prefix_caching,
+                         constant_hash=draw(st.booleans()) if constant_hash is None else constant_hash,
+                         seed=draw(st.integers(0, 1000)))
