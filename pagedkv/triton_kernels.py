@@ -135,8 +135,27 @@ def _paged_attention_kernel(
 
 
 def interpreting() -> bool:
-    """True when the kernels of this module were defined for Triton's CPU interpreter."""
-    return type(_paged_attention_kernel).__name__ == "InterpretedFunction"
+    """True when this module's kernels and Triton's own ``tl.*`` helpers were defined for the interpreter."""
+    return all(type(fn).__name__ == "InterpretedFunction" for fn in (_paged_attention_kernel, tl.zeros))
+
+
+def check_runnable() -> None:
+    """Raise unless the kernels can run here: a CUDA device, or Triton's interpreter set up in full.
+
+    Triton decorates its own ``tl.*`` helpers when ``triton`` is first imported, so an import of
+    ``triton`` before ``TRITON_INTERPRET=1`` was set leaves them compiled-only and every launch fails.
+
+    Raises:
+        BackendUnavailableError: no CUDA device and the interpreter is off or was enabled too late.
+    """
+    if torch.cuda.is_available() or interpreting():
+        return
+    from pagedkv.errors import BackendUnavailableError
+
+    raise BackendUnavailableError(
+        "backend 'triton' has no CUDA device here and Triton is not in interpreter mode "
+        f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} when triton was imported): set "
+        "TRITON_INTERPRET=1 before importing triton, or import pagedkv's triton backend before triton")
 
 
 def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype, max_q_len: int) -> dict:

@@ -9,7 +9,8 @@ algorithm is :mod:`pagedkv.blockwise`.
 Without a CUDA device the kernels run on the CPU in Triton's interpreter: importing this module sets
 ``TRITON_INTERPRET=1`` (unless already set) before Triton defines any kernel. Importing it raises
 ``ImportError`` when Triton is missing and :class:`~pagedkv.errors.BackendUnavailableError` when
-there is no CUDA device and the kernels were nevertheless defined for compilation.
+there is no CUDA device and Triton is not in interpreter mode (``TRITON_INTERPRET=0``, or ``triton``
+imported before the variable was set: set it before importing triton).
 """
 
 from __future__ import annotations
@@ -24,15 +25,10 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402,F401  (ImportError here: the registry reports the backend unavailable)
 
 from .. import triton_kernels as _kernels  # noqa: E402
-from ..errors import BackendUnavailableError  # noqa: E402
 from ..validation import (attention_args, check_gather, check_scatter, check_write_kv,  # noqa: E402
                           normalize_block_table)
 
-if not torch.cuda.is_available() and not _kernels.interpreting():
-    raise BackendUnavailableError(
-        "backend 'triton' has no CUDA device here and its kernels were not defined for Triton's interpreter "
-        f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}): set TRITON_INTERPRET=1 before importing "
-        "triton (or pagedkv.triton_kernels)")
+_kernels.check_runnable()  # BackendUnavailableError: no CUDA and triton was imported without the interpreter
 
 name = "triton"
 
