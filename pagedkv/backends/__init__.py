@@ -8,7 +8,11 @@ omit ops; :func:`missing_ops` says which.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
+import re
+import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -55,36 +59,105 @@ def available_backends() -> list[str]:
     return names
 
 
-def load_backend(spec: str) -> Any:
-    """Load the implementation under test from ``"pkg.module"`` or ``"pkg.module:attr"``.
+def _import(module_name: str, spec: str) -> ModuleType:
+    """Import ``module_name`` (dotted name, or a path to a ``.py`` file)."""
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise BackendError(f"backend file {module_name!r} does not exist (from {spec!r})")
+        mod_name = f"_pagedkv_candidate_{path.stem}"
+        file_spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(file_spec)
+        sys.modules[mod_name] = module
+        try:
+            file_spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[mod_name]
+            raise BackendError(f"importing backend file {module_name!r} (from {spec!r}) failed: "
+                               f"{type(exc).__name__}: {exc}") from exc
+        return module
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BackendError(f"cannot import backend module {module_name!r} (from {spec!r}): {exc}") from exc
 
-    A built-in name (``"loop"``, ``"indexed"``, ``"triton"``) is accepted too. ``attr`` may name a
-    module-level backend object, a class (instantiated with no arguments) or a factory function
-    (called with no arguments). The result gets a ``name`` (the spec) when it has none.
+
+def _materialize(obj: Any, spec: str) -> Any:
+    """A class is instantiated and a factory function called, both with no arguments; anything else is
+    the backend itself (a module, an instance, a namespace)."""
+    if inspect.isclass(obj):
+        what = f"class {obj.__qualname__}"
+    elif (inspect.isfunction(obj) or inspect.ismethod(obj)) and obj.__name__ not in OPS \
+            and not any(hasattr(obj, op) for op in OPS):
+        what = f"factory {obj.__qualname__}()"
+    else:
+        return obj
+    try:
+        return obj()
+    except TypeError as exc:
+        raise BackendError(f"{spec!r}: {what} must be callable with no arguments to build the backend "
+                           f"(or point the spec at an instance): {exc}") from exc
+    except Exception as exc:
+        raise BackendError(f"{spec!r}: building the backend with {what} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def load_backend(spec: str, *, required: tuple[str, ...] | list[str] = ()) -> Any:
+    """Load the implementation under test from a spec and check it against the contract.
+
+    Specs:
+        ``"loop"`` / ``"indexed"`` / ``"triton"`` (built-in), ``"pkg.module"`` (the module is the
+        backend), ``"pkg.module:attr"`` or ``"pkg.module:attr.sub"`` (an object in it), and
+        ``"path/to/file.py"`` or ``"path/to/file.py:attr"``. ``attr`` may be a backend object
+        (module, instance, namespace), a class (instantiated with no arguments) or a factory
+        function (called with no arguments).
+
+    Checks (see ``docs/contract.md``):
+        every op present (``scatter``, ``gather``, ``write_kv``, ``paged_attention``) is callable
+        with the contract's positional arguments; at least one op is present; every op in
+        ``required`` is present. Missing ops are allowed: the properties that need them are
+        skipped with a reason naming the op (:func:`missing_ops`). The result gets a ``name`` (the
+        spec) when it has none.
+
+    Args:
+        spec: see above.
+        required: ops that must be present (for example ``("gather",)``).
+
+    Returns:
+        The backend object.
 
     Raises:
-        BackendError: the module cannot be imported, ``attr`` does not exist, or the object has none
-            of the contract's ops.
+        BackendError: the module or file cannot be imported, ``attr`` does not exist, a class or
+            factory needs arguments or fails, an op has the wrong signature or is not callable, the
+            object has none of the ops, or a ``required`` op is missing. The message names the spec,
+            the op and the expected call.
     """
     if spec in BUILTIN:
         return get_backend(spec)
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise BackendError(f"cannot import backend module {module_name!r} (from {spec!r}): {exc}") from exc
-    obj: Any = module
+    if not isinstance(spec, str) or not spec.strip():
+        raise BackendError(f"backend spec must be 'pkg.module' or 'pkg.module:attr', got {spec!r}")
+    text = spec.strip()
+    module_name, sep, attr = text.rpartition(":")
+    if not sep or re.fullmatch(r"[A-Za-z]", module_name):  # no attr (or only a Windows drive letter)
+        module_name, attr = text, ""
+    obj: Any = _import(module_name, spec)
     if attr:
-        try:
-            for part in attr.split("."):
+        for part in attr.split("."):
+            try:
                 obj = getattr(obj, part)
-        except AttributeError as exc:
-            raise BackendError(f"module {module_name!r} has no attribute {attr!r} (from {spec!r})") from exc
-        if inspect.isclass(obj) or (inspect.isfunction(obj) and not any(hasattr(obj, op) for op in OPS)
-                                    and obj.__name__ not in OPS):
-            obj = obj()
-    if not any(callable(getattr(obj, op, None)) for op in OPS):
-        raise BackendError(f"{spec!r} provides none of the contract's ops {list(OPS)}")
+            except AttributeError:
+                raise BackendError(f"{module_name!r} has no attribute {attr!r} (from {spec!r})") from None
+        obj = _materialize(obj, spec)
+    problems = missing_ops(obj)
+    present = [op for op in OPS if op not in problems or not problems[op].startswith(_NO)]
+    if not present:
+        raise BackendError(f"{spec!r} provides none of the contract's ops {list(OPS)} "
+                           f"(a {type(obj).__name__}; point the spec at the backend object)")
+    broken = {op: why for op, why in problems.items() if not why.startswith(_NO)}
+    if broken:
+        raise BackendError(f"{spec!r} breaks the backend contract: " + "; ".join(broken.values()))
+    absent = [op for op in required if op in problems]
+    if absent:
+        raise BackendError(f"{spec!r} lacks required op(s) {absent}: " + "; ".join(problems[op] for op in absent))
     if not isinstance(getattr(obj, "name", None), str):
         try:
             obj.name = spec
@@ -93,26 +166,41 @@ def load_backend(spec: str) -> Any:
     return obj
 
 
+_NO = "no op "  # prefix of a missing_ops reason for an op that is absent (not broken)
+
+
 def missing_ops(backend: Any) -> dict[str, str]:
-    """``{op: reason}`` for every contract op ``backend`` lacks or cannot be called as the contract says."""
+    """``{op: reason}`` for every contract op ``backend`` lacks or cannot be called as the contract says.
+
+    A reason starting with ``"no op "`` means the op is absent (its properties are skipped); any other
+    reason means the op is present but broken (not callable, or a signature that cannot take the
+    contract's positional arguments, for example a missing parameter or an extra required one).
+
+    Args:
+        backend: any object.
+
+    Returns:
+        ``{}`` when the backend provides all four ops as the contract says.
+    """
     problems = {}
+    name = backend_name(backend)
     for op in OPS:
         fn = getattr(backend, op, None)
+        expected = f"{op}({', '.join(OP_PARAMS[op])})"
         if fn is None:
-            problems[op] = f"{backend_name(backend)} has no {op!r}"
+            problems[op] = f"{_NO}{op!r}: {name} does not provide {expected}"
             continue
         if not callable(fn):
-            problems[op] = f"{backend_name(backend)}.{op} is not callable"
+            problems[op] = f"{name}.{op} is a {type(fn).__name__}, not callable as {expected}"
             continue
         try:
             sig = inspect.signature(fn)
         except (TypeError, ValueError):
-            continue
+            continue  # a builtin without a signature: trust it
         try:
             sig.bind(*OP_PARAMS[op])
         except TypeError as exc:
-            problems[op] = (f"{backend_name(backend)}.{op}{sig} cannot be called as "
-                            f"{op}({', '.join(OP_PARAMS[op])}): {exc}")
+            problems[op] = f"{name}.{op}{sig} cannot be called as {expected}: {exc}"
     return problems
 
 
