@@ -414,10 +414,14 @@ def run_scenario(backend: Any, scenario: CacheScenario, device: str = "cpu",
                  after_op: Callable[[PagedKVCache, dict], None] | None = None) -> tuple[PagedKVCache, dict]:
     """Replay ``scenario.ops`` on a real :class:`PagedKVCache`, writing each token's K/V with the
     backend's ``write_kv``. Returns the cache and the shadow ``{seq_id: token_ids}``. Operations the
-    cache refuses (out of blocks) are skipped, as a scheduler would. ``after_op`` sees both after each op."""
+    cache refuses (out of blocks) are skipped, as a scheduler would. ``after_op`` sees both after each op.
+
+    A backend that ships its own cache manager exposes it as ``backend.cache_class`` (a class with
+    :class:`PagedKVCache`'s constructor and methods); the scenario then runs on that class."""
     write_kv = require(backend, "write_kv")
     g = scenario.geometry
-    cache = PagedKVCache(CacheConfig(g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim, g.torch_dtype, device),
+    cache_class = getattr(backend, "cache_class", None) or PagedKVCache
+    cache = cache_class(CacheConfig(g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim, g.torch_dtype, device),
                          enable_prefix_caching=scenario.enable_prefix_caching,
                          **({"hash_fn": lambda parent, tokens: 0} if scenario.constant_hash else {}))
     shadow: dict[int, list[int]] = {}
