@@ -3,7 +3,15 @@
 On CUDA an out-of-range block id that reaches a kernel is a device-side assert (which poisons the
 whole process) or a silent out-of-bounds access, so every backend op calls one of the ``check_*``
 functions below first. They read block tables and lengths on the host (one small device-to-host
-copy on CUDA); callers that already validated can pass ``validate=False`` to the ops to skip them.
+copy on CUDA); callers that already validated can pass ``validate=False`` to the ops to skip them
+(see ``docs/validation.md``: with ``validate=False`` a bad argument is undefined behaviour).
+
+Error types follow the backend contract: a block id or slot that would be read or written outside
+the pool is an ``IndexError`` (:class:`BlockIndexError`); shapes, lengths, table sizes and head
+counts are a ``ValueError`` (:class:`ShapeError`); a dtype mismatch, or an argument of the wrong
+kind (a float block table, a bool length), is a ``TypeError`` (:class:`DTypeMismatchError` or plain
+``TypeError``); a device mismatch is a ``ValueError`` (:class:`DeviceMismatchError`). Messages name
+the argument and the offending values.
 
 Each check returns the normalised arguments the op needs (tables as ``int64`` on the cache device,
 lengths as Python ints) so backends do not repeat the work.
@@ -12,6 +20,7 @@ lengths as Python ints) so backends do not repeat the work.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -72,17 +81,39 @@ def _check_int_tensor(name: str, x: torch.Tensor, allowed=(torch.int32, torch.in
         raise DTypeMismatchError(f"{name}.dtype must be one of {[str(d) for d in allowed]}, got {x.dtype}")
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
 def normalize_block_table(block_table: TableLike, device: torch.device, name: str = "block_table") -> torch.Tensor:
-    """A 1-D block table (tensor or list of ints) as ``int64`` on ``device``."""
+    """A 1-D block table (tensor or sequence of ints) as ``int64`` on ``device``.
+
+    A tensor table must be ``int32`` or ``int64`` and live on ``device`` or on the CPU (a host table is
+    copied over, as a list would be). A sequence must hold Python/NumPy integers (not bools, not floats).
+
+    Raises:
+        ShapeError: a tensor that is not 1-D.
+        DTypeMismatchError: a tensor of another dtype (float, bool, int8...).
+        TypeError: a sequence holding something other than integers, or not a sequence at all.
+        DeviceMismatchError: a tensor on a device other than ``device`` and the CPU.
+        BlockIndexError: an entry outside the int64 range.
+    """
     if isinstance(block_table, torch.Tensor):
         if block_table.dim() != 1:
             raise ShapeError(f"{name} must be 1-D, got shape {tuple(block_table.shape)}")
         _check_int_tensor(name, block_table)
+        if block_table.device != torch.device(device) and block_table.device.type != "cpu":
+            raise DeviceMismatchError(f"{name} is on {block_table.device}, the cache on {device}")
         return block_table.to(device=device, dtype=torch.int64)
-    try:
-        values = [int(b) for b in block_table]
-    except TypeError as exc:
-        raise TypeError(f"{name} must be a 1-D integer tensor or a sequence of ints, got {type(block_table).__name__}") from exc
+    if isinstance(block_table, (str, bytes)) or not hasattr(block_table, "__iter__"):
+        raise TypeError(f"{name} must be a 1-D integer tensor or a sequence of ints, got {type(block_table).__name__}")
+    values = []
+    for i, b in enumerate(block_table):
+        if isinstance(b, bool) or not hasattr(b, "__index__") or isinstance(b, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be an int, got {type(b).__name__} {b!r}")
+        b = operator.index(b)
+        if not _INT64_MIN <= b <= _INT64_MAX:
+            raise BlockIndexError(f"{name}[{i}] = {b} does not fit in int64")
+        values.append(b)
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
@@ -102,9 +133,9 @@ def _check_length(name: str, value: object) -> int:
         if value.numel() != 1:
             raise ShapeError(f"{name} must be a scalar, got shape {tuple(value.shape)}")
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, int) and not (hasattr(value, "__index__")):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    value = int(value)
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = operator.index(value)
     if value < 0:
         raise ShapeError(f"{name} must be >= 0, got {value}")
     return value
@@ -175,11 +206,14 @@ def check_write_kv(k_cache: object, v_cache: object, key: object, value: object,
 
     Raises:
         ShapeError: ``key``/``value`` not ``[num_tokens, num_kv_heads, head_dim]``, ``slot_mapping`` not
-            ``[num_tokens]``, or one slot written twice.
+            ``[num_tokens]``, one slot written twice, or ``k_cache`` and ``v_cache`` the same memory.
         BlockIndexError: a non-negative slot ``>= num_blocks * block_size``.
         DTypeMismatchError / DeviceMismatchError: key/value/slot_mapping unlike the caches.
     """
     k_cache, v_cache = check_cache_pair(k_cache, v_cache)
+    if k_cache.data_ptr() == v_cache.data_ptr() and k_cache.stride() == v_cache.stride() and k_cache.numel():
+        raise ShapeError("k_cache and v_cache are the same memory (one pool passed twice): a write of value "
+                         "would overwrite key")
     key = _check_tensor("key", key, 3)
     value = _check_tensor("value", value, 3)
     for name, x, cname, c in (("key", key, "k_cache", k_cache), ("value", value, "v_cache", v_cache)):
@@ -201,11 +235,31 @@ def check_write_kv(k_cache: object, v_cache: object, key: object, value: object,
     if valid.numel():
         hi = int(valid.max())
         if hi >= num_slots:
-            raise BlockIndexError(f"slot_mapping has slot {hi} (block {hi // k_cache.shape[1]}), outside "
+            at = int(torch.nonzero(slots == hi)[0][0])
+            raise BlockIndexError(f"slot_mapping[{at}] = {hi} (block {hi // k_cache.shape[1]}), outside "
                                   f"[0, num_blocks * block_size = {num_slots})")
-        if torch.unique(valid).numel() != valid.numel():
-            raise ShapeError("slot_mapping writes one slot twice")
+        uniq, counts = torch.unique(valid, return_counts=True)
+        if uniq.numel() != valid.numel():
+            dup = int(uniq[counts > 1][0])
+            at = torch.nonzero(slots == dup).flatten().tolist()
+            raise ShapeError(f"slot_mapping writes slot {dup} twice (entries {at})")
     return slots
+
+
+def _check_scale(scale: object, head_dim: int) -> float:
+    """``scale`` as a finite Python float (``None``: ``1 / sqrt(head_dim)``)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ShapeError(f"scale must be a number or a one-element tensor, got shape {tuple(scale.shape)}")
+        scale = scale.item()
+    if isinstance(scale, (bool, str, bytes)) or not isinstance(scale, (int, float)) and not hasattr(scale, "__float__"):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__} {scale!r}")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ShapeError(f"scale must be finite, got {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -238,7 +292,8 @@ def check_paged_attention(query: object, k_cache: object, v_cache: object, block
     if query.shape[2] != head_dim:
         raise ShapeError(f"query head_dim {query.shape[2]} != k_cache head_dim {head_dim}")
     if query.shape[1] % num_kv_heads != 0 or query.shape[1] == 0:
-        raise ShapeError(f"num_q_heads {query.shape[1]} is not a positive multiple of num_kv_heads {num_kv_heads}")
+        raise ShapeError(f"query has num_q_heads {query.shape[1]}, not a positive multiple of k_cache's "
+                         f"num_kv_heads {num_kv_heads}")
     block_tables = _check_tensor("block_tables", block_tables, 2)
     seq_lens = _check_tensor("seq_lens", seq_lens, 1)
     query_start_loc = _check_tensor("query_start_loc", query_start_loc, 1)
@@ -271,11 +326,7 @@ def check_paged_attention(query: object, k_cache: object, v_cache: object, block
             raise ShapeError(f"seq_lens[{b}] = {lens[b]} needs {need} blocks of block_size {block_size}, "
                              f"block_tables has {tables.shape[1]} columns")
         _check_ids_in_range(f"block_tables[{b}]", tables[b, :need], num_blocks)
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ShapeError(f"scale must be finite, got {scale}")
+    scale = _check_scale(scale, head_dim)
     return AttentionArgs(tables, lens, starts, scale, query.shape[1] // num_kv_heads)
 
 
