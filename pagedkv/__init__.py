@@ -15,14 +15,14 @@ Architecture (one concept a module):
 
 from .backends import available_backends, get_backend, load_backend
 from .config import CacheConfig
-from .errors import (AllocatorError, BackendError, BackendUnavailableError, BlockIndexError, DeviceMismatchError,
+from .errors import (AllocatorError, ArgumentTypeError, BackendError, BackendUnavailableError, BlockIndexError, DeviceMismatchError,
                      DoubleFreeError, DTypeMismatchError, OutOfBlocksError, PagedKVError, ShapeError,
                      UnknownBlockError)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AllocatorError", "BackendError", "BackendUnavailableError", "BlockIndexError", "CacheConfig",
+    "AllocatorError", "ArgumentTypeError", "BackendError", "BackendUnavailableError", "BlockIndexError", "CacheConfig",
     "DeviceMismatchError", "DoubleFreeError", "DTypeMismatchError", "OutOfBlocksError", "PagedKVError",
     "ShapeError", "UnknownBlockError", "available_backends", "get_backend", "load_backend",
 ]

@@ -14,12 +14,54 @@ Design (after vLLM's block manager and its v1 prefix cache):
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from typing import Callable, Hashable, Sequence
 
-from .errors import DoubleFreeError, OutOfBlocksError, UnknownBlockError
+import torch
+
+from .errors import ArgumentTypeError, DoubleFreeError, OutOfBlocksError, ShapeError, UnknownBlockError
 
 HashFn = Callable[[Hashable, tuple[int, ...]], Hashable]
+
+
+def as_int(name: str, value: object) -> int:
+    """``value`` as a Python int: ints and NumPy/torch integer scalars pass, bools and floats do not.
+
+    Raises:
+        ArgumentTypeError (a ``TypeError``): ``value`` is not an integer.
+    """
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.dtype == torch.bool:
+            raise ArgumentTypeError(f"{name} must be an int, got a {value.dtype} tensor of shape {tuple(value.shape)}")
+        return int(value.item())
+    return operator.index(value)
+
+
+def as_token_ids(name: str, token_ids: object) -> list[int]:
+    """Token ids (a sequence of ints or a 1-D integer tensor) as a list of Python ints.
+
+    Raises:
+        ArgumentTypeError (a ``TypeError``): not a sequence of integers (a float, bool or string entry,
+            a float tensor, a string).
+        ShapeError (a ``ValueError``): a tensor that is not 1-D.
+    """
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 1:
+            raise ShapeError(f"{name} must be 1-D, got shape {tuple(token_ids.shape)}")
+        if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:
+            raise ArgumentTypeError(f"{name} must hold integers, got dtype {token_ids.dtype}")
+        return [int(t) for t in token_ids.tolist()]
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+        raise ArgumentTypeError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
+    out = []
+    for i, t in enumerate(token_ids):
+        if isinstance(t, (bool, torch.Tensor)) or not hasattr(t, "__index__"):
+            raise ArgumentTypeError(f"{name}[{i}] must be an int, got {type(t).__name__} {t!r}")
+        out.append(operator.index(t))
+    return out
 
 
 def default_block_hash(parent_hash: Hashable, token_ids: tuple[int, ...]) -> Hashable:
@@ -36,10 +78,24 @@ class BlockAllocator:
         enable_prefix_caching: keep released full blocks for reuse by later prompts.
         hash_fn: ``hash_fn(parent_hash, token_ids_tuple) -> hashable``; inject one (even a constant)
             to test collision handling.
+
+    Raises:
+        ArgumentTypeError: ``num_blocks`` or ``block_size`` not an int. ShapeError: not positive.
+
+    Block ids passed to any method must be ints in ``[0, num_blocks)``: a non-int raises
+    :class:`~pagedkv.errors.ArgumentTypeError` (``TypeError``), an id outside the pool
+    :class:`~pagedkv.errors.UnknownBlockError` (``ValueError``). Token ids must be ints (see
+    :func:`as_token_ids`). Every failed call leaves the state unchanged.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  hash_fn: HashFn = default_block_hash) -> None:
+        num_blocks, block_size = as_int("num_blocks", num_blocks), as_int("block_size", block_size)
+        if num_blocks < 1 or block_size < 1:
+            raise ShapeError(f"num_blocks and block_size must be >= 1, got num_blocks={num_blocks}, "
+                             f"block_size={block_size}")
+        if not callable(hash_fn):
+            raise ArgumentTypeError(f"hash_fn must be callable, got {type(hash_fn).__name__}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -81,7 +137,9 @@ class BlockAllocator:
         return block in self._free or block in self._evictable
 
     def _check_id(self, block: int) -> None:
-        if not isinstance(block, int) or not 0 <= block < self.num_blocks:
+        if isinstance(block, bool) or not isinstance(block, int):
+            raise ArgumentTypeError(f"block id must be an int, got {type(block).__name__} {block!r}")
+        if not 0 <= block < self.num_blocks:
             raise UnknownBlockError(f"block id {block!r} outside [0, num_blocks={self.num_blocks})")
 
     # -- allocate / share / release ------------------------------------------------------------
@@ -90,8 +148,9 @@ class BlockAllocator:
 
         Raises:
             OutOfBlocksError: fewer than ``n`` blocks can be taken; nothing changes.
-            ValueError: ``n < 0``.
+            ValueError: ``n < 0``. ArgumentTypeError: ``n`` not an int.
         """
+        n = as_int("n", n)
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
         if n > self.num_free:
@@ -144,6 +203,7 @@ class BlockAllocator:
         Raises:
             UnknownBlockError / DoubleFreeError: before any reference is dropped.
         """
+        blocks = list(blocks)
         need: dict[int, int] = {}
         for block in blocks:
             self._check_id(block)
@@ -177,9 +237,9 @@ class BlockAllocator:
         A candidate found by hash counts only when its whole cached token prefix equals
         ``token_ids[:end]``, so colliding hashes never produce a false hit.
         """
+        tokens = tuple(as_token_ids("token_ids", token_ids))
         if not self.enable_prefix_caching:
             return []
-        tokens = tuple(token_ids)
         found = []
         for i, h in enumerate(self.block_hashes(tokens)):
             self.prefix_queries += 1
@@ -197,6 +257,7 @@ class BlockAllocator:
         Raises:
             UnknownBlockError: a block that is neither used nor evictable-cached; nothing changes.
         """
+        blocks = list(blocks)
         for block in blocks:
             self._check_id(block)
             if self._ref[block] == 0 and block not in self._evictable:
@@ -215,17 +276,17 @@ class BlockAllocator:
         Raises:
             UnknownBlockError: the block is not used. ValueError: the prefix is not whole blocks.
         """
+        tokens = tuple(as_token_ids("prefix_token_ids", prefix_token_ids))
         if not self.enable_prefix_caching:
             return
         self._check_id(block)
         if self._ref[block] == 0:
             raise UnknownBlockError(f"block {block} is not allocated; cannot cache it")
-        if not prefix_token_ids or len(prefix_token_ids) % self.block_size:
-            raise ValueError(f"prefix length {len(prefix_token_ids)} is not a positive multiple of "
+        if not tokens or len(tokens) % self.block_size:
+            raise ValueError(f"prefix length {len(tokens)} is not a positive multiple of "
                              f"block_size {self.block_size}")
         if block in self._hash_of:
             return
-        tokens = tuple(prefix_token_ids)
         h = self.block_hashes(tokens)[-1]
         self._hash_of[block] = h
         self._prefix_of[block] = tokens

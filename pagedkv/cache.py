@@ -24,9 +24,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .allocator import BlockAllocator, HashFn, default_block_hash
+from .allocator import BlockAllocator, HashFn, as_int, as_token_ids, default_block_hash
 from .config import CacheConfig, blocks_needed
-from .errors import DoubleFreeError, OutOfBlocksError, UnknownBlockError
+from .errors import ArgumentTypeError, DoubleFreeError, OutOfBlocksError, ShapeError, UnknownBlockError
 
 
 @dataclass
@@ -41,6 +41,11 @@ class SequenceState:
         return len(self.token_ids)
 
 
+def _check_seq_id(name: str, seq_id: object) -> None:
+    if isinstance(seq_id, bool) or not isinstance(seq_id, int):
+        raise ArgumentTypeError(f"{name} must be an int, got {type(seq_id).__name__} {seq_id!r}")
+
+
 class PagedKVCache:
     """K/V pools for ``config.num_layers`` layers and the sequences stored in them.
 
@@ -48,10 +53,20 @@ class PagedKVCache:
         config: the geometry; pools are allocated zero-filled on ``config.device``.
         enable_prefix_caching: reuse full blocks of earlier prompts (vLLM's automatic prefix caching).
         hash_fn: the allocator's chained block hash (inject one to test collisions).
+
+    Argument errors (every method; a failed call changes nothing): sequence ids must be ints
+    (``ArgumentTypeError``, a ``TypeError``); an unknown id raises ``UnknownBlockError`` and a freed
+    one ``DoubleFreeError`` (both ``ValueError``); token ids must be a sequence of ints or a 1-D
+    integer tensor (``ArgumentTypeError``); counts must be ints ``>= 0`` (``ValueError`` when negative).
+
+    Raises:
+        ArgumentTypeError: ``config`` is not a :class:`CacheConfig`.
     """
 
     def __init__(self, config: CacheConfig, *, enable_prefix_caching: bool = True,
                  hash_fn: HashFn = default_block_hash) -> None:
+        if not isinstance(config, CacheConfig):
+            raise ArgumentTypeError(f"config must be a CacheConfig, got {type(config).__name__}")
         self.config = config
         self.block_size = config.block_size
         self.allocator = BlockAllocator(config.num_blocks, config.block_size,
@@ -65,16 +80,31 @@ class PagedKVCache:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
 
     # -- pools ------------------------------------------------------------------------------------
+    def _layer(self, layer: int) -> int:
+        layer = as_int("layer", layer)
+        if not 0 <= layer < self.config.num_layers:
+            raise IndexError(f"layer {layer} outside [0, num_layers={self.config.num_layers})")
+        return layer
+
     def k_cache(self, layer: int = 0) -> torch.Tensor:
-        """Layer ``layer``'s K pool, ``[num_blocks, block_size, num_kv_heads, head_dim]`` (a view)."""
-        return self.kv[layer, 0]
+        """Layer ``layer``'s K pool, ``[num_blocks, block_size, num_kv_heads, head_dim]`` (a view).
+
+        Raises:
+            IndexError: ``layer`` outside ``[0, num_layers)``. ArgumentTypeError: not an int.
+        """
+        return self.kv[self._layer(layer), 0]
 
     def v_cache(self, layer: int = 0) -> torch.Tensor:
-        """Layer ``layer``'s V pool, ``[num_blocks, block_size, num_kv_heads, head_dim]`` (a view)."""
-        return self.kv[layer, 1]
+        """Layer ``layer``'s V pool, ``[num_blocks, block_size, num_kv_heads, head_dim]`` (a view).
+
+        Raises:
+            IndexError: ``layer`` outside ``[0, num_layers)``. ArgumentTypeError: not an int.
+        """
+        return self.kv[self._layer(layer), 1]
 
     # -- sequences --------------------------------------------------------------------------------
     def _seq(self, seq_id: int) -> SequenceState:
+        _check_seq_id("seq_id", seq_id)
         try:
             return self.sequences[seq_id]
         except KeyError:
@@ -94,14 +124,17 @@ class PagedKVCache:
 
         Raises:
             ValueError: ``seq_id`` is live already.
+            ArgumentTypeError: ``seq_id`` not an int, or a token id not an int.
         """
+        _check_seq_id("seq_id", seq_id)
+        prompt_token_ids = as_token_ids("prompt_token_ids", prompt_token_ids)
         if seq_id in self.sequences:
             raise ValueError(f"sequence {seq_id} already exists")
         cacheable = (max(len(prompt_token_ids) - 1, 0) // self.block_size) * self.block_size
         blocks = self.allocator.find_cached_prefix(list(prompt_token_ids[:cacheable]))
         self.allocator.acquire(blocks)
         cached = len(blocks) * self.block_size
-        self.sequences[seq_id] = SequenceState(list(blocks), list(prompt_token_ids[:cached]))
+        self.sequences[seq_id] = SequenceState(list(blocks), prompt_token_ids[:cached])
         self._finished.discard(seq_id)
         self.num_cached_tokens += cached
         return cached
@@ -119,8 +152,10 @@ class PagedKVCache:
         Raises:
             OutOfBlocksError: not enough free blocks; nothing changes.
             UnknownBlockError / DoubleFreeError: unknown or freed ``seq_id``.
+            ArgumentTypeError: a token id that is not an int; nothing changes.
         """
         seq = self._seq(seq_id)
+        token_ids = as_token_ids("token_ids", token_ids)
         n, start, bs = len(token_ids), seq.num_tokens, self.block_size
         table = seq.block_table
         cow = n > 0 and start % bs != 0 and self.allocator.ref_count(table[-1]) > 1
@@ -132,7 +167,7 @@ class PagedKVCache:
             self.allocator.free(old)
             self.num_cow_copies += 1
         table.extend(blocks)
-        seq.token_ids.extend(int(t) for t in token_ids)
+        seq.token_ids.extend(token_ids)
         for i in range(start // bs, (start + n) // bs):  # blocks completed by this append
             self.allocator.cache_full_block(table[i], seq.token_ids[: (i + 1) * bs])
         positions = torch.arange(start, start + n, dtype=torch.int64)
@@ -145,8 +180,10 @@ class PagedKVCache:
 
         Raises:
             ValueError: ``child_id`` is live. UnknownBlockError / DoubleFreeError: bad ``parent_id``.
+            ArgumentTypeError: an id that is not an int.
         """
         parent = self._seq(parent_id)
+        _check_seq_id("child_id", child_id)
         if child_id in self.sequences:
             raise ValueError(f"sequence {child_id} already exists")
         for block in parent.block_table:
@@ -166,8 +203,16 @@ class PagedKVCache:
         self._finished.add(seq_id)
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
-        """Whether ``append(seq_id, <num_tokens tokens>)`` would find enough blocks."""
+        """Whether ``append(seq_id, <num_tokens tokens>)`` would find enough blocks.
+
+        Raises:
+            ValueError: ``num_tokens < 0``. ArgumentTypeError: not an int. UnknownBlockError /
+            DoubleFreeError: bad ``seq_id``.
+        """
         seq = self._seq(seq_id)
+        num_tokens = as_int("num_tokens", num_tokens)
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         cow = num_tokens > 0 and seq.num_tokens % self.block_size != 0 and \
             self.allocator.ref_count(seq.block_table[-1]) > 1
         return blocks_needed(seq.num_tokens + num_tokens, self.block_size) - len(seq.block_table) + cow \
@@ -183,9 +228,18 @@ class PagedKVCache:
         return torch.tensor(self._seq(seq_id).block_table, dtype=torch.int32, device=self.config.device)
 
     def block_tables(self, seq_ids: Iterable[int], pad: int = -1, width: int | None = None) -> torch.Tensor:
-        """``int32 [batch, width]`` block tables, ``pad``-filled (``width`` defaults to the longest table)."""
+        """``int32 [batch, width]`` block tables, ``pad``-filled (``width`` defaults to the longest table).
+
+        Raises:
+            ShapeError: ``width`` shorter than the longest table. ArgumentTypeError: ``pad`` or
+            ``width`` not an int. UnknownBlockError / DoubleFreeError: a bad sequence id.
+        """
         tables = [self._seq(s).block_table for s in seq_ids]
-        width = max((len(t) for t in tables), default=0) if width is None else width
+        pad = as_int("pad", pad)
+        longest = max((len(t) for t in tables), default=0)
+        width = longest if width is None else as_int("width", width)
+        if width < longest:
+            raise ShapeError(f"width {width} is shorter than the longest block table ({longest} entries)")
         out = torch.full((len(tables), width), pad, dtype=torch.int32)
         for row, table in enumerate(tables):
             out[row, : len(table)] = torch.tensor(table, dtype=torch.int32)

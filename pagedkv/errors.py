@@ -26,6 +26,10 @@ class DTypeMismatchError(PagedKVError, TypeError):
     """Tensors that must share a dtype do not, or a dtype is unsupported (contract: ``TypeError``)."""
 
 
+class ArgumentTypeError(PagedKVError, TypeError):
+    """An argument of the wrong kind: a float or bool where an int is required, a list where a tensor is."""
+
+
 class AllocatorError(PagedKVError, RuntimeError):
     """Base class of block-allocator errors; a failed allocator call changes no state."""
 

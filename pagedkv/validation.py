@@ -27,14 +27,14 @@ from typing import Sequence
 import torch
 
 from .config import DTYPES, blocks_needed
-from .errors import BlockIndexError, DeviceMismatchError, DTypeMismatchError, ShapeError
+from .errors import ArgumentTypeError, BlockIndexError, DeviceMismatchError, DTypeMismatchError, ShapeError
 
 TableLike = torch.Tensor | Sequence[int]
 
 
 def _check_tensor(name: str, x: object, ndim: int) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != ndim:
         raise ShapeError(f"{name} must have {ndim} dims, got shape {tuple(x.shape)}")
     return x
@@ -105,11 +105,11 @@ def normalize_block_table(block_table: TableLike, device: torch.device, name: st
             raise DeviceMismatchError(f"{name} is on {block_table.device}, the cache on {device}")
         return block_table.to(device=device, dtype=torch.int64)
     if isinstance(block_table, (str, bytes)) or not hasattr(block_table, "__iter__"):
-        raise TypeError(f"{name} must be a 1-D integer tensor or a sequence of ints, got {type(block_table).__name__}")
+        raise ArgumentTypeError(f"{name} must be a 1-D integer tensor or a sequence of ints, got {type(block_table).__name__}")
     values = []
     for i, b in enumerate(block_table):
         if isinstance(b, bool) or not hasattr(b, "__index__") or isinstance(b, torch.Tensor):
-            raise TypeError(f"{name}[{i}] must be an int, got {type(b).__name__} {b!r}")
+            raise ArgumentTypeError(f"{name}[{i}] must be an int, got {type(b).__name__} {b!r}")
         b = operator.index(b)
         if not _INT64_MIN <= b <= _INT64_MAX:
             raise BlockIndexError(f"{name}[{i}] = {b} does not fit in int64")
@@ -134,7 +134,7 @@ def _check_length(name: str, value: object) -> int:
             raise ShapeError(f"{name} must be a scalar, got shape {tuple(value.shape)}")
         value = value.item()
     if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     value = operator.index(value)
     if value < 0:
         raise ShapeError(f"{name} must be >= 0, got {value}")
@@ -255,7 +255,7 @@ def _check_scale(scale: object, head_dim: int) -> float:
             raise ShapeError(f"scale must be a number or a one-element tensor, got shape {tuple(scale.shape)}")
         scale = scale.item()
     if isinstance(scale, (bool, str, bytes)) or not isinstance(scale, (int, float)) and not hasattr(scale, "__float__"):
-        raise TypeError(f"scale must be a real number, got {type(scale).__name__} {scale!r}")
+        raise ArgumentTypeError(f"scale must be a real number, got {type(scale).__name__} {scale!r}")
     value = float(scale)
     if not math.isfinite(value):
         raise ShapeError(f"scale must be finite, got {value}")
