@@ -1,11 +1,16 @@
-"""The ``indexed`` backend: one indexing op each way, no Python loop over blocks.
+"""The ``indexed`` backend: one indexing op per contiguous piece, no Python loop over blocks.
 
 ``gather`` copies whole blocks with one ``index_select`` on the block dimension straight into the
 output (the contiguous ``block_size * num_kv_heads * head_dim`` run of each block is copied as one
-piece) and the partial last block with one more slice copy; it allocates nothing beyond the output.
-``scatter`` and ``write_kv`` write through the flat slot view of the pool with ``index_copy_``
-(one advanced-indexing write, ``kv_pool[physical_blocks, slot_indices] = K`` when the pool's block
-and slot dims cannot be flattened).
+piece) and the partial last block with one more ``index_select`` of a slot slice; it allocates
+nothing beyond the output and reads no block id back to the host.
+``scatter`` is the write twin: one ``index_copy_`` of whole blocks on the block dimension plus at
+most two ``index_copy_`` of partial blocks at the two ends of the written range. ``write_kv`` (an
+arbitrary ``slot_mapping``) writes through the flat slot view of the pool with one ``index_copy_``
+per pool (``kv_pool[physical_blocks, slot_indices] = K`` when the pool's block and slot dims cannot
+be flattened). Writes reinterpret the rows as 16-byte (or 8-byte) elements when their layout
+allows it: ``index_copy_`` copies element by element, so wider elements mean fewer of them; the bits
+moved are the same.
 
 The tutorial's literal element-wise formulation is kept as :func:`gather_kv_from_blocks_v2`.
 """
@@ -45,7 +50,8 @@ def gather(cache: torch.Tensor, block_table, seq_len: int, validate: bool = True
     if full:
         torch.index_select(cache, 0, table[:full], out=out[: full * block_size].view(full, block_size, num_kv_heads, head_dim))
     if tail:
-        out[full * block_size :] = cache[table[full], :tail]
+        torch.index_select(cache[:, :tail], 0, table[full : full + 1],
+                           out=out[full * block_size :].view(1, tail, num_kv_heads, head_dim))
     return out
 
 
@@ -60,19 +66,46 @@ def gather_kv_from_blocks_v2(cache: torch.Tensor, block_table, seq_len: int) -> 
     return cache[table[positions // cache.shape[1]], positions % cache.shape[1]]
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` with its last dim reinterpreted as 16- or 8-byte elements (same bytes), or None if impossible."""
+    for dtype, size in ((torch.complex128, 16), (torch.float64, 8)):
+        ratio = size // x.element_size()
+        if ratio > 1 and x.shape[-1] % ratio == 0:
+            try:
+                return x.view(dtype)
+            except RuntimeError:  # last dim not contiguous, or a stride / offset not divisible
+                continue
+    return None
+
+
+def _index_copy(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.index_copy_(0, index, src)``, on wide views of both when both allow one."""
+    wide_dst, wide_src = _wide(dst), _wide(src)
+    if wide_dst is not None and wide_src is not None and wide_dst.dtype == wide_src.dtype:
+        dst, src = wide_dst, wide_src
+    dst.index_copy_(0, index, src)
+
+
 def _write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
     """``cache`` viewed as ``[num_slots, H, D]`` gets ``values[i]`` at ``slots[i]`` (int64, all valid)."""
     block_size = cache.shape[1]
     try:
         flat = cache.view(-1, *cache.shape[2:])
     except RuntimeError:  # block and slot dims not mergeable (a strided view): index both dims
+        wide_cache, wide_values = _wide(cache), _wide(values)
+        if wide_cache is not None and wide_values is not None and wide_cache.dtype == wide_values.dtype:
+            cache, values = wide_cache, wide_values
         cache[slots // block_size, slots % block_size] = values
         return
-    flat.index_copy_(0, slots, values)
+    _index_copy(flat, slots, values)
 
 
 def scatter(cache: torch.Tensor, block_table, values: torch.Tensor, start: int = 0, validate: bool = True) -> None:
-    """Write ``values[j]`` to logical position ``start + j`` with one indexed write.
+    """Write ``values[j]`` to logical position ``start + j``: whole blocks with one indexed write.
+
+    The written range is cut into a partial first block, whole blocks and a partial last block;
+    each piece is one ``index_copy_`` on the block dimension (at most three calls, no per-token
+    index and no temporary copy of ``values``).
 
     Args:
         cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pool, written in place.
@@ -91,9 +124,18 @@ def scatter(cache: torch.Tensor, block_table, values: torch.Tensor, start: int =
     if n == 0:
         return
     block_size = cache.shape[1]
-    positions = torch.arange(start, start + n, device=cache.device, dtype=torch.int64)
-    slots = table[positions // block_size] * block_size + positions % block_size
-    _write_slots(cache, slots, values)
+    block, offset = divmod(start, block_size)
+    done = 0
+    if offset:  # partial first block
+        count = min(block_size - offset, n)
+        _index_copy(cache[:, offset : offset + count], table[block : block + 1], values[:count].unsqueeze(0))
+        done, block = count, block + 1
+    full = (n - done) // block_size
+    if full:
+        _index_copy(cache, table[block : block + full], values[done : done + full * block_size].unflatten(0, (full, block_size)))
+        done, block = done + full * block_size, block + full
+    if done < n:  # partial last block
+        _index_copy(cache[:, : n - done], table[block : block + 1], values[done:].unsqueeze(0))
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
