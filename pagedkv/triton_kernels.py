@@ -125,7 +125,16 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_shift)  # rescales what was accumulated under the old max
         p = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None]
+        if UPCAST:
+            acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
+        else:
+            # 16-bit tensor-core operands: P as a 16-bit head plus its rounding remainder. P rounded
+            # once errs by up to 2**-12 (float16) / 2**-9 (bfloat16) of sum(p * |v|), far above the
+            # tolerance when |v| is large and the output cancels; head + remainder carry 22 / 16 bits.
+            p_hi = p.to(v.dtype)
+            acc = tl.dot(p_hi, v, acc)
+            acc = tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v, acc)
         m_i = m_new
 
     # Every stored row saw at least key 0, so l_i > 0 there; padding rows are not stored.
@@ -178,7 +187,7 @@ def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype,
         # (their products are exact in float32).
         UPCAST=upcast,
         # float32 caches: full-precision dots, not TF32 (10-bit mantissa breaks float32 tolerance).
-        DOT_PRECISION="ieee" if upcast else "tf32",
+        DOT_PRECISION="ieee" if upcast else None,
         num_warps=4 if block_m * head_dim_pad <= 16384 else 8, num_stages=2,
     )
 
