@@ -190,7 +190,7 @@ def test_attention_matches_fp64_reference(impl, case):
     check_against_reference(IMPLS[impl], case)
 
 
-def test_attention_accepts_int64_tables_and_strided_query():
+def test_attention_accepts_int64_metadata_strided_query_and_validate_false():
     case = CASES["mixed_gqa6_bs5_d5"]
     p = materialize(case)
     wide = torch.full((p.query.shape[0], p.query.shape[1], 2 * case.head_dim), float("nan"), dtype=case.dtype,
@@ -204,6 +204,9 @@ def test_attention_accepts_int64_tables_and_strided_query():
     expected = triton_backend.paged_attention(p.query, p.k_cache, p.v_cache, p.block_tables, p.seq_lens,
                                               p.query_start_loc)
     assert_bitwise_equal(out, expected)
+    unchecked = triton_backend.paged_attention(p.query, p.k_cache, p.v_cache, p.block_tables, p.seq_lens,
+                                               p.query_start_loc, validate=False)
+    assert_bitwise_equal(unchecked, expected)
 
 
 def test_attention_validates_before_launch():
