@@ -1,0 +1,685 @@
+"""Mutation testing: faulty backends the property suite must reject, and ``python -m pagedkv mutants``.
+
+Each mutant is the ``indexed`` backend with exactly one fault that paged-KV engines have shipped:
+a class overriding one method (or one helper), whose docstring names the real fault it models. A
+suite that lets a mutant pass has a hole: strengthen the strategies or the checks, never drop the
+mutant.
+
+Load one as the implementation under test like any candidate::
+
+    pytest --pagedkv-impl=pagedkv.mutants:gqa_modulo -x
+    python -m pagedkv mutants --profile ci            # every mutant, table of results
+    python -m pagedkv mutants --only scale_ignored --via-pytest
+
+The runner drives the suite's own properties (:data:`PROPERTIES`: the check functions of
+:mod:`pagedkv.checks` with the strategies the tests draw from), then the committed regression case
+files, and stops at the first failure: the mutant is *killed*. ``--via-pytest`` runs the pytest
+suite itself against the mutant instead (slower; reports killed/survived and the saved case file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .attention import attend
+from .backends import indexed
+from .cache import PagedKVCache
+from .config import blocks_needed
+from .validation import attention_args, check_gather, check_scatter, check_write_kv, normalize_block_table
+
+
+# -- the base: the indexed backend as a class -------------------------------------------------------------
+class IndexedBackend:
+    """The ``indexed`` backend as overridable methods; ``paged_attention`` is split into
+    :meth:`context` (read one sequence's K or V) and :meth:`attend` (dense attention of its rows) so a
+    mutant changes one step. Unmutated, it is bit-identical to :mod:`pagedkv.backends.indexed`."""
+
+    name = "indexed"
+    cache_class = PagedKVCache
+
+    def gather(self, cache: torch.Tensor, block_table, seq_len: int, validate: bool = True) -> torch.Tensor:
+        """As :func:`pagedkv.backends.indexed.gather`."""
+        return indexed.gather(cache, block_table, seq_len, validate=validate)
+
+    def scatter(self, cache: torch.Tensor, block_table, values: torch.Tensor, start: int = 0,
+                validate: bool = True) -> None:
+        """As :func:`pagedkv.backends.indexed.scatter`."""
+        indexed.scatter(cache, block_table, values, start, validate=validate)
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor, validate: bool = True) -> None:
+        """As :func:`pagedkv.backends.indexed.write_kv`."""
+        indexed.write_kv(k_cache, v_cache, key, value, slot_mapping, validate=validate)
+
+    def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                        scale: float | None = None, validate: bool = True) -> torch.Tensor:
+        """As :func:`pagedkv.backends.indexed.paged_attention`: per sequence, :meth:`context` then :meth:`attend`."""
+        args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate)
+        out = torch.empty_like(query)
+        for b, seq_len in enumerate(args.seq_lens):
+            lo, hi = args.q_starts[b], args.q_starts[b + 1]
+            if hi == lo:
+                continue
+            table = self.table_row(args.block_tables, b, args.seq_lens, k_cache.shape[1])
+            key = self.context(k_cache, table, seq_len)
+            value = self.context(v_cache, table, seq_len)
+            out[lo:hi] = self.attend(query[lo:hi], key, value, args.scale, seq_len)
+        return out
+
+    # steps of paged_attention
+    def table_row(self, block_tables: torch.Tensor, b: int, seq_lens: list[int], block_size: int) -> torch.Tensor:
+        """Row ``b`` of ``block_tables`` (``int64 [batch, width]``)."""
+        return block_tables[b]
+
+    def context(self, cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """``[L, num_kv_heads, head_dim]`` keys or values of one sequence (``L == seq_len`` unmutated)."""
+        return self.gather(cache, table, seq_len, validate=False)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+               seq_len: int) -> torch.Tensor:
+        """Causal attention of the sequence's last ``q_len`` rows over ``key``/``value``."""
+        return attend(query, key, value, scale)
+
+
+def _dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, *,
+           kv_head: str = "group", causal: str = "bottom_right", stable_softmax: bool = True,
+           mask: bool = True) -> torch.Tensor:
+    """:func:`pagedkv.attention.attend` with one knob per fault (float32 math, ``[q, Hq, D]`` out).
+
+    ``kv_head``: ``"group"`` (``h // group``, right) or ``"modulo"`` (``h % num_kv_heads``).
+    ``causal``: ``"bottom_right"`` (row ``i`` at ``L - q + i``, right) or ``"top_left"`` (row ``i`` at ``i``).
+    ``stable_softmax``: subtract the row max before ``exp``. ``mask``: apply the causal mask at all.
+    """
+    q_len, num_q_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    group = num_q_heads // num_kv_heads
+    if kv_head == "group":
+        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    else:
+        key, value = key.repeat(1, group, 1), value.repeat(1, group, 1)
+    q = query.float().permute(1, 0, 2)  # [Hq, q, D]
+    k, v = key.float().permute(1, 0, 2), value.float().permute(1, 0, 2)
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scale  # [Hq, q, L]
+    length = key.shape[0]
+    if mask:
+        offset = length - q_len if causal == "bottom_right" else 0
+        rows = torch.arange(q_len, device=query.device).unsqueeze(1) + offset
+        allowed = torch.arange(length, device=query.device).unsqueeze(0) <= rows
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    if stable_softmax:
+        probs = torch.softmax(logits, dim=-1)
+    else:
+        e = torch.exp(logits)
+        probs = e / e.sum(-1, keepdim=True)
+    return torch.matmul(probs, v).permute(1, 0, 2).to(query.dtype)
+
+
+# -- the mutants ---------------------------------------------------------------------------------------
+class OffByOneLastBlock(IndexedBackend):
+    """Off by one at a block boundary: the number of whole blocks is computed as
+    ``(seq_len - 1) // block_size`` and the tail as ``seq_len % block_size``, so a sequence whose
+    length is an exact multiple of ``block_size`` never copies its last block (those rows stay zero)."""
+
+    name = "off_by_one_last_block"
+
+    def gather(self, cache, block_table, seq_len, validate=True):
+        table, seq_len = check_gather(cache, block_table, seq_len) if validate else \
+            (normalize_block_table(block_table, cache.device), seq_len)
+        bs = cache.shape[1]
+        out = cache.new_zeros((seq_len, *cache.shape[2:]))
+        full, tail = (seq_len - 1) // bs if seq_len else 0, seq_len % bs  # FAULT: loses a block at k * bs
+        if full:
+            out[: full * bs] = cache[table[:full]].flatten(0, 1)
+        if tail:
+            out[full * bs: full * bs + tail] = cache[table[full], :tail]
+        return out
+
+
+class ScatterDropsStartOffset(IndexedBackend):
+    """A write that starts inside a block loses its offset: the destination of ``values[j]`` is
+    computed from the start *block* plus ``j``, so a chunk appended at ``start % block_size != 0``
+    lands at offset 0 of its first block (overwriting earlier tokens)."""
+
+    name = "scatter_drops_start_offset"
+
+    def scatter(self, cache, block_table, values, start=0, validate=True):
+        table, start, n = check_scatter(cache, block_table, values, start) if validate else \
+            (normalize_block_table(block_table, cache.device), start, values.shape[0])
+        if n == 0:
+            return
+        bs = cache.shape[1]
+        rel = torch.arange(n, device=cache.device) + (start // bs) * bs  # FAULT: should be + start
+        cache[table[rel // bs], rel % bs] = values
+
+
+class PaddingReadAsBlock(IndexedBackend):
+    """The ``-1`` padding of ``block_tables`` read as a block: attention walks every column of the
+    table (``max_blocks_per_seq``) and only masks the logits of columns past the sequence, so the
+    block that index ``-1`` wraps to (the pool's last block, NaN/inf poison included) flows into
+    ``probs @ V`` as ``0 * NaN``; a padding value ``>= num_blocks`` reads out of bounds."""
+
+    name = "padding_read_as_block"
+
+    def paged_attention(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,
+                        validate=True):
+        args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate)
+        out = torch.empty_like(query)
+        bs = k_cache.shape[1]
+        for b, seq_len in enumerate(args.seq_lens):
+            lo, hi = args.q_starts[b], args.q_starts[b + 1]
+            if hi == lo:
+                continue
+            table = args.block_tables[b]
+            pad = table[blocks_needed(seq_len, bs):]  # FAULT: padding columns read as blocks
+            k = torch.cat((self.gather(k_cache, table, seq_len, validate=False), k_cache[pad].flatten(0, 1)))
+            v = torch.cat((self.gather(v_cache, table, seq_len, validate=False), v_cache[pad].flatten(0, 1)))
+            q = query[lo:hi]
+            group = q.shape[1] // k.shape[1]
+            kk, vv = k.repeat_interleave(group, 1).float(), v.repeat_interleave(group, 1).float()
+            logits = torch.einsum("qhd,khd->hqk", q.float(), kk) * args.scale
+            rows = torch.arange(hi - lo).unsqueeze(1) + (seq_len - (hi - lo))
+            keep = torch.arange(k.shape[0]).unsqueeze(0) <= rows
+            probs = torch.softmax(logits.masked_fill(~keep, float("-inf")), -1)
+            out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, vv).to(query.dtype)
+        return out
+
+
+class _NoCowCache(PagedKVCache):
+    """A cache manager whose ``append`` believes every block is exclusively owned."""
+
+    def append(self, seq_id, token_ids):
+        self.allocator.ref_count = lambda block: 1  # FAULT: the shared-block test always says "not shared"
+        try:
+            return super().append(seq_id, token_ids)
+        finally:
+            del self.allocator.ref_count
+
+
+class NoCopyOnWrite(IndexedBackend):
+    """A shared block written without copy-on-write: after a fork mid-block, appending to one
+    sequence writes into the partially filled block the other sequence still reads (a cache-manager
+    fault: the reference-count test before the append is skipped)."""
+
+    name = "no_copy_on_write"
+    cache_class = _NoCowCache
+
+
+class GqaModulo(IndexedBackend):
+    """GQA head mapping ``h % num_kv_heads`` instead of ``h // (num_q_heads // num_kv_heads)``
+    (K/V expanded with ``repeat`` where ``repeat_interleave`` was meant)."""
+
+    name = "gqa_modulo"
+
+    def attend(self, query, key, value, scale, seq_len):
+        return _dense(query, key, value, scale, kv_head="modulo")
+
+
+class CausalTopLeft(IndexedBackend):
+    """A wrong causal offset for a cached prefix: the mask is aligned top-left (row ``i`` sees
+    positions ``<= i``) instead of bottom-right (``<= seq_len - q_len + i``), so prefill over a
+    cached prefix (and decode) ignores the prefix (flash-attn changed this alignment in 2.1)."""
+
+    name = "causal_top_left"
+
+    def attend(self, query, key, value, scale, seq_len):
+        return _dense(query, key, value, scale, causal="top_left")
+
+
+class TailUnmasked(IndexedBackend):
+    """The tail of the last block is not masked: the decode path (``q_len == 1``) reads whole
+    blocks and attends to every slot of them, positions ``>= seq_len`` (poison, stale tokens) included."""
+
+    name = "tail_unmasked"
+
+    def paged_attention(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,
+                        validate=True):
+        args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate)
+        out = torch.empty_like(query)
+        bs = k_cache.shape[1]
+        for b, seq_len in enumerate(args.seq_lens):
+            lo, hi = args.q_starts[b], args.q_starts[b + 1]
+            if hi == lo:
+                continue
+            table = args.block_tables[b]
+            if hi - lo == 1:  # FAULT: decode reads ceil(seq_len / bs) whole blocks, no seq_len mask
+                blocks = table[: blocks_needed(seq_len, bs)]
+                k, v = k_cache[blocks].flatten(0, 1), v_cache[blocks].flatten(0, 1)
+                out[lo:hi] = _dense(query[lo:hi], k, v, args.scale, mask=False)
+            else:
+                out[lo:hi] = attend(query[lo:hi], self.gather(k_cache, table, seq_len, validate=False),
+                                    self.gather(v_cache, table, seq_len, validate=False), args.scale)
+        return out
+
+
+class ScaleIgnored(IndexedBackend):
+    """An explicit ``scale`` ignored: the kernel always uses ``1 / sqrt(head_dim)``."""
+
+    name = "scale_ignored"
+
+    def attend(self, query, key, value, scale, seq_len):
+        return attend(query, key, value, 1.0 / math.sqrt(query.shape[-1]))  # FAULT: scale dropped
+
+
+class SoftmaxNoMax(IndexedBackend):
+    """Softmax without max subtraction: ``exp(logits) / sum(exp(logits))`` overflows to ``inf / inf``
+    (NaN) once a logit passes ~88 in float32."""
+
+    name = "softmax_no_max"
+
+    def attend(self, query, key, value, scale, seq_len):
+        return _dense(query, key, value, scale, stable_softmax=False)
+
+
+class BatchStride(IndexedBackend):
+    """A batch stride bug: the kernel indexes the flattened ``block_tables`` with a row stride of
+    ``ceil(max(seq_lens) / block_size)`` (the blocks the longest sequence needs) instead of the
+    tensor's real row stride, so every sequence after the first reads another row's blocks when the
+    table is wider than that."""
+
+    name = "batch_stride"
+
+    def table_row(self, block_tables, b, seq_lens, block_size):
+        stride = max(blocks_needed(n, block_size) for n in seq_lens)  # FAULT: should be block_tables.stride(0)
+        flat = block_tables.reshape(-1)
+        row = flat[b * stride: b * stride + block_tables.shape[1]]
+        return torch.cat((row, row.new_full((block_tables.shape[1] - row.numel(),), -1)))
+
+
+class Float32SlotGather(IndexedBackend):
+    """Index arithmetic in float32: the gather computes each token's flat slot
+    ``block * block_size + offset`` in float32, exact only below 2**24 slots; on a larger pool tokens
+    are read from a neighbouring slot."""
+
+    name = "float32_slot_gather"
+
+    def gather(self, cache, block_table, seq_len, validate=True):
+        table, seq_len = check_gather(cache, block_table, seq_len) if validate else \
+            (normalize_block_table(block_table, cache.device), seq_len)
+        bs = cache.shape[1]
+        pos = torch.arange(seq_len, device=cache.device)
+        slots = (table[pos // bs].float() * bs + (pos % bs).float()).long()  # FAULT: float32 slots
+        return cache[slots // bs, slots % bs]
+
+
+class Float32SlotMapping(IndexedBackend):
+    """``slot_mapping`` routed through a float32 tensor (a ``torch.where`` with a float fill): slots
+    past 2**24 round to a neighbour, so ``write_kv`` writes tokens to the wrong slots on large pools."""
+
+    name = "float32_slot_mapping"
+
+    def write_kv(self, k_cache, v_cache, key, value, slot_mapping, validate=True):
+        if validate:
+            check_write_kv(k_cache, v_cache, key, value, slot_mapping)
+        slots = torch.where(slot_mapping >= 0, slot_mapping.float(), -1.0).long()  # FAULT: float32 round trip
+        indexed.write_kv(k_cache, v_cache, key, value, slots, validate=False)
+
+
+class ScatterClobbersBlock(IndexedBackend):
+    """Slots outside the write clobbered: the scatter stages whole blocks in a zero-filled buffer and
+    copies them back, so the slots before ``start`` in the first block and after the last written
+    position in the last block are zeroed."""
+
+    name = "scatter_clobbers_block"
+
+    def scatter(self, cache, block_table, values, start=0, validate=True):
+        table, start, n = check_scatter(cache, block_table, values, start) if validate else \
+            (normalize_block_table(block_table, cache.device), start, values.shape[0])
+        if n == 0:
+            return
+        bs = cache.shape[1]
+        first, last = start // bs, blocks_needed(start + n, bs)
+        staging = cache.new_zeros(((last - first) * bs, *cache.shape[2:]))  # FAULT: not read back first
+        staging[start - first * bs: start - first * bs + n] = values
+        cache[table[first:last]] = staging.view(last - first, bs, *cache.shape[2:])
+
+
+class NegativeSlotWritten(IndexedBackend):
+    """Padding tokens written: ``write_kv`` does not skip negative ``slot_mapping`` entries, and slot
+    ``-1`` wraps to the pool's last slot."""
+
+    name = "negative_slot_written"
+
+    def write_kv(self, k_cache, v_cache, key, value, slot_mapping, validate=True):
+        if validate:
+            check_write_kv(k_cache, v_cache, key, value, slot_mapping)
+        slots = slot_mapping.to(torch.int64)
+        bs = k_cache.shape[1]  # FAULT: no `slots >= 0` filter
+        k_cache[slots // bs, slots % bs] = key
+        v_cache[slots // bs, slots % bs] = value
+
+
+#: name -> mutant class (``pagedkv.mutants:NAME`` loads an instance).
+MUTANTS: dict[str, type[IndexedBackend]] = {cls.name: cls for cls in (
+    OffByOneLastBlock, ScatterDropsStartOffset, PaddingReadAsBlock, NoCopyOnWrite, GqaModulo, CausalTopLeft,
+    TailUnmasked, ScaleIgnored, SoftmaxNoMax, BatchStride, Float32SlotGather, Float32SlotMapping,
+    ScatterClobbersBlock, NegativeSlotWritten)}
+
+for _name, _cls in MUTANTS.items():
+    globals()[_name] = _cls()  # module-level instances: --pagedkv-impl=pagedkv.mutants:gqa_modulo
+
+
+# -- the properties the suite runs -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Property:
+    """One property of the suite: a :mod:`pagedkv.checks` function, the strategy the test draws from
+    (built lazily: the library does not need Hypothesis), and the test that runs it."""
+
+    name: str
+    run: Callable[[Any, Any, str], None]  # (backend, case, device)
+    strategy: Callable[[], Any]
+    test: str
+
+
+def _properties() -> list[Property]:
+    from . import checks
+    from .backends import get_backend
+    import strategies as s
+
+    def mixed(**kw):
+        return lambda: s.cases(**kw) | s.fragmented_cases()
+
+    props = [
+        Property("gather", checks.gather_matches_definition, mixed(),
+                 "test_data_movement.py::test_gather_returns_exactly_what_each_slot_holds"),
+        Property("scatter", checks.scatter_round_trip, mixed(repeats=False),
+                 "test_data_movement.py::test_scatter_then_gather_round_trips_and_touches_no_other_slot"),
+        Property("write_kv", checks.write_kv_matches_definition, mixed(repeats=False),
+                 "test_data_movement.py::test_write_kv_lands_at_slot_mapping_and_skips_negative_slots"),
+        Property("agree_with_indexed", lambda b, c, d: checks.backends_agree(get_backend("indexed"), b, c, d), mixed(),
+                 "test_data_movement.py::test_every_pair_of_backends_agrees"),
+        Property("attention", checks.attention_matches_reference, mixed(),
+                 "test_attention.py::test_paged_attention_matches_fp64_dense_reference"),
+        Property("alone_in_batch", checks.alone_equals_in_batch, lambda: s.cases(max_seqs=4),
+                 "test_attention.py::test_a_request_alone_equals_the_same_request_in_a_batch"),
+        Property("decode_prefill", checks.decode_matches_prefill, lambda: s.cases(max_seqs=2, max_q_len=6),
+                 "test_attention.py::test_decoding_token_by_token_equals_one_prefill_and_chunked_prefill"),
+        Property("sharing", checks.sharing_isolated, lambda: s.scenarios(),
+                 "test_sharing.py::test_every_live_sequence_reads_only_its_own_tokens"),
+        Property("prefix_cache", checks.prefix_cache_transparent, lambda: s.scenarios(constant_hash=False),
+                 "test_sharing.py::test_prefix_caching_changes_no_output"),
+    ]
+    for t in sorted(checks.TRANSFORMS):
+        props.append(Property(f"invariant[{t}]", lambda b, c, d, t=t: checks.invariant_under(b, c, t, d),
+                              lambda: s.cases(), f"test_attention.py::test_outputs_are_bit_identical_under[{t}]"))
+    for name, fn in (("gather", checks.gather_matches_definition), ("scatter", checks.scatter_round_trip),
+                     ("write_kv", checks.write_kv_matches_definition)):
+        props.append(Property(f"large_pool_{name}", fn, lambda: s.large_pool_cases(),
+                              f"test_large_pool.py::test_large_pool_{name}"))
+    return props
+
+
+def properties() -> dict[str, Property]:
+    """The suite's properties by name (needs Hypothesis and the ``strategies`` package)."""
+    return {p.name: p for p in _properties()}
+
+
+#: The properties that should kill each mutant first (the runner tries these, then all the others).
+TARGETS: dict[str, tuple[str, ...]] = {
+    "off_by_one_last_block": ("gather",),
+    "scatter_drops_start_offset": ("scatter",),
+    "padding_read_as_block": ("attention",),
+    "no_copy_on_write": ("sharing",),
+    "gqa_modulo": ("attention",),
+    "causal_top_left": ("attention",),
+    "tail_unmasked": ("attention",),
+    "scale_ignored": ("attention",),
+    "softmax_no_max": ("attention",),
+    "batch_stride": ("attention", "invariant[batch_order]"),
+    "float32_slot_gather": ("large_pool_gather",),
+    "float32_slot_mapping": ("large_pool_write_kv",),
+    "scatter_clobbers_block": ("scatter",),
+    "negative_slot_written": ("write_kv",),
+}
+
+
+# -- the runner -----------------------------------------------------------------------------------------
+@dataclass
+class Result:
+    """Outcome of running the suite against one mutant."""
+
+    mutant: str
+    killed: bool = False
+    killed_by: str = ""  # property name, "regression FILE" or "pytest"
+    examples: int = 0  # examples run until the first failure (or in total, when it survived)
+    seconds: float = 0.0
+    case: str = ""  # the shrunk failing case (repr)
+    error: str = ""  # first line of the failure
+    ran: list[str] = field(default_factory=list)
+
+
+def hypothesis_settings(profile: str, *, shrink: bool = True):
+    """The suite's Hypothesis profile ``profile`` (``dev``, ``ci``, ``gpu``, ``nightly``, ``repro``).
+
+    Uses the profile registered by the suite's ``conftest.py`` when it is loaded (under pytest);
+    otherwise registers the same values here. Example databases are off for mutants (a mutant's
+    failures must not be replayed against the real backends).
+    """
+    from hypothesis import HealthCheck, Phase, settings
+
+    try:
+        base = settings.get_profile(profile)
+    except Exception:
+        common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+        known = {"dev": dict(max_examples=25), "ci": dict(max_examples=40, derandomize=True),
+                 "gpu": dict(max_examples=200, derandomize=True), "nightly": dict(max_examples=2000),
+                 "repro": dict(max_examples=200)}
+        if profile not in known:
+            raise ValueError(f"unknown Hypothesis profile {profile!r}; choose one of {sorted(known)}") from None
+        base = settings(**known[profile], **common)
+    phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
+    return settings(base, database=None, print_blob=False, verbosity=base.verbosity.quiet, phases=phases,
+                    report_multiple_bugs=False)
+
+
+def run_property(backend: Any, prop: Property, profile: str = "ci", device: str = "cpu", *,
+                 shrink: bool = True) -> tuple[bool, int, str, str]:
+    """Run one property against ``backend`` with Hypothesis under ``profile`` (``shrink=False``: stop at
+    the first failing example).
+
+    Returns:
+        ``(failed, examples_until_first_failure_or_total, shrunk_case_repr, error_first_line)``.
+        A backend lacking the op passes (the suite would skip).
+    """
+    from hypothesis import given
+
+    from .checks import MissingOp
+
+    state = {"calls": 0, "first": 0, "last": None}
+
+    @hypothesis_settings(profile, shrink=shrink)
+    @given(prop.strategy())
+    def body(case):
+        state["calls"] += 1
+        try:
+            prop.run(backend, case, device)
+        except MissingOp:
+            return
+        except Exception:
+            state["first"] = state["first"] or state["calls"]
+            state["last"] = case
+            raise
+
+    try:
+        body()
+    except Exception as exc:  # the shrunk example's failure
+        msg = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        return True, state["first"], brief(state["last"]), f"{type(exc).__name__}: {msg}"
+    return False, state["calls"], "", ""
+
+
+def regression_files(root: Path | None = None) -> list[Path]:
+    """The committed regression case files (``tests/regressions/*.json``)."""
+    root = root or Path(__file__).resolve().parent.parent / "tests" / "regressions"
+    return sorted(root.glob("*.json"))
+
+
+def run_mutant(name: str, profile: str = "ci", device: str = "cpu", *, only_targets: bool = False,
+               regressions: bool = True, shrink: bool = True) -> Result:
+    """Run the suite's properties (targets first) and the regression files against mutant ``name``,
+    stopping at the first failure.
+
+    Raises:
+        KeyError: unknown mutant name.
+    """
+    from .checks import MissingOp, load_failure, run_record
+
+    backend = MUTANTS[name]()
+    props = properties()
+    order = list(TARGETS.get(name, ()))
+    if not only_targets:
+        order += [p for p in props if p not in order]
+    result = Result(name)
+    t0 = time.perf_counter()
+    for pname in order:
+        result.ran.append(pname)
+        failed, n, case, error = run_property(backend, props[pname], profile, device, shrink=shrink)
+        result.examples += n
+        if failed:
+            result.killed, result.killed_by, result.case, result.error = True, pname, case, error
+            break
+    if not result.killed and regressions:
+        for path in regression_files():
+            record = load_failure(path)
+            result.examples += 1
+            try:
+                run_record(record, backend, device)
+            except MissingOp:
+                continue
+            except Exception as exc:
+                result.killed, result.killed_by, result.case = True, f"regression {path.name}", brief(record["case"])
+                result.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                break
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def run_mutant_via_pytest(name: str, profile: str = "ci", extra: list[str] | None = None) -> Result:
+    """Run the pytest suite (``tests/``) against mutant ``name`` in a subprocess, ``-x``: killed when any
+    test fails. The case file the suite saved is reported as the case."""
+    import json
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parent.parent
+    result = Result(name, killed_by="pytest")
+    with tempfile.TemporaryDirectory() as failures:
+        env = {**os.environ, "PAGEDKV_PROFILE": profile, "PAGEDKV_FAILURE_DIR": failures,
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+        env.pop("PAGEDKV_IMPL", None)
+        cmd = [sys.executable, "-m", "pytest", str(root / "tests"), f"--pagedkv-impl=pagedkv.mutants:{name}",
+               "-x", "-q", "-p", "no:cacheprovider", *(extra or [])]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+        result.seconds = time.perf_counter() - t0
+        result.killed = proc.returncode == 1
+        if proc.returncode not in (0, 1, 5):
+            result.error = f"pytest exited {proc.returncode}: {proc.stdout[-400:]}{proc.stderr[-400:]}"
+        saved = sorted(Path(failures).glob("*.json"))
+        if saved:
+            record = json.loads(saved[0].read_text())
+            result.killed_by = f"pytest {record.get('check')}"
+            result.case, result.error = json.dumps(record["case"]), record.get("error", "")
+    return result
+
+
+def brief(case: Any) -> str:
+    """A one-line summary of a :class:`~pagedkv.cases.Case` or :class:`~pagedkv.cases.CacheScenario`:
+    geometry as ``nb/bs/kvh/d/g dtype``, then sequences (``table:len/q_len@start``) or ops, then the
+    non-default fields. ``repr(case)`` remains the exact, replayable form."""
+    from .cases import CacheScenario, Case
+
+    if not isinstance(case, (Case, CacheScenario)):
+        return repr(case)
+    g = case.geometry
+    text = (f"nb={g.num_blocks} bs={g.block_size} kvh={g.num_kv_heads} d={g.head_dim} "
+            f"g={g.num_queries_per_kv} {g.dtype}")
+    if isinstance(case, Case):
+        seqs = " ".join(f"{list(s.block_table)}:{s.seq_len}/{s.q_len}@{s.start}" for s in case.seqs)
+        defaults = Case(g, ())
+        extras = [f"{f}={getattr(case, f)!r}" for f in ("values", "poison", "pad_value", "pad_columns", "table_dtype",
+                                                          "layout", "scale", "seed")
+                  if getattr(case, f) != getattr(defaults, f)]
+        return f"{text} seqs {seqs} " + " ".join(extras)
+    ops = "; ".join(" ".join(str(list(x)) if isinstance(x, tuple) else str(x) for x in op) for op in case.ops)
+    return f"{text} ops {ops} prefix_caching={case.enable_prefix_caching} constant_hash={case.constant_hash}"
+
+
+def _short(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def format_table(results: list[Result], case_width: int = 90) -> str:
+    """The results as a fixed-width text table."""
+    header = f"{'mutant':<28} {'result':<9} {'killed by':<26} {'examples':>8} {'time':>7}  shrunk case"
+    lines = [header, "-" * len(header)]
+    for r in results:
+        lines.append(f"{r.mutant:<28} {'killed' if r.killed else 'SURVIVED':<9} {_short(r.killed_by, 26):<26} "
+                     f"{r.examples:>8} {r.seconds:>6.1f}s  {_short(r.case, case_width)}")
+    killed = sum(r.killed for r in results)
+    lines.append(f"{killed}/{len(results)} mutants killed")
+    return "\n".join(lines)
+
+
+def _worker(args: tuple) -> Result:
+    name, profile, device, only_targets, via_pytest, shrink = args
+    torch.set_num_threads(1)
+    if via_pytest:
+        return run_mutant_via_pytest(name, profile)
+    return run_mutant(name, profile, device, only_targets=only_targets, shrink=shrink)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``mutants``."""
+    parser = subparsers.add_parser(
+        "mutants", help="run the property suite against faulty backends and report which it kills",
+        description="Run the property suite against each shipped faulty backend (pagedkv.mutants) and print, per "
+                    "mutant: killed or survived, the property that killed it, examples until the first failure, "
+                    "time and the shrunk case. Exit status 1 when a mutant survives.")
+    parser.add_argument("--profile", default="ci", choices=("dev", "ci", "gpu", "nightly", "repro"),
+                        help="Hypothesis profile (default: ci, derandomized)")
+    parser.add_argument("--only", action="append", metavar="NAME", choices=sorted(MUTANTS),
+                        help="run only this mutant (repeatable); choices: %(choices)s")
+    parser.add_argument("--jobs", "-j", type=int, default=1, metavar="N", help="mutants run in parallel (processes)")
+    parser.add_argument("--device", default="cpu", help="device for the tensors (default: cpu)")
+    parser.add_argument("--targets-only", action="store_true",
+                        help="run only the properties each mutant targets (faster, less thorough)")
+    parser.add_argument("--no-shrink", action="store_true",
+                        help="report the first failing example instead of shrinking it (faster)")
+    parser.add_argument("--via-pytest", action="store_true",
+                        help="run the pytest suite in a subprocess per mutant instead of the properties in-process")
+    parser.add_argument("--list", action="store_true", help="list the mutants and the faults they model, then exit")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """``python -m pagedkv mutants``: 0 when every mutant run is killed, 1 otherwise."""
+    if args.list:
+        for name, cls in MUTANTS.items():
+            print(f"{name}: {' '.join(cls.__doc__.split())}")
+        return 0
+    names = args.only or list(MUTANTS)
+    work = [(n, args.profile, args.device, args.targets_only, args.via_pytest, not args.no_shrink) for n in names]
+    if args.jobs > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(_worker, work))
+    else:
+        results = [_worker(w) for w in work]
+    print(format_table(results))
+    for r in results:
+        if r.killed and r.error:
+            print(f"  {r.mutant}: {_short(r.error, 160)}")
+    return 0 if all(r.killed for r in results) else 1
