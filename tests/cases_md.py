@@ -1,0 +1,22 @@
+"""The concrete cases of the project's case list (C1-C9) as plain data, shared by the tests."""
+
+from pagedkv.cases import CacheScenario, Case, Geometry, SeqSpec
+
+# C1: a prompt whose cached prefix is exactly one block (and one token short of / past one block).
+C1 = [CacheScenario(Geometry(8, 16, 1, 4), (("add", 0, tuple(range(n))), ("add", 1, tuple(range(n)) + (90, 91, 92, 93, 94))))
+      for n in (16, 15, 17)]
+# C2: a 6-token sequence forked mid-block (block_size 4); both append 3 different tokens.
+C2 = CacheScenario(Geometry(8, 4, 1, 4), (("add", 0, (1, 2, 3, 4, 5, 6)), ("fork", 0, 1), ("append", 0, (7, 7, 7)),
+                                          ("append", 1, (9, 9, 9))))
+# C4: a hash function that collides for every block: lookups must still compare tokens.
+C4 = CacheScenario(Geometry(8, 2, 1, 2), (("add", 0, (1, 2, 3, 4, 5)), ("add", 1, (1, 2, 6, 6, 5)),
+                                          ("add", 2, (7, 7, 3, 4, 5))), constant_hash=True)
+# C5: an empty sequence in the middle of a batch.
+C5 = Case(Geometry(6, 4, 2, 4), (SeqSpec((0, 1), 5, 1), SeqSpec((), 0, 0), SeqSpec((2, 3), 7, 1)))
+# C6: half of a 128-token block used; the other half is NaN.
+C6 = Case(Geometry(2, 128, 1, 8), (SeqSpec((1,), 64, 1, 5),), poison="nan")
+# C7: GQA groups 6 (12 query heads over 2 kv heads), 3, 5, 7.
+C7 = [Case(Geometry(4, 4, 2, 8, num_queries_per_kv=g), (SeqSpec((2, 0), 7, 3),)) for g in (6, 3, 5, 7)]
+# C8: three requests, lengths 5, 13, 2, block_size 4.
+C8 = Case(Geometry(8, 4, 2, 4, num_queries_per_kv=2), (SeqSpec((6, 1), 5, 2, 3), SeqSpec((0, 4, 2, 7), 13, 1, 12),
+                                                       SeqSpec((5,), 2, 2, 1)))

@@ -1,0 +1,87 @@
+"""Property 5 and cases C1-C4: forks, copy-on-write and prefix caching never leak one sequence into another."""
+
+import pytest
+from hypothesis import example, given
+
+from pagedkv import DoubleFreeError, UnknownBlockError, checks
+from pagedkv.allocator import BlockAllocator
+from pagedkv.cache import PagedKVCache
+from pagedkv.config import CacheConfig
+from strategies import scenarios
+from cases_md import C1, C2, C4
+
+
+@given(scenario=scenarios())
+@example(scenario=C2)
+@example(scenario=C4)
+@example(scenario=C1[0])
+def test_every_live_sequence_reads_only_its_own_tokens(check, backend, device, scenario):
+    check(checks.sharing_isolated, backend, scenario, device)
+
+
+@given(scenario=scenarios(constant_hash=False))
+@example(scenario=C1[0])
+@example(scenario=C1[1])
+@example(scenario=C1[2])
+@example(scenario=C4)
+def test_prefix_caching_changes_no_output(check, backend, device, scenario):
+    check(checks.prefix_cache_transparent, backend, scenario, device)
+
+
+@pytest.mark.parametrize("prefix, hit", [(16, 16), (15, 0), (17, 16)])
+def test_c1_prefix_on_a_block_boundary_is_served_from_the_cache(prefix, hit):
+    cache = PagedKVCache(CacheConfig(8, 16, 1, 4))
+    cache.append(0, list(range(prefix))) if cache.add_sequence(0, list(range(prefix))) == 0 else None
+    assert cache.add_sequence(1, list(range(prefix)) + [90, 91, 92, 93, 94]) == hit
+    assert cache.block_table(1)[: hit // 16].tolist() == cache.block_table(0)[: hit // 16].tolist()
+
+
+def test_c2_appending_to_a_shared_partial_block_copies_it_first():
+    cache = PagedKVCache(CacheConfig(8, 4, 1, 4))
+    cache.add_sequence(0, [1, 2, 3, 4, 5, 6])
+    cache.append(0, [1, 2, 3, 4, 5, 6])
+    cache.fork(0, 1)
+    shared_tail = int(cache.block_table(0)[1])
+    slots_1 = cache.append(1, [9, 9, 9])
+    assert int(cache.block_table(1)[1]) != shared_tail and int(cache.block_table(0)[1]) == shared_tail
+    assert cache.num_cow_copies == 1
+    assert not set(slots_1.tolist()) & {shared_tail * 4 + o for o in range(4)}
+    cache.check_invariants()
+
+
+def test_c3_a_block_freed_twice_raises_and_changes_nothing():
+    allocator = BlockAllocator(4, 2)
+    (block,) = allocator.allocate(1)
+    allocator.free(block)
+    before = (allocator.num_free, list(allocator._free), list(allocator._ref))
+    with pytest.raises(DoubleFreeError, match=f"block {block}"):
+        allocator.free(block)
+    assert (allocator.num_free, list(allocator._free), list(allocator._ref)) == before
+    assert len(set(allocator._free)) == len(allocator._free)
+    allocator.check_invariants()
+
+
+def test_c3_a_forked_child_freed_twice_raises_and_changes_nothing():
+    cache = PagedKVCache(CacheConfig(4, 2, 1, 1))
+    cache.add_sequence(0, [1, 2, 3])
+    cache.append(0, [1, 2, 3])
+    cache.fork(0, 1)
+    cache.free(1)
+    refs = [cache.allocator.ref_count(b) for b in range(4)]
+    with pytest.raises(DoubleFreeError, match="sequence 1"):
+        cache.free(1)
+    assert [cache.allocator.ref_count(b) for b in range(4)] == refs
+    cache.check_invariants()
+    with pytest.raises(UnknownBlockError):
+        cache.free(7)
+
+
+def test_c4_a_colliding_hash_hits_only_on_equal_tokens():
+    allocator = BlockAllocator(8, 2, hash_fn=lambda parent, tokens: 0)
+    first = allocator.allocate(2)
+    allocator.cache_full_block(first[0], [1, 2])
+    allocator.cache_full_block(first[1], [1, 2, 3, 4])
+    assert allocator.find_cached_prefix([1, 2, 3, 4]) == first
+    assert allocator.find_cached_prefix([1, 2, 6, 6]) == first[:1]
+    assert allocator.find_cached_prefix([9, 9, 3, 4]) == []
+    assert allocator.find_cached_prefix([3, 4]) == []
