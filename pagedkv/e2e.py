@@ -258,20 +258,28 @@ def model_geometry(model: torch.nn.Module) -> tuple[int, int, int]:
 # -- the scenario -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Request:
-    """One generation request: prompt token ids, the step it arrives at, how many tokens to generate."""
+    """One generation request: prompt token ids, the step it arrives at, how many tokens to generate.
+
+    With ``fork_of`` set, the request forks that (running) request once its prompt is done: it
+    shares every token the parent has in the cache (``PagedKVCache.fork``, nothing recomputed or
+    copied) and continues with ``prompt`` as its own suffix, so its full prompt is the parent's
+    cached tokens followed by ``prompt``. A fork in the middle of a block makes the first append
+    (parent's or child's) copy that block (copy-on-write).
+    """
 
     seq_id: int
     prompt: tuple[int, ...]
     arrival: int
     max_new_tokens: int
+    fork_of: int | None = None
 
 
-def make_scenario(*, seed: int = 0, num_requests: int = 8, decode_steps: int = 32, block_size: int = 8,
+def make_scenario(*, seed: int = 0, num_requests: int = 9, decode_steps: int = 32, block_size: int = 8,
                   vocab_size: int = 256) -> list[Request]:
     """Requests that exercise prefix hits, block-boundary lengths, chunked prefill and staggered decode.
 
     With ``bs = block_size`` and a shared prefix ``S`` of ``2 * bs + bs // 2 + 1`` tokens (more than
-    two blocks, not block aligned), the first eight requests are:
+    two blocks, not block aligned), the first nine requests are:
 
     ====  =========================  =======  =============================================
     id    prompt                     arrives  why
@@ -282,8 +290,10 @@ def make_scenario(*, seed: int = 0, num_requests: int = 8, decode_steps: int = 3
     3     bs - 1 tokens              2        one short of a block
     4     bs tokens                  3        exactly one block
     5     bs + 1 tokens              4        one past a block
-    6     S + 1 token                7        hit on blocks freed with request 0 (still cached)
-    7     request 1's prompt         9        identical prompt: hit on every full block
+    6     request 5's tokens         6        fork of request 5 after its prompt (mid-block):
+          + bs // 2 + 2 tokens                copy-on-write of the shared partial block
+    7     S + 1 token                7        hit on blocks freed with request 0 (still cached)
+    8     request 1's prompt         9        identical prompt: hit on every full block
     ====  =========================  =======  =============================================
 
     Further requests get random lengths in ``[1, 4 * bs]``. ``max_new_tokens`` varies around
@@ -313,19 +323,22 @@ def make_scenario(*, seed: int = 0, num_requests: int = 8, decode_steps: int = 3
         (tokens(5 * bs + 3), 0, max(1, decode_steps - 5)),
         (tokens(max(bs - 1, 1)), 2, max(1, decode_steps - 2)),
         (tokens(bs), 3, max(1, decode_steps // 2)),
-        (tokens(bs + 1), 4, decode_steps),
+        (tokens(bs + 1), 4, max(3, decode_steps)),
+        (tokens(bs // 2 + 2), 6, max(1, decode_steps - 4), 5),
         (shared + tokens(1), 7, max(1, decode_steps - 7)),
         (prompt1, 9, max(1, decode_steps // 3)),
     ]
     requests = []
     for i in range(num_requests):
         if i < len(templates):
-            prompt, arrival, new = templates[i]
+            prompt, arrival, new, *fork_of = templates[i]
         else:
             length = int(torch.randint(1, 4 * bs + 1, (1,), generator=gen))
-            prompt, arrival = tokens(length), int(torch.randint(0, 12, (1,), generator=gen))
+            prompt, arrival, fork_of = tokens(length), int(torch.randint(0, 12, (1,), generator=gen)), []
             new = int(torch.randint(1, decode_steps + 1, (1,), generator=gen))
-        requests.append(Request(i, prompt, arrival, new))
+        if fork_of and fork_of[0] >= num_requests:
+            fork_of = []
+        requests.append(Request(i, prompt, arrival, new, fork_of[0] if fork_of else None))
     return requests
 
 
@@ -334,12 +347,14 @@ class RequestResult:
     """What the paged run produced for one request.
 
     Attributes:
+        prompt: the full prompt (for a fork: the parent's tokens at the fork, then ``request.prompt``).
         logits: ``{position: float32 [vocab]}`` (on the CPU) for every position the model computed.
-        cached_tokens: prompt tokens served from the prefix cache (not recomputed).
+        cached_tokens: prompt tokens not computed for this request (prefix-cache hit, or shared by a fork).
         prefill_chunks: model calls that carried part of this request's prompt.
     """
 
     request: Request
+    prompt: tuple[int, ...] = ()
     generated: list[int] = field(default_factory=list)
     logits: dict[int, torch.Tensor] = field(default_factory=dict)
     cached_tokens: int = 0
@@ -359,6 +374,9 @@ class PagedEngine:
         chunk_size: most prompt tokens one request prefills per step (chunked prefill).
         fragment: allocate and free dummy sequences first, so blocks come from a scrambled free list.
         poison: fill the pools with NaN first, so a read of an unowned slot poisons the logits.
+
+    The cache is ``backend.cache_class(config)`` when the backend ships its own cache manager (a
+    :class:`PagedKVCache` subclass), else :class:`PagedKVCache`.
     """
 
     def __init__(self, model: torch.nn.Module, backend: Any, *, block_size: int = 8, num_blocks: int | None = None,
@@ -376,8 +394,26 @@ class PagedEngine:
         self.poison = poison
         self.seed = seed
         self.cache = None
+        self.table_width = 0
         self.steps = 0
+        self.steps_done = 0  # steps completed so far (for error reports)
         self.tokens_computed = 0
+
+    @staticmethod
+    def max_tokens(requests: Sequence[Request]) -> dict[int, int]:
+        """``{seq_id: most tokens the sequence can hold}`` (a fork adds its parent's bound)."""
+        by_id = {r.seq_id: r for r in requests}
+        bound: dict[int, int] = {}
+
+        def total(r: Request) -> int:
+            if r.seq_id not in bound:
+                parent = total(by_id[r.fork_of]) if r.fork_of is not None else 0
+                bound[r.seq_id] = parent + len(r.prompt) + r.max_new_tokens
+            return bound[r.seq_id]
+
+        for r in requests:
+            total(r)
+        return bound
 
     def _make_cache(self, requests: Sequence[Request]):
         from .cache import PagedKVCache
@@ -388,13 +424,18 @@ class PagedEngine:
         bs = self.block_size
         gen = torch.Generator().manual_seed(self.seed + 1)
         dummies = [int(torch.randint(1, 3 * bs + 1, (1,), generator=gen)) for _ in range(6)] if self.fragment else []
+        bounds = self.max_tokens(requests)
         num_blocks = self.num_blocks
         if num_blocks is None:
-            need = sum(blocks_needed(len(r.prompt) + r.max_new_tokens, bs) for r in requests)
+            need = sum(blocks_needed(n, bs) + 1 for n in bounds.values())  # + 1: a copy-on-write copy
             num_blocks = need + sum(blocks_needed(n, bs) for n in dummies) + 2
+        # Block tables are padded to one fixed width for the whole run (vLLM's max_num_blocks_per_req),
+        # not to the longest table of the step.
+        self.table_width = max((blocks_needed(n, bs) for n in bounds.values()), default=1)
         config = CacheConfig(num_blocks=num_blocks, block_size=bs, num_kv_heads=num_kv_heads, head_dim=head_dim,
                              dtype=param.dtype, device=str(param.device), num_layers=num_layers)
-        cache = PagedKVCache(config)
+        cache_class = getattr(self.backend, "cache_class", None) or PagedKVCache  # a backend's own cache manager
+        cache = cache_class(config)
         if self.poison:
             cache.kv.fill_(float("nan"))
         # Earlier traffic: dummies allocated in turn, every other one freed (their full blocks stay
@@ -411,31 +452,54 @@ class PagedEngine:
     def run(self, requests: Sequence[Request], max_steps: int = 100_000) -> dict[int, RequestResult]:
         """Serve ``requests`` to completion (greedy decoding); returns ``{seq_id: RequestResult}``.
 
+        Each step: admit arrived requests (``add_sequence`` with its prefix-cache lookup, or ``fork``
+        once the parent's prompt is done), give every running request its next prompt chunk (at
+        most ``chunk_size`` tokens) or its last generated token, ``append`` them, run the model once
+        on the packed batch, sample greedily where a prompt is complete, free finished requests.
+
         Raises:
-            ValueError: duplicate seq ids or negative ids (reserved for the dummies), an empty prompt.
+            ValueError: duplicate or negative seq ids (negative ids are the dummies), an empty prompt
+                (allowed only for a fork), ``max_new_tokens < 1``, or a fork whose parent is unknown
+                or finished before the fork could happen.
             OutOfBlocksError: the pool is too small (this engine does not preempt).
             RuntimeError: not finished after ``max_steps`` steps.
         """
         ids = [r.seq_id for r in requests]
         if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
             raise ValueError(f"seq ids must be distinct and >= 0, got {ids}")
-        if any(len(r.prompt) == 0 or r.max_new_tokens < 1 for r in requests):
-            raise ValueError("every request needs a non-empty prompt and max_new_tokens >= 1")
+        for r in requests:
+            if (len(r.prompt) == 0 and r.fork_of is None) or r.max_new_tokens < 1:
+                raise ValueError(f"request {r.seq_id}: needs a non-empty prompt and max_new_tokens >= 1")
+            if r.fork_of is not None and (r.fork_of not in ids or r.fork_of == r.seq_id):
+                raise ValueError(f"request {r.seq_id}: fork_of={r.fork_of} is not another request")
         cache = self.cache = self._make_cache(requests)
         device = cache.config.device
-        results = {r.seq_id: RequestResult(r) for r in requests}
+        results = {r.seq_id: RequestResult(r, r.prompt) for r in requests}
         waiting = sorted(requests, key=lambda r: (r.arrival, r.seq_id))
         running: list[int] = []
+        finished: set[int] = set()
         computed: dict[int, int] = {}  # tokens of (prompt + generated) whose K/V is in the cache
         step = 0
         while waiting or running:
             if step >= max_steps:
                 raise RuntimeError(f"not finished after {max_steps} steps")
-            while waiting and waiting[0].arrival <= step:  # admit: prefix-cache lookup
-                req = waiting.pop(0)
-                cached = cache.add_sequence(req.seq_id, req.prompt)
-                results[req.seq_id].cached_tokens = cached
-                results[req.seq_id].first_step = step
+            for req in [r for r in waiting if r.arrival <= step]:  # admit
+                res = results[req.seq_id]
+                if req.fork_of is not None:
+                    parent = results[req.fork_of]
+                    if req.fork_of in finished:
+                        raise ValueError(f"request {req.seq_id}: parent {req.fork_of} finished before the fork")
+                    if req.fork_of not in running or computed[req.fork_of] < len(parent.prompt):
+                        continue  # wait until the parent's prompt is in the cache
+                    base = (parent.prompt + tuple(parent.generated))[: computed[req.fork_of]]
+                    cache.fork(req.fork_of, req.seq_id)
+                    res.prompt = base + req.prompt
+                    cached = len(base)
+                else:
+                    cached = cache.add_sequence(req.seq_id, req.prompt)  # prefix-cache lookup
+                waiting.remove(req)
+                res.cached_tokens = cached
+                res.first_step = step
                 computed[req.seq_id] = cached
                 running.append(req.seq_id)
             if not running:
@@ -444,10 +508,9 @@ class PagedEngine:
             batch_ids, input_ids, positions, slots, q_lens = [], [], [], [], []
             for sid in running:
                 res = results[sid]
-                prompt = res.request.prompt
                 done = computed[sid]
-                if done < len(prompt):  # (chunked) prefill of the uncached rest of the prompt
-                    new = list(prompt[done: done + self.chunk_size])
+                if done < len(res.prompt):  # (chunked) prefill of the uncached rest of the prompt
+                    new = list(res.prompt[done: done + self.chunk_size])
                     res.prefill_chunks += 1
                 else:  # decode: feed the last generated token
                     new = [res.generated[-1]]
@@ -460,7 +523,8 @@ class PagedEngine:
             for n in q_lens:
                 qsl.append(qsl[-1] + n)
             ctx = StepContext(cache=cache, backend=self.backend, slot_mapping=torch.cat(slots).to(torch.int64),
-                              block_tables=cache.block_tables(batch_ids), seq_lens=cache.seq_lens(batch_ids),
+                              block_tables=cache.block_tables(batch_ids, width=self.table_width),
+                              seq_lens=cache.seq_lens(batch_ids),
                               query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device))
             out = self.model(input_ids=torch.tensor([input_ids], device=device),
                              position_ids=torch.tensor([positions], device=device), use_cache=False,
@@ -474,13 +538,15 @@ class PagedEngine:
                 for j in range(hi - lo):
                     res.logits[start + j] = logits[lo + j].clone()
                 computed[sid] = start + hi - lo
-                if computed[sid] >= len(res.request.prompt):  # prompt done: sample the next token
+                if computed[sid] >= len(res.prompt):  # prompt done: sample the next token
                     res.generated.append(int(torch.argmax(logits[hi - 1])))
                     if len(res.generated) >= res.request.max_new_tokens:
                         cache.free(sid)
                         running.remove(sid)
+                        finished.add(sid)
                         res.finish_step = step
             step += 1
+            self.steps_done = step
         self.steps = step
         cache.check_invariants()
         return results
@@ -560,7 +626,7 @@ def dense_oracle(model: torch.nn.Module, results: dict[int, RequestResult],
     checks = []
     for sid in sorted(results):
         res = results[sid]
-        prompt = list(res.request.prompt)
+        prompt = list(res.prompt)
         ids = prompt + res.generated
         logits = dense(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0].double().cpu()
         positions = sorted(res.logits)
@@ -601,14 +667,17 @@ class E2EReport:
     cache_stats: dict[str, float]
     seconds: float
     strict_tokens: bool = False
+    error: str = ""  # the paged run raised (backend or cache manager fault): no checks, not ok
 
     @property
     def max_logit_diff(self) -> float:
+        if self.error:
+            return float("inf")
         return max((c.max_logit_diff for c in self.checks), default=0.0)
 
     @property
     def tokens_identical(self) -> bool:
-        return all(c.tokens_identical for c in self.checks)
+        return not self.error and all(c.tokens_identical for c in self.checks)
 
     def allowed(self, check: RequestCheck) -> float:
         """The absolute logit tolerance for one request (scaled by its largest dense logit)."""
@@ -620,10 +689,12 @@ class E2EReport:
 
     @property
     def within_tolerance(self) -> bool:
-        return all(math.isfinite(c.max_logit_diff) and c.max_logit_diff <= self.allowed(c) for c in self.checks)
+        return not self.error and all(math.isfinite(c.max_logit_diff) and c.max_logit_diff <= self.allowed(c) for c in self.checks)
 
     @property
     def tokens_ok(self) -> bool:
+        if self.error:
+            return False
         if self.strict_tokens:
             return self.tokens_identical
         return all(self.is_near_tie(c, m) for c in self.checks for m in c.mismatches)
@@ -644,10 +715,15 @@ class E2EReport:
     def lines(self) -> list[str]:
         """The human-readable report; the last line is ``e2e: max |logit diff| X, tokens identical: yes|no``."""
         s = self.cache_stats
+        if self.error:
+            return [f"backend {self.backend}, dtype {str(self.dtype).removeprefix('torch.')}, device {self.device}: "
+                    f"the paged run failed: {self.error}",
+                    "e2e: max |logit diff| inf, tokens identical: no"]
         out = [f"backend {self.backend}, dtype {str(self.dtype).removeprefix('torch.')}, device {self.device}: "
                f"{len(self.checks)} requests, {self.steps} steps, {self.tokens_computed} tokens computed, "
                f"{int(s['cached_tokens'])} prompt tokens from the prefix cache, "
-               f"{int(s['evictions'])} evictions ({self.seconds:.1f} s)",
+               f"{int(s['cow_copies'])} copy-on-write copies, {int(s['evictions'])} evictions "
+               f"({self.seconds:.1f} s)",
                f"{'req':>4} {'prompt':>6} {'cached':>6} {'chunks':>6} {'new':>4} {'steps':>9} "
                f"{'max|logit diff|':>16} {'allowed':>9}  tokens identical"]
         for c in self.checks:
@@ -666,7 +742,7 @@ class E2EReport:
 
 
 def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
-            model: torch.nn.Module | str | None = None, seed: int = 0, num_requests: int = 8,
+            model: torch.nn.Module | str | None = None, seed: int = 0, num_requests: int = 9,
             decode_steps: int = 32, block_size: int = 8, chunk_size: int | None = None,
             model_kwargs: dict | None = None, strict_tokens: bool = False) -> E2EReport:
     """Build (or load) the model, serve the scenario from a PagedKVCache, check it against dense.
@@ -711,7 +787,13 @@ def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float3
                              block_size=block_size, vocab_size=vocab)
     t0 = time.perf_counter()
     engine = PagedEngine(model, backend, block_size=block_size, chunk_size=chunk_size, seed=seed)
-    results = engine.run(requests)
+    try:
+        results = engine.run(requests)
+    except Exception as exc:  # the backend (or its cache manager) failed mid-run: a failed check
+        error = f"{type(exc).__name__} at step {engine.steps_done}: {exc}"
+        return E2EReport(backend_name(backend), dtype, str(device), [], E2E_LOGIT_TOLERANCE[dtype], engine.steps_done,
+                         engine.tokens_computed, engine.cache.stats() if engine.cache is not None else {},
+                         time.perf_counter() - t0, strict_tokens, error)
     seconds = time.perf_counter() - t0
     checks = dense_oracle(model, results)
     return E2EReport(backend_name(backend), dtype, str(device), checks, E2E_LOGIT_TOLERANCE[dtype], engine.steps,
@@ -735,7 +817,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--model", default=None, metavar="DIR", help="local checkpoint directory (no download)")
     p.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default 0)")
-    p.add_argument("--requests", type=int, default=8, help="number of requests (default 8)")
+    p.add_argument("--requests", type=int, default=9, help="number of requests (default 9)")
     p.add_argument("--decode-steps", type=int, default=32, help="tokens generated by the longest requests (default 32)")
     p.add_argument("--block-size", type=int, default=8, help="tokens per cache block (default 8)")
     p.add_argument("--strict-tokens", action="store_true",
