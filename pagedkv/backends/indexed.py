@@ -42,16 +42,24 @@ def gather(cache: torch.Tensor, block_table, seq_len: int, validate: bool = True
     """
     if validate:
         table, seq_len = check_gather(cache, block_table, seq_len)
+    elif isinstance(block_table, torch.Tensor) and block_table.device == cache.device \
+            and block_table.dtype in (torch.int32, torch.int64):
+        table = block_table  # index_select takes int32 and int64 ids as they are
     else:
         table = normalize_block_table(block_table, cache.device)
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    out = cache.new_empty((seq_len, num_kv_heads, head_dim))
     full, tail = divmod(seq_len, block_size)
+    if not full and tail and cache.device.type == "cpu":  # one partial block: a single copy into a new tensor
+        return cache[int(table[0]), :tail].clone(memory_format=torch.contiguous_format)
+    out = cache.new_empty((seq_len, num_kv_heads, head_dim))
     if full:
         torch.index_select(cache, 0, table[:full], out=out[: full * block_size].view(full, block_size, num_kv_heads, head_dim))
     if tail:
-        torch.index_select(cache[:, :tail], 0, table[full : full + 1],
-                           out=out[full * block_size :].view(1, tail, num_kv_heads, head_dim))
+        if cache.device.type == "cpu":  # reading the id costs nothing here; one slice copy is cheaper
+            out[full * block_size :].copy_(cache[int(table[full]), :tail])
+        else:  # no device-to-host read of the id: stays asynchronous and capturable in a CUDA graph
+            torch.index_select(cache[:, :tail], 0, table[full : full + 1],
+                               out=out[full * block_size :].view(1, tail, num_kv_heads, head_dim))
     return out
 
 
