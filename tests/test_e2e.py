@@ -1,0 +1,102 @@
+"""End to end: a transformers Llama served from the paged cache equals transformers' dense run.
+
+Each backend under test serves a small scenario (prefix-cache hits, a fork with copy-on-write,
+chunked prefill, staggered greedy decode on a fragmented, NaN-poisoned pool); the paged logits
+must match transformers' own eager attention in float64 and the greedy tokens must be identical.
+Faulty backends must fail the same check. The Triton backend runs in its CPU interpreter here, so
+it gets a shorter scenario.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the end-to-end check needs transformers (pip install 'pagedkv[hf]')")
+
+from pagedkv import cli, e2e, get_backend, mutants  # noqa: E402
+from pagedkv.backends import backend_name, missing_ops  # noqa: E402
+
+SMALL = dict(num_requests=9, decode_steps=10, block_size=4)
+TINY = dict(num_requests=7, decode_steps=3, block_size=3)  # interpreter-speed scenario (fork included)
+
+
+def _scenario_for(backend, device: str) -> dict:
+    return TINY if backend_name(backend) == "triton" and not device.startswith("cuda") else SMALL
+
+
+def _skip_without_ops(backend) -> None:
+    missing = {op: why for op, why in missing_ops(backend).items() if op in ("write_kv", "paged_attention")}
+    if missing:
+        pytest.skip("; ".join(missing.values()))
+
+
+def test_paged_model_matches_dense_transformers(backend, device):
+    _skip_without_ops(backend)
+    report = e2e.run_e2e(backend, device=device, **_scenario_for(backend, device))
+    text = "\n".join(report.lines())
+    assert not report.error, text
+    assert report.tokens_identical, text
+    assert report.within_tolerance, text
+    assert report.max_logit_diff < 5e-5 * 10, text
+    # The scenario did what it claims: prefix hits, a fork (copy-on-write), chunked prefill,
+    # requests finishing at different steps.
+    assert report.cache_stats["cached_tokens"] > 0, text
+    assert report.cache_stats["cow_copies"] >= 1, text
+    assert any(c.prefill_chunks > 1 for c in report.checks), text
+    assert len({c.steps[1] for c in report.checks}) > 2, text
+
+
+def test_cached_prefix_is_not_recomputed():
+    model = e2e.build_model(seed=1)
+    requests = e2e.make_scenario(seed=1, **SMALL)
+    engine = e2e.PagedEngine(model, get_backend("indexed"), block_size=SMALL["block_size"])
+    results = engine.run(requests)
+    for res in results.values():
+        expected = range(res.cached_tokens, len(res.prompt) + len(res.generated) - 1)
+        assert sorted(res.logits) == list(expected), res.request
+        assert len(res.generated) == res.request.max_new_tokens
+    hits = [r for r in results.values() if r.cached_tokens and r.request.fork_of is None]
+    assert hits and all(r.cached_tokens % SMALL["block_size"] == 0 for r in hits)
+    assert engine.tokens_computed == sum(len(r.logits) for r in results.values())
+    assert engine.cache.stats()["live_sequences"] == 3  # only the fragmentation dummies remain
+
+
+def test_bfloat16_within_tolerance():
+    report = e2e.run_e2e("indexed", dtype="bfloat16", num_requests=6, decode_steps=6, block_size=4)
+    text = "\n".join(report.lines())
+    assert report.ok, text  # near ties (bf16 rounding) allowed, nothing else
+    assert 0 < report.max_logit_diff <= e2e.E2E_LOGIT_TOLERANCE[torch.bfloat16] * 10, text
+
+
+@pytest.mark.parametrize("mutant", ["gqa_modulo", "causal_top_left", "tail_unmasked", "no_copy_on_write"])
+def test_faulty_backend_fails_the_check(mutant):
+    report = e2e.run_e2e(mutants.MUTANTS[mutant](), num_requests=7, decode_steps=4, block_size=4)
+    assert not report.ok
+    assert not report.tokens_identical
+    assert report.lines()[-1].endswith("tokens identical: no")
+
+
+def test_local_model_directory(tmp_path):
+    model = e2e.build_model(seed=3, num_layers=3, hidden_size=96, num_heads=6, num_kv_heads=2)
+    model.save_pretrained(tmp_path)
+    report = e2e.run_e2e("indexed", model=str(tmp_path), num_requests=5, decode_steps=4, block_size=4)
+    assert report.ok and report.tokens_identical, "\n".join(report.lines())
+
+
+def test_attention_without_step_context_raises():
+    model = e2e.build_model(seed=0)
+    with pytest.raises(ValueError, match="pagedkv_step"):
+        model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+
+
+def test_cli_reports_and_exit_status(capsys):
+    args = ["e2e", "--backend", "loop", "--requests", "4", "--decode-steps", "3", "--block-size", "4"]
+    assert cli.main(args) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("e2e: max |logit diff| ") and last.endswith(", tokens identical: yes")
+    assert cli.main(["e2e", "--impl", "pagedkv.mutants:gqa_modulo", "--requests", "4", "--decode-steps", "3",
+                     "--block-size", "4"]) == 1
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("tokens identical: no")
+    assert cli.main(["e2e", "--backend", "nope"]) == 2
+    assert "unknown backend" in capsys.readouterr().err
