@@ -1,0 +1,63 @@
+"""Smoke test of ``python -m pagedkv bench``: a tiny sweep runs and writes JSON, CSV and PNG.
+
+No timing is asserted here: performance is judged by the benchmark's own limits table.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from pagedkv import bench, cli
+
+pytest.importorskip("matplotlib")
+
+
+def test_tiny_sweep_writes_results(tmp_path, capsys):
+    status = cli.main(["bench", "--device", "cpu", "--seq-lens", "8,40", "--block-sizes", "1,16",
+                       "--min-time", "0.001", "--rounds", "1", "--no-progress", "--malloc", "system",
+                       "--out-dir", str(tmp_path), "--name", "smoke"])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "limits" in out and "gather (indexed) / copy bound" in out
+
+    doc = json.loads((tmp_path / "smoke.json").read_text())
+    assert doc["columns"] == list(bench.CSV_COLUMNS)
+    assert doc["environment"]["threads"] == 1
+    assert {v["target"] for v in doc["limits"]} >= {"gather (indexed) / gather (loop), whole sweep"}
+    rows = bench.load_rows(tmp_path / "smoke.json")
+    seen = {(r.op, r.impl) for r in rows}
+    for op in ("gather", "scatter", "write_kv", "attention"):
+        assert (op, "copy") in seen and (op, "clone") in seen
+        assert (op, "indexed") in seen
+    for op in ("gather", "scatter", "write_kv"):
+        assert (op, "loop") in seen
+    assert ("gather", "elementwise") in seen and ("attention", "indexed+sdpa") in seen
+    assert all(r.time_s and r.time_s > 0 for r in rows if not r.note)
+    assert all(r.x_copy is not None and r.pct_copy_bw is not None for r in rows if r.time_s)
+    assert all(r.peak_extra_bytes is not None for r in rows if r.impl == "indexed" and not r.note)
+
+    with (tmp_path / "smoke.csv").open() as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == bench.CSV_COLUMNS
+        assert len(list(reader)) == len(rows)
+    png = (tmp_path / "smoke.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+
+
+def test_limits_table_reports_each_target():
+    rows = [bench.Row(op="gather", impl=impl, device="cpu", dtype="float32", preset="8x128", num_kv_heads=8,
+                      head_dim=128, block_size=16, seq_len=512, time_s=t, x_copy=t, x_clone=t,
+                      peak_extra_bytes=512 * 8 * 128 * 4, extra_beyond_output_bytes=0)
+            for impl, t in (("loop", 2.0), ("indexed", 1.5))]
+    import torch
+
+    verdicts = {v.target: v for v in bench.limits(rows, torch.device("cpu"))}
+    v = verdicts["gather (indexed) / copy bound, L >= 512, every block size"]
+    assert v.measured == 1.5 and v.passed is False
+    v = verdicts["gather (indexed) / gather (loop), whole sweep"]
+    assert v.measured == 0.75 and v.passed is True
+    assert verdicts["scatter (indexed) / copy bound, L >= 4096"].passed is None  # no points: n/a
+    assert "FAIL" in bench.format_limits(list(verdicts.values()))
