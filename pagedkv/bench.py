@@ -235,10 +235,23 @@ class Timer:
                             ).blocked_autorange(min_run_time=self.min_time)
         return float(m.median), float(m.iqr), int(m.number_per_run * len(m.raw_times))
 
+    @staticmethod
+    def _syncs(call) -> bool:
+        """True when ``call()`` synchronises with the host (then it cannot be captured in a CUDA graph)."""
+        prev = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+            return False
+        except RuntimeError:
+            return True
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+
     def _time_cuda(self, fn, sets, graph: bool) -> tuple[float, float, int]:
         torch.cuda.synchronize(self.device)
         calls = [lambda inputs=inputs: fn(inputs) for inputs in sets]
-        if graph:  # small shapes: launch overhead would dominate; replay a captured graph per set
+        if graph and not self._syncs(calls[0]):  # small shapes: replay a captured graph per set
             graphs = []
             try:
                 stream = torch.cuda.Stream(self.device)
@@ -398,9 +411,12 @@ def _sdpa_attention(backend):
             k = backend.gather(k_cache, block_tables[b], seq_len, validate=False)
             v = backend.gather(v_cache, block_tables[b], seq_len, validate=False)
             q = query[b : b + 1].transpose(0, 1).unsqueeze(0)  # [1, Hq, 1, D]
-            kt = k.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)  # [1, Hq, L, D]
-            vt = v.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
-            out[b] = F.scaled_dot_product_attention(q, kt, vt)[0, :, 0]  # decode: last row sees all
+            kt, vt = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            try:  # decode: the single query row sees the whole context, no mask
+                out[b] = F.scaled_dot_product_attention(q, kt, vt, enable_gqa=True)[0, :, 0]
+            except TypeError:  # torch without enable_gqa: expand the kv heads
+                kt, vt = kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1)
+                out[b] = F.scaled_dot_product_attention(q, kt, vt)[0, :, 0]
         return out
 
     return paged_attention
