@@ -27,11 +27,18 @@ The scenario (:func:`make_scenario`, :class:`PagedEngine`) is a small engine run
   read of any slot a sequence does not own turns the logits into NaN;
 - requests join at different steps; several share a multi-block prompt prefix and are admitted with
   ``cache.add_sequence``: the cached full blocks are *not* recomputed, only the uncached suffix is
-  run through the model (one request joins after the first owner of the prefix has finished, so its
-  hit comes from freed-but-cached blocks);
+  run through the model (one request joins after the first owner of the prefix has finished, so
+  part of its hit is revived from blocks freed with that owner, still in the prefix cache);
+- one request forks another mid-block after its prompt (``cache.fork``): the partially filled
+  block is shared, and the first append to it copies it (copy-on-write);
 - prompt lengths straddle block boundaries (``bs - 1``, ``bs``, ``bs + 1``, unaligned prefixes);
 - a long prompt is prefilled in chunks over several steps while other requests decode;
-- greedy decode runs for dozens of steps; requests finish (and are freed) at different steps.
+- greedy decode runs for dozens of steps; requests finish (and are freed) at different steps;
+- block tables are padded with ``-1`` to one width for the whole run (the most blocks a request
+  can need, as vLLM pads to ``max_num_blocks_per_req``), not to the step's longest table.
+
+A backend that raises during the run (a validation error, an out-of-range index) fails the check
+with that error in the report.
 
 The oracle (:func:`dense_oracle`) is transformers itself: a copy of the same model with
 ``attn_implementation="eager"`` runs each request's full token sequence (prompt + generated tokens)
@@ -101,8 +108,8 @@ E2E_LOGIT_TOLERANCE: dict[torch.dtype, float] = {
     torch.bfloat16: 1.5e-1,
 }
 
-#: vocabulary ids at or above this offset past the model's vocabulary mark the pre-fragmentation
-#: dummies (never fed to the model, never equal to a real prompt's tokens).
+#: token ids of the pre-fragmentation dummies start here: outside any vocabulary, so they never match
+#: a real prompt in the prefix cache (and are never fed to the model).
 _DUMMY_TOKEN_OFFSET = 1_000_000
 
 
@@ -401,13 +408,19 @@ class PagedEngine:
 
     @staticmethod
     def max_tokens(requests: Sequence[Request]) -> dict[int, int]:
-        """``{seq_id: most tokens the sequence can hold}`` (a fork adds its parent's bound)."""
+        """``{seq_id: most tokens the sequence can hold}`` (a fork adds its parent's bound).
+
+        Raises:
+            ValueError: forks that form a cycle.
+        """
         by_id = {r.seq_id: r for r in requests}
         bound: dict[int, int] = {}
 
-        def total(r: Request) -> int:
+        def total(r: Request, seen: tuple[int, ...] = ()) -> int:
+            if r.seq_id in seen:
+                raise ValueError(f"requests fork in a cycle: {list(seen)}")
             if r.seq_id not in bound:
-                parent = total(by_id[r.fork_of]) if r.fork_of is not None else 0
+                parent = total(by_id[r.fork_of], seen + (r.seq_id,)) if r.fork_of is not None else 0
                 bound[r.seq_id] = parent + len(r.prompt) + r.max_new_tokens
             return bound[r.seq_id]
 
@@ -459,8 +472,8 @@ class PagedEngine:
 
         Raises:
             ValueError: duplicate or negative seq ids (negative ids are the dummies), an empty prompt
-                (allowed only for a fork), ``max_new_tokens < 1``, or a fork whose parent is unknown
-                or finished before the fork could happen.
+                (allowed only for a fork), ``max_new_tokens < 1``, a fork whose parent is unknown or
+                finished before the fork could happen, forks in a cycle.
             OutOfBlocksError: the pool is too small (this engine does not preempt).
             RuntimeError: not finished after ``max_steps`` steps.
         """
@@ -472,6 +485,7 @@ class PagedEngine:
                 raise ValueError(f"request {r.seq_id}: needs a non-empty prompt and max_new_tokens >= 1")
             if r.fork_of is not None and (r.fork_of not in ids or r.fork_of == r.seq_id):
                 raise ValueError(f"request {r.seq_id}: fork_of={r.fork_of} is not another request")
+        self.max_tokens(requests)  # rejects fork cycles before anything is allocated
         cache = self.cache = self._make_cache(requests)
         device = cache.config.device
         results = {r.seq_id: RequestResult(r, r.prompt) for r in requests}
@@ -806,10 +820,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser(
         "e2e", help="serve a transformers Llama model from the paged cache and check it against dense",
         description="Run a small Llama-architecture causal LM (seeded random weights, or --model DIR) with "
-                    "its attention served from a PagedKVCache (prefix hits, chunked prefill, staggered "
-                    "greedy decode on a fragmented pool) and compare logits and greedy tokens with "
-                    "transformers' own dense eager attention in float64. Exit 0 when tokens are "
-                    "identical and logits within the dtype's tolerance, 1 otherwise.")
+                    "its attention served from a PagedKVCache (prefix hits, a fork with copy-on-write, "
+                    "chunked prefill, staggered greedy decode on a fragmented pool) and compare logits and "
+                    "greedy tokens with transformers' own dense eager attention in float64. Exit 0 when "
+                    "the logits are within the dtype's tolerance and the greedy tokens agree (near ties "
+                    "aside, unless --strict-tokens), 1 otherwise, 2 on a usage or setup error.")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--backend", default=None, help="built-in backend: loop, indexed or triton (default indexed)")
     which.add_argument("--impl", default=None, metavar="MODULE:ATTR", help="a candidate backend to load")
