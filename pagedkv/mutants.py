@@ -378,6 +378,7 @@ class Property:
     run: Callable[[Any, Any, str], None]  # (backend, case, device)
     strategy: Callable[[], Any]
     test: str
+    max_examples: int | None = None  # a cap below the profile's (the test's own @settings)
 
 
 def _properties() -> list[Property]:
@@ -414,8 +415,14 @@ def _properties() -> list[Property]:
     for name, fn in (("gather", checks.gather_matches_definition), ("scatter", checks.scatter_round_trip),
                      ("write_kv", checks.write_kv_matches_definition)):
         props.append(Property(f"large_pool_{name}", fn, lambda: s.large_pool_cases(),
-                              f"test_large_pool.py::test_large_pool_{name}"))
+                              f"test_large_pool.py::test_{name}_is_exact_on_pools_past_2_24_slots",
+                              max_examples=LARGE_POOL_EXAMPLES))
     return props
+
+
+#: Examples per large-pool property (each builds a pool of more than 2**24 slots): the cap the suite's
+#: ``tests/test_large_pool.py`` uses too.
+LARGE_POOL_EXAMPLES = 10
 
 
 def properties() -> dict[str, Property]:
@@ -490,13 +497,17 @@ def run_property(backend: Any, prop: Property, profile: str = "ci", device: str 
         ``(failed, examples_until_first_failure_or_total, shrunk_case_repr, error_first_line)``.
         A backend lacking the op passes (the suite would skip).
     """
-    from hypothesis import given
+    from hypothesis import given, settings
 
     from .checks import MissingOp
 
     state = {"calls": 0, "first": 0, "last": None}
 
-    @hypothesis_settings(profile, shrink=shrink)
+    chosen = hypothesis_settings(profile, shrink=shrink)
+    if prop.max_examples is not None and chosen.max_examples > prop.max_examples:
+        chosen = settings(chosen, max_examples=prop.max_examples)
+
+    @chosen
     @given(prop.strategy())
     def body(case):
         state["calls"] += 1

@@ -1,0 +1,109 @@
+"""Case files round trip, and ``python -m pagedkv replay`` reruns one and shows where it fails."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedkv import checks
+from pagedkv.cases import CacheScenario, Case, Geometry, SeqSpec
+from pagedkv.replay import block_table_map, replay
+
+ROOT = Path(__file__).resolve().parent.parent
+CASE = Case(Geometry(8, 4, 1, 2), (SeqSpec((2, 3, 6), 9, 1, 5), SeqSpec((0, 1), 8, 1, 0)), values="identity",
+            poison="inf", pad_columns=1, table_dtype="int64", layout="kv_interleaved", scale=0.5, seed=7)
+SCENARIO = CacheScenario(Geometry(8, 4, 1, 4), (("add", 0, (1, 2, 3, 4, 5, 6)), ("fork", 0, 1),
+                                               ("append", 0, (7, 7, 7)), ("append", 1, (9, 9, 9))), seed=3)
+
+
+@pytest.fixture(autouse=True)
+def _failures_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(tmp_path / "failures"))
+
+
+@pytest.mark.parametrize("case", [CASE, SCENARIO], ids=["case", "scenario"])
+def test_a_case_file_round_trips(case):
+    path = checks.save_failure("gather_matches_definition", "pagedkv.mutants:gqa_modulo", case,
+                               test_id="tests/x.py::test_y[z]", error="boom\nsecond line")
+    record = checks.load_failure(path)
+    assert record["case"] == case and type(record["case"]) is type(case)
+    assert record["backend"] == "pagedkv.mutants:gqa_modulo" and record["error"] == "boom"
+    assert json.loads(path.read_text())["kind"] == type(case).__name__
+    assert eval(repr(case), {"Case": Case, "Geometry": Geometry, "SeqSpec": SeqSpec,
+                             "CacheScenario": CacheScenario}) == case
+
+
+def _run(path, *args):
+    out = io.StringIO()
+    return replay(path, out=out, **dict(args)), out.getvalue()
+
+
+def test_a_passing_case_exits_0_and_says_so():
+    path = checks.save_failure("scatter_round_trip", "indexed", CASE)
+    code, out = _run(path)
+    assert code == 0 and "PASSES: scatter_round_trip on indexed (cpu)" in out
+
+
+def test_a_planted_fault_exits_1_with_the_slot_and_a_marked_map():
+    path = checks.save_failure("scatter_round_trip", "pagedkv.mutants:scatter_drops_start_offset",
+                               CASE.replace(poison="nan", layout="contiguous"))
+    code, out = _run(path)
+    assert code == 1 and "FAILS: scatter_round_trip" in out
+    assert "sequence:         0" in out and "logical position: 4" in out
+    assert "physical block:   3" in out and "slot:             12   (= 3 * 4 + 0)" in out
+    assert "expected:         [5, 5, ...]" in out and "actual:" in out
+    assert "  seq 0 | [2 ] [3*] [6 ]" in out and "  seq 1 | [0 ] [1 ]" in out
+    assert "  block 3: | x . . . |   (x = offset 0)" in out
+
+
+def test_impl_overrides_the_recorded_backend():
+    path = checks.save_failure("scatter_round_trip", "pagedkv.mutants:scatter_drops_start_offset", CASE)
+    assert _run(path, ("impl", "loop"))[0] == 0
+    code, out = _run(path, ("impl", "pagedkv.mutants:scatter_clobbers_block"))
+    assert code == 1 and "pagedkv.mutants:scatter_clobbers_block" in out
+
+
+def test_a_sharing_failure_maps_the_live_tables_at_the_failing_step():
+    path = checks.save_failure("sharing_isolated", "pagedkv.mutants:no_copy_on_write", SCENARIO)
+    code, out = _run(path)
+    assert code == 1 and "reads a wrong K" in out
+    # both still share block 1, the partial block forked mid-way (no copy-on-write): the other entry shows "="
+    assert "seq 0 | [0 ] [1*] [2 ]" in out and "seq 1 | [0 ] [1=] [3 ]" in out
+    assert "block 1: | . . x . |" in out
+
+
+def test_a_missing_op_is_reported_as_skipped(tmp_path):
+    (tmp_path / "gather_only.py").write_text(
+        "from pagedkv.backends import indexed\nname = 'gather_only'\ngather = indexed.gather\n")
+    path = checks.save_failure("write_kv_matches_definition", str(tmp_path / "gather_only.py"), CASE)
+    code, out = _run(path)
+    assert code == 0 and "SKIPPED" in out and "write_kv" in out
+
+
+def test_an_unreadable_file_exits_2(tmp_path):
+    (tmp_path / "bad.json").write_text("{not json")
+    assert _run(tmp_path / "bad.json")[0] == 2
+    assert _run(tmp_path / "missing.json")[0] == 2
+
+
+def test_the_map_marks_an_unowned_slot_and_cuts_long_rows():
+    text = block_table_map({0: [1, 2], 1: [4]}, 4, block=7, offset=2)
+    assert "block 7 is in no sequence's table" in text and "x = offset 2" in text
+    text = block_table_map({0: list(range(100))}, 2, seq=0, position=150)
+    assert "[75*]" in text and text.count("...") == 2
+
+
+def test_the_cli_runs_as_a_module(tmp_path):
+    path = checks.save_failure("gather_matches_definition", "pagedkv.mutants:off_by_one_last_block", CASE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "pagedkv", "replay", str(path), "--device", "cpu"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr
+    assert "first mismatch:" in proc.stdout and "block tables (block_size 4" in proc.stdout
+    help_text = subprocess.run([sys.executable, "-m", "pagedkv", "replay", "--help"], env=env, capture_output=True,
+                               text=True).stdout
+    assert "--impl" in help_text and "--device" in help_text
