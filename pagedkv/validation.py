@@ -313,14 +313,17 @@ def check_paged_attention(query: object, k_cache: object, v_cache: object, block
     if starts[-1] != query.shape[0]:
         raise ShapeError(f"query_start_loc[-1] = {starts[-1]} != total_q = query.shape[0] = {query.shape[0]}")
     tables = block_tables.to(torch.int64)
+    for b in range(batch):  # all of query_start_loc first: a decrease also makes a neighbour's q_len too long
+        if starts[b + 1] < starts[b]:
+            raise ShapeError(f"query_start_loc decreases at sequence {b}: query_start_loc[{b}] = {starts[b]} > "
+                             f"query_start_loc[{b + 1}] = {starts[b + 1]}")
     for b in range(batch):
         q_len = starts[b + 1] - starts[b]
-        if q_len < 0:
-            raise ShapeError(f"query_start_loc decreases at sequence {b}: {starts[b]} -> {starts[b + 1]}")
         if lens[b] < 0:
             raise ShapeError(f"seq_lens[{b}] = {lens[b]} is negative")
         if q_len > lens[b]:
-            raise ShapeError(f"sequence {b} has q_len {q_len} > seq_lens[{b}] = {lens[b]}")
+            raise ShapeError(f"sequence {b} has q_len {q_len} (query_start_loc[{b + 1}] - query_start_loc[{b}]) > "
+                             f"seq_lens[{b}] = {lens[b]}")
         need = blocks_needed(lens[b], block_size)
         if need > tables.shape[1]:
             raise ShapeError(f"seq_lens[{b}] = {lens[b]} needs {need} blocks of block_size {block_size}, "
