@@ -13,12 +13,14 @@ short and replays on any device. Import them in your own suite::
 Families: cache geometries; sequence lengths biased to block boundaries; block tables (unique and
 permuted, or with repeated ids for reads); fragmented allocations (tables taken from a real
 allocator after a random alloc/free history); batches of requests; sharing scenarios (forks,
-forks mid-block, prefix-cache hits); value patterns and poison.
+forks mid-block, prefix-cache hits); value patterns and poison; invalid calls (one argument broken,
+tagged with the error the contract requires).
 """
 
 from .geometry import DTYPES, GROUP_SIZES, geometries, seq_lens
 from .batches import cases, fragmented_cases, large_pool_cases
 from .sharing import scenarios
+from .invalid import invalid_calls
 
-__all__ = ["DTYPES", "GROUP_SIZES", "cases", "fragmented_cases", "geometries", "large_pool_cases", "scenarios",
-           "seq_lens"]
+__all__ = ["DTYPES", "GROUP_SIZES", "cases", "fragmented_cases", "geometries", "invalid_calls", "large_pool_cases",
+           "scenarios", "seq_lens"]
