@@ -14,7 +14,8 @@ def scenarios(draw, *, max_ops: int = 14, max_seqs: int = 6, constant_hash: bool
               enable_prefix_caching: bool = True) -> CacheScenario:
     """A history of ``add`` (prompt = a shared system prompt + own suffix), ``append``, ``fork`` and
     ``free`` over a small pool, so prefix-cache hits, shared partial blocks (copy-on-write), evictions
-    and out-of-blocks refusals all happen."""
+    and out-of-blocks refusals all happen. Half the forks are followed at once by an append to the
+    parent and one to the child (parallel sampling): both write into a block they still share."""
     bs = draw(st.sampled_from((1, 2, 3, 4, 5, 8)))
     geometry = Geometry(num_blocks=draw(st.integers(2, 24)), block_size=bs, num_kv_heads=draw(st.integers(1, 2)),
                         head_dim=draw(st.sampled_from((1, 2, 4))), num_queries_per_kv=draw(st.sampled_from((1, 3))),
@@ -38,7 +39,12 @@ def scenarios(draw, *, max_ops: int = 14, max_seqs: int = 6, constant_hash: bool
             n = draw(st.integers(1, bs + 1))
             ops.append(("append", draw(st.sampled_from(live)), tuple(draw(st.lists(vocab, min_size=n, max_size=n)))))
         elif kind == "fork" and next_id < max_seqs * 3:
-            ops.append(("fork", draw(st.sampled_from(live)), next_id))
+            parent = draw(st.sampled_from(live))
+            ops.append(("fork", parent, next_id))
+            if draw(st.booleans()):  # parallel sampling: parent and child each append their own tokens at once
+                for seq in (parent, next_id):
+                    n = draw(st.integers(1, bs))
+                    ops.append(("append", seq, tuple(draw(st.lists(vocab, min_size=n, max_size=n)))))
             live.append(next_id)
             next_id += 1
         elif kind == "free":
