@@ -464,28 +464,35 @@ class Result:
     ran: list[str] = field(default_factory=list)
 
 
-def hypothesis_settings(profile: str, *, shrink: bool = True):
-    """The suite's Hypothesis profile ``profile`` (``dev``, ``ci``, ``gpu``, ``nightly``, ``repro``).
+#: The suite's Hypothesis profiles (the values ``conftest.py`` registers), so the runner uses the same
+#: example budgets outside pytest. Hypothesis registers a ``ci`` profile of its own (100 examples):
+#: never fall back to it.
+PROFILES: dict[str, dict] = {
+    "dev": dict(max_examples=25),
+    "ci": dict(max_examples=40, derandomize=True),
+    "gpu": dict(max_examples=200, derandomize=True),
+    "nightly": dict(max_examples=2000),
+    "repro": dict(max_examples=200),
+}
 
-    Uses the profile registered by the suite's ``conftest.py`` when it is loaded (under pytest);
-    otherwise registers the same values here. Example databases are off for mutants (a mutant's
-    failures must not be replayed against the real backends).
+
+def hypothesis_settings(profile: str, *, shrink: bool = True):
+    """Settings for running a property against a mutant under the suite's profile ``profile``.
+
+    Example databases are off (a mutant's failures must not be replayed against the real backends),
+    and only the first distinct failure is reported. ``shrink=False`` stops at the first failing example.
+
+    Raises:
+        ValueError: unknown profile.
     """
     from hypothesis import HealthCheck, Phase, settings
 
-    try:
-        base = settings.get_profile(profile)
-    except Exception:
-        common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-        known = {"dev": dict(max_examples=25), "ci": dict(max_examples=40, derandomize=True),
-                 "gpu": dict(max_examples=200, derandomize=True), "nightly": dict(max_examples=2000),
-                 "repro": dict(max_examples=200)}
-        if profile not in known:
-            raise ValueError(f"unknown Hypothesis profile {profile!r}; choose one of {sorted(known)}") from None
-        base = settings(**known[profile], **common)
+    if profile not in PROFILES:
+        raise ValueError(f"unknown Hypothesis profile {profile!r}; choose one of {sorted(PROFILES)}")
     phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
-    return settings(base, database=None, print_blob=False, verbosity=base.verbosity.quiet, phases=phases,
-                    report_multiple_bugs=False)
+    return settings(**PROFILES[profile], deadline=None, database=None, print_blob=False, phases=phases,
+                    report_multiple_bugs=False,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 def run_property(backend: Any, prop: Property, profile: str = "ci", device: str = "cpu", *,
