@@ -90,6 +90,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -242,12 +243,15 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: str = "
     """Load a local causal-LM checkpoint directory with pagedkv attention (no network access).
 
     Raises:
-        ImportError: transformers is not installed. OSError: ``path`` is not a loadable checkpoint.
+        ImportError: transformers is not installed. OSError: ``path`` is not a directory or not a
+            loadable checkpoint.
         ValueError: the model uses sliding-window attention (pagedkv attention is full causal).
     """
     _require_transformers()
     from transformers import AutoModelForCausalLM
 
+    if not os.path.isdir(path):
+        raise OSError(f"model directory {path!r} does not exist (only local checkpoints are loaded)")
     register_attention()
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation=ATTN_IMPLEMENTATION)
     window = getattr(model.config, "sliding_window", None)
