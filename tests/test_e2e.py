@@ -63,9 +63,10 @@ def test_cached_prefix_is_not_recomputed():
 
 
 def test_bfloat16_within_tolerance():
-    report = e2e.run_e2e("indexed", dtype="bfloat16", num_requests=6, decode_steps=6, block_size=4)
+    report = e2e.run_e2e("indexed", dtype="bfloat16", num_requests=6, decode_steps=6, block_size=4,
+                         strict_tokens=False)
     text = "\n".join(report.lines())
-    assert report.ok, text  # near ties (bf16 rounding) allowed, nothing else
+    assert report.ok, text  # near ties (bf16 rounding) allowed when asked, nothing else
     assert 0 < report.max_logit_diff <= e2e.E2E_LOGIT_TOLERANCE[torch.bfloat16] * 10, text
 
 
