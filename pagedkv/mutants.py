@@ -501,14 +501,15 @@ def run_property(backend: Any, prop: Property, profile: str = "ci", device: str 
     the first failing example).
 
     Returns:
-        ``(failed, examples_until_first_failure_or_total, shrunk_case_repr, error_first_line)``.
-        A backend lacking the op passes (the suite would skip).
+        ``(failed, examples_until_first_failure_or_total, shrunk_case_summary, error_first_line)``.
+        A backend lacking an op the property needs does not fail (the suite skips): the last item
+        is then ``"skipped: <reason>"``.
     """
     from hypothesis import given, settings
 
     from .checks import MissingOp
 
-    state = {"calls": 0, "first": 0, "last": None}
+    state = {"calls": 0, "first": 0, "last": None, "missing": ""}
 
     chosen = hypothesis_settings(profile, shrink=shrink)
     if prop.max_examples is not None and chosen.max_examples > prop.max_examples:
@@ -520,7 +521,8 @@ def run_property(backend: Any, prop: Property, profile: str = "ci", device: str 
         state["calls"] += 1
         try:
             prop.run(backend, case, device)
-        except MissingOp:
+        except MissingOp as exc:
+            state["missing"] = str(exc)
             return
         except Exception:
             state["first"] = state["first"] or state["calls"]
@@ -532,7 +534,7 @@ def run_property(backend: Any, prop: Property, profile: str = "ci", device: str 
     except Exception as exc:  # the shrunk example's failure
         msg = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         return True, state["first"], brief(state["last"]), f"{type(exc).__name__}: {msg}"
-    return False, state["calls"], "", ""
+    return False, state["calls"], "", f"skipped: {state['missing']}" if state["missing"] else ""
 
 
 def regression_files(root: Path | None = None) -> list[Path]:
