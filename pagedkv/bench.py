@@ -731,6 +731,7 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     first = next((r for r in rows if r.time_s), None)
     if first is None:
@@ -754,6 +755,8 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
                 ax.axhline(lim, color="r", linewidth=0.6, linestyle="--")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set_title(f"{op}, block_size={bs}", fontsize=8)
             ax.tick_params(labelsize=7)
             ax.grid(True, which="both", linewidth=0.3, alpha=0.5)
@@ -764,7 +767,7 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
         axes[i][0].legend(fontsize=6, loc="upper left")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=64)
     plt.close(fig)
 
 
