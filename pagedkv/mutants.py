@@ -187,8 +187,8 @@ class PaddingReadAsBlock(IndexedBackend):
             group = q.shape[1] // k.shape[1]
             kk, vv = k.repeat_interleave(group, 1).float(), v.repeat_interleave(group, 1).float()
             logits = torch.einsum("qhd,khd->hqk", q.float(), kk) * args.scale
-            rows = torch.arange(hi - lo).unsqueeze(1) + (seq_len - (hi - lo))
-            keep = torch.arange(k.shape[0]).unsqueeze(0) <= rows
+            rows = torch.arange(hi - lo, device=q.device).unsqueeze(1) + (seq_len - (hi - lo))
+            keep = torch.arange(k.shape[0], device=q.device).unsqueeze(0) <= rows
             probs = torch.softmax(logits.masked_fill(~keep, float("-inf")), -1)
             out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, vv).to(query.dtype)
         return out
