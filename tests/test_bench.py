@@ -61,3 +61,23 @@ def test_limits_table_reports_each_target():
     assert v.measured == 0.75 and v.passed is True
     assert verdicts["scatter (indexed) / copy bound, L >= 4096"].passed is None  # no points: n/a
     assert "FAIL" in bench.format_limits(list(verdicts.values()))
+
+
+def test_gpu_limits_are_evaluated_from_bandwidth_columns():
+    import torch
+
+    def row(op, impl, bs, L, pct, t=1.0, batch=1):
+        return bench.Row(op=op, impl=impl, device="cuda", dtype="float16", preset="8x128", num_kv_heads=8,
+                         head_dim=128, block_size=bs, seq_len=L, batch=batch, time_s=t, pct_copy_bw=pct)
+
+    rows = [row("gather", "indexed", 16, 4096, 93.0), row("gather", "indexed", 1, 4096, 79.0),
+            row("write_kv", "indexed", 16, 4096, 60.0),
+            row("attention", "triton", 16, 16384, 85.0, t=1.0, batch=16),
+            row("attention", "indexed+sdpa", 16, 16384, 40.0, t=2.0, batch=16)]
+    verdicts = {v.target: v for v in bench.limits(rows, torch.device("cuda"))}
+    assert verdicts["gather (indexed) % copy bandwidth, bs >= 16, L >= 4096"].passed is True
+    assert verdicts["gather (indexed) % copy bandwidth, bs = 1, L >= 4096"].passed is False
+    assert verdicts["write_kv (indexed) % copy bandwidth, L >= 4096"].passed is True
+    assert verdicts["fused decode attention (triton) % copy bandwidth, batch x context >= 64k"].passed is True
+    assert verdicts["fused decode attention (triton) % copy bandwidth, batch x context >= 256k"].passed is False
+    assert verdicts["fused decode (triton) / gather-then-SDPA time, batch x context >= 16k"].measured == 0.5
