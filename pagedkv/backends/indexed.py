@@ -51,6 +51,9 @@ def gather(cache: torch.Tensor, block_table, seq_len: int, validate: bool = True
     full, tail = divmod(seq_len, block_size)
     if not full and tail and cache.device.type == "cpu":  # one partial block: a single copy into a new tensor
         return cache[int(table[0]), :tail].clone(memory_format=torch.contiguous_format)
+    if full and not tail:  # whole blocks only: index_select allocates the (contiguous) output itself
+        ids = table if table.shape[0] == full else table[:full]
+        return torch.index_select(cache, 0, ids).view(seq_len, num_kv_heads, head_dim)
     out = cache.new_empty((seq_len, num_kv_heads, head_dim))
     if full:
         torch.index_select(cache, 0, table[:full], out=out[: full * block_size].view(full, block_size, num_kv_heads, head_dim))
