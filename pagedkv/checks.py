@@ -428,6 +428,15 @@ def run_scenario(backend: Any, scenario: CacheScenario, device: str = "cpu",
 
     def write(seq_id: int, tokens, start: int) -> None:
         slots = cache.append(seq_id, tokens)
+        # the slots an append hands out lie in blocks no other live sequence holds (copy-on-write)
+        others = {b: s for s in shadow if s != seq_id for b in cache.block_table(s).tolist()}
+        for j, slot in enumerate(slots.tolist()):
+            if slot // g.block_size in others:
+                block = slot // g.block_size
+                raise Mismatch(f"append to sequence {seq_id} hands out slot {slot} (position {start + j}) in block "
+                               f"{block}, which live sequence {others[block]} also holds: a shared block written "
+                               f"without copy-on-write", {"seq": seq_id, "position": start + j, "block": block,
+                                                          "slot": slot})
         k, v = token_kv(g, tokens, start, scenario.seed)
         write_kv(cache.k_cache(), cache.v_cache(), k.to(device), v.to(device), slots)
 
