@@ -42,9 +42,14 @@ def scenarios(draw, *, max_ops: int = 14, max_seqs: int = 6, constant_hash: bool
             parent = draw(st.sampled_from(live))
             ops.append(("fork", parent, next_id))
             if draw(st.booleans()):  # parallel sampling: parent and child each append their own tokens at once
+                first = None
                 for seq in (parent, next_id):
                     n = draw(st.integers(1, bs))
-                    ops.append(("append", seq, tuple(draw(st.lists(vocab, min_size=n, max_size=n)))))
+                    tokens = draw(st.lists(vocab, min_size=n, max_size=n))
+                    if first is not None and tokens[0] == first:  # the samples diverge at their first token
+                        tokens[0] = (first + 1) % 8
+                    first = tokens[0]
+                    ops.append(("append", seq, tuple(tokens)))
             live.append(next_id)
             next_id += 1
         elif kind == "free":
