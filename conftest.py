@@ -1,7 +1,7 @@
 """pytest set-up for the pagedkv suite: Hypothesis profiles, the implementation under test, the device.
 
-- Profiles ``dev``, ``ci``, ``gpu``, ``nightly``, ``repro`` are registered here and one is loaded
-  explicitly: ``--hypothesis-profile NAME``, else ``$PAGEDKV_PROFILE``, else ``ci`` when ``$CI`` is
+- Profiles ``dev``, ``ci``, ``gpu``, ``nightly``, ``repro`` (``strategies/profiles.py``) are registered
+  here and one is loaded explicitly: ``--hypothesis-profile NAME``, else ``$PAGEDKV_PROFILE``, else ``ci`` when ``$CI`` is
   set (Hypothesis would otherwise load its own ``ci`` profile silently), else ``dev``.
 - The implementation under test: ``--pagedkv-impl SPEC`` or ``$PAGEDKV_IMPL`` (the option wins),
   ``pkg.module`` or ``pkg.module:attr``; unset, every built-in backend usable here is tested.
@@ -21,22 +21,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from hypothesis import HealthCheck, Phase, Verbosity, settings  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 import pagedkv  # noqa: E402
 from pagedkv import checks  # noqa: E402
 from pagedkv.backends import backend_name, load_backend, missing_ops  # noqa: E402
+from strategies.profiles import PROFILES, register_profiles  # noqa: E402
 
-_COMMON = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow,
-                                                                      HealthCheck.data_too_large])
-settings.register_profile("dev", max_examples=25, **_COMMON)
-settings.register_profile("ci", max_examples=40, derandomize=True, database=None, **_COMMON)
-settings.register_profile("gpu", max_examples=200, derandomize=True, **_COMMON)
-settings.register_profile("nightly", max_examples=2000, **_COMMON)
-settings.register_profile("repro", max_examples=200, verbosity=Verbosity.verbose,
-                          phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink,
-                                  Phase.explain], **_COMMON)
-PROFILES = ("dev", "ci", "gpu", "nightly", "repro")
+register_profiles()
 
 
 def pytest_addoption(parser):
@@ -50,7 +42,7 @@ def pytest_configure(config):
     profile = config.getoption("hypothesis_profile", None) or os.environ.get("PAGEDKV_PROFILE") \
         or ("ci" if os.environ.get("CI") else "dev")
     if profile not in PROFILES:
-        raise pytest.UsageError(f"unknown Hypothesis profile {profile!r}; choose one of {PROFILES}")
+        raise pytest.UsageError(f"unknown Hypothesis profile {profile!r}; choose one of {sorted(PROFILES)}")
     settings.load_profile(profile)
     config._pagedkv_profile = profile
 

@@ -464,18 +464,6 @@ class Result:
     ran: list[str] = field(default_factory=list)
 
 
-#: The suite's Hypothesis profiles (the values ``conftest.py`` registers), so the runner uses the same
-#: example budgets outside pytest. Hypothesis registers a ``ci`` profile of its own (100 examples):
-#: never fall back to it.
-PROFILES: dict[str, dict] = {
-    "dev": dict(max_examples=25),
-    "ci": dict(max_examples=40, derandomize=True),
-    "gpu": dict(max_examples=200, derandomize=True),
-    "nightly": dict(max_examples=2000),
-    "repro": dict(max_examples=200),
-}
-
-
 def hypothesis_settings(profile: str, *, shrink: bool = True):
     """Settings for running a property against a mutant under the suite's profile ``profile``.
 
@@ -487,10 +475,13 @@ def hypothesis_settings(profile: str, *, shrink: bool = True):
     """
     from hypothesis import HealthCheck, Phase, settings
 
+    from strategies.profiles import PROFILES
+
     if profile not in PROFILES:
         raise ValueError(f"unknown Hypothesis profile {profile!r}; choose one of {sorted(PROFILES)}")
     phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
-    return settings(**PROFILES[profile], deadline=None, database=None, print_blob=False, phases=phases,
+    values = {k: v for k, v in PROFILES[profile].items() if k not in ("database", "phases", "verbosity")}
+    return settings(**values, deadline=None, database=None, print_blob=False, phases=phases,
                     report_multiple_bugs=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
