@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "mutants": ".mutants",
     "bench": ".bench",
     "e2e": ".e2e",
+    "soak": ".soak",
 }
 
 
