@@ -23,7 +23,9 @@ def gather(cache: torch.Tensor, block_table, seq_len: int, validate: bool = True
         cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pool (any strides).
         block_table: ``int32``/``int64 [>= ceil(seq_len / block_size)]`` tensor or list of ints.
         seq_len: tokens to read, ``>= 0``.
-        validate: check arguments first (see :func:`pagedkv.validation.check_gather`).
+        validate: check arguments first (see :func:`pagedkv.validation.check_gather`);
+            ``False`` is the fast path for a caller that already validated: no checks, no host
+            sync, and a bad argument is undefined behaviour (see ``docs/validation.md``).
 
     Returns:
         A new ``[seq_len, num_kv_heads, head_dim]`` tensor, ``cache.dtype``, on ``cache.device``.
@@ -51,6 +53,9 @@ def scatter(cache: torch.Tensor, block_table, values: torch.Tensor, start: int =
         block_table: ``int32``/``int64`` tensor or list with ``>= ceil((start + n) / block_size)`` entries.
         values: ``[n, num_kv_heads, head_dim]``, ``cache.dtype``, on ``cache.device``.
         start: logical position of ``values[0]``.
+        validate: check arguments first (:func:`pagedkv.validation.check_scatter`);
+            ``False`` is the fast path for a caller that already validated: no checks, no host
+            sync, and a bad argument is undefined behaviour (see ``docs/validation.md``).
 
     Raises:
         ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError: as
@@ -79,6 +84,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
         key, value: ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype and device.
         slot_mapping: ``int64 [num_tokens]`` (int32 accepted), ``block_id * block_size + offset``;
             negative slots are skipped (padding tokens).
+        validate: check arguments first (:func:`pagedkv.validation.check_write_kv`);
+            ``False`` is the fast path for a caller that already validated: no checks, no host
+            sync, and a bad argument is undefined behaviour (see ``docs/validation.md``).
 
     Raises:
         ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError: as
@@ -104,6 +112,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         seq_lens: ``int32 [batch]`` context lengths including the new query tokens.
         query_start_loc: ``int32 [batch + 1]`` (flash-attn's ``cu_seqlens_q``).
         scale: logits multiplier, default ``1 / sqrt(head_dim)``.
+        validate: check arguments first (:func:`pagedkv.validation.check_paged_attention`);
+            ``False`` is the fast path for a caller that already validated: no checks, no host
+            sync, and a bad argument is undefined behaviour (see ``docs/validation.md``).
 
     Returns:
         ``[total_q, num_q_heads, head_dim]`` in ``query.dtype`` (math in float32).
