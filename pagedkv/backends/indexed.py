@@ -32,7 +32,9 @@ def gather(cache: torch.Tensor, block_table, seq_len: int, validate: bool = True
         cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pool (any strides).
         block_table: ``int32``/``int64 [>= ceil(seq_len / block_size)]`` tensor or list of ints.
         seq_len: tokens to read, ``>= 0``.
-        validate: check arguments first (see :func:`pagedkv.validation.check_gather`).
+        validate: check arguments first (see :func:`pagedkv.validation.check_gather`);
+            ``False`` is the fast path for a caller that already validated: no checks, no host
+            sync, and a bad argument is undefined behaviour (see ``docs/validation.md``).
 
     Returns:
         A new contiguous ``[seq_len, num_kv_heads, head_dim]`` tensor, ``cache.dtype``, on ``cache.device``.
@@ -123,6 +125,9 @@ def scatter(cache: torch.Tensor, block_table, values: torch.Tensor, start: int =
         block_table: ``int32``/``int64`` tensor or list with ``>= ceil((start + n) / block_size)`` entries.
         values: ``[n, num_kv_heads, head_dim]``, ``cache.dtype``, on ``cache.device``.
         start: logical position of ``values[0]``.
+        validate: check arguments first (:func:`pagedkv.validation.check_scatter`);
+            ``False`` is the fast path for a caller that already validated: no checks, no host
+            sync, and a bad argument is undefined behaviour (see ``docs/validation.md``).
 
     Raises:
         ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError: as
@@ -157,6 +162,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pools, written in place.
         key, value: ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype and device.
         slot_mapping: ``int64 [num_tokens]`` (int32 accepted); negative slots are skipped.
+        validate: check arguments first (:func:`pagedkv.validation.check_write_kv`);
+            ``False`` is the fast path for a caller that already validated: no checks, no host
+            sync, and a bad argument is undefined behaviour (see ``docs/validation.md``).
 
     Raises:
         ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError: as
@@ -175,7 +183,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     validate: bool = True) -> torch.Tensor:
     """Causal varlen attention over paged K/V: indexed-gather each sequence, then dense attention.
 
-    Same arguments, result and errors as :func:`pagedkv.backends.loop.paged_attention`; with equal
+    Same arguments (``validate`` included), result and errors as
+    :func:`pagedkv.backends.loop.paged_attention`; with equal
     inputs the two return bit-identical outputs (same gathered K/V, same attention op).
     """
     args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate)
