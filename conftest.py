@@ -118,7 +118,6 @@ def check(request):
     A missing op skips the test with the reason; a failure writes the case file (the last one
     written per test is the shrunk example) and adds the replay command to the error.
     """
-    from pagedkv.cases import CacheScenario, Case
 
     def run(fn, backend, *args):
         try:
@@ -126,7 +125,7 @@ def check(request):
         except checks.MissingOp as exc:
             pytest.skip(str(exc))
         except AssertionError as exc:
-            case = next(a for a in args if isinstance(a, (Case, CacheScenario)))
+            case = next(a for a in args if hasattr(a, "to_dict"))  # a Case, CacheScenario or InvalidCall
             other = args[0] if fn is checks.backends_agree else None
             transform = next((a for a in args if isinstance(a, str) and a in checks.TRANSFORMS), None)
             spec = impl_spec(request.config) or backend_name(backend)

@@ -555,10 +555,13 @@ def save_failure(check: str, backend_spec: str, case: Case | CacheScenario, *, o
 
 
 def load_failure(path: str | Path) -> dict:
-    """Read a case file: the record with ``case`` rebuilt as a :class:`Case` or :class:`CacheScenario`."""
+    """Read a case file: the record with ``case`` rebuilt as a :class:`Case`, :class:`CacheScenario` or
+    :class:`pagedkv.invalid.InvalidCall` (by its ``kind``)."""
+    from .invalid import InvalidCall
+
     record = json.loads(Path(path).read_text())
-    kind = Case if record.get("kind", "Case") == "Case" else CacheScenario
-    record["case"] = kind.from_dict(record["case"])
+    kinds = {"Case": Case, "CacheScenario": CacheScenario, "InvalidCall": InvalidCall}
+    record["case"] = kinds[record.get("kind", "Case")].from_dict(record["case"])
     return record
 
 
@@ -570,6 +573,11 @@ def run_record(record: dict, backend: Any | None = None, device: str = "cpu") ->
         return backends_agree(impl, load_backend(record["other"]), case, device)
     if check == "invariant_under":
         return invariant_under(impl, case, record["transform"], device)
+    if check == "check_rejected":
+        from .invalid import check_rejected
+
+        check_rejected(impl, case, device)
+        return None
     fn = CASE_CHECKS.get(check) or SCENARIO_CHECKS.get(check)
     if fn is None:
         raise KeyError(f"unknown check {check!r} in case file")
