@@ -7,8 +7,12 @@ Design (after vLLM's block manager and its v1 prefix cache):
   count 0 but holding a cached full block that a later prefix lookup may revive).
 - ``num_free`` counts free + evictable blocks, so ``num_free + num_used == num_blocks`` always.
 - Allocation takes free blocks first, then evicts the least recently released evictable block.
-- Prefix caching keys each full block by a chained hash ``h_i = hash_fn(h_{i-1}, tokens_i)``; a
-  lookup also compares the whole token prefix, so a hash collision is never a hit.
+- Prefix caching keys each full block by a chained hash ``h_i = hash_fn(h_{i-1}, tokens_i)``. Each
+  cached block records its own tokens and its parent (the cached block before it, with the parent's
+  *generation*, bumped whenever a block's cache entry is dropped). A lookup walks the prompt block
+  by block and accepts a candidate only when its tokens are equal and its parent is the block just
+  matched, in the same generation: by induction the whole prefix is equal, so a hash collision is
+  never a hit, and each block costs ``O(block_size)`` however long the context.
 - Every method either succeeds or raises before changing anything.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
 import torch
@@ -64,6 +69,19 @@ def as_token_ids(name: str, token_ids: object) -> list[int]:
     return out
 
 
+@dataclass(frozen=True)
+class CacheEntry:
+    """What a cached full block holds: its chained ``hash``, its own ``tokens`` (``block_size`` ids),
+    its position in the prompt (``depth``: block ``depth`` holds positions ``depth * block_size ..``)
+    and its ``parent`` cached block (``None`` for the first block) in generation ``parent_generation``."""
+
+    hash: Hashable
+    tokens: tuple[int, ...]
+    depth: int
+    parent: int | None
+    parent_generation: int
+
+
 def default_block_hash(parent_hash: Hashable, token_ids: tuple[int, ...]) -> Hashable:
     """Chained block hash: Python's tuple hash of ``(parent_hash, token_ids)`` (deterministic for ints)."""
     return hash((parent_hash, token_ids))
@@ -103,8 +121,8 @@ class BlockAllocator:
         self._ref = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
-        self._hash_of: dict[int, Hashable] = {}  # cached block -> its chained hash
-        self._prefix_of: dict[int, tuple[int, ...]] = {}  # cached block -> the full token prefix it ends
+        self._entries: dict[int, CacheEntry] = {}  # cached block -> what it caches
+        self._generation = [0] * num_blocks  # bumped when a block's cache entry is dropped
         self._by_hash: dict[Hashable, list[int]] = {}
         self.num_evictions = 0
         self.prefix_queries = 0  # full blocks looked up
@@ -124,7 +142,7 @@ class BlockAllocator:
     @property
     def num_cached(self) -> int:
         """Blocks holding a prefix-cache entry (used or evictable)."""
-        return len(self._hash_of)
+        return len(self._entries)
 
     def ref_count(self, block: int) -> int:
         """Reference count of ``block``. Raises UnknownBlockError outside the pool."""
@@ -190,7 +208,7 @@ class BlockAllocator:
             raise DoubleFreeError(f"block {block} freed twice: it holds no reference")
         self._ref[block] -= 1
         if self._ref[block] == 0:
-            if block in self._hash_of:
+            if block in self._entries:
                 self._evictable[block] = None
             else:
                 self._free[block] = None
@@ -216,40 +234,57 @@ class BlockAllocator:
 
     # -- prefix cache ---------------------------------------------------------------------------
     def _uncache(self, block: int) -> None:
-        h = self._hash_of.pop(block)
-        del self._prefix_of[block]
-        owners = self._by_hash[h]
+        entry = self._entries.pop(block)
+        self._generation[block] += 1  # children registered under the old content no longer match
+        owners = self._by_hash[entry.hash]
         owners.remove(block)
         if not owners:
-            del self._by_hash[h]
+            del self._by_hash[entry.hash]
 
-    def block_hashes(self, token_ids: Sequence[int]) -> list[Hashable]:
-        """Chained hashes of every full block of ``token_ids``."""
-        hashes, parent = [], None
-        for end in range(self.block_size, len(token_ids) + 1, self.block_size):
-            parent = self.hash_fn(parent, tuple(token_ids[end - self.block_size:end]))
-            hashes.append(parent)
-        return hashes
+    def _matches(self, block: int, tokens: tuple[int, ...], parent: int | None) -> bool:
+        e = self._entries[block]
+        return e.tokens == tokens and e.parent == parent and \
+            (parent is None or e.parent_generation == self._generation[parent])
 
     def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Blocks caching the longest run of leading full blocks of ``token_ids`` (no references taken).
 
-        A candidate found by hash counts only when its whole cached token prefix equals
-        ``token_ids[:end]``, so colliding hashes never produce a false hit.
+        A candidate found by hash counts only when its tokens equal the block's and its parent is the
+        block matched just before (same generation), so colliding hashes never produce a false hit.
         """
         tokens = tuple(as_token_ids("token_ids", token_ids))
         if not self.enable_prefix_caching:
             return []
-        found = []
-        for i, h in enumerate(self.block_hashes(tokens)):
+        found: list[int] = []
+        parent, parent_hash, bs = None, None, self.block_size
+        for end in range(bs, len(tokens) + 1, bs):
             self.prefix_queries += 1
-            end = (i + 1) * self.block_size
-            match = next((b for b in self._by_hash.get(h, ()) if self._prefix_of[b] == tokens[:end]), None)
+            block_tokens = tokens[end - bs:end]
+            h = self.hash_fn(parent_hash, block_tokens)
+            match = next((b for b in self._by_hash.get(h, ()) if self._matches(b, block_tokens, parent)), None)
             if match is None:
                 break
             self.prefix_hits += 1
             found.append(match)
+            parent, parent_hash = match, h
         return found
+
+    def cached_entries(self) -> dict[int, CacheEntry]:
+        """``{block: CacheEntry}`` for every block holding a prefix-cache entry (a copy)."""
+        return dict(self._entries)
+
+    def cached_prefix(self, block: int) -> tuple[int, ...] | None:
+        """The full token prefix ``block`` ends, following its parents; ``None`` when a parent was evicted."""
+        parts = []
+        while block is not None:
+            entry = self._entries.get(block)
+            if entry is None:
+                return None
+            parts.append(entry.tokens)
+            if entry.parent is not None and entry.parent_generation != self._generation[entry.parent]:
+                return None
+            block = entry.parent
+        return tuple(t for part in reversed(parts) for t in part)
 
     def acquire(self, blocks: Sequence[int]) -> None:
         """Take one reference on each cached block found by :meth:`find_cached_prefix`, reviving evictable ones.
@@ -267,30 +302,40 @@ class BlockAllocator:
                 del self._evictable[block]
             self._ref[block] += 1
 
-    def cache_full_block(self, block: int, prefix_token_ids: Sequence[int]) -> None:
-        """Register used ``block`` as holding the last full block of ``prefix_token_ids``.
+    def cache_full_block(self, block: int, token_ids: Sequence[int], parent: int | None = None) -> bool:
+        """Register used ``block`` as caching one full block of ``token_ids`` that follows cached ``parent``.
 
-        ``len(prefix_token_ids)`` must be a positive multiple of ``block_size``. Re-registering a block
-        is a no-op; a disabled prefix cache ignores the call.
+        Args:
+            block: a used block now holding ``block_size`` tokens' K/V.
+            token_ids: exactly ``block_size`` token ids: this block's own tokens.
+            parent: the cached block before it in the sequence (``None`` for a sequence's first block).
+
+        Returns:
+            True when registered; False when the prefix cache is off, ``block`` is cached already, or
+            ``parent`` caches nothing (then no lookup could reach ``block`` anyway).
 
         Raises:
-            UnknownBlockError: the block is not used. ValueError: the prefix is not whole blocks.
+            UnknownBlockError: ``block`` is not used or outside the pool.
+            ShapeError: ``len(token_ids) != block_size``.
+            ArgumentTypeError: non-integer token ids.
         """
-        tokens = tuple(as_token_ids("prefix_token_ids", prefix_token_ids))
-        if not self.enable_prefix_caching:
-            return
+        tokens = tuple(as_token_ids("token_ids", token_ids))
         self._check_id(block)
         if self._ref[block] == 0:
             raise UnknownBlockError(f"block {block} is not allocated; cannot cache it")
-        if not tokens or len(tokens) % self.block_size:
-            raise ValueError(f"prefix length {len(tokens)} is not a positive multiple of "
-                             f"block_size {self.block_size}")
-        if block in self._hash_of:
-            return
-        h = self.block_hashes(tokens)[-1]
-        self._hash_of[block] = h
-        self._prefix_of[block] = tokens
+        if len(tokens) != self.block_size:
+            raise ShapeError(f"token_ids has {len(tokens)} ids, a full block holds block_size {self.block_size}")
+        if parent is not None:
+            self._check_id(parent)
+        if not self.enable_prefix_caching or block in self._entries or \
+                (parent is not None and parent not in self._entries):
+            return False
+        parent_entry = self._entries.get(parent) if parent is not None else None
+        h = self.hash_fn(parent_entry.hash if parent_entry else None, tokens)
+        self._entries[block] = CacheEntry(h, tokens, parent_entry.depth + 1 if parent_entry else 0, parent,
+                                          self._generation[parent] if parent is not None else 0)
         self._by_hash.setdefault(h, []).append(block)
+        return True
 
     def check_invariants(self, expected_refs: dict[int, int] | None = None) -> None:
         """Raise AssertionError unless the allocator's state is consistent.
@@ -304,8 +349,8 @@ class BlockAllocator:
         used = {b for b in range(self.num_blocks) if self._ref[b] > 0}
         assert not used & (free | evictable), f"blocks both used and free: {sorted(used & (free | evictable))}"
         assert len(free) + len(evictable) + len(used) == self.num_blocks, "free + used != total"
-        assert all(b in self._hash_of for b in evictable), "an evictable block caches nothing"
-        assert not free & set(self._hash_of), "a free block still caches a prefix"
+        assert all(b in self._entries for b in evictable), "an evictable block caches nothing"
+        assert not free & set(self._entries), "a free block still caches a prefix"
         assert all(r >= 0 for r in self._ref), "negative reference count"
         if expected_refs is not None:
             for b in range(self.num_blocks):

@@ -169,7 +169,7 @@ class PagedKVCache:
         table.extend(blocks)
         seq.token_ids.extend(token_ids)
         for i in range(start // bs, (start + n) // bs):  # blocks completed by this append
-            self.allocator.cache_full_block(table[i], seq.token_ids[: (i + 1) * bs])
+            self.allocator.cache_full_block(table[i], seq.token_ids[i * bs: (i + 1) * bs], table[i - 1] if i else None)
         positions = torch.arange(start, start + n, dtype=torch.int64)
         table_t = torch.tensor(table, dtype=torch.int64)
         slots = table_t[positions // bs] * bs + positions % bs if n else positions

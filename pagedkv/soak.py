@@ -133,10 +133,11 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
                     raise SoakFailure(f"{where}: sequence {req.seq_id} ({n} tokens) reads a wrong {name} at position "
                                       f"{p} (block {int(table[p // bs]) if p >= 0 else '?'}), differing from its "
                                       f"shadow copy")
-        for block, prefix in cache.allocator._prefix_of.items():
-            k, v = kv_of(list(prefix[-bs:]), len(prefix) - bs)
+        for block, entry in cache.allocator.cached_entries().items():
+            k, v = kv_of(list(entry.tokens), entry.depth * bs)
             if not (torch.equal(bits(k_pool[block].cpu()), bits(k)) and torch.equal(bits(v_pool[block].cpu()), bits(v))):
-                raise SoakFailure(f"{where}: cached block {block} does not hold the K/V of its {len(prefix)}-token prefix")
+                raise SoakFailure(f"{where}: cached block {block} does not hold the K/V of its tokens at block "
+                                  f"{entry.depth} of a prompt")
 
     def preempt(victim: _Request) -> None:
         """Free ``victim`` and re-queue it, to be recomputed from its tokens so far."""

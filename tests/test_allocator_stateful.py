@@ -60,7 +60,7 @@ class CacheMachine(RuleBasedStateMachine):
     # -- helpers ---------------------------------------------------------------------------------------
     def snapshot(self):
         a, c = self.alloc, self.cache
-        return (list(a._ref), list(a._free), list(a._evictable), dict(a._hash_of), dict(a._prefix_of),
+        return (list(a._ref), list(a._free), list(a._evictable), dict(a._entries), list(a._generation),
                 {h: list(bs) for h, bs in a._by_hash.items()},
                 {s: (list(q.block_table), list(q.token_ids)) for s, q in c.sequences.items()},
                 bits(c.kv).clone())
@@ -224,7 +224,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.assert_unchanged(before, "a prefix lookup (which takes no reference)")
         bs = self.geometry.block_size
         for i, b in enumerate(found):
-            assert self.alloc._prefix_of[b] == tuple(prompt[:(i + 1) * bs]), f"block {b}: a hit on unequal tokens"
+            assert self.alloc.cached_prefix(b) == tuple(prompt[:(i + 1) * bs]), f"block {b}: a hit on unequal tokens"
         self.check_blocks_hold(found, prompt, "prefix lookup")
 
     @precondition(lambda self: self.shadow)
@@ -238,10 +238,10 @@ class CacheMachine(RuleBasedStateMachine):
             return
         i = data.draw(st.integers(0, full - 1))
         block = seq.block_table[i]
-        if block not in self.alloc._hash_of:
+        if block not in self.alloc.cached_entries():
             return  # its prefix is cached by another block (an equal block registered first)
         before = self.snapshot()
-        self.alloc.cache_full_block(block, seq.token_ids[:(i + 1) * bs])
+        self.alloc.cache_full_block(block, seq.token_ids[i * bs:(i + 1) * bs], seq.block_table[i - 1] if i else None)
         self.assert_unchanged(before, "re-registering a cached block")
 
     @rule(data=st.data())
@@ -283,8 +283,9 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def cached_blocks_hold_their_prefix(self):
         bs = self.geometry.block_size
-        for block, prefix in self.alloc._prefix_of.items():
-            k, v = token_kv(self.geometry, prefix[-bs:], len(prefix) - bs, self.seed)
+        for block, entry in self.alloc.cached_entries().items():
+            prefix = entry.tokens
+            k, v = token_kv(self.geometry, entry.tokens, entry.depth * bs, self.seed)
             assert torch.equal(bits(self.cache.k_cache()[block]), bits(k)) and \
                 torch.equal(bits(self.cache.v_cache()[block]), bits(v)), \
                 f"cached block {block} does not hold the K/V of its prefix {prefix}"

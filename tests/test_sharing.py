@@ -31,7 +31,8 @@ def test_prefix_caching_changes_no_output(check, backend, device, scenario):
 @pytest.mark.parametrize("prefix, hit", [(16, 16), (15, 0), (17, 16)])
 def test_c1_prefix_on_a_block_boundary_is_served_from_the_cache(prefix, hit):
     cache = PagedKVCache(CacheConfig(8, 16, 1, 4))
-    cache.append(0, list(range(prefix))) if cache.add_sequence(0, list(range(prefix))) == 0 else None
+    assert cache.add_sequence(0, list(range(prefix))) == 0
+    cache.append(0, list(range(prefix)))
     assert cache.add_sequence(1, list(range(prefix)) + [90, 91, 92, 93, 94]) == hit
     assert cache.block_table(1)[: hit // 16].tolist() == cache.block_table(0)[: hit // 16].tolist()
 
@@ -79,9 +80,24 @@ def test_c3_a_forked_child_freed_twice_raises_and_changes_nothing():
 def test_c4_a_colliding_hash_hits_only_on_equal_tokens():
     allocator = BlockAllocator(8, 2, hash_fn=lambda parent, tokens: 0)
     first = allocator.allocate(2)
-    allocator.cache_full_block(first[0], [1, 2])
-    allocator.cache_full_block(first[1], [1, 2, 3, 4])
+    assert allocator.cache_full_block(first[0], [1, 2])
+    assert allocator.cache_full_block(first[1], [3, 4], parent=first[0])
     assert allocator.find_cached_prefix([1, 2, 3, 4]) == first
     assert allocator.find_cached_prefix([1, 2, 6, 6]) == first[:1]
     assert allocator.find_cached_prefix([9, 9, 3, 4]) == []
     assert allocator.find_cached_prefix([3, 4]) == []
+    assert allocator.cached_prefix(first[1]) == (1, 2, 3, 4)
+
+
+def test_c4_a_child_of_an_evicted_block_never_hits_through_its_reused_id():
+    allocator = BlockAllocator(3, 2, hash_fn=lambda parent, tokens: 0)
+    a, b = allocator.allocate(2)
+    allocator.cache_full_block(a, [1, 2])
+    allocator.cache_full_block(b, [3, 4], parent=a)
+    allocator.free(a)  # the parent is released first, so it is evicted first
+    allocator.free(b)
+    _, reused = allocator.allocate(2)  # the free block, then the LRU evictable one: a
+    assert reused == a and b in allocator.cached_entries()
+    assert allocator.cache_full_block(a, [5, 5])  # a now caches other tokens
+    assert allocator.find_cached_prefix([5, 5, 3, 4]) == [a]  # b's parent was the old a: no false hit
+    assert allocator.cached_prefix(b) is None
