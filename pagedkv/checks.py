@@ -323,6 +323,19 @@ def _relayout(case: Case, args: dict) -> dict:
     return {**args, "k_cache": k.contiguous(), "v_cache": args["v_cache"].contiguous()}
 
 
+def _strided_metadata(case: Case, args: dict) -> dict:
+    """``block_tables``, ``seq_lens`` and ``query_start_loc`` as every-other-element views of larger
+    tensors whose skipped elements hold garbage (a kernel that assumes dense metadata reads it)."""
+    out = dict(args)
+    for name, garbage in (("block_tables", case.geometry.num_blocks + 1000), ("seq_lens", 2**30),
+                          ("query_start_loc", 2**30)):
+        x = args[name]
+        wide = torch.full((*x.shape[:-1], 2 * x.shape[-1]), garbage, dtype=x.dtype, device=x.device)
+        wide[..., ::2] = x
+        out[name] = wide[..., ::2]
+    return out
+
+
 def _reverse_batch(case: Case, args: dict) -> dict:
     qsl = args["query_start_loc"].tolist()
     n = len(qsl) - 1
@@ -342,6 +355,7 @@ TRANSFORMS: dict[str, Callable[[Case, dict], dict]] = {
         torch.int64 if a["block_tables"].dtype == torch.int32 else torch.int32)},
     "poison": _repoison,
     "layout": _relayout,
+    "strided_metadata": _strided_metadata,
     "batch_order": _reverse_batch,
 }
 
@@ -349,7 +363,7 @@ TRANSFORMS: dict[str, Callable[[Case, dict], dict]] = {
 def invariant_under(backend: Any, case: Case, transform: str, device: str = "cpu") -> None:
     """Outputs (gathers and attention) are bit-identical after ``transform`` of the inputs: physical
     blocks renumbered (pool permuted, tables mapped), another padding value, int32 vs int64 tables,
-    other poison in unowned slots, strided pools, reversed batch order."""
+    other poison in unowned slots, strided pools, strided metadata, reversed batch order."""
     args = inputs(case, device)
     a = outputs(backend, args)
     if not a:

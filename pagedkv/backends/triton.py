@@ -125,5 +125,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """
     args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate)
     q_lens = [hi - lo for lo, hi in zip(args.q_starts, args.q_starts[1:])]
-    return _kernels.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, args.scale,
-                                    max(q_lens, default=0))
+    # The kernel indexes seq_lens and query_start_loc as dense arrays: make strided views dense.
+    return _kernels.paged_attention(query, k_cache, v_cache, block_tables, seq_lens.contiguous(),
+                                    query_start_loc.contiguous(), args.scale, max(q_lens, default=0))
