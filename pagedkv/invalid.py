@@ -74,6 +74,7 @@ FAULTS: dict[tuple[str, str], Fault] = {(f.op, f.name): f for f in (
     _F("scatter", "values_dtype", "TypeError", "values", "", "values in another float dtype"),
     _F("scatter", "values_device", "ValueError", "values", "", "values on another device"),
     _F("scatter", "table_float", "TypeError", "block_table", "", "a float32 table"),
+    _F("scatter", "values_overlap_cache", "ValueError", "values", "write", "values a view into the pool it writes"),
     # write_kv(k_cache, v_cache, key, value, slot_mapping)
     _F("write_kv", "slot_too_large", "IndexError", "slot_mapping", "write", "a slot >= num_blocks * block_size"),
     _F("write_kv", "duplicate_slot", "ValueError", "slot_mapping", "write2", "one slot written by two tokens"),
@@ -90,6 +91,8 @@ FAULTS: dict[tuple[str, str], Fault] = {(f.op, f.name): f for f in (
     _F("write_kv", "v_cache_dtype", "TypeError", "v_cache", "", "v_cache in another dtype than k_cache"),
     _F("write_kv", "v_cache_fewer_blocks", "ValueError", "v_cache", "blocks2", "v_cache with one block fewer"),
     _F("write_kv", "same_pool", "ValueError", "v_cache", "", "v_cache the same tensor as k_cache"),
+    _F("write_kv", "pools_overlap", "ValueError", "v_cache", "blocks2", "k_cache and v_cache overlapping views of one buffer"),
+    _F("write_kv", "value_overlaps_pool", "ValueError", "value", "token", "value a view into v_cache"),
     # paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     _F("paged_attention", "block_id_too_large", "IndexError", "block_tables", "read", "an id >= num_blocks among a row's read entries"),
     _F("paged_attention", "block_id_negative", "IndexError", "block_tables", "read", "a negative id among a row's read entries"),
@@ -291,6 +294,8 @@ class InvalidCall:
             values = values.to(OTHER_DEVICE)
         elif f == "table_float":
             table = table.float()
+        elif f == "values_overlap_cache":
+            values = k_cache[0, 0].expand(values.shape)
         return (k_cache, table, values, start), {}, (k_cache, v_cache)
 
     def _write_kv(self, device):
@@ -335,6 +340,11 @@ class InvalidCall:
             vc = v_cache[:-1]
         elif f == "same_pool":
             vc = k_cache
+        elif f == "pools_overlap":  # two views of one buffer, one block apart
+            buffer = torch.cat([k_cache, v_cache[-1:]])
+            kc, vc = k_cache, v_cache = buffer[:-1], buffer[1:]
+        elif f == "value_overlaps_pool":
+            value = v_cache[0, 0].expand(value.shape)
         return (kc, vc, key, value, sm), {}, (k_cache, v_cache)
 
     def _paged_attention(self, device):

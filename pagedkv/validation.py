@@ -53,7 +53,43 @@ def check_cache(name: str, cache: object) -> torch.Tensor:
     if min(cache.shape) < 1:
         raise ShapeError(f"{name} must have non-empty dims [num_blocks, block_size, num_kv_heads, head_dim], "
                          f"got {tuple(cache.shape)}")
+    if cache.device.type == "meta":
+        raise DeviceMismatchError(f"{name} is on the meta device: it holds no data to read or write")
     return cache
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may address a common element.
+
+    Exact for two views of equal shape and strides (``kv[:, 0]`` and ``kv[:, 1]`` of one
+    ``[num_blocks, 2, ...]`` pool share storage but no element); otherwise True as soon as their
+    byte ranges in one storage intersect.
+    """
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(x: torch.Tensor) -> tuple[int, int]:
+        lo = x.storage_offset() * x.element_size()
+        return lo, lo + (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
+
+    (a_lo, a_hi), (b_lo, b_hi) = span(a), span(b)
+    if a_hi <= b_lo or b_hi <= a_lo:
+        return False
+    if a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype:
+        return True
+    diff = abs(a.storage_offset() - b.storage_offset())  # reachable as sum(i_k * stride_k), 0 <= i_k < size_k?
+    for n, st in sorted(zip(a.shape, a.stride()), key=lambda t: -t[1]):
+        if st:
+            diff -= min(diff // st, n - 1) * st
+    return diff == 0
+
+
+def _check_no_overlap(name: str, x: torch.Tensor, cache: torch.Tensor, cache_name: str) -> None:
+    if shares_memory(x, cache):
+        raise ShapeError(f"{name} overlaps {cache_name} in memory: the write would read what it overwrites "
+                         f"(pass {name}.clone())")
 
 
 def check_cache_pair(k_cache: object, v_cache: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,6 +192,7 @@ def check_scatter(cache: object, block_table: TableLike, values: object, start: 
     cache = check_cache("cache", cache)
     values = _check_tensor("values", values, 3)
     _check_like_cache("values", values, cache, "cache")
+    _check_no_overlap("values", values, cache, "cache")
     if tuple(values.shape[1:]) != tuple(cache.shape[2:]):
         raise ShapeError(f"values must be [n, num_kv_heads, head_dim] = [n, {cache.shape[2]}, {cache.shape[3]}], "
                          f"got {tuple(values.shape)}")
@@ -206,14 +243,15 @@ def check_write_kv(k_cache: object, v_cache: object, key: object, value: object,
 
     Raises:
         ShapeError: ``key``/``value`` not ``[num_tokens, num_kv_heads, head_dim]``, ``slot_mapping`` not
-            ``[num_tokens]``, one slot written twice, or ``k_cache`` and ``v_cache`` the same memory.
+            ``[num_tokens]``, one slot written twice, ``k_cache`` and ``v_cache`` overlapping in memory, or
+            ``key``/``value`` overlapping a pool.
         BlockIndexError: a non-negative slot ``>= num_blocks * block_size``.
         DTypeMismatchError / DeviceMismatchError: key/value/slot_mapping unlike the caches.
     """
     k_cache, v_cache = check_cache_pair(k_cache, v_cache)
-    if k_cache.data_ptr() == v_cache.data_ptr() and k_cache.stride() == v_cache.stride() and k_cache.numel():
-        raise ShapeError("k_cache and v_cache are the same memory (one pool passed twice): a write of value "
-                         "would overwrite key")
+    if shares_memory(k_cache, v_cache):
+        raise ShapeError("k_cache and v_cache overlap in memory (one pool passed twice, or overlapping views): "
+                         "a write of value would overwrite key")
     key = _check_tensor("key", key, 3)
     value = _check_tensor("value", value, 3)
     for name, x, cname, c in (("key", key, "k_cache", k_cache), ("value", value, "v_cache", v_cache)):
@@ -223,6 +261,9 @@ def check_write_kv(k_cache: object, v_cache: object, key: object, value: object,
                              f"{c.shape[3]}], got {tuple(x.shape)}")
     if key.shape[0] != value.shape[0]:
         raise ShapeError(f"key has {key.shape[0]} tokens, value has {value.shape[0]}")
+    for name, x in (("key", key), ("value", value)):
+        for cname, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            _check_no_overlap(name, x, c, cname)
     slot_mapping = _check_tensor("slot_mapping", slot_mapping, 1)
     _check_int_tensor("slot_mapping", slot_mapping)
     if slot_mapping.device != k_cache.device:
