@@ -25,7 +25,7 @@ from typing import Iterable, Sequence
 import torch
 
 from .allocator import BlockAllocator, HashFn, as_int, as_token_ids, default_block_hash
-from .config import CacheConfig, blocks_needed
+from .config import CacheConfig, blocks_needed, slots_for_positions
 from .errors import ArgumentTypeError, DoubleFreeError, OutOfBlocksError, ShapeError, UnknownBlockError
 
 
@@ -158,8 +158,7 @@ class PagedKVCache:
         token_ids = as_token_ids("token_ids", token_ids)
         n, start, bs = len(token_ids), seq.num_tokens, self.block_size
         table = seq.block_table
-        cow = n > 0 and start % bs != 0 and self.allocator.ref_count(table[-1]) > 1
-        new_blocks = blocks_needed(start + n, bs) - len(table)
+        new_blocks, cow = self._blocks_for_append(seq, n)
         blocks = self.allocator.allocate(new_blocks + cow)  # raises before any change
         if cow:
             old, table[-1] = table[-1], blocks.pop(0)
@@ -171,9 +170,13 @@ class PagedKVCache:
         for i in range(start // bs, (start + n) // bs):  # blocks completed by this append
             self.allocator.cache_full_block(table[i], seq.token_ids[i * bs: (i + 1) * bs], table[i - 1] if i else None)
         positions = torch.arange(start, start + n, dtype=torch.int64)
-        table_t = torch.tensor(table, dtype=torch.int64)
-        slots = table_t[positions // bs] * bs + positions % bs if n else positions
-        return slots.to(self.config.device)
+        return slots_for_positions(torch.tensor(table, dtype=torch.int64), positions, bs).to(self.config.device)
+
+    def _blocks_for_append(self, seq: SequenceState, n: int) -> tuple[int, bool]:
+        """``(new blocks, copy-on-write?)`` an append of ``n`` tokens needs: a partially filled last
+        block that another table shares must be copied before it is written."""
+        cow = n > 0 and seq.num_tokens % self.block_size != 0 and self.allocator.ref_count(seq.block_table[-1]) > 1
+        return blocks_needed(seq.num_tokens + n, self.block_size) - len(seq.block_table), cow
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Make ``child_id`` share every block (and token) of ``parent_id``; no K/V is copied.
@@ -213,10 +216,8 @@ class PagedKVCache:
         num_tokens = as_int("num_tokens", num_tokens)
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        cow = num_tokens > 0 and seq.num_tokens % self.block_size != 0 and \
-            self.allocator.ref_count(seq.block_table[-1]) > 1
-        return blocks_needed(seq.num_tokens + num_tokens, self.block_size) - len(seq.block_table) + cow \
-            <= self.allocator.num_free
+        new_blocks, cow = self._blocks_for_append(seq, num_tokens)
+        return new_blocks + cow <= self.allocator.num_free
 
     # -- metadata for the ops ---------------------------------------------------------------------
     def seq_len(self, seq_id: int) -> int:
