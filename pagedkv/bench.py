@@ -121,7 +121,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``bench`` on an ``argparse`` subparsers object (``set_defaults(func=run)``)."""
     p = subparsers.add_parser(
         "bench", help="time loop / element-wise / indexed / triton against a memory-copy bound",
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help=f"small sweep (seq lens {QUICK_SEQ_LENS}, block sizes {QUICK_BLOCK_SIZES}, attention up to "
                         f"{QUICK_ATTN_MAX_LEN} tokens, float32, 8x128, short timing): under a minute on 2 CPU cores")
@@ -133,10 +133,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtypes", type=_str_list, default=None, help="float32,float16,bfloat16; default float32")
     p.add_argument("--ops", type=_str_list, default=list(OPS), help=f"subset of {OPS}")
     p.add_argument("--impls", type=_str_list, default=None,
-                   help="subset of loop,elementwise,indexed,indexed+sdpa,triton (bounds are always timed)")
+                   help="subset of loop,elementwise,indexed,indexed+sdpa,triton (bounds are always timed); default all")
     p.add_argument("--attn-batches", type=_int_list, default=None,
                    help="decode batch sizes of the attention rows; default 1 (CPU) or 1,16 (CUDA)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (torch.set_num_threads)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (torch.set_num_threads; default 1)")
     p.add_argument("--min-time", type=float, default=None,
                    help="seconds of timed calls per measurement (default 0.2, --quick 0.03)")
     p.add_argument("--rounds", type=int, default=None,
@@ -151,14 +151,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "jemalloc/tcmalloc - does); 'system': glibc defaults, where blocks >= 32 MiB are unmapped "
                         "on free and every new output pays first-touch page faults")
     p.add_argument("--pool-factor", type=float, default=1.5,
-                   help="pool blocks per block the table uses (block ids are a random permutation of the pool)")
+                   help="pool blocks per block the table uses (block ids are a random permutation of the pool; default 1.5)")
     p.add_argument("--triton-on-cpu", action="store_true",
                    help="time the triton backend on CPU too (interpreter; only at the smallest sequence length)")
-    p.add_argument("--out-dir", default="bench/results", help="where <name>.json/.csv/.png go")
+    p.add_argument("--out-dir", default="bench/results", help="where <name>.json/.csv/.png go (default bench/results)")
     p.add_argument("--name", default=None, help="file stem; default '<device>-quick' or '<device>-full'")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
     p.set_defaults(func=run)
     return p
 

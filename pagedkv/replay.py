@@ -64,6 +64,13 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
     from .checks import MissingOp, Mismatch, load_failure, run_record
 
     out = out or sys.stdout
+    if str(device).startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"replay: --device {device} asked for, but torch sees no CUDA device here "
+                  f"(torch {torch.__version__}); replay on cpu instead", file=out)
+            return 2
     try:
         record = load_failure(path)
     except (OSError, ValueError, KeyError, TypeError) as exc:
