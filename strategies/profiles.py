@@ -4,7 +4,7 @@
 profile    examples  derandomize  use
 =========  ========  ===========  ==========================================================
 dev        25        no           local runs (the default)
-ci         40        yes          a gate must not flip on a rerun; no example database
+ci         100       yes          a gate must not flip on a rerun; no example database
 gpu        200       no           GPU runners; the example database (kept between runs) replays past failures
 nightly    2000      no           long random search
 repro      200       no           verbose, with Hypothesis's explain phase, to study a failure
@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, settings
 
 PROFILES: dict[str, dict] = {
     "dev": dict(max_examples=25),
-    "ci": dict(max_examples=40, derandomize=True, database=None),
+    "ci": dict(max_examples=100, derandomize=True, database=None),
     "gpu": dict(max_examples=200),
     "nightly": dict(max_examples=2000),
     "repro": dict(max_examples=200, verbosity=Verbosity.verbose,
