@@ -148,9 +148,12 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
 
     bar = None
     if progress:
-        from tqdm import tqdm
+        try:
+            from tqdm import tqdm
 
-        bar = tqdm(total=steps, desc="soak", unit="step")
+            bar = tqdm(total=steps, desc="soak", unit="step")
+        except ImportError:  # the progress bar is optional (pip install "pagedkv[bench]")
+            bar = None
     t0 = time.perf_counter()
     failure = None
     try:

@@ -12,7 +12,7 @@ import pytest
 
 from pagedkv import bench, cli
 
-pytest.importorskip("matplotlib")
+pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the test and bench extras install it)")
 
 
 def test_tiny_sweep_writes_results(tmp_path, capsys):
