@@ -39,6 +39,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 class CacheConfig:
     """Geometry of a paged KV cache.
 
+    Raises (on construction):
+        ArgumentTypeError (``TypeError``): a size that is not an integer (bools included).
+        ShapeError (``ValueError``): a size below 1. DTypeMismatchError: an unsupported dtype.
+        DeviceMismatchError (``ValueError``): an unknown device, or CUDA when torch sees none.
+
     Attributes:
         num_blocks: physical blocks in each pool.
         block_size: token slots per block (any positive integer; 1 and non-powers of two are fine).
@@ -58,13 +63,22 @@ class CacheConfig:
     num_layers: int = 1
 
     def __post_init__(self) -> None:
-        from .errors import ShapeError
+        from .allocator import as_int
+        from .errors import DeviceMismatchError, ShapeError
 
         for name in ("num_blocks", "block_size", "num_kv_heads", "head_dim", "num_layers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            value = as_int(name, getattr(self, name))  # ArgumentTypeError (TypeError) for non-integers
+            if value < 1:
                 raise ShapeError(f"{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, value)
         object.__setattr__(self, "dtype", dtype_from_name(self.dtype))
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise DeviceMismatchError(f"device {self.device!r} is not a torch device: {exc}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise DeviceMismatchError(f"device {self.device!r} asked for, but torch sees no CUDA device "
+                                      f"(torch {torch.__version__})")
 
     @property
     def num_slots(self) -> int:
