@@ -159,10 +159,9 @@ def write_kv_matches_definition(backend: Any, case: Case, device: str = "cpu") -
     g = case.geometry
     key = torch.empty((len(slots), g.num_kv_heads, g.head_dim), dtype=g.torch_dtype)
     value = torch.empty_like(key)
-    for t, (i, p) in enumerate(owners):
-        src = new[i] if i >= 0 else new[0] if new else None
-        key[t] = src[0][p] if i >= 0 else float(t + 1000)
-        value[t] = src[1][p] if i >= 0 else -float(t + 1000)
+    for t, (i, p) in enumerate(owners):  # padding tokens carry values that must never land anywhere
+        key[t] = new[i][0][p] if i >= 0 else float(t + 1000)
+        value[t] = new[i][1][p] if i >= 0 else -float(t + 1000)
     k_cache, v_cache = case.caches(device)
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
     for t, slot in enumerate(slots):
