@@ -251,23 +251,26 @@ class BlockAllocator:
 
         A candidate found by hash counts only when its tokens equal the block's and its parent is the
         block matched just before (same generation), so colliding hashes never produce a false hit.
+        Equal blocks cached twice (two sequences filled them independently) are all followed, so a
+        longer chain under either copy is found.
         """
         tokens = tuple(as_token_ids("token_ids", token_ids))
         if not self.enable_prefix_caching:
             return []
-        found: list[int] = []
-        parent, parent_hash, bs = None, None, self.block_size
+        chains: dict[int | None, list[int]] = {None: []}  # matched block -> the chain ending in it
+        parent_hash, bs = None, self.block_size
         for end in range(bs, len(tokens) + 1, bs):
             self.prefix_queries += 1
             block_tokens = tokens[end - bs:end]
             h = self.hash_fn(parent_hash, block_tokens)
-            match = next((b for b in self._by_hash.get(h, ()) if self._matches(b, block_tokens, parent)), None)
-            if match is None:
+            candidates = self._by_hash.get(h, ())
+            longer = {b: chain + [b] for parent, chain in chains.items() for b in candidates
+                      if self._matches(b, block_tokens, parent)}
+            if not longer:
                 break
             self.prefix_hits += 1
-            found.append(match)
-            parent, parent_hash = match, h
-        return found
+            chains, parent_hash = longer, h
+        return min(chains.values())  # deterministic among equally long chains
 
     def cached_entries(self) -> dict[int, CacheEntry]:
         """``{block: CacheEntry}`` for every block holding a prefix-cache entry (a copy)."""

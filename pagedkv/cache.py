@@ -169,8 +169,10 @@ class PagedKVCache:
         seq.token_ids.extend(token_ids)
         for i in range(start // bs, (start + n) // bs):  # blocks completed by this append
             self.allocator.cache_full_block(table[i], seq.token_ids[i * bs: (i + 1) * bs], table[i - 1] if i else None)
-        positions = torch.arange(start, start + n, dtype=torch.int64)
-        return slots_for_positions(torch.tensor(table, dtype=torch.int64), positions, bs).to(self.config.device)
+        first = start // bs  # only the table entries this append touches: a decode step costs O(1)
+        positions = torch.arange(start - first * bs, start - first * bs + n, dtype=torch.int64)
+        touched = torch.tensor(table[first: blocks_needed(start + n, bs)], dtype=torch.int64)
+        return slots_for_positions(touched, positions, bs).to(self.config.device)
 
     def _blocks_for_append(self, seq: SequenceState, n: int) -> tuple[int, bool]:
         """``(new blocks, copy-on-write?)`` an append of ``n`` tokens needs: a partially filled last

@@ -101,3 +101,15 @@ def test_c4_a_child_of_an_evicted_block_never_hits_through_its_reused_id():
     assert allocator.cache_full_block(a, [5, 5])  # a now caches other tokens
     assert allocator.find_cached_prefix([5, 5, 3, 4]) == [a]  # b's parent was the old a: no false hit
     assert allocator.cached_prefix(b) is None
+
+
+def test_a_prefix_cached_twice_is_found_through_either_copy():
+    cache = PagedKVCache(CacheConfig(8, 2, 1, 1))
+    for seq_id in (0, 1):  # two sequences fill equal first blocks independently
+        cache.add_sequence(seq_id, [1])
+        cache.append(seq_id, [1])
+    cache.append(0, [2])  # one copy of [1, 2] ...
+    cache.append(1, [2, 3, 4, 5])  # ... and another, with [3, 4] cached under it
+    assert cache.add_sequence(2, [1, 2, 3, 4, 5]) == 4
+    assert cache.block_table(2).tolist()[:2] == cache.block_table(1).tolist()[:2]
+    cache.check_invariants()
