@@ -231,7 +231,7 @@ class CacheScenario:
     - ``("add", seq_id, token_ids)``: add_sequence with a prompt, then append its uncached tokens;
     - ``("append", seq_id, token_ids)``: append decode/prefill tokens;
     - ``("fork", parent_id, child_id)``;
-    - ``("free", seq_id)``.
+    - ``("free", seq_id)``: of a live sequence; freeing one that is not live must be refused and change nothing.
 
     Each token's K/V is a function of (token id, position, seed), so a sequence's expected content
     follows from its tokens alone. ``constant_hash`` injects a hash function that collides always.

@@ -431,7 +431,8 @@ def run_scenario(backend: Any, scenario: CacheScenario, device: str = "cpu",
                  after_op: Callable[[PagedKVCache, dict], None] | None = None) -> tuple[PagedKVCache, dict]:
     """Replay ``scenario.ops`` on a real :class:`PagedKVCache`, writing each token's K/V with the
     backend's ``write_kv``. Returns the cache and the shadow ``{seq_id: token_ids}``. Operations the
-    cache refuses (out of blocks) are skipped, as a scheduler would. ``after_op`` sees both after each op.
+    cache refuses (out of blocks) are skipped, as a scheduler would; a ``free`` of a sequence that is
+    not live must raise and change nothing (else :class:`Mismatch`). ``after_op`` sees both after each op.
 
     A backend that ships its own cache manager exposes it as ``backend.cache_class`` (a class with
     :class:`PagedKVCache`'s constructor and methods); the scenario then runs on that class."""
@@ -481,11 +482,29 @@ def run_scenario(backend: Any, scenario: CacheScenario, device: str = "cpu",
             elif kind == "free" and op[1] in shadow:
                 cache.free(op[1])
                 del shadow[op[1]]
+            elif kind == "free":  # a sequence freed twice (or never added): refused, nothing changes
+                _check_refused_free(cache, op[1])
         except OutOfBlocksError:
             pass
         if after_op is not None:
             after_op(cache, shadow)
     return cache, shadow
+
+
+def _check_refused_free(cache: PagedKVCache, seq_id: int) -> None:
+    from .errors import DoubleFreeError, UnknownBlockError
+
+    a = cache.allocator
+    before = (list(a._ref), list(a._free), list(a._evictable), cache.reference_counts())
+    try:
+        cache.free(seq_id)
+    except (DoubleFreeError, UnknownBlockError):
+        pass
+    else:
+        raise Mismatch(f"freeing sequence {seq_id}, which is not live, was accepted (a reference dropped twice)",
+                       {"seq": seq_id})
+    if (list(a._ref), list(a._free), list(a._evictable), cache.reference_counts()) != before:
+        raise Mismatch(f"a refused free of sequence {seq_id} changed the allocator", {"seq": seq_id})
 
 
 def check_live_sequences(backend: Any, cache: PagedKVCache, shadow: dict, scenario: CacheScenario) -> None:

@@ -1,7 +1,7 @@
 """The strategies reach every edge they claim to reach (each ``find`` fails the test if it cannot)."""
 
 import pytest
-from hypothesis import Phase, find, settings
+from hypothesis import Phase, find, given, settings
 
 from pagedkv.config import blocks_needed
 from strategies import cases, fragmented_cases, large_pool_cases, scenarios, seq_lens
@@ -54,20 +54,13 @@ def test_fragmented_tables_are_not_in_allocation_order():
     assert len(owned) == len(set(owned)), "a fragmented table must still own each block once"
 
 
-def test_cases_are_valid_by_construction():
-    @settings(max_examples=200, database=None, deadline=None)
-    @given_cases
-    def inner(case):
-        for i, s in enumerate(case.seqs):
-            assert 0 <= s.q_len <= s.seq_len and 0 <= s.start <= s.seq_len
-            assert len(s.block_table) >= blocks_needed(s.seq_len, case.geometry.block_size)
-            assert all(0 <= b < case.geometry.num_blocks for b in case.used_table(i))
-    inner()
-
-
-from hypothesis import given  # noqa: E402
-
-given_cases = given(cases() | fragmented_cases())
+@settings(max_examples=200, database=None, deadline=None)
+@given(case=cases() | fragmented_cases())
+def test_cases_are_valid_by_construction(case):
+    for i, s in enumerate(case.seqs):
+        assert 0 <= s.q_len <= s.seq_len and 0 <= s.start <= s.seq_len
+        assert len(s.block_table) >= blocks_needed(s.seq_len, case.geometry.block_size)
+        assert all(0 <= b < case.geometry.num_blocks for b in case.used_table(i))
 
 
 @pytest.mark.parametrize("name, condition", [
@@ -84,6 +77,9 @@ def test_scenarios_reach(name, condition):
     reaches(scenarios(), condition)
 
 
-def test_large_pools_pass_float32_exact_integers():
-    case = reaches(large_pool_cases(), lambda c: True)
+@settings(max_examples=60, database=None, deadline=None)
+@given(case=large_pool_cases())
+def test_large_pools_pass_float32_exact_integers(case):
     assert case.geometry.num_blocks * case.geometry.block_size > 2**24
+    last = max(b for i in range(len(case.seqs)) for b in case.used_table(i))
+    assert (last + 1) * case.geometry.block_size > 2**24, "no token sits past float32's exact integers"
