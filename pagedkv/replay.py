@@ -106,7 +106,8 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
         print(f"FAILS: {check} on {spec} ({device})", file=out)
         if not quiet:
             print(f"  {exc}", file=out)
-            _report_where(exc.where, record["case"], snapshot, out)
+            case = record["case"]
+            _report_where(exc.where, getattr(case, "case", case), snapshot, out)  # an InvalidCall wraps a Case
         return 1
     except Exception as exc:  # an assertion of another kind, or a crash: a failure all the same
         print(f"FAILS: {check} on {spec} ({device}): {type(exc).__name__}: {exc}", file=out)

@@ -18,35 +18,28 @@ from pagedkv.invalid import FAULTS, OPS, InvalidCall, check_rejected, fault_site
 from strategies import invalid_calls
 
 
-def _run(backend, call, device):
-    try:
-        return check_rejected(backend, call, device)
-    except checks.MissingOp as exc:
-        pytest.skip(str(exc))
-
-
 C9_SCATTER = Case(Geometry(num_blocks=4, block_size=4), (SeqSpec((2, 0), 8, 1, 6),), values="identity")
 
 
 @given(call=invalid_calls(ops=("gather",)))
 @example(call=InvalidCall("gather", "block_id_too_large", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 5),))))
 @example(call=InvalidCall("gather", "block_id_negative", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 5),))))
-def test_gather_rejects_bad_arguments(backend, device, call):
-    _run(backend, call, device)
+def test_gather_rejects_bad_arguments(check, backend, device, call):
+    check(check_rejected, backend, call, device)
 
 
 @given(call=invalid_calls(ops=("scatter",)))
 @example(call=InvalidCall("scatter", "block_id_too_large", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 6, 1, 0),))))
 @example(call=InvalidCall("scatter", "duplicate_block", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 6, 1, 1),))))
-def test_scatter_rejects_bad_arguments_and_writes_nothing(backend, device, call):
-    _run(backend, call, device)
+def test_scatter_rejects_bad_arguments_and_writes_nothing(check, backend, device, call):
+    check(check_rejected, backend, call, device)
 
 
 @given(call=invalid_calls(ops=("write_kv",)))
 @example(call=InvalidCall("write_kv", "slot_too_large", Case(Geometry(3, 2), (SeqSpec((0, 1), 4, 1, 0),))))
 @example(call=InvalidCall("write_kv", "duplicate_slot", Case(Geometry(3, 2), (SeqSpec((0, 1), 4, 1, 0),))))
-def test_write_kv_rejects_bad_arguments_and_writes_nothing(backend, device, call):
-    _run(backend, call, device)
+def test_write_kv_rejects_bad_arguments_and_writes_nothing(check, backend, device, call):
+    check(check_rejected, backend, call, device)
 
 
 @given(call=invalid_calls(ops=("paged_attention",)))
@@ -55,18 +48,18 @@ def test_write_kv_rejects_bad_arguments_and_writes_nothing(backend, device, call
 @example(call=InvalidCall("paged_attention", "q_len_exceeds_seq_len", Case(Geometry(4, 2), (SeqSpec((0, 1), 3, 3),))))
 @example(call=InvalidCall("paged_attention", "heads_not_divisible",
                           Case(Geometry(4, 2, num_kv_heads=2, num_queries_per_kv=3), (SeqSpec((0,), 2, 1),))))
-def test_paged_attention_rejects_bad_arguments(backend, device, call):
-    _run(backend, call, device)
+def test_paged_attention_rejects_bad_arguments(check, backend, device, call):
+    check(check_rejected, backend, call, device)
 
 
 @pytest.mark.parametrize("op,fault", sorted(FAULTS))
-def test_every_fault_is_rejected_on_a_fixed_case(backend, device, op, fault):
+def test_every_fault_is_rejected_on_a_fixed_case(check, backend, device, op, fault):
     """Each fault kind at least once, on a case that can carry every fault."""
     case = Case(Geometry(num_blocks=6, block_size=2, num_kv_heads=2, num_queries_per_kv=2),
                 (SeqSpec((4, 1), 3, 2, 1), SeqSpec((0, 3, 5), 5, 1, 0)), values="identity", poison="nan")
     sites = fault_sites(op, fault, case)
     assert sites, f"the fixed case cannot carry {op}/{fault}"
-    _run(backend, InvalidCall(op, fault, case, sites[-1]), device)
+    check(check_rejected, backend, InvalidCall(op, fault, case, sites[-1]), device)
 
 
 def test_c9_capacity_is_checked_before_any_write(backend, device):

@@ -107,3 +107,23 @@ def test_the_cli_runs_as_a_module(tmp_path):
     help_text = subprocess.run([sys.executable, "-m", "pagedkv", "replay", "--help"], env=env, capture_output=True,
                                text=True).stdout
     assert "--impl" in help_text and "--device" in help_text
+
+
+def test_an_invalid_call_accepted_without_checks_replays_as_a_failure(tmp_path, monkeypatch):
+    (tmp_path / "unchecked_backend.py").write_text(
+        "from pagedkv.backends import loop\n"
+        "name = 'unchecked'\n"
+        "def gather(cache, block_table, seq_len):\n"
+        "    return loop.gather(cache, block_table, seq_len, validate=False)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from pagedkv.invalid import InvalidCall
+
+    monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(tmp_path))
+    call = InvalidCall("gather", "block_id_negative", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 5),)))
+    path = checks.save_failure("check_rejected", "unchecked_backend", call, test_id="invalid", error="")
+    assert path.parent == tmp_path
+    out = io.StringIO()
+    assert replay(path, out=out) == 1
+    text = out.getvalue()
+    assert "raised nothing; the contract requires IndexError" in text and "seq 0 |" in text
+    assert replay(path, impl="loop", out=io.StringIO()) == 0  # the real backend refuses it
