@@ -13,16 +13,19 @@ Architecture (one concept a module):
 - :mod:`pagedkv.cli`: ``python -m pagedkv ...``.
 """
 
+from .allocator import BlockAllocator
 from .backends import available_backends, get_backend, load_backend
+from .cache import PagedKVCache
 from .config import CacheConfig
-from .errors import (AllocatorError, ArgumentTypeError, BackendError, BackendUnavailableError, BlockIndexError, DeviceMismatchError,
-                     DoubleFreeError, DTypeMismatchError, OutOfBlocksError, PagedKVError, ShapeError,
-                     UnknownBlockError)
+from .errors import (AllocatorError, ArgumentTypeError, BackendError, BackendUnavailableError, BlockIndexError,
+                     DeviceMismatchError, DoubleFreeError, DTypeMismatchError, OutOfBlocksError, PagedKVError,
+                     ShapeError, UnknownBlockError)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AllocatorError", "ArgumentTypeError", "BackendError", "BackendUnavailableError", "BlockIndexError", "CacheConfig",
+    "AllocatorError", "ArgumentTypeError", "BackendError", "BackendUnavailableError", "BlockAllocator",
+    "BlockIndexError", "CacheConfig", "PagedKVCache",
     "DeviceMismatchError", "DoubleFreeError", "DTypeMismatchError", "OutOfBlocksError", "PagedKVError",
     "ShapeError", "UnknownBlockError", "available_backends", "get_backend", "load_backend",
 ]
