@@ -93,12 +93,13 @@ class IndexedBackend:
 
 def _dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, *,
            kv_head: str = "group", causal: str = "bottom_right", stable_softmax: bool = True,
-           mask: bool = True) -> torch.Tensor:
+           mask: bool = True, seq_len: int | None = None) -> torch.Tensor:
     """:func:`pagedkv.attention.attend` with one knob per fault (float32 math, ``[q, Hq, D]`` out).
 
     ``kv_head``: ``"group"`` (``h // group``, right) or ``"modulo"`` (``h % num_kv_heads``).
     ``causal``: ``"bottom_right"`` (row ``i`` at ``L - q + i``, right) or ``"top_left"`` (row ``i`` at ``i``).
     ``stable_softmax``: subtract the row max before ``exp``. ``mask``: apply the causal mask at all.
+    ``seq_len``: the sequence's length when ``key`` holds more rows than it (default ``key.shape[0]``).
     """
     q_len, num_q_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
@@ -112,7 +113,7 @@ def _dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: f
     logits = torch.matmul(q, k.transpose(-1, -2)) * scale  # [Hq, q, L]
     length = key.shape[0]
     if mask:
-        offset = length - q_len if causal == "bottom_right" else 0
+        offset = (length if seq_len is None else seq_len) - q_len if causal == "bottom_right" else 0
         rows = torch.arange(q_len, device=query.device).unsqueeze(1) + offset
         allowed = torch.arange(length, device=query.device).unsqueeze(0) <= rows
         logits = logits.masked_fill(~allowed, float("-inf"))
@@ -170,28 +171,12 @@ class PaddingReadAsBlock(IndexedBackend):
 
     name = "padding_read_as_block"
 
-    def paged_attention(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,
-                        validate=True):
-        args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate)
-        out = torch.empty_like(query)
-        bs = k_cache.shape[1]
-        for b, seq_len in enumerate(args.seq_lens):
-            lo, hi = args.q_starts[b], args.q_starts[b + 1]
-            if hi == lo:
-                continue
-            table = args.block_tables[b]
-            pad = table[blocks_needed(seq_len, bs):]  # FAULT: padding columns read as blocks
-            k = torch.cat((self.gather(k_cache, table, seq_len, validate=False), k_cache[pad].flatten(0, 1)))
-            v = torch.cat((self.gather(v_cache, table, seq_len, validate=False), v_cache[pad].flatten(0, 1)))
-            q = query[lo:hi]
-            group = q.shape[1] // k.shape[1]
-            kk, vv = k.repeat_interleave(group, 1).float(), v.repeat_interleave(group, 1).float()
-            logits = torch.einsum("qhd,khd->hqk", q.float(), kk) * args.scale
-            rows = torch.arange(hi - lo, device=q.device).unsqueeze(1) + (seq_len - (hi - lo))
-            keep = torch.arange(k.shape[0], device=q.device).unsqueeze(0) <= rows
-            probs = torch.softmax(logits.masked_fill(~keep, float("-inf")), -1)
-            out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, vv).to(query.dtype)
-        return out
+    def context(self, cache, table, seq_len):
+        pad = table[blocks_needed(seq_len, cache.shape[1]):]  # FAULT: padding columns read as blocks
+        return torch.cat((self.gather(cache, table, seq_len, validate=False), cache[pad].flatten(0, 1)))
+
+    def attend(self, query, key, value, scale, seq_len):
+        return _dense(query, key, value, scale, seq_len=seq_len)  # masks the padding's logits, not its values
 
 
 class _NoCowCache(PagedKVCache):
@@ -241,25 +226,13 @@ class TailUnmasked(IndexedBackend):
 
     name = "tail_unmasked"
 
-    def paged_attention(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,
-                        validate=True):
-        args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate)
-        out = torch.empty_like(query)
-        bs = k_cache.shape[1]
-        for b, seq_len in enumerate(args.seq_lens):
-            lo, hi = args.q_starts[b], args.q_starts[b + 1]
-            if hi == lo:
-                continue
-            table = args.block_tables[b]
-            if hi - lo == 1:  # FAULT: decode reads ceil(seq_len / bs) whole blocks, no seq_len mask
-                blocks = table[: blocks_needed(seq_len, bs)]
-                k, v = k_cache[blocks].flatten(0, 1), v_cache[blocks].flatten(0, 1)
-                out[lo:hi] = _dense(query[lo:hi], k, v, args.scale, mask=False)
-            else:
-                out[lo:hi] = attend(query[lo:hi], self.gather(k_cache, table, seq_len, validate=False),
-                                    self.gather(v_cache, table, seq_len, validate=False), args.scale)
-        return out
+    def context(self, cache, table, seq_len):
+        return cache[table[: blocks_needed(seq_len, cache.shape[1])]].flatten(0, 1)  # whole blocks
 
+    def attend(self, query, key, value, scale, seq_len):
+        if query.shape[0] == 1:  # FAULT: decode attends to ceil(seq_len / bs) whole blocks, no seq_len mask
+            return _dense(query, key, value, scale, mask=False)
+        return attend(query, key[:seq_len], value[:seq_len], scale)
 
 class ScaleIgnored(IndexedBackend):
     """An explicit ``scale`` ignored: the kernel always uses ``1 / sqrt(head_dim)``."""
