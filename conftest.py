@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 import pagedkv  # noqa: E402
-from pagedkv import checks  # noqa: E402
+from pagedkv.testing import checks  # noqa: E402
 from pagedkv.backends import backend_name, load_backend, missing_ops  # noqa: E402
 from strategies.profiles import PROFILES, register_profiles  # noqa: E402
 
@@ -113,7 +113,7 @@ def device() -> str:
 
 @pytest.fixture(scope="session")
 def check(request):
-    """``check(fn, backend, ...)``: run a :mod:`pagedkv.checks` property with the given arguments.
+    """``check(fn, backend, ...)``: run a :mod:`pagedkv.testing.checks` property with the given arguments.
 
     A missing op skips the test with the reason; a failure writes the case file (the last one
     written per test is the shrunk example) and adds the replay command to the error.

@@ -9,15 +9,15 @@ Architecture (one concept a module):
 - :mod:`pagedkv.cache`: K/V pools plus per-sequence block tables, fork, copy-on-write, slot mapping.
 - :mod:`pagedkv.attention`: dense attention and the fp64 reference.
 - :mod:`pagedkv.backends`: ``loop``, ``indexed``, ``triton`` and the loader for candidates.
-- :mod:`pagedkv.cases`: plain-data test cases (JSON round trip), their tensors, the property checks.
+- :mod:`pagedkv.testing.cases`: plain-data test cases (JSON round trip), their tensors, the property checks.
 - :mod:`pagedkv.cli`: ``python -m pagedkv ...``.
 """
 
-from .allocator import BlockAllocator
-from .backends import available_backends, get_backend, load_backend
-from .cache import PagedKVCache
-from .config import CacheConfig
-from .errors import (AllocatorError, ArgumentTypeError, BackendError, BackendUnavailableError, BlockIndexError,
+from pagedkv.allocator import BlockAllocator
+from pagedkv.backends import available_backends, get_backend, load_backend
+from pagedkv.cache import PagedKVCache
+from pagedkv.config import CacheConfig
+from pagedkv.errors import (AllocatorError, ArgumentTypeError, BackendError, BackendUnavailableError, BlockIndexError,
                      DeviceMismatchError, DoubleFreeError, DTypeMismatchError, OutOfBlocksError, PagedKVError,
                      ShapeError, UnknownBlockError)
 

@@ -25,7 +25,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from .errors import ArgumentTypeError, DoubleFreeError, OutOfBlocksError, ShapeError, UnknownBlockError
+from pagedkv.errors import ArgumentTypeError, DoubleFreeError, OutOfBlocksError, ShapeError, UnknownBlockError
 
 HashFn = Callable[[Hashable, tuple[int, ...]], Hashable]
 

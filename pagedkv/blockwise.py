@@ -1,6 +1,6 @@
 """Blockwise paged attention in plain PyTorch: the fused kernel's algorithm, written to be read.
 
-The Triton kernel (:mod:`pagedkv.triton_kernels`) computes attention block by block with an online
+The Triton kernel (:mod:`pagedkv.backends.triton_kernels`) computes attention block by block with an online
 softmax (FlashAttention's running max / running sum, as in vLLM's paged attention) and never gathers
 K/V. This module does the same math with torch ops, one sequence and one cache block at a time, in
 float32. Compared with the fp64 dense reference it separates the two ways the kernel can be wrong:
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import blocks_needed
-from .validation import attention_args
+from pagedkv.config import blocks_needed
+from pagedkv.validation import attention_args
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

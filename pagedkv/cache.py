@@ -24,9 +24,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .allocator import BlockAllocator, HashFn, as_int, as_token_ids, default_block_hash
-from .config import CacheConfig, blocks_needed, slots_for_positions
-from .errors import ArgumentTypeError, DoubleFreeError, OutOfBlocksError, ShapeError, UnknownBlockError
+from pagedkv.allocator import BlockAllocator, HashFn, as_int, as_token_ids, default_block_hash
+from pagedkv.config import CacheConfig, blocks_needed, slots_for_positions
+from pagedkv.errors import ArgumentTypeError, DoubleFreeError, OutOfBlocksError, ShapeError, UnknownBlockError
 
 
 @dataclass

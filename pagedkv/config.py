@@ -20,7 +20,7 @@ def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
     Raises:
         DTypeMismatchError: for any other dtype.
     """
-    from .errors import DTypeMismatchError
+    from pagedkv.errors import DTypeMismatchError
 
     if isinstance(name, torch.dtype):
         if name in DTYPES.values():
@@ -63,8 +63,8 @@ class CacheConfig:
     num_layers: int = 1
 
     def __post_init__(self) -> None:
-        from .allocator import as_int
-        from .errors import DeviceMismatchError, ShapeError
+        from pagedkv.allocator import as_int
+        from pagedkv.errors import DeviceMismatchError, ShapeError
 
         for name in ("num_blocks", "block_size", "num_kv_heads", "head_dim", "num_layers"):
             value = as_int(name, getattr(self, name))  # ArgumentTypeError (TypeError) for non-integers

@@ -26,8 +26,8 @@ from typing import Sequence
 
 import torch
 
-from .config import DTYPES, blocks_needed
-from .errors import ArgumentTypeError, BlockIndexError, DeviceMismatchError, DTypeMismatchError, ShapeError
+from pagedkv.config import DTYPES, blocks_needed
+from pagedkv.errors import ArgumentTypeError, BlockIndexError, DeviceMismatchError, DTypeMismatchError, ShapeError
 
 TableLike = torch.Tensor | Sequence[int]
 

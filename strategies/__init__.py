@@ -1,6 +1,6 @@
 """Hypothesis strategies for paged KV caches: draw structure, not tensors.
 
-Every strategy draws small plain-data cases from :mod:`pagedkv.cases` (a readable ``repr`` that is
+Every strategy draws small plain-data cases from :mod:`pagedkv.testing.cases` (a readable ``repr`` that is
 valid Python, a JSON round trip); tensors are built from the drawn seed, so a shrunk failure is
 short and replays on any device. Import them in your own suite::
 

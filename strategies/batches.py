@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from pagedkv.allocator import BlockAllocator
-from pagedkv.cases import LAYOUTS, POISONS, VALUE_PATTERNS, Case, Geometry, SeqSpec
+from pagedkv.testing.cases import LAYOUTS, POISONS, VALUE_PATTERNS, Case, Geometry, SeqSpec
 from pagedkv.config import blocks_needed
 
 from .geometry import DTYPES, geometries, positions_in, seq_lens

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from pagedkv.cases import Geometry
+from pagedkv.testing.cases import Geometry
 
 DTYPES = ("float32", "float16", "bfloat16")
 BLOCK_SIZES = (1, 2, 3, 4, 5, 7, 8, 16)  # 1 and non-powers of two on purpose

@@ -1,7 +1,7 @@
 """Invalid calls: a valid case with exactly one argument broken, tagged with the error it must raise.
 
-Each :class:`pagedkv.invalid.InvalidCall` starts from a case drawn by :func:`strategies.cases` (or a
-write-safe one for ``scatter``/``write_kv``) and plants one fault from :data:`pagedkv.invalid.FAULTS`:
+Each :class:`pagedkv.testing.invalid.InvalidCall` starts from a case drawn by :func:`strategies.cases` (or a
+write-safe one for ``scatter``/``write_kv``) and plants one fault from :data:`pagedkv.testing.invalid.FAULTS`:
 a block id out of range or negative where it is read or written, a table too short for
 ``start + n`` or ``seq_len``, negative lengths, a decreasing or inconsistent ``query_start_loc``,
 ``q_len > seq_len``, head counts that do not divide, dtype/device/rank mismatches, non-integer or
@@ -10,7 +10,7 @@ are drawn (no filtering), and ``amount`` is biased to 0 (just out of range) and 
 
     from hypothesis import given
     from strategies import invalid_calls
-    from pagedkv.invalid import check_rejected
+    from pagedkv.testing.invalid import check_rejected
 
     @given(invalid_calls())
     def test_rejects(call):
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from pagedkv.invalid import OPS, InvalidCall, fault_sites, faults_for
+from pagedkv.testing.invalid import OPS, InvalidCall, fault_sites, faults_for
 
 from .batches import cases
 

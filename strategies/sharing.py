@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from pagedkv.cases import CacheScenario, Geometry
+from pagedkv.testing.cases import CacheScenario, Geometry
 
 from .geometry import seq_lens
 

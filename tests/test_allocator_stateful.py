@@ -7,7 +7,7 @@ After every step:
 - free + used == total; free, evictable and used are disjoint; a block's reference count equals the
   number of live block tables holding it (``cache.check_invariants``);
 - every live sequence reads, bit for bit, the K/V of its own tokens (K/V is a deterministic
-  function of token, position and seed: :func:`pagedkv.cases.token_kv`);
+  function of token, position and seed: :func:`pagedkv.testing.cases.token_kv`);
 - every block the prefix cache holds (used or evictable) stores exactly the K/V a recomputation of
   its token prefix gives, so a prefix hit can never serve stale or foreign K/V, even with a hash
   function that collides on every block (C4);
@@ -27,10 +27,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pagedkv import get_backend
 from pagedkv.cache import PagedKVCache
-from pagedkv.cases import Geometry, token_kv
+from pagedkv.testing.cases import Geometry, token_kv
 from pagedkv.config import CacheConfig
 from pagedkv.errors import ArgumentTypeError, DoubleFreeError, OutOfBlocksError, UnknownBlockError
-from pagedkv.tolerance import bits
+from pagedkv.testing.tolerance import bits
 
 indexed = get_backend("indexed")
 VOCAB = st.integers(0, 5)  # a small vocabulary: equal blocks, hash hits and near-misses are common

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from pagedkv import bench, cli
+from pagedkv import cli
+from pagedkv.cli import bench
 
 pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the test and bench extras install it)")
 

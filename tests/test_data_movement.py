@@ -2,9 +2,9 @@
 
 from hypothesis import example, given
 
-from pagedkv import checks
+from pagedkv.testing import checks
 from strategies import cases, fragmented_cases
-from cases_md import C5, C6, C8
+from pagedkv.testing.known_cases import C5, C6, C8
 
 
 @given(case=cases() | fragmented_cases())

@@ -14,7 +14,9 @@ import torch
 
 pytest.importorskip("transformers", reason="the end-to-end check needs transformers (pip install 'pagedkv[hf]')")
 
-from pagedkv import cli, e2e, get_backend, mutants  # noqa: E402
+from pagedkv import cli, get_backend  # noqa: E402
+from pagedkv.cli import e2e  # noqa: E402
+from pagedkv.testing import mutants  # noqa: E402
 from pagedkv.backends import backend_name, missing_ops  # noqa: E402
 
 SMALL = dict(num_requests=9, decode_steps=10, block_size=4)
@@ -96,7 +98,7 @@ def test_cli_reports_and_exit_status(capsys):
     assert cli.main(args) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("e2e: max |logit diff| ") and last.endswith(", tokens identical: yes")
-    assert cli.main(["e2e", "--impl", "pagedkv.mutants:gqa_modulo", "--requests", "4", "--decode-steps", "3",
+    assert cli.main(["e2e", "--impl", "pagedkv.testing.mutants:gqa_modulo", "--requests", "4", "--decode-steps", "3",
                      "--block-size", "4"]) == 1
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith("tokens identical: no")
     assert cli.main(["e2e", "--backend", "nope"]) == 2

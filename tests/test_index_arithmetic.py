@@ -19,9 +19,9 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from pagedkv import checks
+from pagedkv.testing import checks
 from pagedkv.config import CacheConfig, element_offset, slot_of, slots_for_positions
-from pagedkv.tolerance import bits
+from pagedkv.testing.tolerance import bits
 
 INT32_MAX = 2**31 - 1
 BLOCK_SIZE = 512

@@ -12,9 +12,9 @@ import pytest
 import torch
 from hypothesis import example, given
 
-from pagedkv import checks
-from pagedkv.cases import Case, Geometry, SeqSpec
-from pagedkv.invalid import FAULTS, OPS, InvalidCall, check_rejected, fault_sites, faults_for
+from pagedkv.testing import checks
+from pagedkv.testing.cases import Case, Geometry, SeqSpec
+from pagedkv.testing.invalid import FAULTS, OPS, InvalidCall, check_rejected, fault_sites, faults_for
 from strategies import invalid_calls
 
 

@@ -8,8 +8,8 @@ slot arithmetic tests, which need no pool.
 
 from hypothesis import given, settings
 
-from pagedkv import checks
-from pagedkv.mutants import LARGE_POOL_EXAMPLES
+from pagedkv.testing import checks
+from pagedkv.testing.mutants import LARGE_POOL_EXAMPLES
 from strategies import large_pool_cases
 
 _FEW = settings(max_examples=min(settings().max_examples, LARGE_POOL_EXAMPLES))

@@ -1,4 +1,4 @@
-"""The suite kills every shipped mutant (pagedkv.mutants): each a real fault planted in the indexed backend.
+"""The suite kills every shipped mutant (pagedkv.testing.mutants): each a real fault planted in the indexed backend.
 
 Each mutant runs only the properties it targets, under the ``ci`` profile (derandomized, so a gate
 does not flip on a rerun), stopping at the first failing example without shrinking. The full sweep
@@ -7,7 +7,7 @@ does not flip on a rerun), stopping at the first failing example without shrinki
 
 import pytest
 
-from pagedkv import mutants
+from pagedkv.testing import mutants
 from pagedkv.backends import load_backend, missing_ops
 
 
@@ -23,7 +23,7 @@ def test_every_mutant_has_targets_a_docstring_and_loads_as_a_candidate(name):
     cls = mutants.MUTANTS[name]
     assert cls.__doc__ and cls.__doc__ != mutants.IndexedBackend.__doc__
     assert mutants.TARGETS[name] and set(mutants.TARGETS[name]) <= set(mutants.properties())
-    backend = load_backend(f"pagedkv.mutants:{name}")
+    backend = load_backend(f"pagedkv.testing.mutants:{name}")
     assert backend.name == name and missing_ops(backend) == {}
 
 

@@ -1,14 +1,14 @@
-"""Other projects' paged KV code under the same properties (pagedkv.peers), when installed here.
+"""Other projects' paged KV code under the same properties (pagedkv.testing.peers), when installed here.
 
 Absent projects (or a missing CUDA device) skip with the reason. What each peer passes in full is
-``pagedkv.peers.report()``; these tests pin the parts that hold.
+``pagedkv.testing.peers.report()``; these tests pin the parts that hold.
 """
 
 import pytest
 
-from pagedkv import peers
+from pagedkv.testing import peers
 from pagedkv.errors import BackendUnavailableError
-from pagedkv.mutants import properties, run_property
+from pagedkv.testing.mutants import properties, run_property
 
 
 def _peer(name):
@@ -29,7 +29,7 @@ def test_torch_paged_attention_cannot_map_one_block_twice_in_a_sequence(device):
     """A documented limit of PagedAttention's physical_to_logical map, reported as ValueError."""
     import torch
 
-    from pagedkv.cases import Case, Geometry, SeqSpec
+    from pagedkv.testing.cases import Case, Geometry, SeqSpec
 
     args = Case(Geometry(2, 2), (SeqSpec((1, 1), 4, 1),)).block_tables(device)
     peer = _peer("torch_paged_attention")
@@ -46,6 +46,6 @@ def test_peers_load_by_spec_or_fail_with_the_reason():
     for name, reason in peers.available().items():
         if reason:
             with pytest.raises(BackendError, match="need|not installed|has no"):
-                load_backend(f"pagedkv.peers:{name}")
+                load_backend(f"pagedkv.testing.peers:{name}")
         else:
-            assert load_backend(f"pagedkv.peers:{name}").name == name
+            assert load_backend(f"pagedkv.testing.peers:{name}").name == name

@@ -1,4 +1,4 @@
-"""Every committed case file under tests/regressions/ replays clean against every backend under test.
+"""Every committed case file under pagedkv/testing/regressions/ replays clean against every backend under test.
 
 The files hold the concrete cases C1-C10 of the project's case list (plain data: geometry, block
 tables, lengths, pattern, seed; the check each one targets) and any shrunk failure worth keeping:
@@ -7,11 +7,13 @@ copy a file from ``.pagedkv-failures/`` here once its bug is fixed.
 
 from pathlib import Path
 
+import pagedkv.testing
+
 import pytest
 
-from pagedkv.checks import load_failure, run_record
+from pagedkv.testing.checks import load_failure, run_record
 
-FILES = sorted((Path(__file__).parent / "regressions").glob("*.json"))
+FILES = sorted((Path(pagedkv.testing.__file__).parent / "regressions").glob("*.json"))
 
 
 def test_the_regression_directory_holds_the_case_list():

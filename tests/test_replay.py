@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv import checks
-from pagedkv.cases import CacheScenario, Case, Geometry, SeqSpec
-from pagedkv.replay import block_table_map, replay
+from pagedkv.testing import checks
+from pagedkv.testing.cases import CacheScenario, Case, Geometry, SeqSpec
+from pagedkv.cli.replay import block_table_map, replay
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE = Case(Geometry(8, 4, 1, 2), (SeqSpec((2, 3, 6), 9, 1, 5), SeqSpec((0, 1), 8, 1, 0)), values="identity",
@@ -27,11 +27,11 @@ def _failures_in_tmp(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("case", [CASE, SCENARIO], ids=["case", "scenario"])
 def test_a_case_file_round_trips(case):
-    path = checks.save_failure("gather_matches_definition", "pagedkv.mutants:gqa_modulo", case,
+    path = checks.save_failure("gather_matches_definition", "pagedkv.testing.mutants:gqa_modulo", case,
                                test_id="tests/x.py::test_y[z]", error="boom\nsecond line")
     record = checks.load_failure(path)
     assert record["case"] == case and type(record["case"]) is type(case)
-    assert record["backend"] == "pagedkv.mutants:gqa_modulo" and record["error"] == "boom"
+    assert record["backend"] == "pagedkv.testing.mutants:gqa_modulo" and record["error"] == "boom"
     assert json.loads(path.read_text())["kind"] == type(case).__name__
     assert eval(repr(case), {"Case": Case, "Geometry": Geometry, "SeqSpec": SeqSpec,
                              "CacheScenario": CacheScenario}) == case
@@ -49,7 +49,7 @@ def test_a_passing_case_exits_0_and_says_so():
 
 
 def test_a_planted_fault_exits_1_with_the_slot_and_a_marked_map():
-    path = checks.save_failure("scatter_round_trip", "pagedkv.mutants:scatter_drops_start_offset",
+    path = checks.save_failure("scatter_round_trip", "pagedkv.testing.mutants:scatter_drops_start_offset",
                                CASE.replace(poison="nan", layout="contiguous"))
     code, out = _run(path)
     assert code == 1 and "FAILS: scatter_round_trip" in out
@@ -61,14 +61,14 @@ def test_a_planted_fault_exits_1_with_the_slot_and_a_marked_map():
 
 
 def test_impl_overrides_the_recorded_backend():
-    path = checks.save_failure("scatter_round_trip", "pagedkv.mutants:scatter_drops_start_offset", CASE)
+    path = checks.save_failure("scatter_round_trip", "pagedkv.testing.mutants:scatter_drops_start_offset", CASE)
     assert _run(path, ("impl", "loop"))[0] == 0
-    code, out = _run(path, ("impl", "pagedkv.mutants:scatter_clobbers_block"))
-    assert code == 1 and "pagedkv.mutants:scatter_clobbers_block" in out
+    code, out = _run(path, ("impl", "pagedkv.testing.mutants:scatter_clobbers_block"))
+    assert code == 1 and "pagedkv.testing.mutants:scatter_clobbers_block" in out
 
 
 def test_a_sharing_failure_maps_the_live_tables_at_the_failing_step():
-    path = checks.save_failure("sharing_isolated", "pagedkv.mutants:no_copy_on_write", SCENARIO)
+    path = checks.save_failure("sharing_isolated", "pagedkv.testing.mutants:no_copy_on_write", SCENARIO)
     code, out = _run(path)
     assert code == 1 and "hands out slot 6 (position 6) in block 1" in out
     # both still share block 1, the partial block forked mid-way (no copy-on-write): the other entry shows "="
@@ -98,7 +98,7 @@ def test_the_map_marks_an_unowned_slot_and_cuts_long_rows():
 
 
 def test_the_cli_runs_as_a_module(tmp_path):
-    path = checks.save_failure("gather_matches_definition", "pagedkv.mutants:off_by_one_last_block", CASE)
+    path = checks.save_failure("gather_matches_definition", "pagedkv.testing.mutants:off_by_one_last_block", CASE)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "pagedkv", "replay", str(path), "--device", "cpu"], cwd=tmp_path,
                           env=env, capture_output=True, text=True)
@@ -116,7 +116,7 @@ def test_an_invalid_call_accepted_without_checks_replays_as_a_failure(tmp_path, 
         "def gather(cache, block_table, seq_len):\n"
         "    return loop.gather(cache, block_table, seq_len, validate=False)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    from pagedkv.invalid import InvalidCall
+    from pagedkv.testing.invalid import InvalidCall
 
     monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(tmp_path))
     call = InvalidCall("gather", "block_id_negative", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 5),)))

@@ -3,12 +3,13 @@
 import pytest
 from hypothesis import example, given
 
-from pagedkv import DoubleFreeError, UnknownBlockError, checks
+from pagedkv import DoubleFreeError, UnknownBlockError
+from pagedkv.testing import checks
 from pagedkv.allocator import BlockAllocator
 from pagedkv.cache import PagedKVCache
 from pagedkv.config import CacheConfig
 from strategies import scenarios
-from cases_md import C1, C2, C4
+from pagedkv.testing.known_cases import C1, C2, C4
 
 
 @given(scenario=scenarios())

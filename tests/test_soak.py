@@ -15,7 +15,7 @@ import os
 import pytest
 
 from pagedkv.cli import main
-from pagedkv.soak import run_soak
+from pagedkv.cli.soak import run_soak
 
 
 def _assert_clean(report: dict) -> None:

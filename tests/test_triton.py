@@ -33,14 +33,14 @@ from pagedkv import blockwise, get_backend  # noqa: E402
 from pagedkv.attention import reference_attention  # noqa: E402
 from pagedkv.config import blocks_needed  # noqa: E402
 from pagedkv.errors import BackendUnavailableError, BlockIndexError, ShapeError  # noqa: E402
-from pagedkv.tolerance import assert_attention_close, assert_bitwise_equal  # noqa: E402
+from pagedkv.testing.tolerance import assert_attention_close, assert_bitwise_equal  # noqa: E402
 
 try:  # first: on CPU it sets TRITON_INTERPRET=1 before triton is imported
     triton_backend = get_backend("triton")
 except BackendUnavailableError as exc:
     pytest.skip(str(exc), allow_module_level=True)
 loop_backend = get_backend("loop")
-from pagedkv import triton_kernels  # noqa: E402
+from pagedkv.backends import triton_kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -348,7 +348,7 @@ FAULTS = {
 
 
 def plant(fault: str, tmp_path: Path):
-    """Import a copy of :mod:`pagedkv.triton_kernels` with ``fault`` planted, as a separate module."""
+    """Import a copy of :mod:`pagedkv.backends.triton_kernels` with ``fault`` planted, as a separate module."""
     source = Path(triton_kernels.__file__).read_text()
     line, broken = FAULTS[fault]
     assert source.count(line) == 1, f"fault {fault!r}: target line not found exactly once in the kernel source"

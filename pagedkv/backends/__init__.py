@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..errors import BackendError, BackendUnavailableError
+from pagedkv.errors import BackendError, BackendUnavailableError
 
 OPS = ("scatter", "gather", "write_kv", "paged_attention")
 BUILTIN = ("loop", "indexed", "triton")

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import paged_attention_by_gather
-from ..validation import attention_args, check_gather, check_scatter, check_write_kv, normalize_block_table
+from pagedkv.attention import paged_attention_by_gather
+from pagedkv.validation import attention_args, check_gather, check_scatter, check_write_kv, normalize_block_table
 
 name = "indexed"
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import paged_attention_by_gather
-from ..config import blocks_needed
-from ..validation import attention_args, check_gather, check_scatter, check_write_kv, normalize_block_table
+from pagedkv.attention import paged_attention_by_gather
+from pagedkv.config import blocks_needed
+from pagedkv.validation import attention_args, check_gather, check_scatter, check_write_kv, normalize_block_table
 
 name = "loop"
 

@@ -3,7 +3,7 @@
 ``paged_attention`` reads K/V straight from the cache blocks through the block table, with an online
 softmax, as vLLM's paged attention does (no gather); one kernel serves decode and prefill over a
 cached prefix. ``gather``, ``scatter`` and ``write_kv`` (vLLM ``reshape_and_cache``) are copy kernels.
-The kernels live in :mod:`pagedkv.triton_kernels`; the readable torch version of the attention
+The kernels live in :mod:`pagedkv.backends.triton_kernels`; the readable torch version of the attention
 algorithm is :mod:`pagedkv.blockwise`.
 
 Without a CUDA device the kernels run on the CPU in Triton's interpreter: importing this module sets
@@ -24,8 +24,8 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402,F401  (ImportError here: the registry reports the backend unavailable)
 
-from .. import triton_kernels as _kernels  # noqa: E402
-from ..validation import (attention_args, check_gather, check_scatter, check_write_kv,  # noqa: E402
+from pagedkv.backends import triton_kernels as _kernels  # noqa: E402
+from pagedkv.validation import (attention_args, check_gather, check_scatter, check_write_kv,  # noqa: E402
                           normalize_block_table)
 
 _kernels.check_runnable()  # BackendUnavailableError: no CUDA and triton was imported without the interpreter

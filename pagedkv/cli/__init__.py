@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m pagedkv",
         description="pagedkv: a paged KV cache whose loop, indexed and fused read paths are proved equal.")
-    from . import __version__
+    from pagedkv import __version__
 
     parser.add_argument("--version", action="version", version=f"pagedkv {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")

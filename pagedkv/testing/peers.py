@@ -3,9 +3,9 @@
 Each peer is a backend built by a factory that raises :class:`~pagedkv.errors.BackendUnavailableError`
 with the reason when the project (or the device it needs) is absent::
 
-    pytest --pagedkv-impl=pagedkv.peers:torch_paged_attention      # PyTorch's experimental PagedAttention
-    pytest --pagedkv-impl=pagedkv.peers:flash_attn_kvcache         # flash-attn, CUDA
-    pytest --pagedkv-impl=pagedkv.peers:vllm_cache_ops             # vLLM's reshape_and_cache_flash, CUDA
+    pytest --pagedkv-impl=pagedkv.testing.peers:torch_paged_attention      # PyTorch's experimental PagedAttention
+    pytest --pagedkv-impl=pagedkv.testing.peers:flash_attn_kvcache         # flash-attn, CUDA
+    pytest --pagedkv-impl=pagedkv.testing.peers:vllm_cache_ops             # vLLM's reshape_and_cache_flash, CUDA
 
 An adapter provides only the ops the project has; the suite skips the properties of the others.
 Arguments are checked with pagedkv's own validation first (the projects' kernels check little), so
@@ -19,9 +19,9 @@ from typing import Any, Callable
 
 import torch
 
-from .config import blocks_needed
-from .errors import BackendUnavailableError
-from .validation import check_paged_attention, check_scatter, check_write_kv
+from pagedkv.config import blocks_needed
+from pagedkv.errors import BackendUnavailableError
+from pagedkv.validation import check_paged_attention, check_scatter, check_write_kv
 
 
 def _flat_hnd(cache: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -212,7 +212,7 @@ PEERS: dict[str, Callable[[], Any]] = {
 
 
 def __getattr__(name: str) -> Any:
-    """``pagedkv.peers:torch_paged_attention`` etc.: the peer, built on first use."""
+    """``pagedkv.testing.peers:torch_paged_attention`` etc.: the peer, built on first use."""
     if name in PEERS:
         return PEERS[name]()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -231,13 +231,13 @@ def available() -> dict[str, str]:
 
 
 def report(names: list[str] | None = None, profile: str = "dev", device: str = "cpu") -> list[tuple[str, str, str]]:
-    """Run the suite's properties (:data:`pagedkv.mutants.PROPERTIES`) against each peer.
+    """Run the suite's properties (:data:`pagedkv.testing.mutants.PROPERTIES`) against each peer.
 
     Returns:
         ``[(peer, property, verdict)]``, verdict ``"passes"``, ``"skipped: ..."`` (an op the peer
         lacks, or the peer is unavailable here) or ``"FAILS: <error> on <case>"``.
     """
-    from .mutants import properties, run_property
+    from pagedkv.testing.mutants import properties, run_property
 
     rows = []
     for name in names or list(PEERS):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import blocks_needed, dtype_from_name
+from pagedkv.config import blocks_needed, dtype_from_name
 
 VALUE_PATTERNS = ("normal", "identity", "large")
 POISONS = ("nan", "inf", "sentinel", "zero")

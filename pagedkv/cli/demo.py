@@ -35,12 +35,12 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .backends import get_backend
-    from .cache import PagedKVCache
-    from .cases import Geometry, token_kv
-    from .config import CacheConfig
-    from .errors import OutOfBlocksError
-    from .tolerance import bits
+    from pagedkv.backends import get_backend
+    from pagedkv.cache import PagedKVCache
+    from pagedkv.testing.cases import Geometry, token_kv
+    from pagedkv.config import CacheConfig
+    from pagedkv.errors import OutOfBlocksError
+    from pagedkv.testing.tolerance import bits
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     rng = random.Random(args.seed)

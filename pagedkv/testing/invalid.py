@@ -1,4 +1,4 @@
-"""Invalid calls as plain data: a valid :class:`~pagedkv.cases.Case` with exactly one thing broken.
+"""Invalid calls as plain data: a valid :class:`~pagedkv.testing.cases.Case` with exactly one thing broken.
 
 An :class:`InvalidCall` names the op, the fault planted and where (``seq``, ``amount``); it builds
 the op's arguments from the case (every other argument stays valid), and :func:`check_rejected`
@@ -23,9 +23,9 @@ from typing import Any, Callable
 
 import torch
 
-from .cases import Case, Geometry
-from .config import blocks_needed
-from .tolerance import bits
+from pagedkv.testing.cases import Case, Geometry
+from pagedkv.config import blocks_needed
+from pagedkv.testing.tolerance import bits
 
 OPS = ("gather", "scatter", "write_kv", "paged_attention")
 _BUILTINS = {"IndexError": IndexError, "ValueError": ValueError, "TypeError": TypeError}
@@ -134,7 +134,7 @@ def _written(case: Case, i: int) -> tuple[int, int]:
 
 
 def _write_tokens(case: Case) -> tuple[list[int], list[tuple[int, int]]]:
-    from .checks import write_slot_mapping  # the property suite's own slot_mapping for the case
+    from pagedkv.testing.checks import write_slot_mapping  # the property suite's own slot_mapping for the case
 
     return write_slot_mapping(case)
 
@@ -416,7 +416,7 @@ def check_rejected(backend: Any, call: InvalidCall, device: str = "cpu", *, chec
         Mismatch: no error, the wrong error type, a message not naming the argument, or a pool changed.
         MissingOp: the backend lacks ``call.op``.
     """
-    from .checks import Mismatch, require
+    from pagedkv.testing.checks import Mismatch, require
 
     fn = require(backend, call.op)
     args, kwargs, (k_cache, v_cache) = call.arguments(device)

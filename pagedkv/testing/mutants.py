@@ -7,12 +7,12 @@ mutant.
 
 Load one as the implementation under test like any candidate::
 
-    pytest --pagedkv-impl=pagedkv.mutants:gqa_modulo -x
+    pytest --pagedkv-impl=pagedkv.testing.mutants:gqa_modulo -x
     python -m pagedkv mutants --profile ci            # every mutant, table of results
     python -m pagedkv mutants --only scale_ignored --via-pytest
 
 The runner drives the suite's own properties (:data:`PROPERTIES`: the check functions of
-:mod:`pagedkv.checks` with the strategies the tests draw from), then the committed regression case
+:mod:`pagedkv.testing.checks` with the strategies the tests draw from), then the committed regression case
 files, and stops at the first failure: the mutant is *killed*. ``--via-pytest`` runs the pytest
 suite itself against the mutant instead (slower; reports killed/survived and the saved case file).
 """
@@ -30,11 +30,11 @@ from typing import Any, Callable
 
 import torch
 
-from .attention import attend
-from .backends import indexed
-from .cache import PagedKVCache
-from .config import blocks_needed
-from .validation import attention_args, check_gather, check_scatter, check_write_kv, normalize_block_table
+from pagedkv.attention import attend
+from pagedkv.backends import indexed
+from pagedkv.cache import PagedKVCache
+from pagedkv.config import blocks_needed
+from pagedkv.validation import attention_args, check_gather, check_scatter, check_write_kv, normalize_block_table
 
 
 # -- the base: the indexed backend as a class -------------------------------------------------------------
@@ -331,20 +331,20 @@ class NegativeSlotWritten(IndexedBackend):
         v_cache[slots // bs, slots % bs] = value
 
 
-#: name -> mutant class (``pagedkv.mutants:NAME`` loads an instance).
+#: name -> mutant class (``pagedkv.testing.mutants:NAME`` loads an instance).
 MUTANTS: dict[str, type[IndexedBackend]] = {cls.name: cls for cls in (
     OffByOneLastBlock, ScatterDropsStartOffset, PaddingReadAsBlock, NoCopyOnWrite, GqaModulo, CausalTopLeft,
     TailUnmasked, ScaleIgnored, SoftmaxNoMax, BatchStride, Float32SlotGather, Float32SlotMapping,
     ScatterClobbersBlock, NegativeSlotWritten)}
 
 for _name, _cls in MUTANTS.items():
-    globals()[_name] = _cls()  # module-level instances: --pagedkv-impl=pagedkv.mutants:gqa_modulo
+    globals()[_name] = _cls()  # module-level instances: --pagedkv-impl=pagedkv.testing.mutants:gqa_modulo
 
 
 # -- the properties the suite runs -----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Property:
-    """One property of the suite: a :mod:`pagedkv.checks` function, the strategy the test draws from
+    """One property of the suite: a :mod:`pagedkv.testing.checks` function, the strategy the test draws from
     (built lazily: the library does not need Hypothesis), and the test that runs it."""
 
     name: str
@@ -355,8 +355,8 @@ class Property:
 
 
 def _properties() -> list[Property]:
-    from . import checks
-    from .backends import get_backend
+    from pagedkv.testing import checks
+    from pagedkv.backends import get_backend
     import strategies as s
 
     def mixed(**kw):
@@ -471,7 +471,7 @@ def run_property(backend: Any, prop: Property, profile: str = "ci", device: str 
     """
     from hypothesis import given, settings
 
-    from .checks import MissingOp
+    from pagedkv.testing.checks import MissingOp
 
     state = {"calls": 0, "first": 0, "last": None, "missing": ""}
 
@@ -502,8 +502,8 @@ def run_property(backend: Any, prop: Property, profile: str = "ci", device: str 
 
 
 def regression_files(root: Path | None = None) -> list[Path]:
-    """The committed regression case files (``tests/regressions/*.json``)."""
-    root = root or Path(__file__).resolve().parent.parent / "tests" / "regressions"
+    """The committed regression case files (``pagedkv/testing/regressions/*.json``, shipped as package data)."""
+    root = root or Path(__file__).resolve().parent / "regressions"
     return sorted(root.glob("*.json"))
 
 
@@ -515,7 +515,7 @@ def run_mutant(name: str, profile: str = "ci", device: str = "cpu", *, only_targ
     Raises:
         KeyError: unknown mutant name.
     """
-    from .checks import MissingOp, load_failure, run_record
+    from pagedkv.testing.checks import MissingOp, load_failure, run_record
 
     backend = MUTANTS[name]()
     props = properties()
@@ -560,7 +560,7 @@ def run_mutant_via_pytest(name: str, profile: str = "ci", extra: list[str] | Non
         env = {**os.environ, "PAGEDKV_PROFILE": profile, "PAGEDKV_FAILURE_DIR": failures,
                "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
         env.pop("PAGEDKV_IMPL", None)
-        cmd = [sys.executable, "-m", "pytest", str(root / "tests"), f"--pagedkv-impl=pagedkv.mutants:{name}",
+        cmd = [sys.executable, "-m", "pytest", str(root / "tests"), f"--pagedkv-impl=pagedkv.testing.mutants:{name}",
                "-x", "-q", "-p", "no:cacheprovider", *(extra or [])]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
@@ -577,10 +577,10 @@ def run_mutant_via_pytest(name: str, profile: str = "ci", extra: list[str] | Non
 
 
 def brief(case: Any) -> str:
-    """A one-line summary of a :class:`~pagedkv.cases.Case` or :class:`~pagedkv.cases.CacheScenario`:
+    """A one-line summary of a :class:`~pagedkv.testing.cases.Case` or :class:`~pagedkv.testing.cases.CacheScenario`:
     geometry as ``nb/bs/kvh/d/g dtype``, then sequences (``table:len/q_len@start``) or ops, then the
     non-default fields. ``repr(case)`` remains the exact, replayable form."""
-    from .cases import CacheScenario, Case
+    from pagedkv.testing.cases import CacheScenario, Case
 
     if not isinstance(case, (Case, CacheScenario)):
         return repr(case)
@@ -612,58 +612,3 @@ def format_table(results: list[Result], case_width: int = 90) -> str:
     killed = sum(r.killed for r in results)
     lines.append(f"{killed}/{len(results)} mutants killed")
     return "\n".join(lines)
-
-
-def _worker(args: tuple) -> Result:
-    name, profile, device, only_targets, via_pytest, shrink = args
-    torch.set_num_threads(1)
-    if via_pytest:
-        return run_mutant_via_pytest(name, profile)
-    return run_mutant(name, profile, device, only_targets=only_targets, shrink=shrink)
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``mutants``."""
-    parser = subparsers.add_parser(
-        "mutants", help="run the property suite against faulty backends and report which it kills",
-        description="Run the property suite against each shipped faulty backend (pagedkv.mutants) and print, per "
-                    "mutant: killed or survived, the property that killed it, examples until the first failure, "
-                    "time and the shrunk case. Exit status 1 when a mutant survives.")
-    parser.add_argument("--profile", default="ci", choices=("dev", "ci", "gpu", "nightly", "repro"),
-                        help="Hypothesis profile (default: ci, derandomized)")
-    parser.add_argument("--only", action="append", metavar="NAME", choices=sorted(MUTANTS),
-                        help="run only this mutant (repeatable); choices: %(choices)s")
-    parser.add_argument("--jobs", "-j", type=int, default=1, metavar="N", help="mutants run in parallel (processes)")
-    parser.add_argument("--device", default="cpu", help="device for the tensors (default: cpu)")
-    parser.add_argument("--targets-only", action="store_true",
-                        help="run only the properties each mutant targets (faster, less thorough)")
-    parser.add_argument("--no-shrink", action="store_true",
-                        help="report the first failing example instead of shrinking it (faster)")
-    parser.add_argument("--via-pytest", action="store_true",
-                        help="run the pytest suite in a subprocess per mutant instead of the properties in-process")
-    parser.add_argument("--list", action="store_true", help="list the mutants and the faults they model, then exit")
-    parser.set_defaults(func=run)
-    return parser
-
-
-def run(args: argparse.Namespace) -> int:
-    """``python -m pagedkv mutants``: 0 when every mutant run is killed, 1 otherwise."""
-    if args.list:
-        for name, cls in MUTANTS.items():
-            print(f"{name}: {' '.join(cls.__doc__.split())}")
-        return 0
-    names = args.only or list(MUTANTS)
-    work = [(n, args.profile, args.device, args.targets_only, args.via_pytest, not args.no_shrink) for n in names]
-    if args.jobs > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            results = list(pool.map(_worker, work))
-    else:
-        results = [_worker(w) for w in work]
-    print(format_table(results))
-    for r in results:
-        if r.killed and r.error:
-            print(f"  {r.mutant}: {_short(r.error, 160)}")
-    return 0 if all(r.killed for r in results) else 1

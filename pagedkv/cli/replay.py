@@ -1,6 +1,6 @@
 """``python -m pagedkv replay FILE``: rerun one failing case from its case file, on any device.
 
-A case file (written by the suite on failure, or committed under ``tests/regressions/``) names the
+A case file (written by the suite on failure, or committed under ``pagedkv/testing/regressions/``) names the
 check, the backend spec and the case as plain data. Replay reruns exactly that check and, on
 failure, prints the first mismatch (sequence, logical position, physical block, slot, expected and
 actual values) and a map of the block tables with the bad block marked::
@@ -26,7 +26,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``replay``."""
     parser = subparsers.add_parser(
         "replay", help="rerun a failing case file and show where it fails",
-        description="Rerun the check recorded in a case file (.pagedkv-failures/*.json or tests/regressions/*.json) "
+        description="Rerun the check recorded in a case file (.pagedkv-failures/*.json or pagedkv/testing/regressions/*.json) "
                     "and, on failure, print the first mismatch and a map of the block tables with the bad slot "
                     "marked. Exit status: 0 passes, 1 fails, 2 cannot load.")
     parser.add_argument("file", metavar="FILE", help="case file (JSON) written by the suite or committed as a regression")
@@ -60,8 +60,8 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
 
     if not str(device).startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports Triton
-    from .backends import load_backend
-    from .checks import MissingOp, Mismatch, load_failure, run_record
+    from pagedkv.backends import load_backend
+    from pagedkv.testing.checks import MissingOp, Mismatch, load_failure, run_record
 
     out = out or sys.stdout
     if str(device).startswith("cuda"):
@@ -119,8 +119,8 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
 
 
 def _sharing_with_snapshot(backend: Any, scenario, device: str, snapshot: dict) -> None:
-    """:func:`pagedkv.checks.sharing_isolated`, recording every live block table before each check."""
-    from .checks import check_live_sequences, require, run_scenario
+    """:func:`pagedkv.testing.checks.sharing_isolated`, recording every live block table before each check."""
+    from pagedkv.testing.checks import check_live_sequences, require, run_scenario
 
     require(backend, "gather")
 
@@ -134,7 +134,7 @@ def _sharing_with_snapshot(backend: Any, scenario, device: str, snapshot: dict) 
 
 def _tables(case, snapshot: dict) -> dict[int, list[int]]:
     """``{seq: block table}`` for the map: the case's tables, or the cache's at the failing step."""
-    from .cases import Case
+    from pagedkv.testing.cases import Case
 
     if isinstance(case, Case):
         return {i: list(s.block_table) for i, s in enumerate(case.seqs)}

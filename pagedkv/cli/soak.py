@@ -14,7 +14,7 @@ Each scheduler step:
 5. some decoding sequences fork (parallel sampling: every block shared; the next append to a
    shared partial block copies it), and sequences that reached their length finish and free.
 
-Every token's K/V is a deterministic function of (token, position, seed) (:func:`pagedkv.cases.token_kv`),
+Every token's K/V is a deterministic function of (token, position, seed) (:func:`pagedkv.testing.cases.token_kv`),
 and a *shadow copy* of each live sequence's K/V is kept as written (a prefix-cache hit's shadow is the
 recomputed K/V of the hit tokens). Every ``check_every`` steps each live sequence is gathered and
 compared with its shadow bit for bit, the allocator/cache invariants are checked, and every block
@@ -83,12 +83,12 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
     Raises:
         ValueError: ``steps < 1``, ``check_every < 1`` or a pool too small for one request.
     """
-    from .backends import load_backend
-    from .cache import PagedKVCache
-    from .cases import Geometry, token_kv
-    from .config import CacheConfig, blocks_needed, dtype_from_name
-    from .errors import OutOfBlocksError
-    from .tolerance import bits
+    from pagedkv.backends import load_backend
+    from pagedkv.cache import PagedKVCache
+    from pagedkv.testing.cases import Geometry, token_kv
+    from pagedkv.config import CacheConfig, blocks_needed, dtype_from_name
+    from pagedkv.errors import OutOfBlocksError
+    from pagedkv.testing.tolerance import bits
 
     if steps < 1 or check_every < 1:
         raise ValueError(f"steps and check_every must be >= 1, got steps={steps}, check_every={check_every}")

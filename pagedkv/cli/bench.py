@@ -357,7 +357,7 @@ def peak_extra_bytes(fn: Callable[[], Any], device: torch.device) -> tuple[int |
 
 
 def _dtype(name: str) -> torch.dtype:
-    from .config import dtype_from_name
+    from pagedkv.config import dtype_from_name
 
     return dtype_from_name(name)
 
@@ -426,7 +426,7 @@ def _op_fn(op: str, impl: str, backends: dict) -> Callable[[dict], Any]:
     """``fn(inputs)`` calling ``impl``'s ``op`` on one input set."""
     if op == "gather":
         if impl == "elementwise":
-            from .backends.indexed import gather_kv_from_blocks_v2 as v2
+            from pagedkv.backends.indexed import gather_kv_from_blocks_v2 as v2
 
             return lambda s: v2(s["cache"], s["table"], s["seq_len"])
         g = backends[impl].gather
@@ -471,7 +471,7 @@ class Plan:
 
 
 def _load_backends(plan: Plan) -> dict:
-    from . import get_backend
+    from pagedkv import get_backend
 
     backends = {}
     for name in ("loop", "indexed", "triton"):

@@ -122,7 +122,7 @@ def _require_transformers():
     try:
         import transformers  # noqa: F401
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
-        raise ImportError("pagedkv.e2e needs transformers: pip install 'pagedkv[hf]'") from exc
+        raise ImportError("pagedkv.cli.e2e needs transformers: pip install 'pagedkv[hf]'") from exc
     return transformers
 
 
@@ -437,8 +437,8 @@ class PagedEngine:
         return bound
 
     def _make_cache(self, requests: Sequence[Request]):
-        from .cache import PagedKVCache
-        from .config import CacheConfig, blocks_needed
+        from pagedkv.cache import PagedKVCache
+        from pagedkv.config import CacheConfig, blocks_needed
 
         param = next(self.model.parameters())
         num_layers, num_kv_heads, head_dim = model_geometry(self.model)
@@ -785,8 +785,8 @@ def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float3
         ImportError: transformers is missing. BackendError: unknown backend / spec.
         DTypeMismatchError: unsupported dtype. ValueError: bad scenario sizes or CUDA unavailable.
     """
-    from .backends import backend_name, get_backend, load_backend
-    from .config import dtype_from_name
+    from pagedkv.backends import backend_name, get_backend, load_backend
+    from pagedkv.config import dtype_from_name
 
     dtype = dtype_from_name(dtype)
     if str(device).startswith("cuda") and not torch.cuda.is_available():
@@ -795,7 +795,7 @@ def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float3
         backend = get_backend(backend) if ":" not in backend and "." not in backend else load_backend(backend)
     for op in ("write_kv", "paged_attention"):
         if not callable(getattr(backend, op, None)):
-            from .errors import BackendError
+            from pagedkv.errors import BackendError
             raise BackendError(f"backend {backend_name(backend)} has no callable {op!r}; e2e needs write_kv "
                                "and paged_attention")
     if model is None:
@@ -852,7 +852,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """Run the ``e2e`` subcommand; print the report; 0 ok, 1 mismatch, 2 usage error."""
-    from .errors import PagedKVError
+    from pagedkv.errors import PagedKVError
 
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         print(f"e2e: error: --device must be cpu or cuda, got {args.device!r}", file=sys.stderr)

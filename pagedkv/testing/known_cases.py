@@ -1,6 +1,6 @@
 """The concrete cases of the project's case list (C1-C9) as plain data, shared by the tests."""
 
-from pagedkv.cases import CacheScenario, Case, Geometry, SeqSpec
+from pagedkv.testing.cases import CacheScenario, Case, Geometry, SeqSpec
 
 # C1: a prompt whose cached prefix is exactly one block (and one token short of / past one block).
 C1 = [CacheScenario(Geometry(8, 16, 1, 4), (("add", 0, tuple(range(n))), ("add", 1, tuple(range(n)) + (90, 91, 92, 93, 94))))

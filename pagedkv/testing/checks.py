@@ -5,7 +5,7 @@ Each check builds the case's tensors, runs the backend and raises :class:`Mismat
 and slot. The pytest suite drives them with Hypothesis; ``python -m pagedkv replay`` reruns one
 from a case file on any device, without Hypothesis.
 
-What "equal" means is :mod:`pagedkv.tolerance`: data movement bit for bit, attention within the
+What "equal" means is :mod:`pagedkv.testing.tolerance`: data movement bit for bit, attention within the
 per-dtype tolerance of an fp64 reference.
 """
 
@@ -19,12 +19,12 @@ from typing import Any, Callable
 
 import torch
 
-from .attention import reference_attention
-from .backends import backend_name, load_backend
-from .cache import PagedKVCache
-from .cases import Case, CacheScenario, reference_gather, reference_write, token_kv
-from .config import CacheConfig, blocks_needed
-from .tolerance import assert_attention_close, assert_bitwise_equal, bits
+from pagedkv.attention import reference_attention
+from pagedkv.backends import backend_name, load_backend
+from pagedkv.cache import PagedKVCache
+from pagedkv.testing.cases import Case, CacheScenario, reference_gather, reference_write, token_kv
+from pagedkv.config import CacheConfig, blocks_needed
+from pagedkv.testing.tolerance import assert_attention_close, assert_bitwise_equal, bits
 
 GATHERING_BACKENDS = {"loop", "indexed"}  # attention = gather + the same dense op: bitwise equal to each other
 
@@ -458,7 +458,7 @@ def run_scenario(backend: Any, scenario: CacheScenario, device: str = "cpu",
         k, v = token_kv(g, tokens, start, scenario.seed)
         write_kv(cache.k_cache(), cache.v_cache(), k.to(device), v.to(device), slots)
 
-    from .errors import OutOfBlocksError
+    from pagedkv.errors import OutOfBlocksError
 
     for op in scenario.ops:
         kind = op[0]
@@ -492,7 +492,7 @@ def run_scenario(backend: Any, scenario: CacheScenario, device: str = "cpu",
 
 
 def _check_refused_free(cache: PagedKVCache, seq_id: int) -> None:
-    from .errors import DoubleFreeError, UnknownBlockError
+    from pagedkv.errors import DoubleFreeError, UnknownBlockError
 
     a = cache.allocator
     before = (list(a._ref), list(a._free), list(a._evictable), cache.reference_counts())
@@ -592,8 +592,8 @@ def save_failure(check: str, backend_spec: str, case: Case | CacheScenario, *, o
 
 def load_failure(path: str | Path) -> dict:
     """Read a case file: the record with ``case`` rebuilt as a :class:`Case`, :class:`CacheScenario` or
-    :class:`pagedkv.invalid.InvalidCall` (by its ``kind``)."""
-    from .invalid import InvalidCall
+    :class:`pagedkv.testing.invalid.InvalidCall` (by its ``kind``)."""
+    from pagedkv.testing.invalid import InvalidCall
 
     record = json.loads(Path(path).read_text())
     kinds = {"Case": Case, "CacheScenario": CacheScenario, "InvalidCall": InvalidCall}
@@ -610,7 +610,7 @@ def run_record(record: dict, backend: Any | None = None, device: str = "cpu") ->
     if check == "invariant_under":
         return invariant_under(impl, case, record["transform"], device)
     if check == "check_rejected":
-        from .invalid import check_rejected
+        from pagedkv.testing.invalid import check_rejected
 
         check_rejected(impl, case, device)
         return None
