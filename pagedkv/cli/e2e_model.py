@@ -1,0 +1,191 @@
+"""End to end, the model hookup: a transformers causal LM whose attention is served from a
+:class:`PagedKVCache`.
+
+The model is a ``transformers`` Llama-architecture causal LM (by default a small
+``LlamaForCausalLM`` with seeded random weights: RoPE, GQA, RMSNorm, SwiGLU; or any local checkpoint
+directory of a decoder-only model whose attention goes through transformers' ``AttentionInterface``).
+Its attention is replaced, not wrapped: :func:`register_attention` registers ``"pagedkv"`` with
+``transformers.AttentionInterface`` and the model is built with ``attn_implementation="pagedkv"``.
+Transformers then builds no mask and keeps no cache of its own (every call is ``use_cache=False``);
+for every layer the registered function
+
+1. writes the step's new K and V (after RoPE) into the layer's pools with the backend's
+   ``write_kv(k_cache, v_cache, key, value, slot_mapping)``, and
+2. computes causal varlen attention with the backend's ``paged_attention(query, k_cache, v_cache,
+   block_tables, seq_lens, query_start_loc, scale)`` straight from the blocks,
+
+using a :class:`StepContext` passed to the model as the keyword argument ``pagedkv_step`` (transformers
+forwards unknown keyword arguments down to the attention function, as its own continuous batching
+does with ``cu_seq_lens_q`` and the block table).
+
+Every step is one packed varlen batch, as in vLLM and transformers' continuous batching: the new
+tokens of all running requests are concatenated into ``input_ids [1, total_q]`` with their absolute
+``position_ids [1, total_q]`` (RoPE needs them); ``query_start_loc`` splits the rows per request.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: attention implementation name registered with ``transformers.AttentionInterface``.
+ATTN_IMPLEMENTATION = "pagedkv"
+
+#: keyword argument that carries the :class:`StepContext` through the model's forward.
+STEP_KWARG = "pagedkv_step"
+
+
+
+def _require_transformers():
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ImportError("pagedkv.cli.e2e needs transformers: pip install 'pagedkv[hf]'") from exc
+    return transformers
+
+
+# -- the attention hook -------------------------------------------------------------------------------
+@dataclass
+class StepContext:
+    """What the attention function of every layer needs for one packed step.
+
+    Attributes:
+        cache: the :class:`pagedkv.cache.PagedKVCache`; layer ``l`` uses ``cache.k_cache(l)``/``v_cache(l)``.
+        backend: any object with the contract's ``write_kv`` and ``paged_attention``.
+        slot_mapping: ``int64 [total_q]``, where each new token's K/V goes.
+        block_tables: ``int32 [batch, max_blocks]``, ``-1``-padded, *after* this step's ``append``.
+        seq_lens: ``int32 [batch]``, context lengths including this step's tokens.
+        query_start_loc: ``int32 [batch + 1]``, row offsets of each request in the packed batch.
+    """
+
+    cache: Any
+    backend: Any
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+
+
+def pagedkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attention_mask: torch.Tensor | None, scaling: float | None = None,
+                              dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention function backed by pagedkv (registered as ``"pagedkv"``).
+
+    Args:
+        module: the attention module; its ``layer_idx`` selects the layer's pools.
+        query: ``[1, num_q_heads, total_q, head_dim]`` (after RoPE), the packed step.
+        key, value: ``[1, num_kv_heads, total_q, head_dim]``, the step's new K/V only.
+        attention_mask: ignored (transformers builds none for this implementation; causality and
+            request boundaries come from ``seq_lens`` / ``query_start_loc``).
+        scaling: logits multiplier (the model's ``head_dim ** -0.5``).
+        dropout: must be 0 (inference only).
+        kwargs: must hold ``pagedkv_step``, a :class:`StepContext`.
+
+    Returns:
+        ``([1, total_q, num_q_heads, head_dim], None)`` in ``query.dtype``, as transformers expects.
+
+    Raises:
+        ValueError: no ``pagedkv_step`` keyword, a batch dimension other than 1, non-zero dropout, or
+            a module without ``layer_idx``. The backend's own errors propagate unchanged.
+    """
+    step = kwargs.get(STEP_KWARG)
+    if not isinstance(step, StepContext):
+        raise ValueError(f"attention implementation {ATTN_IMPLEMENTATION!r} needs the keyword argument "
+                         f"{STEP_KWARG}=StepContext(...) in the model call, got {type(step).__name__}")
+    if query.shape[0] != 1:
+        raise ValueError(f"pagedkv attention expects a packed batch of 1, got query batch {query.shape[0]}")
+    if dropout:
+        raise ValueError(f"pagedkv attention is inference only, got dropout={dropout}")
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise ValueError(f"{type(module).__name__} has no layer_idx; cannot pick the layer's K/V pools")
+    cache = step.cache
+    k_cache, v_cache = cache.k_cache(layer), cache.v_cache(layer)
+    q = query[0].transpose(0, 1).contiguous()  # [total_q, Hq, D]
+    k = key[0].transpose(0, 1).contiguous()  # [total_q, Hkv, D]
+    v = value[0].transpose(0, 1).contiguous()
+    step.backend.write_kv(k_cache, v_cache, k, v, step.slot_mapping)
+    out = step.backend.paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens,
+                                       step.query_start_loc, scaling)
+    return out.unsqueeze(0), None
+
+
+def register_attention() -> str:
+    """Register :func:`pagedkv_attention_forward` as ``"pagedkv"`` with transformers (idempotent).
+
+    Returns:
+        The implementation name, for ``attn_implementation=``.
+
+    Raises:
+        ImportError: transformers is not installed.
+    """
+    _require_transformers()
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, pagedkv_attention_forward)
+    return ATTN_IMPLEMENTATION
+
+
+# -- models -------------------------------------------------------------------------------------------
+def build_model(*, seed: int = 0, vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 2,
+                num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                initializer_range: float = 0.2, dtype: torch.dtype = torch.float32,
+                device: str = "cpu") -> torch.nn.Module:
+    """A small ``LlamaForCausalLM`` with seeded random weights, attention served by pagedkv.
+
+    ``initializer_range`` is larger than a trained model's init (0.02) so that attention is sharp
+    (far from uniform): a wrong key or a missing causal offset then changes the output visibly.
+
+    Returns:
+        The model in eval mode, in ``dtype`` on ``device``, ``config._attn_implementation == "pagedkv"``.
+
+    Raises:
+        ImportError: transformers is not installed. ValueError: heads that do not divide.
+    """
+    _require_transformers()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError(f"hidden_size {hidden_size}, num_heads {num_heads}, num_kv_heads {num_kv_heads} must divide")
+    register_attention()
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                         num_key_value_heads=num_kv_heads, max_position_embeddings=4096,
+                         initializer_range=initializer_range, tie_word_embeddings=False)
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+    """Load a local causal-LM checkpoint directory with pagedkv attention (no network access).
+
+    Raises:
+        ImportError: transformers is not installed. OSError: ``path`` is not a directory or not a
+            loadable checkpoint.
+        ValueError: the model uses sliding-window attention (pagedkv attention is full causal).
+    """
+    _require_transformers()
+    from transformers import AutoModelForCausalLM
+
+    if not os.path.isdir(path):
+        raise OSError(f"model directory {path!r} does not exist (only local checkpoints are loaded)")
+    register_attention()
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation=ATTN_IMPLEMENTATION)
+    window = getattr(model.config, "sliding_window", None)
+    if window is not None and getattr(model.config, "use_sliding_window", True):
+        raise ValueError(f"{path}: sliding_window={window} is not supported (pagedkv attention is full causal)")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def model_geometry(model: torch.nn.Module) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` of a transformers decoder-only model."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim
