@@ -11,7 +11,8 @@ import json
 import pytest
 
 from pagedkv import cli
-from pagedkv.cli import bench
+from pagedkv.cli.bench_report import format_limits, limits, load_rows
+from pagedkv.cli.bench_sweep import CSV_COLUMNS, Row
 
 pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the test and bench extras install it)")
 
@@ -25,10 +26,10 @@ def test_tiny_sweep_writes_results(tmp_path, capsys):
     assert "limits" in out and "gather (indexed) / copy bound" in out
 
     doc = json.loads((tmp_path / "smoke.json").read_text())
-    assert doc["columns"] == list(bench.CSV_COLUMNS)
+    assert doc["columns"] == list(CSV_COLUMNS)
     assert doc["environment"]["threads"] == 1
     assert {v["target"] for v in doc["limits"]} >= {"gather (indexed) / gather (loop), whole sweep"}
-    rows = bench.load_rows(tmp_path / "smoke.json")
+    rows = load_rows(tmp_path / "smoke.json")
     seen = {(r.op, r.impl) for r in rows}
     for op in ("gather", "scatter", "write_kv", "attention"):
         assert (op, "copy") in seen and (op, "clone") in seen
@@ -42,40 +43,40 @@ def test_tiny_sweep_writes_results(tmp_path, capsys):
 
     with (tmp_path / "smoke.csv").open() as f:
         reader = csv.DictReader(f)
-        assert tuple(reader.fieldnames) == bench.CSV_COLUMNS
+        assert tuple(reader.fieldnames) == CSV_COLUMNS
         assert len(list(reader)) == len(rows)
     png = (tmp_path / "smoke.png").read_bytes()
     assert png.startswith(b"\x89PNG")
 
 
 def test_limits_table_reports_each_target():
-    rows = [bench.Row(op="gather", impl=impl, device="cpu", dtype="float32", preset="8x128", num_kv_heads=8,
+    rows = [Row(op="gather", impl=impl, device="cpu", dtype="float32", preset="8x128", num_kv_heads=8,
                       head_dim=128, block_size=16, seq_len=512, time_s=t, x_copy=t, x_clone=t,
                       peak_extra_bytes=512 * 8 * 128 * 4, extra_beyond_output_bytes=0)
             for impl, t in (("loop", 2.0), ("indexed", 1.5))]
     import torch
 
-    verdicts = {v.target: v for v in bench.limits(rows, torch.device("cpu"))}
+    verdicts = {v.target: v for v in limits(rows, torch.device("cpu"))}
     v = verdicts["gather (indexed) / copy bound, L >= 512, every block size"]
     assert v.measured == 1.5 and v.passed is False
     v = verdicts["gather (indexed) / gather (loop), whole sweep"]
     assert v.measured == 0.75 and v.passed is True
     assert verdicts["scatter (indexed) / copy bound, L >= 4096"].passed is None  # no points: n/a
-    assert "FAIL" in bench.format_limits(list(verdicts.values()))
+    assert "FAIL" in format_limits(list(verdicts.values()))
 
 
 def test_gpu_limits_are_evaluated_from_bandwidth_columns():
     import torch
 
     def row(op, impl, bs, L, pct, t=1.0, batch=1):
-        return bench.Row(op=op, impl=impl, device="cuda", dtype="float16", preset="8x128", num_kv_heads=8,
+        return Row(op=op, impl=impl, device="cuda", dtype="float16", preset="8x128", num_kv_heads=8,
                          head_dim=128, block_size=bs, seq_len=L, batch=batch, time_s=t, pct_copy_bw=pct)
 
     rows = [row("gather", "indexed", 16, 4096, 93.0), row("gather", "indexed", 1, 4096, 79.0),
             row("write_kv", "indexed", 16, 4096, 60.0),
             row("attention", "triton", 16, 16384, 85.0, t=1.0, batch=16),
             row("attention", "indexed+sdpa", 16, 16384, 40.0, t=2.0, batch=16)]
-    verdicts = {v.target: v for v in bench.limits(rows, torch.device("cuda"))}
+    verdicts = {v.target: v for v in limits(rows, torch.device("cuda"))}
     assert verdicts["gather (indexed) % copy bandwidth, bs >= 16, L >= 4096"].passed is True
     assert verdicts["gather (indexed) % copy bandwidth, bs = 1, L >= 4096"].passed is False
     assert verdicts["write_kv (indexed) % copy bandwidth, L >= 4096"].passed is True
