@@ -52,3 +52,17 @@ class BackendError(PagedKVError, ValueError):
 
 class BackendUnavailableError(BackendError):
     """A known backend cannot run here (for example Triton is not installed)."""
+
+
+class CaseFileError(PagedKVError, ValueError):
+    """A case file that is malformed, oversized, over the memory budget or names a backend a file may not
+    name. ``field`` is the path of the offending field (``case.seqs[0].seq_len``; ``file`` for the bytes
+    themselves), ``reason`` what is wrong with it; ``str()`` is ``"<field>: <reason>"``."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(field, reason)  # both in args: the error pickles (pytest-xdist, multiprocessing)
+        self.field = field
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.reason}"

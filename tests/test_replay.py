@@ -27,7 +27,8 @@ def _failures_in_tmp(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("case", [CASE, SCENARIO], ids=["case", "scenario"])
 def test_a_case_file_round_trips(case):
-    path = checks.save_failure("gather_matches_definition", "pagedkv.testing.mutants:gqa_modulo", case,
+    check = "sharing_isolated" if isinstance(case, CacheScenario) else "gather_matches_definition"
+    path = checks.save_failure(check, "pagedkv.testing.mutants:gqa_modulo", case,
                                test_id="tests/x.py::test_y[z]", error="boom\nsecond line")
     record = checks.load_failure(path)
     assert record["case"] == case and type(record["case"]) is type(case)
@@ -80,7 +81,7 @@ def test_a_missing_op_is_reported_as_skipped(tmp_path):
     (tmp_path / "gather_only.py").write_text(
         "from pagedkv.backends import indexed\nname = 'gather_only'\ngather = indexed.gather\n")
     path = checks.save_failure("write_kv_matches_definition", str(tmp_path / "gather_only.py"), CASE)
-    code, out = _run(path)
+    code, out = _run(path, ("impl", str(tmp_path / "gather_only.py")))  # a file's own spec runs only when named
     assert code == 0 and "SKIPPED" in out and "write_kv" in out
 
 
@@ -123,7 +124,9 @@ def test_an_invalid_call_accepted_without_checks_replays_as_a_failure(tmp_path, 
     path = checks.save_failure("check_rejected", "unchecked_backend", call, test_id="invalid", error="")
     assert path.parent == tmp_path
     out = io.StringIO()
-    assert replay(path, out=out) == 1
+    assert replay(path, out=out) == 2 and "--impl unchecked_backend" in out.getvalue()  # not on the file's word
+    out = io.StringIO()
+    assert replay(path, impl="unchecked_backend", out=out) == 1
     text = out.getvalue()
     assert "raised nothing; the contract requires IndexError" in text and "seq 0 |" in text
     assert replay(path, impl="loop", out=io.StringIO()) == 0  # the real backend refuses it

@@ -10,7 +10,14 @@ actual values) and a map of the block tables with the bad block marked::
       seq 1 | [ 0 ] [ 1 ]
       block 3: | . x . . |   (x = offset 1)
 
-Exit status: 0 when the check passes, 1 when it fails, 2 when the file or backend cannot be loaded.
+A case file is untrusted input (a CI artifact, an issue attachment): before anything runs it passes
+:func:`pagedkv.testing.casefile.load_case_file` (size, encoding, schema, consistency, a memory
+budget), and the backend it records is loaded only when it is a built-in name, a shipped mutant or a
+shipped peer; any other spec runs only when you name it yourself with ``--impl`` (``--other`` for the
+second backend of a pair).
+
+Exit status: 0 when the check passes, 1 when it fails, 2 when the file is refused or the backend
+cannot be loaded (one line naming the field, no traceback).
 """
 
 from __future__ import annotations
@@ -32,7 +39,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("file", metavar="FILE", help="case file (JSON) written by the suite or committed as a regression")
     parser.add_argument("--device", default="cpu", help="device to run on: cpu, cuda, cuda:N (default: cpu)")
     parser.add_argument("--impl", metavar="SPEC", default=None,
-                        help="backend to run instead of the one recorded: loop | indexed | triton | pkg.module[:attr]")
+                        help="backend to run instead of the one recorded: loop | indexed | triton | pkg.module[:attr]; "
+                             "a recorded spec other than a built-in, a shipped mutant or a shipped peer runs only "
+                             "when named here")
+    parser.add_argument("--other", metavar="SPEC", default=None,
+                        help="second backend of a pair property, instead of the recorded one (same rule as --impl)")
+    parser.add_argument("--max-bytes", metavar="N", default=None, type=_byte_count,
+                        help="memory budget of the case (e.g. 8G); a case whose pools and tensors need more is "
+                             "refused before anything is allocated (default: a quarter of this machine's memory)")
     parser.add_argument("--quiet", "-q", action="store_true", help="print only the verdict line")
     parser.set_defaults(func=run)
     return parser
@@ -40,30 +54,51 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Replay ``args.file``; see the module docstring for the output and exit status."""
-    return replay(args.file, device=args.device, impl=args.impl, quiet=args.quiet)
+    return replay(args.file, device=args.device, impl=args.impl, other=args.other, max_bytes=args.max_bytes,
+                  quiet=args.quiet)
+
+
+def _byte_count(text: str) -> int:
+    from pagedkv.testing.casefile import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, quiet: bool = False,
-           out: TextIO | None = None) -> int:
+           out: TextIO | None = None, other: str | None = None, max_bytes: int | None = None) -> int:
     """Rerun a case file's check and report to ``out`` (default stdout).
 
     Args:
         path: the case file.
         device: where the tensors live (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
-        impl: a backend spec replacing the recorded ``backend``.
+        impl: a backend spec replacing the recorded ``backend`` (run even when a file could not name it).
         quiet: only the verdict line.
+        other: a backend spec replacing the recorded ``other`` (the second backend of a pair).
+        max_bytes: memory budget of the case (``None``: a quarter of physical memory; see
+            :mod:`pagedkv.testing.casefile`).
 
     Returns:
-        0 (passes), 1 (fails) or 2 (the file or the backend cannot be loaded).
+        0 (passes), 1 (fails) or 2 (the file is refused, or the backend cannot be loaded).
     """
     import os
 
     if not str(device).startswith("cuda"):
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports Triton
-    from pagedkv.backends import load_backend
-    from pagedkv.testing.checks import MissingOp, Mismatch, load_failure, run_record
+    from pagedkv.errors import CaseFileError
+    from pagedkv.testing.casefile import load_case_file
 
     out = out or sys.stdout
+    try:  # before any backend is imported or any tensor allocated
+        record = load_case_file(path, max_bytes=max_bytes, impl=impl, other=other)
+    except CaseFileError as exc:
+        print(f"replay: refused case file {path}: {exc}", file=out)
+        return 2
+    from pagedkv.backends import load_backend
+    from pagedkv.testing.checks import MissingOp, Mismatch, run_record
+
     if str(device).startswith("cuda"):
         import torch
 
@@ -71,12 +106,7 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
             print(f"replay: --device {device} asked for, but torch sees no CUDA device here "
                   f"(torch {torch.__version__}); replay on cpu instead", file=out)
             return 2
-    try:
-        record = load_failure(path)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"replay: cannot read case file {path}: {type(exc).__name__}: {exc}", file=out)
-        return 2
-    spec = impl or record.get("backend") or "indexed"
+    spec = record["backend"]  # --impl, or a recorded spec a file may name
     try:
         backend = load_backend(spec)
     except Exception as exc:

@@ -590,15 +590,17 @@ def save_failure(check: str, backend_spec: str, case: Case | CacheScenario, *, o
     return path
 
 
-def load_failure(path: str | Path) -> dict:
+def load_failure(path: str | Path, **options) -> dict:
     """Read a case file: the record with ``case`` rebuilt as a :class:`Case`, :class:`CacheScenario` or
-    :class:`pagedkv.testing.invalid.InvalidCall` (by its ``kind``)."""
-    from pagedkv.testing.invalid import InvalidCall
+    :class:`pagedkv.testing.invalid.InvalidCall` (by its ``kind``), after the checks of
+    :func:`pagedkv.testing.casefile.load_case_file` (``options``: ``max_bytes``, ``impl``, ``other``).
 
-    record = json.loads(Path(path).read_text())
-    kinds = {"Case": Case, "CacheScenario": CacheScenario, "InvalidCall": InvalidCall}
-    record["case"] = kinds[record.get("kind", "Case")].from_dict(record["case"])
-    return record
+    Raises:
+        CaseFileError (a ``ValueError``): malformed, oversized, or naming a backend a file may not name.
+    """
+    from pagedkv.testing.casefile import load_case_file
+
+    return load_case_file(path, **options)
 
 
 def run_record(record: dict, backend: Any | None = None, device: str = "cpu") -> None:
