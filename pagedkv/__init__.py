@@ -13,19 +13,24 @@ Architecture (one concept a module):
 - :mod:`pagedkv.cli`: ``python -m pagedkv ...``.
 """
 
+from importlib import metadata as _metadata
+
 from pagedkv.allocator import BlockAllocator
 from pagedkv.backends import available_backends, get_backend, load_backend
 from pagedkv.cache import PagedKVCache
 from pagedkv.config import CacheConfig
 from pagedkv.errors import (AllocatorError, ArgumentTypeError, BackendError, BackendUnavailableError, BlockIndexError,
-                     DeviceMismatchError, DoubleFreeError, DTypeMismatchError, OutOfBlocksError, PagedKVError,
-                     ShapeError, UnknownBlockError)
+                     DeviceMismatchError, DoubleFreeError, DTypeMismatchError, InvariantError, OutOfBlocksError,
+                     PagedKVError, ShapeError, UnknownBlockError)
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("pagedkv")
+except _metadata.PackageNotFoundError:  # running from a checkout that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "AllocatorError", "ArgumentTypeError", "BackendError", "BackendUnavailableError", "BlockAllocator",
     "BlockIndexError", "CacheConfig", "PagedKVCache",
-    "DeviceMismatchError", "DoubleFreeError", "DTypeMismatchError", "OutOfBlocksError", "PagedKVError",
+    "DeviceMismatchError", "DoubleFreeError", "DTypeMismatchError", "InvariantError", "OutOfBlocksError", "PagedKVError",
     "ShapeError", "UnknownBlockError", "available_backends", "get_backend", "load_backend",
 ]

@@ -7,12 +7,21 @@ Design (after vLLM's block manager and its v1 prefix cache):
   count 0 but holding a cached full block that a later prefix lookup may revive).
 - ``num_free`` counts free + evictable blocks, so ``num_free + num_used == num_blocks`` always.
 - Allocation takes free blocks first, then evicts the least recently released evictable block.
-- Prefix caching keys each full block by a chained hash ``h_i = hash_fn(h_{i-1}, tokens_i)``. Each
+- Prefix caching keys each full block by a chained hash ``h_i = hash_fn(h_{i-1}, tokens_i)``, with
+  ``h_{-1}`` derived from the sequence's ``cache_key`` (a namespace: a LoRA adapter, a tenant's cache
+  salt, multimodal extra keys; ``None`` by default), so equal tokens under two keys never share. Each
   cached block records its own tokens and its parent (the cached block before it, with the parent's
   *generation*, bumped whenever a block's cache entry is dropped). A lookup walks the prompt block
   by block and accepts a candidate only when its tokens are equal and its parent is the block just
   matched, in the same generation: by induction the whole prefix is equal, so a hash collision is
-  never a hit, and each block costs ``O(block_size)`` however long the context.
+  never a hit, and each block costs ``O(block_size)`` however long the context. A first block also
+  matches only under an equal ``cache_key``, so a hash collision across keys is never a hit either.
+- Eviction order: released blocks join the evictable list in release order; :meth:`free_all` releases
+  a table's blocks last first, so among blocks released together the deepest is evicted first and a
+  cached prefix keeps its head longest. Allocation evicts the least recently released block first;
+  a later lookup stops at the first evicted block (its children's parent generation no longer matches).
+- The allocator registers what it is told: the cache registers a full block only once its K/V is
+  written (:meth:`pagedkv.cache.PagedKVCache.mark_written`).
 - Every method either succeeds or raises before changing anything.
 """
 
@@ -25,7 +34,8 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from pagedkv.errors import ArgumentTypeError, DoubleFreeError, OutOfBlocksError, ShapeError, UnknownBlockError
+from pagedkv.errors import (ArgumentTypeError, DoubleFreeError, InvariantError, OutOfBlocksError, ShapeError,
+                            UnknownBlockError)
 
 HashFn = Callable[[Hashable, tuple[int, ...]], Hashable]
 
@@ -43,6 +53,21 @@ def as_int(name: str, value: object) -> int:
             raise ArgumentTypeError(f"{name} must be an int, got a {value.dtype} tensor of shape {tuple(value.shape)}")
         return int(value.item())
     return operator.index(value)
+
+
+def check_cache_key(name: str, cache_key: object) -> Hashable:
+    """``cache_key`` if it can key the prefix cache (hashable), else ArgumentTypeError naming ``name``."""
+    try:
+        hash(cache_key)
+    except TypeError:
+        raise ArgumentTypeError(f"{name} must be hashable (a str, int, tuple or None), got "
+                                f"{type(cache_key).__name__} {cache_key!r}") from None
+    return cache_key
+
+
+def root_hash(cache_key: Hashable) -> Hashable:
+    """The parent hash of a sequence's first block under ``cache_key`` (``None`` for the default namespace)."""
+    return None if cache_key is None else ("pagedkv.cache_key", cache_key)
 
 
 def as_token_ids(name: str, token_ids: object) -> list[int]:
@@ -72,14 +97,16 @@ def as_token_ids(name: str, token_ids: object) -> list[int]:
 @dataclass(frozen=True)
 class CacheEntry:
     """What a cached full block holds: its chained ``hash``, its own ``tokens`` (``block_size`` ids),
-    its position in the prompt (``depth``: block ``depth`` holds positions ``depth * block_size ..``)
-    and its ``parent`` cached block (``None`` for the first block) in generation ``parent_generation``."""
+    its position in the prompt (``depth``: block ``depth`` holds positions ``depth * block_size ..``),
+    its ``parent`` cached block (``None`` for the first block) in generation ``parent_generation``, and
+    the namespace ``cache_key`` it was written under."""
 
     hash: Hashable
     tokens: tuple[int, ...]
     depth: int
     parent: int | None
     parent_generation: int
+    cache_key: Hashable = None
 
 
 def default_block_hash(parent_hash: Hashable, token_ids: tuple[int, ...]) -> Hashable:
@@ -241,34 +268,44 @@ class BlockAllocator:
         if not owners:
             del self._by_hash[entry.hash]
 
-    def _matches(self, block: int, tokens: tuple[int, ...], parent: int | None) -> bool:
+    def _matches(self, block: int, tokens: tuple[int, ...], parent: int | None, cache_key: Hashable = None) -> bool:
         e = self._entries[block]
-        return e.tokens == tokens and e.parent == parent and \
+        return e.tokens == tokens and e.parent == parent and e.cache_key == cache_key and \
             (parent is None or e.parent_generation == self._generation[parent])
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    def find_cached_prefix(self, token_ids: Sequence[int], cache_key: Hashable = None, *,
+                           record_stats: bool = True) -> list[int]:
         """Blocks caching the longest run of leading full blocks of ``token_ids`` (no references taken).
 
-        A candidate found by hash counts only when its tokens equal the block's and its parent is the
-        block matched just before (same generation), so colliding hashes never produce a false hit.
-        Equal blocks cached twice (two sequences filled them independently) are all followed, so a
-        longer chain under either copy is found.
+        Args:
+            token_ids: the prompt (a sequence of ints or a 1-D integer tensor); only whole blocks are looked up.
+            cache_key: the namespace the blocks must have been written under (``None``: the default one).
+            record_stats: count the lookup in ``prefix_queries`` / ``prefix_hits`` (checks pass False).
+
+        A candidate found by hash counts only when its tokens and ``cache_key`` equal the block's and
+        its parent is the block matched just before (same generation), so colliding hashes never
+        produce a false hit. Equal blocks cached twice (two sequences filled them independently) are
+        all followed, so a longer chain under either copy is found.
+
+        Raises:
+            ArgumentTypeError: a token id that is not an int, or an unhashable ``cache_key``.
         """
         tokens = tuple(as_token_ids("token_ids", token_ids))
+        cache_key = check_cache_key("cache_key", cache_key)
         if not self.enable_prefix_caching:
             return []
         chains: dict[int | None, list[int]] = {None: []}  # matched block -> the chain ending in it
-        parent_hash, bs = None, self.block_size
+        parent_hash, bs = root_hash(cache_key), self.block_size
         for end in range(bs, len(tokens) + 1, bs):
-            self.prefix_queries += 1
+            self.prefix_queries += record_stats
             block_tokens = tokens[end - bs:end]
             h = self.hash_fn(parent_hash, block_tokens)
             candidates = self._by_hash.get(h, ())
             longer = {b: chain + [b] for parent, chain in chains.items() for b in candidates
-                      if self._matches(b, block_tokens, parent)}
+                      if self._matches(b, block_tokens, parent, cache_key)}
             if not longer:
                 break
-            self.prefix_hits += 1
+            self.prefix_hits += record_stats
             chains, parent_hash = longer, h
         return min(chains.values())  # deterministic among equally long chains
 
@@ -305,24 +342,31 @@ class BlockAllocator:
                 del self._evictable[block]
             self._ref[block] += 1
 
-    def cache_full_block(self, block: int, token_ids: Sequence[int], parent: int | None = None) -> bool:
+    def cache_full_block(self, block: int, token_ids: Sequence[int], parent: int | None = None, *,
+                         cache_key: Hashable = None) -> bool:
         """Register used ``block`` as caching one full block of ``token_ids`` that follows cached ``parent``.
+
+        Call it only once the block's K/V is written in every layer (the cache does, from
+        :meth:`~pagedkv.cache.PagedKVCache.mark_written`): a registered block is served to later prompts.
 
         Args:
             block: a used block now holding ``block_size`` tokens' K/V.
             token_ids: exactly ``block_size`` token ids: this block's own tokens.
             parent: the cached block before it in the sequence (``None`` for a sequence's first block).
+            cache_key: the namespace the block was written under (a parent's must be the same).
 
         Returns:
             True when registered; False when the prefix cache is off, ``block`` is cached already, or
-            ``parent`` caches nothing (then no lookup could reach ``block`` anyway).
+            ``parent`` caches nothing or caches under another ``cache_key`` (then no lookup could reach
+            ``block`` anyway).
 
         Raises:
             UnknownBlockError: ``block`` is not used or outside the pool.
             ShapeError: ``len(token_ids) != block_size``.
-            ArgumentTypeError: non-integer token ids.
+            ArgumentTypeError: non-integer token ids, or an unhashable ``cache_key``.
         """
         tokens = tuple(as_token_ids("token_ids", token_ids))
+        cache_key = check_cache_key("cache_key", cache_key)
         self._check_id(block)
         if self._ref[block] == 0:
             raise UnknownBlockError(f"block {block} is not allocated; cannot cache it")
@@ -331,31 +375,39 @@ class BlockAllocator:
         if parent is not None:
             self._check_id(parent)
         if not self.enable_prefix_caching or block in self._entries or \
-                (parent is not None and parent not in self._entries):
+                (parent is not None and (parent not in self._entries or self._entries[parent].cache_key != cache_key)):
             return False
         parent_entry = self._entries.get(parent) if parent is not None else None
-        h = self.hash_fn(parent_entry.hash if parent_entry else None, tokens)
+        h = self.hash_fn(parent_entry.hash if parent_entry else root_hash(cache_key), tokens)
         self._entries[block] = CacheEntry(h, tokens, parent_entry.depth + 1 if parent_entry else 0, parent,
-                                          self._generation[parent] if parent is not None else 0)
+                                          self._generation[parent] if parent is not None else 0, cache_key)
         self._by_hash.setdefault(h, []).append(block)
         return True
 
+    def evictable_blocks(self) -> list[int]:
+        """Blocks with reference count 0 that still cache a prefix, in eviction order (next evicted first)."""
+        return list(self._evictable)
+
     def check_invariants(self, expected_refs: dict[int, int] | None = None) -> None:
-        """Raise AssertionError unless the allocator's state is consistent.
+        """Raise :class:`~pagedkv.errors.InvariantError` (an ``AssertionError``) unless the state is consistent.
 
         Checks: free + used == total; free, evictable and used are disjoint; free blocks cache
         nothing; evictable blocks are cached with reference 0; and, when given, every block's
         reference count equals ``expected_refs.get(block, 0)`` (the number of tables holding it).
         """
+        def require(ok: bool, message: str) -> None:
+            if not ok:
+                raise InvariantError(message)
+
         free, evictable = set(self._free), set(self._evictable)
-        assert len(free) == len(self._free) and not free & evictable, "a block is listed twice as free"
+        require(len(free) == len(self._free) and not free & evictable, "a block is listed twice as free")
         used = {b for b in range(self.num_blocks) if self._ref[b] > 0}
-        assert not used & (free | evictable), f"blocks both used and free: {sorted(used & (free | evictable))}"
-        assert len(free) + len(evictable) + len(used) == self.num_blocks, "free + used != total"
-        assert all(b in self._entries for b in evictable), "an evictable block caches nothing"
-        assert not free & set(self._entries), "a free block still caches a prefix"
-        assert all(r >= 0 for r in self._ref), "negative reference count"
+        require(not used & (free | evictable), f"blocks both used and free: {sorted(used & (free | evictable))}")
+        require(len(free) + len(evictable) + len(used) == self.num_blocks, "free + used != total")
+        require(all(b in self._entries for b in evictable), "an evictable block caches nothing")
+        require(not free & set(self._entries), "a free block still caches a prefix")
+        require(all(r >= 0 for r in self._ref), "negative reference count")
         if expected_refs is not None:
             for b in range(self.num_blocks):
-                assert self._ref[b] == expected_refs.get(b, 0), \
-                    f"block {b}: reference count {self._ref[b]} != {expected_refs.get(b, 0)} referencing tables"
+                require(self._ref[b] == expected_refs.get(b, 0),
+                        f"block {b}: reference count {self._ref[b]} != {expected_refs.get(b, 0)} referencing tables")

@@ -8,33 +8,43 @@ copy-on-write when a shared, partially filled block is appended to, and prefix c
 A step of an engine looks like::
 
     cached = cache.add_sequence(seq_id, prompt)           # prefix-cache hit: tokens not to recompute
-    slots = cache.append(seq_id, prompt[cached:])         # reserve slots for the new tokens
-    backend.write_kv(cache.k_cache(layer), cache.v_cache(layer), k, v, slots)   # per layer
+    slots = cache.append(seq_id, prompt[cached:])         # 1. reserve slots for the new tokens
+    backend.write_kv(cache.k_cache(layer), cache.v_cache(layer), k, v, slots)   # 2. write, per layer
     out = backend.paged_attention(q, cache.k_cache(layer), cache.v_cache(layer),
                                   cache.block_tables(ids), cache.seq_lens(ids), query_start_loc)
+    cache.mark_written(seq_id)                            # 3. commit: full blocks enter the prefix cache
+    ...
+    cache.free(seq_id)                                    # 4. release (finish, preempt or abort)
 
-Full blocks are registered in the prefix cache by ``append``: write their K/V (as above) before the
-next ``add_sequence`` can look them up.
+A full block enters the prefix cache only at ``mark_written``, once its K/V is written in every
+layer: a sequence freed (preempted, aborted) between ``append`` and ``mark_written``, or whose write
+raised, leaves no entry, so no later prompt is served K/V that nobody wrote. The lifecycle is drawn
+in ``docs/cache.md``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Hashable, Iterable, Sequence
 
 import torch
 
-from pagedkv.allocator import BlockAllocator, HashFn, as_int, as_token_ids, default_block_hash
+from pagedkv.allocator import BlockAllocator, HashFn, as_int, as_token_ids, check_cache_key, default_block_hash
 from pagedkv.config import CacheConfig, blocks_needed, slots_for_positions
-from pagedkv.errors import ArgumentTypeError, DoubleFreeError, OutOfBlocksError, ShapeError, UnknownBlockError
+from pagedkv.errors import (ArgumentTypeError, DoubleFreeError, InvariantError, OutOfBlocksError, ShapeError,
+                            UnknownBlockError)
 
 
 @dataclass
 class SequenceState:
-    """One sequence's block table and the token ids whose K/V it stores."""
+    """One sequence's block table, the token ids it holds slots for, how many leading tokens' K/V is
+    written (``num_written``: committed by ``mark_written``, or served by the prefix cache) and its
+    prefix-cache namespace ``cache_key``."""
 
     block_table: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    num_written: int = 0
+    cache_key: Hashable = None
 
     @property
     def num_tokens(self) -> int:
@@ -112,11 +122,18 @@ class PagedKVCache:
                 raise DoubleFreeError(f"sequence {seq_id} was already freed") from None
             raise UnknownBlockError(f"unknown sequence id {seq_id}") from None
 
-    def add_sequence(self, seq_id: int, prompt_token_ids: Sequence[int] = ()) -> int:
-        """Start sequence ``seq_id``; reuse cached full blocks of its prompt.
+    def add_sequence(self, seq_id: int, prompt_token_ids: Sequence[int] = (), *, cache_key: Hashable = None) -> int:
+        """Start sequence ``seq_id``; reuse cached full blocks of its prompt written under ``cache_key``.
 
         At most ``len(prompt) - 1`` tokens are served from the cache, so the last prompt token is
         always computed (its logits are needed), as in vLLM.
+
+        Args:
+            seq_id: a new sequence id (an int).
+            prompt_token_ids: the prompt (a sequence of ints or a 1-D integer tensor).
+            cache_key: the prefix-cache namespace (any hashable: a LoRA adapter id, a tenant's cache
+                salt, a tuple of multimodal extra keys; ``None``: the default namespace). It is part of
+                each block's identity: equal tokens under two keys never share a block. Forks inherit it.
 
         Returns:
             The number of leading prompt tokens whose K/V is already cached (a multiple of
@@ -124,17 +141,18 @@ class PagedKVCache:
 
         Raises:
             ValueError: ``seq_id`` is live already.
-            ArgumentTypeError: ``seq_id`` not an int, or a token id not an int.
+            ArgumentTypeError: ``seq_id`` not an int, a token id not an int, or ``cache_key`` unhashable.
         """
         _check_seq_id("seq_id", seq_id)
         prompt_token_ids = as_token_ids("prompt_token_ids", prompt_token_ids)
+        cache_key = check_cache_key("cache_key", cache_key)
         if seq_id in self.sequences:
             raise ValueError(f"sequence {seq_id} already exists")
         cacheable = (max(len(prompt_token_ids) - 1, 0) // self.block_size) * self.block_size
-        blocks = self.allocator.find_cached_prefix(list(prompt_token_ids[:cacheable]))
+        blocks = self.allocator.find_cached_prefix(list(prompt_token_ids[:cacheable]), cache_key)
         self.allocator.acquire(blocks)
         cached = len(blocks) * self.block_size
-        self.sequences[seq_id] = SequenceState(list(blocks), prompt_token_ids[:cached])
+        self.sequences[seq_id] = SequenceState(list(blocks), prompt_token_ids[:cached], cached, cache_key)
         self._finished.discard(seq_id)
         self.num_cached_tokens += cached
         return cached
@@ -143,8 +161,9 @@ class PagedKVCache:
         """Reserve slots for ``token_ids`` after the sequence's current tokens.
 
         Allocates blocks as needed; when the last block is partially filled and shared (after a
-        ``fork``), copies it first (copy-on-write) so the other owners never see these tokens.
-        Blocks that become full are registered in the prefix cache.
+        ``fork``), copies it first (copy-on-write, every layer's K and V) so the other owners never see
+        these tokens. Nothing enters the prefix cache here: write the K/V at the returned slots, then
+        call :meth:`mark_written`.
 
         Returns:
             ``int64 [len(token_ids)]`` slot_mapping on the cache's device, for ``write_kv``.
@@ -167,11 +186,75 @@ class PagedKVCache:
             self.num_cow_copies += 1
         table.extend(blocks)
         seq.token_ids.extend(token_ids)
-        for i in range(start // bs, (start + n) // bs):  # blocks completed by this append
-            self.allocator.cache_full_block(table[i], seq.token_ids[i * bs: (i + 1) * bs], table[i - 1] if i else None)
         first = start // bs  # only the table entries this append touches: a decode step costs O(1)
         positions = torch.arange(start - first * bs, start - first * bs + n, dtype=torch.int64)
         touched = torch.tensor(table[first: blocks_needed(start + n, bs)], dtype=torch.int64)
+        return slots_for_positions(touched, positions, bs).to(self.config.device)
+
+    def mark_written(self, seq_id: int, num_tokens: int | None = None) -> int:
+        """Commit: the K/V of the first ``num_tokens`` tokens of ``seq_id`` is written in every layer.
+
+        Call it after the step's ``write_kv`` calls (every layer) have run without raising. The full
+        blocks among those tokens enter the prefix cache (under the sequence's ``cache_key``); a block
+        whose tokens were reserved by :meth:`append` but not committed is never served to another
+        prompt, and is simply freed with its sequence (preemption, abort, a write that raised).
+        Committing fewer tokens than were reserved (a partial write of a chunk) caches only the
+        blocks those tokens fill. Committing a count at or below the current one changes nothing.
+
+        Args:
+            seq_id: a live sequence.
+            num_tokens: leading tokens now written, ``0 <= num_tokens <= seq_len(seq_id)``
+                (default: every token appended so far).
+
+        Returns:
+            The number of blocks that entered the prefix cache.
+
+        Raises:
+            ShapeError (a ``ValueError``): ``num_tokens`` negative or past the tokens appended.
+            ArgumentTypeError: ``num_tokens`` or ``seq_id`` not an int. UnknownBlockError /
+            DoubleFreeError: unknown or freed ``seq_id``.
+        """
+        seq = self._seq(seq_id)
+        n = seq.num_tokens if num_tokens is None else as_int("num_tokens", num_tokens)
+        if not 0 <= n <= seq.num_tokens:
+            raise ShapeError(f"num_tokens must be in [0, {seq.num_tokens}] (the tokens appended to sequence "
+                             f"{seq_id}), got {n}")
+        if n <= seq.num_written:
+            return 0
+        bs, table, added = self.block_size, seq.block_table, 0
+        for i in range(seq.num_written // bs, n // bs):  # blocks completed by this commit
+            added += self.allocator.cache_full_block(table[i], seq.token_ids[i * bs: (i + 1) * bs],
+                                                     table[i - 1] if i else None, cache_key=seq.cache_key)
+        seq.num_written = n
+        return added
+
+    def num_written(self, seq_id: int) -> int:
+        """Leading tokens of ``seq_id`` whose K/V is committed (``mark_written``) or was served by the prefix cache."""
+        return self._seq(seq_id).num_written
+
+    def cache_key(self, seq_id: int) -> Hashable:
+        """The prefix-cache namespace of ``seq_id`` (``None``: the default one)."""
+        return self._seq(seq_id).cache_key
+
+    def slot_mapping(self, seq_id: int, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """``int64 [end - start]`` slots of positions ``start .. end - 1`` of ``seq_id``, on the cache's device.
+
+        The slots a write of reserved tokens must use *now*: after a copy-on-write the slots
+        :meth:`append` returned earlier for a shared partial block may belong to another sequence.
+
+        Raises:
+            ShapeError: not ``0 <= start <= end <= seq_len(seq_id)``. ArgumentTypeError: not ints.
+        """
+        seq = self._seq(seq_id)
+        start = as_int("start", start)
+        end = seq.num_tokens if end is None else as_int("end", end)
+        if not 0 <= start <= end <= seq.num_tokens:
+            raise ShapeError(f"start, end must satisfy 0 <= start <= end <= {seq.num_tokens} (sequence {seq_id}), "
+                             f"got start={start}, end={end}")
+        bs = self.block_size
+        first = start // bs
+        positions = torch.arange(start - first * bs, end - first * bs, dtype=torch.int64)
+        touched = torch.tensor(seq.block_table[first: blocks_needed(end, bs)], dtype=torch.int64)
         return slots_for_positions(touched, positions, bs).to(self.config.device)
 
     def _blocks_for_append(self, seq: SequenceState, n: int) -> tuple[int, bool]:
@@ -183,6 +266,9 @@ class PagedKVCache:
     def fork(self, parent_id: int, child_id: int) -> None:
         """Make ``child_id`` share every block (and token) of ``parent_id``; no K/V is copied.
 
+        The child inherits the parent's ``cache_key`` and committed count: tokens the parent reserved
+        but has not committed are the child's to write too (through :meth:`slot_mapping`).
+
         Raises:
             ValueError: ``child_id`` is live. UnknownBlockError / DoubleFreeError: bad ``parent_id``.
             ArgumentTypeError: an id that is not an int.
@@ -193,11 +279,15 @@ class PagedKVCache:
             raise ValueError(f"sequence {child_id} already exists")
         for block in parent.block_table:
             self.allocator.incref(block)
-        self.sequences[child_id] = SequenceState(list(parent.block_table), list(parent.token_ids))
+        self.sequences[child_id] = SequenceState(list(parent.block_table), list(parent.token_ids), parent.num_written,
+                                                 parent.cache_key)
         self._finished.discard(child_id)
 
     def free(self, seq_id: int) -> None:
-        """Release a finished (or preempted) sequence's blocks; shared blocks stay with their other owners.
+        """Release a finished, preempted or aborted sequence's blocks; shared blocks stay with their other owners.
+
+        Released blocks that cache a prefix become evictable (the deepest first); blocks never
+        committed by :meth:`mark_written` become free and cache nothing.
 
         Raises:
             DoubleFreeError: the sequence was freed already. UnknownBlockError: never existed.
@@ -273,8 +363,11 @@ class PagedKVCache:
         return refs
 
     def check_invariants(self) -> None:
-        """AssertionError unless allocator counts match the live tables and every table fits its tokens."""
+        """:class:`~pagedkv.errors.InvariantError` (an ``AssertionError``) unless the allocator's counts match
+        the live tables, every table fits its tokens and no sequence commits more tokens than it holds."""
         self.allocator.check_invariants(self.reference_counts())
         for seq_id, seq in self.sequences.items():
-            assert len(seq.block_table) == blocks_needed(seq.num_tokens, self.block_size), \
-                f"sequence {seq_id}: {len(seq.block_table)} blocks for {seq.num_tokens} tokens"
+            if len(seq.block_table) != blocks_needed(seq.num_tokens, self.block_size):
+                raise InvariantError(f"sequence {seq_id}: {len(seq.block_table)} blocks for {seq.num_tokens} tokens")
+            if not 0 <= seq.num_written <= seq.num_tokens:
+                raise InvariantError(f"sequence {seq_id}: {seq.num_written} tokens committed of {seq.num_tokens}")

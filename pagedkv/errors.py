@@ -46,6 +46,10 @@ class UnknownBlockError(AllocatorError, ValueError):
     """A block id outside the pool, or a sequence id the cache does not know."""
 
 
+class InvariantError(PagedKVError, AssertionError):
+    """A runtime consistency check (``check_invariants``) found the cache's or allocator's books wrong."""
+
+
 class BackendError(PagedKVError, ValueError):
     """A backend name is unknown, a ``module:attr`` spec cannot be loaded, or an object breaks the contract."""
 

@@ -12,10 +12,13 @@ from .geometry import seq_lens
 @st.composite
 def scenarios(draw, *, max_ops: int = 14, max_seqs: int = 6, constant_hash: bool | None = None,
               enable_prefix_caching: bool = True) -> CacheScenario:
-    """A history of ``add`` (prompt = a shared system prompt + own suffix), ``append``, ``fork`` and
-    ``free`` over a small pool, so prefix-cache hits, shared partial blocks (copy-on-write), evictions
-    and out-of-blocks refusals all happen. Half the forks are followed at once by an append to the
-    parent and one to the child (parallel sampling): both write into a block they still share."""
+    """A history of ``add`` (prompt = a shared system prompt + own suffix, under one of two cache
+    namespaces or none), ``append``, ``reserve`` (slots without a write: the sequence may be freed
+    before it is written, as a preemption or an abort does, or forked first), ``write`` (all or part of
+    what was reserved), ``fork`` and ``free`` over a small pool of 1-3 layers, so prefix-cache hits,
+    shared partial blocks (copy-on-write), evictions and out-of-blocks refusals all happen. Half the
+    forks are followed at once by an append to the parent and one to the child (parallel sampling):
+    both write into a block they still share."""
     bs = draw(st.sampled_from((1, 2, 3, 4, 5, 8)))
     geometry = Geometry(num_blocks=draw(st.integers(2, 24)), block_size=bs, num_kv_heads=draw(st.integers(1, 2)),
                         head_dim=draw(st.sampled_from((1, 2, 4))), num_queries_per_kv=draw(st.sampled_from((1, 3))),
@@ -24,20 +27,25 @@ def scenarios(draw, *, max_ops: int = 14, max_seqs: int = 6, constant_hash: bool
     systems = draw(st.lists(st.lists(vocab, min_size=0, max_size=0).flatmap(
         lambda _: st.integers(0, 3 * bs + 1).flatmap(lambda n: st.lists(vocab, min_size=n, max_size=n))),
         min_size=1, max_size=2))
+    keys = draw(st.sampled_from(((None,), (None, "tenant-a"), ("lora-1", "lora-2"))))
     ops, live, next_id = [], [], 0
     for _ in range(draw(st.integers(1, max_ops))):
-        kind = draw(st.sampled_from(("add", "add", "append", "append", "fork", "free")))
-        if kind == "add" or not live:
+        kind = draw(st.sampled_from(("add", "add", "append", "append", "fork", "free", "reserve", "write")))
+        if kind in ("add", "reserve") and (kind == "add" or not live or draw(st.booleans())) or not live:
             system = draw(st.sampled_from(systems))
             suffix = draw(seq_lens(bs, 2 * bs).flatmap(lambda n: st.lists(vocab, min_size=n, max_size=n)))
             if not system and not suffix:
                 suffix = [draw(vocab)]
-            ops.append(("add", next_id, tuple(system + suffix)))
+            key = draw(st.sampled_from(keys))
+            op_kind = "reserve" if kind == "reserve" else "add"
+            ops.append((op_kind, next_id, tuple(system + suffix)) + ((key,) if key is not None else ()))
             live.append(next_id)
             next_id += 1
-        elif kind == "append":
+        elif kind in ("append", "reserve"):
             n = draw(st.integers(1, bs + 1))
-            ops.append(("append", draw(st.sampled_from(live)), tuple(draw(st.lists(vocab, min_size=n, max_size=n)))))
+            ops.append((kind, draw(st.sampled_from(live)), tuple(draw(st.lists(vocab, min_size=n, max_size=n)))))
+        elif kind == "write":
+            ops.append(("write", draw(st.sampled_from(live)), draw(st.none() | st.integers(1, 2 * bs))))
         elif kind == "fork" and next_id < max_seqs * 3:
             parent = draw(st.sampled_from(live))
             ops.append(("fork", parent, next_id))
@@ -58,4 +66,4 @@ def scenarios(draw, *, max_ops: int = 14, max_seqs: int = 6, constant_hash: bool
             live.remove(victim)
     return CacheScenario(geometry, tuple(ops), enable_prefix_caching=enable_prefix_caching,
                          constant_hash=draw(st.booleans()) if constant_hash is None else constant_hash,
-                         seed=draw(st.integers(0, 1000)))
+                         seed=draw(st.integers(0, 1000)), num_layers=draw(st.sampled_from((1, 2, 3))))

@@ -34,6 +34,7 @@ def test_c1_prefix_on_a_block_boundary_is_served_from_the_cache(prefix, hit):
     cache = PagedKVCache(CacheConfig(8, 16, 1, 4))
     assert cache.add_sequence(0, list(range(prefix))) == 0
     cache.append(0, list(range(prefix)))
+    cache.mark_written(0)  # its K/V is written: full blocks enter the prefix cache
     assert cache.add_sequence(1, list(range(prefix)) + [90, 91, 92, 93, 94]) == hit
     assert cache.block_table(1)[: hit // 16].tolist() == cache.block_table(0)[: hit // 16].tolist()
 
@@ -111,6 +112,8 @@ def test_a_prefix_cached_twice_is_found_through_either_copy():
         cache.append(seq_id, [1])
     cache.append(0, [2])  # one copy of [1, 2] ...
     cache.append(1, [2, 3, 4, 5])  # ... and another, with [3, 4] cached under it
+    cache.mark_written(0)
+    cache.mark_written(1)
     assert cache.add_sequence(2, [1, 2, 3, 4, 5]) == 4
     assert cache.block_table(2).tolist()[:2] == cache.block_table(1).tolist()[:2]
     cache.check_invariants()

@@ -228,13 +228,22 @@ class CacheScenario:
 
     ``ops`` is a tuple of tuples:
 
-    - ``("add", seq_id, token_ids)``: add_sequence with a prompt, then append its uncached tokens;
-    - ``("append", seq_id, token_ids)``: append decode/prefill tokens;
+    - ``("add", seq_id, token_ids)`` or ``("add", seq_id, token_ids, cache_key)``: add_sequence with a
+      prompt (under a cache namespace), then append, write and commit its uncached tokens;
+    - ``("append", seq_id, token_ids)``: append, write and commit decode/prefill tokens;
+    - ``("reserve", seq_id, token_ids)`` (optionally ``cache_key`` last): append *without* writing or
+      committing (a new ``seq_id`` is added first, as ``add`` does); the sequence may then be freed
+      before the write (preemption, abort) or written later;
+    - ``("write", seq_id, n)``: write and commit the next ``n`` reserved tokens (fewer: a partial
+      write of a chunk), all of them when ``n`` is ``None``;
     - ``("fork", parent_id, child_id)``;
-    - ``("free", seq_id)``: of a live sequence; freeing one that is not live must be refused and change nothing.
+    - ``("free", seq_id)``: of a live sequence (finish, preemption or abort); freeing one that is not
+      live must be refused and change nothing.
 
-    Each token's K/V is a function of (token id, position, seed), so a sequence's expected content
-    follows from its tokens alone. ``constant_hash`` injects a hash function that collides always.
+    Each token's K/V is a function of the token, its position, every token before it, the layer and
+    the sequence's namespace (:func:`token_kv`), so a sequence's expected content follows from its
+    tokens alone. ``num_layers`` layers are written and checked. ``constant_hash`` injects a hash
+    function that collides always.
     """
 
     geometry: Geometry
@@ -242,6 +251,7 @@ class CacheScenario:
     enable_prefix_caching: bool = True
     constant_hash: bool = False
     seed: int = 0
+    num_layers: int = 1
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "ops": [list(op) for op in self.ops]}
@@ -257,14 +267,46 @@ class CacheScenario:
         return dataclasses.replace(self, **changes)
 
 
-def token_kv(geometry: Geometry, token_ids, start: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V rows for ``token_ids`` at positions ``start ..``: a deterministic function of
-    (token, position, seed), ``[n, num_kv_heads, head_dim]`` in the geometry's dtype (CPU)."""
+def token_kv(geometry: Geometry, token_ids, start: int, seed: int, *, prefix=None, layer: int = 0,
+             salt: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V rows for ``token_ids`` at positions ``start ..``, as a model's K/V: each row depends on its
+    token, its position, *every token before it* (``prefix``, a rolling hash), the ``layer``, a
+    ``salt`` (a cache namespace, an adapter) and the ``seed``. So a prefix-cache hit through a wrong
+    parent chain, a block copied from the wrong layer or a hit across namespaces reads other values.
+
+    Args:
+        geometry: the pool geometry (heads, head_dim, dtype).
+        token_ids: the tokens at positions ``start .. start + len(token_ids) - 1``.
+        start: the first position.
+        seed: value seed.
+        prefix: the ``start`` tokens before them (required when ``start > 0``).
+        layer: the layer (``>= 0``).
+        salt: an int mixed into the prefix hash.
+
+    Returns:
+        ``(k, v)``, each ``[n, num_kv_heads, head_dim]`` in the geometry's dtype, on the CPU.
+
+    Raises:
+        ValueError: ``prefix`` missing or not ``start`` tokens long.
+    """
+    token_ids = [int(t) for t in token_ids]
+    prefix = [] if prefix is None and start == 0 else prefix
+    if prefix is None or len(prefix) != start:
+        raise ValueError(f"prefix must hold the {start} tokens before position {start}, got "
+                         f"{None if prefix is None else len(prefix)}")
+    h = (salt * 2_654_435_761 + 97) % 1_000_003
+    for t in prefix:
+        h = (h * 31 + int(t) + 7) % 1_000_003
+    hashes = []
+    for t in token_ids:  # position p's value sees tokens 0 .. p
+        h = (h * 31 + t + 7) % 1_000_003
+        hashes.append(h % 4099)
     n = len(token_ids)
-    ids = torch.tensor(list(token_ids), dtype=torch.float32).view(n, 1, 1)
+    ids = torch.tensor(token_ids, dtype=torch.float32).view(n, 1, 1)
+    ph = torch.tensor(hashes, dtype=torch.float32).view(n, 1, 1)
     pos = torch.arange(start, start + n, dtype=torch.float32).view(n, 1, 1)
-    h = torch.arange(geometry.num_kv_heads, dtype=torch.float32).view(1, -1, 1)
+    h_ = torch.arange(geometry.num_kv_heads, dtype=torch.float32).view(1, -1, 1)
     d = torch.arange(geometry.head_dim, dtype=torch.float32).view(1, 1, -1)
-    base = ids * 0.37 + pos * 0.011 + h * 0.13 + d * 0.07 + seed * 0.003
+    base = ids * 0.37 + pos * 0.011 + h_ * 0.13 + d * 0.07 + seed * 0.003 + ph * 0.0173 + layer * 0.61
     k, v = torch.sin(base), torch.cos(base * 1.3)
     return k.to(geometry.torch_dtype), v.to(geometry.torch_dtype)

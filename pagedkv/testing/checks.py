@@ -429,66 +429,72 @@ def decode_matches_prefill(backend: Any, case: Case, device: str = "cpu") -> Non
 # -- the cache: sharing, copy-on-write, prefix caching ---------------------------------------------------
 def run_scenario(backend: Any, scenario: CacheScenario, device: str = "cpu",
                  after_op: Callable[[PagedKVCache, dict], None] | None = None) -> tuple[PagedKVCache, dict]:
-    """Replay ``scenario.ops`` on a real :class:`PagedKVCache`, writing each token's K/V with the
-    backend's ``write_kv``. Returns the cache and the shadow ``{seq_id: token_ids}``. Operations the
-    cache refuses (out of blocks) are skipped, as a scheduler would; a ``free`` of a sequence that is
-    not live must raise and change nothing (else :class:`Mismatch`). ``after_op`` sees both after each op.
+    """Replay ``scenario.ops`` on a real :class:`PagedKVCache` through a
+    :class:`~pagedkv.testing.cache_model.CacheModel`, writing each token's K/V (every layer) with the
+    backend's ``write_kv`` and committing it with ``mark_written``. Returns the cache and the shadow
+    ``{seq_id: token_ids}`` (its ``.model`` attribute is the model). Operations the cache refuses (out
+    of blocks) are skipped, as a scheduler would; a ``free`` of a sequence that is not live must raise
+    and change nothing (else :class:`Mismatch`). ``after_op`` sees both after each op.
 
     A backend that ships its own cache manager exposes it as ``backend.cache_class`` (a class with
     :class:`PagedKVCache`'s constructor and methods); the scenario then runs on that class."""
+    from pagedkv.errors import OutOfBlocksError
+    from pagedkv.testing.cache_model import CacheModel, ModelMismatch
+
     write_kv = require(backend, "write_kv")
     g = scenario.geometry
     cache_class = getattr(backend, "cache_class", None) or PagedKVCache
-    cache = cache_class(CacheConfig(g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim, g.torch_dtype, device),
-                         enable_prefix_caching=scenario.enable_prefix_caching,
-                         **({"hash_fn": lambda parent, tokens: 0} if scenario.constant_hash else {}))
-    shadow: dict[int, list[int]] = {}
-
-    def write(seq_id: int, tokens, start: int) -> None:
-        slots = cache.append(seq_id, tokens)
-        # the slots an append hands out lie in blocks no other live sequence holds (copy-on-write)
-        others = {b: s for s in shadow if s != seq_id for b in cache.block_table(s).tolist()}
-        for j, slot in enumerate(slots.tolist()):
-            if slot // g.block_size in others:
-                block = slot // g.block_size
-                raise Mismatch(f"append to sequence {seq_id} hands out slot {slot} (position {start + j}) in block "
-                               f"{block}, which live sequence {others[block]} also holds: a shared block written "
-                               f"without copy-on-write", {"seq": seq_id, "position": start + j, "block": block,
-                                                          "slot": slot})
-        k, v = token_kv(g, tokens, start, scenario.seed)
-        write_kv(cache.k_cache(), cache.v_cache(), k.to(device), v.to(device), slots)
-
-    from pagedkv.errors import OutOfBlocksError
+    cache = cache_class(CacheConfig(g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim, g.torch_dtype, device,
+                                    num_layers=scenario.num_layers),
+                        enable_prefix_caching=scenario.enable_prefix_caching,
+                        **({"hash_fn": lambda parent, tokens: 0} if scenario.constant_hash else {}))
+    model = CacheModel(cache, g, scenario.seed, scenario.num_layers, write_kv,
+                       getattr(backend, "gather", None) or (lambda pool, table, n: reference_gather(pool, table, n)))
+    shadow = _Shadow()
+    shadow.model = model
 
     for op in scenario.ops:
-        kind = op[0]
+        kind, seq_id = op[0], op[1]
         try:
-            if kind == "add" and op[1] not in shadow:
-                tokens = list(op[2])
-                cached = cache.add_sequence(op[1], tokens)
-                shadow[op[1]] = tokens
-                try:
-                    write(op[1], tokens[cached:], cached)
-                except OutOfBlocksError:
-                    cache.free(op[1])
-                    del shadow[op[1]]
-                    raise
-            elif kind == "append" and op[1] in shadow:
-                write(op[1], list(op[2]), len(shadow[op[1]]))
-                shadow[op[1]] = shadow[op[1]] + list(op[2])
-            elif kind == "fork" and op[1] in shadow and op[2] not in shadow:
-                cache.fork(op[1], op[2])
-                shadow[op[2]] = list(shadow[op[1]])
-            elif kind == "free" and op[1] in shadow:
-                cache.free(op[1])
-                del shadow[op[1]]
-            elif kind == "free":  # a sequence freed twice (or never added): refused, nothing changes
-                _check_refused_free(cache, op[1])
-        except OutOfBlocksError:
-            pass
+            try:
+                if kind in ("add", "reserve") and seq_id not in model.seqs:
+                    tokens = list(op[2])
+                    cached = model.add(seq_id, tokens, op[3] if len(op) > 3 else None)
+                    try:
+                        model.reserve(seq_id, tokens[cached:])
+                    except OutOfBlocksError:
+                        model.free(seq_id)
+                        raise
+                    if kind == "add":
+                        model.write(seq_id)
+                elif kind in ("append", "reserve") and seq_id in model.seqs:
+                    model.reserve(seq_id, list(op[2]))
+                    if kind == "append":
+                        model.write(seq_id)
+                elif kind == "write" and seq_id in model.seqs:
+                    model.write(seq_id, op[2] if len(op) > 2 else None)
+                elif kind == "fork" and seq_id in model.seqs and op[2] not in model.seqs:
+                    model.fork(seq_id, op[2])
+                elif kind == "free" and seq_id in model.seqs:
+                    model.free(seq_id)
+                elif kind == "free":  # a sequence freed twice (or never added): refused, nothing changes
+                    _check_refused_free(cache, seq_id)
+            except OutOfBlocksError:
+                pass
+            model.observe_evictions(f"after {op!r}")
+        except ModelMismatch as exc:
+            raise Mismatch(str(exc), {"seq": seq_id}) from None
+        shadow.clear()
+        shadow.update({s: list(m.tokens) for s, m in model.seqs.items()})
         if after_op is not None:
             after_op(cache, shadow)
     return cache, shadow
+
+
+class _Shadow(dict):
+    """``{seq_id: token_ids}`` of the live sequences, with ``.model`` (the scenario's CacheModel)."""
+
+    model: Any = None
 
 
 def _check_refused_free(cache: PagedKVCache, seq_id: int) -> None:
@@ -508,7 +514,19 @@ def _check_refused_free(cache: PagedKVCache, seq_id: int) -> None:
 
 
 def check_live_sequences(backend: Any, cache: PagedKVCache, shadow: dict, scenario: CacheScenario) -> None:
-    """Every live sequence gathers, bit for bit, the K/V of its own tokens (and the cache's counts hold)."""
+    """Every live sequence gathers, bit for bit and in every layer, the K/V of the tokens it has
+    written, and the cache's counts hold. With a shadow from :func:`run_scenario`, also everything its
+    :class:`~pagedkv.testing.cache_model.CacheModel` checks: no cached block was never written, cached
+    blocks hold their prefix's K/V, hits are found, and sharing is kept."""
+    from pagedkv.testing.cache_model import ModelMismatch
+
+    model = getattr(shadow, "model", None)
+    if model is not None:
+        try:
+            model.check()
+        except ModelMismatch as exc:
+            raise Mismatch(str(exc)) from None
+        return
     cache.check_invariants()
     for seq_id, tokens in shadow.items():
         k_exp, v_exp = token_kv(scenario.geometry, tokens, 0, scenario.seed)
@@ -538,7 +556,8 @@ def prefix_cache_transparent(backend: Any, scenario: CacheScenario, device: str 
     attn = require(backend, "paged_attention")
     runs = [run_scenario(backend, scenario.replace(enable_prefix_caching=on), device) for on in (True, False)]
     (_, shadow_on), (_, shadow_off) = runs
-    ids = sorted(i for i in shadow_on if shadow_off.get(i) == shadow_on[i])
+    ids = sorted(i for i in shadow_on if shadow_off.get(i) == shadow_on[i]  # written in full in both runs
+                 and all(cache.num_written(i) == len(shadow_on[i]) for cache, _ in runs))
     if not ids:
         return
     g = scenario.geometry
