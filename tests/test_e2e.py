@@ -103,3 +103,27 @@ def test_cli_reports_and_exit_status(capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith("tokens identical: no")
     assert cli.main(["e2e", "--backend", "nope"]) == 2
     assert "unknown backend" in capsys.readouterr().err
+
+
+def test_a_model_directory_loads_safetensors_only_and_never_remote_code(tmp_path):
+    import json
+
+    model = e2e.build_model(seed=3, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1)
+    pickled = tmp_path / "pickled"
+    model.config.save_pretrained(pickled)
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")  # a pickle: loading one can run code
+    with pytest.raises(OSError, match="no .safetensors weights"):
+        e2e.load_model(str(pickled))
+    remote = tmp_path / "remote"
+    model.save_pretrained(remote)
+    config = json.loads((remote / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "evil_modeling.EvilForCausalLM"}
+    (remote / "config.json").write_text(json.dumps(config))
+    (remote / "evil_modeling.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    try:
+        e2e.load_model(str(remote))
+    except (ValueError, OSError):
+        pass
+    assert not (tmp_path / "ran").exists()  # the checkpoint's own code never runs
+    help_text = e2e.add_parser(__import__("argparse").ArgumentParser().add_subparsers()).format_help()
+    assert "safetensors" in help_text and "trust_remote_code=False" in help_text

@@ -165,18 +165,28 @@ def build_model(*, seed: int = 0, vocab_size: int = 256, hidden_size: int = 64, 
 def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
     """Load a local causal-LM checkpoint directory with pagedkv attention (no network access).
 
+    Only ``*.safetensors`` weights are read (``use_safetensors=True``: pickle ``.bin`` / ``.pt``
+    checkpoints can run code when loaded) and never code shipped with the checkpoint
+    (``trust_remote_code=False``: the architecture must be one transformers has).
+
     Raises:
-        ImportError: transformers is not installed. OSError: ``path`` is not a directory or not a
-            loadable checkpoint.
-        ValueError: the model uses sliding-window attention (pagedkv attention is full causal).
+        ImportError: transformers is not installed. OSError: ``path`` is not a directory, holds no
+            ``.safetensors`` weights, or is not a loadable checkpoint.
+        ValueError: the model uses sliding-window attention (pagedkv attention is full causal), or
+            its config asks for remote code.
     """
     _require_transformers()
     from transformers import AutoModelForCausalLM
 
     if not os.path.isdir(path):
         raise OSError(f"model directory {path!r} does not exist (only local checkpoints are loaded)")
+    if not any(name.endswith(".safetensors") for name in os.listdir(path)):
+        raise OSError(f"model directory {path!r} holds no .safetensors weights; only safetensors are loaded "
+                      f"(pickle .bin/.pt checkpoints can run code): convert it with save_pretrained(..., "
+                      f"safe_serialization=True) on a machine you trust")
     register_attention()
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation=ATTN_IMPLEMENTATION)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True,
+                                                 trust_remote_code=False, attn_implementation=ATTN_IMPLEMENTATION)
     window = getattr(model.config, "sliding_window", None)
     if window is not None and getattr(model.config, "use_sliding_window", True):
         raise ValueError(f"{path}: sliding_window={window} is not supported (pagedkv attention is full causal)")
