@@ -1,6 +1,7 @@
-"""The suite gates any implementation: a backend module written outside the project, selected with
-``PAGEDKV_IMPL``, runs under the same properties; one missing an op gets those tests skipped with a
-reason naming the op."""
+"""The conformance suite gates any implementation: a backend module written outside the project, named
+with ``PAGEDKV_IMPL``, runs under the same properties from another directory
+(``pytest --pyargs pagedkv.testing.suite``); one missing an op gets those tests skipped with a reason
+naming the op; a broken signature is a usage error."""
 
 import os
 import subprocess
@@ -9,8 +10,8 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ["tests/test_data_movement.py::test_gather_returns_exactly_what_each_slot_holds",
-         "tests/test_attention.py::test_paged_attention_matches_fp64_dense_reference"]
+SELECT = ["--pyargs", "pagedkv.testing.suite", "-k",
+          "test_gather_returns_exactly_what_each_slot_holds or test_paged_attention_matches_fp64_dense_reference"]
 
 CANDIDATE = textwrap.dedent('''
     """A candidate written from scratch: pure torch, no pagedkv import."""
@@ -55,9 +56,9 @@ def _pytest(tmp_path, module, source):
     env = {**os.environ, "PAGEDKV_IMPL": module, "PAGEDKV_PROFILE": "ci", "PAGEDKV_DEVICE": "cpu",
            "PAGEDKV_FAILURE_DIR": str(tmp_path / "failures"),
            "PYTHONPATH": os.pathsep.join([str(outside), str(ROOT)])}
-    proc = subprocess.run([sys.executable, "-m", "pytest", *TESTS, "-q", "-rs", "-p", "no:cacheprovider",
+    proc = subprocess.run([sys.executable, "-m", "pytest", *SELECT, "-q", "-rs", "-p", "no:cacheprovider",
                            "-p", "no:xdist", "-W", "ignore::pytest.PytestAssertRewriteWarning"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     return proc, proc.stdout + proc.stderr
 
 

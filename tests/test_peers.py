@@ -18,8 +18,9 @@ def _peer(name):
         pytest.skip(str(exc))
 
 
-@pytest.mark.parametrize("name,prop", [("torch_paged_attention", "write_kv"), ("vllm_cache_ops", "write_kv"),
-                                       ("flash_attn_kvcache", "attention")])
+@pytest.mark.parametrize("name,prop", [("torch_paged_attention", "write_kv_lands_at_slot_mapping_and_skips_negative_slots"),
+                                       ("vllm_cache_ops", "write_kv_lands_at_slot_mapping_and_skips_negative_slots"),
+                                       ("flash_attn_kvcache", "paged_attention_matches_fp64_dense_reference")])
 def test_peer_passes_the_property(name, prop, device):
     failed, _, case, error = run_property(_peer(name), properties()[prop], "dev", device)
     assert not failed, f"{name} fails {prop}: {error} on {case}"

@@ -48,5 +48,5 @@ def test_round_trip_catches_a_wrong_token_at_a_block_multiple_and_shrinks_it_to_
     blocks = sum(len(shrunk.used_table(i)) for i in range(len(shrunk.seqs)))
     assert blocks <= 2, f"shrunk case still uses {blocks} blocks: {shrunk!r}"
     assert any(s.seq_len and s.seq_len % shrunk.geometry.block_size == 0 for s in shrunk.seqs)
-    with pytest.raises(checks.Mismatch, match="logical position"):
+    with pytest.raises(checks.Mismatch, match="position"):
         checks.scatter_round_trip(faulty, shrunk)

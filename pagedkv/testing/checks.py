@@ -24,29 +24,10 @@ from pagedkv.backends import backend_name, load_backend
 from pagedkv.cache import PagedKVCache
 from pagedkv.testing.cases import Case, CacheScenario, reference_gather, reference_write, token_kv
 from pagedkv.config import CacheConfig, blocks_needed
-from pagedkv.testing.tolerance import assert_attention_close, assert_bitwise_equal, bits
+from pagedkv.testing.compare import Mismatch, MissingOp, assert_same_bits, bits, require  # noqa: F401 (re-exported)
+from pagedkv.testing.tolerance import assert_attention_close, assert_bitwise_equal
 
 GATHERING_BACKENDS = {"loop", "indexed"}  # attention = gather + the same dense op: bitwise equal to each other
-
-
-class Mismatch(AssertionError):
-    """A property failed. ``where`` locates the first bad element when there is one:
-    ``{"seq", "position", "block", "slot", "expected", "actual"}``."""
-
-    def __init__(self, message: str, where: dict | None = None):
-        super().__init__(message)
-        self.where = where or {}
-
-
-class MissingOp(Exception):
-    """The backend under test does not provide an op this property needs (the test is skipped)."""
-
-
-def require(backend: Any, op: str) -> Callable:
-    fn = getattr(backend, op, None)
-    if not callable(fn):
-        raise MissingOp(f"{backend_name(backend)} does not provide {op!r}")
-    return fn
 
 
 def _locate(case: Case, seq: int, position: int) -> dict:
@@ -57,37 +38,24 @@ def _locate(case: Case, seq: int, position: int) -> dict:
 
 def _compare_rows(actual: torch.Tensor, expected: torch.Tensor, case: Case, seq: int, what: str) -> None:
     """Bitwise row comparison of a gathered sequence, reporting the first bad logical position."""
-    if actual.shape != expected.shape or actual.dtype != expected.dtype:
-        raise Mismatch(f"{what} of sequence {seq}: got {tuple(actual.shape)} {actual.dtype}, expected "
-                       f"{tuple(expected.shape)} {expected.dtype}", {"seq": seq})
-    a, e = bits(actual.cpu()), bits(expected.cpu())
-    bad_rows = (a != e).flatten(1).any(1).nonzero()
-    if bad_rows.numel():
-        p = int(bad_rows[0])
-        where = _locate(case, seq, p)
-        where.update(expected=expected[p].flatten()[:4].tolist(), actual=actual[p].flatten()[:4].tolist())
-        raise Mismatch(f"{what} of sequence {seq} differs at logical position {p} (block {where['block']}, "
-                       f"slot {where['slot']}): got {where['actual']}..., expected {where['expected']}...", where)
+    assert_same_bits(actual, expected, f"{what} of sequence {seq}", locate=lambda i: _locate(case, seq, i[0]))
+
+
+def _slot_owner(case: Case, block: int, offset: int) -> dict:
+    """``{"block", "slot"}`` of a pool row, plus the ``seq`` and ``position`` stored there, if any."""
+    bs = case.geometry.block_size
+    where = {"block": block, "slot": block * bs + offset}
+    for i, s in enumerate(case.seqs):
+        table = case.used_table(i)
+        for p in range(offset, s.seq_len, bs):
+            if table[p // bs] == block:
+                return {"seq": i, "position": p, **where}
+    return where
 
 
 def _compare_pool(actual: torch.Tensor, expected: torch.Tensor, case: Case, what: str) -> None:
     """Bitwise pool comparison reporting the first bad slot (covers the frame condition)."""
-    a, e = bits(actual.cpu()), bits(expected.cpu())
-    bad = (a != e).flatten(2).any(2).nonzero()
-    if bad.numel():
-        block, offset = (int(x) for x in bad[0])
-        slot = block * case.geometry.block_size + offset
-        where = {"block": block, "slot": slot, "expected": expected[block, offset].flatten()[:4].tolist(),
-                 "actual": actual[block, offset].flatten()[:4].tolist()}
-        for i, s in enumerate(case.seqs):  # name a sequence position at that slot, if any
-            for p in range(s.seq_len):
-                if case.used_table(i)[p // case.geometry.block_size] == block and p % case.geometry.block_size == offset:
-                    where.update(seq=i, position=p)
-                    break
-            if "seq" in where:
-                break
-        raise Mismatch(f"{what}: slot {slot} (block {block}, offset {offset}) got {where['actual']}..., expected "
-                       f"{where['expected']}... ({int((a != e).flatten(2).any(2).sum())} slots differ)", where)
+    assert_same_bits(actual, expected, what, row_dims=2, locate=lambda i: _slot_owner(case, i[0], i[1]))
 
 
 # -- data movement -------------------------------------------------------------------------------------
@@ -363,7 +331,7 @@ TRANSFORMS: dict[str, Callable[[Case, dict], dict]] = {
 }
 
 
-def invariant_under(backend: Any, case: Case, transform: str, device: str = "cpu") -> None:
+def invariant_under(backend: Any, case: Case, device: str = "cpu", *, transform: str) -> None:
     """Outputs (gathers and attention) are bit-identical after ``transform`` of the inputs: physical
     blocks renumbered (pool permuted, tables mapped), another padding value, int32 vs int64 tables,
     other poison in unowned slots, strided pools, strided metadata, reversed batch order."""
@@ -575,36 +543,35 @@ def prefix_cache_transparent(backend: Any, scenario: CacheScenario, device: str 
 
 
 # -- registry, failure files -------------------------------------------------------------------------------
-CASE_CHECKS: dict[str, Callable] = {
-    "gather_matches_definition": gather_matches_definition,
-    "scatter_round_trip": scatter_round_trip,
-    "write_kv_matches_definition": write_kv_matches_definition,
-    "attention_matches_reference": attention_matches_reference,
-    "alone_equals_in_batch": alone_equals_in_batch,
-    "decode_matches_prefill": decode_matches_prefill,
-}
-SCENARIO_CHECKS: dict[str, Callable] = {
-    "sharing_isolated": sharing_isolated,
-    "prefix_cache_transparent": prefix_cache_transparent,
-}
-
-
 def failure_dir() -> Path:
     """Where failing cases are written: ``$PAGEDKV_FAILURE_DIR``, else ``.pagedkv-failures`` in the cwd."""
     return Path(os.environ.get("PAGEDKV_FAILURE_DIR", ".pagedkv-failures"))
 
 
-def save_failure(check: str, backend_spec: str, case: Case | CacheScenario, *, other: str | None = None,
-                 transform: str | None = None, test_id: str | None = None, error: str = "") -> Path:
-    """Write a failing case as JSON (no tensors: geometry, tables, lengths, pattern, seed) and return its path.
+def save_failure(check: str, backend_spec: str, case: Any, *, other: str | None = None,
+                 transform: str | None = None, test_id: str | None = None, error: str = "",
+                 outcome: str = "failed", path: Path | None = None) -> Path:
+    """Write a case file as JSON (no tensors: geometry, tables, lengths, pattern, seed) and return its path.
 
-    One file per test id: Hypothesis replays the shrunk example last, so the file left holds it.
+    Args:
+        check: the registered property's name (:mod:`pagedkv.testing.registry`).
+        backend_spec: the implementation under test (a built-in name or the ``--pagedkv-impl`` spec).
+        case: a :class:`Case`, :class:`CacheScenario` or :class:`~pagedkv.testing.invalid.InvalidCall`.
+        other: the second backend of a pair property. transform: legacy field of invariance files.
+        test_id: names the file (one file per test: Hypothesis replays the shrunk example last).
+        error: the failure's message (its first line is kept, 500 characters at most).
+        outcome: ``"running"`` (written before the backend is called), ``"failed"`` (an assertion),
+            ``"raised"`` (the backend raised something else).
+        path: write here instead of under :func:`failure_dir`.
     """
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", test_id or f"{check}-{backend_spec}").strip("_")[:150]
-    path = failure_dir() / f"{name}.json"
+    if path is None:
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", test_id or f"{check}-{backend_spec}").strip("_")[:150]
+        path = failure_dir() / f"{name}.json"
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"check": check, "backend": backend_spec, "other": other, "transform": transform,
-              "kind": type(case).__name__, "case": case.to_dict(), "error": error.splitlines()[0][:500] if error else ""}
+    record = {"version": 1, "check": check, "backend": backend_spec, "other": other, "transform": transform,
+              "kind": type(case).__name__, "case": case.to_dict(), "outcome": outcome,
+              "error": error.splitlines()[0][:500] if error else ""}
     path.write_text(json.dumps(record, indent=1))
     return path
 
@@ -623,19 +590,20 @@ def load_failure(path: str | Path, **options) -> dict:
 
 
 def run_record(record: dict, backend: Any | None = None, device: str = "cpu") -> None:
-    """Rerun a failure record's check (optionally on another backend or device); raises on failure."""
-    impl = backend if backend is not None else load_backend(record["backend"])
-    check, case = record["check"], record["case"]
-    if check == "backends_agree":
-        return backends_agree(impl, load_backend(record["other"]), case, device)
-    if check == "invariant_under":
-        return invariant_under(impl, case, record["transform"], device)
-    if check == "check_rejected":
-        from pagedkv.testing.invalid import check_rejected
+    """Rerun a failure record's property (optionally on another backend or device); raises on failure.
 
-        check_rejected(impl, case, device)
-        return None
-    fn = CASE_CHECKS.get(check) or SCENARIO_CHECKS.get(check)
-    if fn is None:
-        raise KeyError(f"unknown check {check!r} in case file")
-    return fn(impl, case, device)
+    The record's ``check`` names a registered property (:mod:`pagedkv.testing.registry`); older files
+    name its check function (with ``transform`` for an invariance).
+
+    Raises:
+        KeyError: the record names no registered property.
+        Mismatch: the property fails. MissingOp: the backend lacks an op the property needs.
+    """
+    from pagedkv.testing.registry import property_for_record
+
+    impl = backend if backend is not None else load_backend(record["backend"])
+    prop = property_for_record(record["check"], record.get("transform"))
+    if prop.pair:
+        other = load_backend(record.get("other") or "indexed")
+        return prop.check(other, impl, record["case"], device)
+    return prop.check(impl, record["case"], device)

@@ -23,9 +23,9 @@ from typing import Any, Callable
 
 import torch
 
-from pagedkv.testing.cases import Case, Geometry
+from pagedkv.testing.cases import Case, Geometry, SeqSpec
 from pagedkv.config import blocks_needed
-from pagedkv.testing.tolerance import bits
+from pagedkv.testing.compare import Mismatch, bits, require
 
 OPS = ("gather", "scatter", "write_kv", "paged_attention")
 _BUILTINS = {"IndexError": IndexError, "ValueError": ValueError, "TypeError": TypeError}
@@ -416,8 +416,6 @@ def check_rejected(backend: Any, call: InvalidCall, device: str = "cpu", *, chec
         Mismatch: no error, the wrong error type, a message not naming the argument, or a pool changed.
         MissingOp: the backend lacks ``call.op``.
     """
-    from pagedkv.testing.checks import Mismatch, require
-
     fn = require(backend, call.op)
     args, kwargs, (k_cache, v_cache) = call.arguments(device)
     k_before, v_before = bits(k_cache.cpu()).clone(), bits(v_cache.cpu()).clone()
@@ -441,3 +439,26 @@ def check_rejected(backend: Any, call: InvalidCall, device: str = "cpu", *, chec
         raise Mismatch(f"{call.op} with {call.fault}: the {type(raised).__name__} message does not name the argument "
                        f"{call.spec.argument!r}: {raised}")
     return raised
+
+
+def explicit_calls(op: str) -> tuple[InvalidCall, ...]:
+    """Invalid calls of ``op`` that always run (the suite's ``@example``s): the C9 capacity faults and
+    the faults engines have shipped most (ids past the pool, duplicate writes, a decreasing
+    ``query_start_loc``, a head count that does not divide)."""
+    calls = {
+        "gather": (InvalidCall("gather", "block_id_too_large", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 5),))),
+                   InvalidCall("gather", "block_id_negative", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 5),))),
+                   InvalidCall("gather", "table_too_short", Case(Geometry(4, 4), (SeqSpec((2, 0), 8),)))),
+        "scatter": (InvalidCall("scatter", "block_id_too_large", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 6, 1, 0),))),
+                    InvalidCall("scatter", "duplicate_block", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 6, 1, 1),))),
+                    InvalidCall("scatter", "table_too_short", Case(Geometry(4, 4), (SeqSpec((2, 0), 8, 1, 6),)))),
+        "write_kv": (InvalidCall("write_kv", "slot_too_large", Case(Geometry(3, 2), (SeqSpec((0, 1), 4, 1, 0),))),
+                     InvalidCall("write_kv", "duplicate_slot", Case(Geometry(3, 2), (SeqSpec((0, 1), 4, 1, 0),)))),
+        "paged_attention": (
+            InvalidCall("paged_attention", "query_start_loc_decreasing",
+                        Case(Geometry(4, 2), (SeqSpec((0,), 2, 1), SeqSpec((1, 2), 3, 2)))),
+            InvalidCall("paged_attention", "q_len_exceeds_seq_len", Case(Geometry(4, 2), (SeqSpec((0, 1), 3, 3),))),
+            InvalidCall("paged_attention", "heads_not_divisible",
+                        Case(Geometry(4, 2, num_kv_heads=2, num_queries_per_kv=3), (SeqSpec((0,), 2, 1),)))),
+    }
+    return calls[op]

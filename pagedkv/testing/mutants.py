@@ -341,84 +341,30 @@ for _name, _cls in MUTANTS.items():
     globals()[_name] = _cls()  # module-level instances: --pagedkv-impl=pagedkv.testing.mutants:gqa_modulo
 
 
-# -- the properties the suite runs -----------------------------------------------------------------------
-@dataclass(frozen=True)
-class Property:
-    """One property of the suite: a :mod:`pagedkv.testing.checks` function, the strategy the test draws from
-    (built lazily: the library does not need Hypothesis), and the test that runs it."""
+# -- the properties: the registry's (pagedkv.testing.registry) --------------------------------------------
+def properties() -> dict:
+    """Every registered property by name (needs Hypothesis and the ``strategies`` package to run)."""
+    from pagedkv.testing.registry import properties as registered
 
-    name: str
-    run: Callable[[Any, Any, str], None]  # (backend, case, device)
-    strategy: Callable[[], Any]
-    test: str
-    max_examples: int | None = None  # a cap below the profile's (the test's own @settings)
-
-
-def _properties() -> list[Property]:
-    from pagedkv.testing import checks
-    from pagedkv.backends import get_backend
-    import strategies as s
-
-    def mixed(**kw):
-        return lambda: s.cases(**kw) | s.fragmented_cases()
-
-    props = [
-        Property("gather", checks.gather_matches_definition, mixed(),
-                 "test_data_movement.py::test_gather_returns_exactly_what_each_slot_holds"),
-        Property("scatter", checks.scatter_round_trip, mixed(repeats=False),
-                 "test_data_movement.py::test_scatter_then_gather_round_trips_and_touches_no_other_slot"),
-        Property("write_kv", checks.write_kv_matches_definition, mixed(repeats=False),
-                 "test_data_movement.py::test_write_kv_lands_at_slot_mapping_and_skips_negative_slots"),
-        Property("agree_with_indexed", lambda b, c, d: checks.backends_agree(get_backend("indexed"), b, c, d), mixed(),
-                 "test_data_movement.py::test_every_pair_of_backends_agrees"),
-        Property("attention", checks.attention_matches_reference, mixed(),
-                 "test_attention.py::test_paged_attention_matches_fp64_dense_reference"),
-        Property("alone_in_batch", checks.alone_equals_in_batch, lambda: s.cases(max_seqs=4),
-                 "test_attention.py::test_a_request_alone_equals_the_same_request_in_a_batch"),
-        Property("decode_prefill", checks.decode_matches_prefill, lambda: s.cases(max_seqs=2, max_q_len=6),
-                 "test_attention.py::test_decoding_token_by_token_equals_one_prefill_and_chunked_prefill"),
-        Property("sharing", checks.sharing_isolated, lambda: s.scenarios(),
-                 "test_sharing.py::test_every_live_sequence_reads_only_its_own_tokens"),
-        Property("prefix_cache", checks.prefix_cache_transparent, lambda: s.scenarios(constant_hash=False),
-                 "test_sharing.py::test_prefix_caching_changes_no_output"),
-    ]
-    for t in sorted(checks.TRANSFORMS):
-        props.append(Property(f"invariant[{t}]", lambda b, c, d, t=t: checks.invariant_under(b, c, t, d),
-                              lambda: s.cases(), f"test_attention.py::test_outputs_are_bit_identical_under[{t}]"))
-    for name, fn in (("gather", checks.gather_matches_definition), ("scatter", checks.scatter_round_trip),
-                     ("write_kv", checks.write_kv_matches_definition)):
-        props.append(Property(f"large_pool_{name}", fn, lambda: s.large_pool_cases(),
-                              f"test_large_pool.py::test_{name}_is_exact_on_pools_past_2_24_slots",
-                              max_examples=LARGE_POOL_EXAMPLES))
-    return props
-
-
-#: Examples per large-pool property (each builds a pool of more than 2**24 slots): the cap the suite's
-#: ``tests/test_large_pool.py`` uses too.
-LARGE_POOL_EXAMPLES = 10
-
-
-def properties() -> dict[str, Property]:
-    """The suite's properties by name (needs Hypothesis and the ``strategies`` package)."""
-    return {p.name: p for p in _properties()}
+    return registered()
 
 
 #: The properties that should kill each mutant first (the runner tries these, then all the others).
 TARGETS: dict[str, tuple[str, ...]] = {
-    "off_by_one_last_block": ("gather",),
-    "scatter_drops_start_offset": ("scatter",),
-    "padding_read_as_block": ("attention",),
-    "no_copy_on_write": ("sharing",),
-    "gqa_modulo": ("attention",),
-    "causal_top_left": ("attention",),
-    "tail_unmasked": ("attention",),
-    "scale_ignored": ("attention",),
-    "softmax_no_max": ("attention",),
-    "batch_stride": ("attention", "invariant[batch_order]"),
-    "float32_slot_gather": ("large_pool_gather",),
-    "float32_slot_mapping": ("large_pool_write_kv",),
-    "scatter_clobbers_block": ("scatter",),
-    "negative_slot_written": ("write_kv",),
+    "off_by_one_last_block": ("gather_returns_exactly_what_each_slot_holds",),
+    "scatter_drops_start_offset": ("scatter_then_gather_round_trips_and_touches_no_other_slot",),
+    "padding_read_as_block": ("paged_attention_matches_fp64_dense_reference",),
+    "no_copy_on_write": ("every_live_sequence_reads_only_its_own_tokens",),
+    "gqa_modulo": ("paged_attention_matches_fp64_dense_reference",),
+    "causal_top_left": ("paged_attention_matches_fp64_dense_reference",),
+    "tail_unmasked": ("paged_attention_matches_fp64_dense_reference",),
+    "scale_ignored": ("paged_attention_matches_fp64_dense_reference",),
+    "softmax_no_max": ("paged_attention_matches_fp64_dense_reference",),
+    "batch_stride": ("paged_attention_matches_fp64_dense_reference", "outputs_are_bit_identical_under_batch_order"),
+    "float32_slot_gather": ("gather_is_exact_on_pools_past_2_24_slots",),
+    "float32_slot_mapping": ("write_kv_is_exact_on_pools_past_2_24_slots",),
+    "scatter_clobbers_block": ("scatter_then_gather_round_trips_and_touches_no_other_slot",),
+    "negative_slot_written": ("write_kv_lands_at_slot_mapping_and_skips_negative_slots",),
 }
 
 
@@ -459,7 +405,7 @@ def hypothesis_settings(profile: str, *, shrink: bool = True):
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-def run_property(backend: Any, prop: Property, profile: str = "ci", device: str = "cpu", *,
+def run_property(backend: Any, prop: Any, profile: str = "ci", device: str = "cpu", *,
                  shrink: bool = True) -> tuple[bool, int, str, str]:
     """Run one property against ``backend`` with Hypothesis under ``profile`` (``shrink=False``: stop at
     the first failing example).
@@ -479,12 +425,21 @@ def run_property(backend: Any, prop: Property, profile: str = "ci", device: str 
     if prop.max_examples is not None and chosen.max_examples > prop.max_examples:
         chosen = settings(chosen, max_examples=prop.max_examples)
 
+    from hypothesis import example
+
+    from pagedkv.backends import get_backend
+
+    reference = get_backend("indexed") if prop.pair else None
+
     @chosen
     @given(prop.strategy())
     def body(case):
         state["calls"] += 1
         try:
-            prop.run(backend, case, device)
+            if prop.pair:
+                prop.check(reference, backend, case, device)
+            else:
+                prop.check(backend, case, device)
         except MissingOp as exc:
             state["missing"] = str(exc)
             return
@@ -493,6 +448,8 @@ def run_property(backend: Any, prop: Property, profile: str = "ci", device: str 
             state["last"] = case
             raise
 
+    for case in reversed(prop.examples()):
+        body = example(case)(body)
     try:
         body()
     except Exception as exc:  # the shrunk example's failure

@@ -231,7 +231,7 @@ def available() -> dict[str, str]:
 
 
 def report(names: list[str] | None = None, profile: str = "dev", device: str = "cpu") -> list[tuple[str, str, str]]:
-    """Run the suite's properties (:data:`pagedkv.testing.mutants.PROPERTIES`) against each peer.
+    """Run the suite's properties (every property of :mod:`pagedkv.testing.registry`) against each peer.
 
     Returns:
         ``[(peer, property, verdict)]``, verdict ``"passes"``, ``"skipped: ..."`` (an op the peer

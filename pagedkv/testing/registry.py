@@ -1,0 +1,176 @@
+"""The property registry: every property of the conformance suite, declared once.
+
+A :class:`Property` names what it checks (one sentence), the ops a backend needs for it, the check
+function (``check(backend, case, device)``, raising :class:`~pagedkv.testing.compare.Mismatch`),
+the strategy its cases are drawn from and the explicit examples that always run. Everything that
+runs properties is driven from here:
+
+- the pytest conformance suite (:mod:`pagedkv.testing.suite`): one test per property, named
+  ``test_<name>``;
+- ``python -m pagedkv mutants`` (:mod:`pagedkv.testing.mutants`): every property against every mutant;
+- case files: the ``check`` field is a property name, and :func:`property_for_record` finds it again
+  (older files name the check function, which :attr:`Property.aliases` maps).
+
+Adding a property is one entry in :func:`_declare`. ``tests/test_registry.py`` fails when a check
+function is not registered or a registered property is not collected by pytest.
+
+Strategies are built lazily (``strategy()``): importing the registry needs neither Hypothesis nor
+the ``strategies`` package, so a case file replays on a machine without them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache, partial
+from typing import Any, Callable
+
+#: Examples per large-pool property (each builds a pool of more than 2**24 slots).
+LARGE_POOL_EXAMPLES = 10
+
+
+@dataclass(frozen=True)
+class Property:
+    """One property of the conformance suite.
+
+    Attributes:
+        name: identifier; the pytest test is ``test_<name>`` and case files record it.
+        sentence: what the property asserts, in one sentence.
+        ops: backend ops it needs; a backend lacking one has the property skipped with the reason.
+        check: ``check(backend, case, device)``; with ``pair=True``, ``check(first, second, case, device)``.
+        strategy: a zero-argument callable returning the Hypothesis strategy of its cases.
+        examples: a zero-argument callable returning explicit cases that always run (``@example``).
+        max_examples: a cap below the profile's example count (expensive cases).
+        pair: the check compares two backends (a candidate is compared with the ``indexed`` backend).
+        kind: ``"case"`` (a :class:`~pagedkv.testing.cases.Case`), ``"scenario"``
+            (:class:`~pagedkv.testing.cases.CacheScenario`) or ``"invalid"``
+            (:class:`~pagedkv.testing.invalid.InvalidCall`).
+        aliases: ``(check_function_name, transform)`` pairs that older case files record.
+    """
+
+    name: str
+    sentence: str
+    ops: tuple[str, ...]
+    check: Callable[..., None]
+    strategy: Callable[[], Any]
+    examples: Callable[[], tuple] = tuple
+    max_examples: int | None = None
+    pair: bool = False
+    kind: str = "case"
+    aliases: tuple[tuple[str, str | None], ...] = field(default=())
+
+
+def _declare() -> list[Property]:
+    import strategies as s  # noqa: F401  (imported lazily inside the lambdas below)
+
+    from pagedkv.testing import checks, invalid, known_cases as kc
+
+    def mixed(**kw):
+        def build():
+            import strategies as s
+
+            return s.cases(**kw) | s.fragmented_cases()
+        return build
+
+    def lazy(name, **kw):
+        def build():
+            import strategies as s
+
+            return getattr(s, name)(**kw)
+        return build
+
+    data, attn = ("gather", "scatter", "write_kv"), ("paged_attention",)
+    props = [
+        Property("gather_returns_exactly_what_each_slot_holds",
+                 "gather returns, bit for bit, cache[table[p // bs], p % bs] for every position and writes nothing",
+                 ("gather",), checks.gather_matches_definition, mixed(), lambda: (kc.C5, kc.C6, kc.C8),
+                 aliases=(("gather_matches_definition", None),)),
+        Property("scatter_then_gather_round_trips_and_touches_no_other_slot",
+                 "scatter writes exactly positions start .. seq_len - 1 (frame condition) and gather reads them back",
+                 ("scatter", "gather"), checks.scatter_round_trip, mixed(repeats=False), lambda: (kc.C6, kc.C8),
+                 aliases=(("scatter_round_trip", None),)),
+        Property("write_kv_lands_at_slot_mapping_and_skips_negative_slots",
+                 "write_kv puts token t at slot_mapping[t] in both pools, skips negative slots, touches nothing else",
+                 ("write_kv",), checks.write_kv_matches_definition, mixed(repeats=False), lambda: (kc.C5,),
+                 aliases=(("write_kv_matches_definition", None),)),
+        Property("backends_agree_on_every_op_both_provide",
+                 "two backends agree: data movement bit for bit, attention bitwise between gathering backends "
+                 "and within tolerance otherwise", (), checks.backends_agree, mixed(), lambda: (kc.C8,), pair=True,
+                 aliases=(("backends_agree", None),)),
+        Property("paged_attention_matches_fp64_dense_reference",
+                 "paged_attention equals the fp64 dense reference within the dtype's tolerance; NaN never passes",
+                 attn, checks.attention_matches_reference, mixed(),
+                 lambda: (kc.C5, kc.C6, *kc.C7, kc.C8), aliases=(("attention_matches_reference", None),)),
+        Property("a_request_alone_equals_the_same_request_in_a_batch",
+                 "each request's attention alone equals, bit for bit, its rows in the batch",
+                 attn, checks.alone_equals_in_batch, lazy("cases", max_seqs=4), lambda: (kc.C5, kc.C8),
+                 aliases=(("alone_equals_in_batch", None),)),
+        Property("decoding_token_by_token_equals_one_prefill_and_chunked_prefill",
+                 "one prefill call equals decoding token by token and chunked prefill, within tolerance",
+                 attn, checks.decode_matches_prefill, lazy("cases", max_seqs=2, max_q_len=6), lambda: (kc.C7[0],),
+                 aliases=(("decode_matches_prefill", None),)),
+        Property("every_live_sequence_reads_only_its_own_tokens",
+                 "after every fork, append, copy-on-write and prefix hit, each live sequence reads exactly its "
+                 "own tokens' K/V and the allocator's counts match the live tables",
+                 ("write_kv", "gather"), checks.sharing_isolated, lazy("scenarios"),
+                 lambda: (kc.C2, kc.C4, kc.C1[0]), kind="scenario", aliases=(("sharing_isolated", None),)),
+        Property("prefix_caching_changes_no_output",
+                 "prefix caching on and off give every comparable sequence the same K/V and attention output",
+                 ("write_kv", "paged_attention"), checks.prefix_cache_transparent,
+                 lazy("scenarios", constant_hash=False), lambda: (*kc.C1, kc.C4), kind="scenario",
+                 aliases=(("prefix_cache_transparent", None),)),
+    ]
+    for t in sorted(checks.TRANSFORMS):
+        props.append(Property(
+            f"outputs_are_bit_identical_under_{t}",
+            f"gathers and attention are bit-identical after the '{t}' transform of the inputs",
+            (), partial(checks.invariant_under, transform=t), lazy("cases"), lambda: (kc.C6, kc.C8),
+            aliases=(("invariant_under", t),)))
+    for op, fn in (("gather", checks.gather_matches_definition), ("scatter", checks.scatter_round_trip),
+                   ("write_kv", checks.write_kv_matches_definition)):
+        props.append(Property(
+            f"{op}_is_exact_on_pools_past_2_24_slots",
+            f"{op} places tokens exactly in the last blocks of pools of more than 2**24 slots",
+            (op,), fn, lazy("large_pool_cases"), max_examples=LARGE_POOL_EXAMPLES))
+    for op in invalid.OPS:
+        props.append(Property(
+            f"{op}_rejects_bad_arguments_and_writes_nothing",
+            f"{op} with one argument broken raises the contract's error naming it, and both pools are unchanged",
+            (op,), invalid.check_rejected, lazy("invalid_calls", ops=(op,)), partial(invalid.explicit_calls, op),
+            kind="invalid", aliases=(("check_rejected", None),) if op == "gather" else ()))
+    return props
+
+
+@cache
+def properties() -> dict[str, Property]:
+    """Every registered property by name, in declaration order."""
+    props = _declare()
+    by_name = {p.name: p for p in props}
+    if len(by_name) != len(props):
+        raise ValueError("two registered properties share a name")
+    return by_name
+
+
+def property_for_record(check: str, transform: str | None = None) -> Property:
+    """The property a case file's ``check`` (and ``transform``) field names: a property name, or the
+    check function name that older case files record.
+
+    Raises:
+        KeyError: no property matches.
+    """
+    props = properties()
+    if check in props:
+        return props[check]
+    for p in props.values():
+        if (check, transform) in p.aliases:
+            return p
+    raise KeyError(f"no registered property {check!r}" + (f" with transform {transform!r}" if transform else ""))
+
+
+def check_functions() -> set[Callable]:
+    """The underlying check functions the registry refers to (``partial`` unwrapped)."""
+    return {getattr(p.check, "func", p.check) for p in properties().values()}
+
+
+def missing_ops_for(backend: Any, prop: Property) -> list[str]:
+    """The ops of ``prop`` that ``backend`` does not provide (an empty list: it can run)."""
+    return [op for op in prop.ops if not callable(getattr(backend, op, None))]
