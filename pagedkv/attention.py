@@ -24,16 +24,63 @@ def causal_mask(q_len: int, seq_len: int, device: torch.device | str = "cpu") ->
     return torch.arange(seq_len, device=device).unsqueeze(0) <= rows
 
 
+def feature_logits(logits: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, *, window_left: int = -1,
+                   softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled logits to masked logits, in vLLM unified attention's order: softcap, + ALiBi, mask.
+
+    Args:
+        logits: ``scale * q . k``, ``[heads, q_len, n_keys]`` (any leading dims of heads; the last two
+            are query rows and keys).
+        q_pos, k_pos: absolute positions of the rows and keys (int tensors ``[q_len]``, ``[n_keys]``).
+        window_left: a row at position ``p`` sees keys ``p - window_left .. p`` (``-1``: ``0 .. p``).
+        softcap: ``logits -> softcap * tanh(logits / softcap)`` (Gemma 2), ``0``: off.
+        alibi_slopes: ``[heads]`` (broadcast against the leading dims), bias ``slope * (k_pos - q_pos)``.
+
+    Returns:
+        Logits of the same shape and dtype with invisible keys at ``-inf``.
+    """
+    if softcap > 0:
+        logits = softcap * torch.tanh(logits / softcap)
+    rel = k_pos[None, :] - q_pos[:, None]  # [q_len, n_keys], <= 0 where visible
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(logits.dtype).reshape(*logits.shape[:-2], 1, 1)
+        logits = logits + slopes * rel.to(logits.dtype)
+    visible = rel <= 0
+    if window_left >= 0:
+        visible &= rel >= -window_left
+    return logits.masked_fill(~visible, float("-inf"))
+
+
+def softmax_with_sinks(logits: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim with one extra logit per head (``sinks``, ``[heads]``) in the denominator.
+
+    gpt-oss / vLLM attention sinks: the sink joins the normalisation and carries no value, so the
+    probabilities sum to ``1 - p_sink``. ``sinks=None`` is a plain softmax; a sink of ``-inf`` adds nothing.
+    """
+    if sinks is None:
+        return torch.softmax(logits, dim=-1)
+    sink = sinks.to(logits.dtype).reshape(*logits.shape[:-2], 1, 1).expand(*logits.shape[:-1], 1)
+    return torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+
+
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None,
-           compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+           compute_dtype: torch.dtype = torch.float32, *, window_left: int = -1, softcap: float = 0.0,
+           alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one sequence's new queries over its whole (gathered) context.
+
+    Positions only matter through ``k - q`` (causal mask, window, ALiBi), so ``key``/``value`` may
+    start at any position as long as they end at the last query's position.
 
     Args:
         query: ``[q_len, num_q_heads, head_dim]``, the last ``q_len`` positions of the sequence.
         key, value: ``[seq_len, num_kv_heads, head_dim]`` with ``seq_len >= q_len``;
-            ``num_q_heads % num_kv_heads == 0``.
+            ``num_q_heads % num_kv_heads == 0``; fp8 when ``k_scale``/``v_scale`` are given.
         scale: logits multiplier; ``None`` means ``1 / sqrt(head_dim)``.
         compute_dtype: dtype of the math (float32 for the backends, float64 for the reference).
+        window_left, softcap, alibi_slopes: see :func:`feature_logits` (slopes ``[num_q_heads]``).
+        sinks: ``[num_q_heads]``, see :func:`softmax_with_sinks`.
+        k_scale, v_scale: ``float32 [num_kv_heads]``: K/V are read as ``key * k_scale``, ``value * v_scale``.
 
     Returns:
         ``[q_len, num_q_heads, head_dim]`` in ``query.dtype``. A row with ``q_len == 0`` input gives
@@ -46,24 +93,34 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: f
     if q_len == 0:
         return query.new_empty((0, num_q_heads, head_dim))
     group = num_q_heads // num_kv_heads
+    key = key.to(compute_dtype) if k_scale is None else key.to(compute_dtype) * k_scale.to(compute_dtype).view(-1, 1)
+    value = value.to(compute_dtype) if v_scale is None else value.to(compute_dtype) * v_scale.to(compute_dtype).view(-1, 1)
     q = query.to(compute_dtype).view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, q, D]
-    k = key.to(compute_dtype).permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, L, D]
-    v = value.to(compute_dtype).permute(1, 0, 2).unsqueeze(1)
+    k = key.permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, L, D]
+    v = value.permute(1, 0, 2).unsqueeze(1)
     logits = torch.matmul(q, k.transpose(-1, -2)) * scale  # [Hkv, G, q, L]
-    logits = logits.masked_fill(~causal_mask(q_len, seq_len, query.device), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    if window_left < 0 and softcap <= 0 and alibi_slopes is None and sinks is None:
+        logits = logits.masked_fill(~causal_mask(q_len, seq_len, query.device), float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+    else:
+        k_pos = torch.arange(seq_len, device=query.device)
+        logits = feature_logits(logits, k_pos[seq_len - q_len:], k_pos, window_left=window_left, softcap=softcap,
+                                alibi_slopes=None if alibi_slopes is None else alibi_slopes.view(num_kv_heads, group))
+        probs = softmax_with_sinks(logits, None if sinks is None else sinks.view(num_kv_heads, group))
     out = torch.matmul(probs, v)  # [Hkv, G, q, D]
     return out.permute(2, 0, 1, 3).reshape(q_len, num_q_heads, head_dim).to(query.dtype)
 
 
 def reference_attention(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                        query_start_loc: list[int], scale: float | None = None) -> torch.Tensor:
+                        query_start_loc: list[int], scale: float | None = None, **features) -> torch.Tensor:
     """fp64 dense reference for a packed varlen batch, over *logical* (never paged) K/V.
 
     Args:
         query: ``[total_q, num_q_heads, head_dim]``.
-        keys, values: one ``[seq_len_b, num_kv_heads, head_dim]`` tensor per sequence.
+        keys, values: one ``[seq_len_b, num_kv_heads, head_dim]`` tensor per sequence (fp8 with scales).
         query_start_loc: ``batch + 1`` cumulative query lengths.
+        features: ``window_left``, ``softcap``, ``alibi_slopes``, ``sinks``, ``k_scale``, ``v_scale``
+            as in :func:`attend`.
 
     Returns:
         ``float64 [total_q, num_q_heads, head_dim]``.
@@ -71,12 +128,15 @@ def reference_attention(query: torch.Tensor, keys: list[torch.Tensor], values: l
     out = torch.empty(query.shape, dtype=torch.float64, device=query.device)
     for b, (k, v) in enumerate(zip(keys, values)):
         lo, hi = query_start_loc[b], query_start_loc[b + 1]
-        out[lo:hi] = attend(query[lo:hi].to(torch.float64), k, v, scale, compute_dtype=torch.float64)
+        out[lo:hi] = attend(query[lo:hi].to(torch.float64), k, v, scale, compute_dtype=torch.float64, **features)
     return out
 
 
 def paged_attention_by_gather(gather, query, k_cache, v_cache, args) -> torch.Tensor:
     """``paged_attention`` for a gathering backend: gather each sequence's K/V, then :func:`attend`.
+
+    With a window, only the blocks from the one holding the first visible key of the sequence's
+    first query onwards are gathered: blocks wholly outside every row's window are never read.
 
     Args:
         gather: the backend's ``gather(cache, block_table, seq_len, validate=False)``.
@@ -86,11 +146,17 @@ def paged_attention_by_gather(gather, query, k_cache, v_cache, args) -> torch.Te
         ``[total_q, num_q_heads, head_dim]`` in ``query.dtype``.
     """
     out = torch.empty_like(query)
+    block_size = k_cache.shape[1]
+    features = dict(window_left=args.window_left, softcap=args.softcap, alibi_slopes=args.alibi_slopes,
+                    sinks=args.sinks, k_scale=args.k_scale, v_scale=args.v_scale)
     for b, seq_len in enumerate(args.seq_lens):
         lo, hi = args.q_starts[b], args.q_starts[b + 1]
         if hi == lo:
             continue
-        key = gather(k_cache, args.block_tables[b], seq_len, validate=False)
-        value = gather(v_cache, args.block_tables[b], seq_len, validate=False)
-        out[lo:hi] = attend(query[lo:hi], key, value, args.scale)
+        first = 0 if args.window_left < 0 else max(0, seq_len - (hi - lo) - args.window_left) // block_size
+        table = args.block_tables[b, first:]
+        n = seq_len - first * block_size
+        key = gather(k_cache, table, n, validate=False)
+        value = gather(v_cache, table, n, validate=False)
+        out[lo:hi] = attend(query[lo:hi], key, value, args.scale, **features)
     return out

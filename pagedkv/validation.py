@@ -27,9 +27,15 @@ from typing import Sequence
 import torch
 
 from pagedkv.config import DTYPES, blocks_needed
-from pagedkv.errors import ArgumentTypeError, BlockIndexError, DeviceMismatchError, DTypeMismatchError, ShapeError
+from pagedkv.errors import (ArgumentTypeError, BackendError, BlockIndexError, DeviceMismatchError, DTypeMismatchError,
+                            ShapeError)
 
 TableLike = torch.Tensor | Sequence[int]
+
+#: Pool dtypes holding an fp8 KV cache (written with ``k_scale`` / ``v_scale``, vLLM's ``kv_cache_dtype="fp8"``).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: Every optional attention feature a backend can declare in its ``FEATURES`` frozenset.
+ALL_FEATURES = frozenset({"window", "softcap", "alibi", "sinks", "fp8"})
 
 
 def _check_tensor(name: str, x: object, ndim: int) -> torch.Tensor:
@@ -44,12 +50,13 @@ def check_cache(name: str, cache: object) -> torch.Tensor:
     """Check one pool: a 4-D ``[num_blocks, block_size, num_kv_heads, head_dim]`` float tensor.
 
     Raises:
-        TypeError: not a tensor. DTypeMismatchError: not float32/float16/bfloat16.
+        TypeError: not a tensor. DTypeMismatchError: not float32/float16/bfloat16/float8_e4m3fn/float8_e5m2.
         ShapeError: wrong rank or an empty dimension.
     """
     cache = _check_tensor(name, cache, 4)
-    if cache.dtype not in DTYPES.values():
-        raise DTypeMismatchError(f"{name}.dtype must be one of float32/float16/bfloat16, got {cache.dtype}")
+    if cache.dtype not in DTYPES.values() and cache.dtype not in FP8_DTYPES:
+        raise DTypeMismatchError(f"{name}.dtype must be one of float32/float16/bfloat16/float8_e4m3fn/float8_e5m2, "
+                                 f"got {cache.dtype}")
     if min(cache.shape) < 1:
         raise ShapeError(f"{name} must have non-empty dims [num_blocks, block_size, num_kv_heads, head_dim], "
                          f"got {tuple(cache.shape)}")
@@ -250,27 +257,150 @@ def check_gather(cache: object, block_table: TableLike, seq_len: int) -> tuple[t
     return table, seq_len
 
 
-def check_write_kv(k_cache: object, v_cache: object, key: object, value: object, slot_mapping: object) -> torch.Tensor:
+def _check_real(name: str, value: object) -> float:
+    """``value`` (a real number or a one-element tensor) as a Python float; bools and strings refused."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ShapeError(f"{name} must be a number or a one-element tensor, got shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, (bool, str, bytes)) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise ArgumentTypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def check_kv_scale(name: str, scale: object, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """One fp8 dequantization scale (vLLM's ``k_scale`` / ``v_scale``) as ``float32 [num_kv_heads]`` on ``device``.
+
+    Accepted: a real number (per tensor; rounded to float32), a one-element float32 tensor (per
+    tensor), or a ``float32 [num_kv_heads]`` tensor (one scale per kv head), on ``device`` or the CPU.
+
+    Raises:
+        ArgumentTypeError: not a number or tensor (a bool, a string, ``None`` where one is required).
+        DTypeMismatchError: a tensor that is not float32. ShapeError: a tensor of another shape, or a
+            scale that is zero, negative or not finite (scales multiply stored values: they must be > 0).
+        DeviceMismatchError: a tensor on a device other than ``device`` and the CPU.
+    """
+    if isinstance(scale, torch.Tensor):
+        if scale.dtype != torch.float32:
+            raise DTypeMismatchError(f"{name}.dtype must be torch.float32, got {scale.dtype}")
+        if scale.device != torch.device(device) and scale.device.type != "cpu":
+            raise DeviceMismatchError(f"{name} is on {scale.device}, the cache on {device}")
+        if scale.numel() == 1:
+            values = scale.detach().reshape(1).to("cpu").expand(num_kv_heads)
+        elif tuple(scale.shape) == (num_kv_heads,):
+            values = scale.detach().to("cpu")
+        else:
+            raise ShapeError(f"{name} must be a number, a one-element tensor or float32 [num_kv_heads = "
+                             f"{num_kv_heads}], got shape {tuple(scale.shape)}")
+    else:
+        values = torch.tensor([_check_real(name, scale)], dtype=torch.float32).expand(num_kv_heads)
+    bad = ~(torch.isfinite(values) & (values > 0))
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0][0])
+        where = f"[{i}]" if isinstance(scale, torch.Tensor) and scale.numel() > 1 else ""
+        raise ShapeError(f"{name}{where} must be finite and > 0, got {float(values[i])}")
+    return values.to(device=device).contiguous()
+
+
+def _as_scale(scale: object, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """:func:`check_kv_scale`'s normalisation without its checks or host reads (``validate=False``)."""
+    if isinstance(scale, torch.Tensor):
+        return scale.to(device=device, dtype=torch.float32).reshape(-1).expand(num_kv_heads).contiguous()
+    return torch.full((num_kv_heads,), float(scale), dtype=torch.float32, device=device)
+
+
+def _check_pool_scales(k_cache: torch.Tensor, k_scale: object, v_scale: object) -> tuple[torch.Tensor | None, ...]:
+    """Scales are required for an fp8 pool and refused for any other (they would be silently ignored)."""
+    if k_cache.dtype in FP8_DTYPES:
+        for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if sc is None:
+                raise ArgumentTypeError(f"{name} is required for an fp8 pool (k_cache.dtype {k_cache.dtype}): "
+                                        f"stored values are x / {name}")
+        return (check_kv_scale("k_scale", k_scale, k_cache.shape[2], k_cache.device),
+                check_kv_scale("v_scale", v_scale, k_cache.shape[2], k_cache.device))
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc is not None:
+            raise ArgumentTypeError(f"{name} applies only to an fp8 pool (float8_e4m3fn / float8_e5m2); k_cache is "
+                                    f"{k_cache.dtype}: pass {name}=None")
+    return None, None
+
+
+def check_features(requested: frozenset, supported: frozenset | None, op: str) -> None:
+    """Raise unless every requested optional feature is in the backend's ``supported`` (its ``FEATURES``).
+
+    ``supported=None`` means "declares everything" (pagedkv's own checks called directly).
+
+    Raises:
+        BackendError: a feature the backend does not declare; the message names it and the declared set.
+    """
+    if supported is None:
+        return
+    missing = sorted(requested - frozenset(supported))
+    if missing:
+        raise BackendError(f"{op}: feature(s) {missing} not supported by this backend (its FEATURES declare "
+                           f"{sorted(supported)})")
+
+
+@dataclass(frozen=True)
+class WriteArgs:
+    """Normalised ``write_kv`` arguments."""
+
+    slots: torch.Tensor  # int64 [num_tokens] on the cache device
+    k_scale: torch.Tensor | None = None  # float32 [num_kv_heads] on the cache device (fp8 pools only)
+    v_scale: torch.Tensor | None = None
+
+
+def check_write_kv(k_cache: object, v_cache: object, key: object, value: object, slot_mapping: object, *,
+                   k_scale: object = None, v_scale: object = None) -> torch.Tensor:
     """Validate ``write_kv`` (vLLM ``reshape_and_cache``).
 
+    ``key``/``value`` share the pools' dtype, except into an fp8 pool (``float8_e4m3fn`` /
+    ``float8_e5m2``), which takes float32/float16/bfloat16 and requires ``k_scale`` and ``v_scale``
+    (see :func:`check_kv_scale`); a non-fp8 pool refuses scales.
+
     Returns:
-        ``slot_mapping`` as ``int64`` on the cache device.
+        ``slot_mapping`` as ``int64`` on the cache device (:func:`write_kv_args` also returns the scales).
 
     Raises:
         ShapeError: ``key``/``value`` not ``[num_tokens, num_kv_heads, head_dim]``, ``slot_mapping`` not
             ``[num_tokens]``, one slot written twice, ``k_cache`` and ``v_cache`` overlapping in memory, or
-            ``key``/``value`` overlapping a pool.
+            ``key``/``value`` overlapping a pool; a scale that is zero, negative or not finite.
         BlockIndexError: a non-negative slot ``>= num_blocks * block_size``.
-        DTypeMismatchError / DeviceMismatchError: key/value/slot_mapping unlike the caches.
+        DTypeMismatchError / DeviceMismatchError: key/value/slot_mapping/scales unlike the caches.
+        ArgumentTypeError: an fp8 pool without scales, or scales for a non-fp8 pool.
     """
+    return write_kv_args(k_cache, v_cache, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale).slots
+
+
+def write_kv_args(k_cache: object, v_cache: object, key: object, value: object, slot_mapping: object, *,
+                  k_scale: object = None, v_scale: object = None, validate: bool = True,
+                  supported: frozenset | None = None) -> WriteArgs:
+    """:func:`check_write_kv` returning :class:`WriteArgs` (slots and normalised scales).
+
+    ``validate=False`` only normalises (the caller checked). ``supported``: the backend's
+    ``FEATURES``; an fp8 pool needs ``"fp8"`` in it (:func:`check_features`).
+    """
+    if not validate:
+        fp8 = k_cache.dtype in FP8_DTYPES
+        h, dev = k_cache.shape[2], k_cache.device
+        return WriteArgs(slot_mapping.to(torch.int64), _as_scale(k_scale, h, dev) if fp8 else None,
+                         _as_scale(v_scale, h, dev) if fp8 else None)
     k_cache, v_cache = check_cache_pair(k_cache, v_cache)
     if shares_memory(k_cache, v_cache):
         raise ShapeError("k_cache and v_cache overlap in memory (one pool passed twice, or overlapping views): "
                          "a write of value would overwrite key")
     key = _check_tensor("key", key, 3)
     value = _check_tensor("value", value, 3)
+    fp8 = k_cache.dtype in FP8_DTYPES
     for name, x, cname, c in (("key", key, "k_cache", k_cache), ("value", value, "v_cache", v_cache)):
-        _check_like_cache(name, x, c, cname)
+        if fp8:  # quantized on write: the values come in a float dtype
+            if x.dtype not in DTYPES.values():
+                raise DTypeMismatchError(f"{name}.dtype must be float32/float16/bfloat16 for an fp8 {cname} "
+                                         f"({c.dtype}), got {x.dtype}")
+            if x.device != c.device:
+                raise DeviceMismatchError(f"{name} is on {x.device}, {cname} on {c.device}")
+        else:
+            _check_like_cache(name, x, c, cname)
         if tuple(x.shape[1:]) != tuple(c.shape[2:]):
             raise ShapeError(f"{name} must be [num_tokens, num_kv_heads, head_dim] = [num_tokens, {c.shape[2]}, "
                              f"{c.shape[3]}], got {tuple(x.shape)}")
@@ -299,23 +429,57 @@ def check_write_kv(k_cache: object, v_cache: object, key: object, value: object,
             dup = int(uniq[counts > 1][0])
             at = torch.nonzero(slots == dup).flatten().tolist()
             raise ShapeError(f"slot_mapping writes slot {dup} twice (entries {at})")
-    return slots
+    ks, vs = _check_pool_scales(k_cache, k_scale, v_scale)
+    check_features(frozenset({"fp8"}) if fp8 else frozenset(), supported, "write_kv")
+    return WriteArgs(slots, ks, vs)
 
 
 def _check_scale(scale: object, head_dim: int) -> float:
     """``scale`` as a finite Python float (``None``: ``1 / sqrt(head_dim)``)."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1:
-            raise ShapeError(f"scale must be a number or a one-element tensor, got shape {tuple(scale.shape)}")
-        scale = scale.item()
-    if isinstance(scale, (bool, str, bytes)) or not isinstance(scale, (int, float)) and not hasattr(scale, "__float__"):
-        raise ArgumentTypeError(f"scale must be a real number, got {type(scale).__name__} {scale!r}")
-    value = float(scale)
+    value = _check_real("scale", scale)
     if not math.isfinite(value):
         raise ShapeError(f"scale must be finite, got {value}")
     return value
+
+
+def _check_window(window_left: object) -> int:
+    """flash-attn's ``window_size[0]``: an int ``>= -1`` (``-1``: no window)."""
+    if isinstance(window_left, torch.Tensor) and window_left.numel() == 1 and not window_left.dtype.is_floating_point:
+        window_left = window_left.item()
+    if isinstance(window_left, bool) or not hasattr(window_left, "__index__") or isinstance(window_left, torch.Tensor):
+        raise ArgumentTypeError(f"window_left must be an int (-1: no window), got {type(window_left).__name__} "
+                                f"{window_left!r}")
+    value = operator.index(window_left)
+    if value < -1:
+        raise ShapeError(f"window_left must be -1 (no window) or >= 0, got {value}")
+    return value
+
+
+def _check_softcap(softcap: object) -> float:
+    """Gemma's logit soft-cap: a finite float ``>= 0`` (``0``: off)."""
+    value = _check_real("softcap", softcap)
+    if not math.isfinite(value) or value < 0:
+        raise ShapeError(f"softcap must be finite and >= 0 (0: off), got {value}")
+    return value
+
+
+def _check_head_vector(name: str, x: object, num_q_heads: int, device: torch.device, allow_neg_inf: bool) -> torch.Tensor:
+    """``float32 [num_q_heads]`` on ``device`` (ALiBi slopes, attention sinks), finite (sinks: or ``-inf``)."""
+    x = _check_tensor(name, x, 1)
+    if x.dtype != torch.float32:
+        raise DTypeMismatchError(f"{name}.dtype must be torch.float32, got {x.dtype}")
+    if x.shape[0] != num_q_heads:
+        raise ShapeError(f"{name} must be float32 [num_q_heads = {num_q_heads}], got shape {tuple(x.shape)}")
+    if x.device != torch.device(device):
+        raise DeviceMismatchError(f"{name} is on {x.device}, query on {device}")
+    ok = torch.isfinite(x) | (x == float("-inf")) if allow_neg_inf else torch.isfinite(x)
+    if not bool(ok.all()):
+        i = int(torch.nonzero(~ok)[0][0])
+        allowed = "finite or -inf" if allow_neg_inf else "finite"
+        raise ShapeError(f"{name}[{i}] must be {allowed}, got {float(x[i])}")
+    return x.contiguous()
 
 
 @dataclass(frozen=True)
@@ -327,23 +491,57 @@ class AttentionArgs:
     q_starts: list[int]  # query_start_loc as Python ints, len batch + 1
     scale: float
     num_queries_per_kv: int
+    window_left: int = -1  # a query at position p sees keys p - window_left .. p; -1: no window
+    softcap: float = 0.0  # logits -> softcap * tanh(logits / softcap); 0: off
+    alibi_slopes: torch.Tensor | None = None  # float32 [num_q_heads] on the query's device
+    sinks: torch.Tensor | None = None  # float32 [num_q_heads]: one extra logit per head, no value
+    k_scale: torch.Tensor | None = None  # float32 [num_kv_heads] (fp8 pools only)
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def features(self) -> frozenset:
+        """The optional features this call uses (names as in a backend's ``FEATURES``)."""
+        return frozenset(name for name, on in (
+            ("window", self.window_left >= 0), ("softcap", self.softcap > 0), ("alibi", self.alibi_slopes is not None),
+            ("sinks", self.sinks is not None), ("fp8", self.k_scale is not None)) if on)
 
 
 def check_paged_attention(query: object, k_cache: object, v_cache: object, block_tables: object, seq_lens: object,
-                          query_start_loc: object, scale: float | None = None) -> AttentionArgs:
+                          query_start_loc: object, scale: float | None = None, *, window_left: object = -1,
+                          softcap: object = 0.0, alibi_slopes: object = None, sinks: object = None,
+                          k_scale: object = None, v_scale: object = None,
+                          supported: frozenset | None = None) -> AttentionArgs:
     """Validate ``paged_attention`` (packed varlen, flash-attn's ``cu_seqlens_q`` convention).
+
+    The optional features (see ``docs/contract.md``; vLLM's unified attention and flash-attn's names):
+    ``window_left`` (int ``>= -1``), ``softcap`` (float ``>= 0``), ``alibi_slopes`` and ``sinks``
+    (``float32 [num_q_heads]`` on the query's device; sinks may be ``-inf``), ``k_scale`` / ``v_scale``
+    (required for, and only for, an fp8 pool; see :func:`check_kv_scale`). With an fp8 pool the
+    query is float32/float16/bfloat16. ``supported``: the backend's ``FEATURES``; a feature in use
+    that it does not declare is refused (:func:`check_features`).
 
     Raises:
         ShapeError: wrong ranks; ``num_q_heads % num_kv_heads != 0``; ``head_dim`` mismatch;
             ``query_start_loc`` not ``[batch + 1]``, not starting at 0, decreasing, or not ending at
             ``total_q``; ``seq_lens`` not ``[batch]`` or negative; ``q_len > seq_len``; a table row too
-            short for its ``seq_len``; ``scale`` not finite.
+            short for its ``seq_len``; ``scale`` not finite; ``window_left < -1``; ``softcap`` negative or
+            not finite; slopes/sinks of the wrong shape or not finite; a scale ``<= 0`` or not finite.
         BlockIndexError: a read block id outside ``[0, num_blocks)``.
-        DTypeMismatchError / DeviceMismatchError: query or metadata unlike the caches.
+        DTypeMismatchError / DeviceMismatchError: query, metadata, slopes, sinks or scales unlike the caches.
+        ArgumentTypeError: ``window_left`` not an int, ``softcap`` not a number, an fp8 pool without
+            scales or scales for a non-fp8 pool.
+        BackendError: a feature in use that ``supported`` does not declare.
     """
     k_cache, v_cache = check_cache_pair(k_cache, v_cache)
     query = _check_tensor("query", query, 3)
-    _check_like_cache("query", query, k_cache, "k_cache")
+    if k_cache.dtype in FP8_DTYPES:  # dequantized in the kernel: the query stays in a float dtype
+        if query.dtype not in DTYPES.values():
+            raise DTypeMismatchError(f"query.dtype must be float32/float16/bfloat16 for an fp8 k_cache "
+                                     f"({k_cache.dtype}), got {query.dtype}")
+        if query.device != k_cache.device:
+            raise DeviceMismatchError(f"query is on {query.device}, k_cache on {k_cache.device}")
+    else:
+        _check_like_cache("query", query, k_cache, "k_cache")
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     if query.shape[2] != head_dim:
         raise ShapeError(f"query head_dim {query.shape[2]} != k_cache head_dim {head_dim}")
@@ -386,15 +584,33 @@ def check_paged_attention(query: object, k_cache: object, v_cache: object, block
                              f"block_tables has {tables.shape[1]} columns")
         _check_ids_in_range(f"block_tables[{b}]", tables[b, :need], num_blocks)
     scale = _check_scale(scale, head_dim)
-    return AttentionArgs(tables, lens, starts, scale, query.shape[1] // num_kv_heads)
+    window_left = _check_window(window_left)
+    softcap = _check_softcap(softcap)
+    num_q_heads = query.shape[1]
+    if alibi_slopes is not None:
+        alibi_slopes = _check_head_vector("alibi_slopes", alibi_slopes, num_q_heads, query.device, False)
+    if sinks is not None:
+        sinks = _check_head_vector("sinks", sinks, num_q_heads, query.device, True)
+    k_scale, v_scale = _check_pool_scales(k_cache, k_scale, v_scale)
+    args = AttentionArgs(tables, lens, starts, scale, num_q_heads // num_kv_heads, window_left, softcap,
+                         alibi_slopes, sinks, k_scale, v_scale)
+    check_features(args.features, supported, "paged_attention")
+    return args
 
 
 def attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,
-                   validate: bool = True) -> AttentionArgs:
+                   validate: bool = True, *, window_left=-1, softcap=0.0, alibi_slopes=None, sinks=None,
+                   k_scale=None, v_scale=None, supported: frozenset | None = None) -> AttentionArgs:
     """:func:`check_paged_attention`, or with ``validate=False`` only the normalisation (caller checked)."""
+    features = dict(window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                    k_scale=k_scale, v_scale=v_scale)
     if validate:
-        return check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        return check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                     supported=supported, **features)
+    fp8 = k_cache.dtype in FP8_DTYPES
+    h, dev = k_cache.shape[2], k_cache.device
     return AttentionArgs(block_tables.to(torch.int64), [int(x) for x in seq_lens.tolist()],
                          [int(x) for x in query_start_loc.tolist()],
                          1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale),
-                         query.shape[1] // k_cache.shape[2])
+                         query.shape[1] // k_cache.shape[2], int(window_left), float(softcap), alibi_slopes, sinks,
+                         _as_scale(k_scale, h, dev) if fp8 else None, _as_scale(v_scale, h, dev) if fp8 else None)

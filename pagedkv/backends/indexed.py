@@ -20,9 +20,13 @@ from __future__ import annotations
 import torch
 
 from pagedkv.attention import paged_attention_by_gather
-from pagedkv.validation import attention_args, check_gather, check_scatter, check_write_kv, normalize_block_table
+from pagedkv.fp8 import quantize
+from pagedkv.validation import (FP8_DTYPES, attention_args, check_gather, check_scatter, normalize_block_table,
+                                write_kv_args)
 
 name = "indexed"
+#: Optional attention features this backend supports (see ``docs/contract.md``).
+FEATURES = frozenset({"window", "softcap", "alibi", "sinks", "fp8"})
 
 
 def gather(cache: torch.Tensor, block_table, seq_len: int, validate: bool = True) -> torch.Tensor:
@@ -91,8 +95,14 @@ def _wide(x: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as ``uint8`` (same bytes): CPU ``index_copy_`` has no fp8 kernel; anything else as is."""
+    return x.view(torch.uint8) if x.dtype in FP8_DTYPES else x
+
+
 def _index_copy(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.index_copy_(0, index, src)``, on wide views of both when both allow one."""
+    dst, src = _bytes(dst), _bytes(src)
     wide_dst, wide_src = _wide(dst), _wide(src)
     if wide_dst is not None and wide_src is not None and wide_dst.dtype == wide_src.dtype:
         dst, src = wide_dst, wide_src
@@ -101,6 +111,7 @@ def _index_copy(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> No
 
 def _write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
     """``cache`` viewed as ``[num_slots, H, D]`` gets ``values[i]`` at ``slots[i]`` (int64, all valid)."""
+    cache, values = _bytes(cache), _bytes(values)
     block_size = cache.shape[1]
     try:
         flat = cache.view(-1, *cache.shape[2:])
@@ -155,7 +166,7 @@ def scatter(cache: torch.Tensor, block_table, values: torch.Tensor, start: int =
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor, validate: bool = True) -> None:
+             slot_mapping: torch.Tensor, validate: bool = True, *, k_scale=None, v_scale=None) -> None:
     """vLLM ``reshape_and_cache`` with one indexed write per pool.
 
     Args:
@@ -170,7 +181,11 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
         ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError: as
         :func:`pagedkv.validation.check_write_kv`; nothing is written then.
     """
-    slots = check_write_kv(k_cache, v_cache, key, value, slot_mapping) if validate else slot_mapping.to(torch.int64)
+    w = write_kv_args(k_cache, v_cache, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale, validate=validate,
+                      supported=FEATURES)
+    slots = w.slots
+    if w.k_scale is not None:  # fp8 pools: stored = sat(x / scale) (pagedkv.fp8.quantize)
+        key, value = quantize(key, w.k_scale, k_cache.dtype), quantize(value, w.v_scale, v_cache.dtype)
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
@@ -180,12 +195,16 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float | None = None,
-                    validate: bool = True) -> torch.Tensor:
+                    validate: bool = True, *, window_left: int = -1, softcap: float = 0.0,
+                    alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                    k_scale=None, v_scale=None) -> torch.Tensor:
     """Causal varlen attention over paged K/V: indexed-gather each sequence, then dense attention.
 
     Same arguments (``validate`` included), result and errors as
     :func:`pagedkv.backends.loop.paged_attention`; with equal
     inputs the two return bit-identical outputs (same gathered K/V, same attention op).
     """
-    args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate)
+    args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate,
+                          window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                          k_scale=k_scale, v_scale=v_scale, supported=FEATURES)
     return paged_attention_by_gather(gather, query, k_cache, v_cache, args)

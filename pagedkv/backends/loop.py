@@ -11,9 +11,12 @@ import torch
 
 from pagedkv.attention import paged_attention_by_gather
 from pagedkv.config import blocks_needed
-from pagedkv.validation import attention_args, check_gather, check_scatter, check_write_kv, normalize_block_table
+from pagedkv.fp8 import quantize
+from pagedkv.validation import attention_args, check_gather, check_scatter, normalize_block_table, write_kv_args
 
 name = "loop"
+#: Optional attention features this backend supports (see ``docs/contract.md``).
+FEATURES = frozenset({"window", "softcap", "alibi", "sinks", "fp8"})
 
 
 def gather(cache: torch.Tensor, block_table, seq_len: int, validate: bool = True) -> torch.Tensor:
@@ -76,7 +79,7 @@ def scatter(cache: torch.Tensor, block_table, values: torch.Tensor, start: int =
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor, validate: bool = True) -> None:
+             slot_mapping: torch.Tensor, validate: bool = True, *, k_scale=None, v_scale=None) -> None:
     """vLLM ``reshape_and_cache``: token ``i`` goes to ``slot_mapping[i]``, token by token.
 
     Args:
@@ -92,7 +95,11 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
         ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError: as
         :func:`pagedkv.validation.check_write_kv`; nothing is written then.
     """
-    slots = check_write_kv(k_cache, v_cache, key, value, slot_mapping) if validate else slot_mapping.to(torch.int64)
+    w = write_kv_args(k_cache, v_cache, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale, validate=validate,
+                      supported=FEATURES)
+    slots = w.slots
+    if w.k_scale is not None:  # fp8 pools: stored = sat(x / scale) (pagedkv.fp8.quantize)
+        key, value = quantize(key, w.k_scale, k_cache.dtype), quantize(value, w.v_scale, v_cache.dtype)
     block_size = k_cache.shape[1]
     for i, slot in enumerate(slots.tolist()):
         if slot >= 0:
@@ -102,7 +109,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float | None = None,
-                    validate: bool = True) -> torch.Tensor:
+                    validate: bool = True, *, window_left: int = -1, softcap: float = 0.0,
+                    alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                    k_scale=None, v_scale=None) -> torch.Tensor:
     """Causal varlen attention over paged K/V: loop-gather each sequence, then dense attention.
 
     Args:
@@ -122,7 +131,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Raises:
         as :func:`pagedkv.validation.check_paged_attention`.
     """
-    args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate)
+    args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate,
+                          window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                          k_scale=k_scale, v_scale=v_scale, supported=FEATURES)
     return paged_attention_by_gather(gather, query, k_cache, v_cache, args)
 
 

@@ -25,12 +25,14 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402,F401  (ImportError here: the registry reports the backend unavailable)
 
 from pagedkv.backends import triton_kernels as _kernels  # noqa: E402
-from pagedkv.validation import (attention_args, check_gather, check_scatter, check_write_kv,  # noqa: E402
-                          normalize_block_table)
+from pagedkv.validation import (attention_args, check_gather, check_scatter, normalize_block_table,  # noqa: E402
+                                write_kv_args)
 
 _kernels.check_runnable()  # BackendUnavailableError: no CUDA and triton was imported without the interpreter
 
 name = "triton"
+#: Optional attention features this backend supports (see ``docs/contract.md``).
+FEATURES = frozenset({"window", "softcap", "alibi", "sinks", "fp8"})
 
 
 def gather(cache: torch.Tensor, block_table, seq_len: int, validate: bool = True) -> torch.Tensor:
@@ -78,27 +80,33 @@ def scatter(cache: torch.Tensor, block_table, values: torch.Tensor, start: int =
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor, validate: bool = True) -> None:
+             slot_mapping: torch.Tensor, validate: bool = True, *, k_scale=None, v_scale=None) -> None:
     """vLLM ``reshape_and_cache``: token ``i`` of ``key``/``value`` goes to ``slot_mapping[i]``, one kernel.
 
     Args:
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pools, written in place.
-        key, value: ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype and device (any strides).
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype and device (any strides);
+            float32/float16/bfloat16 into an fp8 pool.
         slot_mapping: ``int64 [num_tokens]`` (int32 accepted), ``block_id * block_size + offset``;
             negative slots are skipped (padding tokens).
         validate: check arguments first (see :func:`pagedkv.validation.check_write_kv`).
+        k_scale, v_scale: fp8 pools only (required there): a float or ``float32 [num_kv_heads]``;
+            the kernel stores ``sat(x / scale)`` rounded to nearest even (:func:`pagedkv.fp8.quantize`).
 
     Raises:
-        ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError: as
+        ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError, ArgumentTypeError: as
         :func:`pagedkv.validation.check_write_kv`; nothing is written then.
     """
-    slots = check_write_kv(k_cache, v_cache, key, value, slot_mapping) if validate else slot_mapping.to(torch.int64)
-    _kernels.write_kv(k_cache, v_cache, key, value, slots.contiguous())
+    w = write_kv_args(k_cache, v_cache, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale, validate=validate,
+                      supported=FEATURES)
+    _kernels.write_kv(k_cache, v_cache, key, value, w.slots.contiguous(), w.k_scale, w.v_scale)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float | None = None,
-                    validate: bool = True) -> torch.Tensor:
+                    validate: bool = True, *, window_left: int = -1, softcap: float = 0.0,
+                    alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                    k_scale=None, v_scale=None) -> torch.Tensor:
     """Causal varlen attention over paged K/V in one fused kernel (vLLM paged attention, flash-attn varlen).
 
     K/V are read block by block through ``block_tables`` inside the kernel (never gathered) with an
@@ -115,16 +123,30 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         query_start_loc: ``int32 [batch + 1]`` (flash-attn's ``cu_seqlens_q``).
         scale: logits multiplier, default ``1 / sqrt(head_dim)``.
         validate: check arguments first (see :func:`pagedkv.validation.check_paged_attention`).
+        window_left: a query at position ``p`` sees keys ``p - window_left .. p`` (flash-attn's
+            ``window_size[0]``); ``-1``: no window. The key loop starts at the tile's first visible key.
+        softcap: ``> 0``: logits become ``softcap * tanh(logits / softcap)`` (Gemma 2); ``0``: off.
+        alibi_slopes: ``float32 [num_q_heads]``: bias ``slope * (k_pos - q_pos)`` (after the soft-cap).
+        sinks: ``float32 [num_q_heads]``: one extra logit per head in the denominator (gpt-oss).
+        k_scale, v_scale: fp8 pools only (required there): a float or ``float32 [num_kv_heads]``;
+            K/V are read as ``float32(stored) * scale``.
 
     Returns:
         ``[total_q, num_q_heads, head_dim]`` in ``query.dtype`` (math in float32). No slot at a
-        position ``>= seq_len`` is loaded, so poison there cannot reach the output.
+        position ``>= seq_len`` is loaded, nor any before the first visible key of a query tile, so
+        poison there cannot reach the output.
 
     Raises:
         as :func:`pagedkv.validation.check_paged_attention`.
     """
-    args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate)
+    args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate,
+                          window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                          k_scale=k_scale, v_scale=v_scale, supported=FEATURES)
     q_lens = [hi - lo for lo, hi in zip(args.q_starts, args.q_starts[1:])]
-    # The kernel indexes seq_lens and query_start_loc as dense arrays: make strided views dense.
+    # The kernel indexes seq_lens, query_start_loc, slopes, sinks and scales as dense arrays.
+    dense = (lambda x: None if x is None else x.contiguous())
     return _kernels.paged_attention(query, k_cache, v_cache, block_tables, seq_lens.contiguous(),
-                                    query_start_loc.contiguous(), args.scale, max(q_lens, default=0))
+                                    query_start_loc.contiguous(), args.scale, max(q_lens, default=0),
+                                    window_left=args.window_left, softcap=args.softcap,
+                                    alibi_slopes=dense(args.alibi_slopes), sinks=dense(args.sinks),
+                                    k_scale=dense(args.k_scale), v_scale=dense(args.v_scale))

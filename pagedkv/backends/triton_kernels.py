@@ -5,7 +5,14 @@
   As in vLLM's paged attention it reads K/V straight from the blocks through the block table, one
   table entry per token position, and never gathers them. Softmax is online (running max and sum,
   FlashAttention): float32 logits and accumulators whatever the cache dtype.
-- :func:`gather`, :func:`scatter`, :func:`write_kv` (vLLM ``reshape_and_cache``): token-tiled copies.
+  Optional features, each behind a ``tl.constexpr`` flag so the plain path compiles to the same
+  code as without them (vLLM's ``unified_attention`` order): soft-cap (``HAS_SOFTCAP``), ALiBi
+  (``HAS_ALIBI``), sliding window (``HAS_WINDOW``: masked per row, and the key loop starts at the
+  tile's first visible key, so blocks before every row's window are never loaded), attention sinks
+  (``HAS_SINKS``: the running max and sum start at the sink), fp8 pools (``IS_FP8``: loaded as bytes,
+  converted to float32 exactly and multiplied by the kv head's scale).
+- :func:`gather`, :func:`scatter`, :func:`write_kv` (vLLM ``reshape_and_cache``): token-tiled copies;
+  fp8 pools move raw bytes, and ``write_kv`` into an fp8 pool quantizes ``x / scale`` in the kernel.
 
 The launchers do no argument checking (``pagedkv.backends.triton`` validates first) and launch
 nothing for empty work. Every tensor is addressed through explicit strides, so non-contiguous cache
@@ -33,10 +40,80 @@ import triton.language as tl  # noqa: E402
 # ---------------------------------------------------------------------------------------------------
 
 
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tanh(x):
+    """float32 tanh from ``exp`` alone (Triton's interpreter has no libdevice): Cephes ``tanhf``.
+
+    ``|x| < 0.625``: odd minimax polynomial (no cancellation near 0, so a huge soft-cap stays exact);
+    else ``(1 - t) / (1 + t)`` with ``t = exp(-2|x|)`` (never overflows: ``t -> 0`` gives 1). ~2 ulp.
+    """
+    ax = tl.abs(x)
+    z = x * x
+    small = ((((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z + 1.33314422036e-1) * z
+             - 3.33332819422e-1) * z * x + x
+    t = tl.exp(-2.0 * ax)
+    big = (1.0 - t) / (1.0 + t)
+    return tl.where(ax < 0.625, small, tl.where(x < 0, -big, big))
+
+
+@triton.jit
+def _fp8_to_f32(b, E4: tl.constexpr):
+    """fp8 bytes (``uint8``) to their exact float32 values, the same on every target and the interpreter.
+
+    e5m2 is the top byte of a float16. e4m3fn shifted into a float16's exponent/mantissa fields is its
+    value / 2**8 (subnormals included); its only NaN code is ``0x7f`` (sign ignored), which a float16
+    would read as 480.
+    """
+    b = b.to(tl.int32)
+    if E4:
+        h = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
+        x = h.to(tl.float32) * 256.0
+        x = tl.where((b & 0x7F) == 0x7F, float("nan"), x)
+    else:
+        x = (b << 8).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _f32_to_fp8(y, E4: tl.constexpr):
+    """float32 (finite within the format's range, or NaN) to fp8 bytes, round to nearest even.
+
+    Integer arithmetic on the float32 bits, so it is bit for bit torch's cast on every target (Triton's
+    interpreter rounds fp8 conversions wrongly across a binade). Normal results rebias the exponent and
+    round away ``23 - MAN`` mantissa bits (a carry moves into the exponent, as it must); fp8 subnormals
+    shift the full significand further. NaN becomes ``0x7f`` with its sign, as torch does.
+    """
+    MAN: tl.constexpr = 3 if E4 else 2
+    BIAS: tl.constexpr = 7 if E4 else 15
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    exp = a >> 23
+    e8 = exp - (127 - BIAS)  # the fp8 biased exponent, if normal
+    normal = e8 >= 1
+    val = tl.where(normal, a - ((127 - BIAS) << 23), (a & 0x7FFFFF) | 0x800000)
+    shift = tl.where(normal, 23 - MAN, tl.minimum(24 - MAN - e8, 31))
+    q = val >> shift
+    rem = val - (q << shift)
+    half = 1 << (shift - 1)
+    q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    q = tl.where(exp == 0, 0, q)  # zero and float32 subnormals: far below half the smallest fp8 step
+    q = tl.where(a > 0x7F800000, 0x7F, q)
+    return (q | sign).to(tl.uint8)
+
+
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale_log2,  # scale * log2(e): the softmax is computed in base 2 (exp2 is the fast path on GPUs)
+    softcap_in,  # scale / softcap (HAS_SOFTCAP): logits / softcap straight from q . k
+    softcap_log2,  # softcap * log2(e)
+    window_left,  # HAS_WINDOW: a row at position p sees keys p - window_left .. p
+    alibi_ptr, sinks_ptr,  # float32 [num_q_heads] (HAS_ALIBI, HAS_SINKS)
+    k_scale_ptr, v_scale_ptr,  # float32 [num_kv_heads] (IS_FP8)
     num_q_tiles,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
@@ -52,6 +129,12 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # key positions per iteration
     UPCAST: tl.constexpr,  # do the dots in float32 (float32 caches, bfloat16 under the interpreter)
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False,
+    HAS_SOFTCAP: tl.constexpr = False,
+    HAS_ALIBI: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
+    IS_FP8: tl.constexpr = False,  # k/v caches are uint8 views of float8 pools
+    FP8_E4: tl.constexpr = True,  # float8_e4m3fn (else float8_e5m2)
 ):
     # One program: one sequence, one kv head, one tile of that sequence's query tokens. All query heads
     # of the kv head's group share the tile, so each K/V block is read once per group, not per head.
@@ -85,18 +168,34 @@ def _paged_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of each row's logits (base 2)
-    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(logit - m_i)
+    if HAS_SINKS:
+        # A sink is one more logit with no value: start the row at m = sink, l = exp2(sink - m) = 1. A -inf
+        # sink (or a padding row) keeps m = -inf; the first visible key then rescales l by alpha = 0.
+        m_i = tl.load(sinks_ptr + q_head, mask=row_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of each row's logits (base 2)
+        l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(logit - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)  # running sum of exp2(logit - m_i) * v
+    if HAS_ALIBI:
+        slope_log2 = tl.load(alibi_ptr + q_head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    if IS_FP8:
+        k_sc = tl.load(k_scale_ptr + kv_head)
+        v_sc = tl.load(v_scale_ptr + kv_head)
 
     num_seq_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
     # Causal: no row of this tile sees past the tile's last query token.
     kv_end = context_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
+    kv_lo = 0
+    if HAS_WINDOW:
+        # Nor before the first row's window: start there, so whole blocks outside the window are never
+        # loaded (decode with window W touches ceil(W / BLOCK_SIZE) + 1 blocks at most).
+        kv_lo = tl.maximum(context_len + q_tile * BLOCK_Q - window_left, 0)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_tb
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
     offs_n = tl.arange(0, BLOCK_N)
-    for kv_start in range(0, kv_end, BLOCK_N):
+    for kv_start in range(kv_lo, kv_end, BLOCK_N):
         kpos = kv_start + offs_n
         blk_idx = kpos // BLOCK_SIZE
         # Only the first ceil(seq_len / block_size) table entries are read (the rest may be -1 padding).
@@ -110,12 +209,22 @@ def _paged_attention_kernel(
                     mask=kv_mask, other=0.0)
         v = tl.load(v_head + blk[:, None] * stride_vb + slot[:, None] * stride_vs + d[None, :] * stride_vd,
                     mask=kv_mask, other=0.0)
-        if UPCAST:
+        if IS_FP8:  # exact fp8 value times the kv head's scale, rounded once in float32
+            k = _fp8_to_f32(k, FP8_E4) * k_sc
+            v = _fp8_to_f32(v, FP8_E4) * v_sc
+        elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP:  # softcap * tanh(scale * q.k / softcap), in base 2
+            s = _tanh(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * softcap_in) * softcap_log2
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if HAS_ALIBI:  # slope * (k_pos - q_pos), relative to each row's own position
+            s += slope_log2[:, None] * (kpos[None, :] - q_pos[:, None]).to(tl.float32)
         visible = (kpos[None, :] <= q_pos[:, None]) & tok_ok[None, :]
+        if HAS_WINDOW:
+            visible = visible & (kpos[None, :] >= q_pos[:, None] - window_left)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -137,7 +246,7 @@ def _paged_attention_kernel(
             acc = tl.dot((p - p_hi.to(tl.float32)).to(v.dtype), v, acc)
         m_i = m_new
 
-    # Every stored row saw at least key 0, so l_i > 0 there; padding rows are not stored.
+    # Every stored row saw at least its own position, so l_i > 0 there; padding rows are not stored.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_off = q_rows[:, None] * stride_ot + q_head[:, None] * stride_oh + d[None, :] * stride_od
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -167,18 +276,21 @@ def check_runnable() -> None:
         "TRITON_INTERPRET=1 before importing triton, or import pagedkv's triton backend before triton")
 
 
-def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype, max_q_len: int) -> dict:
+def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype, max_q_len: int,
+                     fp8: bool = False) -> dict:
     """Tile sizes and launch options of :func:`paged_attention`.
 
     Decode (``max_q_len == 1``) tiles one token x the whole GQA group (16 rows at least, the smallest
     tensor-core tile); prefill tiles 64 rows. ``BLOCK_N`` keeps a K or V tile at <= 16 KiB.
+    ``dtype`` is the query's; with an fp8 pool (``fp8``) K/V are dequantized to float32 and the dots
+    run in float32.
     """
     group = triton.next_power_of_2(num_queries_per_kv)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     block_m = max(16 if max_q_len <= 1 else 64, group)
-    elem = torch.finfo(dtype).bits // 8
+    elem = 4 if fp8 else torch.finfo(dtype).bits // 8
     block_n = max(16, min(64, 16384 // (head_dim_pad * elem)))
-    upcast = dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
+    upcast = fp8 or dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
     return dict(
         QUERIES_PER_KV=num_queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -195,16 +307,23 @@ def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype,
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                    max_q_len: int) -> torch.Tensor:
+                    max_q_len: int, *, window_left: int = -1, softcap: float = 0.0,
+                    alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the fused paged-attention kernel (no argument checks: the caller validated).
 
     Args:
         query: ``[total_q, num_q_heads, head_dim]`` (any strides), packed by ``query_start_loc``.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (any strides).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (any strides); float8
+            pools need ``k_scale`` and ``v_scale``.
         block_tables: ``int32``/``int64 [batch, max_blocks]``; seq_lens: ``int32``/``int64 [batch]``;
         query_start_loc: ``int32``/``int64 [batch + 1]``; all on the cache's device.
         scale: logits multiplier.
         max_q_len: the largest ``q_len`` in the batch (sizes the grid).
+        window_left: ``>= 0``: sliding window (flash-attn's ``window_size[0]``); ``-1``: none.
+        softcap: ``> 0``: logit soft-cap; ``0``: none.
+        alibi_slopes, sinks: contiguous ``float32 [num_q_heads]`` or None.
+        k_scale, v_scale: contiguous ``float32 [num_kv_heads]`` (fp8 pools).
 
     Returns:
         A new contiguous ``[total_q, num_q_heads, head_dim]`` tensor in ``query.dtype``.
@@ -215,19 +334,35 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     batch = seq_lens.shape[0]
     if total_q == 0 or batch == 0 or max_q_len == 0:
         return out
-    cfg = attention_config(num_q_heads // num_kv_heads, head_dim, query.dtype, max_q_len)
+    fp8 = k_cache.dtype in _FP8
+    cfg = attention_config(num_q_heads // num_kv_heads, head_dim, query.dtype, max_q_len, fp8)
     block_q = cfg["BLOCK_M"] // cfg["QUERIES_PER_KV"]
     num_q_tiles = triton.cdiv(max_q_len, block_q)
     grid = (batch * num_q_tiles, num_kv_heads)
+    flags = dict(HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
+                 HAS_SINKS=sinks is not None, IS_FP8=fp8, FP8_E4=k_cache.dtype == torch.float8_e4m3fn)
+    unused = out  # never loaded: its flag is off
     _paged_attention_kernel[grid](
-        out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        float(scale) * 1.4426950408889634,  # log2(e)
+        out, query, _bytes(k_cache), _bytes(v_cache), block_tables, seq_lens, query_start_loc,
+        float(scale) * LOG2E,
+        float(scale) / softcap if softcap > 0 else 0.0, softcap * LOG2E,
+        max(int(window_left), 0),
+        unused if alibi_slopes is None else alibi_slopes, unused if sinks is None else sinks,
+        unused if k_scale is None else k_scale, unused if v_scale is None else v_scale,
         num_q_tiles,
         *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         num_kv_heads,
-        BLOCK_SIZE=block_size, **cfg,
+        BLOCK_SIZE=block_size, **cfg, **flags,
     )
     return out
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as a ``uint8`` view (same bytes, same strides); any other tensor as is."""
+    return x.view(torch.uint8) if x.dtype in _FP8 else x
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -292,8 +427,12 @@ def _write_kv_kernel(
     k_cache_ptr, v_cache_ptr, key_ptr, value_ptr, slot_ptr, num_tokens, num_kv_heads,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
     stride_kt, stride_kth, stride_ktd, stride_vt, stride_vth, stride_vtd,
+    k_scale_ptr, v_scale_ptr,  # float32 [num_kv_heads] (IS_FP8)
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    IS_FP8: tl.constexpr = False,  # the pools are uint8 views of float8 pools: store sat(x / scale)
+    FP8_E4: tl.constexpr = True,  # float8_e4m3fn (max 448), else float8_e5m2 (max 57344)
+    FP8_MAX: tl.constexpr = 448.0,
 ):
     i = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     slot = tl.load(slot_ptr + i, mask=i < num_tokens, other=-1).to(tl.int64)
@@ -307,6 +446,16 @@ def _write_kv_kernel(
     mask = tok_ok[:, None, None] & ok
     k = tl.load(key_ptr + (i * stride_kt)[:, None, None] + kt_head, mask=mask)
     v = tl.load(value_ptr + (i * stride_vt)[:, None, None] + vt_head, mask=mask)
+    if IS_FP8:  # vLLM's scaled conversion: x / scale (IEEE division), saturated to the finite range, RNE
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        shape = [BLOCK_T, BLOCK_H, HEAD_DIM_PAD]
+        ks = tl.broadcast_to(tl.load(k_scale_ptr + h, mask=h < num_kv_heads, other=1.0)[None, :, None], shape)
+        vs = tl.broadcast_to(tl.load(v_scale_ptr + h, mask=h < num_kv_heads, other=1.0)[None, :, None], shape)
+        k = tl.math.div_rn(k.to(tl.float32), ks)
+        v = tl.math.div_rn(v.to(tl.float32), vs)
+        # comparisons (not minimum/maximum) so that NaN stays NaN
+        k = _f32_to_fp8(tl.where(k > FP8_MAX, FP8_MAX, tl.where(k < -FP8_MAX, -FP8_MAX, k)), FP8_E4)
+        v = _f32_to_fp8(tl.where(v > FP8_MAX, FP8_MAX, tl.where(v < -FP8_MAX, -FP8_MAX, v)), FP8_E4)
     tl.store(k_cache_ptr + (blk * stride_kb + off * stride_ks)[:, None, None] + kc_head, k, mask=mask)
     tl.store(v_cache_ptr + (blk * stride_vb + off * stride_vs)[:, None, None] + vc_head, v, mask=mask)
 
@@ -327,6 +476,7 @@ def gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torc
     """Positions ``0 .. seq_len - 1`` of one sequence as a new contiguous ``[seq_len, H, D]`` tensor.
 
     ``block_table``: 1-D integer tensor on the cache's device (no checks: the caller validated).
+    An fp8 pool is copied as raw bytes.
     """
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     out = cache.new_empty((seq_len, num_kv_heads, head_dim))
@@ -334,7 +484,7 @@ def gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torc
         return out
     cfg = copy_config(num_kv_heads, head_dim)
     _gather_kernel[_copy_grid(seq_len, num_kv_heads, cfg)](
-        out, cache, block_table, seq_len, num_kv_heads, block_table.stride(0), *cache.stride(), *out.stride(),
+        _bytes(out), _bytes(cache), block_table, seq_len, num_kv_heads, block_table.stride(0), *cache.stride(), *out.stride(),
         BLOCK_SIZE=block_size, **cfg)
     return out
 
@@ -347,18 +497,28 @@ def scatter(cache: torch.Tensor, block_table: torch.Tensor, values: torch.Tensor
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     cfg = copy_config(num_kv_heads, head_dim)
     _scatter_kernel[_copy_grid(n, num_kv_heads, cfg)](
-        cache, values, block_table, start, n, num_kv_heads, block_table.stride(0), *cache.stride(),
+        _bytes(cache), _bytes(values), block_table, start, n, num_kv_heads, block_table.stride(0), *cache.stride(),
         *values.stride(), BLOCK_SIZE=block_size, **cfg)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """vLLM ``reshape_and_cache``: ``key[i]``/``value[i]`` to ``slot_mapping[i]``, negatives skipped (no checks)."""
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """vLLM ``reshape_and_cache``: ``key[i]``/``value[i]`` to ``slot_mapping[i]``, negatives skipped (no checks).
+
+    Into an fp8 pool (``k_scale``, ``v_scale``: contiguous ``float32 [num_kv_heads]``) the stored byte
+    is ``sat(x / scale)`` rounded to nearest even, bit for bit :func:`pagedkv.fp8.quantize`.
+    """
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     cfg = copy_config(num_kv_heads, head_dim)
+    fp8 = k_cache.dtype in _FP8
+    flags = dict(IS_FP8=True, FP8_E4=k_cache.dtype == torch.float8_e4m3fn,
+                 FP8_MAX=float(torch.finfo(k_cache.dtype).max)) if fp8 else {}
     _write_kv_kernel[_copy_grid(num_tokens, num_kv_heads, cfg)](
-        k_cache, v_cache, key, value, slot_mapping, num_tokens, num_kv_heads,
-        *k_cache.stride(), *v_cache.stride(), *key.stride(), *value.stride(), BLOCK_SIZE=block_size, **cfg)
+        _bytes(k_cache), _bytes(v_cache), key, value, slot_mapping, num_tokens, num_kv_heads,
+        *k_cache.stride(), *v_cache.stride(), *key.stride(), *value.stride(),
+        k_scale if fp8 else slot_mapping, v_scale if fp8 else slot_mapping,
+        BLOCK_SIZE=block_size, **cfg, **flags)
