@@ -1,148 +1,382 @@
-"""``python -m pagedkv demo``: a simulated serving run through the paged cache, checked as it goes.
+"""``python -m pagedkv demo``: a simulated serving run through the paged cache, every read verified.
 
 Requests arrive built from a few shared system prompts plus their own text, are prefilled in
 chunks (a prompt's cached prefix is not recomputed), then decode token by token; some fork (parallel
 sampling, sharing every block), some finish and free their blocks while others arrive, so the pool
-fragments. K/V are written with the ``indexed`` backend's ``write_kv``. At every check interval each
-live sequence is read back through the ``loop`` and the ``indexed`` gathers and compared bit for bit
-with the K/V its tokens must have. The report gives blocks used / shared / free, the prefix-cache hit
-rate, copy-on-write copies, and loop vs indexed gather time.
+fragments; when no block is left a sequence is preempted (freed and queued again to recompute).
+
+Every backend chosen with ``--impl`` (default: every built-in backend available here) serves the
+same workload on its own cache: each step it writes the step's new K/V with its ``write_kv`` and
+computes the step's packed batch (prefill chunks and decode tokens, causal) with its
+``paged_attention``. The reads and how each is verified:
+
+- every ``paged_attention`` call, at every step: against an fp64 dense reference over the K/V the
+  demo wrote (kept apart from the cache), with the tolerance policy of
+  :mod:`pagedkv.testing.tolerance`;
+- every ``--check-every`` steps and at the end: a ``gather`` of K and of V of every live sequence,
+  compared bit for bit with the K/V written for its tokens; the cache's invariants are checked then.
+
+The first read that differs stops the run with exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("demo", help="simulate serving through the paged cache and verify every read path",
+    p = subparsers.add_parser("demo", help="simulate serving through the paged cache and verify every read",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--impl", action="append", default=None, metavar="NAME",
+                   help="backend to serve through: loop, indexed, triton or a candidate spec (pkg.module:attr, "
+                        "path.py); repeatable or a comma list (default: every built-in backend available)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--requests", type=int, default=48, help="requests to serve (default 48)")
+    p.add_argument("--requests", type=int, default=24, help="requests to serve (default 24)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--num-blocks", type=int, default=128, help="blocks in the pool (default 128)")
-    p.add_argument("--num-kv-heads", type=int, default=4, help="kv heads (default 4)")
-    p.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
+    p.add_argument("--num-blocks", type=int, default=88, help="blocks in the pool (default 88)")
+    p.add_argument("--num-kv-heads", type=int, default=2, help="kv heads (default 2)")
+    p.add_argument("--queries-per-kv", type=int, default=2, help="query heads per kv head (GQA; default 2)")
+    p.add_argument("--head-dim", type=int, default=32, help="head dim (default 32)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--prefill-chunk", type=int, default=64, help="max prompt tokens prefilled per step (default 64)")
-    p.add_argument("--check-every", type=int, default=8, help="verify all live sequences every N steps (default 8)")
-    p.set_defaults(func=run)
+    p.add_argument("--interpreted-every", type=int, default=4,
+                   help="a backend running in Triton's CPU interpreter (orders of magnitude slower than compiled "
+                        "code) computes paged_attention every N steps, not every step; 1: every step (default 4)")
+    p.add_argument("--check-every", type=int, default=16,
+                   help="gather every live sequence's K and V every N steps and at the end (default 16)")
+    p.set_defaults(func=run, _parser=p)
+
+
+@dataclass
+class Reads:
+    """What one backend read, all of it verified."""
+
+    attention_every: int = 1  # paged_attention at every step (1), or at one step in N
+    attention_calls: int = 0
+    query_rows: int = 0
+    max_attention_error: float = 0.0  # max |output - fp64 reference| over every attention output
+    gathers: int = 0  # gather calls (one per live sequence and pool, K or V)
+    gathered_tokens: int = 0
+    seconds: float = 0.0  # in the backend's read calls
+
+
+@dataclass
+class DemoReport:
+    """What :func:`run_demo` did. Block counts are snapshots of the allocator (:func:`block_counts`)."""
+
+    backends: list[str]
+    config: dict
+    steps: int = 0
+    served_steps: int = 0  # steps with tokens to write and attend (the others only free finished sequences)
+    forks: int = 0
+    finished: int = 0
+    preemptions: int = 0
+    gather_checks: int = 0  # steps at which every live sequence was gathered
+    peak_step: int = 0  # first step at which the most blocks were used
+    peak: dict = field(default_factory=dict)
+    mid_step: int = 0
+    mid: dict = field(default_factory=dict)  # block counts after step ``steps // 2``
+    end: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+    reads: dict[str, Reads] = field(default_factory=dict)
+    failure: str = ""
+    caches: list = field(default_factory=list)  # one per backend, as left at the end
+
+
+def block_counts(cache) -> dict[str, int]:
+    """The pool's blocks by state, read from the allocator (the one source every report line uses).
+
+    ``used`` blocks are held by at least one live sequence (``shared``: by two or more); ``free``
+    blocks can be handed out now: ``empty`` ones hold nothing, ``evictable`` ones still hold a
+    prefix-cache entry (a later prompt with that prefix reuses them, else they are taken, oldest
+    first). ``cached`` counts every block holding a prefix-cache entry: ``cached_used`` in use plus
+    the ``evictable`` free ones. So ``used + free == total`` and ``cached == cached_used + evictable``.
+    """
+    a = cache.allocator
+    refs = cache.reference_counts()
+    evictable = a.num_free - len(a._free)
+    return {"total": a.num_blocks, "used": a.num_used, "shared": sum(1 for n in refs.values() if n > 1),
+            "free": a.num_free, "empty": len(a._free), "evictable": evictable, "cached": a.num_cached,
+            "cached_used": a.num_cached - evictable}
+
+
+class DemoFailure(Exception):
+    """A read differed from what was written, or the cache broke an invariant."""
+
+
+def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size: int = 16, num_blocks: int = 88,
+             num_kv_heads: int = 2, queries_per_kv: int = 2, head_dim: int = 32, dtype: str = "float32",
+             device: str = "cpu", prefill_chunk: int = 64, check_every: int = 16,
+             interpreted_every: int = 4, on_step: Callable[[int, Any], None] | None = None) -> DemoReport:
+    """Serve the workload through every backend in ``impls`` (objects or specs); see the module doc.
+
+    ``on_step(step, cache)`` is called after every step with the first backend's cache.
+
+    Returns:
+        The report; ``failure`` is set (and the run stopped) at the first read that differs.
+    """
+    import torch
+
+    from pagedkv.attention import reference_attention
+    from pagedkv.backends import backend_name, load_backend
+    from pagedkv.cache import PagedKVCache
+    from pagedkv.config import CacheConfig
+    from pagedkv.errors import OutOfBlocksError
+    from pagedkv.testing.cases import Geometry, token_kv
+    from pagedkv.testing.tolerance import assert_attention_close, bits
+
+    backends = [load_backend(b) if isinstance(b, str) else b for b in impls]
+    names = [backend_name(b) for b in backends]
+    geometry = Geometry(num_blocks, block_size, num_kv_heads, head_dim, queries_per_kv, dtype)
+    caches = [(getattr(b, "cache_class", None) or PagedKVCache)(
+        CacheConfig(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)) for b in backends]
+    for cache in caches:  # unwritten slots read as NaN: a read of one poisons the output
+        cache.k_cache().fill_(float("nan"))
+        cache.v_cache().fill_(float("nan"))
+    report = DemoReport(names, dict(requests=requests, block_size=block_size, num_blocks=num_blocks,
+                                    num_kv_heads=num_kv_heads, queries_per_kv=queries_per_kv, head_dim=head_dim,
+                                    dtype=dtype, device=str(device), check_every=check_every),
+                        reads={n: Reads(interpreted_every if _interpreted(b, device) else 1)
+                               for n, b in zip(names, backends)}, caches=caches)
+    rng = random.Random(seed)
+    qgen = torch.Generator().manual_seed(seed)
+    bs, main = block_size, caches[0]
+    systems = [[rng.randrange(32000) for _ in range(rng.randrange(2 * bs, 6 * bs))] for _ in range(3)]
+    waiting = []
+    for rid in range(requests):
+        tail = rng.choice([1, bs - 1, bs, bs + 1, rng.randrange(2, 8 * bs)])
+        waiting.append({"id": rid, "prompt": rng.choice(systems) + [rng.randrange(32000) for _ in range(tail)],
+                        "max_new": rng.randrange(4, 48), "arrive": rid // 3})
+    tokens: dict[int, list[int]] = {}  # each live sequence's tokens whose K/V is written
+    shadow: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # their K/V, kept apart from the cache
+    todo: dict[int, list[int]] = {}  # prompt tokens still to prefill
+    budget: dict[int, int] = {}  # decode tokens left
+    next_id = 10_000
+    history: list[dict] = []  # block counts after each step
+
+    def on_all(method: str, *args) -> list:
+        return [getattr(cache, method)(*args) for cache in caches]
+
+    def release(seq_id: int) -> None:
+        on_all("free", seq_id)
+        for table in (tokens, shadow, todo, budget):
+            table.pop(seq_id, None)
+
+    def verify_gathers() -> None:
+        report.gather_checks += 1
+        for name, backend, cache in zip(names, backends, caches):
+            reads = report.reads[name]
+            cache.check_invariants()
+            for seq_id, toks in tokens.items():
+                for pool, expected, which in ((cache.k_cache(), shadow[seq_id][0], "K"),
+                                              (cache.v_cache(), shadow[seq_id][1], "V")):
+                    t0 = time.perf_counter()
+                    got = backend.gather(pool, cache.block_table(seq_id), len(toks))
+                    reads.seconds += time.perf_counter() - t0
+                    reads.gathers += 1
+                    reads.gathered_tokens += len(toks)
+                    if got.shape != expected.shape or not torch.equal(bits(got.cpu()), bits(expected)):
+                        raise DemoFailure(f"step {report.steps}: {name} gather of {which} of sequence {seq_id} "
+                                          f"({len(toks)} tokens) differs from what was written")
+
+    def serve(batch: list[tuple[int, list[int]]], step_slots: list[list]) -> None:
+        """Write the step's new K/V, commit it, then read the packed batch's attention on every backend."""
+        new_k, new_v, qsl = [], [], [0]
+        for seq_id, new in batch:
+            k, v = token_kv(geometry, new, len(tokens[seq_id]), seed, prefix=tokens[seq_id])
+            new_k.append(k)
+            new_v.append(v)
+            tokens[seq_id] += new
+            old = shadow.get(seq_id)
+            shadow[seq_id] = (k, v) if old is None else (torch.cat([old[0], k]), torch.cat([old[1], v]))
+            qsl.append(qsl[-1] + len(new))
+        ids = [seq_id for seq_id, _ in batch]
+        key, value = torch.cat(new_k).to(device), torch.cat(new_v).to(device)
+        query = torch.randn((qsl[-1], geometry.num_q_heads, head_dim), generator=qgen).to(geometry.torch_dtype)
+        keys, values = [shadow[i][0] for i in ids], [shadow[i][1] for i in ids]
+        expected = reference_attention(query, keys, values, qsl)
+        max_logit = head_dim ** -0.5 * float(query.double().abs().max()) * head_dim * \
+            max(float(k.double().abs().max()) for k in keys)
+        max_v = max(float(v.double().abs().max()) for v in values)
+        qsl_t = torch.tensor(qsl, dtype=torch.int32, device=device)
+        for name, backend, cache, slots in zip(names, backends, caches, step_slots):
+            backend.write_kv(cache.k_cache(), cache.v_cache(), key, value, torch.cat(slots))
+            if hasattr(cache, "mark_written"):  # commit: full blocks enter the prefix cache
+                for seq_id in ids:
+                    cache.mark_written(seq_id)
+            reads = report.reads[name]
+            if report.steps % reads.attention_every:
+                continue
+            t0 = time.perf_counter()
+            out = backend.paged_attention(query.to(device), cache.k_cache(), cache.v_cache(), cache.block_tables(ids),
+                                          cache.seq_lens(ids), qsl_t, None)
+            reads.seconds += time.perf_counter() - t0
+            reads.attention_calls += 1
+            reads.query_rows += qsl[-1]
+            try:
+                assert_attention_close(out.cpu(), expected, max_abs_logit=max_logit, max_abs_value=max_v)
+            except AssertionError as exc:
+                raise DemoFailure(f"step {report.steps}: {name} paged_attention of sequences {ids} differs from "
+                                  f"the fp64 reference: {exc}") from None
+            err = float((out.cpu().double() - expected).abs().max()) if out.numel() else 0.0
+            reads.max_attention_error = max(reads.max_attention_error, err)
+
+    try:
+        while waiting or tokens:
+            report.steps += 1
+            step = report.steps
+            for req in [r for r in waiting if r["arrive"] <= step]:  # admit arrivals
+                waiting.remove(req)
+                cached = on_all("add_sequence", req["id"], req["prompt"])[0]
+                tokens[req["id"]] = list(req["prompt"][:cached])
+                if cached:
+                    k, v = token_kv(geometry, tokens[req["id"]], 0, seed)
+                    shadow[req["id"]] = (k, v)
+                todo[req["id"]], budget[req["id"]] = list(req["prompt"][cached:]), req["max_new"]
+            batch, step_slots = [], [[] for _ in caches]
+            for seq_id in list(tokens):
+                if todo.get(seq_id):  # chunked prefill
+                    new = todo[seq_id][:prefill_chunk]
+                elif budget[seq_id] > 0:  # decode one token; sometimes fork (parallel sampling)
+                    if rng.random() < 0.02 and len(tokens) < 64:
+                        on_all("fork", seq_id, next_id)
+                        tokens[next_id], shadow[next_id] = list(tokens[seq_id]), shadow[seq_id]
+                        todo[next_id], budget[next_id] = [], budget[seq_id] // 2 + 1
+                        next_id, report.forks = next_id + 1, report.forks + 1
+                    new = [rng.randrange(32000)]
+                else:
+                    release(seq_id)
+                    report.finished += 1
+                    continue
+                try:
+                    slots = main.append(seq_id, new)  # raises before any change when no block is left
+                except OutOfBlocksError:  # preempt: free it, recompute later (as vLLM does)
+                    waiting.append({"id": seq_id, "prompt": tokens[seq_id] + todo.get(seq_id, []),
+                                    "max_new": budget[seq_id], "arrive": step + 2})
+                    release(seq_id)
+                    report.preemptions += 1
+                    continue
+                step_slots[0].append(slots)
+                for i, cache in enumerate(caches[1:], 1):
+                    step_slots[i].append(cache.append(seq_id, new))
+                if todo.get(seq_id):
+                    todo[seq_id] = todo[seq_id][len(new):]
+                else:
+                    budget[seq_id] -= 1
+                batch.append((seq_id, new))
+            if batch:
+                serve(batch, step_slots)
+                report.served_steps += 1
+            history.append(block_counts(main))
+            if on_step is not None:
+                on_step(step, main)
+            if history[-1]["used"] > report.peak.get("used", -1):
+                report.peak, report.peak_step = history[-1], step
+            if step % check_every == 0:
+                verify_gathers()
+        verify_gathers()
+    except (DemoFailure, AssertionError) as exc:  # AssertionError: a cache invariant
+        report.failure = str(exc)
+    report.mid_step = max(1, report.steps // 2)
+    report.mid = history[report.mid_step - 1] if history else block_counts(main)
+    report.end = block_counts(main)
+    report.stats = main.stats()
+    return report
+
+
+def _interpreted(backend: Any, device: str) -> bool:
+    """True for pagedkv's Triton backend running in Triton's CPU interpreter."""
+    return not str(device).startswith("cuda") and getattr(backend, "__name__", "") == "pagedkv.backends.triton"
+
+
+def report_lines(r: DemoReport) -> list[str]:
+    """The report, one figure a line, each saying what it counts."""
+    c, p, m, e, s = r.config, r.peak, r.mid, r.end, r.stats
+    out = [f"pagedkv demo: {c['requests']} requests, {c['num_blocks']} blocks of {c['block_size']} tokens, "
+           f"{c['num_kv_heads']} kv heads x {c['head_dim']} ({c['num_kv_heads'] * c['queries_per_kv']} query heads), "
+           f"{c['dtype']} on {c['device']}",
+           f"  backends              {', '.join(r.backends)}: each serves the same workload on its own cache "
+           "(its write_kv, its paged_attention, its gather)",
+           f"  steps                 {r.steps}: each admits arrivals, then prefills a chunk or decodes one token "
+           f"for every running sequence in one packed batch ({r.served_steps} steps had one; the others only freed)",
+           f"  forks                 {r.forks}: a decoding sequence split in two (parallel sampling), sharing every "
+           "block until one appends (copy-on-write)",
+           f"  finished              {r.finished} of {c['requests']} requests + {r.forks} forks: sequences run to "
+           "their last token and freed",
+           f"  preemptions           {r.preemptions}: times a sequence found no free block; it was freed and "
+           "queued again, its tokens recomputed later (as vLLM does)",
+           f"  peak use              {p.get('used')} of {p.get('total')} blocks held by live sequences, first at "
+           f"step {r.peak_step}",
+           f"  blocks at step {r.mid_step:<6} used {m.get('used')} + free {m.get('free')} = {m.get('total')}; "
+           f"{m.get('shared')} of the used are shared by several sequences (forks, prefix hits)",
+           f"                        free = {m.get('empty')} empty + {m.get('evictable')} evictable (still holding a "
+           "prefix-cache entry: reused on a prefix hit, else taken oldest first)",
+           f"                        cached {m.get('cached')} = blocks holding a prefix-cache entry: "
+           f"{m.get('cached_used')} in use + {m.get('evictable')} evictable among the free",
+           f"  blocks at the end     used {e.get('used')}, free {e.get('free')} = {e.get('empty')} empty + "
+           f"{e.get('evictable')} evictable (cached {e.get('cached')}, all of them free)",
+           f"  prefix cache          {s.get('prefix_hit_rate', 0.0):.1%} of the full prompt blocks looked up were "
+           f"found; {s.get('cached_tokens')} prompt tokens not recomputed; {s.get('evictions')} entries evicted",
+           f"  copy-on-write         {s.get('cow_copies')} shared partial blocks copied before an append"]
+    out.append(f"  verified              every read below: each paged_attention call against an fp64 dense "
+               f"reference over the K/V written (tolerance policy), each gather bit for bit")
+    for name, reads in r.reads.items():
+        when = "one per served step" if reads.attention_every == 1 else \
+            f"at served steps {reads.attention_every}, {2 * reads.attention_every}, ... (Triton's CPU " \
+            "interpreter; --interpreted-every)"
+        out.append(f"  reads by {name:<12} {reads.attention_calls} paged_attention calls, {when}: {reads.query_rows} "
+                   f"query rows, max |error| vs fp64 {reads.max_attention_error:.1e}")
+        out.append(f"  {'':<21} {reads.gathers} gathers, K and V of every live sequence every {c['check_every']} "
+                   f"steps and at the end ({r.gather_checks} times): {reads.gathered_tokens} tokens; "
+                   f"{reads.seconds:.2f} s in reads")
+    return out
+
+
+def _impls(values: list[str] | None) -> list[str]:
+    from pagedkv.backends import available_backends
+
+    names = [n.strip() for v in values or [] for n in v.split(",") if n.strip()]
+    return names or available_backends()
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from pagedkv.backends import get_backend
-    from pagedkv.cache import PagedKVCache
-    from pagedkv.testing.cases import Geometry, token_kv
-    from pagedkv.config import CacheConfig
-    from pagedkv.errors import OutOfBlocksError
-    from pagedkv.testing.tolerance import bits
+    from pagedkv.backends import load_backend
+    from pagedkv.errors import BackendError
 
+    parser = getattr(args, "_parser", None)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    rng = random.Random(args.seed)
-    bs = args.block_size
-    geometry = Geometry(args.num_blocks, bs, args.num_kv_heads, args.head_dim, 1, args.dtype)
-    cache = PagedKVCache(CacheConfig(args.num_blocks, bs, args.num_kv_heads, args.head_dim, args.dtype, device))
-    loop, indexed = get_backend("loop"), get_backend("indexed")
-    systems = [[rng.randrange(32000) for _ in range(rng.randrange(2 * bs, 6 * bs))] for _ in range(3)]
-    waiting = []
-    for rid in range(args.requests):
-        prompt = rng.choice(systems) + [rng.randrange(32000) for _ in range(rng.choice([1, bs - 1, bs, bs + 1,
-                                                                                         rng.randrange(2, 8 * bs)]))]
-        waiting.append({"id": rid, "prompt": prompt, "max_new": rng.randrange(4, 48), "arrive": rid // 3})
-    tokens: dict[int, list[int]] = {}  # what each live sequence holds (its K/V follow from these)
-    todo: dict[int, list[int]] = {}  # prompt tokens still to prefill
-    budget: dict[int, int] = {}  # decode tokens left
-    next_id, step, checks_done, preempted, forks = 10_000, 0, 0, 0, 0
-    t_loop = t_indexed = 0.0
-    finished = 0
-
-    def write(seq_id: int, new: list[int]) -> None:
-        start = len(tokens[seq_id])
-        slots = cache.append(seq_id, new)
-        k, v = token_kv(geometry, new, start, args.seed)
-        indexed.write_kv(cache.k_cache(), cache.v_cache(), k.to(device), v.to(device), slots)
-        tokens[seq_id] += new
-
-    def release(seq_id: int) -> None:
-        cache.free(seq_id)
-        for table in (tokens, todo, budget):
-            table.pop(seq_id, None)
-
-    def verify() -> None:
-        nonlocal t_loop, t_indexed, checks_done
-        for seq_id, toks in tokens.items():
-            k_exp, _ = token_kv(geometry, toks, 0, args.seed)
-            table = cache.block_table(seq_id)
-            t0 = time.perf_counter()
-            a = loop.gather(cache.k_cache(), table, len(toks))
-            t1 = time.perf_counter()
-            b = indexed.gather(cache.k_cache(), table, len(toks))
-            t2 = time.perf_counter()
-            t_loop, t_indexed = t_loop + t1 - t0, t_indexed + t2 - t1
-            for name, got in (("loop", a), ("indexed", b)):
-                if not torch.equal(bits(got.cpu()), bits(k_exp)):
-                    raise SystemExit(f"demo: FAILED at step {step}: the {name} gather of sequence {seq_id} "
-                                     f"({len(toks)} tokens) differs from what was written")
-            checks_done += 1
-        cache.check_invariants()
-
-    while waiting or tokens:
-        step += 1
-        while waiting and waiting[0]["arrive"] <= step:  # admit arrivals
-            req = waiting.pop(0)
-            cached = cache.add_sequence(req["id"], req["prompt"])
-            tokens[req["id"]] = list(req["prompt"][:cached])
-            todo[req["id"]] = list(req["prompt"][cached:])
-            budget[req["id"]] = req["max_new"]
-        for seq_id in list(tokens):
-            if seq_id not in tokens:
-                continue
-            try:
-                if todo.get(seq_id):  # chunked prefill
-                    chunk, todo[seq_id] = todo[seq_id][: args.prefill_chunk], todo[seq_id][args.prefill_chunk:]
-                    write(seq_id, chunk)
-                elif budget[seq_id] > 0:  # decode one token; sometimes fork (parallel sampling)
-                    if rng.random() < 0.01 and len(tokens) < 64:
-                        cache.fork(seq_id, next_id)
-                        tokens[next_id], todo[next_id], budget[next_id] = list(tokens[seq_id]), [], budget[seq_id] // 2
-                        next_id, forks = next_id + 1, forks + 1
-                    write(seq_id, [rng.randrange(32000)])
-                    budget[seq_id] -= 1
-                else:
-                    release(seq_id)
-                    finished += 1
-            except OutOfBlocksError:  # preempt the sequence (recompute later, as vLLM does)
-                req_prompt = tokens[seq_id] + todo.get(seq_id, [])
-                left = budget[seq_id]
-                release(seq_id)
-                preempted += 1
-                waiting.append({"id": seq_id, "prompt": req_prompt, "max_new": left, "arrive": step + 2})
-        if step % args.check_every == 0:
-            verify()
-        if step == 40:
-            mid = cache.stats()
-    verify()
-    stats = cache.stats()
-    mid = locals().get("mid", stats)
-    print(f"pagedkv demo: {args.requests} requests (+{forks} forks), block_size {bs}, {args.num_blocks} blocks, "
-          f"{args.num_kv_heads}x{args.head_dim} {args.dtype} on {device}")
-    print(f"  steps                 {step}  (preemptions {preempted}, finished {finished})")
-    print(f"  blocks at step 40     used {mid['used']}, shared {mid['shared']}, free {mid['free']} "
-          f"(cached {mid['cached']}) of {mid['num_blocks']}")
-    print(f"  blocks at the end     used {stats['used']}, free {stats['free']}, cached for reuse {stats['cached']}")
-    print(f"  prefix cache          hit rate {stats['prefix_hit_rate']:.1%} of full prompt blocks, "
-          f"{stats['cached_tokens']} prompt tokens not recomputed, {stats['evictions']} evictions")
-    print(f"  copy-on-write copies  {stats['cow_copies']}")
-    print(f"  reads verified        {checks_done} sequence reads, loop == indexed == written, bit for bit")
-    print(f"  gather time           loop {t_loop * 1e3:.1f} ms, indexed {t_indexed * 1e3:.1f} ms "
-          f"({t_loop / max(t_indexed, 1e-9):.2f}x)")
-    if stats["used"] != 0:
-        print("demo: FAILED: blocks leaked after every request finished")
+    if not device.startswith("cuda"):
+        torch.set_num_threads(1)  # small tensors: more threads only spin against each other on a shared machine
+    backends = []
+    for spec in _impls(args.impl):
+        try:
+            backend = load_backend(spec, required=("write_kv", "gather", "paged_attention"))
+        except (BackendError, ImportError) as exc:
+            message = f"--impl {spec!r}: {exc}"
+            if parser is not None:
+                parser.error(message)
+            print(f"demo: error: {message}", file=sys.stderr)
+            return 2
+        backends.append(backend)
+    report = run_demo(backends, seed=args.seed, requests=args.requests, block_size=args.block_size,
+                      num_blocks=args.num_blocks, num_kv_heads=args.num_kv_heads, queries_per_kv=args.queries_per_kv,
+                      head_dim=args.head_dim, dtype=args.dtype, device=device, prefill_chunk=args.prefill_chunk,
+                      check_every=args.check_every, interpreted_every=args.interpreted_every)
+    for line in report_lines(report):
+        print(line)
+    if report.failure:
+        print(f"demo: FAILED: {report.failure}")
+        return 1
+    if report.end["used"] != 0:
+        print("demo: FAILED: blocks still used after every request finished (leaked)")
         return 1
     print("demo: OK")
     return 0
