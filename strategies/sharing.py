@@ -20,7 +20,8 @@ def scenarios(draw, *, max_ops: int = 14, max_seqs: int = 6, constant_hash: bool
     forks are followed at once by an append to the parent and one to the child (parallel sampling):
     both write into a block they still share."""
     bs = draw(st.sampled_from((1, 2, 3, 4, 5, 8)))
-    geometry = Geometry(num_blocks=draw(st.integers(2, 24)), block_size=bs, num_kv_heads=draw(st.integers(1, 2)),
+    small_pools = st.integers(2, 8)  # half the pools are small: evictions and refusals are common
+    geometry = Geometry(num_blocks=draw(small_pools | st.integers(2, 24)), block_size=bs, num_kv_heads=draw(st.integers(1, 2)),
                         head_dim=draw(st.sampled_from((1, 2, 4))), num_queries_per_kv=draw(st.sampled_from((1, 3))),
                         dtype=draw(st.sampled_from(("float32", "bfloat16"))))
     vocab = st.integers(0, 7)  # a small vocabulary makes equal blocks (and hash hits) likely

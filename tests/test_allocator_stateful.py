@@ -1,20 +1,31 @@
-"""The allocator and the cache as a state machine: every history of adds (with prefix lookup),
-appends (with copy-on-write), forks, frees, preemptions, refused allocations and their retries,
-double frees and bad arguments keeps the books straight.
+"""The allocator and the cache as a state machine, driven like a scheduler drives them, checked against a
+shadow model (:class:`pagedkv.testing.cache_model.CacheModel`).
 
-After every step:
+Histories: adds under cache namespaces (with prefix lookup), reservations (``append``) written and
+committed at once, later, in part (a partial write of a chunk) or never (the write raised; the
+request aborted or preempted between reserve and write), forks before or after the parent's write,
+copy-on-write, finishes, preemptions with recompute, refused allocations and their retries, double
+frees and bad arguments, over 1-3 layers.
+
+After every step (the model's checks):
 
 - free + used == total; free, evictable and used are disjoint; a block's reference count equals the
   number of live block tables holding it (``cache.check_invariants``);
-- every live sequence reads, bit for bit, the K/V of its own tokens (K/V is a deterministic
-  function of token, position and seed: :func:`pagedkv.testing.cases.token_kv`);
-- every block the prefix cache holds (used or evictable) stores exactly the K/V a recomputation of
-  its token prefix gives, so a prefix hit can never serve stale or foreign K/V, even with a hash
-  function that collides on every block (C4);
-- a call that raised (out of blocks, double free, a bad argument) changed nothing: the allocator's
-  lists (in order), reference counts, prefix-cache entries, every table and both pools are as before.
+- every live sequence reads, bit for bit and in every layer, the K/V written for its committed tokens
+  (values depend on the whole prefix, the layer and the namespace: :func:`~pagedkv.testing.cache_model.expected_kv`);
+- no cached block was never written: each one's prefix (under its namespace) is one the model wrote,
+  and it stores exactly that K/V, so every prefix-cache hit returns the K/V written for those tokens,
+  even with a hash function that collides on every block (C4);
+- hits are found: a lookup of a live sequence's tokens returns at least the leading run of its cached
+  blocks, and a lookup of any cached prefix reaches its block;
+- sharing is kept (an append changes no entry before its last, never copies a full last block, copies
+  a shared partial one exactly once) and eviction follows the model's queue (least recently released
+  first, deepest first among blocks released together);
+- a call that raised changed nothing: the allocator's lists (in order), reference counts, prefix-cache
+  entries, every table, every committed count and the pools are as before.
 
-At the end every live sequence is freed and every block must be free (no leak).
+At the end every live sequence is freed and every block must be free (no leak). ``CacheMachine.cache_class``
+is the cache under test (the cache mutants' test drives faulty ones through the same rules).
 """
 
 from __future__ import annotations
@@ -27,13 +38,15 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pagedkv import get_backend
 from pagedkv.cache import PagedKVCache
-from pagedkv.testing.cases import Geometry, token_kv
 from pagedkv.config import CacheConfig
-from pagedkv.errors import ArgumentTypeError, DoubleFreeError, OutOfBlocksError, UnknownBlockError
+from pagedkv.errors import ArgumentTypeError, DoubleFreeError, OutOfBlocksError, ShapeError, UnknownBlockError
+from pagedkv.testing.cache_model import CacheModel, ModelMismatch
+from pagedkv.testing.cases import Geometry
 from pagedkv.testing.tolerance import bits
 
 indexed = get_backend("indexed")
 VOCAB = st.integers(0, 5)  # a small vocabulary: equal blocks, hash hits and near-misses are common
+KEYS = (None, "tenant-a", ("lora", 7))
 
 
 def _tokens(n: int):
@@ -43,17 +56,18 @@ def _tokens(n: int):
 class CacheMachine(RuleBasedStateMachine):
     """A :class:`PagedKVCache` over a small pool, driven like a scheduler drives it."""
 
-    @initialize(num_blocks=st.integers(3, 10), block_size=st.sampled_from((1, 2, 3, 4)),
+    cache_class = PagedKVCache
+
+    @initialize(num_blocks=st.integers(3, 10), block_size=st.sampled_from((1, 2, 3, 4)), num_layers=st.integers(1, 3),
                 constant_hash=st.booleans(), seed=st.integers(0, 100),
                 systems=st.lists(st.integers(0, 9).flatmap(_tokens), min_size=1, max_size=3))
-    def start(self, num_blocks, block_size, constant_hash, seed, systems):
+    def start(self, num_blocks, block_size, num_layers, constant_hash, seed, systems):
         self.geometry = Geometry(num_blocks, block_size, num_kv_heads=1, head_dim=2, dtype="float32")
-        self.cache = PagedKVCache(CacheConfig(num_blocks, block_size, 1, 2, torch.float32),
-                                  **({"hash_fn": lambda parent, tokens: 0} if constant_hash else {}))
+        self.cache = self.cache_class(CacheConfig(num_blocks, block_size, 1, 2, torch.float32, num_layers=num_layers),
+                                      **({"hash_fn": lambda parent, tokens: 0} if constant_hash else {}))
         self.alloc = self.cache.allocator
-        self.seed = seed
+        self.model = CacheModel(self.cache, self.geometry, seed, num_layers, indexed.write_kv, indexed.gather)
         self.systems = systems  # shared system prompts: later requests hit the prefix cache
-        self.shadow: dict[int, list[int]] = {}  # live sequence -> its tokens
         self.freed: list[int] = []
         self.next_id = 0
 
@@ -62,7 +76,7 @@ class CacheMachine(RuleBasedStateMachine):
         a, c = self.alloc, self.cache
         return (list(a._ref), list(a._free), list(a._evictable), dict(a._entries), list(a._generation),
                 {h: list(bs) for h, bs in a._by_hash.items()},
-                {s: (list(q.block_table), list(q.token_ids)) for s, q in c.sequences.items()},
+                {s: (list(q.block_table), list(q.token_ids), q.num_written, q.cache_key) for s, q in c.sequences.items()},
                 bits(c.kv).clone())
 
     def assert_unchanged(self, before, what):
@@ -73,85 +87,122 @@ class CacheMachine(RuleBasedStateMachine):
             same = torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
             assert same, f"{what} changed the {name}"
 
-    def write(self, seq_id, tokens, start):
-        slots = self.cache.append(seq_id, tokens)
-        k, v = token_kv(self.geometry, tokens, start, self.seed)
-        indexed.write_kv(self.cache.k_cache(), self.cache.v_cache(), k, v, slots)
-
     def new_id(self) -> int:
         self.next_id += 1
         return self.next_id - 1
 
-    def check_blocks_hold(self, blocks, tokens, what):
-        """``blocks`` (a table prefix) store exactly the K/V of ``tokens`` (whole blocks)."""
-        if not blocks:
-            return
-        n = len(blocks) * self.geometry.block_size
-        got_k = indexed.gather(self.cache.k_cache(), blocks, n)
-        got_v = indexed.gather(self.cache.v_cache(), blocks, n)
-        k, v = token_kv(self.geometry, tokens[:n], 0, self.seed)
-        assert torch.equal(bits(got_k), bits(k)) and torch.equal(bits(got_v), bits(v)), \
-            f"{what}: blocks {blocks} do not hold the K/V of tokens {tokens[:n]}"
+    def release(self, seq_id):
+        self.model.free(seq_id)
+        self.freed.append(seq_id)
 
-    live = property(lambda self: sorted(self.shadow))
+    def prompt(self, data, min_suffix=0):
+        system = data.draw(st.sampled_from(self.systems))
+        return system + data.draw(st.integers(min_suffix if system else 1,
+                                              2 * self.geometry.block_size).flatmap(_tokens))
+
+    def admit(self, seq_id, prompt, key) -> bool:
+        """add_sequence + reserve the uncached tokens; a refused reservation changes nothing, and the
+        request is dropped (as a scheduler defers it)."""
+        cached = self.model.add(seq_id, prompt, key)
+        before = self.snapshot()
+        try:
+            self.model.reserve(seq_id, prompt[cached:])
+        except OutOfBlocksError:
+            self.assert_unchanged(before, f"a refused prefill of sequence {seq_id}")
+            self.release(seq_id)
+            return False
+        return True
+
+    live = property(lambda self: sorted(self.model.seqs))
+    pending = property(lambda self: sorted(s for s, m in self.model.seqs.items() if m.written < len(m.tokens)))
 
     # -- rules -------------------------------------------------------------------------------------
     @rule(data=st.data())
     def add(self, data):
-        """A request arrives: prefix lookup, then prefill of the uncached tokens (refused when the pool
-        is too full: the request is dropped, as a scheduler would defer it)."""
-        system = data.draw(st.sampled_from(self.systems))
-        prompt = system + data.draw(st.integers(0 if system else 1, 2 * self.geometry.block_size).flatmap(_tokens))
+        """A request arrives under a namespace: prefix lookup, then its prefill is reserved and usually
+        written and committed at once (sometimes left pending for a later rule)."""
+        prompt, key = self.prompt(data), data.draw(st.sampled_from(KEYS))
         seq_id = self.new_id()
-        cached = self.cache.add_sequence(seq_id, prompt)
-        assert cached % self.geometry.block_size == 0 and cached <= max(len(prompt) - 1, 0)
-        hit = self.cache.sequences[seq_id].block_table
-        assert len(hit) * self.geometry.block_size == cached
-        self.check_blocks_hold(hit, prompt, f"prefix hit of sequence {seq_id}")  # equal tokens, equal K/V
-        before = self.snapshot()
-        try:
-            self.write(seq_id, prompt[cached:], cached)
-        except OutOfBlocksError:
-            self.assert_unchanged(before, f"a refused prefill of sequence {seq_id}")
-            self.cache.free(seq_id)
-            self.freed.append(seq_id)
-            return
-        self.shadow[seq_id] = list(prompt)
+        if self.admit(seq_id, prompt, key) and data.draw(st.sampled_from((True, True, False))):
+            self.model.write(seq_id)
 
-    @precondition(lambda self: self.shadow)
-    @rule(data=st.data())
-    def append(self, data):
-        """Decode or a prefill chunk: copy-on-write when the last block is shared and partial."""
+    @precondition(lambda self: self.model.seqs)
+    @rule(data=st.data(), write=st.booleans())
+    def append(self, data, write):
+        """Decode or a prefill chunk (copy-on-write when the last block is shared and partial), written
+        and committed at once or left reserved."""
         seq_id = data.draw(st.sampled_from(self.live))
         tokens = data.draw(st.integers(1, self.geometry.block_size + 1).flatmap(_tokens))
         fits = self.cache.can_append(seq_id, len(tokens))
         before = self.snapshot()
         try:
-            self.write(seq_id, tokens, len(self.shadow[seq_id]))
+            self.model.reserve(seq_id, tokens)
         except OutOfBlocksError:
             assert not fits, "can_append said yes, append refused"
             self.assert_unchanged(before, f"a refused append to sequence {seq_id}")
             return
         assert fits, "can_append said no, append succeeded"
-        self.shadow[seq_id] += tokens
+        if write:
+            self.model.write(seq_id)
 
-    @precondition(lambda self: self.shadow)
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def write_part_of_a_chunk(self, data):
+        """Only part of what was reserved is written and committed (a chunk cut short)."""
+        seq_id = data.draw(st.sampled_from(self.pending))
+        m = self.model.seqs[seq_id]
+        self.model.write(seq_id, data.draw(st.integers(1, len(m.tokens) - m.written)))
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def failed_write(self, data):
+        """A write that raises (K/V of the wrong dtype) writes nothing and commits nothing."""
+        seq_id = data.draw(st.sampled_from(self.pending))
+        before = self.snapshot()
+        self.model.failed_write(seq_id)
+        self.assert_unchanged(before, f"a failed write to sequence {seq_id}")
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def abort_before_write(self, data):
+        """A request aborted between reserve and write (C11): the blocks only it held, past what it
+        committed, go back free and cache nothing."""
+        seq_id = data.draw(st.sampled_from(self.pending))
+        table = self.cache.block_table(seq_id).tolist()
+        bs, m = self.geometry.block_size, self.model.seqs[seq_id]
+        own_unwritten = [b for i, b in enumerate(table) if (i + 1) * bs > m.written and self.alloc.ref_count(b) == 1]
+        self.release(seq_id)
+        for b in own_unwritten:
+            assert self.alloc.is_free(b) and b not in self.alloc.cached_entries(), \
+                f"block {b}, reserved by aborted sequence {seq_id} but never written, is in the prefix cache"
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def preempt_before_write(self, data):
+        """A request preempted between reserve and write, then recomputed from all its tokens: its
+        prefix hit covers only K/V written before (the model checks it), then it is written in full."""
+        seq_id = data.draw(st.sampled_from(self.pending))
+        m = self.model.seqs[seq_id]
+        tokens, key = list(m.tokens), m.cache_key
+        self.release(seq_id)
+        new = self.new_id()
+        if self.admit(new, tokens, key):
+            self.model.write(new)
+
+    @precondition(lambda self: self.model.seqs)
     @rule(data=st.data())
     def fork(self, data):
+        """Parallel sampling: possibly before the parent's reserved tokens are written (then both must
+        write them: a copy-on-write may separate their blocks)."""
         parent = data.draw(st.sampled_from(self.live))
-        child = self.new_id()
-        self.cache.fork(parent, child)
-        self.shadow[child] = list(self.shadow[parent])
+        self.model.fork(parent, self.new_id())
 
-    @precondition(lambda self: self.shadow)
+    @precondition(lambda self: self.model.seqs)
     @rule(data=st.data())
     def finish(self, data):
-        seq_id = data.draw(st.sampled_from(self.live))
-        self.cache.free(seq_id)
-        del self.shadow[seq_id]
-        self.freed.append(seq_id)
+        self.release(data.draw(st.sampled_from(self.live)))
 
-    @precondition(lambda self: any(self.alloc.ref_count(b) > 1 for s in self.shadow
+    @precondition(lambda self: any(self.alloc.ref_count(b) > 1 for s in self.model.seqs
                                    for b in self.cache.sequences[s].block_table))
     @rule(data=st.data())
     def preempt_sharer(self, data):
@@ -159,12 +210,10 @@ class CacheMachine(RuleBasedStateMachine):
         sharers = [s for s in self.live if any(self.alloc.ref_count(b) > 1 for b in self.cache.sequences[s].block_table)]
         victim = data.draw(st.sampled_from(sharers))
         shared = [b for b in self.cache.sequences[victim].block_table if self.alloc.ref_count(b) > 1]
-        self.cache.free(victim)
-        del self.shadow[victim]
-        self.freed.append(victim)
+        self.release(victim)
         assert all(not self.alloc.is_free(b) for b in shared), "a block still referenced became free"
 
-    @precondition(lambda self: self.shadow)
+    @precondition(lambda self: self.model.seqs)
     @rule(data=st.data())
     def refused_then_retried(self, data):
         """An append larger than the free pool is refused and changes nothing; after another sequence
@@ -175,18 +224,37 @@ class CacheMachine(RuleBasedStateMachine):
         assert not self.cache.can_append(seq_id, too_many)
         before = self.snapshot()
         with pytest.raises(OutOfBlocksError):
-            self.write(seq_id, tokens, len(self.shadow[seq_id]))
+            self.model.reserve(seq_id, tokens)
         self.assert_unchanged(before, f"a refused oversized append to sequence {seq_id}")
         others = [s for s in self.live if s != seq_id]
         if others:
-            victim = data.draw(st.sampled_from(others))
-            self.cache.free(victim)
-            del self.shadow[victim]
-            self.freed.append(victim)
+            self.release(data.draw(st.sampled_from(others)))
         retry = tokens[:self.geometry.block_size]
         if self.cache.can_append(seq_id, len(retry)):
-            self.write(seq_id, retry, len(self.shadow[seq_id]))
-            self.shadow[seq_id] += retry
+            self.model.reserve(seq_id, retry)
+            self.model.write(seq_id)
+
+    @precondition(lambda self: any(m.written >= self.geometry.block_size for m in self.model.seqs.values()))
+    @rule(data=st.data())
+    def same_prompt_under_two_keys(self, data):
+        """A committed prompt added again under its own namespace hits its cached blocks (hits are found);
+        under another namespace it shares none of them."""
+        bs = self.geometry.block_size
+        seq_id = data.draw(st.sampled_from([s for s, m in self.model.seqs.items() if m.written >= bs]))
+        m = self.model.seqs[seq_id]
+        prompt, own = m.tokens[:m.written] + [0], self.cache.block_table(seq_id).tolist()
+        other_key = data.draw(st.sampled_from([k for k in KEYS if k != m.cache_key]))
+        other = self.new_id()
+        self.model.add(other, prompt, other_key)
+        shared = set(self.cache.block_table(other).tolist()) & set(own)
+        assert not shared, f"the same tokens under cache_key {other_key!r} share blocks {shared} of {m.cache_key!r}"
+        self.release(other)
+        again = self.new_id()
+        cached = self.model.add(again, prompt, m.cache_key)
+        committed_blocks = [b for b in own[:m.written // bs] if b in self.alloc.cached_entries()]
+        assert cached >= len(committed_blocks) * bs, \
+            f"sequence {seq_id}'s {len(committed_blocks)} committed blocks are cached, a re-add hits {cached} tokens"
+        self.release(again)
 
     @precondition(lambda self: self.freed)
     @rule(data=st.data())
@@ -216,42 +284,50 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def prefix_lookup(self, data):
-        """A lookup takes no reference; each block it finds caches exactly that token prefix."""
-        system = data.draw(st.sampled_from(self.systems))
-        prompt = system + data.draw(st.integers(0, 2 * self.geometry.block_size).flatmap(_tokens))
+        """A lookup takes no reference; each block it finds caches exactly that token prefix, under
+        that namespace, and was written."""
+        prompt, key = self.prompt(data), data.draw(st.sampled_from(KEYS))
         before = self.snapshot()
-        found = self.alloc.find_cached_prefix(prompt)
+        found = self.alloc.find_cached_prefix(prompt, key)
         self.assert_unchanged(before, "a prefix lookup (which takes no reference)")
         bs = self.geometry.block_size
         for i, b in enumerate(found):
-            assert self.alloc.cached_prefix(b) == tuple(prompt[:(i + 1) * bs]), f"block {b}: a hit on unequal tokens"
-        self.check_blocks_hold(found, prompt, "prefix lookup")
+            prefix = tuple(prompt[:(i + 1) * bs])
+            assert self.alloc.cached_prefix(b) == prefix, f"block {b}: a hit on unequal tokens"
+            assert self.alloc.cached_entries()[b].cache_key == key, f"block {b}: a hit across namespaces"
+            assert (key, prefix) in self.model.written_prefixes, f"block {b}: a hit on K/V never written"
 
-    @precondition(lambda self: self.shadow)
+    @precondition(lambda self: self.model.seqs)
     @rule(data=st.data())
     def prefix_reinsert(self, data):
-        """Registering a full block that already caches its prefix is a no-op."""
+        """Registering a full block that already caches its prefix is a no-op, and so is a commit of
+        no more tokens than are committed."""
         seq_id = data.draw(st.sampled_from(self.live))
         seq, bs = self.cache.sequences[seq_id], self.geometry.block_size
-        full = seq.num_tokens // bs
+        before = self.snapshot()
+        assert self.cache.mark_written(seq_id, data.draw(st.integers(0, seq.num_written))) == 0
+        self.assert_unchanged(before, "a commit of tokens already committed")
+        full = seq.num_written // bs
         if not full:
             return
         i = data.draw(st.integers(0, full - 1))
         block = seq.block_table[i]
         if block not in self.alloc.cached_entries():
             return  # its prefix is cached by another block (an equal block registered first)
-        before = self.snapshot()
-        self.alloc.cache_full_block(block, seq.token_ids[i * bs:(i + 1) * bs], seq.block_table[i - 1] if i else None)
+        self.alloc.cache_full_block(block, seq.token_ids[i * bs:(i + 1) * bs], seq.block_table[i - 1] if i else None,
+                                    cache_key=seq.cache_key)
         self.assert_unchanged(before, "re-registering a cached block")
 
     @rule(data=st.data())
     def bad_arguments(self, data):
         """Bad arguments raise the documented type and change nothing."""
         before = self.snapshot()
-        kind = data.draw(st.sampled_from(("float_token", "unknown_seq", "negative_n", "bad_block")))
-        if kind == "float_token" and self.shadow:
+        kind = data.draw(st.sampled_from(("float_token", "unknown_seq", "negative_n", "bad_block", "commit_past_end",
+                                          "slots_past_end", "unhashable_key")))
+        live = self.live
+        if kind == "float_token" and live:
             with pytest.raises(ArgumentTypeError):
-                self.cache.append(data.draw(st.sampled_from(self.live)), [1, 2.5])
+                self.cache.append(data.draw(st.sampled_from(live)), [1, 2.5])
         elif kind == "unknown_seq":
             with pytest.raises(UnknownBlockError):
                 self.cache.append(self.next_id + 1000, [1])
@@ -261,40 +337,35 @@ class CacheMachine(RuleBasedStateMachine):
         elif kind == "bad_block":
             with pytest.raises(UnknownBlockError):
                 self.alloc.free(self.alloc.num_blocks)
+        elif kind == "commit_past_end" and live:
+            seq_id = data.draw(st.sampled_from(live))
+            with pytest.raises(ShapeError, match="num_tokens"):
+                self.cache.mark_written(seq_id, self.cache.seq_len(seq_id) + 1)
+            with pytest.raises(ShapeError, match="num_tokens"):
+                self.cache.mark_written(seq_id, -1)
+        elif kind == "slots_past_end" and live:
+            seq_id = data.draw(st.sampled_from(live))
+            with pytest.raises(ShapeError, match="end"):
+                self.cache.slot_mapping(seq_id, 0, self.cache.seq_len(seq_id) + 1)
+        elif kind == "unhashable_key":
+            with pytest.raises(ArgumentTypeError, match="cache_key"):
+                self.cache.add_sequence(self.next_id + 1000, [1, 2], cache_key=["not", "hashable"])
         self.assert_unchanged(before, f"a call with a bad argument ({kind})")
 
     # -- invariants --------------------------------------------------------------------------------
     @invariant()
-    def books_balance(self):
-        self.cache.check_invariants()
+    def the_model_holds(self):
+        if not hasattr(self, "model"):
+            return
+        self.model.observe_evictions("after a step")
+        self.model.check("after a step")
         assert self.alloc.num_free + self.alloc.num_used == self.alloc.num_blocks
 
-    @invariant()
-    def every_sequence_reads_its_own_tokens(self):
-        for seq_id, tokens in self.shadow.items():
-            assert self.cache.sequences[seq_id].token_ids == tokens
-            self.check_blocks_hold(self.cache.sequences[seq_id].block_table[:len(tokens) // self.geometry.block_size],
-                                   tokens, f"sequence {seq_id}")
-            n = len(tokens)
-            got = indexed.gather(self.cache.k_cache(), self.cache.block_table(seq_id), n)
-            assert torch.equal(bits(got), bits(token_kv(self.geometry, tokens, 0, self.seed)[0])), \
-                f"sequence {seq_id} reads K/V that is not its own"
-
-    @invariant()
-    def cached_blocks_hold_their_prefix(self):
-        bs = self.geometry.block_size
-        for block, entry in self.alloc.cached_entries().items():
-            prefix = entry.tokens
-            k, v = token_kv(self.geometry, entry.tokens, entry.depth * bs, self.seed)
-            assert torch.equal(bits(self.cache.k_cache()[block]), bits(k)) and \
-                torch.equal(bits(self.cache.v_cache()[block]), bits(v)), \
-                f"cached block {block} does not hold the K/V of its prefix {prefix}"
-
     def teardown(self):
-        if not hasattr(self, "cache"):
+        if not hasattr(self, "model"):
             return
         for seq_id in self.live:
-            self.cache.free(seq_id)
+            self.release(seq_id)
         self.cache.check_invariants()
         assert self.alloc.num_used == 0 and self.alloc.num_free == self.alloc.num_blocks, "a block leaked"
         assert all(self.alloc.is_free(b) for b in range(self.alloc.num_blocks))
@@ -302,3 +373,52 @@ class CacheMachine(RuleBasedStateMachine):
 
 CacheMachine.TestCase.settings = settings(settings(), stateful_step_count=25)
 TestCacheMachine = CacheMachine.TestCase
+
+
+def test_c11_a_request_freed_between_reserve_and_write_leaves_no_prefix_cache_entry():
+    """The trigger of C11 on the public API: block_size 4, a 9-token prompt reserved, freed before any
+    write (preempted or aborted), added again: 0 cached tokens. Committed, the same prompt hits 8."""
+    cache = PagedKVCache(CacheConfig(num_blocks=8, block_size=4, num_kv_heads=1, head_dim=4))
+    p = list(range(100, 109))
+    assert cache.add_sequence(0, p) == 0
+    cache.append(0, p)
+    cache.free(0)
+    assert cache.allocator.num_cached == 0
+    assert cache.add_sequence(1, p) == 0
+    cache.append(1, p)
+    cache.mark_written(1, 5)  # a partial write: only the first block is committed
+    assert cache.add_sequence(2, p) == 4
+    cache.free(2)
+    assert cache.mark_written(1) == 1
+    assert cache.add_sequence(3, p) == 8
+
+
+def test_a_namespace_is_part_of_each_blocks_identity():
+    cache = PagedKVCache(CacheConfig(num_blocks=8, block_size=2, num_kv_heads=1, head_dim=1),
+                         hash_fn=lambda parent, tokens: 0)  # every hash collides: keys must still be compared
+    p = [1, 2, 3, 4, 5]
+    for seq_id, key in ((0, "a"), (1, None)):
+        assert cache.add_sequence(seq_id, p, cache_key=key) == 0  # nothing shared across keys
+        cache.append(seq_id, p)
+        cache.mark_written(seq_id)
+    assert cache.add_sequence(2, p, cache_key="a") == 4
+    assert cache.block_table(2).tolist()[:2] == cache.block_table(0).tolist()[:2]
+    assert cache.add_sequence(3, p, cache_key="b") == 0
+    cache.fork(2, 4)
+    assert cache.cache_key(4) == "a"
+
+
+def test_released_blocks_are_evicted_least_recent_first_and_deepest_first():
+    cache = PagedKVCache(CacheConfig(num_blocks=6, block_size=1, num_kv_heads=1, head_dim=1))
+    for seq_id, p in ((0, [1, 2, 3]), (1, [7, 8])):
+        cache.add_sequence(seq_id, p)
+        cache.append(seq_id, p)
+        cache.mark_written(seq_id)
+    a, b = cache.block_table(0).tolist(), cache.block_table(1).tolist()
+    cache.free(0)
+    cache.free(1)
+    assert cache.allocator.evictable_blocks() == a[::-1] + b[::-1]
+    cache.add_sequence(2, [])
+    cache.append(2, [9, 9])  # one free block, then the least recently released, deepest first: a[2]
+    assert a[2] in cache.block_table(2).tolist() and a[2] not in cache.allocator.cached_entries()
+    assert cache.allocator.find_cached_prefix([1, 2, 3]) == a[:2]  # the lookup stops at the evicted block

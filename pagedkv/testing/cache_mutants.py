@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Hashable
 
-from pagedkv.allocator import BlockAllocator
+from pagedkv.allocator import BlockAllocator, check_cache_key
 from pagedkv.cache import PagedKVCache
 from pagedkv.testing.mutants import IndexedBackend
 
@@ -131,6 +131,7 @@ class CacheKeyIgnoredCache(PagedKVCache):
     block registration: two tenants' equal prompts share blocks computed under the other's key."""
 
     def add_sequence(self, seq_id, prompt_token_ids=(), *, cache_key: Hashable = None):
+        check_cache_key("cache_key", cache_key)
         return super().add_sequence(seq_id, prompt_token_ids)  # FAULT: cache_key not passed on
 
 

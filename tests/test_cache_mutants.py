@@ -1,0 +1,96 @@
+"""The properties kill every shipped cache mutant (:mod:`pagedkv.testing.cache_mutants`), under the ``ci``
+profile (derandomized: a gate does not flip on a rerun), stopping at the first failing example.
+
+Two drivers see each one: the cache state machine (``test_allocator_stateful.CacheMachine`` with the
+faulty class as its ``cache_class``) and the sharing property (``checks.sharing_isolated`` over drawn
+scenarios, with the mutant's backend, whose ``cache_class`` is the faulty cache), followed, as
+``python -m pagedkv mutants`` does, by the committed scenario case files. A kill must be an
+``AssertionError`` (a property's verdict), not a crash of the faulty code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from pagedkv.backends import load_backend
+from pagedkv.testing import cache_mutants, checks
+from pagedkv.testing.checks import load_failure, run_record
+from pagedkv.testing.mutants import IndexedBackend
+from strategies import scenarios
+from strategies.profiles import PROFILES
+from test_allocator_stateful import CacheMachine
+
+NAMES = sorted(cache_mutants.CACHE_MUTANTS)
+
+
+def ci_settings(**extra) -> settings:
+    """The suite's ``ci`` profile, without shrinking or an example database (a mutant's failures must
+    not be replayed against the real cache)."""
+    values = {k: v for k, v in PROFILES["ci"].items() if k not in ("database", "phases", "verbosity")}
+    return settings(**values, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
+                    report_multiple_bugs=False, suppress_health_check=list(HealthCheck), **extra)
+
+
+def machine_for(cache_class: type) -> type:
+    return type(f"Machine_{cache_class.__name__}", (CacheMachine,), {"cache_class": cache_class})
+
+
+def sharing_property(backend):
+    @ci_settings()
+    @given(scenario=scenarios())
+    def prop(scenario):
+        checks.sharing_isolated(backend, scenario)
+
+    return prop
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_state_machine_kills_cache_mutant(name):
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(machine_for(cache_mutants.CACHE_MUTANTS[name]),
+                                  settings=ci_settings(stateful_step_count=25))
+
+
+REGRESSIONS = sorted((Path(checks.__file__).resolve().parent / "regressions").glob("*.json"))
+
+
+def sharing_kill(backend) -> str | None:
+    """What kills ``backend``: the sharing property, else the first scenario case file; ``None`` if nothing."""
+    try:
+        sharing_property(backend)()
+    except AssertionError:
+        return "sharing property"
+    for path in REGRESSIONS:
+        record = load_failure(path)
+        if record["kind"] != "CacheScenario":
+            continue
+        try:
+            run_record(record, backend)
+        except AssertionError:
+            return f"case file {path.name}"
+    return None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_sharing_property_and_case_files_kill_cache_mutant(name):
+    assert sharing_kill(cache_mutants.CACHE_MUTANT_BACKENDS[name]()) is not None, \
+        f"{name} survived: {cache_mutants.CACHE_MUTANTS[name].__doc__}"
+
+
+def test_the_unmutated_cache_passes_the_same_drivers():
+    """Kills come from the planted faults: the real cache passes both drivers under the same settings."""
+    run_state_machine_as_test(CacheMachine, settings=ci_settings(stateful_step_count=25))
+    assert sharing_kill(IndexedBackend()) is None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_cache_mutant_has_a_docstring_and_loads_as_a_candidate(name):
+    cls = cache_mutants.CACHE_MUTANTS[name]
+    assert cls.__doc__ and cls.__doc__ != cls.__mro__[1].__doc__
+    backend = load_backend(f"pagedkv.testing.cache_mutants:{name}")
+    assert backend.name == name and backend.cache_class is cls
+    assert cache_mutants.CACHE_TARGETS[name]
