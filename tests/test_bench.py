@@ -83,3 +83,52 @@ def test_gpu_limits_are_evaluated_from_bandwidth_columns():
     assert verdicts["fused decode attention (triton) % copy bandwidth, batch x context >= 64k"].passed is True
     assert verdicts["fused decode attention (triton) % copy bandwidth, batch x context >= 256k"].passed is False
     assert verdicts["fused decode (triton) / gather-then-SDPA time, batch x context >= 16k"].measured == 0.5
+
+
+TINY = ["bench", "--device", "cpu", "--seq-lens", "8", "--block-sizes", "16", "--min-time", "0.001", "--rounds", "1",
+        "--malloc", "system", "--no-plot"]
+
+
+@pytest.mark.parametrize("bad", [["--impls", "bogus"], ["--impls", "indexed,no/such/file.py"],
+                                 ["--impls", "pagedkv.testing.mutants:nope"], ["--ops", "gather,nope"],
+                                 ["--presets", "huge"], ["--dtypes", "float8"]])
+def test_a_bad_selection_is_a_usage_error(bad, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(TINY + ["--out-dir", str(tmp_path)] + bad)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before anything ran
+
+
+def test_a_candidate_is_timed_on_the_ops_it_provides(tmp_path, capsys):
+    (tmp_path / "gather_only.py").write_text(
+        "from pagedkv.backends import indexed\nname = 'gather_only'\n"
+        "def gather(cache, block_table, seq_len):\n    return indexed.gather(cache, block_table, seq_len)\n")
+    spec = str(tmp_path / "gather_only.py")
+    status = cli.main(TINY + ["--ops", "gather,scatter", "--impls", f"indexed,{spec}", "--out-dir", str(tmp_path),
+                              "--name", "cand"])
+    assert status == 0
+    out = capsys.readouterr()
+    rows = load_rows(tmp_path / "cand.json")
+    timed = {(r.op, r.impl) for r in rows if r.time_s}
+    assert ("gather", spec) in timed and ("gather", "indexed") in timed
+    assert not any(r.impl == spec for r in rows if r.op == "scatter")
+    assert f"note: {spec}: candidate provides no scatter" in out.out
+    assert f"gather ({spec}) / copy bound" in out.out  # the candidate faces the indexed backend's copy targets
+    assert "point" not in out.err  # stdout is not a terminal: no progress bar
+
+
+def test_check_exits_1_when_a_limit_fails(tmp_path, monkeypatch, capsys):
+    from pagedkv.cli import bench
+    from pagedkv.cli.bench_report import Verdict, failed
+
+    informational = Verdict("x / y [informational]", 3.0, 1.0, "<=", False, informational=True)
+    hard = Verdict("gather (indexed) / copy bound", 3.0, 1.25, "<=", False)
+    assert failed([informational, hard]) == [hard]
+    args = TINY + ["--ops", "gather", "--impls", "indexed", "--out-dir", str(tmp_path)]
+    monkeypatch.setattr(bench, "limits", lambda rows, device: [informational])
+    assert cli.main(args + ["--check"]) == 0
+    monkeypatch.setattr(bench, "limits", lambda rows, device: [informational, hard])
+    assert cli.main(args) == 0  # without --check the verdict is only printed
+    assert cli.main(args + ["--check"]) == 1
+    assert "check: 1 limit(s) failed: gather (indexed) / copy bound" in capsys.readouterr().out

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -41,9 +42,16 @@ from typing import Any
 
 import torch
 
-from pagedkv.cli.bench_report import _round, environment, format_limits, format_table, limits, plot, write_csv
-from pagedkv.cli.bench_sweep import (BLOCK_SIZES, CSV_COLUMNS, FULL_SEQ_LENS, OPS, PRESETS, QUICK_ATTN_MAX_LEN,
+from pagedkv.cli.bench_report import (_round, environment, failed, format_limits, format_table, limits, plot,
+                                      write_csv)
+from pagedkv.cli.bench_sweep import (BLOCK_SIZES, CSV_COLUMNS, FULL_SEQ_LENS, IMPLS, OPS, PRESETS, QUICK_ATTN_MAX_LEN,
                                      QUICK_BLOCK_SIZES, QUICK_SEQ_LENS, Plan, sweep)
+
+#: every built-in impl name ``--impls`` accepts (anything else must load as a candidate spec)
+BUILTIN_IMPLS = tuple(dict.fromkeys(impl for impls in IMPLS.values() for impl in impls))
+
+#: measured with ``--quick`` on the 2-core machine of docs/benchmarks.md (idle: about 20 s wall)
+QUICK_SECONDS = 20
 from pagedkv.cli.bench_timing import retain_freed_memory
 
 
@@ -54,7 +62,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help=f"small sweep (seq lens {QUICK_SEQ_LENS}, block sizes {QUICK_BLOCK_SIZES}, attention up to "
-                        f"{QUICK_ATTN_MAX_LEN} tokens, float32, 8x128, short timing): under a minute on 2 CPU cores")
+                        f"{QUICK_ATTN_MAX_LEN} tokens, float32, 8x128, short timing): about {QUICK_SECONDS} s on an "
+                        "idle 2-core CPU machine, longer when other jobs share the cores")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
     p.add_argument("--seq-lens", type=_int_list, default=None, help=f"comma list; default {FULL_SEQ_LENS}")
     p.add_argument("--block-sizes", type=_int_list, default=None, help=f"comma list; default {BLOCK_SIZES}")
@@ -63,12 +72,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtypes", type=_str_list, default=None, help="float32,float16,bfloat16; default float32")
     p.add_argument("--ops", type=_str_list, default=list(OPS), help=f"subset of {OPS}")
     p.add_argument("--impls", type=_str_list, default=None,
-                   help="subset of loop,elementwise,indexed,indexed+sdpa,triton (bounds are always timed); default all")
+                   help=f"comma list of {','.join(BUILTIN_IMPLS)} and candidate backends given as specs loaded like "
+                        "--pagedkv-impl (pkg.module, pkg.module:attr, path/to/file.py[:attr]); a candidate is "
+                        "timed on every op it provides; bounds are always timed; default: every built-in")
     p.add_argument("--attn-batches", type=_int_list, default=None,
                    help="decode batch sizes of the attention rows; default 1 (CPU) or 1,16 (CUDA)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (torch.set_num_threads; default 1)")
     p.add_argument("--min-time", type=float, default=None,
-                   help="seconds of timed calls per measurement (default 0.2, --quick 0.03)")
+                   help="seconds of timed calls per measurement (default 0.3, --quick 0.02)")
     p.add_argument("--rounds", type=int, default=None,
                    help="interleaved rounds per point (every impl and bound once a round); the fastest round's "
                         "median is kept for each (default 3, --quick 2)")
@@ -87,9 +98,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default="bench/results", help="where <name>.json/.csv/.png go (default bench/results)")
     p.add_argument("--name", default=None, help="file stem; default '<device>-quick' or '<device>-full'")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none either when stdout or stderr is not a terminal)")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 when a target of the limits table fails (informational targets never do)")
     p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, _parser=p)
     return p
 
 
@@ -101,8 +115,58 @@ def _str_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _usage_error(args: argparse.Namespace, message: str) -> int:
+    parser = getattr(args, "_parser", None)
+    if parser is not None:
+        parser.error(message)  # exits 2
+    print(f"bench: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _check_args(args: argparse.Namespace) -> tuple[list[str], list[str], str]:
+    """``(built-in impls, candidate specs, error)``: unknown names and specs that do not load are errors."""
+    from pagedkv.backends import load_backend
+    from pagedkv.config import dtype_from_name
+
+    for op in args.ops:
+        if op not in OPS:
+            return [], [], f"--ops: unknown op {op!r}; choose from {', '.join(OPS)}"
+    for name in args.presets or []:
+        if name not in PRESETS and not re.fullmatch(r"[1-9]\d*x[1-9]\d*", name.lower()):
+            return [], [], f"--presets: unknown preset {name!r}; use one of {sorted(PRESETS)} or 'HxD'"
+    for name in args.dtypes or []:
+        try:
+            dtype_from_name(name)
+        except Exception as exc:
+            return [], [], f"--dtypes: {exc}"
+    builtin, specs = [], []
+    for name in args.impls or BUILTIN_IMPLS:
+        if name in BUILTIN_IMPLS:
+            builtin.append(name)
+            continue
+        try:
+            backend = load_backend(name)
+        except Exception as exc:  # BackendError, or an import that raised
+            return [], [], (f"--impls: {name!r} is not a built-in impl ({', '.join(BUILTIN_IMPLS)}) and does not load "
+                            f"as a candidate spec: {exc}")
+        if not any(callable(getattr(backend, op, None)) for op in ("gather", "scatter", "write_kv",
+                                                                  "paged_attention")):
+            return [], [], f"--impls: candidate {name!r} provides none of the ops the bench times"
+        specs.append(name)
+    if not builtin and not specs:
+        return [], [], "--impls: nothing to time"
+    return builtin, specs, ""
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark described by ``args`` (see :func:`add_parser`); returns the exit status (0)."""
+    """Run the benchmark described by ``args`` (see :func:`add_parser`).
+
+    Returns:
+        0; 1 with ``--check`` when a limit fails; 2 (through ``parser.error``) on a usage error.
+    """
+    impls, specs, error = _check_args(args)
+    if error:
+        return _usage_error(args, error)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     malloc = "cuda caching allocator"
@@ -113,7 +177,6 @@ def run(args: argparse.Namespace) -> int:
             malloc = ("glibc mallopt(M_MMAP_MAX=0, M_TRIM_THRESHOLD=2**31-1): freed memory reused"
                       if retain_freed_memory() else "glibc defaults (mallopt unavailable)")
     quick = args.quick
-    impls = args.impls or ["loop", "elementwise", "indexed", "indexed+sdpa", "triton"]
     plan = Plan(device=device,
                 seq_lens=args.seq_lens or list(QUICK_SEQ_LENS if quick else FULL_SEQ_LENS),
                 block_sizes=args.block_sizes or list(QUICK_BLOCK_SIZES if quick else BLOCK_SIZES),
@@ -124,11 +187,9 @@ def run(args: argparse.Namespace) -> int:
                 rounds=max(1, args.rounds or (2 if quick else 3)),
                 clock=(("thread" if args.threads == 1 else "wall") if args.clock == "auto" else args.clock)
                 if device.type == "cpu" else "cuda-events",
-                pool_factor=args.pool_factor, triton_on_cpu=args.triton_on_cpu, seed=args.seed)
-    for op in plan.ops:
-        if op not in OPS:
-            raise SystemExit(f"bench: unknown op {op!r}; choose from {OPS}")
-    rows, mem_method = sweep(plan, progress=not args.no_progress)
+                pool_factor=args.pool_factor, triton_on_cpu=args.triton_on_cpu, seed=args.seed, candidates=specs)
+    progress = not args.no_progress and sys.stdout.isatty() and sys.stderr.isatty()
+    rows, mem_method = sweep(plan, progress=progress)
     verdicts = limits(rows, device)
     env = environment(device, args.threads, mem_method)
     env.update(malloc=malloc, clock=plan.clock, rounds=plan.rounds)
@@ -155,4 +216,9 @@ def run(args: argparse.Namespace) -> int:
              f"time / copy bound, {device} ({env.get('cpu') or env.get('gpu', '')}, {env['threads'] or ''} thread(s))")
         written.append(out_dir / f"{stem}.png")
     print("\nwrote " + ", ".join(str(p) for p in written))
+    bad = failed(verdicts)
+    if args.check:
+        print(f"check: {len(bad)} limit(s) failed: " + "; ".join(v.target for v in bad) if bad else
+              "check: every limit passes")
+        return 1 if bad else 0
     return 0

@@ -29,6 +29,7 @@ class Verdict:
     passed: bool | None
     worst_at: str = ""
     points: int = 0
+    informational: bool = False  # reported, never fails ``--check``
 
 
 def _worst(rows: list[Row], key: Callable[[Row], float | None], pick=max) -> tuple[float | None, str, int]:
@@ -44,7 +45,18 @@ def _worst(rows: list[Row], key: Callable[[Row], float | None], pick=max) -> tup
 def _verdict(target, rows, key, limit, sense) -> Verdict:
     v, where, n = _worst(rows, key, max if sense == "<=" else min)
     passed = None if v is None else (v <= limit if sense == "<=" else v >= limit)
-    return Verdict(target, v, limit, sense, passed, where, n)
+    return Verdict(target, v, limit, sense, passed, where, n, "[informational]" in target)
+
+
+def failed(verdicts: list[Verdict]) -> list[Verdict]:
+    """The targets that fail (informational ones and targets without points never do)."""
+    return [v for v in verdicts if v.passed is False and not v.informational]
+
+
+def candidates(rows: list[Row]) -> list[str]:
+    """Impls in ``rows`` that are neither built-in nor a bound: candidates loaded from a spec."""
+    known = {impl for impls in IMPLS.values() for impl in impls} | {"copy", "clone"}
+    return sorted({r.impl for r in rows} - known)
 
 
 def limits(rows: list[Row], device: torch.device) -> list[Verdict]:
@@ -87,6 +99,19 @@ def limits(rows: list[Row], device: torch.device) -> list[Verdict]:
                             [r for r in sel("attention", "triton") if r.batch * r.seq_len >= 16 * 1024
                              and (r.preset, r.dtype, r.block_size, r.seq_len, r.batch) in sdpa],
                             lambda r: r.time_s / sdpa[(r.preset, r.dtype, r.block_size, r.seq_len, r.batch)], 1.0, "<="))
+    for impl in candidates(rows):  # a candidate meets the copy-bound targets of the indexed backend
+        if device.type == "cpu":
+            out.append(_verdict(f"gather ({impl}) / copy bound, L >= 512, every block size",
+                                sel("gather", impl, seq_len=lambda L: L >= 512), lambda r: r.x_copy, 1.25, "<="))
+            for op in ("scatter", "write_kv"):
+                out.append(_verdict(f"{op} ({impl}) / copy bound, L >= 4096", sel(op, impl, seq_len=lambda L: L >= 4096),
+                                    lambda r: r.x_copy, 2.0, "<="))
+        else:
+            out.append(_verdict(f"gather ({impl}) % copy bandwidth, bs >= 16, L >= 4096",
+                                sel("gather", impl, block_size=lambda b: b >= 16, seq_len=lambda L: L >= 4096),
+                                lambda r: r.pct_copy_bw, 90.0, ">="))
+            out.append(_verdict(f"write_kv ({impl}) % copy bandwidth, L >= 4096",
+                                sel("write_kv", impl, seq_len=lambda L: L >= 4096), lambda r: r.pct_copy_bw, 50.0, ">="))
     out.append(_verdict("indexed: extra memory beyond the output / output size (no full-size temporary)",
                         [r for r in rows if r.impl == "indexed" and r.op in DATA_OPS and r.peak_extra_bytes is not None
                          and r.seq_len * r.num_kv_heads * r.head_dim >= 64 * 1024],
@@ -174,7 +199,7 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     for i, op in enumerate(ops):
         for j, bs in enumerate(sizes):
             ax = axes[i][j]
-            for impl in ("copy", "clone") + IMPLS[op]:
+            for impl in ("copy", "clone") + IMPLS[op] + tuple(candidates(rows)):
                 pts = sorted((r.seq_len, r.x_copy) for r in rows if r.op == op and r.block_size == bs and r.impl == impl)
                 if pts:
                     ax.plot(*zip(*pts), styles.get(impl, "-"), label=impl, markersize=3, linewidth=1)

@@ -147,28 +147,41 @@ def _sdpa_attention(backend):
     return paged_attention
 
 
-def _op_fn(op: str, impl: str, backends: dict) -> Callable[[dict], Any]:
-    """``fn(inputs)`` calling ``impl``'s ``op`` on one input set."""
-    if op == "gather":
-        if impl == "elementwise":
-            from pagedkv.backends.indexed import gather_kv_from_blocks_v2 as v2
+def _no_validate(fn: Callable) -> dict:
+    """``{"validate": False}`` when ``fn`` takes a ``validate`` keyword (the built-ins; a candidate may not)."""
+    import inspect
 
-            return lambda s: v2(s["cache"], s["table"], s["seq_len"])
-        g = backends[impl].gather
-        return lambda s: g(s["cache"], s["table"], s["seq_len"], validate=False)
-    if op == "scatter":
-        f = backends[impl].scatter
-        return lambda s: f(s["cache"], s["table"], s["values"], 0, validate=False)
-    if op == "write_kv":
-        f = backends[impl].write_kv
-        return lambda s: f(s["k_cache"], s["v_cache"], s["key"], s["value"], s["slot_mapping"], validate=False)
-    if impl == "indexed+sdpa":
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"validate": False} if "validate" in params else {}
+
+
+#: the contract op each bench op calls
+CONTRACT_OP = {"gather": "gather", "scatter": "scatter", "write_kv": "write_kv", "attention": "paged_attention"}
+
+
+def _op_fn(op: str, impl: str, backends: dict) -> Callable[[dict], Any]:
+    """``fn(inputs)`` calling ``impl``'s ``op`` on one input set, with the contract's positional arguments."""
+    if op == "gather" and impl == "elementwise":
+        from pagedkv.backends.indexed import gather_kv_from_blocks_v2 as v2
+
+        return lambda s: v2(s["cache"], s["table"], s["seq_len"])
+    if op == "attention" and impl == "indexed+sdpa":
         f = _sdpa_attention(backends["indexed"])
         return lambda s: f(s["query"], s["k_cache"], s["v_cache"], s["block_tables"], s["seq_lens"],
                            s["query_start_loc"])
-    f = backends[impl].paged_attention
+    f = getattr(backends[impl], CONTRACT_OP[op])
+    kw = _no_validate(f)
+    if op == "gather":
+        return lambda s: f(s["cache"], s["table"], s["seq_len"], **kw)
+    if op == "scatter":
+        return lambda s: f(s["cache"], s["table"], s["values"], 0, **kw)
+    if op == "write_kv":
+        return lambda s: f(s["k_cache"], s["v_cache"], s["key"], s["value"], s["slot_mapping"], **kw)
     return lambda s: f(s["query"], s["k_cache"], s["v_cache"], s["block_tables"], s["seq_lens"],
-                       s["query_start_loc"], validate=False)
+                       s["query_start_loc"], None, **kw)
 
 
 @dataclass
@@ -188,6 +201,7 @@ class Plan:
     pool_factor: float
     triton_on_cpu: bool
     seed: int
+    candidates: list[str] = field(default_factory=list)  # backend specs (pagedkv.load_backend), timed as impl = spec
     skipped: dict = field(default_factory=dict)  # impl -> reason
 
 
@@ -206,6 +220,13 @@ def _load_backends(plan: Plan) -> dict:
             backends[name] = get_backend(name)
         except Exception as exc:  # BackendUnavailableError, or a backend that fails to import
             plan.skipped[name] = f"unavailable: {type(exc).__name__}: {exc}"
+    for spec in plan.candidates:  # loaded as the suite loads --pagedkv-impl (the CLI checked it loads)
+        from pagedkv.backends import load_backend
+
+        backends[spec] = load_backend(spec)
+        lacks = [op for op in plan.ops if not callable(getattr(backends[spec], CONTRACT_OP[op], None))]
+        if lacks:
+            plan.skipped[spec] = f"candidate provides no {', '.join(CONTRACT_OP[op] for op in lacks)}: not timed there"
     return backends
 
 
@@ -268,9 +289,11 @@ def sweep(plan: Plan, progress: bool = True) -> tuple[list[Row], str]:
         sets = _sets_for(op, seq_len, bs, heads, dim, dtype, plan, batch, gen, llc)
         entries = [(Row(op=op, impl="copy", input_sets=len(bsets), **base), lambda s: s["dst"].copy_(s["src"]), bsets, graph),
                    (Row(op=op, impl="clone", input_sets=len(bsets), **base), lambda s: s["src"].clone(), bsets, graph)]
-        for impl in IMPLS[op]:
+        for impl in IMPLS[op] + tuple(plan.candidates):
             needs = "indexed" if impl in ("elementwise", "indexed+sdpa") else impl
-            if impl not in plan.impls or needs not in backends:
+            if (impl not in plan.impls and impl not in plan.candidates) or needs not in backends:
+                continue
+            if impl in plan.candidates and not callable(getattr(backends[impl], CONTRACT_OP[op], None)):
                 continue
             if impl == "triton" and plan.device.type == "cpu" and seq_len != min(plan.seq_lens):
                 continue
