@@ -127,3 +127,25 @@ def test_a_model_directory_loads_safetensors_only_and_never_remote_code(tmp_path
     assert not (tmp_path / "ran").exists()  # the checkpoint's own code never runs
     help_text = e2e.add_parser(__import__("argparse").ArgumentParser().add_subparsers()).format_help()
     assert "safetensors" in help_text and "trust_remote_code=False" in help_text
+
+
+def test_header_counts_are_the_sums_of_the_table():
+    import re
+
+    report = e2e.run_e2e("indexed", **SMALL)
+    lines = report.lines()
+    header = re.search(r"(\d+) requests, (\d+) steps, (\d+) tokens computed, (\d+) prompt tokens not computed "
+                       r"\((\d+) from the prefix cache \+ (\d+) shared by a fork\)", lines[0])
+    assert header, lines[0]
+    rows = [line.split() for line in lines if re.match(r"\s*\d+\s+\d+\s+\d+f?\s+\d+\s", line)]
+    assert len(rows) == int(header[1]) == len(report.checks)
+    cached = [int(r[2].rstrip("f")) for r in rows]
+    forked = [int(r[2].rstrip("f")) for r in rows if r[2].endswith("f")]
+    assert sum(cached) == int(header[4]) == int(header[5]) + int(header[6])
+    assert sum(forked) == int(header[6]) > 0
+    assert sum(int(r[3]) for r in rows) == int(header[3])
+    # ... and the table agrees with the engine's and the cache's own counters
+    assert int(header[3]) == report.tokens_computed
+    assert int(header[5]) == report.cache_stats["cached_tokens"] > 0
+    for r in rows:
+        assert int(r[1]) - int(r[2].rstrip("f")) + int(r[5]) - 1 == int(r[3])  # prompt - cached + new - 1

@@ -83,6 +83,7 @@ class RequestCheck:
         max_logit_diff: max ``|paged - dense|`` over every position the paged run computed (inf on NaN).
         max_abs_logit: max ``|dense logit|`` at those positions (scales the tolerance).
         mismatches: every paged greedy token that differs from the dense argmax at its position.
+        fork_of: the request it forked (its ``cached_tokens`` are then shared by the fork, not prefix-cache hits).
     """
 
     seq_id: int
@@ -94,10 +95,16 @@ class RequestCheck:
     max_logit_diff: float
     max_abs_logit: float
     mismatches: list[TokenMismatch] = field(default_factory=list)
+    fork_of: int | None = None
 
     @property
     def tokens_identical(self) -> bool:
         return not self.mismatches
+
+    @property
+    def computed(self) -> int:
+        """Tokens this request ran through the model: its uncached prompt and every generated token but the last."""
+        return self.prompt_len - self.cached_tokens + self.generated - 1
 
 
 def dense_model(model: torch.nn.Module, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
@@ -149,7 +156,8 @@ def dense_oracle(model: torch.nn.Module, results: dict[int, RequestResult],
                 mismatches.append(TokenMismatch(j, p, token, want, float(logits[p, want] - logits[p, token]),
                                                 float(row_diff[row_of[p]])))
         checks.append(RequestCheck(sid, len(prompt), res.cached_tokens, res.prefill_chunks, len(res.generated),
-                                   (res.first_step, res.finish_step), diff, float(ref.abs().max()), mismatches))
+                                   (res.first_step, res.finish_step), diff, float(ref.abs().max()), mismatches,
+                                   res.request.fork_of))
     return checks
 
 
@@ -225,15 +233,21 @@ class E2EReport:
             return [f"backend {self.backend}, dtype {str(self.dtype).removeprefix('torch.')}, device {self.device}: "
                     f"the paged run failed: {self.error}",
                     "e2e: max |logit diff| inf, tokens identical: no"]
+        # every count in the header is a sum of the table's columns (one source)
+        hits = sum(c.cached_tokens for c in self.checks if c.fork_of is None)
+        shared = sum(c.cached_tokens for c in self.checks if c.fork_of is not None)
         out = [f"backend {self.backend}, dtype {str(self.dtype).removeprefix('torch.')}, device {self.device}: "
-               f"{len(self.checks)} requests, {self.steps} steps, {self.tokens_computed} tokens computed, "
-               f"{int(s['cached_tokens'])} prompt tokens from the prefix cache, "
-               f"{int(s['cow_copies'])} copy-on-write copies, {int(s['evictions'])} evictions "
+               f"{len(self.checks)} requests, {self.steps} steps, {sum(c.computed for c in self.checks)} tokens "
+               f"computed, {hits + shared} prompt tokens not computed ({hits} from the prefix cache + {shared} "
+               f"shared by a fork), {int(s['cow_copies'])} copy-on-write copies, {int(s['evictions'])} evictions "
                f"({self.seconds:.1f} s)",
-               f"{'req':>4} {'prompt':>6} {'cached':>6} {'chunks':>6} {'new':>4} {'steps':>9} "
+               "columns: prompt = prompt tokens; cached = of those, not computed (prefix-cache hit, or shared by the "
+               "fork marked f); computed = tokens run through the model; new = tokens generated",
+               f"{'req':>4} {'prompt':>6} {'cached':>7} {'computed':>8} {'chunks':>6} {'new':>4} {'steps':>9} "
                f"{'max|logit diff|':>16} {'allowed':>9}  tokens identical"]
         for c in self.checks:
-            out.append(f"{c.seq_id:>4} {c.prompt_len:>6} {c.cached_tokens:>6} {c.prefill_chunks:>6} "
+            cached = f"{c.cached_tokens}{'f' if c.fork_of is not None else ' '}"
+            out.append(f"{c.seq_id:>4} {c.prompt_len:>6} {cached:>7} {c.computed:>8} {c.prefill_chunks:>6} "
                        f"{c.generated:>4} {c.steps[0]:>4}-{c.steps[1]:<4} {c.max_logit_diff:>16.3e} "
                        f"{self.allowed(c):>9.2e}  {self._verdict(c)}")
         if not self.tokens_identical and self.tokens_ok:
