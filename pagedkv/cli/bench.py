@@ -50,8 +50,8 @@ from pagedkv.cli.bench_sweep import (BLOCK_SIZES, CSV_COLUMNS, FULL_SEQ_LENS, IM
 #: every built-in impl name ``--impls`` accepts (anything else must load as a candidate spec)
 BUILTIN_IMPLS = tuple(dict.fromkeys(impl for impls in IMPLS.values() for impl in impls))
 
-#: measured with ``--quick`` on the 2-core machine of docs/benchmarks.md (idle: about 20 s wall)
-QUICK_SECONDS = 20
+#: ``--quick`` measured on the 2-core machine of docs/benchmarks.md: 22.6 s wall (19.9 s CPU) at load average 2
+QUICK_SECONDS = 25
 from pagedkv.cli.bench_timing import retain_freed_memory
 
 
@@ -62,8 +62,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help=f"small sweep (seq lens {QUICK_SEQ_LENS}, block sizes {QUICK_BLOCK_SIZES}, attention up to "
-                        f"{QUICK_ATTN_MAX_LEN} tokens, float32, 8x128, short timing): about {QUICK_SECONDS} s on an "
-                        "idle 2-core CPU machine, longer when other jobs share the cores")
+                        f"{QUICK_ATTN_MAX_LEN} tokens, float32, 8x128, short timing): about {QUICK_SECONDS} s on 2 CPU "
+                        "cores, longer when other jobs share them")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
     p.add_argument("--seq-lens", type=_int_list, default=None, help=f"comma list; default {FULL_SEQ_LENS}")
     p.add_argument("--block-sizes", type=_int_list, default=None, help=f"comma list; default {BLOCK_SIZES}")
