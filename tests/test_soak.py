@@ -30,6 +30,7 @@ def test_short_soak_keeps_every_sequence_intact_and_leaks_nothing():
     assert report["steps"] == 2000
     # the trace exercised what it claims to: sharing, copy-on-write, eviction and preemption all happened
     assert report["preempted"] > 0 and report["forks"] > 0 and report["finished"] > 0
+    assert report["aborted_mid_step"] > 0 and report["preempted_mid_step"] > 0  # between reserve and write
     assert report["stats"]["cow_copies"] > 0 and report["stats"]["evictions"] > 0
     assert report["stats"]["prefix_hit_rate"] > 0
 
@@ -49,6 +50,17 @@ def test_soak_reports_a_planted_leak(monkeypatch):
                         lambda self, blocks: original(self, list(blocks)[:-1] if len(blocks) > 3 else blocks))
     report = run_soak(300, seed=0)
     assert not report["ok"] and "reference count" in report["failure"]
+
+
+@pytest.mark.parametrize("mutant", ["register_on_reserve", "cow_first_layer_only"])
+def test_soak_catches_a_cache_serving_unwritten_or_stale_kv(monkeypatch, mutant):
+    """Blocks cached at reservation (then aborted mid-step) and copy-on-write of layer 0 only are caught."""
+    import pagedkv.cache
+    from pagedkv.testing.cache_mutants import CACHE_MUTANTS
+
+    monkeypatch.setattr(pagedkv.cache, "PagedKVCache", CACHE_MUTANTS[mutant])
+    report = run_soak(600, seed=0, check_every=10)
+    assert not report["ok"] and ("cached block" in report["failure"] or "layer 1" in report["failure"])
 
 
 def test_soak_cli_exit_status(capsys):

@@ -222,8 +222,9 @@ class PagedEngine:
         cache = cache_class(config)
         if self.poison:
             cache.kv.fill_(float("nan"))
-        # Earlier traffic: dummies allocated in turn, every other one freed (their full blocks stay
-        # cached but evictable), the rest live throughout. Their ids lie outside the vocabulary.
+        # Earlier traffic: dummies allocated in turn, every other one freed, the rest live throughout.
+        # Nothing is written for them, so nothing is committed: their blocks cache nothing (a freed
+        # dummy's blocks go back to the free list). Their ids lie outside the vocabulary.
         for i, n in enumerate(dummies):
             sid = -1 - i
             cache.add_sequence(sid, ())
@@ -315,6 +316,8 @@ class PagedEngine:
                              position_ids=torch.tensor([positions], device=device), use_cache=False,
                              **{STEP_KWARG: ctx})
             logits = out.logits[0].float().cpu()  # [total_q, vocab]
+            for sid in batch_ids:  # every layer's K/V of this step is written: commit it (prefix cache)
+                cache.mark_written(sid)
             self.tokens_computed += len(input_ids)
             for b, sid in enumerate(batch_ids):
                 res = results[sid]

@@ -7,19 +7,26 @@ Each scheduler step:
 2. waiting requests are admitted (``add_sequence``: prefix lookup) while the running batch has room
    and the pool can hold their first prefill chunk;
 3. every running sequence gets its next piece of work: a prefill chunk (chunked prefill) or one
-   decode token. When the pool cannot hold it, the most recently admitted sequence is *preempted*
-   (freed, and re-queued to be recomputed from its tokens so far, as vLLM's recompute preemption
-   does); shared blocks stay with their other owners;
-4. the step's K/V is written with one ``write_kv`` call over the concatenated ``slot_mapping``;
-5. some decoding sequences fork (parallel sampling: every block shared; the next append to a
+   decode token, and its slots are reserved (``append``). When the pool cannot hold it, the most
+   recently admitted sequence is *preempted* (freed, and re-queued to be recomputed from its tokens
+   so far, as vLLM's recompute preemption does); shared blocks stay with their other owners;
+4. *mid-step*, between the reservation and the write, a scheduled sequence is sometimes aborted
+   (the client went away) or preempted (re-queued): its slots are reserved but never committed. Half
+   the time its rows are dropped from the batch, half the time the forward pass has already run and
+   its K/V still lands in the blocks it just released (which must then cache nothing);
+5. the step's K/V is written, in every layer, with one ``write_kv`` call per layer over the
+   concatenated ``slot_mapping``, then committed with ``mark_written``: only now do full blocks enter
+   the prefix cache;
+6. some decoding sequences fork (parallel sampling: every block shared; the next append to a
    shared partial block copies it), and sequences that reached their length finish and free.
 
-Every token's K/V is a deterministic function of (token, position, seed) (:func:`pagedkv.testing.cases.token_kv`),
-and a *shadow copy* of each live sequence's K/V is kept as written (a prefix-cache hit's shadow is the
-recomputed K/V of the hit tokens). Every ``check_every`` steps each live sequence is gathered and
-compared with its shadow bit for bit, the allocator/cache invariants are checked, and every block
-the prefix cache holds must store its prefix's K/V. At the end everything is checked once more,
-every sequence is freed, and every block must be free (no leak).
+Every token's K/V is a deterministic function of its token, position, every token before it and the
+layer (:func:`pagedkv.testing.cases.token_kv`), so a sequence's K/V follows from its committed tokens.
+Every ``check_every`` steps each live sequence is gathered in every layer and compared with the K/V
+of its tokens bit for bit, the allocator/cache invariants are checked, and every block the prefix
+cache holds (and a lookup can reach) must cache a prefix that was written and committed, and store
+that prefix's K/V in every layer. At the end everything is checked once more, every sequence is
+freed, and every block must be free (no leak).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import argparse
 import json
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,8 +51,6 @@ class _Request:
     tokens: list[int]  # what must be in the cache once prefilled (prompt, or prompt + output on recompute)
     target_len: int  # finish when the sequence holds this many tokens
     computed: int = 0  # tokens of ``tokens`` already in the cache
-    shadow_k: list[torch.Tensor] = field(default_factory=list)
-    shadow_v: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def prefilling(self) -> bool:
@@ -55,8 +60,8 @@ class _Request:
 def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_size: int = 4,
              num_kv_heads: int = 2, head_dim: int = 4, dtype: str = "float32", device: str = "cpu",
              backend: Any = "indexed", check_every: int = 50, max_running: int = 10, prefill_chunk: int | None = None,
-             arrival_prob: float = 0.6, fork_prob: float = 0.02, num_systems: int = 3,
-             progress: bool = False) -> dict:
+             arrival_prob: float = 0.6, fork_prob: float = 0.02, num_systems: int = 3, num_layers: int = 2,
+             abort_prob: float = 0.05, progress: bool = False) -> dict:
     """Run ``steps`` scheduler steps of a simulated serving trace and check the cache throughout.
 
     Args:
@@ -72,11 +77,15 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
         arrival_prob: chance of a new request each step; fork_prob: chance per step that a decoding
             sequence forks.
         num_systems: distinct shared system prompts.
+        num_layers: layers of the cache (each written and checked; values differ per layer).
+        abort_prob: chance per step that a scheduled sequence is aborted or preempted between its
+            slot reservation and the write.
         progress: show a tqdm progress bar.
 
     Returns:
         A report dict: ``ok`` (bool), ``failure`` (message or ``None``), ``steps`` run, ``seconds``,
-        ``checks`` (full checks run), ``arrived``, ``admitted``, ``finished``, ``preempted``, ``forks``,
+        ``checks`` (full checks run), ``arrived``, ``admitted``, ``finished``, ``preempted``,
+        ``aborted_mid_step``, ``preempted_mid_step``, ``forks``,
         ``refused_admissions``, ``tokens_written``, ``max_live``, ``leaked_blocks`` and the cache's
         ``stats()`` (prefix hit rate, copy-on-write copies, evictions, ...).
 
@@ -90,8 +99,11 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
     from pagedkv.errors import OutOfBlocksError
     from pagedkv.testing.tolerance import bits
 
-    if steps < 1 or check_every < 1:
-        raise ValueError(f"steps and check_every must be >= 1, got steps={steps}, check_every={check_every}")
+    if steps < 1 or check_every < 1 or num_layers < 1:
+        raise ValueError(f"steps, check_every and num_layers must be >= 1, got steps={steps}, "
+                         f"check_every={check_every}, num_layers={num_layers}")
+    if not 0 <= abort_prob <= 1:
+        raise ValueError(f"abort_prob must be in [0, 1], got {abort_prob}")
     be = load_backend(backend) if isinstance(backend, str) else backend
     rng = random.Random(seed)
     geometry = Geometry(num_blocks, block_size, num_kv_heads, head_dim, 1, dtype)
@@ -101,19 +113,23 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
     if blocks_needed(max_prompt + max_new, bs) + 1 > num_blocks:
         raise ValueError(f"num_blocks {num_blocks} cannot hold one request of up to {max_prompt + max_new} tokens "
                          f"(block_size {bs})")
-    cache = PagedKVCache(CacheConfig(num_blocks, bs, num_kv_heads, head_dim, dtype_from_name(dtype), device))
-    k_pool, v_pool = cache.k_cache(), cache.v_cache()
+    cache = PagedKVCache(CacheConfig(num_blocks, bs, num_kv_heads, head_dim, dtype_from_name(dtype), device,
+                                     num_layers=num_layers))
+    layers = range(num_layers)
+    written_prefixes: set[tuple[int, ...]] = set()  # full-block prefixes whose K/V was written and committed
     systems = [[rng.randrange(1000) for _ in range(rng.randrange(bs, 3 * bs + 2))] for _ in range(num_systems)]
 
     waiting: list[_Request] = []
     running: list[_Request] = []
-    counts = dict(arrived=0, admitted=0, finished=0, preempted=0, forks=0, refused_admissions=0, tokens_written=0,
-                  checks=0, max_live=0)
+    counts = dict(arrived=0, admitted=0, finished=0, preempted=0, aborted_mid_step=0, preempted_mid_step=0, forks=0,
+                  refused_admissions=0, tokens_written=0, checks=0, max_live=0)
     next_id = 0
     step = 0
 
-    def kv_of(tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_kv(geometry, tokens, start, seed)
+    def kv_of(tokens, start: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of ``tokens[start:]`` in ``layer`` (``tokens`` from position 0)."""
+        tokens = list(tokens)
+        return token_kv(geometry, tokens[start:], start, seed, prefix=tokens[:start], layer=layer)
 
     def full_check(where: str) -> None:
         counts["checks"] += 1
@@ -123,21 +139,33 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
             raise SoakFailure(f"{where}: cache invariants: {exc}") from None
         for req in running:
             n = cache.seq_len(req.seq_id)
+            if n != req.computed or cache.num_written(req.seq_id) != n:
+                raise SoakFailure(f"{where}: sequence {req.seq_id} holds {n} tokens, {cache.num_written(req.seq_id)} "
+                                  f"committed; {req.computed} were written")
             table = cache.block_table(req.seq_id)
-            for pool, shadow, name in ((k_pool, req.shadow_k, "K"), (v_pool, req.shadow_v, "V")):
-                got = be.gather(pool, table, n).cpu()
-                exp = torch.cat(shadow) if shadow else got.new_empty((0, num_kv_heads, head_dim))
-                if got.shape != exp.shape or not torch.equal(bits(got), bits(exp)):
-                    bad = (bits(got) != bits(exp)).flatten(1).any(1).nonzero() if got.shape == exp.shape else None
-                    p = int(bad[0]) if bad is not None and bad.numel() else -1
-                    raise SoakFailure(f"{where}: sequence {req.seq_id} ({n} tokens) reads a wrong {name} at position "
-                                      f"{p} (block {int(table[p // bs]) if p >= 0 else '?'}), differing from its "
-                                      f"shadow copy")
+            for layer in layers:
+                k_exp, v_exp = kv_of(req.tokens[:n], 0, layer)
+                for pool, exp, name in ((cache.k_cache(layer), k_exp, "K"), (cache.v_cache(layer), v_exp, "V")):
+                    got = be.gather(pool, table, n).cpu()
+                    if got.shape != exp.shape or not torch.equal(bits(got), bits(exp)):
+                        bad = (bits(got) != bits(exp)).flatten(1).any(1).nonzero() if got.shape == exp.shape else None
+                        p = int(bad[0]) if bad is not None and bad.numel() else -1
+                        raise SoakFailure(f"{where}: sequence {req.seq_id} ({n} tokens) reads a wrong {name} in layer "
+                                          f"{layer} at position {p} (block {int(table[p // bs]) if p >= 0 else '?'}), "
+                                          f"not the K/V written for its tokens")
         for block, entry in cache.allocator.cached_entries().items():
-            k, v = kv_of(list(entry.tokens), entry.depth * bs)
-            if not (torch.equal(bits(k_pool[block].cpu()), bits(k)) and torch.equal(bits(v_pool[block].cpu()), bits(v))):
-                raise SoakFailure(f"{where}: cached block {block} does not hold the K/V of its tokens at block "
-                                  f"{entry.depth} of a prompt")
+            prefix = cache.allocator.cached_prefix(block)
+            if prefix is None:
+                continue  # a parent was evicted: no lookup reaches this block
+            if prefix not in written_prefixes:
+                raise SoakFailure(f"{where}: cached block {block} (block {entry.depth} of a prompt) caches a prefix "
+                                  f"whose K/V was never written and committed")
+            for layer in layers:
+                k, v = kv_of(prefix, len(prefix) - bs, layer)
+                if not (torch.equal(bits(cache.k_cache(layer)[block].cpu()), bits(k))
+                        and torch.equal(bits(cache.v_cache(layer)[block].cpu()), bits(v))):
+                    raise SoakFailure(f"{where}: cached block {block} does not hold, in layer {layer}, the K/V of its "
+                                      f"prefix (block {entry.depth} of a prompt)")
 
     def preempt(victim: _Request) -> None:
         """Free ``victim`` and re-queue it, to be recomputed from its tokens so far."""
@@ -175,13 +203,11 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
                     counts["refused_admissions"] += 1
                     break
                 waiting.pop(0)
-                req.computed = cached
-                k, v = kv_of(req.tokens[:cached], 0)  # a hit must equal recomputing these tokens
-                req.shadow_k, req.shadow_v = [k], [v]
+                req.computed = cached  # a hit must equal recomputing these tokens (the full check compares)
                 running.append(req)
                 counts["admitted"] += 1
             # 3. work for every running sequence, preempting the newest when the pool is full
-            slots, keys, values = [], [], []
+            batch: dict[int, tuple[torch.Tensor, list[int], int]] = {}  # seq_id -> (slots, all tokens, start)
             scheduled: set[int] = set()
             for req in list(running):
                 if req not in running:
@@ -200,30 +226,48 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
                 scheduled.add(req.seq_id)
                 start = cache.seq_len(req.seq_id)
                 try:
-                    slots.append(cache.append(req.seq_id, new))
+                    slots = cache.append(req.seq_id, new)
                 except OutOfBlocksError as exc:
                     raise SoakFailure(f"step {step}: can_append said yes but append refused: {exc}") from None
-                k, v = kv_of(new, start)
-                keys.append(k)
-                values.append(v)
-                req.shadow_k.append(k)
-                req.shadow_v.append(v)
                 if req.prefilling:
                     req.computed += len(new)
                 else:
                     req.tokens.append(new[0])
                     req.computed += 1
-            # 4. one write_kv for the whole step
-            if slots:
-                be.write_kv(k_pool, v_pool, torch.cat(keys).to(device), torch.cat(values).to(device),
-                            torch.cat(slots).to(device))
-                counts["tokens_written"] += sum(int(s.numel()) for s in slots)
-            # 5. forks (parallel sampling) and finishes
+                batch[req.seq_id] = (slots, req.tokens[:start + len(new)], start)
+            # 4. mid-step: a scheduled sequence aborted or preempted between its reservation and the write
+            if batch and rng.random() < abort_prob:
+                chosen = rng.choice(sorted(batch))
+                victim = next(r for r in running if r.seq_id == chosen)
+                if rng.random() < 0.5:
+                    cache.free(victim.seq_id)
+                    running.remove(victim)
+                    counts["aborted_mid_step"] += 1
+                else:
+                    preempt(victim)
+                    counts["preempted"] -= 1
+                    counts["preempted_mid_step"] += 1
+                if rng.random() < 0.5:  # dropped from the batch; else the forward already ran and writes it
+                    del batch[victim.seq_id]
+            # 5. one write_kv per layer for the whole step, then commit
+            if batch:
+                slot_mapping = torch.cat([b[0] for b in batch.values()]).to(device)
+                for layer in layers:
+                    kvs = [kv_of(tokens, start, layer) for _, tokens, start in batch.values()]
+                    be.write_kv(cache.k_cache(layer), cache.v_cache(layer), torch.cat([k for k, _ in kvs]).to(device),
+                                torch.cat([v for _, v in kvs]).to(device), slot_mapping)
+                counts["tokens_written"] += int(slot_mapping.numel())
+                live = {r.seq_id for r in running}
+                for seq_id, (_, tokens, _) in batch.items():
+                    if seq_id in live:  # an aborted or preempted sequence commits nothing
+                        cache.mark_written(seq_id)
+                        written_prefixes.update(tuple(tokens[:e]) for e in range(bs, len(tokens) + 1, bs))
+            # 6. forks (parallel sampling) and finishes
             decoding = [r for r in running if not r.prefilling]
             if decoding and len(running) < max_running and rng.random() < fork_prob:
                 parent = rng.choice(decoding)
                 child = _Request(next_id, list(parent.tokens), parent.target_len + rng.randrange(0, bs + 1),
-                                 parent.computed, list(parent.shadow_k), list(parent.shadow_v))
+                                 parent.computed)
                 next_id += 1
                 cache.fork(parent.seq_id, child.seq_id)
                 running.append(child)
@@ -282,6 +326,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--backend", default="indexed", help="loop, indexed, triton or MODULE:ATTR (default indexed)")
     p.add_argument("--check-every", type=int, default=50, help="steps between full checks (default 50)")
     p.add_argument("--max-running", type=int, default=10, help="running batch size (default 10)")
+    p.add_argument("--num-layers", type=int, default=2, help="layers, each written and checked (default 2)")
+    p.add_argument("--abort-prob", type=float, default=0.05,
+                   help="chance per step of an abort or preemption between reserve and write (default 0.05)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -293,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
     report = run_soak(args.steps, args.seed, num_blocks=args.num_blocks, block_size=args.block_size,
                       num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype, device=args.device,
                       backend=args.backend, check_every=args.check_every, max_running=args.max_running,
-                      progress=not args.no_progress)
+                      num_layers=args.num_layers, abort_prob=args.abort_prob, progress=not args.no_progress)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -301,7 +348,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"soak: {report['steps']} steps in {report['seconds']:.1f} s, backend {report['backend']}, "
               f"seed {report['seed']}: {'OK' if report['ok'] else 'FAILED'}")
         print(f"  requests: {report['arrived']} arrived, {report['admitted']} admitted, {report['finished']} finished, "
-              f"{report['preempted']} preempted, {report['forks']} forks, {report['refused_admissions']} admissions "
+              f"{report['preempted']} preempted, {report['aborted_mid_step']} aborted and "
+              f"{report['preempted_mid_step']} preempted between reserve and write, {report['forks']} forks, "
+              f"{report['refused_admissions']} admissions "
               f"deferred; max live {report['max_live']}")
         print(f"  tokens written {report['tokens_written']}, full checks {report['checks']}, prefix hit rate "
               f"{s['prefix_hit_rate']:.3f}, copy-on-write copies {s['cow_copies']}, evictions {s['evictions']}, "
