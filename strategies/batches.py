@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from pagedkv.allocator import BlockAllocator
-from pagedkv.testing.cases import LAYOUTS, POISONS, VALUE_PATTERNS, Case, Geometry, SeqSpec
+from pagedkv.testing.cases import FINITE_POISONS, LAYOUTS, POISONS, VALUE_PATTERNS, Case, Geometry, SeqSpec
 from pagedkv.config import blocks_needed
 
 from .geometry import DTYPES, geometries, positions_in, seq_lens
@@ -23,35 +23,55 @@ def _lengths(draw, block_size: int, max_seqs: int, max_len: int, max_q_len: int)
     return out
 
 
+def poisons_for(caps=None) -> tuple[str, ...]:
+    """The poisons a backend's declared preconditions allow (finite ones under ``finite_unused_slots``)."""
+    if caps is not None and "finite_unused_slots" in caps.preconditions:
+        return FINITE_POISONS
+    return POISONS
+
+
 @st.composite
-def _extras(draw, geometry: Geometry, seqs, *, read_only: bool) -> Case:
+def _extras(draw, geometry: Geometry, seqs, *, read_only: bool, caps=None, poisons=None) -> Case:
+    layouts = LAYOUTS if caps is None or caps.strided_pools else ("contiguous",)
     return Case(
         geometry=geometry,
         seqs=tuple(seqs),
         values=draw(st.sampled_from(VALUE_PATTERNS)),
-        poison=draw(st.sampled_from(POISONS)),
+        poison=draw(st.sampled_from(poisons or poisons_for(caps))),
         pad_value=draw(st.sampled_from((-1, -1, 0, geometry.num_blocks))) if read_only else -1,
         pad_columns=draw(st.integers(0, 2)),
         table_dtype=draw(st.sampled_from(("int32", "int64"))),
-        layout=draw(st.sampled_from(LAYOUTS)),
+        layout=draw(st.sampled_from(layouts)),
         scale=draw(st.one_of(st.none(), st.sampled_from((0.5, 1.0, 0.1)))),
         seed=draw(st.integers(0, 2**16)),
     )
 
 
+def _scaled(block_size: int, max_seqs: int, max_len: int) -> tuple[int, int]:
+    """``(max_seqs, max_len)`` for a block size: large blocks get lengths past two blocks (so block
+    boundaries are crossed) and fewer sequences (so the case stays cheap)."""
+    if block_size <= 16:
+        return max_seqs, max_len
+    return min(max_seqs, 2), max(max_len, 2 * block_size + 1)
+
+
 @st.composite
 def cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: int = 6, repeats: bool | None = None,
-          dtypes=DTYPES, **geometry_kwargs) -> Case:
+          dtypes=DTYPES, caps=None, poisons=None, **geometry_kwargs) -> Case:
     """A batch: geometry, per-sequence block tables, lengths, query lengths, scatter starts, pattern, seed.
 
     Tables are a random permutation of the pool split among the sequences (every block owned once,
     unused blocks left over), or, with ``repeats`` (drawn when ``None``), ids drawn independently so
     one physical block can appear several times (valid for reads; writes skip such sequences).
+    ``caps`` (:class:`pagedkv.backends.capabilities.Capabilities`) keeps the case inside a backend's
+    declared space; ``poisons`` overrides the poisons drawn.
     """
-    geometry = draw(geometries(num_blocks=1, dtypes=dtypes, **geometry_kwargs))
+    geometry = draw(geometries(num_blocks=1, dtypes=dtypes, caps=caps, **geometry_kwargs))
     bs = geometry.block_size
-    lengths = draw(_lengths(bs, max_seqs, max_len, max_q_len))
+    lengths = draw(_lengths(bs, *_scaled(bs, max_seqs, max_len), max_q_len))
     need = [blocks_needed(n, bs) for n, _, _ in lengths]
+    if caps is not None and not caps.repeated_blocks:
+        repeats = False
     repeats = draw(st.booleans()) if repeats is None else repeats
     if repeats:
         num_blocks = draw(st.integers(1, max(1, sum(need))))
@@ -66,17 +86,17 @@ def cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: int = 6, rep
     geometry = Geometry(num_blocks, bs, geometry.num_kv_heads, geometry.head_dim, geometry.num_queries_per_kv,
                         geometry.dtype)
     seqs = [SeqSpec(t, n, q, s) for t, (n, q, s) in zip(tables, lengths)]
-    return draw(_extras(geometry, seqs, read_only=repeats))
+    return draw(_extras(geometry, seqs, read_only=repeats, caps=caps, poisons=poisons))
 
 
 @st.composite
 def fragmented_cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: int = 6, dtypes=DTYPES,
-                     **geometry_kwargs) -> Case:
+                     caps=None, poisons=None, **geometry_kwargs) -> Case:
     """A batch whose block tables come from a real :class:`BlockAllocator` after a random alloc/free
     history has scrambled its free list (the layouts a long-running server produces)."""
-    geometry = draw(geometries(num_blocks=1, dtypes=dtypes, **geometry_kwargs))
+    geometry = draw(geometries(num_blocks=1, dtypes=dtypes, caps=caps, **geometry_kwargs))
     bs = geometry.block_size
-    lengths = draw(_lengths(bs, max_seqs, max_len, max_q_len))
+    lengths = draw(_lengths(bs, *_scaled(bs, max_seqs, max_len), max_q_len))
     need = [blocks_needed(n, bs) for n, _, _ in lengths]
     num_blocks = draw(st.integers(max(1, sum(need)), sum(need) + 6))
     allocator = BlockAllocator(num_blocks, bs, enable_prefix_caching=False)
@@ -90,18 +110,38 @@ def fragmented_cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: i
     tables = [tuple(allocator.allocate(k)) for k in need]
     geometry = Geometry(num_blocks, bs, geometry.num_kv_heads, geometry.head_dim, geometry.num_queries_per_kv,
                         geometry.dtype)
-    return draw(_extras(geometry, [SeqSpec(t, n, q, s) for t, (n, q, s) in zip(tables, lengths)], read_only=False))
+    return draw(_extras(geometry, [SeqSpec(t, n, q, s) for t, (n, q, s) in zip(tables, lengths)], read_only=False,
+                        caps=caps, poisons=poisons))
+
+
+LARGE_POOL_BLOCK_SIZES = (1, 16, 64, 256)
+
+
+def large_pool_unsupported(caps) -> str | None:
+    """Why :func:`large_pool_cases` cannot be drawn for a backend's declared space (``None``: it can).
+
+    The cases keep pools of more than 2**24 slots cheap with one kv head of ``head_dim`` 1 in a 16-bit
+    dtype (32 MiB a pool)."""
+    if not caps.head_dims.allows(1) or not caps.num_kv_heads.allows(1):
+        return f"large-pool cases use head_dim 1 and one kv head; declared head_dim {caps.head_dims.describe()}"
+    if not {"float16", "bfloat16"} & caps.dtypes:
+        return "large-pool cases use a 16-bit dtype; none is declared"
+    if caps.max_pool_bytes is not None and caps.max_pool_bytes < 2 * (2**24 + 4 * 256):
+        return f"large-pool cases need pools of 32 MiB; declared max_pool_bytes {caps.max_pool_bytes}"
+    return None
 
 
 @st.composite
-def large_pool_cases(draw, *, min_slots: int = 2**24 + 1) -> Case:
+def large_pool_cases(draw, *, min_slots: int = 2**24 + 1, caps=None, poisons=None) -> Case:
     """One or two short sequences placed at the *end* of a pool of more than ``min_slots`` slots
     (2**24 by default: past float32's exact integers), with tiny heads so the pool stays cheap
     (``num_kv_heads = head_dim = 1``, float16/bfloat16: 2 bytes a slot). Index arithmetic in float32 or
     int32 element offsets misplaces these tokens."""
-    bs = draw(st.sampled_from((1, 16, 64, 256)))
+    bs = draw(st.sampled_from(LARGE_POOL_BLOCK_SIZES if caps is None else caps.block_sizes.choose(LARGE_POOL_BLOCK_SIZES)))
     num_blocks = -(-min_slots // bs) + draw(st.integers(0, 3))
-    geometry = Geometry(num_blocks, bs, 1, 1, draw(st.sampled_from((1, 2))), draw(st.sampled_from(("float16", "bfloat16"))))
+    dtypes = ("float16", "bfloat16") if caps is None else tuple(d for d in ("float16", "bfloat16") if d in caps.dtypes)
+    groups = (1, 2) if caps is None else caps.gqa_groups.choose((1, 2))
+    geometry = Geometry(num_blocks, bs, 1, 1, draw(st.sampled_from(groups)), draw(st.sampled_from(dtypes)))
     seqs = []
     top = num_blocks
     for _ in range(draw(st.integers(1, 2))):
@@ -110,4 +150,5 @@ def large_pool_cases(draw, *, min_slots: int = 2**24 + 1) -> Case:
         table = tuple(range(top - k, top))
         top -= k
         seqs.append(SeqSpec(table, n, min(n, draw(st.integers(1, 3))), draw(positions_in(n, bs))))
-    return Case(geometry, tuple(seqs), values="identity", poison="nan", seed=draw(st.integers(0, 100)))
+    return Case(geometry, tuple(seqs), values="identity", poison=draw(st.sampled_from(poisons or poisons_for(caps))),
+                seed=draw(st.integers(0, 100)))

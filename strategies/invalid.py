@@ -30,16 +30,17 @@ _AMOUNTS = st.one_of(st.just(0), st.integers(0, 3), st.sampled_from((2**31 - 1, 
 
 @st.composite
 def invalid_calls(draw, *, ops=OPS, faults=None, max_seqs: int = 3, max_len: int = 12,
-                  max_q_len: int = 4) -> InvalidCall:
+                  max_q_len: int = 4, caps=None) -> InvalidCall:
     """An :class:`InvalidCall` for one of ``ops``; ``faults`` (names) restricts the faults drawn.
 
     The case is small (``max_seqs`` sequences of at most ``max_len`` tokens); ``scatter`` and
     ``write_kv`` faults use cases whose tables own distinct blocks, so the call would be valid but for
-    the planted fault.
+    the planted fault. ``caps`` keeps the valid part inside a backend's declared space.
     """
     op = draw(st.sampled_from(tuple(ops)))
     write = op in ("scatter", "write_kv")
-    case = draw(cases(max_seqs=max_seqs, max_len=max_len, max_q_len=max_q_len, repeats=False if write else None))
+    case = draw(cases(max_seqs=max_seqs, max_len=max_len, max_q_len=max_q_len, repeats=False if write else None,
+                      caps=caps))
     kinds = [f.name for f in faults_for(op) if (faults is None or f.name in faults) and fault_sites(op, f.name, case)]
     if not kinds:  # restricted to faults this case cannot carry: fall back to one every case carries
         kinds = [f.name for f in faults_for(op) if fault_sites(op, f.name, case)]

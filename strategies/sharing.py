@@ -6,24 +6,27 @@ from hypothesis import strategies as st
 
 from pagedkv.testing.cases import CacheScenario, Geometry
 
-from .geometry import seq_lens
+from .geometry import allowed_dtypes, seq_lens, sized
 
 
 @st.composite
 def scenarios(draw, *, max_ops: int = 14, max_seqs: int = 6, constant_hash: bool | None = None,
-              enable_prefix_caching: bool = True) -> CacheScenario:
+              enable_prefix_caching: bool = True, caps=None) -> CacheScenario:
     """A history of ``add`` (prompt = a shared system prompt + own suffix, under one of two cache
     namespaces or none), ``append``, ``reserve`` (slots without a write: the sequence may be freed
     before it is written, as a preemption or an abort does, or forked first), ``write`` (all or part of
     what was reserved), ``fork`` and ``free`` over a small pool of 1-3 layers, so prefix-cache hits,
     shared partial blocks (copy-on-write), evictions and out-of-blocks refusals all happen. Half the
     forks are followed at once by an append to the parent and one to the child (parallel sampling):
-    both write into a block they still share."""
-    bs = draw(st.sampled_from((1, 2, 3, 4, 5, 8)))
+    both write into a block they still share. ``caps`` keeps the geometry inside a backend's declared
+    space (its smallest allowed sizes: scenario cost grows with the block size)."""
+    bs = draw(sized((1, 2, 3, 4, 5, 8), (), caps.block_sizes if caps else None))
     small_pools = st.integers(2, 8)  # half the pools are small: evictions and refusals are common
-    geometry = Geometry(num_blocks=draw(small_pools | st.integers(2, 24)), block_size=bs, num_kv_heads=draw(st.integers(1, 2)),
-                        head_dim=draw(st.sampled_from((1, 2, 4))), num_queries_per_kv=draw(st.sampled_from((1, 3))),
-                        dtype=draw(st.sampled_from(("float32", "bfloat16"))))
+    geometry = Geometry(num_blocks=draw(small_pools | st.integers(2, 24)), block_size=bs,
+                        num_kv_heads=draw(sized((1, 2), (), caps.num_kv_heads if caps else None)),
+                        head_dim=draw(sized((1, 2, 4), (), caps.head_dims if caps else None)),
+                        num_queries_per_kv=draw(sized((1, 3), (), caps.gqa_groups if caps else None)),
+                        dtype=draw(st.sampled_from(allowed_dtypes(("float32", "bfloat16"), caps))))
     vocab = st.integers(0, 7)  # a small vocabulary makes equal blocks (and hash hits) likely
     systems = draw(st.lists(st.lists(vocab, min_size=0, max_size=0).flatmap(
         lambda _: st.integers(0, 3 * bs + 1).flatmap(lambda n: st.lists(vocab, min_size=n, max_size=n))),

@@ -96,7 +96,7 @@ def test_the_installed_gate_passes_a_correct_candidate(venv, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "implementation under test: good_kv" in out and " passed" in out and "failed" not in out
-    assert str(ROOT) not in _run([str(venv), "-c", "import pagedkv; print(pagedkv.__file__)"]).stdout
+    assert str(ROOT) not in _run([str(venv), "-c", "import pagedkv; print(pagedkv.__file__)"], cwd=tmp_path).stdout
 
 
 def test_the_installed_gate_fails_a_planted_tail_bug_with_a_replayable_case_file(venv, tmp_path):

@@ -22,6 +22,7 @@ from pagedkv.config import blocks_needed, dtype_from_name
 
 VALUE_PATTERNS = ("normal", "identity", "large")
 POISONS = ("nan", "inf", "sentinel", "zero")
+FINITE_POISONS = ("sentinel", "zero")  # for backends that assume finite unused slots
 LAYOUTS = ("contiguous", "kv_interleaved")
 _EXACT_INTEGERS = {"float32": 2**24, "float16": 2**11, "bfloat16": 2**8}  # ids a dtype holds exactly
 _LARGE = 30.0  # |q|, |k| ~ 30: logits in the hundreds, exp() overflows without max subtraction

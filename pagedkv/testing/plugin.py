@@ -101,6 +101,35 @@ def backends_under_test(config: pytest.Config) -> list:
     return [pagedkv.get_backend(name) for name in pagedkv.available_backends()]
 
 
+def _runs_triton_in_interpreter(backend) -> bool:
+    """Whether ``backend`` (not pagedkv's own Triton backend) launches Triton kernels and Triton runs
+    them in its interpreter here."""
+    import inspect
+    import sys
+
+    if os.environ.get("TRITON_INTERPRET") != "1" or "triton" not in sys.modules:
+        return False
+    module = inspect.getmodule(backend) if not inspect.ismodule(backend) else backend
+    if module is None or module.__name__ == "pagedkv.backends.triton":
+        return False
+    return any(getattr(v, "__module__", "").startswith("triton") or getattr(v, "__name__", "") == "triton"
+               for v in vars(module).values())
+
+
+def capabilities_under_test(backend):
+    """The backend's declared :class:`~pagedkv.backends.capabilities.Capabilities`, less ``bfloat16``
+    for a Triton candidate run by the interpreter (there ``tl.dot`` on bfloat16 multiplies bit
+    patterns as integers, a Triton bug; pagedkv's own kernel upcasts first)."""
+    import dataclasses
+
+    from pagedkv.backends.capabilities import capabilities_of
+
+    caps = capabilities_of(backend)
+    if "bfloat16" in caps.dtypes and len(caps.dtypes) > 1 and _runs_triton_in_interpreter(backend):
+        caps = dataclasses.replace(caps, dtypes=caps.dtypes - {"bfloat16"})
+    return caps
+
+
 def pick_device(config: pytest.Config | None = None) -> str:
     """``--pagedkv-device`` / ``$PAGEDKV_DEVICE``, else ``cuda:N`` (xdist worker ``gwK`` takes
     ``K % device_count``), else ``cpu``."""
@@ -139,6 +168,9 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
         f"pagedkv device: {device} [{name}]; Hypothesis profile: {config.stash.get(_PROFILE, '?')}",
         f"versions: torch {torch.__version__}, triton {triton_version}{interp}, hypothesis {hypothesis.__version__}",
     ]
+    if spec:
+        for backend in backends_under_test(config):
+            lines.append(f"pagedkv declared space: {capabilities_under_test(backend).summary()}")
     left = _crashed_case_files()
     if left:
         lines.append(f"pagedkv: {len(left)} case file(s) left by a run that crashed mid-case (replay them): "
@@ -260,7 +292,7 @@ def check(request):
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """A worker that died mid-case (out of memory, a device fault) is reported by xdist as a crash:
     point at the case file it left."""
-    if report.failed and report.when == "call" and "crashed" in str(report.longrepr)[:2000]:
+    if report.failed and "crashed while running" in str(report.longrepr)[:2000]:
         path = case_file_path(report.nodeid)
         if path.exists():
             report.sections.append(("pagedkv", f"crashed while running the case in {path}\n"

@@ -37,7 +37,8 @@ class Property:
         sentence: what the property asserts, in one sentence.
         ops: backend ops it needs; a backend lacking one has the property skipped with the reason.
         check: ``check(backend, case, device)``; with ``pair=True``, ``check(first, second, case, device)``.
-        strategy: a zero-argument callable returning the Hypothesis strategy of its cases.
+        strategy: ``strategy(caps)`` returns the Hypothesis strategy of its cases inside the declared
+            space ``caps`` (a :class:`~pagedkv.backends.capabilities.Capabilities`, or ``None``: everything).
         examples: a zero-argument callable returning explicit cases that always run (``@example``).
         max_examples: a cap below the profile's example count (expensive cases).
         pair: the check compares two backends (a candidate is compared with the ``indexed`` backend).
@@ -45,38 +46,50 @@ class Property:
             (:class:`~pagedkv.testing.cases.CacheScenario`) or ``"invalid"``
             (:class:`~pagedkv.testing.invalid.InvalidCall`).
         aliases: ``(check_function_name, transform)`` pairs that older case files record.
+        requires: ``requires(caps)`` says why a backend's declared space cannot run the property
+            (``None``: it can); the suite skips it with that reason.
     """
 
     name: str
     sentence: str
     ops: tuple[str, ...]
     check: Callable[..., None]
-    strategy: Callable[[], Any]
+    strategy: Callable[[Any], Any]
     examples: Callable[[], tuple] = tuple
     max_examples: int | None = None
     pair: bool = False
     kind: str = "case"
     aliases: tuple[tuple[str, str | None], ...] = field(default=())
+    requires: Callable[[Any], str | None] = lambda caps: None
 
 
 def _declare() -> list[Property]:
-    import strategies as s  # noqa: F401  (imported lazily inside the lambdas below)
-
     from pagedkv.testing import checks, invalid, known_cases as kc
 
     def mixed(**kw):
-        def build():
+        def build(caps=None, poisons=None):
             import strategies as s
 
-            return s.cases(**kw) | s.fragmented_cases()
+            return s.cases(caps=caps, poisons=poisons, **kw) | s.fragmented_cases(caps=caps, poisons=poisons)
         return build
 
     def lazy(name, **kw):
-        def build():
+        def build(caps=None, poisons=None):
             import strategies as s
 
-            return getattr(s, name)(**kw)
+            return getattr(s, name)(caps=caps, **kw, **({"poisons": poisons} if poisons else {}))
         return build
+
+    def large_pool(caps):
+        from strategies.batches import large_pool_unsupported
+
+        return large_pool_unsupported(caps)
+
+    transform_needs = {
+        "layout": lambda caps: None if caps.strided_pools else "the backend declares contiguous pools only",
+        "strided_metadata": lambda caps: None if caps.strided_metadata else "the backend declares contiguous "
+                                                                              "metadata only",
+    }
 
     data, attn = ("gather", "scatter", "write_kv"), ("paged_attention",)
     props = [
@@ -124,13 +137,13 @@ def _declare() -> list[Property]:
             f"outputs_are_bit_identical_under_{t}",
             f"gathers and attention are bit-identical after the '{t}' transform of the inputs",
             (), partial(checks.invariant_under, transform=t), lazy("cases"), lambda: (kc.C6, kc.C8),
-            aliases=(("invariant_under", t),)))
+            aliases=(("invariant_under", t),), requires=transform_needs.get(t, lambda caps: None)))
     for op, fn in (("gather", checks.gather_matches_definition), ("scatter", checks.scatter_round_trip),
                    ("write_kv", checks.write_kv_matches_definition)):
         props.append(Property(
             f"{op}_is_exact_on_pools_past_2_24_slots",
             f"{op} places tokens exactly in the last blocks of pools of more than 2**24 slots",
-            (op,), fn, lazy("large_pool_cases"), max_examples=LARGE_POOL_EXAMPLES))
+            (op,), fn, lazy("large_pool_cases"), max_examples=LARGE_POOL_EXAMPLES, requires=large_pool))
     for op in invalid.OPS:
         props.append(Property(
             f"{op}_rejects_bad_arguments_and_writes_nothing",

@@ -1,50 +1,88 @@
 """One test per registered property (:mod:`pagedkv.testing.registry`), named ``test_<property>``.
 
-Each draws its cases from the property's strategy, always runs its explicit examples, and skips with
-the reason when the backend lacks an op the property needs.
+Each draws its cases inside the backend's declared space
+(:class:`~pagedkv.backends.capabilities.Capabilities`), always runs the explicit examples that fit it,
+and skips with the reason when the backend lacks an op or its declared space cannot run the property.
+
+A backend that declares a *precondition* (for example ``finite_unused_slots``) is also run, by
+``test_finding_outside_declared_preconditions``, on cases that break it: a failure there is reported
+as a finding (an ``xfail`` naming what happened, plus the case file), never hidden and never passed
+off as conformance.
 """
 
 from __future__ import annotations
 
+from functools import cache
+
 import pytest
 from hypothesis import example, given, settings
 
+from pagedkv.backends import backend_name
+from pagedkv.backends.capabilities import Capabilities
+from pagedkv.testing.databases import property_key
 from pagedkv.testing.registry import Property, missing_ops_for, properties
+from pagedkv.testing.plugin import capabilities_under_test
 
 pytestmark = pytest.mark.pagedkv
 
+#: What a precondition forbids, as the strategy override that draws cases breaking it.
+VIOLATIONS = {"finite_unused_slots": {"poisons": ("nan", "inf")}}
 
-def _make_test(prop: Property):
-    def body(check, backend, device, case):
-        check(prop, backend, case, device)
 
-    def pair_body(check, backend_pair, device, case):
-        first, second = backend_pair
-        check(prop, first, second, case, device)
+def _geometry(case):
+    return getattr(case, "geometry", None) or case.case.geometry
 
-    test = given(case=prop.strategy())(pair_body if prop.pair else body)
+
+def _fits(case, caps: Capabilities, violating: bool = False) -> bool:
+    """Whether an explicit example lies in the declared space (and breaks the precondition when
+    ``violating``, keeps it otherwise)."""
+    if caps.rejects(_geometry(case)):
+        return False
+    poison = getattr(case, "poison", None) or getattr(getattr(case, "case", None), "poison", None)
+    breaks = "finite_unused_slots" in caps.preconditions and poison in ("nan", "inf")
+    return breaks if violating else not breaks
+
+
+@cache
+def _hypothesis_test(prop: Property, caps: Capabilities, violation: str | None = None):
+    """The property as a Hypothesis test over cases inside ``caps`` (breaking ``violation`` if given)."""
+    def body(check, backends, device, case):
+        check(prop, *backends, case, device)
+
+    overrides = VIOLATIONS.get(violation, {})
+    test = given(case=prop.strategy(caps, **overrides))(body)
     for case in reversed(prop.examples()):
-        test = example(case=case)(test)
+        if _fits(case, caps, violating=violation is not None):
+            test = example(case=case)(test)
     if prop.max_examples is not None:
         test = settings(max_examples=min(settings().max_examples, prop.max_examples))(test)
+    # A distinct database key per property: Hypothesis keys its example database by the test function.
+    test.hypothesis.inner_test._hypothesis_internal_add_digest = f"{prop.name}/{violation}".encode()
+    return test
 
+
+def _run(prop: Property, check, backends: tuple, device: str) -> None:
+    for b in backends:
+        missing = missing_ops_for(b, prop)
+        if missing:
+            pytest.skip(f"{getattr(b, 'name', b)} does not provide {missing[0]!r}: needed by {prop.name}")
+    caps = capabilities_under_test(backends[-1])
+    reason = prop.requires(caps)
+    if reason:
+        pytest.skip(f"{prop.name}: {reason}")
+    test = _hypothesis_test(prop, caps)
+    # keyed per property and backend(s), as `python -m pagedkv fuzz` keys it: each replays what the other found
+    test._hypothesis_internal_database_key = property_key(prop.name, *(backend_name(b) for b in backends))
+    test(check, backends, device)
+
+
+def _make_test(prop: Property):
     if prop.pair:
         def run(check, backend_pair, device):
-            first, second = backend_pair
-            missing = missing_ops_for(first, prop) + missing_ops_for(second, prop)
-            if missing:
-                pytest.skip(f"no op {missing[0]!r}: needed by {prop.name}")
-            test(check, backend_pair, device)
+            _run(prop, check, tuple(backend_pair), device)
     else:
         def run(check, backend, device):
-            missing = missing_ops_for(backend, prop)
-            if missing:
-                pytest.skip(f"{getattr(backend, 'name', backend)} does not provide {missing[0]!r}: needed by "
-                            f"{prop.name}")
-            test(check, backend, device)
-
-    # A distinct digest per property: Hypothesis keys its example database by the test function.
-    test.hypothesis.inner_test._hypothesis_internal_add_digest = prop.name.encode()
+            _run(prop, check, (backend,), device)
     run.__name__ = run.__qualname__ = f"test_{prop.name}"
     run.__doc__ = prop.sentence
     return run
@@ -52,3 +90,38 @@ def _make_test(prop: Property):
 
 for _prop in properties().values():
     globals()[f"test_{_prop.name}"] = _make_test(_prop)
+
+_FINDING_PROPERTIES = [p for p in properties().values() if p.kind == "case" and not p.pair]
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.function.__name__ != "test_finding_outside_declared_preconditions":
+        return
+    from pagedkv.testing.plugin import backends_under_test
+
+    params, ids = [], []
+    for backend in backends_under_test(metafunc.config):
+        for precondition in sorted(capabilities_under_test(backend).preconditions):
+            for prop in _FINDING_PROPERTIES:
+                params.append((backend, precondition, prop))
+                ids.append(f"{getattr(backend, 'name', 'backend')}-{precondition}-{prop.name}")
+    if not params:
+        metafunc.parametrize("finding", [pytest.param(None, marks=pytest.mark.skip(
+            reason="no backend under test declares a precondition"))], ids=["none"])
+    else:
+        metafunc.parametrize("finding", params, ids=ids)
+
+
+def test_finding_outside_declared_preconditions(check, finding, device):
+    """Non-gating: a property on cases that break a precondition the backend declares."""
+    backend, precondition, prop = finding
+    for op in missing_ops_for(backend, prop):
+        pytest.skip(f"{getattr(backend, 'name', backend)} does not provide {op!r}")
+    caps = capabilities_under_test(backend)
+    if prop.requires(caps):
+        pytest.skip(prop.requires(caps))
+    try:
+        _hypothesis_test(prop, caps, precondition)(check, (backend,), device)
+    except AssertionError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        pytest.xfail(f"finding (outside the declared precondition '{precondition}'): {first}")

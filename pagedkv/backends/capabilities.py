@@ -1,0 +1,175 @@
+"""What a backend supports: sizes, dtypes, layouts, features, and the preconditions it assumes.
+
+Production kernels support a space of inputs, not every input: vLLM's CPU attention takes head
+dims in {32, 48, ..., 512} and block sizes that are multiples of 16; many kernels need contiguous
+pools. A backend says so with a ``capabilities`` attribute::
+
+    from pagedkv.backends.capabilities import Capabilities, Sizes
+
+    capabilities = Capabilities(
+        block_sizes=Sizes(multiple_of=16),
+        head_dims=Sizes(values={32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}),
+        dtypes={"float32", "bfloat16"},
+        strided_pools=False,
+        preconditions={"finite_unused_slots"},
+    )
+
+The conformance suite draws cases inside the declared space, skips a property that needs more
+(with the reason), and runs the properties a declared *precondition* would exclude as separate,
+non-gating checks whose failures are reported as findings. A backend without the attribute is
+assumed to support everything (as the built-in ``loop``, ``indexed`` and ``triton`` do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+DTYPE_NAMES = frozenset({"float32", "float16", "bfloat16"})
+FEATURE_NAMES = frozenset({"window", "softcap", "alibi", "sinks", "fp8"})
+
+#: name -> what a backend that declares it assumes about its inputs.
+PRECONDITIONS = {
+    "finite_unused_slots": "slots no sequence owns (the unused tail of a last block, unowned blocks) hold finite "
+                           "values, as an engine that zeroes new blocks guarantees",
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """A set of allowed positive integers: explicit ``values``, or ``min .. max`` in steps of ``multiple_of``.
+
+    Raises (on construction):
+        ValueError: ``multiple_of`` or ``min`` below 1, ``max < min``, or a non-positive value.
+    """
+
+    values: frozenset[int] | None = None
+    multiple_of: int = 1
+    min: int = 1
+    max: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.values is not None:
+            object.__setattr__(self, "values", frozenset(int(v) for v in self.values))
+            if not self.values or min(self.values) < 1:
+                raise ValueError(f"Sizes.values must be non-empty positive ints, got {sorted(self.values)}")
+        if self.multiple_of < 1 or self.min < 1 or (self.max is not None and self.max < self.min):
+            raise ValueError(f"Sizes needs multiple_of >= 1, min >= 1, max >= min; got {self}")
+
+    def allows(self, n: int) -> bool:
+        """Whether ``n`` is in the set."""
+        if self.values is not None:
+            return n in self.values
+        return n >= self.min and (self.max is None or n <= self.max) and n % self.multiple_of == 0
+
+    def choose(self, preferred: Iterable[int]) -> tuple[int, ...]:
+        """The allowed members of ``preferred`` in its order; when none is allowed, the smallest few
+        members of the set itself (so a strategy always has something to draw)."""
+        picked = tuple(n for n in preferred if self.allows(n))
+        if picked:
+            return picked
+        if self.values is not None:
+            return tuple(sorted(self.values))
+        first = -(-self.min // self.multiple_of) * self.multiple_of
+        return tuple(n for n in range(first, first + 4 * self.multiple_of, self.multiple_of)
+                     if self.max is None or n <= self.max) or (first,)
+
+    def describe(self) -> str:
+        if self.values is not None:
+            return "{" + ", ".join(map(str, sorted(self.values))) + "}"
+        parts = [f"multiple of {self.multiple_of}"] if self.multiple_of > 1 else []
+        if self.min > 1 or self.max is not None:
+            parts.append(f"{self.min}..{self.max if self.max is not None else 'inf'}")
+        return ", ".join(parts) or "any"
+
+
+ANY = Sizes()
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """The input space a backend supports (see the module docstring).
+
+    Attributes:
+        block_sizes, head_dims, gqa_groups, num_kv_heads: allowed sizes (``num_q_heads // num_kv_heads``
+            for ``gqa_groups``).
+        dtypes: names of the pool/query dtypes it takes (``float32``, ``float16``, ``bfloat16``).
+        max_pool_bytes: the largest pool (one of K or V) it should be given; ``None`` = no limit.
+        strided_pools: takes non-contiguous pool views (``kv[:, 0]`` of an interleaved arena).
+        strided_metadata: takes strided ``block_tables`` / ``seq_lens`` / ``query_start_loc`` views.
+        repeated_blocks: reads tables that name one physical block twice.
+        features: attention features it implements (:data:`FEATURE_NAMES`).
+        preconditions: assumptions about its inputs (:data:`PRECONDITIONS`).
+
+    Raises (on construction):
+        ValueError: an unknown dtype, feature or precondition name.
+    """
+
+    block_sizes: Sizes = ANY
+    head_dims: Sizes = ANY
+    gqa_groups: Sizes = ANY
+    num_kv_heads: Sizes = ANY
+    dtypes: frozenset[str] = DTYPE_NAMES
+    max_pool_bytes: int | None = None
+    strided_pools: bool = True
+    strided_metadata: bool = True
+    repeated_blocks: bool = True
+    features: frozenset[str] = frozenset()
+    preconditions: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("dtypes", DTYPE_NAMES), ("features", FEATURE_NAMES),
+                              ("preconditions", frozenset(PRECONDITIONS))):
+            value = frozenset(getattr(self, name))
+            unknown = value - allowed
+            if unknown:
+                raise ValueError(f"Capabilities.{name}: unknown {sorted(unknown)}; known: {sorted(allowed)}")
+            object.__setattr__(self, name, value)
+        if not self.dtypes:
+            raise ValueError("Capabilities.dtypes must name at least one dtype")
+
+    def rejects(self, geometry: Any) -> str | None:
+        """Why ``geometry`` (anything with ``block_size``, ``head_dim``, ``num_kv_heads``,
+        ``num_queries_per_kv``, ``dtype``, ``num_blocks``) is outside the space, or ``None``."""
+        checks = (("block_size", self.block_sizes, geometry.block_size),
+                  ("head_dim", self.head_dims, geometry.head_dim),
+                  ("num_kv_heads", self.num_kv_heads, geometry.num_kv_heads),
+                  ("GQA group", self.gqa_groups, geometry.num_queries_per_kv))
+        for what, sizes, n in checks:
+            if not sizes.allows(n):
+                return f"{what} {n} is outside the declared {sizes.describe()}"
+        if geometry.dtype not in self.dtypes:
+            return f"dtype {geometry.dtype} is not among the declared {sorted(self.dtypes)}"
+        if self.max_pool_bytes is not None:
+            bytes_per = {"float32": 4, "float16": 2, "bfloat16": 2}[geometry.dtype]
+            size = geometry.num_blocks * geometry.block_size * geometry.num_kv_heads * geometry.head_dim * bytes_per
+            if size > self.max_pool_bytes:
+                return f"a pool of {size} bytes exceeds the declared max_pool_bytes {self.max_pool_bytes}"
+        return None
+
+    def summary(self) -> str:
+        """One line for reports."""
+        parts = [f"block_size {self.block_sizes.describe()}", f"head_dim {self.head_dims.describe()}",
+                 f"GQA group {self.gqa_groups.describe()}", f"dtypes {sorted(self.dtypes)}"]
+        if not self.strided_pools:
+            parts.append("contiguous pools only")
+        if self.preconditions:
+            parts.append(f"assumes {sorted(self.preconditions)}")
+        return "; ".join(parts)
+
+
+def capabilities_of(backend: Any) -> Capabilities:
+    """``backend.capabilities`` when it is a :class:`Capabilities`; else every size, dtype and layout,
+    with ``features`` taken from a ``FEATURES`` attribute (none when the backend has no such attribute:
+    an undeclared feature is reported as not covered, never as passed).
+
+    Raises:
+        TypeError: ``backend.capabilities`` exists but is not a :class:`Capabilities`.
+    """
+    caps = getattr(backend, "capabilities", None)
+    if caps is None:
+        return Capabilities(features=frozenset(getattr(backend, "FEATURES", ())))
+    if not isinstance(caps, Capabilities):
+        raise TypeError(f"{getattr(backend, 'name', backend)!r}.capabilities must be a "
+                        f"pagedkv.backends.capabilities.Capabilities, got {type(caps).__name__}")
+    return caps
