@@ -208,17 +208,22 @@ def trusted_backend_spec(spec: object) -> bool:
     return canonical_backend_spec(spec) is not None
 
 
-def require_trusted_backends(record: dict, *, impl: str | None = None, other: str | None = None) -> dict:
+def require_trusted_backends(record: dict, *, impl: str | None = None, other: str | None = None,
+                             check_backend: bool = True) -> dict:
     """Apply :func:`trusted_backend_spec` to a validated record's ``backend`` and ``other``.
 
     A spec the caller names (``impl`` replaces ``backend``, ``other`` replaces ``other``) is the
     caller's choice and is not checked; a recorded one must be trusted and is replaced by its
-    canonical spec. In the returned record every spec is one of the two.
+    canonical spec. In the returned record every spec is one of the two (or ``None``).
 
     Args:
         record: a record :func:`validate_record` accepted.
         impl: backend spec the caller runs instead of the recorded ``backend``.
         other: second backend spec the caller runs instead of the recorded ``other``.
+        check_backend: ``False`` for callers that run a backend object of their own (the regression
+            and mutants runners): an untrusted recorded ``backend`` is then no error but is moved to
+            ``recorded_backend`` and ``backend`` becomes ``None``, so nothing loads it. ``other`` is
+            checked either way.
 
     Returns:
         A copy of ``record`` with ``backend`` and ``other`` the specs to load.
@@ -236,7 +241,9 @@ def require_trusted_backends(record: dict, *, impl: str | None = None, other: st
         if recorded is None:
             continue
         spec = canonical_backend_spec(recorded)
-        if spec is None:
+        if spec is None and key == "backend" and not check_backend:
+            out["recorded_backend"], spec = recorded, None
+        elif spec is None:
             raise CaseFileError(key, f"the case file names backend {recorded!r}, which is loaded only when you name "
                                      f"it yourself (a case file may name only {', '.join(BUILTIN_BACKENDS)}, "
                                      f"{MUTANTS_MODULE}:NAME or {PEERS_MODULE}:NAME); if you trust that code, "
@@ -581,7 +588,7 @@ def build_case(record: dict) -> Any:
 
 
 def load_case_file(path: str | Path, *, max_bytes: int | None = None, impl: str | None = None,
-                   other: str | None = None) -> dict:
+                   other: str | None = None, check_backend: bool = True) -> dict:
     """Read, check and rebuild a case file: the bytes (:func:`parse_case_bytes`), the schema,
     consistency and memory budget (:func:`validate_record`), the backends it names
     (:func:`require_trusted_backends`), in that order, before any tensor exists.
@@ -592,6 +599,8 @@ def load_case_file(path: str | Path, *, max_bytes: int | None = None, impl: str 
         impl: backend spec the caller will run instead of the recorded one (then the recorded one
             need not be trusted).
         other: second backend spec the caller will run instead of the recorded ``other``.
+        check_backend: ``False`` when the caller runs a backend object of its own and never loads the
+            recorded one (see :func:`require_trusted_backends`).
 
     Returns:
         The record (see :func:`validate_record`) with ``case`` rebuilt as a ``Case``,
@@ -601,6 +610,6 @@ def load_case_file(path: str | Path, *, max_bytes: int | None = None, impl: str 
         CaseFileError: the first problem; ``field`` names it (``file`` for the bytes).
     """
     record = validate_record(parse_case_bytes(read_case_bytes(path)), max_bytes=max_bytes)
-    record = require_trusted_backends(record, impl=impl, other=other)
+    record = require_trusted_backends(record, impl=impl, other=other, check_backend=check_backend)
     record["case"] = build_case(record)
     return record

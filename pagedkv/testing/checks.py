@@ -579,7 +579,8 @@ def save_failure(check: str, backend_spec: str, case: Any, *, other: str | None 
 def load_failure(path: str | Path, **options) -> dict:
     """Read a case file: the record with ``case`` rebuilt as a :class:`Case`, :class:`CacheScenario` or
     :class:`pagedkv.testing.invalid.InvalidCall` (by its ``kind``), after the checks of
-    :func:`pagedkv.testing.casefile.load_case_file` (``options``: ``max_bytes``, ``impl``, ``other``).
+    :func:`pagedkv.testing.casefile.load_case_file` (``options``: ``max_bytes``, ``impl``, ``other``,
+    ``check_backend``).
 
     Raises:
         CaseFileError (a ``ValueError``): malformed, oversized, or naming a backend a file may not name.
