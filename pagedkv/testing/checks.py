@@ -175,7 +175,34 @@ def attention_matches_reference(backend: Any, case: Case, device: str = "cpu") -
     try:
         assert_attention_close(out.cpu(), expected, max_abs_logit=max_logit, max_abs_value=max_v)
     except AssertionError as exc:
-        raise Mismatch(f"paged_attention vs fp64 reference: {exc}") from None
+        where = locate_attention(case, out.cpu(), expected)
+        raise Mismatch(f"paged_attention vs fp64 reference at {describe_attention(where)}: {exc}", where) from None
+
+
+def locate_attention(case: Case, actual: torch.Tensor, expected: torch.Tensor) -> dict:
+    """Where an attention output is worst: ``{"seq", "position", "query_head", "kv_head", "dim", "blocks",
+    "expected", "actual"}`` for the element of largest error (a non-finite one first).
+
+    ``position`` is the query's position in its sequence (``seq_len - q_len + i``); ``blocks`` are the
+    physical blocks its keys came from (the table entries up to that position)."""
+    err = (actual.double() - expected.double()).abs()
+    err = torch.where(torch.isfinite(actual), err, torch.full_like(err, float("inf")))
+    row, head, dim = (int(x) for x in torch.nonzero(err == err.max())[0])
+    qsl, bs = case.query_start_loc_list, case.geometry.block_size
+    seq = max(b for b in range(len(case.seqs)) if qsl[b] <= row)
+    s = case.seqs[seq]
+    position = s.seq_len - s.q_len + (row - qsl[seq])
+    return {"seq": seq, "position": position, "query_head": head,
+            "kv_head": head // case.geometry.num_queries_per_kv, "dim": dim,
+            "blocks": list(case.used_table(seq)[: position // bs + 1]),
+            "expected": [float(expected[row, head, dim])], "actual": [float(actual[row, head, dim])]}
+
+
+def describe_attention(where: dict) -> str:
+    """One line for :func:`locate_attention`'s dict."""
+    return (f"sequence {where['seq']}, query position {where['position']}, query head {where['query_head']} "
+            f"(kv head {where['kv_head']}), dim {where['dim']}, keys from blocks {where['blocks']}: got "
+            f"{where['actual'][0]!r}, expected {where['expected'][0]!r}")
 
 
 # -- agreement and invariances -----------------------------------------------------------------------
@@ -451,7 +478,7 @@ def run_scenario(backend: Any, scenario: CacheScenario, device: str = "cpu",
                 pass
             model.observe_evictions(f"after {op!r}")
         except ModelMismatch as exc:
-            raise Mismatch(str(exc), {"seq": seq_id}) from None
+            raise Mismatch(str(exc), exc.where or {"seq": seq_id}) from None
         shadow.clear()
         shadow.update({s: list(m.tokens) for s, m in model.seqs.items()})
         if after_op is not None:
@@ -493,7 +520,7 @@ def check_live_sequences(backend: Any, cache: PagedKVCache, shadow: dict, scenar
         try:
             model.check()
         except ModelMismatch as exc:
-            raise Mismatch(str(exc)) from None
+            raise Mismatch(str(exc), exc.where) from None
         return
     cache.check_invariants()
     for seq_id, tokens in shadow.items():
