@@ -72,8 +72,9 @@ def test_a_sharing_failure_maps_the_live_tables_at_the_failing_step():
     path = checks.save_failure("sharing_isolated", "pagedkv.testing.mutants:no_copy_on_write", SCENARIO)
     code, out = _run(path)
     assert code == 1 and "hands out slot 6 (position 6) in block 1" in out
-    # both still share block 1, the partial block forked mid-way (no copy-on-write): the other entry shows "="
-    assert "seq 0 | [0 ] [1*]" in out and "seq 1 | [0 ] [1=]" in out
+    # the tables as they were when the append failed (block 2 already added to sequence 0); both still
+    # share block 1, the partial block forked mid-way (no copy-on-write): the other entry shows "="
+    assert "seq 0 | [0 ] [1*] [2 ]" in out and "seq 1 | [0 ] [1=]" in out
     assert "block 1: | . . x . |" in out
 
 
@@ -130,3 +131,66 @@ def test_an_invalid_call_accepted_without_checks_replays_as_a_failure(tmp_path, 
     text = out.getvalue()
     assert "raised nothing; the contract requires IndexError" in text and "seq 0 |" in text
     assert replay(path, impl="loop", out=io.StringIO()) == 0  # the real backend refuses it
+
+
+SLOPPY_GATHER = ("from pagedkv.backends import indexed\n"
+                 "name = 'sloppy_gather'\n"
+                 "write_kv, paged_attention = indexed.write_kv, indexed.paged_attention\n"
+                 "def gather(cache, block_table, seq_len, validate=True):\n"
+                 "    out = indexed.gather(cache, block_table, seq_len, validate)\n"
+                 "    if seq_len > 6:\n"
+                 "        out[6] = 0.0\n"
+                 "    return out\n")
+
+
+def test_a_scenario_read_that_differs_prints_expected_and_actual_kv(tmp_path):
+    (tmp_path / "sloppy_gather.py").write_text(SLOPPY_GATHER)
+    path = checks.save_failure("sharing_isolated", "indexed", SCENARIO)
+    code, out = _run(path, ("impl", str(tmp_path / "sloppy_gather.py")))
+    assert code == 1
+    assert "sequence:         0" in out and "logical position: 6" in out
+    expected = next(line for line in out.splitlines() if line.startswith("  expected:"))
+    actual = next(line for line in out.splitlines() if line.startswith("  actual:"))
+    assert "K [" in expected and "V [" in expected and "K [0, 0, 0, 0, ...]  V [0, 0, 0, 0, ...]" in actual
+    assert "* = first bad block" in out and "*]" in out  # the marker the legend promises is drawn
+
+
+def test_an_attention_failure_prints_the_first_differing_rows_and_no_false_marker():
+    case = Case(Geometry(8, 4, 2, 4, 2), (SeqSpec((2, 3, 6), 9, 3, 0), SeqSpec((0, 1), 8, 1, 0)), seed=7)
+    path = checks.save_failure("attention_matches_reference", "pagedkv.testing.mutants:gqa_modulo", case)
+    code, out = _run(path)
+    assert code == 1 and "compare the outputs above" not in out
+    rows = [line for line in out.splitlines() if line.startswith("  attention of sequence")]
+    assert len(rows) <= 3 and all("expected [" in r and "actual [" in r for r in rows)
+    assert rows or ("  expected:" in out and "  actual:" in out)  # located by replay, or by the check itself
+    assert ("* = first bad block" in out) == ("*]" in out)  # the legend promises only the marker it draws
+
+
+def test_the_legend_names_only_markers_it_draws():
+    text = block_table_map({0: [1, 2], 1: [4]}, 4, seq=1)
+    assert "*" not in text and "< = the failing sequence" in text and "seq 1 | [4 ]   < the failing sequence" in text
+    text = block_table_map({0: [1, 2], 1: [2]}, 4, seq=0, position=5)
+    assert "* = first bad block" in text and "[2*]" in text and "= = the same block in another table" in text
+
+
+def test_a_scenario_failure_shows_the_tables_live_when_it_failed():
+    path = checks.save_failure("prefix_cache_transparent", "pagedkv.testing.mutants:no_copy_on_write", SCENARIO)
+    code, out = _run(path)
+    assert code == 1 and "(none live)" not in out
+    assert "seq 0 | [0 ] [1" in out and "seq 1 | [0 ] [1" in out
+
+
+def test_an_unlocated_mismatch_gets_the_first_differences_from_the_backend():
+    from pagedkv.cli.replay import _report_where
+    from pagedkv.testing import mutants
+
+    case = Case(Geometry(8, 4, 2, 4, 2), (SeqSpec((2, 3, 6), 9, 3, 0), SeqSpec((0, 1), 8, 1, 0)), seed=7)
+    out = io.StringIO()
+    _report_where({}, case, {}, out, backend=mutants.MUTANTS["gqa_modulo"](), device="cpu")
+    text = out.getvalue()
+    rows = [line for line in text.splitlines() if line.startswith("  attention of sequence")]
+    assert 1 <= len(rows) <= 3 and all("expected [" in r and "actual [" in r for r in rows)
+    assert "*" not in text  # nothing located at one block: no marker, and no legend promising one
+    out = io.StringIO()
+    _report_where({}, case, {}, out, backend=mutants.MUTANTS["off_by_one_last_block"](), device="cpu")
+    assert "gather of sequence 1, position 4: expected" in out.getvalue() and "seq 1 | [0 ] [1*]" in out.getvalue()

@@ -125,8 +125,8 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
             print(f"  recorded failure: {record['error']}", file=out)
     snapshot: dict[int, list[int]] = {}
     try:
-        if check == "sharing_isolated":  # keep the live tables at the failing step for the map
-            _sharing_with_snapshot(backend, record["case"], device, snapshot)
+        if hasattr(record["case"], "ops"):  # a cache scenario: keep the live tables at the failing step for the map
+            _sharing_with_snapshot(backend, record["case"], device, snapshot, record)
         else:
             run_record(record, backend, device)
     except MissingOp as exc:
@@ -137,7 +137,8 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
         if not quiet:
             print(f"  {exc}", file=out)
             case = record["case"]
-            _report_where(exc.where, getattr(case, "case", case), snapshot, out)  # an InvalidCall wraps a Case
+            _report_where(exc.where, getattr(case, "case", case), snapshot, out,  # an InvalidCall wraps a Case
+                          backend=backend, device=device)
         return 1
     except Exception as exc:  # an assertion of another kind, or a crash: a failure all the same
         print(f"FAILS: {check} on {spec} ({device}): {type(exc).__name__}: {exc}", file=out)
@@ -148,18 +149,82 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
     return 0
 
 
-def _sharing_with_snapshot(backend: Any, scenario, device: str, snapshot: dict) -> None:
-    """:func:`pagedkv.testing.checks.sharing_isolated`, recording every live block table before each check."""
-    from pagedkv.testing.checks import check_live_sequences, require, run_scenario
+class _RecordingBackend:
+    """``backend`` with a ``cache_class`` that remembers every cache it makes (the backend's own cache
+    manager when it ships one), so the live tables can be read at the moment a check fails."""
 
-    require(backend, "gather")
+    def __init__(self, backend: Any) -> None:
+        from pagedkv.cache import PagedKVCache
 
-    def after(cache, shadow):
-        snapshot.clear()
-        snapshot.update({seq: list(cache.block_table(seq).tolist()) for seq in shadow})
-        check_live_sequences(backend, cache, shadow, scenario)
+        made = self.caches = []
 
-    run_scenario(backend, scenario, device, after)
+        class Recording(getattr(backend, "cache_class", None) or PagedKVCache):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                made.append(self)
+
+        self._backend = backend
+        self.cache_class = Recording
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+def _sharing_with_snapshot(backend: Any, scenario, device: str, snapshot: dict, record: dict | None = None) -> None:
+    """Run a cache scenario's check (``sharing_isolated`` unless ``record`` names another) and, when it
+    fails, leave in ``snapshot`` the block table of every sequence live at that moment (in the first
+    cache the check made) and add the expected and actual K/V of the first bad read to the mismatch."""
+    from pagedkv.testing.checks import Mismatch, run_record
+
+    recording = _RecordingBackend(backend)
+    try:
+        run_record(record or {"check": "sharing_isolated", "case": scenario}, recording, device)
+    except Mismatch as exc:
+        if recording.caches:
+            _add_values(exc.where, backend, recording.caches[0], scenario)
+        raise
+    finally:
+        if recording.caches:
+            cache = recording.caches[0]
+            snapshot.clear()
+            snapshot.update({seq: list(cache.block_table(seq).tolist()) for seq in cache.sequences})
+
+
+def _add_values(where: dict, backend: Any, cache, scenario) -> None:
+    """Locate the first read that differs in ``cache`` as it is now: for every live sequence (the
+    failing one first), layer and pool, the backend's gather of its written tokens against the K/V
+    written for them. Puts the sequence, position, block, slot and the expected and actual K and V rows
+    of that position into ``where`` (or says in ``where["values"]`` that every read is right)."""
+    if "expected" in where or not callable(getattr(backend, "gather", None)):
+        return
+    try:
+        from pagedkv.testing.cache_model import expected_kv
+    except ImportError:  # an older kit: no namespaced values to compare with
+        return
+    from pagedkv.testing.tolerance import bits
+
+    g, bs = scenario.geometry, scenario.geometry.block_size
+    for seq in sorted(cache.sequences, key=lambda s: (s != where.get("seq"), s)):
+        state = cache.sequences[seq]
+        n = cache.num_written(seq) if hasattr(cache, "num_written") else len(state.token_ids)
+        table = cache.block_table(seq)
+        for layer in range(getattr(scenario, "num_layers", 1)):
+            exp = expected_kv(g, state.token_ids[:n], 0, scenario.seed, layer=layer,
+                              cache_key=getattr(state, "cache_key", None))
+            got = [backend.gather(pool, table, n).cpu() for pool in (cache.k_cache(layer), cache.v_cache(layer))]
+            bad = [(bits(a) != bits(e)).flatten(1).any(1) for a, e in zip(got, exp) if a.shape == e.shape]
+            rows = (bad[0] | bad[1]).nonzero().flatten().tolist() if len(bad) == 2 and n else []
+            if rows:
+                p = where.get("position") if where.get("seq") == seq and where.get("position") in rows else rows[0]
+                block = int(table[p // bs])
+                where.update(seq=seq, position=p, block=block, slot=block * bs + p % bs,
+                             expected={"K": exp[0][p].flatten()[:4].tolist(), "V": exp[1][p].flatten()[:4].tolist()},
+                             actual={"K": got[0][p].flatten()[:4].tolist(), "V": got[1][p].flatten()[:4].tolist()})
+                if layer:
+                    where["layer"] = layer
+                return
+    where["values"] = ("every live sequence's written tokens still gather as written: the fault is in the "
+                       "cache's bookkeeping (message above), not yet in a value read")
 
 
 def _tables(case, snapshot: dict) -> dict[int, list[int]]:
@@ -174,16 +239,74 @@ def _tables(case, snapshot: dict) -> dict[int, list[int]]:
 def _fmt(values) -> str:
     if values is None:
         return "?"
+    if isinstance(values, dict):  # {"K": [...], "V": [...]}
+        return "  ".join(f"{k} {_fmt(v)}" for k, v in values.items())
     if isinstance(values, (list, tuple)):
         return "[" + ", ".join(f"{v:.6g}" if isinstance(v, float) else str(v) for v in values) + ", ...]"
     return str(values)
 
 
-def _report_where(where: dict, case, snapshot: dict, out: TextIO) -> None:
-    """Print the located mismatch and the block-table map."""
+def _first_differences(backend: Any, case, device: str, out: TextIO, limit: int = 3) -> dict:
+    """Print where the backend's own outputs on ``case`` first differ from the definition: each
+    sequence's gather (bit for bit) and the attention output (fp64 reference, tolerance policy), with
+    expected and actual values. Returns ``{"seq", "position"}`` of the first bad gathered row, if any."""
+    import torch
+
+    from pagedkv.testing.checks import reference_output, run_attention
+    from pagedkv.testing.tolerance import attention_tolerance, bits
+
+    found, printed = {}, 0
+    if callable(getattr(backend, "gather", None)):
+        from pagedkv.testing.cases import reference_gather
+
+        k_cache, _ = case.caches(device)
+        for i, s in enumerate(case.seqs):
+            got = backend.gather(k_cache, case.block_tables(device)[i], s.seq_len).cpu()
+            want = reference_gather(k_cache.cpu(), case.used_table(i), s.seq_len)
+            if got.shape != want.shape:
+                print(f"  gather of sequence {i}: shape {tuple(got.shape)}, expected {tuple(want.shape)}", file=out)
+                continue
+            bad = (bits(got) != bits(want)).flatten(1).any(1).nonzero().flatten().tolist()
+            for p in bad[:limit - printed]:
+                print(f"  gather of sequence {i}, position {p}: expected {_fmt(want[p].flatten()[:4].tolist())}  "
+                      f"actual {_fmt(got[p].flatten()[:4].tolist())}", file=out)
+                printed += 1
+                found = found or {"seq": i, "position": p}
+    if callable(getattr(backend, "paged_attention", None)) and printed < limit:
+        got = run_attention(backend, case, device).cpu()
+        want, max_logit, max_v = reference_output(case)
+        if got.shape == want.shape:
+            rtol, atol = attention_tolerance(got.dtype, max_logit, max_v)
+            err = (got.double() - want).abs()
+            bad = (~(err <= atol + rtol * want.abs())).any(-1).nonzero().tolist()  # NaN counts as bad
+            qsl = case.query_start_loc_list
+            for row, head in bad[:limit - printed]:
+                i = max(j for j in range(len(qsl) - 1) if qsl[j] <= row)
+                pos = case.seqs[i].seq_len - (qsl[i + 1] - row)
+                print(f"  attention of sequence {i}, query row {row} (position {pos}), head {head}: expected "
+                      f"{_fmt(want[row, head, :4].tolist())}  actual {_fmt(got[row, head, :4].tolist())}", file=out)
+                printed += 1
+    if not printed:
+        print("  the backend's gather and attention on this case equal the definition: the mismatch is between "
+              "the two results the check compares (message above)", file=out)
+    return found
+
+
+def _report_where(where: dict, case, snapshot: dict, out: TextIO, *, backend: Any = None, device: str = "cpu") -> None:
+    """Print the located mismatch (with expected and actual values) and the block-table map."""
+    from pagedkv.testing.cases import Case
+
     bs = case.geometry.block_size
-    if not where:
-        print("  (the mismatch is not located at one slot: compare the outputs above)", file=out)
+    if "expected" not in where and backend is not None and isinstance(case, Case):
+        print("first differences from the definition (expected = by definition, actual = the backend's):", file=out)
+        try:
+            located = _first_differences(backend, case, device, out)
+        except Exception as exc:  # the backend crashes on the plain call too
+            print(f"  (the backend's outputs could not be computed: {type(exc).__name__}: {exc})", file=out)
+            located = {}
+        where = {**located, **where}
+    elif "values" in where:
+        print(f"  ({where['values']})", file=out)
     seq, pos, block, slot = (where.get(k) for k in ("seq", "position", "block", "slot"))
     if slot is None and block is not None and pos is not None:
         slot = block * bs + pos % bs
@@ -194,7 +317,8 @@ def _report_where(where: dict, case, snapshot: dict, out: TextIO) -> None:
         if pos is not None:
             print(f"  logical position: {pos}   (entry {pos // bs} of its block table, offset {pos % bs})", file=out)
         if block is not None:
-            print(f"  physical block:   {block}", file=out)
+            print(f"  physical block:   {block}" + (f"   (layer {where['layer']})" if "layer" in where else ""),
+                  file=out)
         if slot is not None:
             print(f"  slot:             {slot}   (= {block if block is not None else slot // bs} * {bs} + {offset})",
                   file=out)
@@ -227,14 +351,14 @@ def block_table_map(tables: dict[int, list[int]], block_size: int, *, seq: int |
     if block is None and seq in tables and bad_entry is not None and bad_entry < len(tables[seq]):
         block = tables[seq][bad_entry]
     where = f"offset {offset} = slot {block * block_size + offset}" if block is not None and offset is not None else ""
-    lines = [f"block tables (block_size {block_size}; * = first bad block{', ' + where if where else ''}"
-             f"{'; = same block elsewhere' if block is not None else ''}):"]
     label = max(len(str(s)) for s in tables)
+    rows, marks = [], set()
     for s, table in tables.items():
         cells = []
         for j, b in enumerate(table):
             mark = "*" if (s == seq and j == bad_entry) or (seq is None and b == block) else \
                 "=" if block is not None and b == block else " "
+            marks.add(mark)
             cells.append(f"[{b:>{width}}{mark}]")
         lo = 0
         if len(cells) > max_entries:
@@ -242,7 +366,18 @@ def block_table_map(tables: dict[int, list[int]], block_size: int, *, seq: int |
             lo = max(0, min(focus - max_entries // 2, len(cells) - max_entries))
             cells = (["..."] if lo else []) + cells[lo:lo + max_entries] + \
                 (["..."] if lo + max_entries < len(table) else [])
-        lines.append(f"  seq {s:>{label}} | " + " ".join(cells))
+        located = s == seq and "*" not in "".join(cells)
+        rows.append(f"  seq {s:>{label}} | " + " ".join(cells) + ("   < the failing sequence" if located else ""))
+    legend = []  # only what the map draws
+    if "*" in marks:
+        legend.append("* = first bad block" + (f", {where}" if where else ""))
+    elif seq in tables:
+        legend.append("< = the failing sequence, no single block located")
+    elif where:
+        legend.append(where)
+    if "=" in marks:
+        legend.append("= = the same block in another table")
+    lines = [f"block tables (block_size {block_size}" + "".join(f"; {x}" for x in legend) + "):"] + rows
     if block is not None and offset is not None:
         slots = " ".join("x" if i == offset else "." for i in range(block_size)) if block_size <= 64 else \
             f"... x at {offset} ..."
