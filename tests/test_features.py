@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedkv import blockwise, get_backend
-from pagedkv.backends import loop as loop_module
+from pagedkv.backends import backend_features, loop as loop_module
 from pagedkv.errors import (ArgumentTypeError, BackendError, BackendUnavailableError, DeviceMismatchError,
                             DTypeMismatchError, ShapeError)
 
@@ -242,7 +242,8 @@ BS = 4
 def test_every_backend_declares_every_feature():
     for name, backend in BACKENDS.items():
         assert isinstance(backend.FEATURES, frozenset), name
-        assert backend.FEATURES == ALL, name
+        assert backend.FEATURES == ALL == backend_features(backend), name
+    assert backend_features(object()) == frozenset()  # no FEATURES: declares none
 
 
 # --------------------------------------------------------------------------------------------------

@@ -204,6 +204,13 @@ def missing_ops(backend: Any) -> dict[str, str]:
     return problems
 
 
+def backend_features(backend: Any) -> frozenset:
+    """The optional attention features ``backend`` declares in its ``FEATURES`` (``"window"``, ``"softcap"``,
+    ``"alibi"``, ``"sinks"``, ``"fp8"``; see ``docs/contract.md``); a backend without ``FEATURES`` declares none.
+    """
+    return frozenset(getattr(backend, "FEATURES", ()) or ())
+
+
 def backend_name(backend: Any) -> str:
     """The backend's ``name`` attribute, or its module/type name."""
     name = getattr(backend, "name", None)

@@ -176,9 +176,11 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
         validate: check arguments first (:func:`pagedkv.validation.check_write_kv`);
             ``False`` is the fast path for a caller that already validated: no checks, no host
             sync, and a bad argument is undefined behaviour (see ``docs/validation.md``).
+        k_scale, v_scale: fp8 pools only, as :func:`pagedkv.backends.loop.write_kv` (fp8 bytes are
+            written through a ``uint8`` view: CPU ``index_copy_`` has no fp8 kernel).
 
     Raises:
-        ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError: as
+        ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError, ArgumentTypeError: as
         :func:`pagedkv.validation.check_write_kv`; nothing is written then.
     """
     w = write_kv_args(k_cache, v_cache, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale, validate=validate,
@@ -200,7 +202,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     k_scale=None, v_scale=None) -> torch.Tensor:
     """Causal varlen attention over paged K/V: indexed-gather each sequence, then dense attention.
 
-    Same arguments (``validate`` included), result and errors as
+    Same arguments (``validate`` and the optional features included), result and errors as
     :func:`pagedkv.backends.loop.paged_attention`; with equal
     inputs the two return bit-identical outputs (same gathered K/V, same attention op).
     """

@@ -90,9 +90,13 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
         validate: check arguments first (:func:`pagedkv.validation.check_write_kv`);
             ``False`` is the fast path for a caller that already validated: no checks, no host
             sync, and a bad argument is undefined behaviour (see ``docs/validation.md``).
+        k_scale, v_scale: fp8 pools only (required there): a float or ``float32 [num_kv_heads]``;
+            ``key``/``value`` then come in float32/float16/bfloat16 and are stored as
+            :func:`pagedkv.fp8.quantize` (``sat(x / scale)``, round to nearest even), as vLLM's
+            ``reshape_and_cache`` with ``kv_cache_dtype="fp8"``.
 
     Raises:
-        ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError: as
+        ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError, ArgumentTypeError: as
         :func:`pagedkv.validation.check_write_kv`; nothing is written then.
     """
     w = write_kv_args(k_cache, v_cache, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale, validate=validate,
@@ -124,6 +128,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         validate: check arguments first (:func:`pagedkv.validation.check_paged_attention`);
             ``False`` is the fast path for a caller that already validated: no checks, no host
             sync, and a bad argument is undefined behaviour (see ``docs/validation.md``).
+        window_left: a query at position ``p`` sees keys ``p - window_left .. p`` (flash-attn's
+            ``window_size[0]``); ``-1``: no window. Blocks before every row's window are not gathered.
+        softcap: ``> 0``: logits become ``softcap * tanh(logits / softcap)`` (Gemma 2); ``0``: off.
+        alibi_slopes: ``float32 [num_q_heads]``: bias ``slope * (k_pos - q_pos)`` (after the soft-cap).
+        sinks: ``float32 [num_q_heads]``: one extra logit per head in the denominator (gpt-oss).
+        k_scale, v_scale: fp8 pools only (required there): a float or ``float32 [num_kv_heads]``;
+            K/V are read as ``float32(stored) * scale``. Order of operations: vLLM's unified attention.
 
     Returns:
         ``[total_q, num_q_heads, head_dim]`` in ``query.dtype`` (math in float32).
