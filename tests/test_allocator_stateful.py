@@ -40,7 +40,7 @@ from pagedkv import get_backend
 from pagedkv.cache import PagedKVCache
 from pagedkv.config import CacheConfig
 from pagedkv.errors import ArgumentTypeError, DoubleFreeError, OutOfBlocksError, ShapeError, UnknownBlockError
-from pagedkv.testing.cache_model import CacheModel, ModelMismatch
+from pagedkv.testing.cache_model import CacheModel
 from pagedkv.testing.cases import Geometry
 from pagedkv.testing.tolerance import bits
 
@@ -76,7 +76,8 @@ class CacheMachine(RuleBasedStateMachine):
         a, c = self.alloc, self.cache
         return (list(a._ref), list(a._free), list(a._evictable), dict(a._entries), list(a._generation),
                 {h: list(bs) for h, bs in a._by_hash.items()},
-                {s: (list(q.block_table), list(q.token_ids), q.num_written, q.cache_key) for s, q in c.sequences.items()},
+                {s: (list(q.block_table), list(q.token_ids), q.num_written, q.cache_key)
+                 for s, q in c.sequences.items()},
                 bits(c.kv).clone())
 
     def assert_unchanged(self, before, what):
@@ -207,7 +208,8 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def preempt_sharer(self, data):
         """Preempt a sequence whose blocks others still hold: theirs stay allocated and intact."""
-        sharers = [s for s in self.live if any(self.alloc.ref_count(b) > 1 for b in self.cache.sequences[s].block_table)]
+        sharers = [s for s in self.live
+                   if any(self.alloc.ref_count(b) > 1 for b in self.cache.sequences[s].block_table)]
         victim = data.draw(st.sampled_from(sharers))
         shared = [b for b in self.cache.sequences[victim].block_table if self.alloc.ref_count(b) > 1]
         self.release(victim)

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 import torch
 
@@ -35,7 +36,12 @@ from pagedkv.testing.tolerance import bits
 
 
 class ModelMismatch(AssertionError):
-    """The cache disagrees with the shadow model; the message names the sequence, block and check."""
+    """The cache disagrees with the shadow model; the message names the sequence, block and check.
+    ``where`` locates it when it can: ``{"seq", "position", "block", "slot"}`` (a subset)."""
+
+    def __init__(self, message: str, where: dict | None = None):
+        super().__init__(message)
+        self.where = where or {}
 
 
 def salt_of(cache_key: Hashable) -> int:
@@ -117,6 +123,13 @@ class CacheModel:
         last_shared = bool(before) and self.alloc.ref_count(before[-1]) > 1
         copies = self.cache.num_cow_copies
         slots = self.cache.append(seq_id, tokens)  # OutOfBlocksError: the caller checks nothing changed
+        others = {b: s for s in self.seqs if s != seq_id for b in self.cache.block_table(s).tolist()}
+        for j, slot in enumerate(slots.tolist()):
+            if slot // bs in others:
+                raise ModelMismatch(f"append to sequence {seq_id} hands out slot {slot} (position {n0 + j}) in block "
+                                    f"{slot // bs}, which live sequence {others[slot // bs]} also holds: a shared "
+                                    f"block written without copy-on-write",
+                                    {"seq": seq_id, "position": n0 + j, "block": slot // bs, "slot": slot})
         after = self.cache.block_table(seq_id).tolist()
         partial = n0 % bs != 0
         cow = bool(tokens) and partial and last_shared
@@ -131,11 +144,6 @@ class CacheModel:
             raise ModelMismatch(f"an append to sequence {seq_id} (starting at {n0}, last block "
                                 f"{'shared' if last_shared else 'own'}, {'partial' if partial else 'full'}) made "
                                 f"{self.cache.num_cow_copies - copies} copies, expected {int(cow)}")
-        others = {b: s for s in self.seqs if s != seq_id for b in self.cache.block_table(s).tolist()}
-        for j, slot in enumerate(slots.tolist()):
-            if slot // bs in others:
-                raise ModelMismatch(f"append to sequence {seq_id} hands out slot {slot} (position {n0 + j}) in block "
-                                    f"{slot // bs}, which live sequence {others[slot // bs]} also holds")
         seq.tokens += tokens
         return slots
 
@@ -216,7 +224,8 @@ class CacheModel:
                     p = start + int((a != e).flatten(1).any(1).nonzero()[0]) if got.shape == exp.shape else -1
                     block = int(table[p // self.bs]) if p >= 0 else -1
                     raise ModelMismatch(f"{what}: sequence {seq_id} reads a wrong {name} in layer {layer} at position "
-                                        f"{p} (block {block}) of {end} written tokens")
+                                        f"{p} (block {block}) of {end} written tokens",
+                                        {"seq": seq_id, "position": p, "block": block} if p >= 0 else {"seq": seq_id})
 
     def check(self, what: str = "after an op") -> None:
         """Every property of the module docstring, now."""

@@ -15,7 +15,7 @@ replay scenarios through :class:`~pagedkv.testing.cache_model.CacheModel`).
 
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 from pagedkv.allocator import BlockAllocator, check_cache_key
 from pagedkv.cache import PagedKVCache

@@ -374,7 +374,7 @@ def invariant_under(backend: Any, case: Case, device: str = "cpu", *, transform:
         try:
             assert_bitwise_equal(b[key], a[key], f"{key} changed under {transform}: ")
         except AssertionError as exc:
-            raise Mismatch(str(exc)) from None
+            raise Mismatch(str(exc), exc.where) from None
 
 
 def alone_equals_in_batch(backend: Any, case: Case, device: str = "cpu") -> None:
@@ -566,7 +566,7 @@ def prefix_cache_transparent(backend: Any, scenario: CacheScenario, device: str 
             assert_bitwise_equal(outs[0][row], outs[1][row], f"sequence {seq_id}: decode attention with prefix "
                                                             f"caching on vs off: ")
         except AssertionError as exc:
-            raise Mismatch(str(exc), {"seq": seq_id}) from None
+            raise Mismatch(str(exc), exc.where or {"seq": seq_id}) from None
 
 
 # -- registry, failure files -------------------------------------------------------------------------------
