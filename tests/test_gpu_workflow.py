@@ -35,7 +35,8 @@ def test_fork_pull_requests_never_reach_the_self_hosted_runner(workflow):
 
 def test_the_token_is_read_only_and_not_left_in_the_checkout(workflow):
     assert workflow["permissions"] == {"contents": "read"}
-    assert all(job.get("permissions", {"contents": "read"}) == {"contents": "read"} for job in workflow["jobs"].values())
+    for job in workflow["jobs"].values():
+        assert job.get("permissions", {"contents": "read"}) == {"contents": "read"}
     checkout = [s for s in steps(workflow) if s.get("uses", "").startswith("actions/checkout@")]
     assert checkout and all(s["with"]["persist-credentials"] is False for s in checkout)
 

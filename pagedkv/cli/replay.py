@@ -33,10 +33,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``replay``."""
     parser = subparsers.add_parser(
         "replay", help="rerun a failing case file and show where it fails",
-        description="Rerun the check recorded in a case file (.pagedkv-failures/*.json or pagedkv/testing/regressions/*.json) "
-                    "and, on failure, print the first mismatch and a map of the block tables with the bad slot "
-                    "marked. Exit status: 0 passes, 1 fails, 2 cannot load.")
-    parser.add_argument("file", metavar="FILE", help="case file (JSON) written by the suite or committed as a regression")
+        description="Rerun the check recorded in a case file (.pagedkv-failures/*.json or "
+                    "pagedkv/testing/regressions/*.json) and, on failure, print the first mismatch and a map of the "
+                    "block tables with the bad slot marked. The file is checked first (size, schema, consistency, "
+                    "memory budget) and only a built-in, shipped-mutant or shipped-peer backend is loaded on its "
+                    "word. Exit status: 0 passes, 1 fails, 2 refused or cannot load.")
+    parser.add_argument("file", metavar="FILE",
+                        help="case file (JSON) written by the suite or committed as a regression")
     parser.add_argument("--device", default="cpu", help="device to run on: cpu, cuda, cuda:N (default: cpu)")
     parser.add_argument("--impl", metavar="SPEC", default=None,
                         help="backend to run instead of the one recorded: loop | indexed | triton | pkg.module[:attr]; "

@@ -566,7 +566,8 @@ def validate_record(data: object, *, max_bytes: int | None = None) -> dict:
         where = geometry if POOL_COPIES * pools > budget else "case.ops" if kind == "CacheScenario" else \
             geometry.replace("geometry", "seqs")
         raise CaseFileError(where, f"the case needs about {_human(total)} ({POOL_COPIES} copies of pools of "
-                                   f"{g['num_blocks']} blocks x {g['block_size']} slots x {g['num_kv_heads']} kv heads x "
+                                   f"{g['num_blocks']} blocks x {g['block_size']} slots x {g['num_kv_heads']} kv heads"
+                                   f" x "
                                    f"{g['head_dim']} head_dim x {DTYPE_BYTES[g['dtype']]} bytes x 2 pools"
                                    f"{layers} = {_human(pools)}, "
                                    f"plus per-token tensors), over the memory budget of {_human(budget)}"
