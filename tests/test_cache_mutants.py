@@ -93,4 +93,7 @@ def test_every_cache_mutant_has_a_docstring_and_loads_as_a_candidate(name):
     assert cls.__doc__ and cls.__doc__ != cls.__mro__[1].__doc__
     backend = load_backend(f"pagedkv.testing.cache_mutants:{name}")
     assert backend.name == name and backend.cache_class is cls
+    from pagedkv.testing import registry
+
     assert cache_mutants.CACHE_TARGETS[name]
+    assert set(cache_mutants.CACHE_TARGETS[name]) <= {p.name for p in registry.properties().values()}

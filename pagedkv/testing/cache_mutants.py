@@ -190,8 +190,11 @@ CACHE_MUTANTS: dict[str, type] = {
     "drop_entry_on_release": DropEntryOnReleaseCache,
 }
 
-#: The properties of the suite that should kill each (the sharing properties see every one).
-CACHE_TARGETS: dict[str, tuple[str, ...]] = {name: ("sharing", "prefix_cache") for name in CACHE_MUTANTS}
+#: The registered properties (:mod:`pagedkv.testing.registry`) that should kill each; every one is also
+#: killed by a committed scenario case file and by the cache state machine (``tests/test_cache_mutants.py``).
+CACHE_TARGETS: dict[str, tuple[str, ...]] = {
+    name: ("every_live_sequence_reads_only_its_own_tokens", "prefix_caching_changes_no_output")
+    for name in CACHE_MUTANTS}
 
 
 def _backend_class(name: str, cache_class: type) -> type:
