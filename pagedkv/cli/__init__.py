@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "bench": ".bench",
     "e2e": ".e2e",
     "soak": ".soak",
+    "fuzz": ".fuzz",
 }
 
 

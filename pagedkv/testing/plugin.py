@@ -81,7 +81,13 @@ def pytest_configure(config: pytest.Config) -> None:
     if profile not in PROFILES:
         raise pytest.UsageError(f"unknown Hypothesis profile {profile!r}; choose one of {sorted(PROFILES)}")
     settings.load_profile(profile)
-    config.stash[_PROFILE] = profile
+    from pagedkv.testing.databases import DatabaseError, load_env_database
+
+    try:  # $PAGEDKV_DATABASE: the gpu and nightly profiles share that example database (docs/scale.md)
+        shared = load_env_database(profile)
+    except DatabaseError as exc:
+        raise pytest.UsageError(f"PAGEDKV_DATABASE: {exc}") from exc
+    config.stash[_PROFILE] = profile + (f" (example database: {shared})" if shared else "")
 
 
 def backends_under_test(config: pytest.Config) -> list:

@@ -1,0 +1,108 @@
+"""``python -m pagedkv fuzz``: fuzz every registered property of a candidate across N processes for a
+time budget, sharing one Hypothesis example database (see :mod:`pagedkv.testing.fuzzing`).
+
+    python -m pagedkv fuzz --impl my_engine.kv:backend --workers 8 --minutes 60 --database redis://fuzz:6379/0
+
+Exit status: 0 when nothing failed, 1 when a property failed (each failure is a case file with its
+replay command) or a worker crashed, 2 on a bad argument, candidate or database.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``fuzz``."""
+    parser = subparsers.add_parser(
+        "fuzz", help="fuzz every registered property of a candidate for a time budget over a shared example database",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run the registered properties against a candidate in N worker processes until the budget ends: "
+                    "each property in turn, in batches of random examples, replaying first what the example "
+                    "database holds for it. Every failure is shrunk, saved to the database (so every machine "
+                    "sharing it replays it) and written as a JSON case file with its replay command. "
+                    "Exit status: 0 nothing failed, 1 a property failed or a worker crashed, 2 bad arguments.",
+        epilog="databases (--database, or $PAGEDKV_DATABASE):\n"
+               "  PATH                       a local directory (default .hypothesis/examples, shared with pytest)\n"
+               "  redis://HOST:PORT/DB       a Redis server shared by a fleet (pip install \"pagedkv[fuzz]\")\n"
+               "  github://OWNER/REPO[/ART]  a workflow's hypothesis-example-db artifact, read-only ($GITHUB_TOKEN)\n"
+               "  ro:URL                     any of these, read-only\n"
+               "  multi:URL,URL              several at once, e.g. multi:.hypothesis/examples,ro:redis://fleet:6379/0\n"
+               "  none                       no database\n"
+               "progress: a status line every --interval seconds (elapsed / budget, workers, examples and rate,\n"
+               "properties fuzzed, failing); each failure as found ('found by search at example N', or\n"
+               "'replayed from the database' when a saved example failed first); a table per property at the end.\n"
+               "See docs/scale.md.")
+    parser.add_argument("--impl", metavar="SPEC", default=os.environ.get("PAGEDKV_IMPL") or None,
+                        help="implementation under test: loop | indexed | triton | pkg.module[:attr] | file.py[:attr] "
+                             "(default: $PAGEDKV_IMPL)")
+    parser.add_argument("--workers", "-n", type=_positive_int, default=1, metavar="N",
+                        help="worker processes (default: 1); on CUDA, worker i uses GPU i %% device_count")
+    parser.add_argument("--minutes", type=_positive_float, default=5.0, metavar="M",
+                        help="time budget in minutes, fractions allowed (default: 5); a batch running when it "
+                             "ends is finished")
+    parser.add_argument("--database", metavar="URL", default=os.environ.get("PAGEDKV_DATABASE") or None,
+                        help="example database (default: $PAGEDKV_DATABASE, else .hypothesis/examples); see below")
+    parser.add_argument("--properties", nargs="+", metavar="NAME", default=(),
+                        help="fuzz only these registered properties (default: all; --list names them)")
+    parser.add_argument("--device", default=None,
+                        help="device for the tensors (default: $PAGEDKV_DEVICE, else cuda:<worker %% GPUs>, else cpu)")
+    parser.add_argument("--batch", type=_positive_int, default=None, metavar="K",
+                        help="examples per batch, one Hypothesis run with a fresh seed (default: 100)")
+    parser.add_argument("--failure-dir", type=Path, default=None, metavar="DIR",
+                        help="where case files go (default: $PAGEDKV_FAILURE_DIR, else .pagedkv-failures)")
+    parser.add_argument("--interval", type=_positive_float, default=10.0, metavar="S",
+                        help="seconds between progress lines (default: 10)")
+    parser.add_argument("--list", action="store_true", help="list the registered properties and exit")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    """``python -m pagedkv fuzz``: see the module docstring for the exit status."""
+    import sys
+
+    from pagedkv.testing.fuzzing import DEFAULT_BATCH, FuzzConfig, fuzz
+
+    if args.list:
+        from pagedkv.testing.registry import properties
+
+        for name, prop in properties().items():
+            print(f"{name}: {prop.sentence}")
+        return 0
+    if not args.impl:
+        print("pagedkv fuzz: name the implementation under test with --impl SPEC (or $PAGEDKV_IMPL)", file=sys.stderr)
+        return 2
+    import pagedkv
+    from pagedkv.testing.databases import DatabaseError
+
+    config = FuzzConfig(
+        impl=args.impl, workers=args.workers, seconds=args.minutes * 60, database=args.database,
+        properties=tuple(args.properties), device=args.device or os.environ.get("PAGEDKV_DEVICE") or None,
+        batch=args.batch or DEFAULT_BATCH, interval=args.interval,
+        failure_dir=args.failure_dir or Path(os.environ.get("PAGEDKV_FAILURE_DIR", ".pagedkv-failures")))
+    try:
+        report = fuzz(config)
+    except (pagedkv.BackendError, DatabaseError, ValueError) as exc:
+        print(f"pagedkv fuzz: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pagedkv fuzz: interrupted", file=sys.stderr)
+        return 130
+    return 0 if report.ok else 1

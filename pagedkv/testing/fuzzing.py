@@ -1,0 +1,455 @@
+"""Continuous fuzzing of the registered properties: N worker processes, a time budget, one example database.
+
+Each worker process loads the candidate, opens the example database (:mod:`pagedkv.testing.databases`)
+and, until the budget ends, runs the registered properties (:mod:`pagedkv.testing.registry`) in turn,
+each as a Hypothesis test of ``batch`` examples with a fresh random seed. Every batch first replays
+what the database holds for that property and backend (phase *reuse*), then searches (*generate*,
+*target*) and shrinks what fails (*shrink*). A failing example is saved to the database by Hypothesis,
+so every other worker, machine and later ``pytest`` run sharing that database replays it first; the
+worker writes it as a JSON case file (:func:`pagedkv.testing.checks.save_failure`) with the command
+that replays it, and the property is not fuzzed further in this run. The explicit examples are not
+run here (the suite runs them every time); fuzzing is for the long tail.
+
+As in the pytest plugin, each example's case file is written *before* the backend runs (``outcome:
+running``, one file per worker and property) and removed when it passes, so a worker killed by a
+device fault or the out-of-memory killer leaves the case that did it.
+
+The parent process only collects events from a queue and prints progress (:class:`Progress`).
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import re
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+#: Examples per batch (one Hypothesis run of one property, with a fresh seed) by default.
+DEFAULT_BATCH = 100
+#: After the budget, how long the parent waits for a batch (and its shrinking) to finish before it
+#: stops the worker.
+GRACE_SECONDS = 120.0
+
+
+@dataclass(frozen=True)
+class FuzzConfig:
+    """What to fuzz, where, for how long.
+
+    Attributes:
+        impl: the candidate's spec (:func:`pagedkv.load_backend`).
+        workers: worker processes.
+        seconds: the time budget; a batch running when it ends is finished (see :data:`GRACE_SECONDS`).
+        database: the example database URL (:func:`pagedkv.testing.databases.open_database`).
+        properties: property names to fuzz; empty: every registered property.
+        device: the tensors' device; ``None``: ``cuda:<worker % device_count>`` when CUDA is present, else cpu.
+        batch: examples per batch (a property's own ``max_examples`` caps it).
+        failure_dir: where case files go.
+        interval: seconds between progress lines.
+    """
+
+    impl: str
+    workers: int = 1
+    seconds: float = 60.0
+    database: str | None = None
+    properties: tuple[str, ...] = ()
+    device: str | None = None
+    batch: int = DEFAULT_BATCH
+    failure_dir: Path = Path(".pagedkv-failures")
+    interval: float = 10.0
+
+
+@dataclass
+class Failure:
+    """One property's failure as a worker found it."""
+
+    prop: str
+    worker: int
+    first: int  # 1-based example of the batch that failed first
+    saved: int  # examples the database held for this property and backend when the batch started
+    outcome: str  # "failed" (a mismatch) or "raised" (the backend raised)
+    error: str
+    case_file: str
+    replay: str
+
+    @property
+    def replayed(self) -> bool:
+        """The failure came from the database (reuse phase), not from a new search."""
+        return 0 < self.first <= self.saved
+
+
+@dataclass
+class PropertyStats:
+    """Examples and batches one property had across all workers, and how it ended."""
+
+    examples: int = 0
+    batches: int = 0
+    failure: Failure | None = None
+    skipped: str = ""
+
+
+@dataclass
+class FuzzReport:
+    """The outcome of :func:`fuzz`: per-property stats, worker errors and crashes."""
+
+    impl: str
+    database: str
+    seconds: float = 0.0
+    stats: dict[str, PropertyStats] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)  # a worker's harness error or crash
+
+    @property
+    def examples(self) -> int:
+        """Examples run by every worker (shrinking included)."""
+        return sum(s.examples for s in self.stats.values())
+
+    @property
+    def failures(self) -> list[Failure]:
+        """The failing properties' failures, in property order."""
+        return [s.failure for s in self.stats.values() if s.failure]
+
+    @property
+    def ok(self) -> bool:
+        """Nothing failed, raised or crashed."""
+        return not self.failures and not self.errors
+
+
+def select_properties(names: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """The registered property names to fuzz: ``names`` in registry order, or all of them.
+
+    Raises:
+        ValueError: a name that is not registered (the message suggests close ones).
+    """
+    import difflib
+
+    from pagedkv.testing.registry import properties
+
+    registered = list(properties())
+    unknown = [n for n in names if n not in registered]
+    if unknown:
+        hints = {n: difflib.get_close_matches(n, registered, n=2) for n in unknown}
+        raise ValueError("unknown property " + "; ".join(
+            f"{n!r}" + (f" (did you mean {', '.join(h)}?)" if h else "") for n, h in hints.items())
+            + " (python -m pagedkv fuzz --list names them)")
+    return [n for n in registered if not names or n in names]
+
+
+def case_file_name(backend: str, prop: str, suffix: str = "") -> str:
+    """``fuzz_<backend>_<property><suffix>.json`` with unsafe characters replaced."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"fuzz_{backend}_{prop}{suffix}").strip("_")[:180] + ".json"
+
+
+def replay_command(case_file: Path | str, impl: str, device: str) -> str:
+    """The command that reruns a case file (``--impl`` when a case file may not name the candidate itself)."""
+    from pagedkv.testing.casefile import trusted_backend_spec
+
+    cmd = f"python -m pagedkv replay {case_file}"
+    if not trusted_backend_spec(impl):
+        cmd += f" --impl {impl}"
+    return cmd + ("" if device == "cpu" else f" --device {device}")
+
+
+def declared_capabilities(backend: Any) -> Any:
+    """The input space ``backend`` declares, as the pytest suite reads it
+    (:func:`pagedkv.testing.plugin.capabilities_under_test`), or ``None`` where this pagedkv has no
+    capability declarations (cases are then drawn from everything)."""
+    try:
+        from pagedkv.testing.plugin import capabilities_under_test
+    except ImportError:
+        return None
+    return capabilities_under_test(backend)
+
+
+def worker_device(index: int, chosen: str | None) -> str:
+    """``chosen``, else ``cuda:<index % device_count>`` when CUDA is present, else ``cpu``."""
+    if chosen:
+        return chosen
+    import torch
+
+    return f"cuda:{index % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+
+
+def run_batch(prop: Any, backend: Any, reference: Any | None, impl: str, device: str, db: Any, examples: int,
+              failure_dir: Path, worker: int = 0, on_example: Any = None,
+              caps: Any = None) -> tuple[int, Failure | None, str]:
+    """One Hypothesis run of ``prop`` against ``backend``: replay the database's examples, search
+    ``examples`` new ones, shrink a failure. ``on_example()`` is called before each example runs;
+    ``caps`` (:func:`declared_capabilities`) limits the cases to the backend's declared space.
+
+    Returns:
+        ``(examples_run, failure_or_None, skipped_reason)``; the reason is non-empty when the backend
+        lacks an op the property needs.
+
+    Raises:
+        Exception: a harness error (no example failed, yet Hypothesis raised: e.g. an unsatisfiable strategy).
+    """
+    from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+
+    from pagedkv.backends import backend_name
+    from pagedkv.testing.checks import save_failure
+    from pagedkv.testing.compare import MissingOp
+    from pagedkv.testing.databases import property_key, saved_examples
+
+    names = (backend_name(reference), backend_name(backend)) if prop.pair else (backend_name(backend),)
+    key = property_key(prop.name, *names)
+    other = names[0] if prop.pair else None
+    running = failure_dir / case_file_name(names[-1], prop.name, f".w{worker}.running")
+    state: dict[str, Any] = {"calls": 0, "first": 0, "last": None, "missing": ""}
+    saved = saved_examples(db, key)
+
+    @settings(database=db, max_examples=examples, deadline=None, derandomize=False, verbosity=Verbosity.quiet,
+              phases=[Phase.reuse, Phase.generate, Phase.target, Phase.shrink], report_multiple_bugs=False,
+              print_blob=False, suppress_health_check=list(HealthCheck))
+    @given(prop.strategy() if caps is None else prop.strategy(caps))
+    def body(case):
+        state["calls"] += 1
+        if on_example is not None:
+            on_example()
+        save_failure(prop.name, impl, case, other=other, outcome="running", path=running)
+        try:
+            if prop.pair:
+                prop.check(reference, backend, case, device)
+            else:
+                prop.check(backend, case, device)
+        except MissingOp as exc:
+            state["missing"] = str(exc)
+            return
+        except Exception as exc:
+            state["first"] = state["first"] or state["calls"]
+            state["last"] = (case, exc)
+            raise
+
+    body._hypothesis_internal_database_key = key  # shared with the pytest suite (databases.property_key)
+    try:
+        body()
+    except Exception:
+        if state["last"] is None:
+            raise
+        case, exc = state["last"]  # the shrunk example: Hypothesis reruns it last
+        outcome = "failed" if isinstance(exc, AssertionError) else "raised"
+        error = str(exc) if outcome == "failed" else f"{type(exc).__name__}: {exc}"
+        path = failure_dir / case_file_name(names[-1], prop.name)
+        save_failure(prop.name, impl, case, other=other, outcome=outcome, error=error, path=path)
+        running.unlink(missing_ok=True)
+        first_line = next((line for line in error.splitlines() if line.strip()), type(exc).__name__)
+        return state["calls"], Failure(prop.name, worker, state["first"], saved, outcome, first_line[:300],
+                                       str(path), replay_command(path, impl, device)), ""
+    running.unlink(missing_ok=True)
+    return state["calls"], None, state["missing"]
+
+
+def worker_main(index: int, config: FuzzConfig, deadline: float, events: Any, control: Any) -> None:
+    """A worker process: fuzz the properties in turn (starting at a different one per worker) until
+    ``deadline`` (``time.time()``), reporting to ``events``; ``control`` brings the names of properties
+    that failed elsewhere (not fuzzed further)."""
+    try:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.workers))
+        import pagedkv
+        from pagedkv.backends import backend_name
+        from pagedkv.testing.databases import open_database
+        from pagedkv.testing.registry import missing_ops_for, properties
+
+        backend = pagedkv.load_backend(config.impl)
+        reference = pagedkv.get_backend("loop" if backend_name(backend) == "indexed" else "indexed")
+        db = open_database(config.database)
+        device = worker_device(index, config.device)
+        props = properties()
+        caps = declared_capabilities(backend)
+        pending = []
+        for name in select_properties(config.properties):
+            missing = missing_ops_for(backend, props[name])
+            outside = getattr(props[name], "requires", lambda caps: None)(caps) if caps is not None else None
+            if missing or outside:
+                events.put(("skip", index, name, f"no op {missing[0]!r}" if missing else outside))
+            else:
+                pending.append(name)
+        events.put(("start", index, "", device))
+        turn = index * len(pending) // config.workers  # workers start spread over the properties
+        while pending and time.time() < deadline:
+            while True:
+                try:
+                    done = control.get_nowait()
+                except queue_module.Empty:
+                    break
+                if done in pending:
+                    pending.remove(done)
+            if not pending:
+                break
+            name = pending[turn % len(pending)]
+            turn += 1
+            prop = props[name]
+            count = config.batch if prop.max_examples is None else min(config.batch, prop.max_examples)
+            tick = {"n": 0, "at": time.time()}
+
+            def on_example(name=name, tick=tick):
+                tick["n"] += 1
+                if time.time() - tick["at"] >= 1.0:  # a long batch still shows progress
+                    events.put(("examples", index, name, tick["n"]))
+                    tick["n"], tick["at"] = 0, time.time()
+
+            _, failure, skipped = run_batch(prop, backend, reference, config.impl, device, db, count,
+                                            config.failure_dir, index, on_example, caps)
+            events.put(("batch", index, name, tick["n"]))
+            if failure or skipped:
+                pending.remove(name)
+                events.put(("failure", index, name, failure) if failure else ("skip", index, name, skipped))
+    except BaseException:
+        events.put(("error", index, "", traceback.format_exc()))
+    finally:
+        events.put(("done", index, "", None))
+
+
+class Progress:
+    """Prints the run's progress to ``out``: a status line every ``interval`` seconds, each failure
+    as it is found, and the summary table at the end."""
+
+    def __init__(self, report: FuzzReport, config: FuzzConfig, out: TextIO):
+        self.report, self.config, self.out = report, config, out
+        self.start = time.time()
+        self.alive = 0
+
+    def _print(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    def status(self) -> None:
+        """One line: elapsed / budget, workers alive, examples (rate), properties fuzzed, failures."""
+        elapsed = time.time() - self.start
+        stats = self.report.stats.values()
+        fuzzed = sum(1 for s in stats if s.examples)
+        live = sum(1 for s in stats if not s.skipped)
+        self._print(f"fuzz [{_clock(elapsed)} / {_clock(self.config.seconds)}] workers {self.alive}/"
+                    f"{self.config.workers} | examples {self.report.examples:,} ({self.report.examples / max(elapsed, 1e-9):.1f}/s)"
+                    f" | properties fuzzed {fuzzed}/{live} | failing {len(self.report.failures)}")
+
+    def failure(self, f: Failure) -> None:
+        """A failure, as soon as a worker reports it."""
+        how = (f"replayed from the database (example {f.first}; {f.saved} saved)" if f.replayed
+               else f"found by search at example {f.first}")
+        self._print(f"FAIL {f.prop} [worker {f.worker}] {how}\n  {f.outcome}: {f.error}\n"
+                    f"  case file: {f.case_file}\n  replay:    {f.replay}")
+
+    def summary(self) -> None:
+        """The per-property table and the verdict line."""
+        r = self.report
+        width = max([len(n) for n in r.stats] + [8])
+        self._print(f"\n{'property':<{width}} {'examples':>9} {'batches':>8}  result")
+        for name, s in r.stats.items():
+            result = ("skipped: " + s.skipped if s.skipped else
+                      f"FAILED ({'replayed' if s.failure.replayed else 'found'} at example {s.failure.first}) "
+                      f"{s.failure.case_file}" if s.failure else "ok" if s.examples else "not reached")
+            self._print(f"{name:<{width}} {s.examples:>9,} {s.batches:>8}  {result}")
+        for e in r.errors:
+            self._print(f"ERROR {e}")
+        verdict = "ok" if r.ok else f"{len(r.failures)} failing propert{'y' if len(r.failures) == 1 else 'ies'}" + \
+            (f", {len(r.errors)} worker error(s)" if r.errors else "")
+        self._print(f"fuzz: {r.impl}: {verdict}; {r.examples:,} examples in {r.seconds:.1f} s by "
+                    f"{self.config.workers} worker(s); database: {r.database}")
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m:d}:{s:02d}"
+
+
+def fuzz(config: FuzzConfig, out: TextIO | None = None) -> FuzzReport:
+    """Fuzz ``config.impl`` with ``config.workers`` processes for ``config.seconds``; print progress to
+    ``out`` (default stdout) and return the report.
+
+    Raises:
+        pagedkv.BackendError: the candidate cannot be loaded.
+        pagedkv.testing.databases.DatabaseError: the database URL is bad or its server does not answer.
+        ValueError: an unknown property name, or a non-positive worker count, budget or batch.
+    """
+    import multiprocessing
+
+    import pagedkv
+    from pagedkv.testing.databases import describe, open_database
+
+    if config.workers < 1 or config.seconds <= 0 or config.batch < 1:
+        raise ValueError("workers, the budget and the batch must be positive")
+    out = out or sys.stdout
+    names = select_properties(config.properties)
+    pagedkv.load_backend(config.impl)  # a bad spec fails here, with the loader's message
+    report = FuzzReport(config.impl, describe(open_database(config.database)))
+    report.stats = {n: PropertyStats() for n in names}
+    progress = Progress(report, config, out)
+    progress._print(f"fuzz: {config.impl}: {len(names)} properties, {config.workers} worker(s), budget "
+                    f"{_clock(config.seconds)}, batches of {config.batch}; database: {report.database}; "
+                    f"case files: {config.failure_dir}/")
+    ctx = multiprocessing.get_context("spawn")
+    events = ctx.Queue()
+    controls = [ctx.Queue() for _ in range(config.workers)]
+    deadline = time.time() + config.seconds
+    procs = [ctx.Process(target=worker_main, args=(i, config, deadline, events, controls[i]), daemon=True)
+             for i in range(config.workers)]
+    for p in procs:
+        p.start()
+    done: set[int] = set()
+    next_status = time.time() + config.interval
+    try:
+        while len(done) < len(procs):
+            try:
+                kind, index, name, data = events.get(timeout=0.5)
+            except queue_module.Empty:
+                kind = None
+            if kind == "start":
+                progress.alive += 1
+                progress._print(f"worker {index}: started on {data}")
+            elif kind in ("examples", "batch"):
+                report.stats[name].examples += data
+                report.stats[name].batches += kind == "batch"
+            elif kind == "skip":
+                report.stats[name].skipped = report.stats[name].skipped or data
+            elif kind == "failure":
+                stats = report.stats[name]
+                if stats.failure is None:
+                    stats.failure = data
+                    progress.failure(data)
+                    for i, c in enumerate(controls):
+                        if i != index:
+                            c.put(name)
+            elif kind == "error":
+                report.errors.append(f"worker {index}: {data.strip().splitlines()[-1]}")
+                progress._print(f"worker {index} stopped by an error:\n{data}")
+            elif kind == "done" and index not in done:
+                done.add(index)
+                progress.alive = max(0, progress.alive - 1)
+            for i, p in enumerate(procs):
+                if i not in done and not p.is_alive() and p.exitcode not in (None, 0):
+                    done.add(i)
+                    progress.alive = max(0, progress.alive - 1)
+                    report.errors.append(_crash_message(i, p.exitcode, config))
+                    progress._print("ERROR " + report.errors[-1])
+            now = time.time()
+            if now >= deadline + GRACE_SECONDS:
+                for i, p in enumerate(procs):
+                    if i not in done:
+                        p.terminate()
+                        done.add(i)
+                        report.errors.append(f"worker {i}: still in a batch {GRACE_SECONDS:.0f} s after the budget; "
+                                             "stopped")
+            if now >= next_status:
+                progress.status()
+                next_status = now + config.interval
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    report.seconds = time.time() - progress.start
+    progress.status()
+    progress.summary()
+    return report
+
+
+def _crash_message(index: int, exitcode: int, config: FuzzConfig) -> str:
+    left = sorted(config.failure_dir.glob(f"fuzz_*.w{index}.running.json"))
+    where = ("; the case it was running: " + ", ".join(
+        f"{p} (python -m pagedkv replay {p})" for p in left)) if left else ""
+    return f"worker {index} died (exit code {exitcode}){where}"
