@@ -104,14 +104,15 @@ def limits(rows: list[Row], device: torch.device) -> list[Verdict]:
             out.append(_verdict(f"gather ({impl}) / copy bound, L >= 512, every block size",
                                 sel("gather", impl, seq_len=lambda L: L >= 512), lambda r: r.x_copy, 1.25, "<="))
             for op in ("scatter", "write_kv"):
-                out.append(_verdict(f"{op} ({impl}) / copy bound, L >= 4096", sel(op, impl, seq_len=lambda L: L >= 4096),
-                                    lambda r: r.x_copy, 2.0, "<="))
+                out.append(_verdict(f"{op} ({impl}) / copy bound, L >= 4096",
+                                    sel(op, impl, seq_len=lambda L: L >= 4096), lambda r: r.x_copy, 2.0, "<="))
         else:
             out.append(_verdict(f"gather ({impl}) % copy bandwidth, bs >= 16, L >= 4096",
                                 sel("gather", impl, block_size=lambda b: b >= 16, seq_len=lambda L: L >= 4096),
                                 lambda r: r.pct_copy_bw, 90.0, ">="))
             out.append(_verdict(f"write_kv ({impl}) % copy bandwidth, L >= 4096",
-                                sel("write_kv", impl, seq_len=lambda L: L >= 4096), lambda r: r.pct_copy_bw, 50.0, ">="))
+                                sel("write_kv", impl, seq_len=lambda L: L >= 4096), lambda r: r.pct_copy_bw,
+                                50.0, ">="))
     out.append(_verdict("indexed: extra memory beyond the output / output size (no full-size temporary)",
                         [r for r in rows if r.impl == "indexed" and r.op in DATA_OPS and r.peak_extra_bytes is not None
                          and r.seq_len * r.num_kv_heads * r.head_dim >= 64 * 1024],
