@@ -10,6 +10,21 @@ nightly    2000      no           long random search
 repro      200       no           verbose, with Hypothesis's explain phase, to study a failure
 =========  ========  ===========  ==========================================================
 
+**Example databases** (where a failing example is kept and replayed first on the next run): ``ci`` has
+none; the others use Hypothesis's default, ``.hypothesis/examples`` in the working directory. For the
+``gpu`` and ``nightly`` profiles, ``$PAGEDKV_DATABASE`` picks another one, read by the pytest plugin
+(:func:`pagedkv.testing.databases.load_env_database`) and, as ``--database``'s default, by
+``python -m pagedkv fuzz``::
+
+    PAGEDKV_DATABASE=redis://fuzz-db:6379/0                        # a fleet shares one Redis
+    PAGEDKV_DATABASE=multi:.hypothesis/examples,ro:redis://fuzz-db:6379/0   # a laptop replays the fleet's finds
+    PAGEDKV_DATABASE=multi:.hypothesis/examples,github://OWNER/REPO         # ... or the nightly job's artifact
+    PAGEDKV_DATABASE=/shared/nfs/pagedkv-examples                  # any directory
+
+(``pip install "pagedkv[fuzz]"`` for Redis; every form is in :mod:`pagedkv.testing.databases`; running
+at scale: ``docs/scale.md``.) Examples are keyed per property and backend, so the fuzz workers and
+the suite replay each other's finds, and a mutant's never reach another backend.
+
 Hypothesis ships a ``ci`` profile of its own (loaded silently when ``CI`` is set): call
 :func:`register_profiles` and load one of these explicitly.
 """

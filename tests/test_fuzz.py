@@ -135,7 +135,8 @@ def test_database_urls(tmp_path):
     ro.save(b"k", b"v")
     assert list(local.fetch(b"k")) == []
     github = open_database("github://octo-org/kv-engine/fuzz-db")
-    assert isinstance(github, ReadOnlyDatabase) and describe(github) == "read-only github artifact octo-org/kv-engine:fuzz-db"
+    assert isinstance(github, ReadOnlyDatabase)
+    assert describe(github) == "read-only github artifact octo-org/kv-engine:fuzz-db"
     multi = open_database(f"multi:{tmp_path / 'examples'},ro:{tmp_path / 'shared'}")
     assert isinstance(multi, MultiplexedDatabase)
     multi.save(b"k", b"v")  # written locally, not to the read-only shared one

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import time
 from pathlib import Path
+
+from pagedkv.testing.fuzzing import Failure, Quiet
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -19,10 +23,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "fuzz", help="fuzz every registered property of a candidate for a time budget over a shared example database",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Run the registered properties against a candidate in N worker processes until the budget ends: "
-                    "each property in turn, in batches of random examples, replaying first what the example "
-                    "database holds for it. Every failure is shrunk, saved to the database (so every machine "
-                    "sharing it replays it) and written as a JSON case file with its replay command. "
+        description="Run the registered properties against a candidate in N worker processes until the budget\n"
+                    "ends: each property in turn, in batches of random examples, replaying first what the example\n"
+                    "database holds for it. Every failure is shrunk, saved to the database (so every machine\n"
+                    "sharing it replays it) and written as a JSON case file with its replay command.\n"
                     "Exit status: 0 nothing failed, 1 a property failed or a worker crashed, 2 bad arguments.",
         epilog="databases (--database, or $PAGEDKV_DATABASE):\n"
                "  PATH                       a local directory (default .hypothesis/examples, shared with pytest)\n"
@@ -60,6 +64,55 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+class Progress(Quiet):
+    """Prints the run to stdout: news lines, a status line every ``--interval`` seconds, each failure
+    as it is found, and the per-property table at the end."""
+
+    def line(self, text: str) -> None:
+        """Print ``text``."""
+        print(text, file=sys.stdout, flush=True)
+
+    def status(self) -> None:
+        """One line: elapsed / budget, workers running, examples (rate), properties fuzzed, failing."""
+        r, elapsed = self.report, time.time() - self.start
+        stats = r.stats.values()
+        fuzzed, live = sum(1 for s in stats if s.batches or s.examples), sum(1 for s in stats if not s.skipped)
+        self.line(f"fuzz [{_clock(elapsed)} / {_clock(self.config.seconds)}] workers {r.alive}/{self.config.workers}"
+                  f" | examples {r.examples:,} ({r.examples / max(elapsed, 1e-9):.1f}/s) | properties fuzzed "
+                  f"{fuzzed}/{live} | failing {len(r.failures)}")
+
+    def failure(self, f: Failure) -> None:
+        """A failure: how it was found, its first line, the case file and the replay command."""
+        how = (f"replayed from the database (example {f.first}; {f.saved} saved)" if f.replayed
+               else f"found by search at example {f.first}" if f.first else "(a state machine: no case file)")
+        self.line(f"FAIL {f.prop} [worker {f.worker}] {how}\n  {f.outcome}: {f.error}\n"
+                  + (f"  case file: {f.case_file}\n" if f.case_file else "") + f"  replay:    {f.replay}")
+
+    def summary(self) -> None:
+        """The per-property table (examples, batches, result) and the verdict line."""
+        r = self.report
+        width = max([len(n) for n in r.stats] + [8])
+        self.line(f"\n{'property':<{width}} {'examples':>9} {'batches':>8}  result")
+        for name, s in r.stats.items():
+            result = ("skipped: " + s.skipped if s.skipped else
+                      ("FAILED (state machine)" if not s.failure.first else
+                       f"FAILED ({'replayed' if s.failure.replayed else 'found'} at example {s.failure.first}) "
+                       f"{s.failure.case_file}") if s.failure else "ok" if s.batches else "not reached")
+            self.line(f"{name:<{width}} {s.examples:>9,} {s.batches:>8}  {result}")
+        for e in r.errors:
+            self.line(f"ERROR {e}")
+        failing = len(r.failures)
+        verdict = "ok" if r.ok else f"{failing} failing propert{'y' if failing == 1 else 'ies'}" + \
+            (f", {len(r.errors)} error(s)" if r.errors else "")
+        self.line(f"fuzz: {r.impl}: {verdict}; {r.examples:,} examples in {r.seconds:.1f} s by "
+                  f"{self.config.workers} worker(s); database: {r.database}")
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m:d}:{s:02d}"
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -76,8 +129,6 @@ def _positive_float(text: str) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """``python -m pagedkv fuzz``: see the module docstring for the exit status."""
-    import sys
-
     from pagedkv.testing.fuzzing import DEFAULT_BATCH, FuzzConfig, fuzz
 
     if args.list:
@@ -98,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         batch=args.batch or DEFAULT_BATCH, interval=args.interval,
         failure_dir=args.failure_dir or Path(os.environ.get("PAGEDKV_FAILURE_DIR", ".pagedkv-failures")))
     try:
-        report = fuzz(config)
+        report = fuzz(config, Progress)
     except (pagedkv.BackendError, DatabaseError, ValueError) as exc:
         print(f"pagedkv fuzz: {exc}", file=sys.stderr)
         return 2

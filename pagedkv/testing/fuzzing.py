@@ -14,7 +14,8 @@ As in the pytest plugin, each example's case file is written *before* the backen
 running``, one file per worker and property) and removed when it passes, so a worker killed by a
 device fault or the out-of-memory killer leaves the case that did it.
 
-The parent process only collects events from a queue and prints progress (:class:`Progress`).
+The parent process only collects the workers' events from a queue and tells a progress object
+(:class:`Quiet` shows nothing; ``python -m pagedkv fuzz`` prints).
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from __future__ import annotations
 import os
 import queue as queue_module
 import re
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from collections.abc import Callable
+from typing import Any
 
 #: Examples per batch (one Hypothesis run of one property, with a fresh seed) by default.
 DEFAULT_BATCH = 100
@@ -99,6 +100,7 @@ class FuzzReport:
     impl: str
     database: str
     seconds: float = 0.0
+    alive: int = 0  # workers running now
     stats: dict[str, PropertyStats] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)  # a worker's harness error or crash
 
@@ -200,10 +202,22 @@ def run_batch(prop: Any, backend: Any, reference: Any | None, impl: str, device:
     running = failure_dir / case_file_name(names[-1], prop.name, f".w{worker}.running")
     state: dict[str, Any] = {"calls": 0, "first": 0, "last": None, "missing": ""}
     saved = saved_examples(db, key)
+    chosen = settings(database=db, max_examples=examples, deadline=None, derandomize=False,
+                      verbosity=Verbosity.quiet, phases=[Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+                      report_multiple_bugs=False, print_blob=False, suppress_health_check=list(HealthCheck))
+    if prop.kind == "machine":  # a Hypothesis state machine: no strategy and no case file
+        try:
+            prop.check(backend, device, chosen)
+        except MissingOp as exc:
+            return 0, None, str(exc)
+        except Exception as exc:
+            first_line = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            return 0, Failure(prop.name, worker, 0, 0, "failed", first_line[:300], "",
+                              f"PAGEDKV_PROFILE=gpu PAGEDKV_DATABASE=<this run's database> pytest --pyargs "
+                              f"pagedkv.testing.suite --pagedkv-impl {impl} -k test_{prop.name}"), ""
+        return 0, None, ""
 
-    @settings(database=db, max_examples=examples, deadline=None, derandomize=False, verbosity=Verbosity.quiet,
-              phases=[Phase.reuse, Phase.generate, Phase.target, Phase.shrink], report_multiple_bugs=False,
-              print_blob=False, suppress_health_check=list(HealthCheck))
+    @chosen
     @given(prop.strategy() if caps is None else prop.strategy(caps))
     def body(case):
         state["calls"] += 1
@@ -293,8 +307,14 @@ def worker_main(index: int, config: FuzzConfig, deadline: float, events: Any, co
                     events.put(("examples", index, name, tick["n"]))
                     tick["n"], tick["at"] = 0, time.time()
 
-            _, failure, skipped = run_batch(prop, backend, reference, config.impl, device, db, count,
-                                            config.failure_dir, index, on_example, caps)
+            try:
+                _, failure, skipped = run_batch(prop, backend, reference, config.impl, device, db, count,
+                                                config.failure_dir, index, on_example, caps)
+            except Exception:  # the harness, not the backend: report it, fuzz the other properties
+                pending.remove(name)
+                events.put(("batch", index, name, tick["n"]))
+                events.put(("error", index, name, traceback.format_exc()))
+                continue
             events.put(("batch", index, name, tick["n"]))
             if failure or skipped:
                 pending.remove(name)
@@ -305,61 +325,29 @@ def worker_main(index: int, config: FuzzConfig, deadline: float, events: Any, co
         events.put(("done", index, "", None))
 
 
-class Progress:
-    """Prints the run's progress to ``out``: a status line every ``interval`` seconds, each failure
-    as it is found, and the summary table at the end."""
+class Quiet:
+    """A progress sink that shows nothing, the default of :func:`fuzz`; the command line's
+    (:class:`pagedkv.cli.fuzz.Progress`) prints each call."""
 
-    def __init__(self, report: FuzzReport, config: FuzzConfig, out: TextIO):
-        self.report, self.config, self.out = report, config, out
-        self.start = time.time()
-        self.alive = 0
+    def __init__(self, report: FuzzReport, config: FuzzConfig):
+        self.report, self.config, self.start = report, config, time.time()
 
-    def _print(self, text: str) -> None:
-        print(text, file=self.out, flush=True)
+    def line(self, text: str) -> None:
+        """A line of news (a worker started, an error)."""
 
     def status(self) -> None:
-        """One line: elapsed / budget, workers alive, examples (rate), properties fuzzed, failures."""
-        elapsed = time.time() - self.start
-        stats = self.report.stats.values()
-        fuzzed = sum(1 for s in stats if s.examples)
-        live = sum(1 for s in stats if not s.skipped)
-        self._print(f"fuzz [{_clock(elapsed)} / {_clock(self.config.seconds)}] workers {self.alive}/"
-                    f"{self.config.workers} | examples {self.report.examples:,} ({self.report.examples / max(elapsed, 1e-9):.1f}/s)"
-                    f" | properties fuzzed {fuzzed}/{live} | failing {len(self.report.failures)}")
+        """Called every ``config.interval`` seconds and at the end."""
 
-    def failure(self, f: Failure) -> None:
-        """A failure, as soon as a worker reports it."""
-        how = (f"replayed from the database (example {f.first}; {f.saved} saved)" if f.replayed
-               else f"found by search at example {f.first}")
-        self._print(f"FAIL {f.prop} [worker {f.worker}] {how}\n  {f.outcome}: {f.error}\n"
-                    f"  case file: {f.case_file}\n  replay:    {f.replay}")
+    def failure(self, failure: Failure) -> None:
+        """A property failed (the first failure of each property only)."""
 
     def summary(self) -> None:
-        """The per-property table and the verdict line."""
-        r = self.report
-        width = max([len(n) for n in r.stats] + [8])
-        self._print(f"\n{'property':<{width}} {'examples':>9} {'batches':>8}  result")
-        for name, s in r.stats.items():
-            result = ("skipped: " + s.skipped if s.skipped else
-                      f"FAILED ({'replayed' if s.failure.replayed else 'found'} at example {s.failure.first}) "
-                      f"{s.failure.case_file}" if s.failure else "ok" if s.examples else "not reached")
-            self._print(f"{name:<{width}} {s.examples:>9,} {s.batches:>8}  {result}")
-        for e in r.errors:
-            self._print(f"ERROR {e}")
-        verdict = "ok" if r.ok else f"{len(r.failures)} failing propert{'y' if len(r.failures) == 1 else 'ies'}" + \
-            (f", {len(r.errors)} worker error(s)" if r.errors else "")
-        self._print(f"fuzz: {r.impl}: {verdict}; {r.examples:,} examples in {r.seconds:.1f} s by "
-                    f"{self.config.workers} worker(s); database: {r.database}")
+        """Called once, after every worker stopped."""
 
 
-def _clock(seconds: float) -> str:
-    m, s = divmod(int(round(seconds)), 60)
-    return f"{m:d}:{s:02d}"
-
-
-def fuzz(config: FuzzConfig, out: TextIO | None = None) -> FuzzReport:
-    """Fuzz ``config.impl`` with ``config.workers`` processes for ``config.seconds``; print progress to
-    ``out`` (default stdout) and return the report.
+def fuzz(config: FuzzConfig, progress: Callable[[FuzzReport, FuzzConfig], Quiet] = Quiet) -> FuzzReport:
+    """Fuzz ``config.impl`` with ``config.workers`` processes for ``config.seconds`` and return the report;
+    ``progress(report, config)`` builds the object told about the run as it goes (see :class:`Quiet`).
 
     Raises:
         pagedkv.BackendError: the candidate cannot be loaded.
@@ -373,19 +361,19 @@ def fuzz(config: FuzzConfig, out: TextIO | None = None) -> FuzzReport:
 
     if config.workers < 1 or config.seconds <= 0 or config.batch < 1:
         raise ValueError("workers, the budget and the batch must be positive")
-    out = out or sys.stdout
     names = select_properties(config.properties)
     pagedkv.load_backend(config.impl)  # a bad spec fails here, with the loader's message
     report = FuzzReport(config.impl, describe(open_database(config.database)))
     report.stats = {n: PropertyStats() for n in names}
-    progress = Progress(report, config, out)
-    progress._print(f"fuzz: {config.impl}: {len(names)} properties, {config.workers} worker(s), budget "
-                    f"{_clock(config.seconds)}, batches of {config.batch}; database: {report.database}; "
+    progress = progress(report, config)
+    progress.line(f"fuzz: {config.impl}: {len(names)} properties, {config.workers} worker(s), budget "
+                    f"{config.seconds / 60:g} min, batches of {config.batch}; database: {report.database}; "
                     f"case files: {config.failure_dir}/")
     ctx = multiprocessing.get_context("spawn")
     events = ctx.Queue()
     controls = [ctx.Queue() for _ in range(config.workers)]
-    deadline = time.time() + config.seconds
+    t0 = time.time()
+    deadline = t0 + config.seconds
     procs = [ctx.Process(target=worker_main, args=(i, config, deadline, events, controls[i]), daemon=True)
              for i in range(config.workers)]
     for p in procs:
@@ -399,8 +387,8 @@ def fuzz(config: FuzzConfig, out: TextIO | None = None) -> FuzzReport:
             except queue_module.Empty:
                 kind = None
             if kind == "start":
-                progress.alive += 1
-                progress._print(f"worker {index}: started on {data}")
+                report.alive += 1
+                progress.line(f"worker {index}: started on {data}")
             elif kind in ("examples", "batch"):
                 report.stats[name].examples += data
                 report.stats[name].batches += kind == "batch"
@@ -415,17 +403,17 @@ def fuzz(config: FuzzConfig, out: TextIO | None = None) -> FuzzReport:
                         if i != index:
                             c.put(name)
             elif kind == "error":
-                report.errors.append(f"worker {index}: {data.strip().splitlines()[-1]}")
-                progress._print(f"worker {index} stopped by an error:\n{data}")
+                report.errors.append(f"worker {index}{' on ' + name if name else ''}: {data.strip().splitlines()[-1]}")
+                progress.line(f"ERROR {report.errors[-1]}\n{data}")
             elif kind == "done" and index not in done:
                 done.add(index)
-                progress.alive = max(0, progress.alive - 1)
+                report.alive = max(0, report.alive - 1)
             for i, p in enumerate(procs):
                 if i not in done and not p.is_alive() and p.exitcode not in (None, 0):
                     done.add(i)
-                    progress.alive = max(0, progress.alive - 1)
+                    report.alive = max(0, report.alive - 1)
                     report.errors.append(_crash_message(i, p.exitcode, config))
-                    progress._print("ERROR " + report.errors[-1])
+                    progress.line("ERROR " + report.errors[-1])
             now = time.time()
             if now >= deadline + GRACE_SECONDS:
                 for i, p in enumerate(procs):
@@ -442,7 +430,7 @@ def fuzz(config: FuzzConfig, out: TextIO | None = None) -> FuzzReport:
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
-    report.seconds = time.time() - progress.start
+    report.seconds = time.time() - t0
     progress.status()
     progress.summary()
     return report
