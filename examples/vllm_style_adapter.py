@@ -150,13 +150,13 @@ backend = VllmStyleBackend()
 
 
 if __name__ == "__main__":  # a smoke run of a few properties, without pytest
-    from pagedkv.testing import checks
+    from pagedkv.testing import checks, invariances
     from pagedkv.testing.cases import Case, Geometry, SeqSpec
 
     case = Case(Geometry(8, 4, 2, 8, num_queries_per_kv=3), (SeqSpec((6, 1), 5, 2, 3), SeqSpec((0, 4, 2, 7), 13, 4, 9)),
                 values="identity", poison="nan", pad_columns=1)
     for check in (checks.gather_matches_definition, checks.scatter_round_trip, checks.write_kv_matches_definition,
-                  checks.attention_matches_reference, checks.decode_matches_prefill):
+                  checks.attention_matches_reference, invariances.decode_matches_prefill):
         check(backend, case)
         print(f"{check.__name__}: passes")
     print("run the full suite: PAGEDKV_IMPL=examples/vllm_style_adapter.py:backend pytest")

@@ -384,6 +384,24 @@ class BlockAllocator:
         self._by_hash.setdefault(h, []).append(block)
         return True
 
+    @property
+    def num_empty(self) -> int:
+        """Free blocks that cache nothing (the rest of :attr:`num_free` is evictable, still cached)."""
+        return len(self._free)
+
+    @property
+    def num_shared(self) -> int:
+        """Blocks referenced by two or more block tables (forks, prefix hits)."""
+        return sum(1 for r in self._ref if r > 1)
+
+    def snapshot(self) -> dict:
+        """A copy of the whole state, for comparing before and after a call that must change nothing:
+        ``ref_counts``, ``free`` and ``evictable`` (in hand-out order), ``entries`` (block -> CacheEntry),
+        ``generations`` and ``hash_index`` (hash -> blocks)."""
+        return {"ref_counts": list(self._ref), "free": list(self._free), "evictable": list(self._evictable),
+                "entries": dict(self._entries), "generations": list(self._generation),
+                "hash_index": {h: list(bs) for h, bs in self._by_hash.items()}}
+
     def evictable_blocks(self) -> list[int]:
         """Blocks with reference count 0 that still cache a prefix, in eviction order (next evicted first)."""
         return list(self._evictable)

@@ -346,7 +346,7 @@ class PagedKVCache:
     def stats(self) -> dict[str, float]:
         """Blocks used / shared / free / cached, prefix-cache hit rate, copy-on-write copies, evictions."""
         a = self.allocator
-        shared = sum(1 for b in range(a.num_blocks) if a._ref[b] > 1)
+        shared = a.num_shared
         return {
             "num_blocks": a.num_blocks, "used": a.num_used, "shared": shared, "free": a.num_free,
             "cached": a.num_cached, "prefix_hit_rate": a.prefix_hits / a.prefix_queries if a.prefix_queries else 0.0,

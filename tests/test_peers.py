@@ -8,7 +8,8 @@ import pytest
 
 from pagedkv.testing import peers
 from pagedkv.errors import BackendUnavailableError
-from pagedkv.testing.mutants import properties, run_property
+from pagedkv.testing.registry import properties
+from pagedkv.testing.runner import run_property
 
 
 def _peer(name):

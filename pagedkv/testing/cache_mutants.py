@@ -193,7 +193,8 @@ CACHE_MUTANTS: dict[str, type] = {
 #: The registered properties (:mod:`pagedkv.testing.registry`) that should kill each; every one is also
 #: killed by a committed scenario case file and by the cache state machine (``tests/test_cache_mutants.py``).
 CACHE_TARGETS: dict[str, tuple[str, ...]] = {
-    name: ("every_live_sequence_reads_only_its_own_tokens", "prefix_caching_changes_no_output")
+    name: ("cache_state_machine_holds_its_invariants", "every_live_sequence_reads_only_its_own_tokens",
+           "prefix_caching_changes_no_output")
     for name in CACHE_MUTANTS}
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -311,3 +311,30 @@ def token_kv(geometry: Geometry, token_ids, start: int, seed: int, *, prefix=Non
     base = ids * 0.37 + pos * 0.011 + h_ * 0.13 + d * 0.07 + seed * 0.003 + ph * 0.0173 + layer * 0.61
     k, v = torch.sin(base), torch.cos(base * 1.3)
     return k.to(geometry.torch_dtype), v.to(geometry.torch_dtype)
+
+
+def writable(case: Case) -> list[int]:
+    """Sequences whose written range ``[start, seq_len)`` uses distinct blocks, disjoint from earlier ones."""
+    bs, taken, out = case.geometry.block_size, set(), []
+    for i, s in enumerate(case.seqs):
+        blocks = case.used_table(i)[s.start // bs:] if s.seq_len > s.start else ()
+        if len(set(blocks)) == len(blocks) and not taken & set(blocks):
+            taken |= set(blocks)
+            out.append(i)
+    return out
+
+
+def write_slot_mapping(case: Case) -> tuple[list[int], list[tuple[int, int]]]:
+    """The ``slot_mapping`` a ``write_kv`` of the case writes: positions ``start .. seq_len - 1`` of each
+    writable sequence, with a ``-1`` padding token after every third real one. Also returns, per
+    token, ``(seq, position)`` (``(-1, -1)`` for padding)."""
+    bs, slots, owners = case.geometry.block_size, [], []
+    for i in writable(case):
+        s = case.seqs[i]
+        for p in range(s.start, s.seq_len):
+            slots.append(case.used_table(i)[p // bs] * bs + p % bs)
+            owners.append((i, p))
+            if len(slots) % 4 == 3:
+                slots.append(-1)
+                owners.append((-1, -1))
+    return slots, owners

@@ -15,16 +15,16 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from pagedkv.attention import reference_attention
 from pagedkv.backends import backend_name, load_backend
-from pagedkv.cache import PagedKVCache
-from pagedkv.testing.cases import Case, CacheScenario, reference_gather, reference_write, token_kv
-from pagedkv.config import CacheConfig, blocks_needed
+from pagedkv.testing.cases import Case, reference_gather, reference_write, writable, write_slot_mapping
 from pagedkv.testing.compare import Mismatch, MissingOp, assert_same_bits, bits, require  # noqa: F401 (re-exported)
+from pagedkv.testing.scenarios import (check_live_sequences, prefix_cache_transparent,  # noqa: F401 (moved)
+                                       run_scenario, sharing_isolated)
 from pagedkv.testing.tolerance import assert_attention_close, assert_bitwise_equal
 
 GATHERING_BACKENDS = {"loop", "indexed"}  # attention = gather + the same dense op: bitwise equal to each other
@@ -73,24 +73,13 @@ def gather_matches_definition(backend: Any, case: Case, device: str = "cpu") -> 
     _compare_pool(k_cache, before, case, "gather wrote to the pool")
 
 
-def _writable(case: Case) -> list[int]:
-    """Sequences whose written range ``[start, seq_len)`` uses distinct blocks, disjoint from earlier ones."""
-    bs, taken, out = case.geometry.block_size, set(), []
-    for i, s in enumerate(case.seqs):
-        blocks = case.used_table(i)[s.start // bs:] if s.seq_len > s.start else ()
-        if len(set(blocks)) == len(blocks) and not taken & set(blocks):
-            taken |= set(blocks)
-            out.append(i)
-    return out
-
-
 def scatter_round_trip(backend: Any, case: Case, device: str = "cpu") -> None:
     """``scatter`` writes exactly positions ``start .. seq_len - 1`` of each sequence and nothing else
     (frame condition, bit for bit), and ``gather`` then returns what was written."""
     scatter, gather = require(backend, "scatter"), require(backend, "gather")
     new = case.logical_kv(1)
     tables = case.block_tables(device)
-    for i in _writable(case):
+    for i in writable(case):
         s = case.seqs[i]
         k_cache, _ = case.caches(device)
         expected = k_cache.clone()
@@ -100,22 +89,6 @@ def scatter_round_trip(backend: Any, case: Case, device: str = "cpu") -> None:
         _compare_pool(k_cache, expected, case, f"scatter of sequence {i} (start {s.start}, n {values.shape[0]})")
         _compare_rows(gather(k_cache, tables[i], s.seq_len), reference_gather(expected, case.used_table(i), s.seq_len),
                       case, i, "gather after scatter")
-
-
-def write_slot_mapping(case: Case) -> tuple[list[int], list[tuple[int, int]]]:
-    """The ``slot_mapping`` a ``write_kv`` of the case writes: positions ``start .. seq_len - 1`` of each
-    writable sequence, with a ``-1`` padding token after every third real one. Also returns, per
-    token, ``(seq, position)`` (``(-1, -1)`` for padding)."""
-    bs, slots, owners = case.geometry.block_size, [], []
-    for i in _writable(case):
-        s = case.seqs[i]
-        for p in range(s.start, s.seq_len):
-            slots.append(case.used_table(i)[p // bs] * bs + p % bs)
-            owners.append((i, p))
-            if len(slots) % 4 == 3:
-                slots.append(-1)
-                owners.append((-1, -1))
-    return slots, owners
 
 
 def write_kv_matches_definition(backend: Any, case: Case, device: str = "cpu") -> None:
@@ -263,7 +236,7 @@ def backends_agree(backend: Any, other: Any, case: Case, device: str = "cpu") ->
             tables = case.block_tables(device)
             if op == "scatter":
                 new = case.logical_kv(1)
-                for i in _writable(case):
+                for i in writable(case):
                     impl.scatter(k_cache, tables[i], new[i][0][case.seqs[i].start:].to(device), case.seqs[i].start)
             else:
                 slots, _ = write_slot_mapping(case)
@@ -276,300 +249,6 @@ def backends_agree(backend: Any, other: Any, case: Case, device: str = "cpu") ->
         _compare_pool(pools[0][1], pools[1][1], case, f"{pair} {op} v_cache")
 
 
-def _owned_mask(case: Case, device) -> torch.Tensor:
-    g = case.geometry
-    mask = torch.zeros(g.num_blocks * g.block_size, dtype=torch.bool)
-    mask[sorted(case.owned_slots())] = True
-    return mask.view(g.num_blocks, g.block_size).to(device)
-
-
-def _renumber(case: Case, args: dict) -> dict:
-    perm = torch.randperm(case.geometry.num_blocks, generator=case._generator(4)).to(args["k_cache"].device)
-    out = dict(args)
-    for name in ("k_cache", "v_cache"):
-        out[name] = torch.empty_like(args[name])
-        out[name][perm] = args[name]
-    tables = args["block_tables"].to(torch.int64)
-    real = torch.zeros_like(tables, dtype=torch.bool)
-    for i, s in enumerate(case.seqs):
-        real[i, : len(s.block_table)] = True
-    mapped = perm[torch.where(real, tables, torch.zeros_like(tables))]
-    out["block_tables"] = torch.where(real, mapped, tables).to(args["block_tables"].dtype)
-    return out
-
-
-def _repad(case: Case, args: dict) -> dict:
-    tables = args["block_tables"]
-    wide = torch.full((tables.shape[0], tables.shape[1] + 2), case.geometry.num_blocks + 7, dtype=tables.dtype,
-                      device=tables.device)
-    for i, s in enumerate(case.seqs):
-        wide[i, : len(s.block_table)] = tables[i, : len(s.block_table)]
-    return {**args, "block_tables": wide}
-
-
-def _repoison(case: Case, args: dict) -> dict:
-    owned = _owned_mask(case, args["k_cache"].device)[..., None, None]
-    other = {"nan": float("inf"), "inf": float("nan"), "sentinel": float("nan"), "zero": float("nan")}[case.poison]
-    return {**args, **{n: torch.where(owned, args[n], torch.full_like(args[n], other)) for n in ("k_cache", "v_cache")}}
-
-
-def _relayout(case: Case, args: dict) -> dict:
-    k = args["k_cache"]
-    if k.is_contiguous():  # to views of one [num_blocks, 2, block_size, H, D] tensor
-        kv = torch.stack((k, args["v_cache"]), dim=1)
-        return {**args, "k_cache": kv[:, 0], "v_cache": kv[:, 1]}
-    return {**args, "k_cache": k.contiguous(), "v_cache": args["v_cache"].contiguous()}
-
-
-def _strided_metadata(case: Case, args: dict) -> dict:
-    """``block_tables``, ``seq_lens`` and ``query_start_loc`` as every-other-element views of larger
-    tensors whose skipped elements hold garbage (a kernel that assumes dense metadata reads it)."""
-    out = dict(args)
-    for name, garbage in (("block_tables", case.geometry.num_blocks + 1000), ("seq_lens", 2**30),
-                          ("query_start_loc", 2**30)):
-        x = args[name]
-        wide = torch.full((*x.shape[:-1], 2 * x.shape[-1]), garbage, dtype=x.dtype, device=x.device)
-        wide[..., ::2] = x
-        out[name] = wide[..., ::2]
-    return out
-
-
-def _reverse_batch(case: Case, args: dict) -> dict:
-    qsl = args["query_start_loc"].tolist()
-    n = len(qsl) - 1
-    q_parts = [args["query"][qsl[i]:qsl[i + 1]] for i in reversed(range(n))]
-    lens = [qsl[i + 1] - qsl[i] for i in reversed(range(n))]
-    new_qsl = torch.tensor([0] + torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32,
-                           device=args["query_start_loc"].device)
-    return {**args, "query": torch.cat(q_parts) if q_parts else args["query"], "query_start_loc": new_qsl,
-            "block_tables": args["block_tables"].flip(0), "seq_lens": args["seq_lens"].flip(0)}
-
-
-# name -> transform of the backend inputs (same pool content, same queries, other representation)
-TRANSFORMS: dict[str, Callable[[Case, dict], dict]] = {
-    "renumber_blocks": _renumber,
-    "pad_value": _repad,
-    "table_dtype": lambda case, a: {**a, "block_tables": a["block_tables"].to(
-        torch.int64 if a["block_tables"].dtype == torch.int32 else torch.int32)},
-    "poison": _repoison,
-    "layout": _relayout,
-    "strided_metadata": _strided_metadata,
-    "batch_order": _reverse_batch,
-}
-
-
-def invariant_under(backend: Any, case: Case, device: str = "cpu", *, transform: str) -> None:
-    """Outputs (gathers and attention) are bit-identical after ``transform`` of the inputs: physical
-    blocks renumbered (pool permuted, tables mapped), another padding value, int32 vs int64 tables,
-    other poison in unowned slots, strided pools, strided metadata, reversed batch order."""
-    args = inputs(case, device)
-    a = outputs(backend, args)
-    if not a:
-        raise MissingOp(f"{backend_name(backend)} provides neither gather nor paged_attention")
-    b = outputs(backend, TRANSFORMS[transform](case, args))
-    n = len(case.seqs)
-    if transform == "batch_order":
-        b = {re.sub(r"\[(\d+)\]", lambda m: f"[{n - 1 - int(m.group(1))}]", k): v for k, v in b.items()}
-    for key in a:
-        try:
-            assert_bitwise_equal(b[key], a[key], f"{key} changed under {transform}: ")
-        except AssertionError as exc:
-            raise Mismatch(str(exc), exc.where) from None
-
-
-def alone_equals_in_batch(backend: Any, case: Case, device: str = "cpu") -> None:
-    """Each request's attention alone (a batch of one over the same pool) equals, bit for bit, its rows
-    in the batch."""
-    attn = require(backend, "paged_attention")
-    args = inputs(case, device)
-    full = outputs(backend, args)
-    qsl = case.query_start_loc_list
-    for i, s in enumerate(case.seqs):
-        alone = attn(args["query"][qsl[i]:qsl[i + 1]], args["k_cache"], args["v_cache"], args["block_tables"][i:i + 1],
-                     args["seq_lens"][i:i + 1], torch.tensor([0, s.q_len], dtype=torch.int32, device=device),
-                     case.scale).cpu()
-        try:
-            assert_bitwise_equal(alone, full[f"paged_attention[{i}]"], f"sequence {i} alone vs in batch: ")
-        except AssertionError as exc:
-            raise Mismatch(str(exc), {"seq": i}) from None
-
-
-def decode_matches_prefill(backend: Any, case: Case, device: str = "cpu") -> None:
-    """Attention of ``q_len`` new tokens in one prefill call equals decoding them one call per token,
-    and chunked prefill (two calls), within the dtype tolerance."""
-    attn = require(backend, "paged_attention")
-    k_cache, v_cache = case.caches(device)
-    q = case.query(device)
-    qsl = case.query_start_loc_list
-    one_shot = run_attention(backend, case, device).cpu()
-    _, max_logit, max_v = reference_output(case)
-    tables = case.block_tables(device)
-    for i, s in enumerate(case.seqs):
-        rows = []
-        chunks = [(j, j + 1) for j in range(s.q_len)] if s.q_len <= 8 else []
-        half = s.q_len // 2
-        for lo, hi in chunks + ([(0, half), (half, s.q_len)] if s.q_len > 1 else []):
-            ctx = s.seq_len - s.q_len + hi
-            out = attn(q[qsl[i] + lo: qsl[i] + hi], k_cache, v_cache, tables[i:i + 1],
-                       torch.tensor([ctx], dtype=torch.int32, device=device),
-                       torch.tensor([0, hi - lo], dtype=torch.int32, device=device), case.scale).cpu()
-            try:
-                assert_attention_close(out, one_shot[qsl[i] + lo: qsl[i] + hi].double(), max_abs_logit=max_logit,
-                                       max_abs_value=max_v)
-            except AssertionError as exc:
-                raise Mismatch(f"sequence {i}: rows {lo}..{hi - 1} computed alone (seq_len {ctx}) differ from "
-                               f"one prefill: {exc}", {"seq": i}) from None
-
-
-# -- the cache: sharing, copy-on-write, prefix caching ---------------------------------------------------
-def run_scenario(backend: Any, scenario: CacheScenario, device: str = "cpu",
-                 after_op: Callable[[PagedKVCache, dict], None] | None = None) -> tuple[PagedKVCache, dict]:
-    """Replay ``scenario.ops`` on a real :class:`PagedKVCache` through a
-    :class:`~pagedkv.testing.cache_model.CacheModel`, writing each token's K/V (every layer) with the
-    backend's ``write_kv`` and committing it with ``mark_written``. Returns the cache and the shadow
-    ``{seq_id: token_ids}`` (its ``.model`` attribute is the model). Operations the cache refuses (out
-    of blocks) are skipped, as a scheduler would; a ``free`` of a sequence that is not live must raise
-    and change nothing (else :class:`Mismatch`). ``after_op`` sees both after each op.
-
-    A backend that ships its own cache manager exposes it as ``backend.cache_class`` (a class with
-    :class:`PagedKVCache`'s constructor and methods); the scenario then runs on that class."""
-    from pagedkv.errors import OutOfBlocksError
-    from pagedkv.testing.cache_model import CacheModel, ModelMismatch
-
-    write_kv = require(backend, "write_kv")
-    g = scenario.geometry
-    cache_class = getattr(backend, "cache_class", None) or PagedKVCache
-    cache = cache_class(CacheConfig(g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim, g.torch_dtype, device,
-                                    num_layers=scenario.num_layers),
-                        enable_prefix_caching=scenario.enable_prefix_caching,
-                        **({"hash_fn": lambda parent, tokens: 0} if scenario.constant_hash else {}))
-    model = CacheModel(cache, g, scenario.seed, scenario.num_layers, write_kv,
-                       getattr(backend, "gather", None) or (lambda pool, table, n: reference_gather(pool, table, n)))
-    shadow = _Shadow()
-    shadow.model = model
-
-    for op in scenario.ops:
-        kind, seq_id = op[0], op[1]
-        try:
-            try:
-                if kind in ("add", "reserve") and seq_id not in model.seqs:
-                    tokens = list(op[2])
-                    cached = model.add(seq_id, tokens, op[3] if len(op) > 3 else None)
-                    try:
-                        model.reserve(seq_id, tokens[cached:])
-                    except OutOfBlocksError:
-                        model.free(seq_id)
-                        raise
-                    if kind == "add":
-                        model.write(seq_id)
-                elif kind in ("append", "reserve") and seq_id in model.seqs:
-                    model.reserve(seq_id, list(op[2]))
-                    if kind == "append":
-                        model.write(seq_id)
-                elif kind == "write" and seq_id in model.seqs:
-                    model.write(seq_id, op[2] if len(op) > 2 else None)
-                elif kind == "fork" and seq_id in model.seqs and op[2] not in model.seqs:
-                    model.fork(seq_id, op[2])
-                elif kind == "free" and seq_id in model.seqs:
-                    model.free(seq_id)
-                elif kind == "free":  # a sequence freed twice (or never added): refused, nothing changes
-                    _check_refused_free(cache, seq_id)
-            except OutOfBlocksError:
-                pass
-            model.observe_evictions(f"after {op!r}")
-        except ModelMismatch as exc:
-            raise Mismatch(str(exc), exc.where or {"seq": seq_id}) from None
-        shadow.clear()
-        shadow.update({s: list(m.tokens) for s, m in model.seqs.items()})
-        if after_op is not None:
-            after_op(cache, shadow)
-    return cache, shadow
-
-
-class _Shadow(dict):
-    """``{seq_id: token_ids}`` of the live sequences, with ``.model`` (the scenario's CacheModel)."""
-
-    model: Any = None
-
-
-def _check_refused_free(cache: PagedKVCache, seq_id: int) -> None:
-    from pagedkv.errors import DoubleFreeError, UnknownBlockError
-
-    a = cache.allocator
-    before = (list(a._ref), list(a._free), list(a._evictable), cache.reference_counts())
-    try:
-        cache.free(seq_id)
-    except (DoubleFreeError, UnknownBlockError):
-        pass
-    else:
-        raise Mismatch(f"freeing sequence {seq_id}, which is not live, was accepted (a reference dropped twice)",
-                       {"seq": seq_id})
-    if (list(a._ref), list(a._free), list(a._evictable), cache.reference_counts()) != before:
-        raise Mismatch(f"a refused free of sequence {seq_id} changed the allocator", {"seq": seq_id})
-
-
-def check_live_sequences(backend: Any, cache: PagedKVCache, shadow: dict, scenario: CacheScenario) -> None:
-    """Every live sequence gathers, bit for bit and in every layer, the K/V of the tokens it has
-    written, and the cache's counts hold. With a shadow from :func:`run_scenario`, also everything its
-    :class:`~pagedkv.testing.cache_model.CacheModel` checks: no cached block was never written, cached
-    blocks hold their prefix's K/V, hits are found, and sharing is kept."""
-    from pagedkv.testing.cache_model import ModelMismatch
-
-    model = getattr(shadow, "model", None)
-    if model is not None:
-        try:
-            model.check()
-        except ModelMismatch as exc:
-            raise Mismatch(str(exc), exc.where) from None
-        return
-    cache.check_invariants()
-    for seq_id, tokens in shadow.items():
-        k_exp, v_exp = token_kv(scenario.geometry, tokens, 0, scenario.seed)
-        table = cache.block_table(seq_id)
-        for pool, exp, name in ((cache.k_cache(), k_exp, "K"), (cache.v_cache(), v_exp, "V")):
-            got = backend.gather(pool, table, len(tokens)).cpu()
-            a, e = bits(got), bits(exp)
-            if got.shape != exp.shape or not torch.equal(a, e):
-                p = int((a != e).flatten(1).any(1).nonzero()[0]) if got.shape == exp.shape else -1
-                block = int(table[p // scenario.geometry.block_size]) if p >= 0 else -1
-                raise Mismatch(f"sequence {seq_id} reads a wrong {name} at position {p} (block {block}) of "
-                               f"{len(tokens)} tokens: another sequence's write, or a stale block",
-                               {"seq": seq_id, "position": p, "block": block})
-
-
-def sharing_isolated(backend: Any, scenario: CacheScenario, device: str = "cpu") -> None:
-    """After every operation, every live sequence (forked, copy-on-write, prefix-cached) reads exactly
-    its own tokens' K/V, and the allocator's counts match the live tables."""
-    require(backend, "gather")
-    run_scenario(backend, scenario, device, lambda cache, shadow: check_live_sequences(backend, cache, shadow, scenario))
-
-
-def prefix_cache_transparent(backend: Any, scenario: CacheScenario, device: str = "cpu") -> None:
-    """Prefix caching on and off give every sequence live in both runs with the same tokens the same
-    K/V and the same attention output. (Caching saves blocks, so under pool pressure the run without
-    it may refuse operations the other accepted; those sequences are not comparable.)"""
-    attn = require(backend, "paged_attention")
-    runs = [run_scenario(backend, scenario.replace(enable_prefix_caching=on), device) for on in (True, False)]
-    (_, shadow_on), (_, shadow_off) = runs
-    ids = sorted(i for i in shadow_on if shadow_off.get(i) == shadow_on[i]  # written in full in both runs
-                 and all(cache.num_written(i) == len(shadow_on[i]) for cache, _ in runs))
-    if not ids:
-        return
-    g = scenario.geometry
-    q = torch.randn((len(ids), g.num_q_heads, g.head_dim), generator=torch.Generator().manual_seed(scenario.seed))
-    q = q.to(g.torch_dtype).to(device)
-    qsl = torch.arange(len(ids) + 1, dtype=torch.int32, device=device)
-    outs = [attn(q, cache.k_cache(), cache.v_cache(), cache.block_tables(ids), cache.seq_lens(ids), qsl, None).cpu()
-            for cache, _ in runs]
-    for row, seq_id in enumerate(ids):
-        try:
-            assert_bitwise_equal(outs[0][row], outs[1][row], f"sequence {seq_id}: decode attention with prefix "
-                                                            f"caching on vs off: ")
-        except AssertionError as exc:
-            raise Mismatch(str(exc), exc.where or {"seq": seq_id}) from None
-
-
-# -- registry, failure files -------------------------------------------------------------------------------
 def failure_dir() -> Path:
     """Where failing cases are written: ``$PAGEDKV_FAILURE_DIR``, else ``.pagedkv-failures`` in the cwd."""
     return Path(os.environ.get("PAGEDKV_FAILURE_DIR", ".pagedkv-failures"))

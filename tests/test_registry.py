@@ -1,0 +1,67 @@
+"""The property registry is the one list: every check function is registered, every registered
+property is collected by pytest, and every case file names a registered property."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+
+from pagedkv.testing import checks, invalid, invariances, registry, scenarios
+from pagedkv.testing.casefile import load_case_file
+from pagedkv.testing.suite.test_regressions import FILES
+
+# Functions of the check modules that take a backend and a case but are helpers, not properties.
+HELPERS = {"run_attention", "run_scenario", "check_live_sequences", "outputs", "inputs", "reference_output",
+           "write_slot_mapping", "locate_attention", "describe_attention"}
+
+
+def _check_functions(module) -> set:
+    out = set()
+    for name, fn in vars(module).items():
+        if name.startswith("_") or name in HELPERS or not inspect.isfunction(fn) or fn.__module__ != module.__name__:
+            continue
+        params = list(inspect.signature(fn).parameters)
+        if params[:1] == ["backend"] and "device" in params:
+            out.add(fn)
+    return out
+
+
+def test_every_check_function_is_registered():
+    unregistered = set().union(*map(_check_functions, (checks, invalid, invariances, scenarios))) - \
+        registry.check_functions()
+    assert not unregistered, f"check functions no property registers: {sorted(f.__name__ for f in unregistered)}"
+
+
+def test_every_registered_property_is_collected_by_pytest():
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-p", "no:xdist", "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", "indexed"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    collected = {line.split("::")[1].split("[")[0] for line in proc.stdout.splitlines() if "::" in line}
+    missing = {f"test_{name}" for name in registry.properties()} - collected
+    assert not missing, f"registered properties pytest does not collect: {sorted(missing)}"
+
+
+def test_property_names_and_aliases_are_unique():
+    props = registry.properties().values()
+    aliases = [a for p in props for a in p.aliases]
+    assert len(aliases) == len(set(aliases))
+    for p in props:
+        assert registry.property_for_record(p.name) is p
+        assert p.sentence and p.name.isidentifier()
+        for check, transform in p.aliases:
+            assert registry.property_for_record(check, transform) is p
+
+
+@pytest.mark.parametrize("path", FILES, ids=[f.stem for f in FILES])
+def test_every_shipped_case_file_names_a_registered_property(path):
+    record = load_case_file(path)
+    registry.property_for_record(record["check"], record.get("transform"))
+
+
+def test_an_unknown_check_is_a_key_error_naming_it():
+    with pytest.raises(KeyError, match="no_such_property"):
+        registry.property_for_record("no_such_property")
