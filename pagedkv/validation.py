@@ -333,7 +333,7 @@ def check_features(requested: frozenset, supported: frozenset | None, op: str) -
     Raises:
         BackendError: a feature the backend does not declare; the message names it and the declared set.
     """
-    if supported is None:
+    if supported is None or not requested:
         return
     missing = sorted(requested - frozenset(supported))
     if missing:
@@ -584,9 +584,13 @@ def check_paged_attention(query: object, k_cache: object, v_cache: object, block
                              f"block_tables has {tables.shape[1]} columns")
         _check_ids_in_range(f"block_tables[{b}]", tables[b, :need], num_blocks)
     scale = _check_scale(scale, head_dim)
+    num_q_heads = query.shape[1]
+    if (type(window_left) is int and window_left == -1 and type(softcap) in (float, int) and softcap == 0
+            and alibi_slopes is None and sinks is None and k_scale is None and v_scale is None
+            and k_cache.dtype not in FP8_DTYPES):  # the plain call: no feature, nothing more to check
+        return AttentionArgs(tables, lens, starts, scale, num_q_heads // num_kv_heads)
     window_left = _check_window(window_left)
     softcap = _check_softcap(softcap)
-    num_q_heads = query.shape[1]
     if alibi_slopes is not None:
         alibi_slopes = _check_head_vector("alibi_slopes", alibi_slopes, num_q_heads, query.device, False)
     if sinks is not None:

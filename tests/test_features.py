@@ -376,7 +376,7 @@ def test_blocks_outside_every_window_may_hold_nan(name, window):
     assert_matches(out, batch.ref(window_left=window), F32)
 
 
-@pytest.mark.parametrize("seq_len,window,block_size", [(37, 8, 4), (37, 9, 4), (40, 0, 4), (33, 15, 16),
+@pytest.mark.parametrize("seq_len,window,block_size", [(600, 512, 16), (37, 8, 4), (37, 9, 4), (40, 0, 4), (33, 15, 16),
                                                        (64, 16, 16), (50, 17, 16), (29, 5, 3)])
 def test_triton_decode_over_a_window_reads_only_its_blocks(seq_len, window, block_size):
     """Every block but the ``ceil(W / block_size) + 1`` that can hold the window is NaN in K and V, and
