@@ -23,7 +23,6 @@ adapter. The stand-in deliberately differs from pagedkv where real kernels do:
 
 from __future__ import annotations
 
-import math
 
 import torch
 

@@ -31,7 +31,7 @@ import torch
 
 from pagedkv.allocator import BlockAllocator, HashFn, as_int, as_token_ids, check_cache_key, default_block_hash
 from pagedkv.config import CacheConfig, blocks_needed, slots_for_positions
-from pagedkv.errors import (ArgumentTypeError, DoubleFreeError, InvariantError, OutOfBlocksError, ShapeError,
+from pagedkv.errors import (ArgumentTypeError, DoubleFreeError, InvariantError, ShapeError,
                             UnknownBlockError)
 
 

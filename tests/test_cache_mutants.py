@@ -19,7 +19,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from pagedkv.backends import load_backend
 from pagedkv.testing import cache_mutants, checks
 from pagedkv.testing import scenarios as scenarios_mod
-from pagedkv.testing.checks import load_failure, run_record
+from pagedkv.testing.casefile import load_failure, run_record
 from pagedkv.testing.mutants import IndexedBackend
 from strategies import scenarios
 from strategies.profiles import PROFILES

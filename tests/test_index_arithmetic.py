@@ -14,14 +14,11 @@ The pools past 2**24 slots (really allocated, tiny heads) are covered by ``test_
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from pagedkv.testing import checks
 from pagedkv.config import CacheConfig, element_offset, slot_of, slots_for_positions
-from pagedkv.testing.tolerance import bits
 
 INT32_MAX = 2**31 - 1
 BLOCK_SIZE = 512

@@ -324,8 +324,8 @@ def report_lines(r: DemoReport) -> list[str]:
            f"  prefix cache          {s.get('prefix_hit_rate', 0.0):.1%} of the full prompt blocks looked up were "
            f"found; {s.get('cached_tokens')} prompt tokens not recomputed; {s.get('evictions')} entries evicted",
            f"  copy-on-write         {s.get('cow_copies')} shared partial blocks copied before an append"]
-    out.append(f"  verified              every read below: each paged_attention call against an fp64 dense "
-               f"reference over the K/V written (tolerance policy), each gather bit for bit")
+    out.append("  verified              every read below: each paged_attention call against an fp64 dense "
+               "reference over the K/V written (tolerance policy), each gather bit for bit")
     for name, reads in r.reads.items():
         when = "one per served step" if reads.attention_every == 1 else \
             f"at served steps {reads.attention_every}, {2 * reads.attention_every}, ... (Triton's CPU " \

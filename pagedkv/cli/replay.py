@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _byte_count(text: str) -> int:
-    from pagedkv.testing.casefile import parse_bytes
+    from pagedkv.testing.schema import parse_bytes
 
     try:
         return parse_bytes(text)
@@ -100,7 +100,8 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
         print(f"replay: refused case file {path}: {exc}", file=out)
         return 2
     from pagedkv.backends import load_backend
-    from pagedkv.testing.checks import MissingOp, Mismatch, run_record
+    from pagedkv.testing.casefile import run_record
+    from pagedkv.testing.compare import MissingOp, Mismatch
 
     if str(device).startswith("cuda"):
         import torch
@@ -177,7 +178,8 @@ def _sharing_with_snapshot(backend: Any, scenario, device: str, snapshot: dict, 
     """Run a cache scenario's check (``sharing_isolated`` unless ``record`` names another) and, when it
     fails, leave in ``snapshot`` the block table of every sequence live at that moment (in the first
     cache the check made) and add the expected and actual K/V of the first bad read to the mismatch."""
-    from pagedkv.testing.checks import Mismatch, run_record
+    from pagedkv.testing.casefile import run_record
+    from pagedkv.testing.compare import Mismatch
 
     recording = _RecordingBackend(backend)
     try:
@@ -253,7 +255,6 @@ def _first_differences(backend: Any, case, device: str, out: TextIO, limit: int 
     """Print where the backend's own outputs on ``case`` first differ from the definition: each
     sequence's gather (bit for bit) and the attention output (fp64 reference, tolerance policy), with
     expected and actual values. Returns ``{"seq", "position"}`` of the first bad gathered row, if any."""
-    import torch
 
     from pagedkv.testing.checks import reference_output, run_attention
     from pagedkv.testing.tolerance import attention_tolerance, bits

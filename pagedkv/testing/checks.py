@@ -11,16 +11,12 @@ per-dtype tolerance of an fp64 reference.
 
 from __future__ import annotations
 
-import json
-import os
-import re
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from pagedkv.attention import reference_attention
-from pagedkv.backends import backend_name, load_backend
+from pagedkv.backends import backend_name
 from pagedkv.testing.cases import Case, reference_gather, reference_write, writable, write_slot_mapping
 from pagedkv.testing.compare import Mismatch, MissingOp, assert_same_bits, bits, require  # noqa: F401 (re-exported)
 from pagedkv.testing.scenarios import (check_live_sequences, prefix_cache_transparent,  # noqa: F401 (moved)
@@ -247,70 +243,3 @@ def backends_agree(backend: Any, other: Any, case: Case, device: str = "cpu") ->
             pools.append((k_cache.cpu(), v_cache.cpu()))
         _compare_pool(pools[0][0], pools[1][0], case, f"{pair} {op} k_cache")
         _compare_pool(pools[0][1], pools[1][1], case, f"{pair} {op} v_cache")
-
-
-def failure_dir() -> Path:
-    """Where failing cases are written: ``$PAGEDKV_FAILURE_DIR``, else ``.pagedkv-failures`` in the cwd."""
-    return Path(os.environ.get("PAGEDKV_FAILURE_DIR", ".pagedkv-failures"))
-
-
-def save_failure(check: str, backend_spec: str, case: Any, *, other: str | None = None,
-                 transform: str | None = None, test_id: str | None = None, error: str = "",
-                 outcome: str = "failed", path: Path | None = None) -> Path:
-    """Write a case file as JSON (no tensors: geometry, tables, lengths, pattern, seed) and return its path.
-
-    Args:
-        check: the registered property's name (:mod:`pagedkv.testing.registry`).
-        backend_spec: the implementation under test (a built-in name or the ``--pagedkv-impl`` spec).
-        case: a :class:`Case`, :class:`CacheScenario` or :class:`~pagedkv.testing.invalid.InvalidCall`.
-        other: the second backend of a pair property. transform: legacy field of invariance files.
-        test_id: names the file (one file per test: Hypothesis replays the shrunk example last).
-        error: the failure's message (its first line is kept, 500 characters at most).
-        outcome: ``"running"`` (written before the backend is called), ``"failed"`` (an assertion),
-            ``"raised"`` (the backend raised something else).
-        path: write here instead of under :func:`failure_dir`.
-    """
-    if path is None:
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", test_id or f"{check}-{backend_spec}").strip("_")[:150]
-        path = failure_dir() / f"{name}.json"
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"version": 1, "check": check, "backend": backend_spec, "other": other, "transform": transform,
-              "kind": type(case).__name__, "case": case.to_dict(), "outcome": outcome,
-              "error": error.splitlines()[0][:500] if error else ""}
-    path.write_text(json.dumps(record, indent=1))
-    return path
-
-
-def load_failure(path: str | Path, **options) -> dict:
-    """Read a case file: the record with ``case`` rebuilt as a :class:`Case`, :class:`CacheScenario` or
-    :class:`pagedkv.testing.invalid.InvalidCall` (by its ``kind``), after the checks of
-    :func:`pagedkv.testing.casefile.load_case_file` (``options``: ``max_bytes``, ``impl``, ``other``,
-    ``check_backend``).
-
-    Raises:
-        CaseFileError (a ``ValueError``): malformed, oversized, or naming a backend a file may not name.
-    """
-    from pagedkv.testing.casefile import load_case_file
-
-    return load_case_file(path, **options)
-
-
-def run_record(record: dict, backend: Any | None = None, device: str = "cpu") -> None:
-    """Rerun a failure record's property (optionally on another backend or device); raises on failure.
-
-    The record's ``check`` names a registered property (:mod:`pagedkv.testing.registry`); older files
-    name its check function (with ``transform`` for an invariance).
-
-    Raises:
-        KeyError: the record names no registered property.
-        Mismatch: the property fails. MissingOp: the backend lacks an op the property needs.
-    """
-    from pagedkv.testing.registry import property_for_record
-
-    impl = backend if backend is not None else load_backend(record["backend"])
-    prop = property_for_record(record["check"], record.get("transform"))
-    if prop.pair:
-        other = load_backend(record.get("other") or "indexed")
-        return prop.check(other, impl, record["case"], device)
-    return prop.check(impl, record["case"], device)

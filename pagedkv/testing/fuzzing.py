@@ -6,7 +6,7 @@ each as a Hypothesis test of ``batch`` examples with a fresh random seed. Every 
 what the database holds for that property and backend (phase *reuse*), then searches (*generate*,
 *target*) and shrinks what fails (*shrink*). A failing example is saved to the database by Hypothesis,
 so every other worker, machine and later ``pytest`` run sharing that database replays it first; the
-worker writes it as a JSON case file (:func:`pagedkv.testing.checks.save_failure`) with the command
+worker writes it as a JSON case file (:func:`pagedkv.testing.casefile.save_failure`) with the command
 that replays it, and the property is not fuzzed further in this run. The explicit examples are not
 run here (the suite runs them every time); fuzzing is for the long tail.
 
@@ -192,7 +192,7 @@ def run_batch(prop: Any, backend: Any, reference: Any | None, impl: str, device:
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 
     from pagedkv.backends import backend_name
-    from pagedkv.testing.checks import save_failure
+    from pagedkv.testing.casefile import save_failure
     from pagedkv.testing.compare import MissingOp
     from pagedkv.testing.databases import property_key, saved_examples
 

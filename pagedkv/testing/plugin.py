@@ -265,7 +265,7 @@ def check(request):
     ``"raised"``) and ``python -m pagedkv replay FILE`` added to the message.
     """
     from pagedkv.backends import backend_name
-    from pagedkv.testing.checks import save_failure
+    from pagedkv.testing.casefile import save_failure
     from pagedkv.testing.compare import MissingOp
 
     def run(prop, *args):

@@ -142,7 +142,7 @@ def run_mutant(name: str, profile: str = "ci", device: str = "cpu", *, only_targ
         KeyError: unknown mutant name.
     """
     from pagedkv.testing.casefile import load_case_file  # the checks every case file passes (trusted backends)
-    from pagedkv.testing.checks import run_record
+    from pagedkv.testing.casefile import run_record
     from pagedkv.testing.compare import MissingOp
 
     backend = ALL_MUTANTS[name]()
