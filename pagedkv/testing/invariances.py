@@ -10,12 +10,14 @@ prefill and chunked prefill.
 from __future__ import annotations
 
 import re
+from functools import partial
 from typing import Any, Callable
 
 import torch
 
 from pagedkv.backends import backend_name
-from pagedkv.testing.cases import Case
+from pagedkv.backends.capabilities import capabilities_of
+from pagedkv.testing.cases import FINITE_POISONS, Case
 from pagedkv.testing.checks import inputs, outputs, reference_output, run_attention
 from pagedkv.testing.compare import Mismatch, MissingOp, require
 from pagedkv.testing.tolerance import assert_attention_close, assert_bitwise_equal
@@ -52,9 +54,13 @@ def _repad(case: Case, args: dict) -> dict:
     return {**args, "block_tables": wide}
 
 
-def _repoison(case: Case, args: dict) -> dict:
+def _repoison(case: Case, args: dict, finite: bool = False) -> dict:
+    """Another poison in the unowned slots; with ``finite`` (a backend that declares
+    ``finite_unused_slots``, on a case that keeps it) another finite one."""
     owned = _owned_mask(case, args["k_cache"].device)[..., None, None]
     other = {"nan": float("inf"), "inf": float("nan"), "sentinel": float("nan"), "zero": float("nan")}[case.poison]
+    if finite and case.poison in FINITE_POISONS:
+        other = 0.0 if case.poison == "sentinel" else torch.finfo(args["k_cache"].dtype).max
     return {**args, **{n: torch.where(owned, args[n], torch.full_like(args[n], other)) for n in ("k_cache", "v_cache")}}
 
 
@@ -111,7 +117,10 @@ def invariant_under(backend: Any, case: Case, device: str = "cpu", *, transform:
     a = outputs(backend, args)
     if not a:
         raise MissingOp(f"{backend_name(backend)} provides neither gather nor paged_attention")
-    b = outputs(backend, TRANSFORMS[transform](case, args))
+    change = TRANSFORMS[transform]
+    if transform == "poison" and "finite_unused_slots" in capabilities_of(backend).preconditions:
+        change = partial(_repoison, finite=True)  # stay inside the declared precondition (NaN/inf: a finding)
+    b = outputs(backend, change(case, args))
     n = len(case.seqs)
     if transform == "batch_order":
         b = {re.sub(r"\[(\d+)\]", lambda m: f"[{n - 1 - int(m.group(1))}]", k): v for k, v in b.items()}

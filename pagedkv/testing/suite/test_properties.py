@@ -126,5 +126,12 @@ def test_finding_outside_declared_preconditions(check, finding, device):
     try:
         _hypothesis_test(prop, caps, precondition)(check, (backend,), device)
     except AssertionError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        pytest.xfail(f"finding (outside the declared precondition '{precondition}'): {first}")
+        pytest.xfail(finding_reason(precondition, exc))
+
+
+def finding_reason(precondition: str, exc: BaseException) -> str:
+    """The xfail reason of a finding: its first line and the replay command of its case file."""
+    lines = str(exc).strip().splitlines()
+    replay = next((line for line in lines if line.startswith("replay: ")), "")
+    return (f"finding (outside the declared precondition '{precondition}'): {lines[0] if lines else type(exc).__name__}"
+            + (f"; {replay}" if replay else ""))
