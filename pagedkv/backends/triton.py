@@ -15,12 +15,11 @@ imported before the variable was set: set it before importing triton).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from pagedkv.backends.interpreter import choose_interpreter
+
+choose_interpreter()
 
 import triton  # noqa: E402,F401  (ImportError here: the registry reports the backend unavailable)
 

@@ -86,10 +86,9 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
     Returns:
         0 (passes), 1 (fails) or 2 (the file is refused, or the backend cannot be loaded).
     """
-    import os
+    from pagedkv.backends.interpreter import choose_interpreter
 
-    if not str(device).startswith("cuda"):
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports Triton
+    choose_interpreter(on_cpu=not str(device).startswith("cuda"))  # before anything imports Triton
     from pagedkv.errors import CaseFileError
     from pagedkv.testing.casefile import load_case_file
 

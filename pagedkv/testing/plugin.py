@@ -65,6 +65,7 @@ def _names_suite(config: pytest.Config) -> bool:
                for a in config.args)
 
 
+@pytest.hookimpl(tryfirst=True)  # before Hypothesis' own plugin loads --hypothesis-profile: ours must be registered
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "pagedkv: a conformance property of the implementation under test")
     active = bool(impl_spec(config)) or config.getini("pagedkv_builtin") or _names_suite(config)
