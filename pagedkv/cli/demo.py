@@ -126,7 +126,6 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
     from pagedkv.attention import reference_attention
     from pagedkv.backends import backend_name, load_backend
     from pagedkv.cache import PagedKVCache
-    from pagedkv.config import CacheConfig
     from pagedkv.errors import OutOfBlocksError
     from pagedkv.testing.cases import Geometry, token_kv
     from pagedkv.testing.tolerance import assert_attention_close, bits
@@ -134,8 +133,7 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
     backends = [load_backend(b) if isinstance(b, str) else b for b in impls]
     names = [backend_name(b) for b in backends]
     geometry = Geometry(num_blocks, block_size, num_kv_heads, head_dim, queries_per_kv, dtype)
-    caches = [(getattr(b, "cache_class", None) or PagedKVCache)(
-        CacheConfig(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)) for b in backends]
+    caches = [(getattr(b, "cache_class", None) or PagedKVCache)(geometry.cache_config(device)) for b in backends]
     for cache in caches:  # unwritten slots read as NaN: a read of one poisons the output
         cache.k_cache().fill_(float("nan"))
         cache.v_cache().fill_(float("nan"))

@@ -95,7 +95,7 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
     from pagedkv.backends import load_backend
     from pagedkv.cache import PagedKVCache
     from pagedkv.testing.cases import Geometry, token_kv
-    from pagedkv.config import CacheConfig, blocks_needed, dtype_from_name
+    from pagedkv.config import blocks_needed
     from pagedkv.errors import OutOfBlocksError
     from pagedkv.testing.tolerance import bits
 
@@ -113,8 +113,7 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
     if blocks_needed(max_prompt + max_new, bs) + 1 > num_blocks:
         raise ValueError(f"num_blocks {num_blocks} cannot hold one request of up to {max_prompt + max_new} tokens "
                          f"(block_size {bs})")
-    cache = PagedKVCache(CacheConfig(num_blocks, bs, num_kv_heads, head_dim, dtype_from_name(dtype), device,
-                                     num_layers=num_layers))
+    cache = PagedKVCache(geometry.cache_config(device, num_layers))
     layers = range(num_layers)
     written_prefixes: set[tuple[int, ...]] = set()  # full-block prefixes whose K/V was written and committed
     systems = [[rng.randrange(1000) for _ in range(rng.randrange(bs, 3 * bs + 2))] for _ in range(num_systems)]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.config import blocks_needed, dtype_from_name
+from pagedkv.config import CacheConfig, blocks_needed, dtype_from_name
 
 VALUE_PATTERNS = ("normal", "identity", "large")
 POISONS = ("nan", "inf", "sentinel", "zero")
@@ -43,6 +43,12 @@ class Geometry:
     @property
     def num_q_heads(self) -> int:
         return self.num_kv_heads * self.num_queries_per_kv
+
+    def cache_config(self, device: str = "cpu", num_layers: int = 1) -> CacheConfig:
+        """The library's :class:`~pagedkv.config.CacheConfig` of this geometry (the one place the kit
+        builds a cache's configuration from a geometry)."""
+        return CacheConfig(self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.torch_dtype,
+                           device, num_layers=num_layers)
 
     @property
     def torch_dtype(self) -> torch.dtype:

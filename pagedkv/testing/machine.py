@@ -41,7 +41,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pagedkv import get_backend
 from pagedkv.cache import PagedKVCache
-from pagedkv.config import CacheConfig
 from pagedkv.errors import ArgumentTypeError, DoubleFreeError, OutOfBlocksError, ShapeError, UnknownBlockError
 from pagedkv.testing.cache_model import CacheModel
 from pagedkv.testing.cases import Geometry
@@ -70,8 +69,7 @@ class CacheMachine(RuleBasedStateMachine):
                 systems=st.lists(st.integers(0, 9).flatmap(_tokens), min_size=1, max_size=3))
     def start(self, num_blocks, block_size, num_layers, constant_hash, seed, systems):
         self.geometry = Geometry(num_blocks, block_size, num_kv_heads=1, head_dim=2, dtype="float32")
-        self.cache = self.cache_class(CacheConfig(num_blocks, block_size, 1, 2, torch.float32, self.device,
-                                                  num_layers=num_layers),
+        self.cache = self.cache_class(self.geometry.cache_config(self.device, num_layers),
                                       **({"hash_fn": lambda parent, tokens: 0} if constant_hash else {}))
         self.alloc = self.cache.allocator
         backend = self.backend or get_backend("indexed")

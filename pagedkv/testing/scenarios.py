@@ -9,7 +9,6 @@ from typing import Any, Callable
 import torch
 
 from pagedkv.cache import PagedKVCache
-from pagedkv.config import CacheConfig
 from pagedkv.testing.cases import CacheScenario, reference_gather, token_kv
 from pagedkv.testing.compare import Mismatch, bits, require
 from pagedkv.testing.tolerance import assert_bitwise_equal
@@ -32,8 +31,7 @@ def run_scenario(backend: Any, scenario: CacheScenario, device: str = "cpu",
     write_kv = require(backend, "write_kv")
     g = scenario.geometry
     cache_class = getattr(backend, "cache_class", None) or PagedKVCache
-    cache = cache_class(CacheConfig(g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim, g.torch_dtype, device,
-                                    num_layers=scenario.num_layers),
+    cache = cache_class(g.cache_config(device, scenario.num_layers),
                         enable_prefix_caching=scenario.enable_prefix_caching,
                         **({"hash_fn": lambda parent, tokens: 0} if scenario.constant_hash else {}))
     model = CacheModel(cache, g, scenario.seed, scenario.num_layers, write_kv,
