@@ -28,14 +28,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from pagedkv.cli.common import device_option, seed_option
+
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("demo", help="simulate serving through the paged cache and verify every read",
+    p = subparsers.add_parser("demo", parents=[seed_option("requests, prompts and values"), device_option(None)],
+                              help="simulate serving through the paged cache and verify every read",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--impl", action="append", default=None, metavar="NAME",
                    help="backend to serve through: loop, indexed, triton or a candidate spec (pkg.module:attr, "
                         "path.py); repeatable or a comma list (default: every built-in backend available)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--requests", type=int, default=24, help="requests to serve (default 24)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     p.add_argument("--num-blocks", type=int, default=88, help="blocks in the pool (default 88)")
@@ -43,7 +45,6 @@ def add_parser(subparsers) -> None:
     p.add_argument("--queries-per-kv", type=int, default=2, help="query heads per kv head (GQA; default 2)")
     p.add_argument("--head-dim", type=int, default=32, help="head dim (default 32)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--prefill-chunk", type=int, default=64, help="max prompt tokens prefilled per step (default 64)")
     p.add_argument("--interpreted-every", type=int, default=4,
                    help="a backend running in Triton's CPU interpreter (orders of magnitude slower than compiled "

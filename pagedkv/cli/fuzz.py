@@ -15,13 +15,15 @@ import sys
 import time
 from pathlib import Path
 
+from pagedkv.cli.common import device_option
+
 from pagedkv.testing.fuzzing import Failure, Quiet
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``fuzz``."""
     parser = subparsers.add_parser(
-        "fuzz", help="fuzz every registered property of a candidate for a time budget over a shared example database",
+        "fuzz", parents=[device_option(None, "tensors; on CUDA worker i takes GPU i % device_count")], help="fuzz every registered property of a candidate for a time budget over a shared example database",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run the registered properties against a candidate in N worker processes until the budget\n"
                     "ends: each property in turn, in batches of random examples, replaying first what the example\n"
@@ -51,8 +53,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="example database (default: $PAGEDKV_DATABASE, else .hypothesis/examples); see below")
     parser.add_argument("--properties", nargs="+", metavar="NAME", default=(),
                         help="fuzz only these registered properties (default: all; --list names them)")
-    parser.add_argument("--device", default=None,
-                        help="device for the tensors (default: $PAGEDKV_DEVICE, else cuda:<worker %% GPUs>, else cpu)")
     parser.add_argument("--batch", type=_positive_int, default=None, metavar="K",
                         help="examples per batch, one Hypothesis run with a fresh seed (default: 100)")
     parser.add_argument("--failure-dir", type=Path, default=None, metavar="DIR",

@@ -6,6 +6,7 @@ import argparse
 
 import torch
 
+from pagedkv.cli.common import device_option, profile_option
 from pagedkv.testing.runner import ALL_MUTANTS as MUTANTS, Result, _short, format_table, run_mutant, run_mutant_via_pytest
 
 
@@ -20,16 +21,13 @@ def _worker(args: tuple) -> Result:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``mutants``."""
     parser = subparsers.add_parser(
-        "mutants", help="run the property suite against faulty backends and report which it kills",
+        "mutants", parents=[profile_option("ci"), device_option("cpu")], help="run the property suite against faulty backends and report which it kills",
         description="Run the property suite against each shipped faulty backend (pagedkv.testing.mutants, pagedkv.testing.cache_mutants) and print, per "
                     "mutant: killed or survived, the property that killed it, examples until the first failure, "
                     "time and the shrunk case. Exit status 1 when a mutant survives.")
-    parser.add_argument("--profile", default="ci", choices=("dev", "ci", "gpu", "nightly", "repro"),
-                        help="Hypothesis profile (default: ci, derandomized)")
     parser.add_argument("--only", action="append", metavar="NAME", choices=sorted(MUTANTS),
                         help="run only this mutant (repeatable); choices: %(choices)s")
     parser.add_argument("--jobs", "-j", type=int, default=1, metavar="N", help="mutants run in parallel (processes)")
-    parser.add_argument("--device", default="cpu", help="device for the tensors (default: cpu)")
     parser.add_argument("--targets-only", action="store_true",
                         help="run only the properties each mutant targets (faster, less thorough)")
     parser.add_argument("--no-shrink", action="store_true",

@@ -28,11 +28,13 @@ import traceback
 from pathlib import Path
 from typing import Any, TextIO
 
+from pagedkv.cli.common import device_option
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``replay``."""
     parser = subparsers.add_parser(
-        "replay", help="rerun a failing case file and show where it fails",
+        "replay", parents=[device_option("cpu", "replayed tensors")], help="rerun a failing case file and show where it fails",
         description="Rerun the check recorded in a case file (.pagedkv-failures/*.json or "
                     "pagedkv/testing/regressions/*.json) and, on failure, print the first mismatch and a map of the "
                     "block tables with the bad slot marked. The file is checked first (size, schema, consistency, "
@@ -40,7 +42,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "word. Exit status: 0 passes, 1 fails, 2 refused or cannot load.")
     parser.add_argument("file", metavar="FILE",
                         help="case file (JSON) written by the suite or committed as a regression")
-    parser.add_argument("--device", default="cpu", help="device to run on: cpu, cuda, cuda:N (default: cpu)")
     parser.add_argument("--impl", metavar="SPEC", default=None,
                         help="backend to run instead of the one recorded: loop | indexed | triton | pkg.module[:attr]; "
                              "a recorded spec other than a built-in, a shipped mutant or a shipped peer runs only "

@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.cli.common import device_option, seed_option
+
 import torch
 
 
@@ -312,16 +314,15 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``soak`` with its arguments and ``func=run``."""
-    p = subparsers.add_parser("soak", help="a long simulated serving trace through the cache, checked throughout",
+    p = subparsers.add_parser("soak", parents=[seed_option("the trace and the values"), device_option("cpu")],
+                              help="a long simulated serving trace through the cache, checked throughout",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=10_000, help="scheduler steps (default 10000)")
-    p.add_argument("--seed", type=int, default=0, help="trace and value seed (default 0)")
     p.add_argument("--num-blocks", type=int, default=32, help="blocks in the pool (default 32: a small pool)")
     p.add_argument("--block-size", type=int, default=4, help="tokens per block (default 4)")
     p.add_argument("--num-kv-heads", type=int, default=2, help="kv heads (default 2)")
     p.add_argument("--head-dim", type=int, default=4, help="head dim (default 4)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--backend", default="indexed", help="loop, indexed, triton or MODULE:ATTR (default indexed)")
     p.add_argument("--check-every", type=int, default=50, help="steps between full checks (default 50)")
     p.add_argument("--max-running", type=int, default=10, help="running batch size (default 10)")
