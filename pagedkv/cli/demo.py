@@ -126,6 +126,7 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
 
     from pagedkv.attention import reference_attention
     from pagedkv.backends import backend_name, load_backend
+    from pagedkv.engine import Step
     from pagedkv.cache import PagedKVCache
     from pagedkv.errors import OutOfBlocksError
     from pagedkv.testing.cases import Geometry, token_kv
@@ -184,19 +185,17 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
                         raise DemoFailure(f"step {report.steps}: {name} gather of {which} of sequence {seq_id} "
                                           f"({len(toks)} tokens) differs from what was written")
 
-    def serve(batch: list[tuple[int, list[int]]], step_slots: list[list]) -> None:
+    def serve(batch: list[tuple[int, list[int]]], steps: list[Step]) -> None:
         """Write the step's new K/V, commit it, then read the packed batch's attention on every backend."""
-        new_k, new_v, qsl = [], [], [0]
+        new_kv, qsl = {}, [0]
         for seq_id, new in batch:
             k, v = token_kv(geometry, new, len(tokens[seq_id]), seed, prefix=tokens[seq_id])
-            new_k.append(k)
-            new_v.append(v)
+            new_kv[seq_id] = (k, v)
             tokens[seq_id] += new
             old = shadow.get(seq_id)
             shadow[seq_id] = (k, v) if old is None else (torch.cat([old[0], k]), torch.cat([old[1], v]))
             qsl.append(qsl[-1] + len(new))
         ids = [seq_id for seq_id, _ in batch]
-        key, value = torch.cat(new_k).to(device), torch.cat(new_v).to(device)
         query = torch.randn((qsl[-1], geometry.num_q_heads, head_dim), generator=qgen).to(geometry.torch_dtype)
         keys, values = [shadow[i][0] for i in ids], [shadow[i][1] for i in ids]
         expected = reference_attention(query, keys, values, qsl)
@@ -204,11 +203,10 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
             max(float(k.double().abs().max()) for k in keys)
         max_v = max(float(v.double().abs().max()) for v in values)
         qsl_t = torch.tensor(qsl, dtype=torch.int32, device=device)
-        for name, backend, cache, slots in zip(names, backends, caches, step_slots):
-            backend.write_kv(cache.k_cache(), cache.v_cache(), key, value, torch.cat(slots))
-            if hasattr(cache, "mark_written"):  # commit: full blocks enter the prefix cache
-                for seq_id in ids:
-                    cache.mark_written(seq_id)
+        for name, backend, cache, step in zip(names, backends, caches, steps):
+            # one write_kv for the step, then commit: full blocks enter the prefix cache
+            step.write(backend.write_kv, lambda seq_id, start, new, layer: new_kv[seq_id], num_layers=1,
+                       commit=hasattr(cache, "mark_written"))
             reads = report.reads[name]
             if report.steps % reads.attention_every:
                 continue
@@ -238,7 +236,7 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
                     k, v = token_kv(geometry, tokens[req["id"]], 0, seed)
                     shadow[req["id"]] = (k, v)
                 todo[req["id"]], budget[req["id"]] = list(req["prompt"][cached:]), req["max_new"]
-            batch, step_slots = [], [[] for _ in caches]
+            batch, steps = [], [Step(cache) for cache in caches]
             for seq_id in list(tokens):
                 if todo.get(seq_id):  # chunked prefill
                     new = todo[seq_id][:prefill_chunk]
@@ -254,23 +252,22 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
                     report.finished += 1
                     continue
                 try:
-                    slots = main.append(seq_id, new)  # raises before any change when no block is left
+                    steps[0].reserve(seq_id, new)  # raises before any change when no block is left
                 except OutOfBlocksError:  # preempt: free it, recompute later (as vLLM does)
                     waiting.append({"id": seq_id, "prompt": tokens[seq_id] + todo.get(seq_id, []),
                                     "max_new": budget[seq_id], "arrive": step + 2})
                     release(seq_id)
                     report.preemptions += 1
                     continue
-                step_slots[0].append(slots)
-                for i, cache in enumerate(caches[1:], 1):
-                    step_slots[i].append(cache.append(seq_id, new))
+                for other in steps[1:]:
+                    other.reserve(seq_id, new)
                 if todo.get(seq_id):
                     todo[seq_id] = todo[seq_id][len(new):]
                 else:
                     budget[seq_id] -= 1
                 batch.append((seq_id, new))
             if batch:
-                serve(batch, step_slots)
+                serve(batch, steps)
                 report.served_steps += 1
             history.append(block_counts(main))
             if on_step is not None:

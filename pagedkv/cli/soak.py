@@ -96,6 +96,7 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
     """
     from pagedkv.backends import load_backend
     from pagedkv.cache import PagedKVCache
+    from pagedkv.engine import Step, admit
     from pagedkv.testing.cases import Geometry, token_kv
     from pagedkv.config import blocks_needed
     from pagedkv.errors import OutOfBlocksError
@@ -197,10 +198,8 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
             # 2. admission (prefix lookup)
             while waiting and len(running) < max_running:
                 req = waiting[0]
-                cached = cache.add_sequence(req.seq_id, req.tokens)
-                first = min(chunk, len(req.tokens) - cached)
-                if not cache.can_append(req.seq_id, first):
-                    cache.free(req.seq_id)
+                cached = admit(cache, req.seq_id, req.tokens, chunk)
+                if cached is None:
                     counts["refused_admissions"] += 1
                     break
                 waiting.pop(0)
@@ -208,7 +207,8 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
                 running.append(req)
                 counts["admitted"] += 1
             # 3. work for every running sequence, preempting the newest when the pool is full
-            batch: dict[int, tuple[torch.Tensor, list[int], int]] = {}  # seq_id -> (slots, all tokens, start)
+            batch = Step(cache)
+            histories: dict[int, list[int]] = {}  # seq_id -> its tokens up to the end of this step's reservation
             scheduled: set[int] = set()
             for req in list(running):
                 if req not in running:
@@ -225,9 +225,8 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
                 if req not in running:
                     continue
                 scheduled.add(req.seq_id)
-                start = cache.seq_len(req.seq_id)
                 try:
-                    slots = cache.append(req.seq_id, new)
+                    batch.reserve(req.seq_id, new)
                 except OutOfBlocksError as exc:
                     raise SoakFailure(f"step {step}: can_append said yes but append refused: {exc}") from None
                 if req.prefilling:
@@ -235,10 +234,10 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
                 else:
                     req.tokens.append(new[0])
                     req.computed += 1
-                batch[req.seq_id] = (slots, req.tokens[:start + len(new)], start)
+                histories[req.seq_id] = req.tokens[:batch.reserved[req.seq_id][1] + len(new)]
             # 4. mid-step: a scheduled sequence aborted or preempted between its reservation and the write
-            if batch and rng.random() < abort_prob:
-                chosen = rng.choice(sorted(batch))
+            if batch.reserved and rng.random() < abort_prob:
+                chosen = rng.choice(sorted(batch.reserved))
                 victim = next(r for r in running if r.seq_id == chosen)
                 if rng.random() < 0.5:
                     cache.free(victim.seq_id)
@@ -249,20 +248,15 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
                     counts["preempted"] -= 1
                     counts["preempted_mid_step"] += 1
                 if rng.random() < 0.5:  # dropped from the batch; else the forward already ran and writes it
-                    del batch[victim.seq_id]
+                    batch.drop(victim.seq_id)
             # 5. one write_kv per layer for the whole step, then commit
-            if batch:
-                slot_mapping = torch.cat([b[0] for b in batch.values()]).to(device)
-                for layer in layers:
-                    kvs = [kv_of(tokens, start, layer) for _, tokens, start in batch.values()]
-                    be.write_kv(cache.k_cache(layer), cache.v_cache(layer), torch.cat([k for k, _ in kvs]).to(device),
-                                torch.cat([v for _, v in kvs]).to(device), slot_mapping)
-                counts["tokens_written"] += int(slot_mapping.numel())
-                live = {r.seq_id for r in running}
-                for seq_id, (_, tokens, _) in batch.items():
-                    if seq_id in live:  # an aborted or preempted sequence commits nothing
-                        cache.mark_written(seq_id)
-                        written_prefixes.update(tuple(tokens[:e]) for e in range(bs, len(tokens) + 1, bs))
+            if batch.reserved:
+                counts["tokens_written"] += batch.num_tokens
+                # an aborted or preempted sequence commits nothing (its rows land in released blocks)
+                for seq_id in batch.write(be.write_kv,
+                                          lambda seq_id, start, new, layer: kv_of(histories[seq_id], start, layer)):
+                    tokens = histories[seq_id]
+                    written_prefixes.update(tuple(tokens[:e]) for e in range(bs, len(tokens) + 1, bs))
             # 6. forks (parallel sampling) and finishes
             decoding = [r for r in running if not r.prefilling]
             if decoding and len(running) < max_running and rng.random() < fork_prob:
