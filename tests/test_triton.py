@@ -40,7 +40,7 @@ try:  # first: on CPU it sets TRITON_INTERPRET=1 before triton is imported
 except BackendUnavailableError as exc:
     pytest.skip(str(exc), allow_module_level=True)
 loop_backend = get_backend("loop")
-from pagedkv.backends import triton_kernels  # noqa: E402
+from pagedkv.backends import triton_attention, triton_kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -348,8 +348,8 @@ FAULTS = {
 
 
 def plant(fault: str, tmp_path: Path):
-    """Import a copy of :mod:`pagedkv.backends.triton_kernels` with ``fault`` planted, as a separate module."""
-    source = Path(triton_kernels.__file__).read_text()
+    """Import a copy of :mod:`pagedkv.backends.triton_attention` with ``fault`` planted, as a separate module."""
+    source = Path(triton_attention.__file__).read_text()
     line, broken = FAULTS[fault]
     assert source.count(line) == 1, f"fault {fault!r}: target line not found exactly once in the kernel source"
     path = tmp_path / f"faulty_{fault}.py"
