@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "e2e": ".e2e",
     "soak": ".soak",
     "fuzz": ".fuzz",
+    "peers": ".peers",
 }
 
 

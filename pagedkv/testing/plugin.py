@@ -265,11 +265,37 @@ def check(request):
     any other exception from the backend fails it with the case file updated (``"failed"`` or
     ``"raised"``) and ``python -m pagedkv replay FILE`` added to the message.
     """
+    import time
+
     from pagedkv.backends import backend_name
     from pagedkv.testing.casefile import save_failure
     from pagedkv.testing.compare import MissingOp
 
+    budget = float(os.environ.get("PAGEDKV_TEST_BUDGET_S") or 0)
+    spent = {"test": None, "start": 0.0, "passed": 0, "failed": False}
+
+    def over_budget() -> None:
+        """``$PAGEDKV_TEST_BUDGET_S``: once a test has run that long without a failure, skip its remaining
+        examples, saying how many passed (a slow backend, e.g. Triton's interpreter, reports a partial run
+        instead of hiding the test). A test that has failed is never cut short: its shrinking runs on."""
+        test_id = _current_test_id()
+        if spent["test"] != test_id:
+            spent.update(test=test_id, start=time.monotonic(), passed=0, failed=False)
+        elif not spent["failed"] and time.monotonic() - spent["start"] > budget:
+            pytest.skip(f"time budget spent ($PAGEDKV_TEST_BUDGET_S={budget:g} s): {spent['passed']} examples "
+                        f"passed, the remaining examples did not run")
+
     def run(prop, *args):
+        if budget:
+            over_budget()
+        try:
+            _run(prop, *args)
+        except BaseException as exc:
+            spent["failed"] = spent["failed"] or not isinstance(exc, (MissingOp, pytest.skip.Exception))
+            raise
+        spent["passed"] += 1
+
+    def _run(prop, *args):
         fn = getattr(prop, "check", prop)
         name = getattr(prop, "name", getattr(fn, "__name__", "check"))
         pair = getattr(prop, "pair", False)
