@@ -149,8 +149,9 @@ def paged_attention_by_gather(gather, query, k_cache, v_cache, args) -> torch.Te
     block_size = k_cache.shape[1]
     features = dict(window_left=args.window_left, softcap=args.softcap, alibi_slopes=args.alibi_slopes,
                     sinks=args.sinks, k_scale=args.k_scale, v_scale=args.v_scale)
+    starts = args.q_starts  # host ints (read once here when the check did not)
     for b, seq_len in enumerate(args.seq_lens):
-        lo, hi = args.q_starts[b], args.q_starts[b + 1]
+        lo, hi = starts[b], starts[b + 1]
         if hi == lo:
             continue
         first = 0 if args.window_left < 0 else max(0, seq_len - (hi - lo) - args.window_left) // block_size
@@ -160,3 +161,75 @@ def paged_attention_by_gather(gather, query, k_cache, v_cache, args) -> torch.Te
         value = gather(v_cache, table, n, validate=False)
         out[lo:hi] = attend(query[lo:hi], key, value, args.scale, **features)
     return out
+
+
+def paged_attention_sync_free(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                              scale: float, *, window_left: int = -1, softcap: float = 0.0,
+                              alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                              max_elements: int = 1 << 25) -> torch.Tensor:
+    """``paged_attention`` without reading any tensor on the host (capturable in a CUDA graph).
+
+    Each query row finds its sequence in ``query_start_loc`` and attends over its sequence's whole
+    table row (``max_blocks * block_size`` keys; padding ids clamped into the pool), with keys past its
+    position, past ``seq_len`` or outside its window masked, and masked values zeroed (poison there
+    cannot reach the output). Rows are processed in chunks of at most ``max_elements`` gathered K
+    elements. Same order of operations as :func:`attend`; float32 math.
+
+    Args:
+        block_tables: ``int32``/``int64 [batch, max_blocks]``; seq_lens ``[batch]``; query_start_loc ``[batch + 1]``.
+        scale: logits multiplier. Features as in :func:`attend` (slopes/sinks ``[num_q_heads]``, scales
+            ``float32 [num_kv_heads]``).
+
+    Returns:
+        ``[total_q, num_q_heads, head_dim]`` in ``query.dtype``.
+    """
+    total_q, num_q_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    batch, width = block_tables.shape
+    out = query.new_empty(query.shape)
+    if total_q == 0 or batch == 0 or width == 0:
+        return out.zero_()
+    group = num_q_heads // num_kv_heads
+    dev = query.device
+    rows = torch.arange(total_q, device=dev)
+    seq = torch.searchsorted(query_start_loc[1:].to(torch.int64), rows, right=True).clamp_(max=batch - 1)
+    first_row = query_start_loc.to(torch.int64)[seq]
+    q_len = query_start_loc.to(torch.int64)[seq + 1] - first_row
+    lens = seq_lens.to(torch.int64)[seq]
+    pos = lens - q_len + (rows - first_row)  # [total_q] absolute position of each row
+    keys = width * block_size
+    k_pos = torch.arange(keys, device=dev)
+    chunk = max(1, max_elements // (keys * num_kv_heads * head_dim))
+    for lo in range(0, total_q, chunk):
+        hi = min(total_q, lo + chunk)
+        ids = block_tables[seq[lo:hi]].to(torch.int64).clamp(0, num_blocks - 1)  # [c, width]
+        rel = k_pos[None, :] - pos[lo:hi, None]  # [c, L]: <= 0 where causal
+        visible = (rel <= 0) & (k_pos[None, :] < lens[lo:hi, None])
+        if window_left >= 0:
+            visible &= rel >= -window_left
+        kv = []
+        for cache, sc in ((k_cache, k_scale), (v_cache, v_scale)):
+            x = _rows(cache, ids).to(torch.float32)  # [c, L, Hkv, D]
+            x = x if sc is None else x * sc.to(torch.float32).view(1, 1, -1, 1)
+            kv.append(x)
+        key, value = kv[0], kv[1].masked_fill(~visible[:, :, None, None], 0.0)
+        q = query[lo:hi].to(torch.float32).view(hi - lo, num_kv_heads, group, head_dim)
+        logits = torch.einsum("ckgd,clkd->kgcl", q, key) * scale  # [Hkv, G, c, L]
+        if softcap > 0:
+            logits = softcap * torch.tanh(logits / softcap)
+        if alibi_slopes is not None:
+            logits = logits + alibi_slopes.to(torch.float32).view(num_kv_heads, group, 1, 1) * rel.to(torch.float32)
+        logits = logits.masked_fill(~visible, float("-inf"))
+        probs = softmax_with_sinks(logits, None if sinks is None else sinks.view(num_kv_heads, group))
+        out[lo:hi] = torch.einsum("kgcl,clkd->ckgd", probs, value).reshape(hi - lo, num_q_heads, head_dim)
+    return out
+
+
+def _rows(cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``cache[ids]`` flattened to ``[rows, width * block_size, H, D]`` (fp8 pools indexed as bytes)."""
+    fp8 = cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    x = (cache.view(torch.uint8) if fp8 else cache)[ids]
+    x = x.view(cache.dtype) if fp8 else x
+    return x.reshape(ids.shape[0], -1, *cache.shape[2:])

@@ -74,8 +74,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     ks = None if args.k_scale is None else args.k_scale[kv_head_of][:, None, None]  # [num_q_heads, 1, 1]
     vs = None if args.v_scale is None else args.v_scale[kv_head_of][:, None, None]
     out = torch.empty_like(query)
+    starts = args.q_starts  # host ints, read once
     for b, seq_len in enumerate(args.seq_lens):
-        lo, hi = args.q_starts[b], args.q_starts[b + 1]
+        lo, hi = starts[b], starts[b + 1]
         q_len = hi - lo
         if q_len == 0:
             continue

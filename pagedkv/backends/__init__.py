@@ -1,8 +1,9 @@
 """Backend registry: the project's own backends by name, and candidates loaded from ``module:attr``.
 
 A backend is any object (module, class instance, ...) with a ``name`` and the contract's four ops:
-``scatter``, ``gather``, ``write_kv``, ``paged_attention`` (see ``docs/contract.md``). A candidate may
-omit ops; :func:`missing_ops` says which.
+``scatter``, ``gather``, ``write_kv``, ``paged_attention`` (the Protocol
+:class:`pagedkv.backends.contract.PagedKVBackend`; ``docs/contract.md``). A candidate may omit ops;
+:func:`missing_ops` says which.
 """
 
 from __future__ import annotations
@@ -16,18 +17,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from pagedkv.backends.contract import OPS, PagedKVBackend
 from pagedkv.errors import BackendError, BackendUnavailableError
 
-OPS = ("scatter", "gather", "write_kv", "paged_attention")
 BUILTIN = ("loop", "indexed", "triton")
 
-# Positional parameters each op must accept, in order (the contract's signatures).
-OP_PARAMS = {
-    "scatter": ("cache", "block_table", "values", "start"),
-    "gather": ("cache", "block_table", "seq_len"),
-    "write_kv": ("k_cache", "v_cache", "key", "value", "slot_mapping"),
-    "paged_attention": ("query", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc", "scale"),
-}
+# Positional parameters each op must accept, in order: the contract's signatures, read from the Protocol.
+OP_PARAMS = {op: tuple(inspect.signature(getattr(PagedKVBackend, op)).parameters)[1:] for op in OPS}
 
 
 def get_backend(name: str) -> Any:

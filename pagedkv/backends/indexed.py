@@ -13,46 +13,33 @@ allows it: ``index_copy_`` copies element by element, so wider elements mean few
 moved are the same.
 
 The tutorial's literal element-wise formulation is kept as :func:`gather_kv_from_blocks_v2`.
+
+``write_kv`` and ``paged_attention`` are also the ``torch.library`` custom ops ``pagedkv::write_kv``
+(mutating both pools) and ``pagedkv::paged_attention`` (a new tensor), with fake implementations:
+under ``torch.compile`` the ops are the graph's nodes (no graph break); eagerly the same functions
+are called without the dispatcher. Neither synchronises with the host below validation level
+``"full"``. The ops' arguments, results and errors are the contract's
+(:class:`pagedkv.backends.contract.PagedKVBackend`); :func:`pagedkv.backends.ops.backend_op` validates.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedkv.attention import paged_attention_by_gather
+from pagedkv.attention import paged_attention_by_gather, paged_attention_sync_free
+from pagedkv.backends.ops import backend_op
 from pagedkv.fp8 import quantize
-from pagedkv.validation import (FP8_DTYPES, attention_args, check_gather, check_scatter, normalize_block_table,
-                                write_kv_args)
+from pagedkv.validation import FP8_DTYPES, AttentionArgs, WriteArgs, check_gather, check_write_overlap
 
 name = "indexed"
 #: Optional attention features this backend supports (see ``docs/contract.md``).
 FEATURES = frozenset({"window", "softcap", "alibi", "sinks", "fp8"})
 
 
-def gather(cache: torch.Tensor, block_table, seq_len: int, validate: bool = True) -> torch.Tensor:
-    """Read logical positions ``0 .. seq_len - 1`` of one sequence with block-granular ``index_select``.
-
-    Args:
-        cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pool (any strides).
-        block_table: ``int32``/``int64 [>= ceil(seq_len / block_size)]`` tensor or list of ints.
-        seq_len: tokens to read, ``>= 0``.
-        validate: check arguments first (see :func:`pagedkv.validation.check_gather`);
-            ``False`` is the fast path for a caller that already validated: no checks, no host
-            sync, and a bad argument is undefined behaviour (see ``docs/validation.md``).
-
-    Returns:
-        A new contiguous ``[seq_len, num_kv_heads, head_dim]`` tensor, ``cache.dtype``, on ``cache.device``.
-
-    Raises:
-        ShapeError, BlockIndexError: as ``check_gather``.
-    """
-    if validate:
-        table, seq_len = check_gather(cache, block_table, seq_len)
-    elif isinstance(block_table, torch.Tensor) and block_table.device == cache.device \
-            and block_table.dtype in (torch.int32, torch.int64):
-        table = block_table  # index_select takes int32 and int64 ids as they are
-    else:
-        table = normalize_block_table(block_table, cache.device)
+@backend_op(FEATURES)
+def gather(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Block-granular ``index_select`` straight into the output (a contiguous tensor); on CUDA no block id
+    is read back to the host."""
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     full, tail = divmod(seq_len, block_size)
     if not full and tail and cache.device.type == "cpu":  # one partial block: a single copy into a new tensor
@@ -124,30 +111,12 @@ def _write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor)
     _index_copy(flat, slots, values)
 
 
-def scatter(cache: torch.Tensor, block_table, values: torch.Tensor, start: int = 0, validate: bool = True) -> None:
-    """Write ``values[j]`` to logical position ``start + j``: whole blocks with one indexed write.
-
-    The written range is cut into a partial first block, whole blocks and a partial last block;
-    each piece is one ``index_copy_`` on the block dimension (at most three calls, no per-token
-    index and no temporary copy of ``values``).
-
-    Args:
-        cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pool, written in place.
-        block_table: ``int32``/``int64`` tensor or list with ``>= ceil((start + n) / block_size)`` entries.
-        values: ``[n, num_kv_heads, head_dim]``, ``cache.dtype``, on ``cache.device``.
-        start: logical position of ``values[0]``.
-        validate: check arguments first (:func:`pagedkv.validation.check_scatter`);
-            ``False`` is the fast path for a caller that already validated: no checks, no host
-            sync, and a bad argument is undefined behaviour (see ``docs/validation.md``).
-
-    Raises:
-        ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError: as
-        :func:`pagedkv.validation.check_scatter`; nothing is written then.
-    """
-    if validate:
-        table, start, n = check_scatter(cache, block_table, values, start)
-    else:
-        table, n = normalize_block_table(block_table, cache.device), values.shape[0]
+@backend_op(FEATURES)
+def scatter(cache: torch.Tensor, table: torch.Tensor, values: torch.Tensor, start: int) -> None:
+    """Whole blocks with one indexed write: the written range is cut into a partial first block, whole
+    blocks and a partial last block, each one ``index_copy_`` on the block dimension (no per-token index,
+    no temporary copy of ``values``)."""
+    n = values.shape[0]
     if n == 0:
         return
     block_size = cache.shape[1]
@@ -165,29 +134,34 @@ def scatter(cache: torch.Tensor, block_table, values: torch.Tensor, start: int =
         _index_copy(cache[:, : n - done], table[block : block + 1], values[done:].unsqueeze(0))
 
 
+@backend_op(FEATURES)
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor, validate: bool = True, *, k_scale=None, v_scale=None) -> None:
-    """vLLM ``reshape_and_cache`` with one indexed write per pool.
+             w: WriteArgs) -> None:
+    """One indexed write per pool (fp8 bytes through a ``uint8`` view: CPU ``index_copy_`` has no fp8
+    kernel); registered as the custom op ``pagedkv::write_kv`` (see :func:`write_kv_op`)."""
+    if torch.compiler.is_compiling():
+        torch.ops.pagedkv.write_kv(k_cache, v_cache, key, value, w.slots, w.k_scale, w.v_scale, w.check_overlap)
+    else:  # eager: the same function without the dispatcher's ~40 us a call
+        write_kv_op(k_cache, v_cache, key, value, w.slots, w.k_scale, w.v_scale, w.check_overlap)
 
-    Args:
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pools, written in place.
-        key, value: ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype and device.
-        slot_mapping: ``int64 [num_tokens]`` (int32 accepted); negative slots are skipped.
-        validate: check arguments first (:func:`pagedkv.validation.check_write_kv`);
-            ``False`` is the fast path for a caller that already validated: no checks, no host
-            sync, and a bad argument is undefined behaviour (see ``docs/validation.md``).
-        k_scale, v_scale: fp8 pools only, as :func:`pagedkv.backends.loop.write_kv` (fp8 bytes are
-            written through a ``uint8`` view: CPU ``index_copy_`` has no fp8 kernel).
 
-    Raises:
-        ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError, ArgumentTypeError: as
-        :func:`pagedkv.validation.check_write_kv`; nothing is written then.
+@torch.library.custom_op("pagedkv::write_kv", mutates_args=("k_cache", "v_cache"))
+def write_kv_op(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                slots: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                check_overlap: bool) -> None:
+    """``write_kv`` on normalised arguments (``slots`` int64, scales ``float32 [num_kv_heads]`` for fp8 pools).
+
+    No device-to-host synchronisation: on the CPU the padding rows are dropped after reading the slots
+    (host memory), elsewhere :func:`write_slots_sync_free` writes them onto a real row's slot.
+    ``check_overlap``: run the memory-overlap checks here (they were skipped while ``torch.compile`` traced).
     """
-    w = write_kv_args(k_cache, v_cache, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale, validate=validate,
-                      supported=FEATURES)
-    slots = w.slots
-    if w.k_scale is not None:  # fp8 pools: stored = sat(x / scale) (pagedkv.fp8.quantize)
-        key, value = quantize(key, w.k_scale, k_cache.dtype), quantize(value, w.v_scale, v_cache.dtype)
+    if check_overlap:
+        check_write_overlap(k_cache, v_cache, key, value)
+    if k_scale is not None:  # fp8 pools: stored = sat(x / scale) (pagedkv.fp8.quantize)
+        key, value = quantize(key, k_scale, k_cache.dtype), quantize(value, v_scale, v_cache.dtype)
+    if slots.device.type != "cpu":
+        write_slots_sync_free(k_cache, v_cache, key, value, slots)
+        return
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
@@ -195,18 +169,66 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
     _write_slots(v_cache, slots, value)
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float | None = None,
-                    validate: bool = True, *, window_left: int = -1, softcap: float = 0.0,
-                    alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-                    k_scale=None, v_scale=None) -> torch.Tensor:
-    """Causal varlen attention over paged K/V: indexed-gather each sequence, then dense attention.
+@write_kv_op.register_fake
+def _(k_cache, v_cache, key, value, slots, k_scale, v_scale, check_overlap) -> None:
+    return None
 
-    Same arguments (``validate`` and the optional features included), result and errors as
-    :func:`pagedkv.backends.loop.paged_attention`; with equal
-    inputs the two return bit-identical outputs (same gathered K/V, same attention op).
+
+def write_slots_sync_free(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          slots: torch.Tensor) -> None:
+    """``write_kv``'s writes without reading ``slots`` on the host (capturable in a CUDA graph).
+
+    A padding row (negative slot) is redirected to the slot of the row with the largest slot and
+    carries that row's values, so the slot is written twice with the same bits (whichever write lands
+    last); when every row is padding, slot 0 is rewritten with its own value.
     """
-    args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate,
-                          window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                          k_scale=k_scale, v_scale=v_scale, supported=FEATURES)
-    return paged_attention_by_gather(gather, query, k_cache, v_cache, args)
+    if slots.numel() == 0:
+        return
+    keep = slots >= 0
+    top = torch.argmax(slots).reshape(1)
+    any_real = keep.any()
+    rows = torch.where(keep, torch.arange(slots.shape[0], device=slots.device), top)
+    target = torch.where(keep, slots, torch.where(any_real, slots[top], torch.zeros_like(slots)))
+    for cache, x in ((k_cache, key), (v_cache, value)):
+        own = cache[0, 0].unsqueeze(0).expand_as(x)  # slot 0's current value (all-padding case)
+        src = torch.where(any_real, x.index_select(0, rows), own)
+        _write_slots(cache, target, src.contiguous())
+
+
+@backend_op(FEATURES)
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    args: AttentionArgs) -> torch.Tensor:
+    """Indexed-gather each sequence, then dense attention in float32 (blocks before every row's window
+    are not gathered); bit-identical to the ``loop`` backend at level ``"full"``. Below it, the custom op
+    ``pagedkv::paged_attention`` (:func:`paged_attention_op`)."""
+    if args.host_seq_lens is not None:  # "full": the lengths are on the host already
+        return paged_attention_by_gather(gather, query, k_cache, v_cache, args)
+    call = torch.ops.pagedkv.paged_attention if torch.compiler.is_compiling() else paged_attention_op
+    return call(query, k_cache, v_cache, args.block_tables, args.seq_lens_tensor, args.query_start_loc, args.scale,
+                args.window_left, args.softcap, args.alibi_slopes, args.sinks, args.k_scale, args.v_scale)
+
+
+@torch.library.custom_op("pagedkv::paged_attention", mutates_args=())
+def paged_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, window_left: int,
+                       softcap: float, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
+                       k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
+    """``paged_attention`` on normalised arguments, without a device-to-host synchronisation.
+
+    On the CPU the lengths are read (host memory) and each sequence is gathered, as at level ``"full"``;
+    elsewhere :func:`pagedkv.attention.paged_attention_sync_free` attends over each row's padded table.
+    """
+    features = dict(window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                    k_scale=k_scale, v_scale=v_scale)
+    if query.device.type != "cpu":
+        return paged_attention_sync_free(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                         **features)
+    args = AttentionArgs(block_tables, None, None, scale, query.shape[1] // k_cache.shape[2], **features,
+                         seq_lens_tensor=seq_lens, query_start_loc=query_start_loc)
+    return paged_attention_by_gather(gather, query, k_cache, v_cache, args).contiguous()
+
+
+@paged_attention_op.register_fake
+def _(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window_left, softcap, alibi_slopes,
+      sinks, k_scale, v_scale) -> torch.Tensor:
+    return query.new_empty(query.shape)

@@ -24,8 +24,8 @@ choose_interpreter()
 import triton  # noqa: E402,F401  (ImportError here: the registry reports the backend unavailable)
 
 from pagedkv.backends import triton_kernels as _kernels  # noqa: E402
-from pagedkv.validation import (attention_args, check_gather, check_scatter, normalize_block_table,  # noqa: E402
-                                write_kv_args)
+from pagedkv.backends.ops import backend_op  # noqa: E402
+from pagedkv.validation import AttentionArgs, WriteArgs, check_write_overlap  # noqa: E402
 
 _kernels.check_runnable()  # BackendUnavailableError: no CUDA and triton was imported without the interpreter
 
@@ -34,118 +34,79 @@ name = "triton"
 FEATURES = frozenset({"window", "softcap", "alibi", "sinks", "fp8"})
 
 
-def gather(cache: torch.Tensor, block_table, seq_len: int, validate: bool = True) -> torch.Tensor:
-    """Read logical positions ``0 .. seq_len - 1`` of one sequence with a token-tiled copy kernel.
-
-    Args:
-        cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pool (any strides).
-        block_table: ``int32``/``int64 [>= ceil(seq_len / block_size)]`` tensor or list of ints; only
-            the first ``ceil(seq_len / block_size)`` entries are read.
-        seq_len: tokens to read, ``>= 0``.
-        validate: check arguments first (see :func:`pagedkv.validation.check_gather`).
-
-    Returns:
-        A new contiguous ``[seq_len, num_kv_heads, head_dim]`` tensor, ``cache.dtype``, on ``cache.device``.
-
-    Raises:
-        ShapeError, BlockIndexError: as ``check_gather``.
-    """
-    if validate:
-        table, seq_len = check_gather(cache, block_table, seq_len)
-    else:
-        table = normalize_block_table(block_table, cache.device)
+@backend_op(FEATURES)
+def gather(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """A token-tiled copy kernel (any pool strides; a contiguous output)."""
     return _kernels.gather(cache, table, int(seq_len))
 
 
-def scatter(cache: torch.Tensor, block_table, values: torch.Tensor, start: int = 0, validate: bool = True) -> None:
-    """Write ``values[j]`` to logical position ``start + j``, in place, with a token-tiled copy kernel.
-
-    Args:
-        cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pool, written in place.
-        block_table: ``int32``/``int64`` tensor or list with ``>= ceil((start + n) / block_size)`` entries.
-        values: ``[n, num_kv_heads, head_dim]``, ``cache.dtype``, on ``cache.device`` (any strides).
-        start: logical position of ``values[0]``.
-        validate: check arguments first (see :func:`pagedkv.validation.check_scatter`).
-
-    Raises:
-        ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError: as
-        :func:`pagedkv.validation.check_scatter`; nothing is written then.
-    """
-    if validate:
-        table, start, _ = check_scatter(cache, block_table, values, start)
-    else:
-        table = normalize_block_table(block_table, cache.device)
+@backend_op(FEATURES)
+def scatter(cache: torch.Tensor, table: torch.Tensor, values: torch.Tensor, start: int) -> None:
+    """A token-tiled copy kernel (any strides)."""
     _kernels.scatter(cache, table, values, int(start))
 
 
+@backend_op(FEATURES)
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor, validate: bool = True, *, k_scale=None, v_scale=None) -> None:
-    """vLLM ``reshape_and_cache``: token ``i`` of ``key``/``value`` goes to ``slot_mapping[i]``, one kernel.
+             w: WriteArgs) -> None:
+    """One copy kernel for both pools (into an fp8 pool it stores ``sat(x / scale)`` rounded to nearest
+    even, :func:`pagedkv.fp8.quantize`); the custom op ``pagedkv::triton_write_kv`` under ``torch.compile``."""
+    call = torch.ops.pagedkv.triton_write_kv if torch.compiler.is_compiling() else write_kv_op
+    call(k_cache, v_cache, key, value, w.slots, w.k_scale, w.v_scale, w.check_overlap)
 
-    Args:
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` pools, written in place.
-        key, value: ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype and device (any strides);
-            float32/float16/bfloat16 into an fp8 pool.
-        slot_mapping: ``int64 [num_tokens]`` (int32 accepted), ``block_id * block_size + offset``;
-            negative slots are skipped (padding tokens).
-        validate: check arguments first (see :func:`pagedkv.validation.check_write_kv`).
-        k_scale, v_scale: fp8 pools only (required there): a float or ``float32 [num_kv_heads]``;
-            the kernel stores ``sat(x / scale)`` rounded to nearest even (:func:`pagedkv.fp8.quantize`).
 
-    Raises:
-        ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError, ArgumentTypeError: as
-        :func:`pagedkv.validation.check_write_kv`; nothing is written then.
+@torch.library.custom_op("pagedkv::triton_write_kv", mutates_args=("k_cache", "v_cache"))
+def write_kv_op(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                slots: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                check_overlap: bool) -> None:
+    """The write kernel's launcher as an opaque op (negative slots are skipped in the kernel: no host read).
+
+    A ``custom_op``, not a ``triton_op``: Triton's interpreter (the CPU) cannot run under fake tensors,
+    and the launchers in :mod:`pagedkv.backends.triton_kernels` call their kernels without ``wrap_triton``.
     """
-    w = write_kv_args(k_cache, v_cache, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale, validate=validate,
-                      supported=FEATURES)
-    _kernels.write_kv(k_cache, v_cache, key, value, w.slots.contiguous(), w.k_scale, w.v_scale)
+    if check_overlap:
+        check_write_overlap(k_cache, v_cache, key, value)
+    _kernels.write_kv(k_cache, v_cache, key, value, slots.contiguous(), k_scale, v_scale)
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float | None = None,
-                    validate: bool = True, *, window_left: int = -1, softcap: float = 0.0,
-                    alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-                    k_scale=None, v_scale=None) -> torch.Tensor:
-    """Causal varlen attention over paged K/V in one fused kernel (vLLM paged attention, flash-attn varlen).
+@write_kv_op.register_fake
+def _(k_cache, v_cache, key, value, slots, k_scale, v_scale, check_overlap) -> None:
+    return None
 
-    K/V are read block by block through ``block_tables`` inside the kernel (never gathered) with an
-    online softmax in float32; decode (``q_len = 1``) and prefill over a cached prefix (``q_len > 1``)
-    share the kernel. Each program serves one sequence, one kv head and a tile of query tokens with
-    the kv head's whole GQA group, so K/V are read once per group.
 
-    Args:
-        query: ``[total_q, num_q_heads, head_dim]``, packed by ``query_start_loc`` (any strides).
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (any strides).
-        block_tables: ``int32 [batch, max_blocks_per_seq]``, ``-1``-padded; only the first
-            ``ceil(seq_len / block_size)`` entries of a row are read.
-        seq_lens: ``int32 [batch]`` context lengths including the new query tokens.
-        query_start_loc: ``int32 [batch + 1]`` (flash-attn's ``cu_seqlens_q``).
-        scale: logits multiplier, default ``1 / sqrt(head_dim)``.
-        validate: check arguments first (see :func:`pagedkv.validation.check_paged_attention`).
-        window_left: a query at position ``p`` sees keys ``p - window_left .. p`` (flash-attn's
-            ``window_size[0]``); ``-1``: no window. The key loop starts at the tile's first visible key.
-        softcap: ``> 0``: logits become ``softcap * tanh(logits / softcap)`` (Gemma 2); ``0``: off.
-        alibi_slopes: ``float32 [num_q_heads]``: bias ``slope * (k_pos - q_pos)`` (after the soft-cap).
-        sinks: ``float32 [num_q_heads]``: one extra logit per head in the denominator (gpt-oss).
-        k_scale, v_scale: fp8 pools only (required there): a float or ``float32 [num_kv_heads]``;
-            K/V are read as ``float32(stored) * scale``.
+@backend_op(FEATURES)
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    args: AttentionArgs) -> torch.Tensor:
+    """One fused kernel (vLLM paged attention, flash-attn varlen): K/V are read block by block through
+    the table inside the kernel (never gathered) with an online softmax in float32; decode and prefill
+    share it. Each program serves one sequence, one kv head and a tile of query tokens with the kv
+    head's whole GQA group, so K/V are read once per group. No slot at a position ``>= seq_len`` is
+    loaded, nor any before the first visible key of a query tile. Below level ``"full"`` the grid is
+    sized for ``max_q_len = total_q`` (no host read of ``query_start_loc``; tiles past a sequence's
+    queries exit at once); under ``torch.compile`` the custom op ``pagedkv::triton_paged_attention``."""
+    max_q_len = -1
+    if args.host_q_starts is not None:
+        max_q_len = max((hi - lo for lo, hi in zip(args.host_q_starts, args.host_q_starts[1:])), default=0)
+    call = torch.ops.pagedkv.triton_paged_attention if torch.compiler.is_compiling() else paged_attention_op
+    return call(query, k_cache, v_cache, args.block_tables, args.seq_lens_tensor, args.query_start_loc, args.scale,
+                max_q_len, args.window_left, args.softcap, args.alibi_slopes, args.sinks, args.k_scale, args.v_scale)
 
-    Returns:
-        ``[total_q, num_q_heads, head_dim]`` in ``query.dtype`` (math in float32). No slot at a
-        position ``>= seq_len`` is loaded, nor any before the first visible key of a query tile, so
-        poison there cannot reach the output.
 
-    Raises:
-        as :func:`pagedkv.validation.check_paged_attention`.
-    """
-    args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate,
-                          window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                          k_scale=k_scale, v_scale=v_scale, supported=FEATURES)
-    q_lens = [hi - lo for lo, hi in zip(args.q_starts, args.q_starts[1:])]
+@torch.library.custom_op("pagedkv::triton_paged_attention", mutates_args=())
+def paged_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_q_len: int,
+                       window_left: int, softcap: float, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
+                       k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
+    """The attention kernel's launcher as an opaque op (``max_q_len < 0``: bounded by ``total_q``)."""
     # The kernel indexes seq_lens, query_start_loc, slopes, sinks and scales as dense arrays.
     dense = (lambda x: None if x is None else x.contiguous())
     return _kernels.paged_attention(query, k_cache, v_cache, block_tables, seq_lens.contiguous(),
-                                    query_start_loc.contiguous(), args.scale, max(q_lens, default=0),
-                                    window_left=args.window_left, softcap=args.softcap,
-                                    alibi_slopes=dense(args.alibi_slopes), sinks=dense(args.sinks),
-                                    k_scale=dense(args.k_scale), v_scale=dense(args.v_scale))
+                                    query_start_loc.contiguous(), scale, query.shape[0] if max_q_len < 0 else max_q_len,
+                                    window_left=window_left, softcap=softcap, alibi_slopes=dense(alibi_slopes),
+                                    sinks=dense(sinks), k_scale=dense(k_scale), v_scale=dense(v_scale))
+
+
+@paged_attention_op.register_fake
+def _(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_q_len, window_left, softcap,
+      alibi_slopes, sinks, k_scale, v_scale) -> torch.Tensor:
+    return query.new_empty(query.shape)
