@@ -91,7 +91,7 @@ def scatter_args(cache: object, block_table: TableLike, values: object, start: o
     """:func:`check_scatter` at any level (``"metadata"`` skips the block ids' range and uniqueness)."""
     level = validation_level(validate)
     if level == "none":
-        return _table_as_is(block_table, cache.device), int(start), values.shape[0]
+        return normalize_block_table(block_table, cache.device), int(start), values.shape[0]
     cache = check_cache("cache", cache)
     values = check_tensor("values", values, 3)
     check_like_cache("values", values, cache, "cache")

@@ -142,13 +142,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
     if torch.compiler.is_compiling():
         torch.ops.pagedkv.write_kv(k_cache, v_cache, key, value, w.slots, w.k_scale, w.v_scale, w.check_overlap)
     else:  # eager: the same function without the dispatcher's ~40 us a call
-        write_kv_op(k_cache, v_cache, key, value, w.slots, w.k_scale, w.v_scale, w.check_overlap)
+        write_kv_eager(k_cache, v_cache, key, value, w.slots, w.k_scale, w.v_scale, w.check_overlap)
 
 
-@torch.library.custom_op("pagedkv::write_kv", mutates_args=("k_cache", "v_cache"))
-def write_kv_op(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                slots: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                check_overlap: bool) -> None:
+def write_kv_eager(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   slots: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                   check_overlap: bool) -> None:
     """``write_kv`` on normalised arguments (``slots`` int64, scales ``float32 [num_kv_heads]`` for fp8 pools).
 
     No device-to-host synchronisation: on the CPU the padding rows are dropped after reading the slots
@@ -167,6 +166,11 @@ def write_kv_op(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
         slots, key, value = slots[keep], key[keep], value[keep]
     _write_slots(k_cache, slots, key)
     _write_slots(v_cache, slots, value)
+
+
+#: The registered op (``torch.ops.pagedkv.write_kv``): the graph node under ``torch.compile``.
+write_kv_op = torch.library.custom_op("pagedkv::write_kv", mutates_args=("k_cache", "v_cache"))(
+    write_kv_eager)
 
 
 @write_kv_op.register_fake
@@ -203,16 +207,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     ``pagedkv::paged_attention`` (:func:`paged_attention_op`)."""
     if args.host_seq_lens is not None:  # "full": the lengths are on the host already
         return paged_attention_by_gather(gather, query, k_cache, v_cache, args)
-    call = torch.ops.pagedkv.paged_attention if torch.compiler.is_compiling() else paged_attention_op
+    call = torch.ops.pagedkv.paged_attention if torch.compiler.is_compiling() else paged_attention_eager
     return call(query, k_cache, v_cache, args.block_tables, args.seq_lens_tensor, args.query_start_loc, args.scale,
                 args.window_left, args.softcap, args.alibi_slopes, args.sinks, args.k_scale, args.v_scale)
 
 
-@torch.library.custom_op("pagedkv::paged_attention", mutates_args=())
-def paged_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, window_left: int,
-                       softcap: float, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
-                       k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
+def paged_attention_eager(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                          scale: float, window_left: int, softcap: float, alibi_slopes: torch.Tensor | None,
+                          sinks: torch.Tensor | None, k_scale: torch.Tensor | None,
+                          v_scale: torch.Tensor | None) -> torch.Tensor:
     """``paged_attention`` on normalised arguments, without a device-to-host synchronisation.
 
     On the CPU the lengths are read (host memory) and each sequence is gathered, as at level ``"full"``;
@@ -226,6 +230,11 @@ def paged_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     args = AttentionArgs(block_tables, None, None, scale, query.shape[1] // k_cache.shape[2], **features,
                          seq_lens_tensor=seq_lens, query_start_loc=query_start_loc)
     return paged_attention_by_gather(gather, query, k_cache, v_cache, args).contiguous()
+
+
+#: The registered op (``torch.ops.pagedkv.paged_attention``): the graph node under ``torch.compile``.
+paged_attention_op = torch.library.custom_op("pagedkv::paged_attention", mutates_args=())(
+    paged_attention_eager)
 
 
 @paged_attention_op.register_fake

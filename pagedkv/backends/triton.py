@@ -51,14 +51,13 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
              w: WriteArgs) -> None:
     """One copy kernel for both pools (into an fp8 pool it stores ``sat(x / scale)`` rounded to nearest
     even, :func:`pagedkv.fp8.quantize`); the custom op ``pagedkv::triton_write_kv`` under ``torch.compile``."""
-    call = torch.ops.pagedkv.triton_write_kv if torch.compiler.is_compiling() else write_kv_op
+    call = torch.ops.pagedkv.triton_write_kv if torch.compiler.is_compiling() else write_kv_eager
     call(k_cache, v_cache, key, value, w.slots, w.k_scale, w.v_scale, w.check_overlap)
 
 
-@torch.library.custom_op("pagedkv::triton_write_kv", mutates_args=("k_cache", "v_cache"))
-def write_kv_op(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                slots: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                check_overlap: bool) -> None:
+def write_kv_eager(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   slots: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                   check_overlap: bool) -> None:
     """The write kernel's launcher as an opaque op (negative slots are skipped in the kernel: no host read).
 
     A ``custom_op``, not a ``triton_op``: Triton's interpreter (the CPU) cannot run under fake tensors,
@@ -67,6 +66,11 @@ def write_kv_op(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
     if check_overlap:
         check_write_overlap(k_cache, v_cache, key, value)
     _kernels.write_kv(k_cache, v_cache, key, value, slots.contiguous(), k_scale, v_scale)
+
+
+#: The registered op (``torch.ops.pagedkv.triton_write_kv``): the graph node under ``torch.compile``.
+write_kv_op = torch.library.custom_op("pagedkv::triton_write_kv", mutates_args=("k_cache", "v_cache"))(
+    write_kv_eager)
 
 
 @write_kv_op.register_fake
@@ -87,16 +91,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     max_q_len = -1
     if args.host_q_starts is not None:
         max_q_len = max((hi - lo for lo, hi in zip(args.host_q_starts, args.host_q_starts[1:])), default=0)
-    call = torch.ops.pagedkv.triton_paged_attention if torch.compiler.is_compiling() else paged_attention_op
+    call = torch.ops.pagedkv.triton_paged_attention if torch.compiler.is_compiling() else paged_attention_eager
     return call(query, k_cache, v_cache, args.block_tables, args.seq_lens_tensor, args.query_start_loc, args.scale,
                 max_q_len, args.window_left, args.softcap, args.alibi_slopes, args.sinks, args.k_scale, args.v_scale)
 
 
-@torch.library.custom_op("pagedkv::triton_paged_attention", mutates_args=())
-def paged_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_q_len: int,
-                       window_left: int, softcap: float, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
-                       k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
+def paged_attention_eager(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                          scale: float, max_q_len: int, window_left: int, softcap: float,
+                          alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
+                          k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
     """The attention kernel's launcher as an opaque op (``max_q_len < 0``: bounded by ``total_q``)."""
     # The kernel indexes seq_lens, query_start_loc, slopes, sinks and scales as dense arrays.
     dense = (lambda x: None if x is None else x.contiguous())
@@ -104,6 +108,11 @@ def paged_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                     query_start_loc.contiguous(), scale, query.shape[0] if max_q_len < 0 else max_q_len,
                                     window_left=window_left, softcap=softcap, alibi_slopes=dense(alibi_slopes),
                                     sinks=dense(sinks), k_scale=dense(k_scale), v_scale=dense(v_scale))
+
+
+#: The registered op (``torch.ops.pagedkv.triton_paged_attention``): the graph node under ``torch.compile``.
+paged_attention_op = torch.library.custom_op("pagedkv::triton_paged_attention", mutates_args=())(
+    paged_attention_eager)
 
 
 @paged_attention_op.register_fake

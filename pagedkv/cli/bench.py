@@ -103,6 +103,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="exit 1 when a target of the limits table fails (informational targets never do)")
     p.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
+    p.add_argument("--validation-cost", action="store_true",
+                   help="also time each built-in op at validate='full', 'metadata' and 'none' (one point per op: "
+                        "the first seq len, block size, preset and dtype; decode batch 4 for paged_attention)")
     p.set_defaults(func=run, _parser=p)
     return p
 
@@ -208,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
     doc = {"environment": env, "plan": {k: (str(v) if k == "device" else v) for k, v in asdict(plan).items()},
            "limits": [asdict(v) for v in verdicts], "columns": list(CSV_COLUMNS),
            "rows": [[_round(getattr(r, c)) for c in CSV_COLUMNS] for r in rows]}
+    if args.validation_cost:
+        doc["validation_cost"] = _validation_cost(plan)
     (out_dir / f"{stem}.json").write_text(json.dumps(doc, default=str, separators=(",", ":")) + "\n")
     write_csv(rows, out_dir / f"{stem}.csv")
     written = [out_dir / f"{stem}.json", out_dir / f"{stem}.csv"]
@@ -222,3 +227,28 @@ def run(args: argparse.Namespace) -> int:
               "check: every limit passes")
         return 1 if bad else 0
     return 0
+
+
+def _validation_cost(plan: Plan) -> list[dict]:
+    """Print and return :func:`pagedkv.cli.bench_validation.validation_cost` for the plan's built-in impls."""
+    from pagedkv.backends import get_backend
+    from pagedkv.cli.bench_sweep import _dtype, _preset
+    from pagedkv.cli.bench_validation import format_validation_cost, validation_cost
+
+    names = [n for n in ("loop", "indexed", "triton") if n in plan.impls
+             and (n != "triton" or plan.device.type == "cuda" or plan.triton_on_cpu)]
+    backends = {}
+    for n in names:
+        try:
+            backends[n] = get_backend(n)
+        except ImportError:
+            continue
+    heads, dim = _preset(plan.presets[0])
+    point = dict(seq_len=plan.seq_lens[0], block_size=plan.block_sizes[0], heads=heads, dim=dim,
+                 dtype=_dtype(plan.dtypes[0]))
+    rows = validation_cost(backends, plan.device, min_time=max(plan.min_time, 0.05), rounds=plan.rounds,
+                           seed=plan.seed, **point)
+    print()
+    print(format_validation_cost(rows, f", {plan.device}, seq_len {point['seq_len']}, block_size "
+                                       f"{point['block_size']}, {plan.presets[0]}, {plan.dtypes[0]}"))
+    return rows
