@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from pagedkv.allocator import BlockAllocator
+from pagedkv.backends.capabilities import FEATURE_NAMES
 from pagedkv.testing.cases import FINITE_POISONS, LAYOUTS, POISONS, VALUE_PATTERNS, Case, Geometry, SeqSpec
 from pagedkv.config import blocks_needed
 
@@ -30,8 +31,49 @@ def poisons_for(caps=None) -> tuple[str, ...]:
     return POISONS
 
 
+SOFTCAPS = (1.0, 5.0, 30.0, 0.5)
+FP8_SCALES = (0.5, 0.0625, 0.03, 2.0, 1.0)
+
+
+def declared_features(caps=None, features: bool | tuple = True) -> frozenset[str]:
+    """The features a case may use: those ``caps`` declares (every one for ``caps=None``), none when
+    ``features`` is False, only the named ones when it is a tuple."""
+    declared = FEATURE_NAMES if caps is None else caps.features
+    if features is True:
+        return frozenset(declared)
+    return frozenset(declared) & frozenset(features or ())
+
+
 @st.composite
-def _extras(draw, geometry: Geometry, seqs, *, read_only: bool, caps=None, poisons=None) -> Case:
+def feature_fields(draw, geometry: Geometry, seqs, *, allowed=FEATURE_NAMES, force=()) -> dict:
+    """The optional features of a case, each drawn only when ``allowed`` (a backend's declared features)
+    names it; ``force`` (feature names) turns those on. About three cases in four draw none unless
+    forced, so the plain path keeps its share. Windows are biased to 0, 1, ``bs - 1``, ``bs``, the whole
+    context and past it; a quarter of the sinks are ``-inf`` (:meth:`Case.sink_values`); fp8 scales are
+    per tensor or per kv head."""
+    force = frozenset(force) & frozenset(allowed)
+    if not allowed or not force and draw(st.integers(0, 3)) != 3:  # shrinks toward no feature
+        return {}
+    on = {f for f in sorted(allowed) if f in force or draw(st.booleans())}
+    out: dict = {}
+    if "window" in on:
+        bs, context = geometry.block_size, max((s.seq_len for s in seqs), default=0)
+        edges = sorted({0, 1, bs - 1, bs, context, context + 1, context + bs} - {-1})
+        out["window_left"] = draw(st.one_of(st.sampled_from(edges), st.integers(0, context + 1)))
+    if "softcap" in on:
+        out["softcap"] = draw(st.sampled_from(SOFTCAPS))
+    out.update(alibi="alibi" in on, sinks="sinks" in on)
+    if "fp8" in on:
+        out["kv_cache_dtype"] = draw(st.sampled_from(("fp8_e4m3", "fp8_e5m2")))
+        for name in ("k_scale", "v_scale"):
+            per_head = st.tuples(*[st.sampled_from(FP8_SCALES)] * geometry.num_kv_heads)
+            out[name] = draw(st.one_of(st.sampled_from(FP8_SCALES), per_head))
+    return out
+
+
+@st.composite
+def _extras(draw, geometry: Geometry, seqs, *, read_only: bool, caps=None, poisons=None, features=True,
+            force=()) -> Case:
     layouts = LAYOUTS if caps is None or caps.strided_pools else ("contiguous",)
     return Case(
         geometry=geometry,
@@ -44,6 +86,7 @@ def _extras(draw, geometry: Geometry, seqs, *, read_only: bool, caps=None, poiso
         layout=draw(st.sampled_from(layouts)),
         scale=draw(st.one_of(st.none(), st.sampled_from((0.5, 1.0, 0.1)))),
         seed=draw(st.integers(0, 2**16)),
+        **draw(feature_fields(geometry, seqs, allowed=declared_features(caps, features), force=force)),
     )
 
 
@@ -57,14 +100,17 @@ def _scaled(block_size: int, max_seqs: int, max_len: int) -> tuple[int, int]:
 
 @st.composite
 def cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: int = 6, repeats: bool | None = None,
-          dtypes=DTYPES, caps=None, poisons=None, **geometry_kwargs) -> Case:
+          dtypes=DTYPES, caps=None, poisons=None, features: bool | tuple = True, force=(),
+          **geometry_kwargs) -> Case:
     """A batch: geometry, per-sequence block tables, lengths, query lengths, scatter starts, pattern, seed.
 
     Tables are a random permutation of the pool split among the sequences (every block owned once,
     unused blocks left over), or, with ``repeats`` (drawn when ``None``), ids drawn independently so
     one physical block can appear several times (valid for reads; writes skip such sequences).
     ``caps`` (:class:`pagedkv.backends.capabilities.Capabilities`) keeps the case inside a backend's
-    declared space; ``poisons`` overrides the poisons drawn.
+    declared space, its features included (:func:`feature_fields`; ``caps=None``: every feature);
+    ``features=False`` draws none, a tuple only those; ``force`` turns features on; ``poisons``
+    overrides the poisons drawn.
     """
     geometry = draw(geometries(num_blocks=1, dtypes=dtypes, caps=caps, **geometry_kwargs))
     bs = geometry.block_size
@@ -86,12 +132,13 @@ def cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: int = 6, rep
     geometry = Geometry(num_blocks, bs, geometry.num_kv_heads, geometry.head_dim, geometry.num_queries_per_kv,
                         geometry.dtype)
     seqs = [SeqSpec(t, n, q, s) for t, (n, q, s) in zip(tables, lengths)]
-    return draw(_extras(geometry, seqs, read_only=repeats, caps=caps, poisons=poisons))
+    return draw(_extras(geometry, seqs, read_only=repeats, caps=caps, poisons=poisons, features=features,
+                        force=force))
 
 
 @st.composite
 def fragmented_cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: int = 6, dtypes=DTYPES,
-                     caps=None, poisons=None, **geometry_kwargs) -> Case:
+                     caps=None, poisons=None, features: bool | tuple = True, force=(), **geometry_kwargs) -> Case:
     """A batch whose block tables come from a real :class:`BlockAllocator` after a random alloc/free
     history has scrambled its free list (the layouts a long-running server produces)."""
     geometry = draw(geometries(num_blocks=1, dtypes=dtypes, caps=caps, **geometry_kwargs))
@@ -111,7 +158,7 @@ def fragmented_cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: i
     geometry = Geometry(num_blocks, bs, geometry.num_kv_heads, geometry.head_dim, geometry.num_queries_per_kv,
                         geometry.dtype)
     return draw(_extras(geometry, [SeqSpec(t, n, q, s) for t, (n, q, s) in zip(tables, lengths)], read_only=False,
-                        caps=caps, poisons=poisons))
+                        caps=caps, poisons=poisons, features=features, force=force))
 
 
 LARGE_POOL_BLOCK_SIZES = (1, 16, 64, 256)

@@ -40,7 +40,7 @@ def invalid_calls(draw, *, ops=OPS, faults=None, max_seqs: int = 3, max_len: int
     op = draw(st.sampled_from(tuple(ops)))
     write = op in ("scatter", "write_kv")
     case = draw(cases(max_seqs=max_seqs, max_len=max_len, max_q_len=max_q_len, repeats=False if write else None,
-                      caps=caps))
+                      caps=caps, features=False))
     kinds = [f.name for f in faults_for(op) if (faults is None or f.name in faults) and fault_sites(op, f.name, case)]
     if not kinds:  # restricted to faults this case cannot carry: fall back to one every case carries
         kinds = [f.name for f in faults_for(op) if fault_sites(op, f.name, case)]

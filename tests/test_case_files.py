@@ -54,6 +54,7 @@ REQUIRED = {"record": ("check", "case"),
             "SeqSpec": ("block_table", "seq_len", "q_len", "start"),
             "CacheScenario": ("geometry", "ops", "enable_prefix_caching", "constant_hash", "seed"),
             "InvalidCall": ("op", "fault", "case", "seq", "amount")}
+OPTIONAL_CASE = ("window_left", "softcap", "alibi", "sinks", "kv_cache_dtype", "k_scale", "v_scale")  # off when absent
 NULLABLE = {"backend", "other", "transform", "error", "case.scale", "case.case.scale"}
 SIZE_FIELDS = ("num_blocks", "block_size", "num_kv_heads", "head_dim", "num_queries_per_kv", "seq_len", "q_len",
                "start", "pad_columns", "seed", "num_layers")
@@ -459,7 +460,8 @@ def test_the_schema_matches_the_dataclasses_and_the_librarys_names():
     from pagedkv.testing import cases, invalid
 
     fields = lambda cls: tuple(f.name for f in dataclasses.fields(cls))  # noqa: E731
-    assert fields(Case) == REQUIRED["Case"] == schema._CASE_KEYS
+    assert fields(Case) == REQUIRED["Case"] + OPTIONAL_CASE == schema._CASE_KEYS
+    assert tuple(cases.KV_CACHE_DTYPES) == schema.KV_CACHE_DTYPES
     assert fields(Geometry) == REQUIRED["Geometry"] == schema._GEOMETRY_KEYS
     assert fields(SeqSpec) == REQUIRED["SeqSpec"] == schema._SEQ_KEYS
     assert set(fields(CacheScenario)) == set(schema._SCENARIO_KEYS) >= set(REQUIRED["CacheScenario"])

@@ -7,31 +7,34 @@ does not flip on a rerun), stopping at the first failing example without shrinki
 
 import pytest
 
-from pagedkv.testing import mutants, runner
+from pagedkv.testing import feature_mutants, mutants, runner
 from pagedkv.testing.registry import properties
 from pagedkv.backends import load_backend, missing_ops
 
 
-@pytest.mark.parametrize("name", sorted(mutants.MUTANTS))
+BACKEND_MUTANTS = {**mutants.MUTANTS, **feature_mutants.FEATURE_MUTANTS}  # the cache mutants: test_cache_mutants
+
+
+@pytest.mark.parametrize("name", sorted(BACKEND_MUTANTS))
 def test_the_suite_kills_mutant(name):
     result = runner.run_mutant(name, "ci", only_targets=True, regressions=False, shrink=False)
     assert result.killed, f"mutant {name} survived {result.ran} ({result.examples} examples): " \
-                          f"{mutants.MUTANTS[name].__doc__}"
+                          f"{BACKEND_MUTANTS[name].__doc__}"
 
 
-@pytest.mark.parametrize("name", sorted(mutants.MUTANTS))
+@pytest.mark.parametrize("name", sorted(BACKEND_MUTANTS))
 def test_every_mutant_has_targets_a_docstring_and_loads_as_a_candidate(name):
-    cls = mutants.MUTANTS[name]
+    cls = BACKEND_MUTANTS[name]
     assert cls.__doc__ and cls.__doc__ != mutants.IndexedBackend.__doc__
-    assert mutants.TARGETS[name] and set(mutants.TARGETS[name]) <= set(properties())
-    backend = load_backend(f"pagedkv.testing.mutants:{name}")
+    assert runner.ALL_TARGETS[name] and set(runner.ALL_TARGETS[name]) <= set(properties())
+    backend = load_backend(runner.mutant_spec(name))
     assert backend.name == name and missing_ops(backend) == {}
 
 
 def test_the_unmutated_base_passes_the_targeted_properties():
     """Kills come from the planted faults: the base class the mutants derive from passes."""
     props = properties()
-    targeted = sorted({p for names in mutants.TARGETS.values() for p in names if "2_24" not in p})
+    targeted = sorted({p for m in BACKEND_MUTANTS for p in runner.ALL_TARGETS[m] if "2_24" not in p})
     for name in targeted:
         failed, _, case, error = runner.run_property(mutants.IndexedBackend(), props[name], "dev", shrink=False)
         assert not failed, f"{name}: {error} on {case}"

@@ -47,7 +47,8 @@ from pagedkv.testing.schema import (BUILTIN_BACKENDS, FORMAT_VERSION, MAX_DEPTH,
 
 # -- which backends a file may name -------------------------------------------------------------------------
 CACHE_MUTANTS_MODULE = "pagedkv.testing.cache_mutants"
-SHIPPED_MODULES = (MUTANTS_MODULE, CACHE_MUTANTS_MODULE, PEERS_MODULE)
+FEATURE_MUTANTS_MODULE = "pagedkv.testing.feature_mutants"
+SHIPPED_MODULES = (MUTANTS_MODULE, CACHE_MUTANTS_MODULE, FEATURE_MUTANTS_MODULE, PEERS_MODULE)
 
 
 def _shipped(module: str) -> set[str]:
@@ -59,6 +60,10 @@ def _shipped(module: str) -> set[str]:
         from pagedkv.testing.cache_mutants import CACHE_MUTANTS
 
         return set(CACHE_MUTANTS)
+    if module == FEATURE_MUTANTS_MODULE:
+        from pagedkv.testing.feature_mutants import FEATURE_MUTANTS
+
+        return set(FEATURE_MUTANTS)
     from pagedkv.testing.peers import PEERS
 
     return set(PEERS)
@@ -67,10 +72,11 @@ def _shipped(module: str) -> set[str]:
 def canonical_backend_spec(spec: object) -> str | None:
     """The spec to load for a backend a case file records, or ``None`` when a file may not name it.
 
-    Accepted: a built-in name (``loop``, ``indexed``, ``triton``); ``pagedkv.testing.mutants:NAME`` or
-    ``pagedkv.testing.cache_mutants:NAME`` for a shipped mutant and ``pagedkv.testing.peers:NAME`` for a shipped peer, also recorded bare as
-    ``NAME`` (what ``backend_name`` gives), which map to those specs. Anything else (another module,
-    a ``.py`` path, an attribute of a shipped module that is not a mutant or peer) is ``None``.
+    Accepted: a built-in name (``loop``, ``indexed``, ``triton``); ``pagedkv.testing.mutants:NAME``,
+    ``pagedkv.testing.cache_mutants:NAME`` or ``pagedkv.testing.feature_mutants:NAME`` for a shipped
+    mutant and ``pagedkv.testing.peers:NAME`` for a shipped peer, also recorded bare as ``NAME`` (what
+    ``backend_name`` gives), which map to those specs. Anything else (another module, a ``.py`` path,
+    an attribute of a shipped module that is not a mutant or peer) is ``None``.
     Nothing is imported but pagedkv's own mutant and peer modules (for their names).
 
     Args:

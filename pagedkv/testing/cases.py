@@ -19,11 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.config import CacheConfig, blocks_needed, dtype_from_name
+from pagedkv.fp8 import quantize
 
 VALUE_PATTERNS = ("normal", "identity", "large")
 POISONS = ("nan", "inf", "sentinel", "zero")
 FINITE_POISONS = ("sentinel", "zero")  # for backends that assume finite unused slots
 LAYOUTS = ("contiguous", "kv_interleaved")
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _EXACT_INTEGERS = {"float32": 2**24, "float16": 2**11, "bfloat16": 2**8}  # ids a dtype holds exactly
 _LARGE = 30.0  # |q|, |k| ~ 30: logits in the hundreds, exp() overflows without max subtraction
 
@@ -81,6 +83,13 @@ class Case:
         layout: ``"contiguous"`` pools or ``"kv_interleaved"`` (``kv[:, 0]`` / ``kv[:, 1]`` views of one
             ``[num_blocks, 2, block_size, H, D]`` tensor: non-contiguous).
         scale: attention scale (``None``: ``1 / sqrt(head_dim)``).
+        window_left: sliding window of ``paged_attention`` (``-1``: off; see ``docs/contract.md``).
+        softcap: logit soft-cap (``0.0``: off).
+        alibi: pass ALiBi slopes (:meth:`alibi_slopes`: the geometric slopes times a factor drawn from the seed).
+        sinks: pass attention sinks (:meth:`sink_values`: drawn from the seed, some heads ``-inf``).
+        kv_cache_dtype: ``"auto"`` (pools in the geometry's dtype) or ``"fp8_e4m3"`` / ``"fp8_e5m2"``
+            (pools store ``sat(x / scale)``; the queries and outputs keep the geometry's dtype).
+        k_scale, v_scale: fp8 scales: a number (per tensor) or one number per kv head.
     """
 
     geometry: Geometry
@@ -93,6 +102,13 @@ class Case:
     layout: str = "contiguous"
     scale: float | None = None
     seed: int = 0
+    window_left: int = -1
+    softcap: float = 0.0
+    alibi: bool = False
+    sinks: bool = False
+    kv_cache_dtype: str = "auto"
+    k_scale: float | tuple[float, ...] = 1.0
+    v_scale: float | tuple[float, ...] = 1.0
 
     # -- plain data ------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -103,6 +119,9 @@ class Case:
         data = dict(data)
         data["geometry"] = Geometry(**data["geometry"])
         data["seqs"] = tuple(SeqSpec(**{**s, "block_table": tuple(s["block_table"])}) for s in data["seqs"])
+        for key in ("k_scale", "v_scale"):
+            if isinstance(data.get(key), list):
+                data[key] = tuple(data[key])
         return cls(**data)
 
     def to_json(self) -> str:
@@ -152,12 +171,77 @@ class Case:
         return {b * bs + p % bs for i, s in enumerate(self.seqs) for p in range(s.seq_len)
                 for b in [self.used_table(i)[p // bs]]}
 
+    # -- optional attention features ------------------------------------------------------------------
+    @property
+    def features(self) -> frozenset[str]:
+        """The optional features the case uses (names as in a backend's ``FEATURES``)."""
+        return frozenset(name for name, on in (
+            ("window", self.window_left >= 0), ("softcap", self.softcap > 0), ("alibi", self.alibi),
+            ("sinks", self.sinks), ("fp8", self.kv_cache_dtype != "auto")) if on)
+
+    @property
+    def pool_dtype(self) -> torch.dtype:
+        """The pools' dtype: the geometry's, or the fp8 format of ``kv_cache_dtype``."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.geometry.torch_dtype
+
+    def alibi_slopes(self, device="cpu") -> torch.Tensor:
+        """``float32 [num_q_heads]``: the standard geometric slopes ``2 ** (-8 (h + 1) / n)`` times a factor
+        in ``[0.25, 2)`` drawn from the seed."""
+        n = self.geometry.num_q_heads
+        factor = 0.25 + 1.75 * float(torch.rand((), generator=self._generator(5)))
+        return (torch.tensor([2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]) * factor).to(device)
+
+    def sink_values(self, device="cpu") -> torch.Tensor:
+        """``float32 [num_q_heads]`` sink logits drawn from the seed (``2 * normal``), about a quarter ``-inf``."""
+        gen = self._generator(6)
+        n = self.geometry.num_q_heads
+        values, off = torch.randn(n, generator=gen) * 2, torch.rand(n, generator=gen) < 0.25
+        return values.masked_fill(off, float("-inf")).to(device)
+
+    def scale_vectors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_scale, v_scale)`` as ``float32 [num_kv_heads]`` on the CPU (a per-tensor scale repeated)."""
+        h = self.geometry.num_kv_heads
+        return tuple(torch.tensor(list(s) if isinstance(s, tuple) else [float(s)] * h, dtype=torch.float32)
+                     for s in (self.k_scale, self.v_scale))
+
+    def kv_scales(self, device="cpu") -> dict:
+        """``{"k_scale", "v_scale"}`` as a backend takes them (a float, or ``float32 [num_kv_heads]``), or
+        ``{}`` for pools that are not fp8."""
+        if self.kv_cache_dtype == "auto":
+            return {}
+        return {name: s if not isinstance(s, tuple) else vec.to(device)
+                for name, s, vec in zip(("k_scale", "v_scale"), (self.k_scale, self.v_scale), self.scale_vectors())}
+
+    def attention_features(self, device="cpu") -> dict:
+        """The keyword arguments of ``paged_attention`` for the features in use (only those: a backend
+        without feature arguments takes a feature-free case unchanged)."""
+        out: dict = {}
+        if self.window_left >= 0:
+            out["window_left"] = self.window_left
+        if self.softcap > 0:
+            out["softcap"] = self.softcap
+        if self.alibi:
+            out["alibi_slopes"] = self.alibi_slopes(device)
+        if self.sinks:
+            out["sinks"] = self.sink_values(device)
+        return {**out, **self.kv_scales(device)}
+
+    def stored(self, x: torch.Tensor, which: str = "k") -> torch.Tensor:
+        """Values as the pool stores them: ``x`` itself, or its fp8 quantization (``pagedkv.fp8.quantize``)."""
+        if self.kv_cache_dtype == "auto":
+            return x
+        return quantize(x, self.scale_vectors()[which == "v"].to(x.device), self.pool_dtype)
+
+    def stored_kv(self, stream: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`logical_kv` as the pools hold it (quantized for fp8 pools)."""
+        return [(self.stored(k, "k"), self.stored(v, "v")) for k, v in self.logical_kv(stream)]
+
     # -- tensors (CPU generator, then cast and moved: identical on every device) ----------------------
     def _generator(self, stream: int) -> torch.Generator:
         return torch.Generator().manual_seed(self.seed * 1_000_003 + stream)
 
     def _poison_value(self) -> float:
-        dtype = self.geometry.torch_dtype
+        dtype = self.pool_dtype
         return {"nan": float("nan"), "inf": float("inf"), "sentinel": torch.finfo(dtype).max, "zero": 0.0}[self.poison]
 
     def logical_kv(self, stream: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -193,22 +277,25 @@ class Case:
 
     def empty_caches(self, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """Poison-filled ``(k_cache, v_cache)`` in the case's layout."""
-        g = self.geometry
+        g, dtype = self.geometry, self.pool_dtype
         shape = (g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
+
+        def full(size):  # fp8 poison through float32: torch's cast saturates inf where the format has none
+            return torch.full(size, self._poison_value(), dtype=torch.float32 if dtype.itemsize == 1 else dtype,
+                              device=device).to(dtype)
         if self.layout == "kv_interleaved":
-            kv = torch.full((g.num_blocks, 2, *shape[1:]), self._poison_value(), dtype=g.torch_dtype, device=device)
+            kv = full((g.num_blocks, 2, *shape[1:]))
             return kv[:, 0], kv[:, 1]
-        return (torch.full(shape, self._poison_value(), dtype=g.torch_dtype, device=device),
-                torch.full(shape, self._poison_value(), dtype=g.torch_dtype, device=device))
+        return full(shape), full(shape)
 
     def caches(self, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k_cache, v_cache)``: poison everywhere, each sequence's K/V at its owned slots.
+        """``(k_cache, v_cache)``: poison everywhere, each sequence's K/V (:meth:`stored_kv`) at its owned slots.
 
         Written by :func:`reference_write` in sequence order; where read-only tables share a block,
         later sequences overwrite earlier ones (what a reader then sees is what the pool holds).
         """
         k_cache, v_cache = self.empty_caches(device)
-        for i, (k, v) in enumerate(self.logical_kv(0)):
+        for i, (k, v) in enumerate(self.stored_kv(0)):
             reference_write(k_cache, self.used_table(i), k.to(device), 0)
             reference_write(v_cache, self.used_table(i), v.to(device), 0)
         return k_cache, v_cache

@@ -73,7 +73,7 @@ def scatter_round_trip(backend: Any, case: Case, device: str = "cpu") -> None:
     """``scatter`` writes exactly positions ``start .. seq_len - 1`` of each sequence and nothing else
     (frame condition, bit for bit), and ``gather`` then returns what was written."""
     scatter, gather = require(backend, "scatter"), require(backend, "gather")
-    new = case.logical_kv(1)
+    new = case.stored_kv(1)
     tables = case.block_tables(device)
     for i in writable(case):
         s = case.seqs[i]
@@ -89,7 +89,7 @@ def scatter_round_trip(backend: Any, case: Case, device: str = "cpu") -> None:
 
 def write_kv_matches_definition(backend: Any, case: Case, device: str = "cpu") -> None:
     """``write_kv`` puts token ``t`` at ``slot_mapping[t]`` in both pools, skips negative slots and
-    leaves every other slot bit-identical."""
+    leaves every other slot bit-identical (fp8 pools: exactly ``pagedkv.fp8.quantize`` of the token)."""
     write_kv = require(backend, "write_kv")
     slots, owners = write_slot_mapping(case)
     new = case.logical_kv(1)
@@ -101,37 +101,52 @@ def write_kv_matches_definition(backend: Any, case: Case, device: str = "cpu") -
         value[t] = new[i][1][p] if i >= 0 else -float(t + 1000)
     k_cache, v_cache = case.caches(device)
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    k_stored, v_stored = case.stored(key, "k"), case.stored(value, "v")
     for t, slot in enumerate(slots):
         if slot >= 0:
-            k_expected[slot // g.block_size, slot % g.block_size] = key[t]
-            v_expected[slot // g.block_size, slot % g.block_size] = value[t]
-    write_kv(k_cache, v_cache, key.to(device), value.to(device), torch.tensor(slots, dtype=torch.int64, device=device))
+            k_expected[slot // g.block_size, slot % g.block_size] = k_stored[t]
+            v_expected[slot // g.block_size, slot % g.block_size] = v_stored[t]
+    write_kv(k_cache, v_cache, key.to(device), value.to(device), torch.tensor(slots, dtype=torch.int64, device=device),
+             **case.kv_scales(device))
     _compare_pool(k_cache, k_expected, case, "write_kv (k_cache)")
     _compare_pool(v_cache, v_expected, case, "write_kv (v_cache)")
 
 
 # -- attention -----------------------------------------------------------------------------------------
 def run_attention(backend: Any, case: Case, device: str = "cpu") -> torch.Tensor:
-    """The backend's ``paged_attention`` on the case's caches, tables, lengths and queries."""
+    """The backend's ``paged_attention`` on the case's caches, tables, lengths, queries and features."""
     attn = require(backend, "paged_attention")
     k_cache, v_cache = case.caches(device)
     return attn(case.query(device), k_cache, v_cache, case.block_tables(device), case.seq_lens(device),
-                case.query_start_loc(device), case.scale)
+                case.query_start_loc(device), case.scale, **case.attention_features(device))
 
 
-def reference_output(case: Case) -> tuple[torch.Tensor, float, float]:
-    """fp64 attention over the case's logical K/V (read by definition from the pool), with the
-    largest |logit| and |V| (for the tolerance)."""
+def reference_output(case: Case, **features) -> tuple[torch.Tensor, float, float]:
+    """fp64 attention over the case's logical K/V (read by definition from the pool; an fp8 pool's
+    stored bytes dequantized), with its features (``features`` override them), and the largest
+    |logit| (the ALiBi bias and sinks included) and |V| (for the tolerance)."""
     k_cache, v_cache = case.caches("cpu")
     keys = [reference_gather(k_cache, case.used_table(i), s.seq_len) for i, s in enumerate(case.seqs)]
     values = [reference_gather(v_cache, case.used_table(i), s.seq_len) for i, s in enumerate(case.seqs)]
     query = case.query("cpu")
-    out = reference_attention(query, keys, values, case.query_start_loc_list, case.scale)
+    features = {**case.attention_features("cpu"), **features}
+    k_scale, v_scale = case.scale_vectors() if case.kv_cache_dtype != "auto" else (None, None)
+    features.update(k_scale=k_scale, v_scale=v_scale)
+    out = reference_attention(query, keys, values, case.query_start_loc_list, case.scale, **features)
     scale = case.scale if case.scale is not None else case.geometry.head_dim ** -0.5
+    if k_scale is not None:  # the magnitudes of what attention reads
+        keys = [k.double() * k_scale.double().view(-1, 1) for k in keys]
+        values = [v.double() * v_scale.double().view(-1, 1) for v in values]
     q_max = float(query.double().abs().max()) if query.numel() else 0.0
     k_max = max((float(k.double().abs().max()) for k in keys if k.numel()), default=0.0)
     v_max = max((float(v.double().abs().max()) for v in values if v.numel()), default=1.0)
-    return out, abs(scale) * q_max * k_max * case.geometry.head_dim, v_max
+    logit = abs(scale) * q_max * k_max * case.geometry.head_dim
+    if features.get("alibi_slopes") is not None:
+        logit += float(features["alibi_slopes"].abs().max()) * max(case.seq_lens_list, default=0)
+    if features.get("sinks") is not None:
+        finite = features["sinks"][torch.isfinite(features["sinks"])]
+        logit = max(logit, float(finite.abs().max()) if finite.numel() else 0.0)
+    return out, logit, v_max
 
 
 def attention_matches_reference(backend: Any, case: Case, device: str = "cpu") -> None:
@@ -176,11 +191,13 @@ def describe_attention(where: dict) -> str:
 
 # -- agreement and invariances -----------------------------------------------------------------------
 def inputs(case: Case, device: str = "cpu") -> dict[str, Any]:
-    """The case as backend inputs: ``query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale``."""
+    """The case as backend inputs: ``query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale``
+    and ``features`` (the keyword arguments of the features in use)."""
     k_cache, v_cache = case.caches(device)
     return {"query": case.query(device), "k_cache": k_cache, "v_cache": v_cache,
             "block_tables": case.block_tables(device), "seq_lens": case.seq_lens(device),
-            "query_start_loc": case.query_start_loc(device), "scale": case.scale}
+            "query_start_loc": case.query_start_loc(device), "scale": case.scale,
+            "features": case.attention_features(device)}
 
 
 def outputs(backend: Any, args: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -192,7 +209,8 @@ def outputs(backend: Any, args: dict[str, Any]) -> dict[str, torch.Tensor]:
             out[f"gather[{i}]"] = backend.gather(args["k_cache"], args["block_tables"][i], n).cpu()
     if callable(getattr(backend, "paged_attention", None)):
         attn = backend.paged_attention(args["query"], args["k_cache"], args["v_cache"], args["block_tables"],
-                                       args["seq_lens"], args["query_start_loc"], args["scale"]).cpu()
+                                       args["seq_lens"], args["query_start_loc"], args["scale"],
+                                       **args.get("features", {})).cpu()
         qsl = args["query_start_loc"].tolist()
         for i in range(len(qsl) - 1):
             out[f"paged_attention[{i}]"] = attn[qsl[i]:qsl[i + 1]]
@@ -231,7 +249,7 @@ def backends_agree(backend: Any, other: Any, case: Case, device: str = "cpu") ->
             k_cache, v_cache = case.caches(device)
             tables = case.block_tables(device)
             if op == "scatter":
-                new = case.logical_kv(1)
+                new = case.stored_kv(1)
                 for i in writable(case):
                     impl.scatter(k_cache, tables[i], new[i][0][case.seqs[i].start:].to(device), case.seqs[i].start)
             else:
@@ -239,7 +257,7 @@ def backends_agree(backend: Any, other: Any, case: Case, device: str = "cpu") ->
                 g = case.geometry
                 key = torch.randn((len(slots), g.num_kv_heads, g.head_dim), generator=case._generator(3)).to(g.torch_dtype)
                 impl.write_kv(k_cache, v_cache, key.to(device), (-key).to(device),
-                              torch.tensor(slots, dtype=torch.int64, device=device))
+                              torch.tensor(slots, dtype=torch.int64, device=device), **case.kv_scales(device))
             pools.append((k_cache.cpu(), v_cache.cpu()))
         _compare_pool(pools[0][0], pools[1][0], case, f"{pair} {op} k_cache")
         _compare_pool(pools[0][1], pools[1][1], case, f"{pair} {op} v_cache")

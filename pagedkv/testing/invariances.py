@@ -61,7 +61,8 @@ def _repoison(case: Case, args: dict, finite: bool = False) -> dict:
     other = {"nan": float("inf"), "inf": float("nan"), "sentinel": float("nan"), "zero": float("nan")}[case.poison]
     if finite and case.poison in FINITE_POISONS:
         other = 0.0 if case.poison == "sentinel" else torch.finfo(args["k_cache"].dtype).max
-    return {**args, **{n: torch.where(owned, args[n], torch.full_like(args[n], other)) for n in ("k_cache", "v_cache")}}
+    fill = torch.tensor(other, device=args["k_cache"].device).to(args["k_cache"].dtype)  # fp8: saturating cast
+    return {**args, **{n: torch.where(owned, args[n], fill) for n in ("k_cache", "v_cache")}}
 
 
 def _relayout(case: Case, args: dict) -> dict:
@@ -141,7 +142,7 @@ def alone_equals_in_batch(backend: Any, case: Case, device: str = "cpu") -> None
     for i, s in enumerate(case.seqs):
         alone = attn(args["query"][qsl[i]:qsl[i + 1]], args["k_cache"], args["v_cache"], args["block_tables"][i:i + 1],
                      args["seq_lens"][i:i + 1], torch.tensor([0, s.q_len], dtype=torch.int32, device=device),
-                     case.scale).cpu()
+                     case.scale, **args["features"]).cpu()
         try:
             assert_bitwise_equal(alone, full[f"paged_attention[{i}]"], f"sequence {i} alone vs in batch: ")
         except AssertionError as exc:
@@ -154,6 +155,7 @@ def decode_matches_prefill(backend: Any, case: Case, device: str = "cpu") -> Non
     attn = require(backend, "paged_attention")
     k_cache, v_cache = case.caches(device)
     q = case.query(device)
+    features = case.attention_features(device)
     qsl = case.query_start_loc_list
     one_shot = run_attention(backend, case, device).cpu()
     _, max_logit, max_v = reference_output(case)
@@ -165,7 +167,7 @@ def decode_matches_prefill(backend: Any, case: Case, device: str = "cpu") -> Non
             ctx = s.seq_len - s.q_len + hi
             out = attn(q[qsl[i] + lo: qsl[i] + hi], k_cache, v_cache, tables[i:i + 1],
                        torch.tensor([ctx], dtype=torch.int32, device=device),
-                       torch.tensor([0, hi - lo], dtype=torch.int32, device=device), case.scale).cpu()
+                       torch.tensor([0, hi - lo], dtype=torch.int32, device=device), case.scale, **features).cpu()
             try:
                 assert_attention_close(out, one_shot[qsl[i] + lo: qsl[i] + hi].double(), max_abs_logit=max_logit,
                                        max_abs_value=max_v)

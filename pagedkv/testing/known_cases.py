@@ -20,3 +20,11 @@ C7 = [Case(Geometry(4, 4, 2, 8, num_queries_per_kv=g), (SeqSpec((2, 0), 7, 3),))
 # C8: three requests, lengths 5, 13, 2, block_size 4.
 C8 = Case(Geometry(8, 4, 2, 4, num_queries_per_kv=2), (SeqSpec((6, 1), 5, 2, 3), SeqSpec((0, 4, 2, 7), 13, 1, 12),
                                                        SeqSpec((5,), 2, 2, 1)))
+# F: the optional attention features (docs/contract.md). A window of 5 over block_size 4 (decode at 13, prefill
+# of 4 over a prefix); every feature at once on GQA 2 with a window of one block; an fp8 pool, per-head K scales.
+F_WINDOW = Case(Geometry(10, 4, 2, 4), (SeqSpec((3, 0, 5, 8), 13, 1, 12), SeqSpec((1, 2, 6, 4), 14, 4, 9)),
+                window_left=5)
+F_ALL = Case(Geometry(8, 4, 2, 4, num_queries_per_kv=2), (SeqSpec((6, 1), 5, 2, 3), SeqSpec((0, 4, 2, 7), 13, 3, 12)),
+             window_left=4, softcap=5.0, alibi=True, sinks=True, seed=2)
+F_FP8 = Case(Geometry(8, 4, 2, 4, num_queries_per_kv=2), (SeqSpec((6, 1), 5, 2, 3), SeqSpec((0, 4, 2, 7), 13, 1, 9)),
+             kv_cache_dtype="fp8_e4m3", k_scale=(0.0625, 0.5), v_scale=0.03, seed=1)

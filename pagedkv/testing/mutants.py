@@ -37,6 +37,7 @@ class IndexedBackend:
 
     name = "indexed"
     cache_class = PagedKVCache
+    FEATURES = indexed.FEATURES
 
     def gather(self, cache: torch.Tensor, block_table, seq_len: int, validate: bool = True) -> torch.Tensor:
         """As :func:`pagedkv.backends.indexed.gather`."""
@@ -48,24 +49,33 @@ class IndexedBackend:
         indexed.scatter(cache, block_table, values, start, validate=validate)
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: torch.Tensor, validate: bool = True) -> None:
-        """As :func:`pagedkv.backends.indexed.write_kv`."""
-        indexed.write_kv(k_cache, v_cache, key, value, slot_mapping, validate=validate)
+                 slot_mapping: torch.Tensor, validate: bool = True, **scales) -> None:
+        """As :func:`pagedkv.backends.indexed.write_kv` (``k_scale``, ``v_scale`` for fp8 pools)."""
+        indexed.write_kv(k_cache, v_cache, key, value, slot_mapping, validate=validate, **scales)
 
     def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                        scale: float | None = None, validate: bool = True) -> torch.Tensor:
-        """As :func:`pagedkv.backends.indexed.paged_attention`: per sequence, :meth:`context` then :meth:`attend`."""
-        args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate)
+                        scale: float | None = None, validate: bool = True, **features) -> torch.Tensor:
+        """As :func:`pagedkv.backends.indexed.paged_attention`: per sequence, :meth:`context` then
+        :meth:`attend` (with features, from :meth:`first_block` on, then :meth:`attend_features`)."""
+        args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate,
+                              supported=self.FEATURES, **features)
         out = torch.empty_like(query)
+        bs = k_cache.shape[1]
         for b, seq_len in enumerate(args.seq_lens):
             lo, hi = args.q_starts[b], args.q_starts[b + 1]
             if hi == lo:
                 continue
-            table = self.table_row(args.block_tables, b, args.seq_lens, k_cache.shape[1])
-            key = self.context(k_cache, table, seq_len)
-            value = self.context(v_cache, table, seq_len)
-            out[lo:hi] = self.attend(query[lo:hi], key, value, args.scale, seq_len)
+            table = self.table_row(args.block_tables, b, args.seq_lens, bs)
+            if not args.features:
+                key = self.context(k_cache, table, seq_len)
+                value = self.context(v_cache, table, seq_len)
+                out[lo:hi] = self.attend(query[lo:hi], key, value, args.scale, seq_len)
+                continue
+            first = self.first_block(args, seq_len, hi - lo, bs)
+            key = self.context(k_cache, table[first:], seq_len - first * bs)
+            value = self.context(v_cache, table[first:], seq_len - first * bs)
+            out[lo:hi] = self.attend_features(query[lo:hi], key, value, args, first * bs)
         return out
 
     # steps of paged_attention
@@ -81,6 +91,22 @@ class IndexedBackend:
                seq_len: int) -> torch.Tensor:
         """Causal attention of the sequence's last ``q_len`` rows over ``key``/``value``."""
         return attend(query, key, value, scale)
+
+    # steps of paged_attention with optional features (window, softcap, ALiBi, sinks, fp8 scales)
+    def first_block(self, args, seq_len: int, q_len: int, block_size: int) -> int:
+        """The first block any query of the sequence can see (0 without a window)."""
+        return 0 if args.window_left < 0 else max(0, seq_len - q_len - args.window_left) // block_size
+
+    def attend_features(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, args,
+                        start: int) -> torch.Tensor:
+        """:func:`pagedkv.attention.attend` with the call's features; ``key[0]`` sits at position ``start``."""
+        return attend(query, key, value, args.scale, **features_of(args))
+
+
+def features_of(args, **changes) -> dict:
+    """The feature keyword arguments of :func:`pagedkv.attention.attend` from validated ``args``."""
+    return {**dict(window_left=args.window_left, softcap=args.softcap, alibi_slopes=args.alibi_slopes,
+                   sinks=args.sinks, k_scale=args.k_scale, v_scale=args.v_scale), **changes}
 
 
 def _dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, *,

@@ -330,3 +330,22 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         if path.exists():
             report.sections.append(("pagedkv", f"crashed while running the case in {path}\n"
                                                f"replay: python -m pagedkv replay {path}"))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    """Per backend under test, the optional attention features it declares (checked by every property)
+    and those it does not (their properties skip: not covered, never passed)."""
+    if not is_active(config) or hasattr(config, "workerinput"):
+        return
+    from pagedkv.backends.capabilities import FEATURE_NAMES
+
+    try:
+        backends = backends_under_test(config)
+    except pytest.UsageError:
+        return
+    for backend in backends:
+        declared = capabilities_under_test(backend).features
+        name = getattr(backend, "name", None) or type(backend).__name__
+        missing = ", ".join(sorted(FEATURE_NAMES - declared)) or "none"
+        terminalreporter.write_line(f"pagedkv optional features of {name}: declared (checked): "
+                                    f"{', '.join(sorted(declared)) or 'none'}; not declared (not covered): {missing}")

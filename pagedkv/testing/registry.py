@@ -66,6 +66,7 @@ class Property:
 
 def _declare() -> list[Property]:
     from pagedkv.testing import checks, invalid, invariances, known_cases as kc, machine, scenarios
+    from pagedkv.testing import feature_checks as fc
 
     def mixed(**kw):
         def build(caps=None, poisons=None):
@@ -79,6 +80,14 @@ def _declare() -> list[Property]:
             import strategies as s
 
             return getattr(s, name)(caps=caps, **kw, **({"poisons": poisons} if poisons else {}))
+        return build
+
+    def featured(feature, **kw):  # cases with ``feature`` on (others drawn as usual)
+        def build(caps=None, poisons=None):
+            import strategies as s
+
+            return (s.cases(caps=caps, poisons=poisons, force=(feature,), **kw)
+                    | s.fragmented_cases(caps=caps, poisons=poisons, force=(feature,)))
         return build
 
     def large_pool(caps):
@@ -113,7 +122,8 @@ def _declare() -> list[Property]:
         Property("paged_attention_matches_fp64_dense_reference",
                  "paged_attention equals the fp64 dense reference within the dtype's tolerance; NaN never passes",
                  attn, checks.attention_matches_reference, mixed(),
-                 lambda: (kc.C5, kc.C6, *kc.C7, kc.C8), aliases=(("attention_matches_reference", None),)),
+                 lambda: (kc.C5, kc.C6, *kc.C7, kc.C8, kc.F_WINDOW, kc.F_ALL, kc.F_FP8),
+                 aliases=(("attention_matches_reference", None),)),
         Property("a_request_alone_equals_the_same_request_in_a_batch",
                  "each request's attention alone equals, bit for bit, its rows in the batch",
                  attn, invariances.alone_equals_in_batch, lazy("cases", max_seqs=4), lambda: (kc.C5, kc.C8),
@@ -151,6 +161,29 @@ def _declare() -> list[Property]:
         "copy-on-write, preempt, abort, double free), the cache matches a shadow model after every step",
         ("write_kv", "gather"), machine.cache_state_machine, lambda caps=None: None, kind="machine",
         requires=_machine_space))
+    for name, feature, sentence, check, kw, examples in (
+            ("a_window_of_at_least_the_context_equals_no_window", "window",
+             "a window_left of at least the longest context equals no window, within tolerance",
+             fc.window_past_context_equals_no_window, {}, lambda: (kc.F_WINDOW,)),
+            ("a_huge_softcap_equals_no_softcap", "softcap",
+             "a soft-cap 10**4 times above every logit equals no soft-cap, within tolerance",
+             fc.huge_softcap_equals_no_softcap, {}, lambda: (kc.F_ALL,)),
+            ("zero_alibi_slopes_equal_no_alibi", "alibi", "ALiBi slopes of zero equal no ALiBi, within tolerance",
+             fc.zero_slopes_equal_no_alibi, {}, lambda: (kc.F_ALL,)),
+            ("sinks_of_minus_inf_equal_no_sinks", "sinks", "sinks of -inf equal no sinks, within tolerance",
+             fc.neg_inf_sinks_equal_no_sinks, {}, lambda: (kc.F_ALL,)),
+            ("nan_in_blocks_outside_the_window_changes_nothing", "window",
+             "NaN in every block wholly outside each query's window leaves the output bit-identical",
+             fc.nan_outside_the_window_changes_nothing, {"max_len": 40}, lambda: (kc.F_WINDOW, kc.F_ALL)),
+            ("fp8_write_then_gather_returns_exactly_the_quantized_values", "fp8",
+             "write_kv into an fp8 pool then gather returns, bit for bit, sat(x / scale) rounded to nearest even",
+             fc.fp8_write_then_gather_is_exact, {"repeats": False}, lambda: (kc.F_FP8,)),
+            ("scaling_stored_k_by_c_and_k_scale_by_1_over_c_changes_nothing", "fp8",
+             "stored K times a power of two c with k_scale / c gives the same attention, within tolerance",
+             fc.fp8_scale_moves_between_k_and_k_scale, {}, lambda: (kc.F_FP8,))):
+        ops = ("write_kv", "gather") if feature == "fp8" and "write" in name else attn
+        props.append(Property(name, sentence, ops, check, featured(feature, **kw), examples,
+                              requires=partial(_feature_declared, feature)))
     for op in invalid.OPS:
         props.append(Property(
             f"{op}_rejects_bad_arguments_and_writes_nothing",
@@ -158,6 +191,11 @@ def _declare() -> list[Property]:
             (op,), invalid.check_rejected, lazy("invalid_calls", ops=(op,)), partial(invalid.explicit_calls, op),
             kind="invalid", aliases=(("check_rejected", None),) if op == "gather" else ()))
     return props
+
+
+def _feature_declared(feature: str, caps) -> str | None:
+    """A feature property runs only on a backend that declares the feature (else: not covered)."""
+    return None if feature in caps.features else f"feature {feature!r} not declared: not covered"
 
 
 def _machine_space(caps) -> str | None:

@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.testing.cache_mutants import CACHE_MUTANT_BACKENDS, CACHE_TARGETS
+from pagedkv.testing.feature_mutants import FEATURE_MUTANTS, FEATURE_TARGETS
 from pagedkv.testing.mutants import MUTANTS, TARGETS
 from pagedkv.testing.registry import properties
 
-#: Every shipped mutant: the faulty backends and the faulty caches (as backends with a ``cache_class``).
-ALL_MUTANTS: dict[str, type] = {**MUTANTS, **CACHE_MUTANT_BACKENDS}
-ALL_TARGETS: dict[str, tuple[str, ...]] = {**TARGETS, **CACHE_TARGETS}
+#: Every shipped mutant: the faulty backends (plain and feature paths) and the faulty caches (as backends
+#: with a ``cache_class``).
+ALL_MUTANTS: dict[str, type] = {**MUTANTS, **FEATURE_MUTANTS, **CACHE_MUTANT_BACKENDS}
+ALL_TARGETS: dict[str, tuple[str, ...]] = {**TARGETS, **FEATURE_TARGETS, **CACHE_TARGETS}
 
 
 @dataclass
@@ -75,9 +77,14 @@ def run_property(backend: Any, prop: Any, profile: str = "ci", device: str = "cp
 
     from pagedkv.testing.registry import missing_ops_for
 
+    from pagedkv.backends.capabilities import capabilities_of
+
     missing = missing_ops_for(backend, prop)
     if missing:
         return False, 0, "", f"skipped: no op {missing[0]!r}"
+    caps = capabilities_of(backend)
+    if prop.kind == "case" and prop.requires(caps):  # an undeclared feature: not covered, never passed
+        return False, 0, "", f"skipped: {prop.requires(caps)}"
     if prop.kind == "machine":
         chosen = hypothesis_settings(profile, shrink=shrink)
         try:
@@ -101,7 +108,7 @@ def run_property(backend: Any, prop: Any, profile: str = "ci", device: str = "cp
     reference = get_backend("indexed") if prop.pair else None
 
     @chosen
-    @given(prop.strategy())
+    @given(prop.strategy(caps) if prop.kind == "case" else prop.strategy())
     def body(case):
         state["calls"] += 1
         try:
@@ -118,7 +125,8 @@ def run_property(backend: Any, prop: Any, profile: str = "ci", device: str = "cp
             raise
 
     for case in reversed(prop.examples()):
-        body = example(case)(body)
+        if not getattr(case, "features", frozenset()) - caps.features:
+            body = example(case)(body)
     try:
         body()
     except Exception as exc:  # the shrunk example's failure
@@ -177,7 +185,8 @@ def run_mutant(name: str, profile: str = "ci", device: str = "cpu", *, only_targ
 
 def mutant_spec(name: str) -> str:
     """The ``--pagedkv-impl`` spec that loads shipped mutant ``name``."""
-    module = "pagedkv.testing.mutants" if name in MUTANTS else "pagedkv.testing.cache_mutants"
+    module = "pagedkv.testing.mutants" if name in MUTANTS else \
+        "pagedkv.testing.feature_mutants" if name in FEATURE_MUTANTS else "pagedkv.testing.cache_mutants"
     return f"{module}:{name}"
 
 
@@ -223,7 +232,8 @@ def brief(case: Any) -> str:
         seqs = " ".join(f"{list(s.block_table)}:{s.seq_len}/{s.q_len}@{s.start}" for s in case.seqs)
         defaults = Case(g, ())
         extras = [f"{f}={getattr(case, f)!r}" for f in ("values", "poison", "pad_value", "pad_columns", "table_dtype",
-                                                          "layout", "scale", "seed")
+                                                          "layout", "scale", "seed", "window_left", "softcap", "alibi",
+                                                          "sinks", "kv_cache_dtype", "k_scale", "v_scale")
                   if getattr(case, f) != getattr(defaults, f)]
         return f"{text} seqs {seqs} " + " ".join(extras)
     ops = "; ".join(" ".join(str(list(x)) if isinstance(x, tuple) else str(x) for x in op) for op in case.ops)

@@ -63,7 +63,9 @@ OUTCOMES = ("running", "failed", "raised")  # save_failure's outcome: written be
 _GEOMETRY_KEYS = ("num_blocks", "block_size", "num_kv_heads", "head_dim", "num_queries_per_kv", "dtype")
 _SEQ_KEYS = ("block_table", "seq_len", "q_len", "start")
 _CASE_KEYS = ("geometry", "seqs", "values", "poison", "pad_value", "pad_columns", "table_dtype", "layout", "scale",
-              "seed")
+              "seed", "window_left", "softcap", "alibi", "sinks", "kv_cache_dtype", "k_scale", "v_scale")
+_CASE_REQUIRED = _CASE_KEYS[:10]  # the feature fields are optional (off in files written before them)
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # pagedkv.testing.cases.KV_CACHE_DTYPES
 _SCENARIO_KEYS = ("geometry", "ops", "enable_prefix_caching", "constant_hash", "seed", "num_layers")
 _INVALID_KEYS = ("op", "fault", "case", "seq", "amount")
 
@@ -217,8 +219,41 @@ def _geometry(value: Any, path: str) -> dict:
     return g
 
 
+def _number(value: Any, path: str, lo: float, *, above: bool = False) -> float:
+    """A finite JSON number ``>= lo`` (``> lo`` with ``above``), at most 1e30 in size."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or abs(value) > 1e30:
+        raise CaseFileError(path, f"expected a finite number, got {_show(value)}")
+    if value < lo or above and value == lo:
+        raise CaseFileError(path, f"must be {'>' if above else '>='} {lo}, got {_show(value)}")
+    return value
+
+
+def _features(c: dict, path: str, num_kv_heads: int) -> None:
+    """The optional attention features of a case (absent: off)."""
+    if "window_left" in c:
+        _int(c["window_left"], f"{path}.window_left", -1, _MAX_SIZE)
+    if "softcap" in c:
+        _number(c["softcap"], f"{path}.softcap", 0.0)
+    for key in ("alibi", "sinks"):
+        if key in c:
+            _bool(c[key], f"{path}.{key}")
+    if "kv_cache_dtype" in c:
+        _choice(c["kv_cache_dtype"], f"{path}.kv_cache_dtype", KV_CACHE_DTYPES)
+    for key in ("k_scale", "v_scale"):
+        if key not in c:
+            continue
+        if not isinstance(c[key], list):
+            _number(c[key], f"{path}.{key}", 0.0, above=True)
+            continue
+        if len(c[key]) != num_kv_heads:
+            raise CaseFileError(f"{path}.{key}", f"{len(c[key])} scales, but num_kv_heads is {num_kv_heads} (one "
+                                                 f"per kv head; a per-tensor scale is a number)")
+        for j, x in enumerate(c[key]):
+            _number(x, f"{path}.{key}[{j}]", 0.0, above=True)
+
+
 def _case(value: Any, path: str) -> dict:
-    c = _object(value, path, _CASE_KEYS)
+    c = _object(value, path, _CASE_KEYS, _CASE_REQUIRED)
     g = _geometry(c["geometry"], f"{path}.geometry")
     _choice(c["values"], f"{path}.values", VALUE_PATTERNS)
     _choice(c["poison"], f"{path}.poison", POISONS)
@@ -232,6 +267,7 @@ def _case(value: Any, path: str) -> dict:
                               or not math.isfinite(scale) or abs(scale) > 1e30):
         raise CaseFileError(f"{path}.scale", f"expected null or a finite number, got {_show(scale)}")
     _int(c["seed"], f"{path}.seed", 0, _MAX_SEED)
+    _features(c, path, g["num_kv_heads"])
     bs, positions = g["block_size"], 0
     for i, s in enumerate(_list(c["seqs"], f"{path}.seqs")):
         p = f"{path}.seqs[{i}]"

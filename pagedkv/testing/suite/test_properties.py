@@ -38,6 +38,8 @@ def _fits(case, caps: Capabilities, violating: bool = False) -> bool:
     ``violating``, keeps it otherwise)."""
     if caps.rejects(_geometry(case)):
         return False
+    if getattr(case, "features", frozenset()) - caps.features:  # a feature the backend does not declare
+        return False
     poison = getattr(case, "poison", None) or getattr(getattr(case, "case", None), "poison", None)
     breaks = "finite_unused_slots" in caps.preconditions and poison in ("nan", "inf")
     return breaks if violating else not breaks
