@@ -35,6 +35,7 @@ import pytest
 SUITE_PACKAGE = "pagedkv.testing.suite"
 _ACTIVE = pytest.StashKey[bool]()
 _PROFILE = pytest.StashKey[str]()
+_CANDIDATE = pytest.StashKey[object]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -89,6 +90,8 @@ def pytest_configure(config: pytest.Config) -> None:
     except DatabaseError as exc:
         raise pytest.UsageError(f"PAGEDKV_DATABASE: {exc}") from exc
     config.stash[_PROFILE] = profile + (f" (example database: {shared})" if shared else "")
+    if impl_spec(config):
+        backends_under_test(config)  # a candidate that cannot load is a usage error now (exit 4), not at collection
 
 
 def backends_under_test(config: pytest.Config) -> list:
@@ -101,8 +104,11 @@ def backends_under_test(config: pytest.Config) -> list:
 
     spec = impl_spec(config)
     if spec:
+        if config.stash.get(_CANDIDATE, None) is not None:
+            return [config.stash[_CANDIDATE]]
         try:
-            return [pagedkv.load_backend(spec)]
+            config.stash[_CANDIDATE] = pagedkv.load_backend(spec)
+            return [config.stash[_CANDIDATE]]
         except pagedkv.BackendError as exc:
             raise pytest.UsageError(f"--pagedkv-impl / PAGEDKV_IMPL: {exc}") from exc
     return [pagedkv.get_backend(name) for name in pagedkv.available_backends()]
