@@ -9,6 +9,8 @@ it gets a shorter scenario.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from pagedkv.testing import mutants  # noqa: E402
 from pagedkv.backends import backend_name, missing_ops  # noqa: E402
 
 SMALL = dict(num_requests=9, decode_steps=10, block_size=4)
+FAULT = dict(num_requests=6, decode_steps=5, block_size=4)  # enough to catch a skewed feature
 TINY = dict(num_requests=7, decode_steps=3, block_size=3)  # interpreter-speed scenario (fork included)
 
 
@@ -47,6 +50,85 @@ def test_paged_model_matches_dense_transformers(backend, device):
     assert report.cache_stats["cow_copies"] >= 1, text
     assert any(c.prefill_chunks > 1 for c in report.checks), text
     assert len({c.steps[1] for c in report.checks}) > 2, text
+
+
+def _assert_passes(report) -> str:
+    text = "\n".join(report.lines())
+    assert not report.error, text
+    assert report.tokens_identical and report.ok, text
+    assert report.lines()[-1].endswith("tokens identical: yes"), text
+    return text
+
+
+@pytest.mark.parametrize("arch, name", [("mistral", "loop"), ("mistral", "indexed"), ("gemma2", "loop"),
+                                        ("gemma2", "indexed"), ("gemma2", "triton")])  # the interpreter is slow
+def test_sliding_window_and_softcap_models_match_dense(arch, name):
+    # Mistral: the window on every layer; Gemma 2: window on layer 0, full layer 1, attention
+    # soft-capping, query_pre_attn_scalar, final soft-capping. Contexts exceed twice the window.
+    backend = get_backend(name)
+    scenario = _scenario_for(backend, "cpu")
+    window = 10 if scenario is SMALL else 5  # the interpreter's shorter scenario gets a shorter window
+    report = e2e.run_e2e(backend, arch=arch, model_kwargs={"sliding_window": window}, **scenario)
+    text = _assert_passes(report)
+    assert f"model {arch}, sliding window {window} (window_left {window - 1})" in text
+    assert max(c.prompt_len + c.generated for c in report.checks) > 2 * window, text
+    assert ("attention softcap 4" in text) == (arch == "gemma2")
+
+
+@pytest.mark.parametrize("fault", ["window_off_by_one", "no_window", "no_softcap", "default_scale"])
+def test_window_softcap_and_scale_are_what_the_model_computes(fault):
+    # The paged run is sensitive to each feature the hook passes: dropping or skewing one fails.
+    base = get_backend("indexed")
+
+    def paged_attention(q, k, v, bt, sl, qsl, scale=None, **kw):
+        if fault == "window_off_by_one":
+            kw["window_left"] += 1
+        elif fault == "no_window":
+            kw.pop("window_left", None)
+        elif fault == "no_softcap":
+            kw.pop("softcap")
+        else:
+            scale = None  # 1/sqrt(head_dim) instead of query_pre_attn_scalar ** -0.5
+        return base.paged_attention(q, k, v, bt, sl, qsl, scale, **kw)
+
+    faulty = types.SimpleNamespace(name=f"indexed-{fault}", write_kv=base.write_kv, paged_attention=paged_attention)
+    report = e2e.run_e2e(faulty, arch="gemma2", **FAULT)
+    assert not report.ok and not report.tokens_identical, "\n".join(report.lines())
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_cache_matches_dense_with_the_same_round_trip(kv_cache_dtype):
+    report = e2e.run_e2e("indexed", kv_cache_dtype=kv_cache_dtype, arch="mistral", **SMALL)
+    text = _assert_passes(report)
+    assert f"kv cache {kv_cache_dtype}: k_scale/v_scale" in text
+    plain = float(text.split("against the unquantized float64 run ")[1].split()[0])
+    assert plain > 100 * report.max_logit_diff, text  # the quantization is real; the oracle has it too
+
+
+def test_fp8_cache_with_a_wrong_scale_fails():
+    base = get_backend("indexed")
+
+    def paged_attention(*args, **kw):
+        kw["k_scale"] *= 1.02  # dequantized with another scale than the one written with
+        return base.paged_attention(*args, **kw)
+
+    faulty = types.SimpleNamespace(name="indexed-kscale", write_kv=base.write_kv, paged_attention=paged_attention)
+    report = e2e.run_e2e(faulty, kv_cache_dtype="fp8_e4m3", **FAULT)
+    assert not report.ok, "\n".join(report.lines())
+
+
+def test_fp8_round_trip_takes_the_stored_code_only_at_a_rounding_boundary():
+    from pagedkv.cli.e2e_fp8 import BoundaryCount, round_trip
+
+    dtype = torch.float8_e4m3fn
+    x = torch.tensor([[1.0625 + 1e-6, 1.5, -3.0, 100.0]], dtype=torch.float64)  # 1.0625: midpoint of 1 and 1.125
+    own = round_trip(x, 1.0, dtype, None)
+    assert own.tolist() == [[1.125, 1.5, -3.0, 96.0]]
+    count = BoundaryCount()
+    stored = torch.tensor([[1.0, 1.625, -3.0, 96.0]]).to(dtype)  # 1.0: the other side of the tie; 1.625: wrong
+    got = round_trip(x, 1.0, dtype, stored, count)
+    assert got.tolist() == [[1.0, 1.5, -3.0, 96.0]]
+    assert (count.adopted, count.total) == (1, 4)
 
 
 def test_cached_prefix_is_not_recomputed():
@@ -91,6 +173,18 @@ def test_attention_without_step_context_raises():
     model = e2e.build_model(seed=0)
     with pytest.raises(ValueError, match="pagedkv_step"):
         model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+
+
+def test_cli_arch_and_kv_cache_dtype(capsys):
+    args = ["e2e", "--backend", "indexed", "--requests", "4", "--decode-steps", "3", "--block-size", "4"]
+    assert cli.main(args + ["--arch", "gemma2", "--sliding-window", "5", "--kv-cache-dtype", "fp8_e5m2"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].endswith("tokens identical: yes")
+    assert any("sliding window 5 (window_left 4)" in line for line in out)
+    assert any(line.startswith("kv cache fp8_e5m2") for line in out)
+    with pytest.raises(SystemExit) as exc:  # argparse refuses it
+        cli.main(args + ["--kv-cache-dtype", "int8"])
+    assert exc.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err
 
 
 def test_cli_reports_and_exit_status(capsys):

@@ -8,11 +8,13 @@ One concept a module:
 - :mod:`pagedkv.cli.e2e_scenario`: the requests (:func:`make_scenario`) and the engine that serves
   them from the cache (:class:`PagedEngine`);
 - :mod:`pagedkv.cli.e2e_oracle`: the float64 dense oracle, the tolerance and the report;
+- :mod:`pagedkv.cli.e2e_fp8`: the fp8 cache's scales and the oracle's quantize -> dequantize round trip;
 - this module: :func:`run_e2e`, which ties them together, and the command line.
 
 Command line: ``python -m pagedkv e2e [--backend NAME | --impl module:attr] [--device cpu|cuda]
-[--dtype float32|bfloat16|float16] [--model DIR] [--seed N] [--requests N] [--decode-steps N]
-[--block-size N] [--allow-near-ties]``; exit status 0 when the logits are within tolerance and the
+[--dtype float32|bfloat16|float16] [--arch llama|mistral|gemma2] [--sliding-window N]
+[--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_e5m2] [--model DIR] [--seed N] [--requests N]
+[--decode-steps N] [--block-size N] [--allow-near-ties]``; exit status 0 when the logits are within tolerance and the
 greedy tokens are identical (or differ only at near ties, with ``--allow-near-ties``), 1 otherwise, 2 for
 a usage or setup error.
 """
@@ -26,8 +28,11 @@ from typing import Any
 
 import torch
 
-from pagedkv.cli.e2e_model import (ATTN_IMPLEMENTATION, STEP_KWARG, StepContext, build_model,  # noqa: F401
-                                   load_model, model_geometry, pagedkv_attention_forward, register_attention)
+from pagedkv.cli.e2e_fp8 import (KV_CACHE_DTYPES, Fp8OracleStep, kv_cache_dtype_from_name,  # noqa: F401
+                                 kv_cache_dtype_name)
+from pagedkv.cli.e2e_model import (ARCHS, ATTN_IMPLEMENTATION, DEFAULT_SLIDING_WINDOW, STEP_KWARG,  # noqa: F401
+                                   StepContext, build_model, load_model, model_geometry,
+                                   pagedkv_attention_forward, register_attention)
 from pagedkv.cli.e2e_oracle import (E2E_LOGIT_TOLERANCE, E2EReport, RequestCheck, TokenMismatch,  # noqa: F401
                                     dense_model, dense_oracle)
 from pagedkv.cli.e2e_scenario import PagedEngine, Request, RequestResult, make_scenario  # noqa: F401
@@ -36,7 +41,8 @@ from pagedkv.cli.e2e_scenario import PagedEngine, Request, RequestResult, make_s
 def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float32, device: str = "cpu",
             model: torch.nn.Module | str | None = None, seed: int = 0, num_requests: int = 9,
             decode_steps: int = 32, block_size: int = 8, chunk_size: int | None = None,
-            model_kwargs: dict | None = None, strict_tokens: bool = True) -> E2EReport:
+            model_kwargs: dict | None = None, strict_tokens: bool = True, arch: str = "llama",
+            kv_cache_dtype: str | torch.dtype | None = None) -> E2EReport:
     """Build (or load) the model, serve the scenario from a PagedKVCache, check it against dense.
 
     Args:
@@ -45,7 +51,14 @@ def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float3
         device: ``"cpu"`` or ``"cuda"`` (or ``"cuda:N"``).
         model: ``None`` (a seeded random Llama, see :func:`build_model`), a local checkpoint
             directory, or a model already built with ``attn_implementation="pagedkv"``.
-        model_kwargs: extra :func:`build_model` arguments (``num_layers``, ``hidden_size``, ...).
+        model_kwargs: extra :func:`build_model` arguments (``num_layers``, ``hidden_size``,
+            ``sliding_window``, ...).
+        arch: the random model's architecture (:data:`ARCHS`: ``llama``; ``mistral``, sliding window;
+            ``gemma2``, sliding window and soft-capping); ignored for a given or loaded ``model``.
+        kv_cache_dtype: ``None`` / ``"auto"`` (pools in ``dtype``), ``"fp8_e4m3"`` (or ``"fp8"``) or
+            ``"fp8_e5m2"``: fp8 pools with scales from the first prefill, judged against the dense run
+            with the same quantize -> dequantize round trip (see :mod:`pagedkv.cli.e2e_fp8`); the max
+            logit diff against the unquantized dense run is reported as information.
         strict_tokens: reject near-tie token differences too (see :class:`E2EReport`).
 
     Returns:
@@ -59,6 +72,7 @@ def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float3
     from pagedkv.config import dtype_from_name
 
     dtype = dtype_from_name(dtype)
+    kv_dtype = kv_cache_dtype_from_name(kv_cache_dtype)
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
     if isinstance(backend, str):
@@ -69,7 +83,7 @@ def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float3
             raise BackendError(f"backend {backend_name(backend)} has no callable {op!r}; e2e needs write_kv "
                                "and paged_attention")
     if model is None:
-        model = build_model(seed=seed, dtype=dtype, device=device, **(model_kwargs or {}))
+        model = build_model(arch=arch, seed=seed, dtype=dtype, device=device, **(model_kwargs or {}))
     elif isinstance(model, str):
         model = load_model(model, dtype=dtype, device=device)
     else:
@@ -78,7 +92,8 @@ def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float3
     requests = make_scenario(seed=seed, num_requests=num_requests, decode_steps=decode_steps,
                              block_size=block_size, vocab_size=vocab)
     t0 = time.perf_counter()
-    engine = PagedEngine(model, backend, block_size=block_size, chunk_size=chunk_size, seed=seed)
+    engine = PagedEngine(model, backend, block_size=block_size, chunk_size=chunk_size, seed=seed,
+                         kv_cache_dtype=kv_dtype)
     try:
         results = engine.run(requests)
     except Exception as exc:  # the backend (or its cache manager) failed mid-run: a failed check
@@ -87,17 +102,48 @@ def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float3
                          engine.tokens_computed, engine.cache.stats() if engine.cache is not None else {},
                          time.perf_counter() - t0, strict_tokens, error)
     seconds = time.perf_counter() - t0
-    checks = dense_oracle(model, results)
+    notes = [_model_note(model)]
+    if kv_dtype is None:
+        checks = dense_oracle(model, results)
+    else:
+        fp8 = Fp8OracleStep(kv_dtype, dict(engine.kv_scales))
+        checks = dense_oracle(model, results, fp8=fp8)
+        plain = max((c.max_logit_diff for c in dense_oracle(model, results)), default=0.0)
+        scales = ", ".join(f"layer {layer} {k:.3g}/{v:.3g}" for layer, (k, v) in sorted(fp8.scales.items()))
+        notes += [f"kv cache {kv_cache_dtype_name(kv_dtype)}: k_scale/v_scale = max|K|/200, max|V|/100 of the first "
+                  f"prefill ({scales}); the oracle's K/V go through the same quantize -> dequantize "
+                  f"({fp8.count.adopted} of {fp8.count.total} elements at an fp8 rounding boundary took the "
+                  "stored code)",
+                  f"information: max |logit diff| against the unquantized float64 run {plain:.3e} (the fp8 cache's "
+                  "own error, not judged)"]
     return E2EReport(backend_name(backend), dtype, str(device), checks, E2E_LOGIT_TOLERANCE[dtype], engine.steps,
-                     engine.tokens_computed, engine.cache.stats(), seconds, strict_tokens)
+                     engine.tokens_computed, engine.cache.stats(), seconds, strict_tokens, notes=notes)
+
+
+def _model_note(model: torch.nn.Module) -> str:
+    """One line: the architecture and the attention features its layers use."""
+    cfg = model.config
+    parts = [f"model {cfg.model_type}"]
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and getattr(cfg, "use_sliding_window", True):
+        kinds = getattr(cfg, "layer_types", None)
+        which = (f"layers {[i for i, t in enumerate(kinds) if t == 'sliding_attention']}" if kinds else "every layer")
+        parts.append(f"sliding window {window} (window_left {window - 1}) on {which}")
+    if getattr(cfg, "attn_logit_softcapping", None):
+        parts.append(f"attention softcap {cfg.attn_logit_softcapping:g}")
+    if getattr(cfg, "final_logit_softcapping", None):
+        parts.append(f"final logit softcap {cfg.final_logit_softcapping:g} (in the model)")
+    if getattr(cfg, "query_pre_attn_scalar", None):
+        parts.append(f"scale query_pre_attn_scalar ** -0.5 = {cfg.query_pre_attn_scalar ** -0.5:.4g}")
+    return ", ".join(parts)
 
 
 # -- command line -------------------------------------------------------------------------------------
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``e2e`` with its arguments and ``func=run``."""
     p = subparsers.add_parser(
-        "e2e", help="serve a transformers Llama model from the paged cache and check it against dense",
-        description="Run a small Llama-architecture causal LM (seeded random weights, or --model DIR) with "
+        "e2e", help="serve a transformers model from the paged cache and check it against dense",
+        description="Run a small Llama, Mistral or Gemma 2 causal LM (seeded random weights, or --model DIR) with "
                     "its attention served from a PagedKVCache (prefix hits, a fork with copy-on-write, "
                     "chunked prefill, staggered greedy decode on a fragmented pool) and compare logits and "
                     "greedy tokens with transformers' own dense eager attention in float64. Exit 0 when "
@@ -108,6 +154,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     which.add_argument("--impl", default=None, metavar="MODULE:ATTR", help="a candidate backend to load")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--arch", default="llama", choices=list(ARCHS),
+                   help="random model's architecture: llama (full causal), mistral (sliding window on every "
+                        "layer), gemma2 (alternating sliding/full layers, attention and final logit soft-capping, "
+                        "query_pre_attn_scalar); default llama; ignored with --model")
+    p.add_argument("--sliding-window", type=int, default=DEFAULT_SLIDING_WINDOW, metavar="N",
+                   help=f"sliding window of mistral / gemma2 in tokens, the query included (default "
+                        f"{DEFAULT_SLIDING_WINDOW}; passed to the backend as window_left = N - 1)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
+                   help="auto: pools in --dtype; fp8 / fp8_e4m3 / fp8_e5m2: float8 pools with per-layer k_scale, "
+                        "v_scale from the first prefill (max|K|/200, max|V|/100), judged against the dense run "
+                        "with the same quantize -> dequantize of K/V")
     p.add_argument("--model", default=None, metavar="DIR",
                    help="local checkpoint directory (no download); only its .safetensors weights are loaded "
                         "(never pickle .bin/.pt files) and never code shipped with it (trust_remote_code=False)")
@@ -133,7 +190,9 @@ def run(args: argparse.Namespace) -> int:
         report = run_e2e(args.impl or args.backend or "indexed", dtype=args.dtype, device=args.device,
                          model=args.model, seed=args.seed, num_requests=args.requests,
                          decode_steps=args.decode_steps, block_size=args.block_size,
-                         strict_tokens=not args.allow_near_ties)
+                         strict_tokens=not args.allow_near_ties, arch=args.arch,
+                         kv_cache_dtype=args.kv_cache_dtype,
+                         model_kwargs={"sliding_window": args.sliding_window} if args.model is None else None)
     except ImportError as exc:
         print(f"e2e: error: {exc}", file=sys.stderr)
         return 2

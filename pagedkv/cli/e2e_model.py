@@ -1,9 +1,10 @@
 """End to end, the model hookup: a transformers causal LM whose attention is served from a
 :class:`PagedKVCache`.
 
-The model is a ``transformers`` Llama-architecture causal LM (by default a small
-``LlamaForCausalLM`` with seeded random weights: RoPE, GQA, RMSNorm, SwiGLU; or any local checkpoint
-directory of a decoder-only model whose attention goes through transformers' ``AttentionInterface``).
+The model is a ``transformers`` causal LM: a small Llama, Mistral (sliding window) or Gemma 2
+(alternating sliding-window and full layers, logit soft-capping) with seeded random weights
+(:func:`build_model`), or any local checkpoint directory of a decoder-only model whose attention goes
+through transformers' ``AttentionInterface``.
 Its attention is replaced, not wrapped: :func:`register_attention` registers ``"pagedkv"`` with
 ``transformers.AttentionInterface`` and the model is built with ``attn_implementation="pagedkv"``.
 Transformers then builds no mask and keeps no cache of its own (every call is ``use_cache=False``);
@@ -12,7 +13,8 @@ for every layer the registered function
 1. writes the step's new K and V (after RoPE) into the layer's pools with the backend's
    ``write_kv(k_cache, v_cache, key, value, slot_mapping)``, and
 2. computes causal varlen attention with the backend's ``paged_attention(query, k_cache, v_cache,
-   block_tables, seq_lens, query_start_loc, scale)`` straight from the blocks,
+   block_tables, seq_lens, query_start_loc, scale)`` straight from the blocks, with the layer's own
+   ``scale``, ``window_left`` and ``softcap`` (and ``k_scale`` / ``v_scale`` for an fp8 cache),
 
 using a :class:`StepContext` passed to the model as the keyword argument ``pagedkv_step`` (transformers
 forwards unknown keyword arguments down to the attention function, as its own continuous batching
@@ -30,6 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pagedkv.cli.e2e_fp8 import calculate_kv_scales
 
 #: attention implementation name registered with ``transformers.AttentionInterface``.
 ATTN_IMPLEMENTATION = "pagedkv"
@@ -59,6 +63,9 @@ class StepContext:
         block_tables: ``int32 [batch, max_blocks]``, ``-1``-padded, *after* this step's ``append``.
         seq_lens: ``int32 [batch]``, context lengths including this step's tokens.
         query_start_loc: ``int32 [batch + 1]``, row offsets of each request in the packed batch.
+        kv_scales: for fp8 pools, ``{layer: (k_scale, v_scale)}``, shared by every step of the run:
+            a layer missing from it gets its scales from this step's K/V (vLLM's
+            ``calculate_kv_scales`` on the first prefill, see :mod:`pagedkv.cli.e2e_fp8`).
     """
 
     cache: Any
@@ -67,6 +74,7 @@ class StepContext:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    kv_scales: dict[int, tuple[float, float]] | None = None
 
 
 def pagedkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -80,9 +88,14 @@ def pagedkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         key, value: ``[1, num_kv_heads, total_q, head_dim]``, the step's new K/V only.
         attention_mask: ignored (transformers builds none for this implementation; causality and
             request boundaries come from ``seq_lens`` / ``query_start_loc``).
-        scaling: logits multiplier (the model's ``head_dim ** -0.5``).
+        scaling: logits multiplier (the model's own: ``head_dim ** -0.5``, Gemma 2's
+            ``query_pre_attn_scalar ** -0.5``), passed on as ``scale``.
         dropout: must be 0 (inference only).
-        kwargs: must hold ``pagedkv_step``, a :class:`StepContext`.
+        kwargs: must hold ``pagedkv_step``, a :class:`StepContext`. The layer's ``sliding_window``
+            (``W``: a query sees the last ``W`` keys, itself included, as transformers' sliding-window
+            mask) becomes ``window_left=W - 1`` and ``softcap`` (Gemma 2's ``attn_logit_softcapping``)
+            ``softcap``; each is passed only when set, so a backend without the feature still serves
+            plain models.
 
     Returns:
         ``([1, total_q, num_q_heads, head_dim], None)`` in ``query.dtype``, as transformers expects.
@@ -107,9 +120,21 @@ def pagedkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     q = query[0].transpose(0, 1).contiguous()  # [total_q, Hq, D]
     k = key[0].transpose(0, 1).contiguous()  # [total_q, Hkv, D]
     v = value[0].transpose(0, 1).contiguous()
-    step.backend.write_kv(k_cache, v_cache, k, v, step.slot_mapping)
+    features: dict[str, Any] = {}
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        features["window_left"] = int(window) - 1
+    softcap = kwargs.get("softcap")
+    if softcap:
+        features["softcap"] = float(softcap)
+    scales: dict[str, Any] = {}
+    if step.kv_scales is not None:
+        if layer not in step.kv_scales:
+            step.kv_scales[layer] = calculate_kv_scales(k, v)
+        scales = dict(zip(("k_scale", "v_scale"), step.kv_scales[layer]))
+    step.backend.write_kv(k_cache, v_cache, k, v, step.slot_mapping, **scales)
     out = step.backend.paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens,
-                                       step.query_start_loc, scaling)
+                                       step.query_start_loc, scaling, **features, **scales)
     return out.unsqueeze(0), None
 
 
@@ -130,11 +155,48 @@ def register_attention() -> str:
 
 
 # -- models -------------------------------------------------------------------------------------------
-def build_model(*, seed: int = 0, vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 2,
-                num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
-                initializer_range: float = 0.2, dtype: torch.dtype = torch.float32,
-                device: str = "cpu") -> torch.nn.Module:
-    """A small ``LlamaForCausalLM`` with seeded random weights, attention served by pagedkv.
+#: ``--arch`` choices: transformers architectures built with seeded random weights.
+ARCHS = ("llama", "mistral", "gemma2")
+
+#: sliding window of the ``mistral`` and ``gemma2`` configs (tokens a query sees, itself included):
+#: small, so the scenario's contexts exceed it, and not a multiple of the usual block sizes.
+DEFAULT_SLIDING_WINDOW = 10
+
+#: Gemma 2 config: ``attn_logit_softcapping`` small enough that the random model's attention logits
+#: (up to ~6) are visibly bent by the tanh; ``final_logit_softcapping`` (applied by the model itself);
+#: ``query_pre_attn_scalar`` unlike ``head_dim``, so a backend ignoring ``scale`` is caught.
+GEMMA2_ATTN_SOFTCAP = 4.0
+GEMMA2_FINAL_SOFTCAP = 8.0
+GEMMA2_QUERY_PRE_ATTN_SCALAR = 24
+
+
+def _config(arch: str, sliding_window: int, **common: Any):
+    """The transformers config of ``arch`` (see :func:`build_model`)."""
+    import transformers
+
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if arch == "mistral":  # every layer slides
+        return transformers.MistralConfig(**common, sliding_window=sliding_window)
+    if arch == "gemma2":  # layers alternate sliding / full (transformers' default layer_types)
+        return transformers.Gemma2Config(**common, head_dim=common["hidden_size"] // common["num_attention_heads"],
+                                         sliding_window=sliding_window, attn_logit_softcapping=GEMMA2_ATTN_SOFTCAP,
+                                         final_logit_softcapping=GEMMA2_FINAL_SOFTCAP,
+                                         query_pre_attn_scalar=GEMMA2_QUERY_PRE_ATTN_SCALAR)
+    raise ValueError(f"arch must be one of {list(ARCHS)}, got {arch!r}")
+
+
+def build_model(*, arch: str = "llama", seed: int = 0, vocab_size: int = 256, hidden_size: int = 64,
+                num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                initializer_range: float = 0.2, sliding_window: int = DEFAULT_SLIDING_WINDOW,
+                dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+    """A small causal LM of architecture ``arch`` with seeded random weights, attention served by pagedkv.
+
+    - ``llama``: ``LlamaForCausalLM`` (RoPE, GQA, RMSNorm, SwiGLU), full causal attention;
+    - ``mistral``: ``MistralForCausalLM`` with ``sliding_window`` on every layer;
+    - ``gemma2``: ``Gemma2ForCausalLM``: sliding-window and full layers alternating, attention logit
+      soft-capping, ``query_pre_attn_scalar``, final logit soft-capping (embeddings untied, as in
+      every config here: tied ones make a random model echo its input token, whatever attention does).
 
     ``initializer_range`` is larger than a trained model's init (0.02) so that attention is sharp
     (far from uniform): a wrong key or a missing causal offset then changes the output visibly.
@@ -143,22 +205,25 @@ def build_model(*, seed: int = 0, vocab_size: int = 256, hidden_size: int = 64, 
         The model in eval mode, in ``dtype`` on ``device``, ``config._attn_implementation == "pagedkv"``.
 
     Raises:
-        ImportError: transformers is not installed. ValueError: heads that do not divide.
+        ImportError: transformers is not installed. ValueError: heads that do not divide, an unknown
+            ``arch``, ``sliding_window < 1``.
     """
     _require_transformers()
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(f"hidden_size {hidden_size}, num_heads {num_heads}, num_kv_heads {num_kv_heads} must divide")
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    from transformers import AutoModelForCausalLM
+
     register_attention()
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                         num_key_value_heads=num_kv_heads, max_position_embeddings=4096,
-                         initializer_range=initializer_range, tie_word_embeddings=False)
+    config = _config(arch, sliding_window, vocab_size=vocab_size, hidden_size=hidden_size,
+                     intermediate_size=intermediate_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                     num_key_value_heads=num_kv_heads, max_position_embeddings=4096,
+                     initializer_range=initializer_range, tie_word_embeddings=False)
     config._attn_implementation = ATTN_IMPLEMENTATION
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -172,8 +237,7 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: str = "
     Raises:
         ImportError: transformers is not installed. OSError: ``path`` is not a directory, holds no
             ``.safetensors`` weights, or is not a loadable checkpoint.
-        ValueError: the model uses sliding-window attention (pagedkv attention is full causal), or
-            its config asks for remote code.
+        ValueError: its config asks for remote code.
     """
     _require_transformers()
     from transformers import AutoModelForCausalLM
@@ -187,9 +251,6 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: str = "
     register_attention()
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True,
                                                  trust_remote_code=False, attn_implementation=ATTN_IMPLEMENTATION)
-    window = getattr(model.config, "sliding_window", None)
-    if window is not None and getattr(model.config, "use_sliding_window", True):
-        raise ValueError(f"{path}: sliding_window={window} is not supported (pagedkv attention is full causal)")
     return model.to(device=device, dtype=dtype).eval()
 
 

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.cli.e2e_fp8 import FP8_ORACLE_KWARG, Fp8OracleStep, register_fp8_oracle
 from pagedkv.cli.e2e_scenario import RequestResult
 
 #: absolute logit tolerance per run dtype, multiplied by ``max(1, max|dense logit|)`` (see module doc).
@@ -107,19 +108,20 @@ class RequestCheck:
         return self.prompt_len - self.cached_tokens + self.generated - 1
 
 
-def dense_model(model: torch.nn.Module, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+def dense_model(model: torch.nn.Module, dtype: torch.dtype = torch.float64,
+                implementation: str = "eager") -> torch.nn.Module:
     """A copy of ``model`` with transformers' own eager attention, in ``dtype`` (the oracle)."""
     dense = copy.deepcopy(model).to(dtype=dtype)
     if hasattr(dense, "set_attn_implementation"):
-        dense.set_attn_implementation("eager")
+        dense.set_attn_implementation(implementation)
     else:  # older transformers
-        dense.config._attn_implementation = "eager"
+        dense.config._attn_implementation = implementation
     return dense.eval()
 
 
 @torch.no_grad()
 def dense_oracle(model: torch.nn.Module, results: dict[int, RequestResult],
-                 dtype: torch.dtype = torch.float64) -> list[RequestCheck]:
+                 dtype: torch.dtype = torch.float64, fp8: Fp8OracleStep | None = None) -> list[RequestCheck]:
     """Run each request's prompt + generated tokens densely and compare with the paged run.
 
     The dense run is teacher-forced on the paged tokens, so "no mismatches" is exactly "dense greedy
@@ -130,18 +132,29 @@ def dense_oracle(model: torch.nn.Module, results: dict[int, RequestResult],
         model: the paged model (copied, not modified).
         results: :meth:`PagedEngine.run`'s output.
         dtype: the dense run's dtype (float64: the truth the paged run is judged against).
+        fp8: for an fp8 cache: the dtype and the paged run's scales; the dense run's K/V then go
+            through the quantize -> dequantize round trip (:func:`pagedkv.cli.e2e_fp8.fp8_oracle_attention`),
+            and ``fp8.count`` counts the rounding-boundary elements.
 
     Returns:
         One :class:`RequestCheck` per request, in seq id order.
     """
-    dense = dense_model(model, dtype)
+    extra = {}
+    if fp8 is None:
+        dense = dense_model(model, dtype)
+    else:
+        dense = dense_model(model, dtype, register_fp8_oracle())
+        extra[FP8_ORACLE_KWARG] = fp8
     device = next(dense.parameters()).device
     checks = []
     for sid in sorted(results):
         res = results[sid]
         prompt = list(res.prompt)
         ids = prompt + res.generated
-        logits = dense(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0].double().cpu()
+        if fp8 is not None:
+            fp8.codes = res.kv_codes
+        logits = dense(input_ids=torch.tensor([ids], device=device), use_cache=False,
+                       **extra).logits[0].double().cpu()
         positions = sorted(res.logits)
         paged = torch.stack([res.logits[p] for p in positions]).double()
         ref = logits[positions]
@@ -182,6 +195,7 @@ class E2EReport:
     seconds: float
     strict_tokens: bool = True
     error: str = ""  # the paged run raised (backend or cache manager fault): no checks, not ok
+    notes: list[str] = field(default_factory=list)  # information lines printed before the last line
 
     @property
     def max_logit_diff(self) -> float:
@@ -256,6 +270,7 @@ class E2EReport:
         if not self.within_tolerance:
             out.append(f"logit diff exceeds the {str(self.dtype).removeprefix('torch.')} tolerance "
                        f"{self.tolerance:g} x max(1, max|dense logit|)")
+        out.extend(self.notes)
         out.append(f"e2e: max |logit diff| {self.max_logit_diff:.3e}, "
                    f"tokens identical: {'yes' if self.tokens_identical else 'no'}")
         return out

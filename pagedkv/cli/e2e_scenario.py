@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
+from pagedkv.cli.e2e_fp8 import gather_codes
 from pagedkv.cli.e2e_model import STEP_KWARG, StepContext, model_geometry
 
 #: token ids of the pre-fragmentation dummies start here: outside any vocabulary, so they never match
@@ -129,6 +130,8 @@ class RequestResult:
         logits: ``{position: float32 [vocab]}`` (on the CPU) for every position the model computed.
         cached_tokens: prompt tokens not computed for this request (prefix-cache hit, or shared by a fork).
         prefill_chunks: model calls that carried part of this request's prompt.
+        kv_codes: fp8 cache only: ``{layer: (k, v)}``, the bytes the request's attention read at the
+            end (``[n, num_kv_heads, head_dim]``, positions ``0 .. n - 1``), for the oracle.
     """
 
     request: Request
@@ -139,6 +142,7 @@ class RequestResult:
     prefill_chunks: int = 0
     first_step: int = -1
     finish_step: int = -1
+    kv_codes: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class PagedEngine:
@@ -152,13 +156,17 @@ class PagedEngine:
         chunk_size: most prompt tokens one request prefills per step (chunked prefill).
         fragment: allocate and free dummy sequences first, so blocks come from a scrambled free list.
         poison: fill the pools with NaN first, so a read of an unowned slot poisons the logits.
+        kv_cache_dtype: ``None`` (pools in the model's dtype) or ``torch.float8_e4m3fn`` /
+            ``torch.float8_e5m2``: fp8 pools with per-layer, per-tensor ``k_scale`` / ``v_scale``
+            chosen on the first prefill (:attr:`kv_scales`, see :mod:`pagedkv.cli.e2e_fp8`).
 
     The cache is ``backend.cache_class(config)`` when the backend ships its own cache manager (a
     :class:`PagedKVCache` subclass), else :class:`PagedKVCache`.
     """
 
     def __init__(self, model: torch.nn.Module, backend: Any, *, block_size: int = 8, num_blocks: int | None = None,
-                 chunk_size: int | None = None, fragment: bool = True, poison: bool = True, seed: int = 0) -> None:
+                 chunk_size: int | None = None, fragment: bool = True, poison: bool = True, seed: int = 0,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.model = model
@@ -171,6 +179,8 @@ class PagedEngine:
         self.fragment = fragment
         self.poison = poison
         self.seed = seed
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_scales: dict[int, tuple[float, float]] | None = {} if kv_cache_dtype is not None else None
         self.cache = None
         self.table_width = 0
         self.steps = 0
@@ -220,6 +230,8 @@ class PagedEngine:
                              dtype=param.dtype, device=str(param.device), num_layers=num_layers)
         cache_class = getattr(self.backend, "cache_class", None) or PagedKVCache  # a backend's own cache manager
         cache = cache_class(config)
+        if self.kv_cache_dtype is not None:  # fp8 pools: same layout, one byte an element
+            cache.kv = torch.zeros_like(cache.kv, dtype=self.kv_cache_dtype)
         if self.poison:
             cache.kv.fill_(float("nan"))
         # Earlier traffic: dummies allocated in turn, every other one freed, the rest live throughout.
@@ -232,6 +244,13 @@ class PagedEngine:
         for i in range(0, len(dummies), 2):
             cache.free(-1 - i)
         return cache
+
+    def _codes(self, sid: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The fp8 bytes of every position of ``sid`` in every layer (what its attention read)."""
+        cache = self.cache
+        table, n = list(cache.block_table(sid).tolist()), int(cache.seq_lens([sid])[0])
+        return {layer: (gather_codes(cache.k_cache(layer), table, n), gather_codes(cache.v_cache(layer), table, n))
+                for layer in range(cache.config.num_layers)}
 
     @torch.no_grad()
     def run(self, requests: Sequence[Request], max_steps: int = 100_000) -> dict[int, RequestResult]:
@@ -311,7 +330,8 @@ class PagedEngine:
             ctx = StepContext(cache=cache, backend=self.backend, slot_mapping=torch.cat(slots).to(torch.int64),
                               block_tables=cache.block_tables(batch_ids, width=self.table_width),
                               seq_lens=cache.seq_lens(batch_ids),
-                              query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device))
+                              query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+                              kv_scales=self.kv_scales)
             out = self.model(input_ids=torch.tensor([input_ids], device=device),
                              position_ids=torch.tensor([positions], device=device), use_cache=False,
                              **{STEP_KWARG: ctx})
@@ -329,6 +349,8 @@ class PagedEngine:
                 if computed[sid] >= len(res.prompt):  # prompt done: sample the next token
                     res.generated.append(int(torch.argmax(logits[hi - 1])))
                     if len(res.generated) >= res.request.max_new_tokens:
+                        if self.kv_scales is not None:
+                            res.kv_codes = self._codes(sid)
                         cache.free(sid)
                         running.remove(sid)
                         finished.add(sid)
