@@ -3,7 +3,10 @@
 The oracle (:func:`dense_oracle`) is transformers itself: a copy of the same model with
 ``attn_implementation="eager"`` runs each request's full token sequence (prompt + generated tokens)
 densely, in float64. Per request it reports the max ``|logit|`` difference over every position the
-paged run computed, and whether every paged greedy token is the dense argmax at its position. The
+paged run computed, and whether every paged greedy token is the dense argmax at its position (the
+eager run builds transformers' own masks: sliding windows included; soft-capping and the scale are
+the model's own). With an fp8 cache the dense run's K/V go through the paged run's quantize ->
+dequantize (:mod:`pagedkv.cli.e2e_fp8`), so like is compared with like. The
 dense run is teacher-forced on the paged tokens, so "every paged token is the dense argmax" is the
 same statement as "dense greedy decoding from the prompt produces exactly the paged tokens".
 
