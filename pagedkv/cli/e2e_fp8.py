@@ -116,8 +116,9 @@ def round_trip(x: torch.Tensor, scale: float, dtype: torch.dtype, stored: torch.
     """
     top = torch.finfo(dtype).max
     y = (x / scale).clamp(-top, top)
-    own = y.to(torch.float32).to(dtype).to(x.dtype)  # float64 -> float32 is exact enough here: see below
-    # (a value within float32 rounding of a boundary is exactly the case the stored code decides)
+    # via float32, as torch casts to fp8: the double rounding matters only within float32 rounding of a
+    # boundary, exactly where the stored code decides below
+    own = y.to(torch.float32).to(dtype).to(x.dtype)
     if stored is not None and stored.shape[0] > 0:
         n = stored.shape[0]
         tol = BOUNDARY_RTOL * float(y.abs().amax())
