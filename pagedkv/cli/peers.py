@@ -73,16 +73,17 @@ def _row(func: str, params: str) -> str:
 
 def _case_from_reason(text: str) -> str:
     """The case of a ``replay: python -m pagedkv replay FILE`` line in ``text``, as a one-line summary."""
-    m = re.search(r"replay: python -m pagedkv replay (\S+)", text)
-    if not m:
+    found = re.findall(r"replay: python -m pagedkv replay ([^\s{}\"']+)", text)  # the message's, not the source's
+    if not found:
         return ""
+    path = found[-1]
     try:
         from pagedkv.testing.casefile import load_failure
         from pagedkv.testing.runner import brief
 
-        return f"{brief(load_failure(m.group(1), check_backend=False)['case'])} (python -m pagedkv replay {m.group(1)})"
+        return f"{brief(load_failure(path, check_backend=False)['case'])} (python -m pagedkv replay {path})"
     except Exception as exc:  # a crashed or unreadable file: say so, keep the path
-        return f"python -m pagedkv replay {m.group(1)} ({type(exc).__name__})"
+        return f"python -m pagedkv replay {path} ({type(exc).__name__})"
 
 
 def pytest_runtest_logreport(report) -> None:
@@ -109,7 +110,8 @@ def pytest_runtest_logreport(report) -> None:
 def _failure_line(text: str) -> str:
     """The first ``E`` line of a failure's traceback (the assertion), else its last line."""
     lines = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
-    first = next((line for line in lines if line), "")
+    first = next((line for line in lines if re.match(r"[\w.]*(Error|Mismatch|Exception)\b", line)), "") or \
+        next((line for line in lines if line), "")
     return first or (text.strip().splitlines() or ["failed"])[-1]
 
 
@@ -135,7 +137,7 @@ def _outcomes(log: Path, peer: str) -> list[dict]:
             t["status"], t["detail"] = "finding", re.sub(r"; replay: .*", "", r["text"]) + (
                 f"; case: {case}" if case else "")
         else:
-            reason = re.sub(r"^Skipped: ", "", r["text"])
+            reason = re.sub(r"^Skipped: ", "", r["text"]).strip().splitlines()[0]
             t["status"], t["detail"] = ("partial" if reason.startswith("time budget spent") else "skipped"), reason
     return list(tests.values())
 
