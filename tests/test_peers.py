@@ -1,7 +1,7 @@
 """Other projects' paged KV code under the same properties (pagedkv.testing.peers), when installed here.
 
 Absent projects (or a missing CUDA device) skip with the reason. What each peer passes in full is
-``pagedkv.testing.peers.report()``; these tests pin the parts that hold.
+``python -m pagedkv peers`` (bench/results/peers-cpu.md); these tests pin the parts that hold.
 """
 
 import pytest

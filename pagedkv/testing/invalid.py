@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from pagedkv.testing.cases import Case, Geometry, SeqSpec, write_slot_mapping
+from pagedkv.testing.cases import Case, Geometry, write_slot_mapping
 from pagedkv.config import blocks_needed
 from pagedkv.testing.compare import Mismatch, bits, require
 
@@ -438,26 +438,3 @@ def check_rejected(backend: Any, call: InvalidCall, device: str = "cpu", *, chec
         raise Mismatch(f"{call.op} with {call.fault}: the {type(raised).__name__} message does not name the argument "
                        f"{call.spec.argument!r}: {raised}")
     return raised
-
-
-def explicit_calls(op: str) -> tuple[InvalidCall, ...]:
-    """Invalid calls of ``op`` that always run (the suite's ``@example``s): the C9 capacity faults and
-    the faults engines have shipped most (ids past the pool, duplicate writes, a decreasing
-    ``query_start_loc``, a head count that does not divide)."""
-    calls = {
-        "gather": (InvalidCall("gather", "block_id_too_large", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 5),))),
-                   InvalidCall("gather", "block_id_negative", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 5),))),
-                   InvalidCall("gather", "table_too_short", Case(Geometry(4, 4), (SeqSpec((2, 0), 8),)))),
-        "scatter": (InvalidCall("scatter", "block_id_too_large", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 6, 1, 0),))),
-                    InvalidCall("scatter", "duplicate_block", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 6, 1, 1),))),
-                    InvalidCall("scatter", "table_too_short", Case(Geometry(4, 4), (SeqSpec((2, 0), 8, 1, 6),)))),
-        "write_kv": (InvalidCall("write_kv", "slot_too_large", Case(Geometry(3, 2), (SeqSpec((0, 1), 4, 1, 0),))),
-                     InvalidCall("write_kv", "duplicate_slot", Case(Geometry(3, 2), (SeqSpec((0, 1), 4, 1, 0),)))),
-        "paged_attention": (
-            InvalidCall("paged_attention", "query_start_loc_decreasing",
-                        Case(Geometry(4, 2), (SeqSpec((0,), 2, 1), SeqSpec((1, 2), 3, 2)))),
-            InvalidCall("paged_attention", "q_len_exceeds_seq_len", Case(Geometry(4, 2), (SeqSpec((0, 1), 3, 3),))),
-            InvalidCall("paged_attention", "heads_not_divisible",
-                        Case(Geometry(4, 2, num_kv_heads=2, num_queries_per_kv=3), (SeqSpec((0,), 2, 1),)))),
-    }
-    return calls[op]

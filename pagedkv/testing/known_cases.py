@@ -1,6 +1,8 @@
-"""The concrete cases of the project's case list (C1-C9) as plain data, shared by the tests."""
+"""The concrete cases of the project's case list (C1-C9) as plain data: the explicit examples the
+registered properties always run, and the invalid calls the rejection properties always try."""
 
 from pagedkv.testing.cases import CacheScenario, Case, Geometry, SeqSpec
+from pagedkv.testing.invalid import InvalidCall
 
 # C1: a prompt whose cached prefix is exactly one block (and one token short of / past one block).
 C1 = [CacheScenario(Geometry(8, 16, 1, 4), (("add", 0, tuple(range(n))), ("add", 1, tuple(range(n)) + (90, 91, 92, 93, 94))))
@@ -28,3 +30,26 @@ F_ALL = Case(Geometry(8, 4, 2, 4, num_queries_per_kv=2), (SeqSpec((6, 1), 5, 2, 
              window_left=4, softcap=5.0, alibi=True, sinks=True, seed=2)
 F_FP8 = Case(Geometry(8, 4, 2, 4, num_queries_per_kv=2), (SeqSpec((6, 1), 5, 2, 3), SeqSpec((0, 4, 2, 7), 13, 1, 9)),
              kv_cache_dtype="fp8_e4m3", k_scale=(0.0625, 0.5), v_scale=0.03, seed=1)
+
+
+def invalid_examples(op: str) -> tuple[InvalidCall, ...]:
+    """Invalid calls of ``op`` that always run (the suite's ``@example``s): the C9 capacity faults and
+    the faults engines have shipped most (ids past the pool, duplicate writes, a decreasing
+    ``query_start_loc``, a head count that does not divide)."""
+    calls = {
+        "gather": (InvalidCall("gather", "block_id_too_large", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 5),))),
+                   InvalidCall("gather", "block_id_negative", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 5),))),
+                   InvalidCall("gather", "table_too_short", Case(Geometry(4, 4), (SeqSpec((2, 0), 8),)))),
+        "scatter": (InvalidCall("scatter", "block_id_too_large", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 6, 1, 0),))),
+                    InvalidCall("scatter", "duplicate_block", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 6, 1, 1),))),
+                    InvalidCall("scatter", "table_too_short", Case(Geometry(4, 4), (SeqSpec((2, 0), 8, 1, 6),)))),
+        "write_kv": (InvalidCall("write_kv", "slot_too_large", Case(Geometry(3, 2), (SeqSpec((0, 1), 4, 1, 0),))),
+                     InvalidCall("write_kv", "duplicate_slot", Case(Geometry(3, 2), (SeqSpec((0, 1), 4, 1, 0),)))),
+        "paged_attention": (
+            InvalidCall("paged_attention", "query_start_loc_decreasing",
+                        Case(Geometry(4, 2), (SeqSpec((0,), 2, 1), SeqSpec((1, 2), 3, 2)))),
+            InvalidCall("paged_attention", "q_len_exceeds_seq_len", Case(Geometry(4, 2), (SeqSpec((0, 1), 3, 3),))),
+            InvalidCall("paged_attention", "heads_not_divisible",
+                        Case(Geometry(4, 2, num_kv_heads=2, num_queries_per_kv=3), (SeqSpec((0,), 2, 1),)))),
+    }
+    return calls[op]

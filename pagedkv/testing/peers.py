@@ -235,26 +235,3 @@ def available() -> dict[str, str]:
         except BackendUnavailableError as exc:
             out[name] = str(exc)
     return out
-
-
-def report(names: list[str] | None = None, profile: str = "dev", device: str = "cpu") -> list[tuple[str, str, str]]:
-    """Run the suite's properties (every property of :mod:`pagedkv.testing.registry`) against each peer.
-
-    Returns:
-        ``[(peer, property, verdict)]``, verdict ``"passes"``, ``"skipped: ..."`` (an op the peer
-        lacks, or the peer is unavailable here) or ``"FAILS: <error> on <case>"``.
-    """
-    from pagedkv.testing.registry import properties
-    from pagedkv.testing.runner import run_property
-
-    rows = []
-    for name in names or list(PEERS):
-        try:
-            backend = PEERS[name]()
-        except BackendUnavailableError as exc:
-            rows.append((name, "*", f"skipped: {exc}"))
-            continue
-        for pname, prop in properties().items():
-            failed, _, case, error = run_property(backend, prop, profile, device)
-            rows.append((name, pname, f"FAILS: {error} on {case}" if failed else error or "passes"))
-    return rows

@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 #: Examples per large-pool property (each builds a pool of more than 2**24 slots).
 LARGE_POOL_EXAMPLES = 10
+#: Examples per feature identity property (every other property draws the features too).
+FEATURE_EXAMPLES = 20
 
 
 @dataclass(frozen=True)
@@ -183,12 +185,12 @@ def _declare() -> list[Property]:
              fc.fp8_scale_moves_between_k_and_k_scale, {}, lambda: (kc.F_FP8,))):
         ops = ("write_kv", "gather") if feature == "fp8" and "write" in name else attn
         props.append(Property(name, sentence, ops, check, featured(feature, **kw), examples,
-                              requires=partial(_feature_declared, feature)))
+                              max_examples=FEATURE_EXAMPLES, requires=partial(_feature_declared, feature)))
     for op in invalid.OPS:
         props.append(Property(
             f"{op}_rejects_bad_arguments_and_writes_nothing",
             f"{op} with one argument broken raises the contract's error naming it, and both pools are unchanged",
-            (op,), invalid.check_rejected, lazy("invalid_calls", ops=(op,)), partial(invalid.explicit_calls, op),
+            (op,), invalid.check_rejected, lazy("invalid_calls", ops=(op,)), partial(kc.invalid_examples, op),
             kind="invalid", aliases=(("check_rejected", None),) if op == "gather" else ()))
     return props
 
