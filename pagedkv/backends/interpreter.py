@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 
 def choose_interpreter(*, on_cpu: bool = False) -> bool:
     """Set ``TRITON_INTERPRET=1`` when torch sees no CUDA device (or ``on_cpu``: the caller runs its
@@ -19,7 +17,11 @@ def choose_interpreter(*, on_cpu: bool = False) -> bool:
     Returns:
         Whether Triton will interpret kernels (the variable is ``"1"`` after the call).
     """
-    if on_cpu or not torch.cuda.is_available():
+    if not on_cpu and "TRITON_INTERPRET" not in os.environ:
+        import torch  # only when the answer depends on the machine
+
+        on_cpu = not torch.cuda.is_available()
+    if on_cpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     return interpreting()
 

@@ -28,6 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any, TextIO
 
+from pagedkv.backends.interpreter import choose_interpreter  # torch-free: replay imports nothing before the check
 from pagedkv.cli.common import device_option
 
 
@@ -87,8 +88,6 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
     Returns:
         0 (passes), 1 (fails) or 2 (the file is refused, or the backend cannot be loaded).
     """
-    from pagedkv.backends.interpreter import choose_interpreter
-
     choose_interpreter(on_cpu=not str(device).startswith("cuda"))  # before anything imports Triton
     from pagedkv.errors import CaseFileError
     from pagedkv.testing.casefile import load_case_file
