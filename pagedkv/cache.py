@@ -82,7 +82,7 @@ class PagedKVCache:
         self.allocator = BlockAllocator(config.num_blocks, config.block_size,
                                         enable_prefix_caching=enable_prefix_caching, hash_fn=hash_fn)
         # [layers, K/V, num_blocks, block_size, num_kv_heads, head_dim]: one allocation; k_cache(l) is a view.
-        self.kv = torch.zeros((config.num_layers, 2, config.num_blocks, *config.block_shape), dtype=config.dtype,
+        self.kv = torch.zeros((config.num_layers, 2, config.num_blocks, *config.block_shape), dtype=config.cache_dtype,
                               device=config.device)
         self.sequences: dict[int, SequenceState] = {}
         self._finished: set[int] = set()

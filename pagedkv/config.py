@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: vLLM's ``kv_cache_dtype`` names -> the pools' torch dtype (``None``: the model's dtype).
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
@@ -49,9 +51,13 @@ class CacheConfig:
         block_size: token slots per block (any positive integer; 1 and non-powers of two are fine).
         num_kv_heads: K/V heads per token.
         head_dim: elements per head.
-        dtype: element type of the pools (float32, float16 or bfloat16).
+        dtype: the model's element type (float32, float16 or bfloat16): of the pools, unless
+            ``kv_cache_dtype`` stores them in fp8.
         device: where the pools live.
         num_layers: one K pool and one V pool per layer.
+        kv_cache_dtype: ``"auto"`` (pools in ``dtype``), ``"fp8_e4m3"`` (``float8_e4m3fn``) or
+            ``"fp8_e5m2"`` (``float8_e5m2``): vLLM's ``--kv-cache-dtype``; fp8 pools are written and read
+            with ``k_scale`` / ``v_scale`` (see :mod:`pagedkv.fp8`).
     """
 
     num_blocks: int
@@ -61,6 +67,7 @@ class CacheConfig:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     num_layers: int = 1
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         from pagedkv.allocator import as_int
@@ -72,6 +79,11 @@ class CacheConfig:
                 raise ShapeError(f"{name} must be a positive int, got {value!r}")
             object.__setattr__(self, name, value)
         object.__setattr__(self, "dtype", dtype_from_name(self.dtype))
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            from pagedkv.errors import DTypeMismatchError
+
+            raise DTypeMismatchError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, "
+                                     f"got {self.kv_cache_dtype!r}")
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
@@ -93,7 +105,12 @@ class CacheConfig:
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block of one pool (K or V of one layer)."""
-        return self.block_size * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+        return self.block_size * self.num_kv_heads * self.head_dim * torch.finfo(self.cache_dtype).bits // 8
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The pools' element type: ``dtype``, or the fp8 type ``kv_cache_dtype`` names."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -56,3 +56,28 @@ def test_c11_through_the_driver_a_request_dropped_before_the_write_leaves_no_ent
     step.drop(0)
     assert step.write(get_backend("indexed").write_kv, kv_of({0: prompt})) == []
     assert cache.add_sequence(1, prompt) == 0
+
+
+def test_an_fp8_cache_config_stores_the_quantized_bytes_written_through_a_step():
+    from pagedkv.fp8 import quantize
+
+    config = CacheConfig(8, 4, 1, 4, kv_cache_dtype="fp8_e4m3")
+    assert config.cache_dtype == torch.float8_e4m3fn and config.bytes_per_block == 16
+    cache = PagedKVCache(config)
+    prompt = list(range(100, 109))
+    step = Step(cache)
+    assert admit(cache, 0, prompt) == 0
+    step.reserve(0, prompt)
+    indexed = get_backend("indexed")
+    scale = torch.tensor([0.5])
+
+    def write_kv(k_cache, v_cache, key, value, slots):
+        indexed.write_kv(k_cache, v_cache, key, value, slots, k_scale=0.5, v_scale=0.5)
+
+    assert step.write(write_kv, kv_of({0: prompt})) == [0]
+    k, _ = token_kv(GEOMETRY, prompt, 0, 0)
+    stored = indexed.gather(cache.k_cache(), cache.block_table(0), len(prompt))
+    assert stored.dtype == torch.float8_e4m3fn
+    assert torch.equal(stored.view(torch.uint8), quantize(k, scale, torch.float8_e4m3fn).view(torch.uint8))
+    with pytest.raises(TypeError, match="kv_cache_dtype"):
+        CacheConfig(8, 4, 1, 4, kv_cache_dtype="int8")

@@ -226,12 +226,12 @@ class PagedEngine:
         # Block tables are padded to one fixed width for the whole run (vLLM's max_num_blocks_per_req),
         # not to the longest table of the step.
         self.table_width = max((blocks_needed(n, bs) for n in bounds.values()), default=1)
+        fp8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
         config = CacheConfig(num_blocks=num_blocks, block_size=bs, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                             dtype=param.dtype, device=str(param.device), num_layers=num_layers)
+                             dtype=param.dtype, device=str(param.device), num_layers=num_layers,
+                             kv_cache_dtype=fp8.get(self.kv_cache_dtype, "auto"))
         cache_class = getattr(self.backend, "cache_class", None) or PagedKVCache  # a backend's own cache manager
         cache = cache_class(config)
-        if self.kv_cache_dtype is not None:  # fp8 pools: same layout, one byte an element
-            cache.kv = torch.zeros_like(cache.kv, dtype=self.kv_cache_dtype)
         if self.poison:
             cache.kv.fill_(float("nan"))
         # Earlier traffic: dummies allocated in turn, every other one freed, the rest live throughout.
