@@ -96,7 +96,8 @@ class VllmStyleBackend:
 
     @staticmethod
     def _hnd(cache: torch.Tensor) -> torch.Tensor:
-        """pagedkv's ``[num_blocks, block_size, H, D]`` pool as the kernels' ``[num_blocks, H, block_size, D]`` (a view)."""
+        """pagedkv's ``[num_blocks, block_size, H, D]`` pool as the kernels' ``[num_blocks, H, block_size, D]``
+        (a view)."""
         return cache.permute(0, 2, 1, 3)
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping) -> None:

@@ -31,6 +31,7 @@ except _metadata.PackageNotFoundError:  # running from a checkout that was never
 __all__ = [
     "AllocatorError", "ArgumentTypeError", "BackendError", "BackendUnavailableError", "BlockAllocator",
     "BlockIndexError", "CacheConfig", "PagedKVCache",
-    "DeviceMismatchError", "DoubleFreeError", "DTypeMismatchError", "InvariantError", "OutOfBlocksError", "PagedKVError",
+    "DeviceMismatchError", "DoubleFreeError", "DTypeMismatchError", "InvariantError", "OutOfBlocksError",
+    "PagedKVError",
     "ShapeError", "UnknownBlockError", "available_backends", "get_backend", "load_backend",
 ]

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence
 
 import torch
 

@@ -109,7 +109,8 @@ def normalize_block_table(block_table: TableLike, device: torch.device, name: st
             raise DeviceMismatchError(f"{name} is on {block_table.device}, the cache on {device}")
         return block_table.to(device=device, dtype=torch.int64)
     if isinstance(block_table, (str, bytes)) or not hasattr(block_table, "__iter__"):
-        raise ArgumentTypeError(f"{name} must be a 1-D integer tensor or a sequence of ints, got {type(block_table).__name__}")
+        raise ArgumentTypeError(f"{name} must be a 1-D integer tensor or a sequence of ints, "
+                                f"got {type(block_table).__name__}")
     values = []
     for i, b in enumerate(block_table):
         if isinstance(b, bool) or not hasattr(b, "__index__") or isinstance(b, torch.Tensor):

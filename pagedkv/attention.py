@@ -94,7 +94,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: f
         return query.new_empty((0, num_q_heads, head_dim))
     group = num_q_heads // num_kv_heads
     key = key.to(compute_dtype) if k_scale is None else key.to(compute_dtype) * k_scale.to(compute_dtype).view(-1, 1)
-    value = value.to(compute_dtype) if v_scale is None else value.to(compute_dtype) * v_scale.to(compute_dtype).view(-1, 1)
+    value = (value.to(compute_dtype) if v_scale is None
+             else value.to(compute_dtype) * v_scale.to(compute_dtype).view(-1, 1))
     q = query.to(compute_dtype).view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, q, D]
     k = key.permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, L, D]
     v = value.permute(1, 0, 2).unsqueeze(1)

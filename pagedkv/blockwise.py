@@ -6,18 +6,18 @@ K/V. This module does the same math with torch ops, one sequence and one cache b
 float32. Compared with the fp64 dense reference it separates the two ways the kernel can be wrong:
 an error here is in the algorithm, an error only in the kernel is in the kernel.
 
-Per query row, with ``m`` the largest logit so far, ``l`` the sum of ``exp(logit - m)`` and ``acc``
+Per query row, with ``m`` the largest logit so far, ``row_sum`` the sum of ``exp(logit - m)`` and ``acc``
 the sum of ``exp(logit - m) * v``, each block of keys does::
 
     m_new = max(m, max(block logits));  alpha = exp(m - m_new)
-    p = exp(block logits - m_new);  l = l * alpha + sum(p);  acc = acc * alpha + p @ V_block
+    p = exp(block logits - m_new);  row_sum = row_sum * alpha + sum(p);  acc = acc * alpha + p @ V_block
 
-and the output is ``acc / l``.
+and the output is ``acc / row_sum``.
 
 Optional features (``docs/contract.md``), in vLLM unified attention's order: logits are
 ``scale * q . k``, soft-capped (``softcap * tanh(s / softcap)``), biased by ALiBi
 (``slope * (k_pos - q_pos)``) and masked (causal, and ``q_pos - window_left <= k_pos``). Attention
-sinks start each row at ``m = sink, l = 1, acc = 0`` (the sink's ``exp(sink - m)`` joins the sum, with
+sinks start each row at ``m = sink, row_sum = 1, acc = 0`` (the sink's ``exp(sink - m)`` joins the sum, with
 no value). A window also skips every block that no query row of the sequence can see. An fp8 pool
 is read as ``float32(stored) * scale``.
 """
@@ -84,10 +84,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # row i sits at seq_len - q_len + i
         if args.sinks is None:
             m = torch.full((num_q_heads, q_len), float("-inf"), device=query.device)
-            l = torch.zeros((num_q_heads, q_len), device=query.device)
-        else:  # the sink is a logit seen before any key: m = sink, l = exp(sink - m) = 1 (a -inf sink adds nothing)
+            row_sum = torch.zeros((num_q_heads, q_len), device=query.device)
+        else:
+            # the sink is a logit seen before any key: m = sink, row_sum = exp(sink - m) = 1 (a -inf sink adds nothing)
             m = args.sinks.float()[:, None].expand(num_q_heads, q_len).clone()
-            l = torch.ones((num_q_heads, q_len), device=query.device)
+            row_sum = torch.ones((num_q_heads, q_len), device=query.device)
         acc = torch.zeros_like(q)
         first = 0 if args.window_left < 0 else max(0, seq_len - q_len - args.window_left) // block_size
         for i in range(first, blocks_needed(seq_len, block_size)):
@@ -113,8 +114,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             m_shift = torch.where(m_new == float("-inf"), 0.0, m_new)
             alpha = torch.exp(m - m_shift)
             p = torch.exp(logits - m_shift[..., None])
-            l = l * alpha + p.sum(-1)
+            row_sum = row_sum * alpha + p.sum(-1)
             acc = acc * alpha[..., None] + torch.matmul(p, v)
             m = m_new
-        out[lo:hi] = (acc / l[..., None]).transpose(0, 1).to(query.dtype)
+        out[lo:hi] = (acc / row_sum[..., None]).transpose(0, 1).to(query.dtype)
     return out

@@ -24,8 +24,8 @@ in ``docs/cache.md``.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Sequence
 
 import torch
 

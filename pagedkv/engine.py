@@ -16,8 +16,8 @@ between ``reserve`` and ``write`` leaves no cache entry.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
 
 import torch
 

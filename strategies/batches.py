@@ -184,7 +184,8 @@ def large_pool_cases(draw, *, min_slots: int = 2**24 + 1, caps=None, poisons=Non
     (2**24 by default: past float32's exact integers), with tiny heads so the pool stays cheap
     (``num_kv_heads = head_dim = 1``, float16/bfloat16: 2 bytes a slot). Index arithmetic in float32 or
     int32 element offsets misplaces these tokens."""
-    bs = draw(st.sampled_from(LARGE_POOL_BLOCK_SIZES if caps is None else caps.block_sizes.choose(LARGE_POOL_BLOCK_SIZES)))
+    bs = draw(st.sampled_from(LARGE_POOL_BLOCK_SIZES if caps is None
+                              else caps.block_sizes.choose(LARGE_POOL_BLOCK_SIZES)))
     num_blocks = -(-min_slots // bs) + draw(st.integers(0, 3))
     dtypes = ("float16", "bfloat16") if caps is None else tuple(d for d in ("float16", "bfloat16") if d in caps.dtypes)
     groups = (1, 2) if caps is None else caps.gqa_groups.choose((1, 2))

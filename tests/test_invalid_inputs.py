@@ -28,4 +28,5 @@ def test_every_fault_kind_is_drawn():
 def test_invalid_call_round_trips_through_json():
     call = InvalidCall("scatter", "start_negative", C9_SCATTER, 0, 3)
     assert InvalidCall.from_dict(call.to_dict()) == call
-    assert eval(repr(call), {"InvalidCall": InvalidCall, "Case": Case, "Geometry": Geometry, "SeqSpec": SeqSpec}) == call
+    names = {"InvalidCall": InvalidCall, "Case": Case, "Geometry": Geometry, "SeqSpec": SeqSpec}
+    assert eval(repr(call), names) == call

@@ -35,7 +35,8 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             targets = [f"{base}.{a.name}" for a in node.names] + [base]
         for t in targets:
             while t and t not in modules:

@@ -6,7 +6,8 @@ from hypothesis import Phase, find, given, settings
 from pagedkv.config import blocks_needed
 from strategies import cases, fragmented_cases, large_pool_cases, scenarios, seq_lens
 
-FIND = settings(max_examples=2000, database=None, deadline=None, phases=[Phase.generate])  # no shrinking: any hit will do
+# no shrinking: any hit will do
+FIND = settings(max_examples=2000, database=None, deadline=None, phases=[Phase.generate])
 
 
 def reaches(strategy, condition):
@@ -69,7 +70,8 @@ def test_cases_are_valid_by_construction(case):
         op[0] == "fork" and any(o[0] == "append" and o[1] == op[1] for o in s.ops[i:]) for i, op in enumerate(s.ops))),
     ("two prompts sharing a full-block prefix", lambda s: sum(
         1 for op in s.ops if op[0] == "add" and len(op[2]) > s.geometry.block_size) >= 2 and len({
-            op[2][: s.geometry.block_size] for op in s.ops if op[0] == "add" and len(op[2]) > s.geometry.block_size}) == 1),
+            op[2][: s.geometry.block_size] for op in s.ops
+            if op[0] == "add" and len(op[2]) > s.geometry.block_size}) == 1),
     ("a free", lambda s: any(op[0] == "free" for op in s.ops)),
     ("colliding hashes", lambda s: s.constant_hash),
 ])

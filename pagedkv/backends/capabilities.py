@@ -22,8 +22,9 @@ assumed to support everything (as the built-in ``loop``, ``indexed`` and ``trito
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 DTYPE_NAMES = frozenset({"float32", "float16", "bfloat16"})
 FEATURE_NAMES = frozenset({"window", "softcap", "alibi", "sinks", "fp8"})

@@ -49,7 +49,8 @@ def gather(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tens
         return torch.index_select(cache, 0, ids).view(seq_len, num_kv_heads, head_dim)
     out = cache.new_empty((seq_len, num_kv_heads, head_dim))
     if full:
-        torch.index_select(cache, 0, table[:full], out=out[: full * block_size].view(full, block_size, num_kv_heads, head_dim))
+        torch.index_select(cache, 0, table[:full],
+                           out=out[: full * block_size].view(full, block_size, num_kv_heads, head_dim))
     if tail:
         if cache.device.type == "cpu":  # reading the id costs nothing here; one slice copy is cheaper
             out[full * block_size :].copy_(cache[int(table[full]), :tail])
@@ -128,7 +129,8 @@ def scatter(cache: torch.Tensor, table: torch.Tensor, values: torch.Tensor, star
         done, block = count, block + 1
     full = (n - done) // block_size
     if full:
-        _index_copy(cache, table[block : block + full], values[done : done + full * block_size].unflatten(0, (full, block_size)))
+        _index_copy(cache, table[block : block + full],
+                    values[done : done + full * block_size].unflatten(0, (full, block_size)))
         done, block = done + full * block_size, block + full
     if done < n:  # partial last block
         _index_copy(cache[:, : n - done], table[block : block + 1], values[done:].unsqueeze(0))

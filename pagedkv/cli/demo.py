@@ -25,8 +25,9 @@ import argparse
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from pagedkv.cli.common import device_option, seed_option
 

@@ -220,7 +220,8 @@ class E2EReport:
 
     @property
     def within_tolerance(self) -> bool:
-        return not self.error and all(math.isfinite(c.max_logit_diff) and c.max_logit_diff <= self.allowed(c) for c in self.checks)
+        return not self.error and all(math.isfinite(c.max_logit_diff) and c.max_logit_diff <= self.allowed(c)
+                                      for c in self.checks)
 
     @property
     def tokens_ok(self) -> bool:

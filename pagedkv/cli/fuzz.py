@@ -23,7 +23,8 @@ from pagedkv.testing.fuzzing import Failure, Quiet
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``fuzz``."""
     parser = subparsers.add_parser(
-        "fuzz", parents=[device_option(None, "tensors; on CUDA worker i takes GPU i % device_count")], help="fuzz every registered property of a candidate for a time budget over a shared example database",
+        "fuzz", parents=[device_option(None, "tensors; on CUDA worker i takes GPU i % device_count")],
+        help="fuzz every registered property of a candidate for a time budget over a shared example database",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run the registered properties against a candidate in N worker processes until the budget\n"
                     "ends: each property in turn, in batches of random examples, replaying first what the example\n"

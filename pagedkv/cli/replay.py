@@ -35,7 +35,8 @@ from pagedkv.cli.common import device_option
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``replay``."""
     parser = subparsers.add_parser(
-        "replay", parents=[device_option("cpu", "replayed tensors")], help="rerun a failing case file and show where it fails",
+        "replay", parents=[device_option("cpu", "replayed tensors")],
+        help="rerun a failing case file and show where it fails",
         description="Rerun the check recorded in a case file (.pagedkv-failures/*.json or "
                     "pagedkv/testing/regressions/*.json) and, on failure, print the first mismatch and a map of the "
                     "block tables with the bad slot marked. The file is checked first (size, schema, consistency, "

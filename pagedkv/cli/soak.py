@@ -253,8 +253,10 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
             if batch.reserved:
                 counts["tokens_written"] += batch.num_tokens
                 # an aborted or preempted sequence commits nothing (its rows land in released blocks)
-                for seq_id in batch.write(be.write_kv,
-                                          lambda seq_id, start, new, layer: kv_of(histories[seq_id], start, layer)):
+                def step_kv(seq_id, start, new, layer, histories=histories):
+                    return kv_of(histories[seq_id], start, layer)
+
+                for seq_id in batch.write(be.write_kv, step_kv):
                     tokens = histories[seq_id]
                     written_prefixes.update(tuple(tokens[:e]) for e in range(bs, len(tokens) + 1, bs))
             # 6. forks (parallel sampling) and finishes

@@ -255,7 +255,8 @@ def backends_agree(backend: Any, other: Any, case: Case, device: str = "cpu") ->
             else:
                 slots, _ = write_slot_mapping(case)
                 g = case.geometry
-                key = torch.randn((len(slots), g.num_kv_heads, g.head_dim), generator=case._generator(3)).to(g.torch_dtype)
+                key = torch.randn((len(slots), g.num_kv_heads, g.head_dim),
+                                  generator=case._generator(3)).to(g.torch_dtype)
                 impl.write_kv(k_cache, v_cache, key.to(device), (-key).to(device),
                               torch.tensor(slots, dtype=torch.int64, device=device), **case.kv_scales(device))
             pools.append((k_cache.cpu(), v_cache.cpu()))

@@ -18,8 +18,9 @@ draws them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -407,7 +408,8 @@ class InvalidCall:
         return (query, k_cache, vc, tables, seq_lens, qsl, scale), {}, (k_cache, v_cache)
 
 
-def check_rejected(backend: Any, call: InvalidCall, device: str = "cpu", *, check_message: bool = True) -> BaseException:
+def check_rejected(backend: Any, call: InvalidCall, device: str = "cpu", *,
+                   check_message: bool = True) -> BaseException:
     """Run ``call`` on ``backend``: it must raise ``call.expected`` (a message naming ``call.spec.argument``
     when ``check_message``) and leave both pools bit-identical. Returns the exception raised.
 
@@ -423,8 +425,8 @@ def check_rejected(backend: Any, call: InvalidCall, device: str = "cpu", *, chec
     except call.expected as exc:
         raised: BaseException = exc
     except Exception as exc:  # noqa: BLE001 - the wrong type is the finding
-        raise Mismatch(f"{call.op} with {call.fault} ({call.spec.doc}) raised {type(exc).__name__}: {exc}; the contract "
-                       f"requires {call.spec.expected}") from exc
+        raise Mismatch(f"{call.op} with {call.fault} ({call.spec.doc}) raised {type(exc).__name__}: {exc}; "
+                       f"the contract requires {call.spec.expected}") from exc
     else:
         raise Mismatch(f"{call.op} with {call.fault} ({call.spec.doc}) raised nothing; the contract requires "
                        f"{call.spec.expected}")

@@ -10,8 +10,9 @@ prefill and chunked prefill.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

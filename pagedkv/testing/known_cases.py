@@ -5,7 +5,8 @@ from pagedkv.testing.cases import CacheScenario, Case, Geometry, SeqSpec
 from pagedkv.testing.invalid import InvalidCall
 
 # C1: a prompt whose cached prefix is exactly one block (and one token short of / past one block).
-C1 = [CacheScenario(Geometry(8, 16, 1, 4), (("add", 0, tuple(range(n))), ("add", 1, tuple(range(n)) + (90, 91, 92, 93, 94))))
+C1 = [CacheScenario(Geometry(8, 16, 1, 4), (("add", 0, tuple(range(n))),
+                                            ("add", 1, tuple(range(n)) + (90, 91, 92, 93, 94))))
       for n in (16, 15, 17)]
 # C2: a 6-token sequence forked mid-block (block_size 4); both append 3 different tokens.
 C2 = CacheScenario(Geometry(8, 4, 1, 4), (("add", 0, (1, 2, 3, 4, 5, 6)), ("fork", 0, 1), ("append", 0, (7, 7, 7)),

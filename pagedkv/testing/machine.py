@@ -37,7 +37,8 @@ import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
 
 from pagedkv import get_backend
 from pagedkv.cache import PagedKVCache

@@ -20,9 +20,10 @@ the ``strategies`` package, so a case file replays on a machine without them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache, partial
-from typing import Any, Callable
+from typing import Any
 
 #: Examples per large-pool property (each builds a pool of more than 2**24 slots).
 LARGE_POOL_EXAMPLES = 10

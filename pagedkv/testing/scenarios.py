@@ -4,7 +4,8 @@ properties over them (sharing never leaks one sequence into another; prefix cach
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -132,7 +133,8 @@ def sharing_isolated(backend: Any, scenario: CacheScenario, device: str = "cpu")
     """After every operation, every live sequence (forked, copy-on-write, prefix-cached) reads exactly
     its own tokens' K/V, and the allocator's counts match the live tables."""
     require(backend, "gather")
-    run_scenario(backend, scenario, device, lambda cache, shadow: check_live_sequences(backend, cache, shadow, scenario))
+    run_scenario(backend, scenario, device,
+                 lambda cache, shadow: check_live_sequences(backend, cache, shadow, scenario))
 
 
 def prefix_cache_transparent(backend: Any, scenario: CacheScenario, device: str = "cpu") -> None:

@@ -38,7 +38,8 @@ ATTENTION_TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
 _EPS32 = torch.finfo(torch.float32).eps
 
 
-def attention_tolerance(dtype: torch.dtype, max_abs_logit: float = 0.0, max_abs_value: float = 1.0) -> tuple[float, float]:
+def attention_tolerance(dtype: torch.dtype, max_abs_logit: float = 0.0,
+                        max_abs_value: float = 1.0) -> tuple[float, float]:
     """``(rtol, atol)`` for attention outputs in ``dtype`` (see the module docstring for the policy)."""
     rtol, atol = ATTENTION_TOLERANCE[dtype]
     return rtol, atol + 8 * _EPS32 * max_abs_logit * max(max_abs_value, 1.0)
