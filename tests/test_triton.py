@@ -394,3 +394,131 @@ def test_property_catches_planted_fault(fault, tmp_path):
     faulty = plant(fault, tmp_path)
     with pytest.raises(AssertionError):
         fused_matches_reference(via_kernels(faulty))()
+
+
+# --------------------------------------------------------------------------------------------------
+# Split-K decode: the context split across programs and merged equals the unsplit kernel
+# --------------------------------------------------------------------------------------------------
+
+SPLIT_CASES = {
+    **{k: CASES[k] for k in ("decode_mha_bs16", "decode_gqa3_bs3", "mixed_gqa6_bs5_d5", "multi_tile_q_and_kv",
+                             "q_len0_in_batch", "only_q_len0", "empty_batch", "block_size_256", "fp16_decode_gqa3",
+                             "bf16_decode_gqa5", "head_dim_80_float32")},
+    # splits that see no key: contexts shorter than the split count
+    "short_contexts": AttnCase(((1, 1), (2, 1), (3, 1), (1, 0)), 1, 2, 4, 8),
+    "long_decode": AttnCase(((300, 1), (97, 1)), 16, 1, 4, 16, seed=5),
+}
+
+
+def via_splits(n: int | None):
+    """The validated backend with the context split into ``n`` parts (``None``: no forced count)."""
+    def attention(p: Paged, scale: float, **features) -> torch.Tensor:
+        with triton_kernels.splits(n):
+            return triton_backend.paged_attention(p.query, p.k_cache, p.v_cache, p.block_tables, p.seq_lens,
+                                                  p.query_start_loc, scale, **features)
+    return attention
+
+
+def assert_split_close(split: torch.Tensor, unsplit: torch.Tensor, msg: str = "") -> None:
+    """Split and unsplit outputs agree within the float32 tolerance (one output rounding apart otherwise)."""
+    if split.dtype == F32:
+        torch.testing.assert_close(split, unsplit, rtol=2e-5, atol=2e-5, msg=lambda m: f"{msg}{m}")
+    else:
+        eps = torch.finfo(split.dtype).eps
+        torch.testing.assert_close(split.float(), unsplit.float(), rtol=2 * eps, atol=2 * eps,
+                                   msg=lambda m: f"{msg}{m}")
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+@pytest.mark.parametrize("case", SPLIT_CASES.values(), ids=SPLIT_CASES.keys())
+def test_split_k_equals_unsplit_and_the_reference(case, num_splits):
+    check_against_reference(via_splits(num_splits), case)
+    p = materialize(case)
+    scale = 1.0 / math.sqrt(case.head_dim)
+    assert_split_close(via_splits(num_splits)(p, scale), via_splits(1)(p, scale), msg=f"{num_splits} splits: ")
+
+
+@pytest.mark.parametrize("features", [dict(window_left=0), dict(window_left=5), dict(window_left=40),
+                                      dict(sinks=True), dict(sinks=True, window_left=3), dict(softcap=2.0),
+                                      dict(alibi=True, window_left=7)], ids=str)
+def test_split_k_with_features_equals_unsplit(features):
+    """Windows leave most splits without a visible key; a sink joins the first split only."""
+    case = AttnCase(((70, 1), (9, 1), (33, 3), (1, 1)), 4, 2, 3, 8, seed=3)
+    p = materialize(case)
+    heads = case.num_kv_heads * case.group
+    g = torch.Generator().manual_seed(0)
+    kw = {k: v for k, v in features.items() if k in ("window_left", "softcap")}
+    if features.get("sinks"):
+        kw["sinks"] = torch.randn(heads, generator=g).to(DEVICE)
+    if features.get("alibi"):
+        kw["alibi_slopes"] = torch.rand(heads, generator=g).to(DEVICE)
+    scale = 1.0 / math.sqrt(case.head_dim)
+    expected = blockwise.paged_attention(p.query, p.k_cache, p.v_cache, p.block_tables, p.seq_lens,
+                                         p.query_start_loc, scale, **kw)
+    unsplit = via_splits(1)(p, scale, **kw)
+    for n in (2, 5, 16):
+        out = via_splits(n)(p, scale, **kw)
+        assert_split_close(out, unsplit, msg=f"{n} splits {features}: ")
+        assert_split_close(out, expected, msg=f"{n} splits vs blockwise {features}: ")
+
+
+def test_split_k_auto_count_is_one_on_cpu_and_a_keyword_overrides_it():
+    p = materialize(SPLIT_CASES["long_decode"])
+    assert triton_kernels.num_splits_for(p.query, 2, 1, 320, 1, True) == (1 if DEVICE == "cpu" else
+                                                                          triton_kernels.num_splits_for(
+                                                                              p.query, 2, 1, 320, 1, True))
+    assert triton_kernels.num_splits_for(p.query, 2, 1, 320, 1, True, num_splits=4) == 4
+    with triton_kernels.splits(6):
+        assert triton_kernels.num_splits_for(p.query, 2, 1, 320, 1, False) == 6
+    via = triton_kernels.paged_attention(p.query, p.k_cache, p.v_cache, p.block_tables, p.seq_lens,
+                                         p.query_start_loc, 0.25, p.max_q_len, num_splits=4)
+    assert_split_close(via, via_splits(4)(p, 0.25))
+
+
+class SplitBackend:
+    """The ``triton`` backend with every attention launch split into a fixed number of parts."""
+
+    def __init__(self, num_splits: int):
+        self.num_splits = num_splits
+        self.name = f"triton-split{num_splits}"
+        self.FEATURES = triton_backend.FEATURES
+        self.gather, self.scatter = triton_backend.gather, triton_backend.scatter
+        self.write_kv = triton_backend.write_kv
+
+    def paged_attention(self, *args, **kwargs):
+        with triton_kernels.splits(self.num_splits):
+            return triton_backend.paged_attention(*args, **kwargs)
+
+
+#: the suite's attention properties, bit-identical invariances included, for a fixed split count
+SPLIT_PROPERTIES = [
+    "paged_attention_matches_fp64_dense_reference", "a_request_alone_equals_the_same_request_in_a_batch",
+    "decoding_token_by_token_equals_one_prefill_and_chunked_prefill",
+    "outputs_are_bit_identical_under_batch_order", "outputs_are_bit_identical_under_layout",
+    "outputs_are_bit_identical_under_pad_value", "outputs_are_bit_identical_under_poison",
+    "outputs_are_bit_identical_under_renumber_blocks", "outputs_are_bit_identical_under_strided_metadata",
+    "outputs_are_bit_identical_under_table_dtype", "a_window_of_at_least_the_context_equals_no_window",
+    "sinks_of_minus_inf_equal_no_sinks", "nan_in_blocks_outside_the_window_changes_nothing",
+    "scaling_stored_k_by_c_and_k_scale_by_1_over_c_changes_nothing",
+]
+
+
+#: examples per property here (the explicit examples run too); PAGEDKV_PROFILE=gpu/nightly: the profile's count
+SPLIT_EXAMPLES = None if os.environ.get("PAGEDKV_PROFILE") in ("gpu", "nightly") else 8
+
+
+@pytest.mark.parametrize("prop", SPLIT_PROPERTIES)
+def test_suite_attention_properties_hold_for_a_fixed_split(prop):
+    import dataclasses
+
+    from pagedkv.testing.registry import properties
+    from pagedkv.testing.runner import run_property
+
+    chosen = properties()[prop]
+    if SPLIT_EXAMPLES is not None:
+        chosen = dataclasses.replace(chosen, max_examples=min(chosen.max_examples or SPLIT_EXAMPLES, SPLIT_EXAMPLES))
+    profile = os.environ.get("PAGEDKV_PROFILE", "dev")
+    failed, examples, case, error = run_property(SplitBackend(3), chosen, profile if profile in ("gpu", "nightly")
+                                                 else "dev", DEVICE)
+    assert not failed, f"{prop} with 3 splits: {error}\n{case}"
+    assert examples > 0 and not error.startswith("skipped"), error

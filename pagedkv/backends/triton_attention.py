@@ -124,11 +124,10 @@ def _paged_attention_kernel(
     if HAS_SINKS:
         # A sink is one more logit with no value: start the row at m = sink, l = exp2(sink - m) = 1. A -inf
         # sink (or a padding row) keeps m = -inf; the first visible key then rescales l by alpha = 0.
-        # Split: the first split alone starts at the sink.
-        m_i = tl.load(sinks_ptr + q_head, mask=row_ok & (split == 0), other=float("-inf")).to(tl.float32) \
-            * 1.4426950408889634
+        m_i = tl.load(sinks_ptr + q_head, mask=row_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
-        if SPLIT:
+        if SPLIT:  # the first split alone starts at the sink
+            m_i = tl.where(split == 0, m_i, float("-inf"))
             l_i = tl.where(split == 0, l_i, 0.0)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of each row's logits (base 2)
@@ -253,20 +252,25 @@ def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype,
     """Tile sizes and launch options of :func:`paged_attention` (``bench --compile-report`` checks them).
 
     Decode (``max_q_len == 1``) tiles one token x the whole GQA group (16 rows at least, the smallest
-    tensor-core tile); prefill tiles 64 rows. ``dtype`` is the query's; with an fp8 pool (``fp8``) K/V
-    are dequantized to float32 and the dots run in float32. Warps and ``BLOCK_N`` keep every
-    configuration within 255 registers a thread without spills on sm_80 and sm_90.
+    tensor-core tile) with 4 warps; prefill tiles 64 rows (32 with float32 dots or head dims over
+    128) with 8 warps. ``dtype`` is the query's; with an fp8 pool (``fp8``) K/V are dequantized to
+    float32 and the dots run in float32. Tile sizes and warps were chosen with the compile report
+    (:mod:`pagedkv.backends.compile_report`) so that no configuration spills registers on sm_80 or
+    sm_90.
     """
     group = triton.next_power_of_2(num_queries_per_kv)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    decode = max_q_len <= 1
-    block_m = max(16 if decode else 64, group)
     upcast = fp8 or dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
-    elem = 4 if upcast else 2
-    # K and V tiles of BLOCK_N x HEAD_DIM_PAD: at most 8 KiB each in float32, 16 KiB in 16-bit
-    block_n = max(16, min(64, (8192 if upcast else 16384) // (head_dim_pad * elem)))
-    # float32 accumulator + query tile per thread: 8 warps once BLOCK_M x HEAD_DIM_PAD reaches 64 x 128
-    num_warps = 8 if block_m * head_dim_pad >= 8192 else 4
+    if max_q_len <= 1:  # decode: K and V tiles of at most 4096 elements (2048 in float32)
+        block_m = max(16, group)
+        block_n = max(16, min(32, (2048 if upcast else 4096) // head_dim_pad))
+        num_warps = 4
+    else:  # prefill: 64 rows (32 in float32 or past head_dim 128), 8 warps (a 32 x 256 float32 accumulator
+        # is 32 registers a thread); K and V tiles of at most 8192 elements (2048 in float32, 4096 past
+        # head_dim 128)
+        block_m = max(32 if upcast or head_dim_pad > 128 else 64, group)
+        block_n = max(16, min(64, (2048 if upcast else 8192 if head_dim_pad <= 128 else 4096) // head_dim_pad))
+        num_warps = 8
     return dict(
         QUERIES_PER_KV=num_queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -276,7 +280,8 @@ def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype,
         UPCAST=upcast,
         # float32 caches: full-precision dots, not TF32 (10-bit mantissa breaks float32 tolerance).
         DOT_PRECISION="ieee" if upcast else None,
-        num_warps=num_warps, num_stages=2,
+        # fp8: software-pipelined byte loads feeding the float32 conversion spill (255 registers): 1 stage
+        num_warps=num_warps, num_stages=1 if fp8 else 2,
     )
 
 

@@ -32,7 +32,8 @@ IMPLS = {
     "gather": ("loop", "elementwise", "indexed", "triton"),
     "scatter": ("loop", "indexed", "triton"),
     "write_kv": ("loop", "indexed", "triton"),
-    "attention": ("indexed", "indexed+sdpa", "triton"),
+    # triton: fused decode, split-K chosen from the SM count on CUDA; triton-nosplit: the same with one split
+    "attention": ("indexed", "indexed+sdpa", "triton", "triton-nosplit"),
 }
 BOUNDS = ("copy", "clone")
 CSV_COLUMNS = ("op", "impl", "device", "dtype", "preset", "num_kv_heads", "head_dim", "block_size", "seq_len",
@@ -172,6 +173,16 @@ def _op_fn(op: str, impl: str, backends: dict) -> Callable[[dict], Any]:
         f = _sdpa_attention(backends["indexed"])
         return lambda s: f(s["query"], s["k_cache"], s["v_cache"], s["block_tables"], s["seq_lens"],
                            s["query_start_loc"])
+    if op == "attention" and impl == "triton-nosplit":
+        from pagedkv.backends.launch_grid import splits
+
+        f = backends["triton"].paged_attention
+
+        def unsplit(s):
+            with splits(1):
+                return f(s["query"], s["k_cache"], s["v_cache"], s["block_tables"], s["seq_lens"],
+                         s["query_start_loc"], None, **_no_validate(f))
+        return unsplit
     f = getattr(backends[impl], CONTRACT_OP[op])
     kw = _no_validate(f)
     if op == "gather":
@@ -210,8 +221,13 @@ def _load_backends(plan: Plan) -> dict:
 
     backends = {}
     for name in ("loop", "indexed", "triton"):
-        if name not in plan.impls and not (name == "indexed" and {"elementwise", "indexed+sdpa"} & set(plan.impls)):
+        if name not in plan.impls and not (name == "indexed" and {"elementwise", "indexed+sdpa"} & set(plan.impls)) \
+                and not (name == "triton" and "triton-nosplit" in plan.impls):
             continue
+        if name == "triton" and plan.device.type == "cpu" and "attention" in plan.ops:
+            plan.skipped["split-K decode (triton vs triton-nosplit)"] = (
+                "no split-K rows on CPU: the split count comes from the GPU's SM count (bench on CUDA with "
+                "--seq-lens up to 131072 --attn-batches 1,4 for them)")
         if name == "triton" and plan.device.type == "cpu" and not plan.triton_on_cpu:
             plan.skipped["triton"] = ("not timed on CPU: Triton runs in its interpreter there (orders of magnitude "
                                       "slower than compiled code); pass --triton-on-cpu to time the smallest size")
@@ -290,10 +306,12 @@ def sweep(plan: Plan, progress: bool = True) -> tuple[list[Row], str]:
         entries = [(Row(op=op, impl="copy", input_sets=len(bsets), **base), lambda s: s["dst"].copy_(s["src"]), bsets, graph),
                    (Row(op=op, impl="clone", input_sets=len(bsets), **base), lambda s: s["src"].clone(), bsets, graph)]
         for impl in IMPLS[op] + tuple(plan.candidates):
-            needs = "indexed" if impl in ("elementwise", "indexed+sdpa") else impl
+            needs = {"elementwise": "indexed", "indexed+sdpa": "indexed", "triton-nosplit": "triton"}.get(impl, impl)
             if (impl not in plan.impls and impl not in plan.candidates) or needs not in backends:
                 continue
             if impl in plan.candidates and not callable(getattr(backends[impl], CONTRACT_OP[op], None)):
+                continue
+            if impl == "triton-nosplit" and plan.device.type == "cpu":
                 continue
             if impl == "triton" and plan.device.type == "cpu" and seq_len != min(plan.seq_lens):
                 continue
