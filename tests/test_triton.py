@@ -522,3 +522,13 @@ def test_suite_attention_properties_hold_for_a_fixed_split(prop):
                                                  else "dev", DEVICE)
     assert not failed, f"{prop} with 3 splits: {error}\n{case}"
     assert examples > 0 and not error.startswith("skipped"), error
+
+
+@pytest.mark.parametrize("name", ["decode_mha_bs16", "q_len0_in_batch", "mixed_gqa6_bs5_d5", "multi_tile_q_and_kv"])
+def test_unknown_max_q_len_is_bounded_by_total_q(name):
+    """``max_q_len < 0`` (no host read of ``query_start_loc``): decode tiles when ``total_q <= batch``, packed
+    query tiles found by search, split or not."""
+    for n in (1, 3):
+        check_against_reference(lambda p, scale, n=n: triton_kernels.paged_attention(
+            p.query, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, p.query_start_loc, scale, -1, num_splits=n),
+            CASES[name])

@@ -318,7 +318,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         block_tables: ``int32``/``int64 [batch, max_blocks]``; seq_lens: ``int32``/``int64 [batch]``;
         query_start_loc: ``int32``/``int64 [batch + 1]`` from 0 to ``total_q``; all on the cache's device.
         scale: logits multiplier.
-        max_q_len: an upper bound of every sequence's ``q_len`` (picks decode or prefill tiles and the grid).
+        max_q_len: the largest ``q_len`` or an upper bound (picks decode or prefill tiles and the grid); ``< 0``:
+            unknown (no host read), bounded by ``total_q``, decode tiles when ``total_q <= batch``.
         window_left: ``>= 0``: sliding window (flash-attn's ``window_size[0]``); ``-1``: none.
         softcap: ``> 0``: logit soft-cap; ``0``: none.
         alibi_slopes, sinks: contiguous ``float32 [num_q_heads]`` or None.
@@ -334,15 +335,20 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     batch = seq_lens.shape[0]
     if total_q == 0 or batch == 0 or max_q_len == 0:
         return out
+    # unknown (< 0, no host read): bounded by total_q; decode tiles when there are no more queries than
+    # sequences (every tile is still served: the grid then enumerates packed query tiles)
+    decode = max_q_len == 1 or (max_q_len < 0 and total_q <= batch)
+    if max_q_len < 0:
+        max_q_len = total_q
     fp8 = k_cache.dtype in FP8_DTYPES
-    cfg = attention_config(num_q_heads // num_kv_heads, head_dim, query.dtype, max_q_len, fp8)
+    cfg = attention_config(num_q_heads // num_kv_heads, head_dim, query.dtype, 1 if decode else max_q_len, fp8)
     block_q = cfg["BLOCK_M"] // cfg["QUERIES_PER_KV"]
     # keys a tile can see, bounded without reading the device: the table's width (or the window)
     max_context = block_tables.shape[1] * block_size
     if window_left >= 0:
         max_context = min(max_context, window_left + block_q)
-    splits = num_splits_for(query, batch, num_kv_heads, max_context, cdiv(max_q_len, block_q), max_q_len <= 1,
-                            num_splits)
+    splits = num_splits_for(query, batch, num_kv_heads, max_context, 1 if decode else cdiv(max_q_len, block_q),
+                            decode, num_splits)
     grid, search = attention_grid(batch, total_q, num_kv_heads, max_q_len, block_q, splits)
     flags = dict(HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
                  HAS_SINKS=sinks is not None, IS_FP8=fp8, FP8_E4=k_cache.dtype == torch.float8_e4m3fn,
