@@ -91,11 +91,14 @@ def _extras(draw, geometry: Geometry, seqs, *, read_only: bool, caps=None, poiso
 
 
 def _scaled(block_size: int, max_seqs: int, max_len: int) -> tuple[int, int]:
-    """``(max_seqs, max_len)`` for a block size: large blocks get lengths past two blocks (so block
-    boundaries are crossed) and fewer sequences (so the case stays cheap)."""
+    """``(max_seqs, max_len)`` for a block size: large blocks get lengths that cross a block boundary
+    (past two blocks up to 64 tokens a block, one block and a bit beyond) and fewer sequences, so a case
+    stays cheap for a kernel run by Triton's interpreter."""
     if block_size <= 16:
         return max_seqs, max_len
-    return min(max_seqs, 2), max(max_len, 2 * block_size + 1)
+    if block_size <= 64:
+        return min(max_seqs, 2), max(max_len, 2 * block_size + 1)
+    return 1, max(max_len, block_size + 2)
 
 
 @st.composite

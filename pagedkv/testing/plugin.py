@@ -129,17 +129,37 @@ def _runs_triton_in_interpreter(backend) -> bool:
                for v in vars(module).values())
 
 
-def capabilities_under_test(backend):
+#: Examples a property draws for a backend whose kernels Triton interprets on the CPU (100-1000x slower
+#: than the other backends): enough to reach the edges of the small geometries, not the profile's count.
+INTERPRETED_MAX_EXAMPLES = 25
+
+
+def interpreted(backend) -> bool:
+    """Whether Triton interprets ``backend``'s kernels here (pagedkv's own Triton backend included)."""
+    import inspect
+
+    module = inspect.getmodule(backend) if not inspect.ismodule(backend) else backend
+    if module is not None and module.__name__ == "pagedkv.backends.triton":
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return _runs_triton_in_interpreter(backend)
+
+
+def capabilities_under_test(backend, *, for_drawing: bool = False):
     """The backend's declared :class:`~pagedkv.backends.capabilities.Capabilities`, less ``bfloat16``
     for a Triton candidate run by the interpreter (there ``tl.dot`` on bfloat16 multiplies bit
-    patterns as integers, a Triton bug; pagedkv's own kernel upcasts first)."""
+    patterns as integers, a Triton bug; pagedkv's own kernel upcasts first). With ``for_drawing``,
+    pagedkv's own Triton backend under the interpreter draws from the small geometries (block_size
+    <= 16, head_dim <= 8, GQA group <= 7): its production sizes run compiled on a GPU, and here in
+    ``tests/test_triton.py``'s shapes, the fixed limits and the regression files."""
     import dataclasses
 
-    from pagedkv.backends.capabilities import capabilities_of
+    from pagedkv.backends.capabilities import Sizes, capabilities_of
 
     caps = capabilities_of(backend)
     if "bfloat16" in caps.dtypes and len(caps.dtypes) > 1 and _runs_triton_in_interpreter(backend):
         caps = dataclasses.replace(caps, dtypes=caps.dtypes - {"bfloat16"})
+    if for_drawing and interpreted(backend) and not _runs_triton_in_interpreter(backend):
+        caps = dataclasses.replace(caps, block_sizes=Sizes(max=16), head_dims=Sizes(max=8), gqa_groups=Sizes(max=7))
     return caps
 
 

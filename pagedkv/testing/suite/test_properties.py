@@ -21,7 +21,7 @@ from pagedkv.backends import backend_name
 from pagedkv.backends.capabilities import Capabilities
 from pagedkv.testing.databases import property_key
 from pagedkv.testing.registry import Property, missing_ops_for, properties
-from pagedkv.testing.plugin import capabilities_under_test
+from pagedkv.testing.plugin import INTERPRETED_MAX_EXAMPLES, capabilities_under_test, interpreted
 
 pytestmark = pytest.mark.pagedkv
 
@@ -46,8 +46,9 @@ def _fits(case, caps: Capabilities, violating: bool = False) -> bool:
 
 
 @cache
-def _hypothesis_test(prop: Property, caps: Capabilities, violation: str | None = None):
-    """The property as a Hypothesis test over cases inside ``caps`` (breaking ``violation`` if given)."""
+def _hypothesis_test(prop: Property, caps: Capabilities, violation: str | None = None, cap: int | None = None):
+    """The property as a Hypothesis test over cases inside ``caps`` (breaking ``violation`` if given),
+    drawing at most ``cap`` examples when given."""
     def body(check, backends, device, case):
         check(prop, *backends, case, device)
 
@@ -56,8 +57,9 @@ def _hypothesis_test(prop: Property, caps: Capabilities, violation: str | None =
     for case in reversed(prop.examples()):
         if _fits(case, caps, violating=violation is not None):
             test = example(case=case)(test)
-    if prop.max_examples is not None:
-        test = settings(max_examples=min(settings().max_examples, prop.max_examples))(test)
+    limit = min(x for x in (prop.max_examples, cap, settings().max_examples) if x is not None)
+    if limit < settings().max_examples:
+        test = settings(max_examples=limit)(test)
     # A distinct database key per property: Hypothesis keys its example database by the test function.
     test.hypothesis.inner_test._hypothesis_internal_add_digest = f"{prop.name}/{violation}".encode()
     return test
@@ -68,14 +70,15 @@ def _run(prop: Property, check, backends: tuple, device: str) -> None:
         missing = missing_ops_for(b, prop)
         if missing:
             pytest.skip(f"{getattr(b, 'name', b)} does not provide {missing[0]!r}: needed by {prop.name}")
-    caps = capabilities_under_test(backends[-1])
+    caps = capabilities_under_test(backends[-1], for_drawing=True)
     reason = prop.requires(caps)
     if reason:
         pytest.skip(f"{prop.name}: {reason}")
+    cap = INTERPRETED_MAX_EXAMPLES if any(interpreted(b) for b in backends) else None
     if prop.kind == "machine":  # Hypothesis prints the shrunk steps; there is no case to write
-        prop.check(backends[-1], device)
+        prop.check(backends[-1], device, settings(max_examples=cap) if cap else None)
         return
-    test = _hypothesis_test(prop, caps)
+    test = _hypothesis_test(prop, caps, None, cap)
     # keyed per property and backend(s), as `python -m pagedkv fuzz` keys it: each replays what the other found
     test._hypothesis_internal_database_key = property_key(prop.name, *(backend_name(b) for b in backends))
     test(check, backends, device)
@@ -122,11 +125,12 @@ def test_finding_outside_declared_preconditions(check, finding, device):
     backend, precondition, prop = finding
     for op in missing_ops_for(backend, prop):
         pytest.skip(f"{getattr(backend, 'name', backend)} does not provide {op!r}")
-    caps = capabilities_under_test(backend)
+    caps = capabilities_under_test(backend, for_drawing=True)
     if prop.requires(caps):
         pytest.skip(prop.requires(caps))
     try:
-        _hypothesis_test(prop, caps, precondition)(check, (backend,), device)
+        _hypothesis_test(prop, caps, precondition, INTERPRETED_MAX_EXAMPLES if interpreted(backend) else None)(
+            check, (backend,), device)
     except AssertionError as exc:
         pytest.xfail(finding_reason(precondition, exc))
 
