@@ -225,10 +225,7 @@ def run_batch(prop: Any, backend: Any, reference: Any | None, impl: str, device:
             on_example()
         save_failure(prop.name, impl, case, other=other, outcome="running", path=running)
         try:
-            if prop.pair:
-                prop.check(reference, backend, case, device)
-            else:
-                prop.check(backend, case, device)
+            prop.run(backend, case, device, reference)
         except MissingOp as exc:
             state["missing"] = str(exc)
             return

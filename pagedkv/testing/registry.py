@@ -66,6 +66,19 @@ class Property:
     aliases: tuple[tuple[str, str | None], ...] = field(default=())
     requires: Callable[[Any], str | None] = lambda caps: None
 
+    def run(self, backend: Any, case: Any, device: str = "cpu", reference: Any = None) -> None:
+        """Check ``case`` on ``backend``; a pair property compares it with ``reference`` (default:
+        pagedkv's ``indexed`` backend).
+
+        Raises:
+            Mismatch: the property fails. MissingOp: the backend lacks an op it needs.
+        """
+        if self.pair:
+            from pagedkv.backends import get_backend
+
+            return self.check(reference or get_backend("indexed"), backend, case, device)
+        return self.check(backend, case, device)
+
 
 def _declare() -> list[Property]:
     from pagedkv.testing import checks, invalid, invariances, known_cases as kc, machine, scenarios

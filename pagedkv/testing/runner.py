@@ -103,19 +103,12 @@ def run_property(backend: Any, prop: Any, profile: str = "ci", device: str = "cp
 
     from hypothesis import example
 
-    from pagedkv.backends import get_backend
-
-    reference = get_backend("indexed") if prop.pair else None
-
     @chosen
     @given(prop.strategy(caps) if prop.kind == "case" else prop.strategy())
     def body(case):
         state["calls"] += 1
         try:
-            if prop.pair:
-                prop.check(reference, backend, case, device)
-            else:
-                prop.check(backend, case, device)
+            prop.run(backend, case, device)
         except MissingOp as exc:
             state["missing"] = str(exc)
             return
