@@ -27,6 +27,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -228,7 +229,7 @@ def _specialize(fn, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dict]:
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.nvidia.compiler import CUDABackend
 
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "num_ctas", "maxnreg") if k in kwargs}
     params = fn.params
     values = {}
     for i, p in enumerate(params):
@@ -351,26 +352,35 @@ def run(cases: list[Case], archs: tuple[int, ...] = (80, 90), workers: int | Non
         [root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
     shards = [cases[i::workers] for i in range(workers)]
-    procs = []
-    for shard in shards:
-        p = subprocess.Popen([sys.executable, "-m", "pagedkv.backends.compile_report", "--worker"], env=env,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        p.stdin.write(json.dumps({"cases": [asdict(c) for c in shard], "archs": list(archs)}))
-        p.stdin.close()
-        procs.append(p)
     by_case: dict[str, list[Row]] = {}
-    for shard, p in zip(shards, procs):
-        lines = iter(p.stdout)
-        for case in shard:
-            line = next(lines, "")
-            try:
-                rows = [Row(**r) for r in json.loads(line)]
-            except (json.JSONDecodeError, TypeError):
-                rows = [Row(case.name, "worker", a, error="worker died: " + p.stderr.read()[-300:]) for a in archs]
-            by_case[case.name] = rows
-            if progress:
-                progress(case, rows)
-        p.wait()
+    lock = threading.Lock()
+
+    def drive(shard: list[Case]) -> None:
+        # one thread per worker drains its pipe (a worker blocked on a full pipe would stop compiling)
+        with tempfile.TemporaryFile("w+") as err:
+            p = subprocess.Popen([sys.executable, "-m", "pagedkv.backends.compile_report", "--worker"], env=env,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+            p.stdin.write(json.dumps({"cases": [asdict(c) for c in shard], "archs": list(archs)}))
+            p.stdin.close()
+            lines = iter(p.stdout)
+            for case in shard:
+                line = next(lines, "")
+                try:
+                    rows = [Row(**r) for r in json.loads(line)]
+                except (json.JSONDecodeError, TypeError):
+                    err.seek(0)
+                    rows = [Row(case.name, "worker", a, error="worker died: " + err.read()[-300:]) for a in archs]
+                with lock:
+                    by_case[case.name] = rows
+                    if progress:
+                        progress(case, rows)
+            p.wait()
+
+    threads = [threading.Thread(target=drive, args=(shard,), daemon=True) for shard in shards]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     return [r for c in cases for r in by_case.get(c.name, [])]
 
 

@@ -266,10 +266,9 @@ def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype,
         block_n = max(16, min(32, (2048 if upcast else 4096) // head_dim_pad))
         num_warps = 4
     else:  # prefill: 64 rows (32 in float32 or past head_dim 128), 8 warps (a 32 x 256 float32 accumulator
-        # is 32 registers a thread); K and V tiles of at most 8192 elements (2048 in float32, 4096 past
-        # head_dim 128)
+        # is 32 registers a thread); K and V tiles of at most 4096 elements (2048 in float32)
         block_m = max(32 if upcast or head_dim_pad > 128 else 64, group)
-        block_n = max(16, min(64, (2048 if upcast else 8192 if head_dim_pad <= 128 else 4096) // head_dim_pad))
+        block_n = max(16, min(64, (2048 if upcast else 4096) // head_dim_pad))
         num_warps = 8
     return dict(
         QUERIES_PER_KV=num_queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
@@ -282,6 +281,10 @@ def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype,
         DOT_PRECISION="ieee" if upcast else None,
         # fp8: software-pipelined byte loads feeding the float32 conversion spill (255 registers): 1 stage
         num_warps=num_warps, num_stages=1 if fp8 else 2,
+        # tensor-core tiles: without an explicit limit ptxas caps some (8-warp prefill, 4-warp decode at
+        # head_dim 256) at 128 registers and spills a few bytes rather than use more; the float32 FMA
+        # dots spill with the limit (ptxas then schedules for 255 registers) and stay under 128 without it
+        maxnreg=None if upcast else 255,
     )
 
 
