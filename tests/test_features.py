@@ -693,18 +693,25 @@ def test_bad_write_kv_scales_are_refused_with_both_pools_unchanged(name):
     assert bool((float_pool == 0).all()) and bool((float_v == 0).all())
 
 
-def test_a_backend_asked_for_a_feature_it_does_not_declare_refuses_it(monkeypatch):
-    """FEATURES is read at call time: a backend without "window" / "fp8" refuses them, naming the feature."""
+def test_a_backend_asked_for_a_feature_it_does_not_declare_refuses_it():
+    """A backend whose ops declare only "softcap" (pagedkv.backends.ops.backend_op) refuses the other
+    features, naming the feature, before anything is written."""
+    from types import SimpleNamespace
+
+    from pagedkv.backends.ops import backend_op
+
+    declared = backend_op(frozenset({"softcap"}))
+    restricted = SimpleNamespace(name="softcap_only", **{op: declared(getattr(loop_module, op).impl)
+                                                          for op in ("gather", "write_kv", "paged_attention")})
     batch = make_batch(SEQS, block_size=BS)
-    monkeypatch.setattr(loop_module, "FEATURES", frozenset({"softcap"}))
-    batch.call(loop_module, softcap=2.0)  # declared: fine
+    batch.call(restricted, softcap=2.0)  # declared: fine
     for kw, feature in ((dict(window_left=2), "window"), (dict(alibi_slopes=_slopes(4)), "alibi"),
                         (dict(sinks=_sinks(4)), "sinks")):
         with pytest.raises(BackendError, match=feature):
-            batch.call(loop_module, **kw)
+            batch.call(restricted, **kw)
     k_cache = torch.zeros(3, 4, 2, 8).to(E4M3).to(DEVICE)
     v_cache = k_cache.clone()
     with pytest.raises(BackendError, match="fp8"):
-        loop_module.write_kv(k_cache, v_cache, torch.randn(2, 2, 8, device=DEVICE), torch.randn(2, 2, 8, device=DEVICE),
-                             torch.arange(2, device=DEVICE), k_scale=1.0, v_scale=1.0)
+        restricted.write_kv(k_cache, v_cache, torch.randn(2, 2, 8, device=DEVICE), torch.randn(2, 2, 8, device=DEVICE),
+                            torch.arange(2, device=DEVICE), k_scale=1.0, v_scale=1.0)
     assert bool((k_cache.float() == 0).all()) and bool((v_cache.float() == 0).all())

@@ -76,7 +76,7 @@ def _run(prop: Property, check, backends: tuple, device: str) -> None:
         pytest.skip(f"{prop.name}: {reason}")
     cap = INTERPRETED_MAX_EXAMPLES if any(interpreted(b) for b in backends) else None
     if prop.kind == "machine":  # Hypothesis prints the shrunk steps; there is no case to write
-        prop.check(backends[-1], device, settings(max_examples=cap) if cap else None)
+        prop.check(backends[-1], device, settings(max_examples=cap // 3) if cap else None)  # 50 steps a run
         return
     test = _hypothesis_test(prop, caps, None, cap)
     # keyed per property and backend(s), as `python -m pagedkv fuzz` keys it: each replays what the other found
