@@ -19,7 +19,10 @@ def _peer(name):
         pytest.skip(str(exc))
 
 
-@pytest.mark.parametrize("name,prop", [("torch_paged_attention", "write_kv_lands_at_slot_mapping_and_skips_negative_slots"),
+WRITE_KV = "write_kv_lands_at_slot_mapping_and_skips_negative_slots"
+
+
+@pytest.mark.parametrize("name,prop", [("torch_paged_attention", WRITE_KV),
                                        ("vllm_cache_ops", "write_kv_lands_at_slot_mapping_and_skips_negative_slots"),
                                        ("flash_attn_kvcache", "paged_attention_matches_fp64_dense_reference")])
 def test_peer_passes_the_property(name, prop, device):
@@ -101,7 +104,8 @@ def test_vllm_cpu_attention_nan_tail_is_outside_its_declared_precondition():
 
     peer = _peer("vllm_cpu_attention")
     assert "finite_unused_slots" in peer.capabilities.preconditions
-    case = Case(Geometry(num_blocks=1, block_size=16, num_kv_heads=1, head_dim=32), (SeqSpec((0,), 1, 1),), poison="nan")
+    case = Case(Geometry(num_blocks=1, block_size=16, num_kv_heads=1, head_dim=32), (SeqSpec((0,), 1, 1),),
+                poison="nan")
     with pytest.raises(AssertionError, match="nan"):
         attention_matches_reference(peer, case, "cpu")
     attention_matches_reference(peer, Case(case.geometry, case.seqs, poison="zero"), "cpu")

@@ -46,13 +46,13 @@ from pagedkv.cli.bench_report import (_round, environment, failed, format_limits
                                       write_csv)
 from pagedkv.cli.bench_sweep import (BLOCK_SIZES, CSV_COLUMNS, FULL_SEQ_LENS, IMPLS, OPS, PRESETS, QUICK_ATTN_MAX_LEN,
                                      QUICK_BLOCK_SIZES, QUICK_SEQ_LENS, Plan, sweep)
+from pagedkv.cli.bench_timing import retain_freed_memory
 
 #: every built-in impl name ``--impls`` accepts (anything else must load as a candidate spec)
 BUILTIN_IMPLS = tuple(dict.fromkeys(impl for impls in IMPLS.values() for impl in impls))
 
 #: ``--quick`` measured on the 2-core machine of docs/benchmarks.md: 22.6 s wall (19.9 s CPU) at load average 2
 QUICK_SECONDS = 25
-from pagedkv.cli.bench_timing import retain_freed_memory
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -92,7 +92,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "jemalloc/tcmalloc - does); 'system': glibc defaults, where blocks >= 32 MiB are unmapped "
                         "on free and every new output pays first-touch page faults")
     p.add_argument("--pool-factor", type=float, default=1.5,
-                   help="pool blocks per block the table uses (block ids are a random permutation of the pool; default 1.5)")
+                   help="pool blocks per block the table uses (block ids are a random permutation of the pool; "
+                        "default 1.5)")
     p.add_argument("--triton-on-cpu", action="store_true",
                    help="time the triton backend on CPU too (interpreter; only at the smallest sequence length)")
     p.add_argument("--out-dir", default="bench/results", help="where <name>.json/.csv/.png go (default bench/results)")
@@ -197,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
                 presets=args.presets or ["8x128"], dtypes=args.dtypes or ["float32"], ops=args.ops, impls=impls,
                 attn_batches=args.attn_batches or ([1, 16] if device.type == "cuda" else [1]),
                 min_time=args.min_time if args.min_time is not None else (0.02 if quick else 0.3),
-                attn_max_len=QUICK_ATTN_MAX_LEN if quick and args.seq_lens is None else max(args.seq_lens or FULL_SEQ_LENS),
+                attn_max_len=(QUICK_ATTN_MAX_LEN if quick and args.seq_lens is None
+                              else max(args.seq_lens or FULL_SEQ_LENS)),
                 rounds=max(1, args.rounds or (2 if quick else 3)),
                 clock=(("thread" if args.threads == 1 else "wall") if args.clock == "auto" else args.clock)
                 if device.type == "cpu" else "cuda-events",

@@ -10,7 +10,7 @@ import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -31,6 +31,11 @@ class Verdict:
     points: int = 0
     informational: bool = False  # reported, never fails ``--check``
 
+
+
+def _point(r) -> tuple:
+    """A row's sweep point: ``(preset, dtype, block_size, seq_len)``."""
+    return (r.preset, r.dtype, r.block_size, r.seq_len)
 
 def _worst(rows: list[Row], key: Callable[[Row], float | None], pick=max) -> tuple[float | None, str, int]:
     vals = [(key(r), r) for r in rows]
@@ -69,17 +74,17 @@ def limits(rows: list[Row], device: torch.device) -> list[Verdict]:
                             sel("gather", "indexed", seq_len=lambda L: L >= 512), lambda r: r.x_copy, 1.25, "<="))
         out.append(_verdict("gather (indexed) / clone (copy into a new tensor), L >= 512 [informational]",
                             sel("gather", "indexed", seq_len=lambda L: L >= 512), lambda r: r.x_clone, 1.25, "<="))
-        loop_t = {(r.preset, r.dtype, r.block_size, r.seq_len): r.time_s for r in sel("gather", "loop")}
+        loop_t = {_point(r): r.time_s for r in sel("gather", "loop")}
         out.append(_verdict("gather (indexed) / gather (loop), whole sweep",
-                            [r for r in sel("gather", "indexed") if (r.preset, r.dtype, r.block_size, r.seq_len) in loop_t],
-                            lambda r: r.time_s / loop_t[(r.preset, r.dtype, r.block_size, r.seq_len)], 1.0, "<="))
+                            [r for r in sel("gather", "indexed") if _point(r) in loop_t],
+                            lambda r, loop_t=loop_t: r.time_s / loop_t[_point(r)], 1.0, "<="))
         for op in ("scatter", "write_kv"):
-            out.append(_verdict(f"{op} (indexed) / copy bound, L >= 4096", sel(op, "indexed", seq_len=lambda L: L >= 4096),
-                                lambda r: r.x_copy, 2.0, "<="))
-            loop_t = {(r.preset, r.dtype, r.block_size, r.seq_len): r.time_s for r in sel(op, "loop")}
+            out.append(_verdict(f"{op} (indexed) / copy bound, L >= 4096",
+                                sel(op, "indexed", seq_len=lambda L: L >= 4096), lambda r: r.x_copy, 2.0, "<="))
+            loop_t = {_point(r): r.time_s for r in sel(op, "loop")}
             out.append(_verdict(f"{op} (indexed) / {op} (loop), whole sweep [informational]",
-                                [r for r in sel(op, "indexed") if (r.preset, r.dtype, r.block_size, r.seq_len) in loop_t],
-                                lambda r: r.time_s / loop_t[(r.preset, r.dtype, r.block_size, r.seq_len)], 1.0, "<="))
+                                [r for r in sel(op, "indexed") if _point(r) in loop_t],
+                                lambda r, loop_t=loop_t: r.time_s / loop_t[_point(r)], 1.0, "<="))
     else:
         out.append(_verdict("gather (indexed) % copy bandwidth, bs >= 16, L >= 4096",
                             sel("gather", "indexed", block_size=lambda b: b >= 16, seq_len=lambda L: L >= 4096),
@@ -89,16 +94,18 @@ def limits(rows: list[Row], device: torch.device) -> list[Verdict]:
                             lambda r: r.pct_copy_bw, 80.0, ">="))
         for impl in ("indexed", "triton"):
             out.append(_verdict(f"write_kv ({impl}) % copy bandwidth, L >= 4096",
-                                sel("write_kv", impl, seq_len=lambda L: L >= 4096), lambda r: r.pct_copy_bw, 50.0, ">="))
+                                sel("write_kv", impl, seq_len=lambda L: L >= 4096), lambda r: r.pct_copy_bw,
+                                50.0, ">="))
         for tokens, pct in ((64 * 1024, 80.0), (256 * 1024, 90.0)):
-            out.append(_verdict(f"fused decode attention (triton) % copy bandwidth, batch x context >= {tokens // 1024}k",
-                                sel("attention", "triton", seq_len=lambda L: True), lambda r: r.pct_copy_bw
-                                if r.batch * r.seq_len >= tokens else None, pct, ">="))
-        sdpa = {(r.preset, r.dtype, r.block_size, r.seq_len, r.batch): r.time_s for r in sel("attention", "indexed+sdpa")}
+            out.append(_verdict(f"fused decode attention (triton) % copy bandwidth, batch x context >= "
+                                f"{tokens // 1024}k", sel("attention", "triton", seq_len=lambda L: True),
+                                lambda r, tokens=tokens: r.pct_copy_bw if r.batch * r.seq_len >= tokens else None,
+                                pct, ">="))
+        sdpa = {(*_point(r), r.batch): r.time_s for r in sel("attention", "indexed+sdpa")}
         out.append(_verdict("fused decode (triton) / gather-then-SDPA time, batch x context >= 16k",
                             [r for r in sel("attention", "triton") if r.batch * r.seq_len >= 16 * 1024
-                             and (r.preset, r.dtype, r.block_size, r.seq_len, r.batch) in sdpa],
-                            lambda r: r.time_s / sdpa[(r.preset, r.dtype, r.block_size, r.seq_len, r.batch)], 1.0, "<="))
+                             and (*_point(r), r.batch) in sdpa],
+                            lambda r: r.time_s / sdpa[(*_point(r), r.batch)], 1.0, "<="))
     for impl in candidates(rows):  # a candidate meets the copy-bound targets of the indexed backend
         if device.type == "cpu":
             out.append(_verdict(f"gather ({impl}) / copy bound, L >= 512, every block size",
@@ -201,7 +208,8 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
         for j, bs in enumerate(sizes):
             ax = axes[i][j]
             for impl in ("copy", "clone") + IMPLS[op] + tuple(candidates(rows)):
-                pts = sorted((r.seq_len, r.x_copy) for r in rows if r.op == op and r.block_size == bs and r.impl == impl)
+                pts = sorted((r.seq_len, r.x_copy) for r in rows
+                             if r.op == op and r.block_size == bs and r.impl == impl)
                 if pts:
                     ax.plot(*zip(*pts), styles.get(impl, "-"), label=impl, markersize=3, linewidth=1)
             for lim in {"gather": (1.25,), "scatter": (2.0,), "write_kv": (2.0,)}.get(op, ()):

@@ -12,7 +12,8 @@ import itertools
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -294,7 +295,8 @@ def sweep(plan: Plan, progress: bool = True) -> tuple[list[Row], str]:
         dtype = _dtype(dtype_name)
         elem = torch.finfo(dtype).bits // 8
         if bar is not None:
-            bar.set_postfix_str(f"{op} {preset} {dtype_name} bs={bs} L={seq_len}" + (f" B={batch}" if op == "attention" else ""))
+            bar.set_postfix_str(f"{op} {preset} {dtype_name} bs={bs} L={seq_len}"
+                                + (f" B={batch}" if op == "attention" else ""))
         elems = _payload_elems(op, seq_len, heads, dim, batch)
         payload = elems * elem
         graph = plan.device.type == "cuda" and payload < small_graph_bytes
@@ -303,7 +305,8 @@ def sweep(plan: Plan, progress: bool = True) -> tuple[list[Row], str]:
         # bounds: a contiguous copy of the same payload, timed in the same interleaved rounds as the ops
         bsets = _bound_sets(elems, dtype, plan, llc, gen)
         sets = _sets_for(op, seq_len, bs, heads, dim, dtype, plan, batch, gen, llc)
-        entries = [(Row(op=op, impl="copy", input_sets=len(bsets), **base), lambda s: s["dst"].copy_(s["src"]), bsets, graph),
+        entries = [(Row(op=op, impl="copy", input_sets=len(bsets), **base), lambda s: s["dst"].copy_(s["src"]), bsets,
+                    graph),
                    (Row(op=op, impl="clone", input_sets=len(bsets), **base), lambda s: s["src"].clone(), bsets, graph)]
         for impl in IMPLS[op] + tuple(plan.candidates):
             needs = {"elementwise": "indexed", "indexed+sdpa": "indexed", "triton-nosplit": "triton"}.get(impl, impl)
@@ -335,7 +338,8 @@ def sweep(plan: Plan, progress: bool = True) -> tuple[list[Row], str]:
                 row.time_s, row.iqr_s, row.calls = best[i]
             if row.impl not in BOUNDS and not row.note:
                 try:
-                    row.peak_extra_bytes, mem_method = peak_extra_bytes(lambda: fn(inputs[0]), plan.device)
+                    row.peak_extra_bytes, mem_method = peak_extra_bytes(lambda fn=fn, inputs=inputs: fn(inputs[0]),
+                                                                        plan.device)
                 except Exception as exc:
                     row.note = f"memory: {type(exc).__name__}: {exc}"[:300]
             measured.append(row)

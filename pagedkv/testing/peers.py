@@ -20,7 +20,8 @@ the error properties test the adapter, and every other property tests the projec
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -70,7 +71,8 @@ class TorchPagedAttention:
             from torch.nn.attention.experimental._paged_attention import PagedAttention
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         except ImportError as exc:
-            raise BackendUnavailableError(f"torch {torch.__version__} has no experimental PagedAttention: {exc}") from exc
+            raise BackendUnavailableError(f"torch {torch.__version__} has no experimental PagedAttention: "
+                                          f"{exc}") from exc
         self._pa, self._mask, self._flex = PagedAttention, create_block_mask, flex_attention
 
     def _assign(self, caches: list[torch.Tensor], values: list[torch.Tensor], table: torch.Tensor,
