@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-#: ``--kv-cache-dtype`` names (vLLM's) to pool dtypes; ``"auto"`` keeps the model's dtype.
+from pagedkv.config import KV_CACHE_DTYPES as CONFIG_KV_CACHE_DTYPES
+
+#: ``--kv-cache-dtype`` names (vLLM's) to pool dtypes: :data:`pagedkv.config.KV_CACHE_DTYPES` plus vLLM's
+#: ``"fp8"`` alias of ``fp8_e4m3``; ``"auto"`` keeps the model's dtype.
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
+    "fp8": torch.float8_e4m3fn, **{name: dtype for name, dtype in CONFIG_KV_CACHE_DTYPES.items() if dtype is not None}}
 
 #: vLLM's defaults: ``k_scale = max|K| / K_SCALE_CONSTANT``, ``v_scale = max|V| / V_SCALE_CONSTANT``.
 K_SCALE_CONSTANT = 200.0

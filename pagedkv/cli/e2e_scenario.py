@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.cli.e2e_fp8 import gather_codes
+from pagedkv.cli.e2e_fp8 import gather_codes, kv_cache_dtype_name
 from pagedkv.cli.e2e_model import STEP_KWARG, StepContext, model_geometry
 
 #: token ids of the pre-fragmentation dummies start here: outside any vocabulary, so they never match
@@ -227,10 +227,9 @@ class PagedEngine:
         # Block tables are padded to one fixed width for the whole run (vLLM's max_num_blocks_per_req),
         # not to the longest table of the step.
         self.table_width = max((blocks_needed(n, bs) for n in bounds.values()), default=1)
-        fp8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
         config = CacheConfig(num_blocks=num_blocks, block_size=bs, num_kv_heads=num_kv_heads, head_dim=head_dim,
                              dtype=param.dtype, device=str(param.device), num_layers=num_layers,
-                             kv_cache_dtype=fp8.get(self.kv_cache_dtype, "auto"))
+                             kv_cache_dtype=kv_cache_dtype_name(self.kv_cache_dtype) if self.kv_cache_dtype else "auto")
         cache_class = getattr(self.backend, "cache_class", None) or PagedKVCache  # a backend's own cache manager
         cache = cache_class(config)
         if self.poison:
