@@ -150,8 +150,8 @@ backend = VllmStyleBackend()
 
 
 if __name__ == "__main__":  # a smoke run of a few properties, without pytest
-    from pagedkv.testing import checks, invariances
-    from pagedkv.testing.cases import Case, Geometry, SeqSpec
+    from pagedkv.testing.properties import definitions as checks, invariances
+    from pagedkv.testing.cases.case import Case, Geometry, SeqSpec
 
     case = Case(Geometry(8, 4, 2, 8, num_queries_per_kv=3), (SeqSpec((6, 1), 5, 2, 3), SeqSpec((0, 4, 2, 7), 13, 4, 9)),
                 values="identity", poison="nan", pad_columns=1)

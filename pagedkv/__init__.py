@@ -9,7 +9,7 @@ Architecture (one concept a module):
 - :mod:`pagedkv.cache`: K/V pools plus per-sequence block tables, fork, copy-on-write, slot mapping.
 - :mod:`pagedkv.attention`: dense attention and the fp64 reference.
 - :mod:`pagedkv.backends`: ``loop``, ``indexed``, ``triton`` and the loader for candidates.
-- :mod:`pagedkv.testing.cases`: plain-data test cases (JSON round trip), their tensors, the property checks.
+- :mod:`pagedkv.testing.cases.case`: plain-data test cases (JSON round trip), their tensors, the property checks.
 - :mod:`pagedkv.cli`: ``python -m pagedkv ...``.
 """
 

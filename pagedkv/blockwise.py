@@ -1,6 +1,6 @@
 """Blockwise paged attention in plain PyTorch: the fused kernel's algorithm, written to be read.
 
-The Triton kernel (:mod:`pagedkv.backends.triton_kernels`) computes attention block by block with an online
+The Triton kernel (:mod:`pagedkv.backends.triton.kernels`) computes attention block by block with an online
 softmax (FlashAttention's running max / running sum, as in vLLM's paged attention) and never gathers
 K/V. This module does the same math with torch ops, one sequence and one cache block at a time, in
 float32. Compared with the fp64 dense reference it separates the two ways the kernel can be wrong:

@@ -9,7 +9,7 @@ A pool of dtype ``float8_e4m3fn`` or ``float8_e5m2`` stores ``x / scale`` and is
 - :func:`dequantize`: the exact fp8 value times the scale, rounded once in the compute dtype.
 
 The Triton backend does the same arithmetic in its kernels, bit for bit (see
-``pagedkv.backends.triton_kernels``).
+``pagedkv.backends.triton.kernels``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The cache state machine (:mod:`pagedkv.testing.machine`) over pagedkv's own cache, and the cases
+"""The cache state machine (:mod:`pagedkv.testing.properties.machine`) over pagedkv's own cache, and the cases
 it must always cover: C11 (a request freed between reserve and write leaves no prefix-cache entry),
 namespaces, eviction order."""
 
@@ -8,7 +8,7 @@ from hypothesis import settings
 
 from pagedkv.cache import PagedKVCache
 from pagedkv.config import CacheConfig
-from pagedkv.testing.machine import STEPS, CacheMachine
+from pagedkv.testing.properties.machine import STEPS, CacheMachine
 
 CacheMachine.TestCase.settings = settings(settings(), stateful_step_count=STEPS)
 TestCacheMachine = CacheMachine.TestCase

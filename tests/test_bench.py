@@ -11,8 +11,8 @@ import json
 import pytest
 
 from pagedkv import cli
-from pagedkv.cli.bench_report import format_limits, limits, load_rows
-from pagedkv.cli.bench_sweep import CSV_COLUMNS, Row
+from pagedkv.cli.bench.report import format_limits, limits, load_rows
+from pagedkv.cli.bench.sweep import CSV_COLUMNS, Row
 
 pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the test and bench extras install it)")
 
@@ -120,7 +120,7 @@ def test_a_candidate_is_timed_on_the_ops_it_provides(tmp_path, capsys):
 
 def test_check_exits_1_when_a_limit_fails(tmp_path, monkeypatch, capsys):
     from pagedkv.cli import bench
-    from pagedkv.cli.bench_report import Verdict, failed
+    from pagedkv.cli.bench.report import Verdict, failed
 
     informational = Verdict("x / y [informational]", 3.0, 1.0, "<=", False, informational=True)
     hard = Verdict("gather (indexed) / copy bound", 3.0, 1.25, "<=", False)

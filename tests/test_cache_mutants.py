@@ -1,7 +1,7 @@
-"""The properties kill every shipped cache mutant (:mod:`pagedkv.testing.cache_mutants`), under the ``ci``
+"""The properties kill every shipped cache mutant (:mod:`pagedkv.testing.mutants.caches`), under the ``ci``
 profile (derandomized: a gate does not flip on a rerun), stopping at the first failing example.
 
-Two drivers see each one: the cache state machine (``pagedkv.testing.machine.CacheMachine`` with the
+Two drivers see each one: the cache state machine (``pagedkv.testing.properties.machine.CacheMachine`` with the
 faulty class as its ``cache_class``) and the sharing property (``checks.sharing_isolated`` over drawn
 scenarios, with the mutant's backend, whose ``cache_class`` is the faulty cache), followed, as
 ``python -m pagedkv mutants`` does, by the committed scenario case files. A kill must be an
@@ -10,20 +10,20 @@ scenarios, with the mutant's backend, whose ``cache_class`` is the faulty cache)
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from pagedkv.backends import load_backend
-from pagedkv.testing import cache_mutants, checks
-from pagedkv.testing import scenarios as scenarios_mod
-from pagedkv.testing.casefile import load_failure, run_record
-from pagedkv.testing.mutants import IndexedBackend
-from strategies import scenarios
-from strategies.profiles import PROFILES
-from pagedkv.testing.machine import STEPS, CacheMachine, machine_for
+from pagedkv.testing.mutants import caches as cache_mutants
+from pagedkv.testing.properties import scenarios as scenarios_mod
+from pagedkv.testing.casefiles.reading import load_case_file, shipped_regressions
+from pagedkv.testing.execute import run_record
+from pagedkv.testing.mutants.backends import IndexedBackend
+from pagedkv.testing.strategies import scenarios
+from pagedkv.testing.strategies.profiles import PROFILES
+from pagedkv.testing.properties.machine import STEPS, CacheMachine, machine_for
 
 NAMES = sorted(cache_mutants.CACHE_MUTANTS)
 
@@ -54,7 +54,7 @@ def test_the_state_machine_kills_cache_mutant(name):
                                   settings=ci_settings(stateful_step_count=STEPS, max_examples=300))
 
 
-REGRESSIONS = sorted((Path(checks.__file__).resolve().parent / "regressions").glob("*.json"))
+REGRESSIONS = shipped_regressions()
 
 
 def sharing_kill(backend) -> str | None:
@@ -64,12 +64,8 @@ def sharing_kill(backend) -> str | None:
     except AssertionError:
         return "sharing property"
     for path in REGRESSIONS:
-        record = load_failure(path)
-        if record["kind"] != "CacheScenario":
-            continue
-        try:
-            run_record(record, backend)
-        except AssertionError:
+        record = load_case_file(path)
+        if record["kind"] == "CacheScenario" and run_record(record, backend).failed:
             return f"case file {path.name}"
     return None
 
@@ -90,7 +86,7 @@ def test_the_unmutated_cache_passes_the_same_drivers():
 def test_every_cache_mutant_has_a_docstring_and_loads_as_a_candidate(name):
     cls = cache_mutants.CACHE_MUTANTS[name]
     assert cls.__doc__ and cls.__doc__ != cls.__mro__[1].__doc__
-    backend = load_backend(f"pagedkv.testing.cache_mutants:{name}")
+    backend = load_backend(f"pagedkv.testing.mutants:{name}")
     assert backend.name == name and backend.cache_class is cls
     from pagedkv.testing import registry
 

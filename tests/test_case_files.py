@@ -29,18 +29,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagedkv.testing
-import pagedkv.testing.mutants  # noqa: F401  (imported before the guards: replay's own modules)
+import pagedkv.testing.mutants.backends  # noqa: F401  (imported before the guards: replay's own modules)
 import pagedkv.testing.peers  # noqa: F401
-import strategies as s
+import pagedkv.testing.strategies as s
 from pagedkv import cli
 from pagedkv.cli import replay as replay_cli  # noqa: F401
 from pagedkv.errors import CaseFileError, PagedKVError
-from pagedkv.testing import casefile, invariances, schema
-from pagedkv.testing.cases import CacheScenario, Case, Geometry, SeqSpec
-from pagedkv.testing.invalid import InvalidCall
+from pagedkv.testing.casefiles import reading as casefile, schema, writing
+from pagedkv.testing.properties import invariances
+from pagedkv.testing.cases.case import CacheScenario, Case, Geometry, SeqSpec
+from pagedkv.testing.cases.invalid_call import InvalidCall
 
 ROOT = Path(__file__).resolve().parent.parent
-REGRESSIONS = sorted((Path(pagedkv.testing.__file__).parent / "regressions").glob("*.json"))
+REGRESSIONS = casefile.shipped_regressions()
 BASES = [json.loads(p.read_text()) for p in REGRESSIONS]
 MARKER = "pkv_case_file_marker"  # a module a foreign spec would import; importing it leaves MARKER.ran
 SETTINGS = settings(max_examples=int(os.environ.get("PAGEDKV_CASE_FILE_EXAMPLES", "150")), deadline=None,
@@ -402,13 +403,13 @@ def test_a_file_without_version_is_version_1_and_a_newer_one_is_refused(tmp_path
 
 def test_save_failure_writes_version_1_and_load_failure_checks_the_file(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(tmp_path))
-    path = casefile.save_failure("gather_matches_definition", "pagedkv.testing.mutants:gqa_modulo",
+    path = writing.save_failure("gather_matches_definition", "pagedkv.testing.mutants:gqa_modulo",
                                Case(Geometry(4, 2), (SeqSpec((0, 1), 3),)))
     assert json.loads(path.read_text())["version"] == 1
-    assert casefile.load_failure(path)["backend"] == "pagedkv.testing.mutants:gqa_modulo"
+    assert casefile.load_case_file(path)["backend"] == "pagedkv.testing.mutants:gqa_modulo"
     path.write_text(path.read_text().replace('"seq_len": 3', '"seq_len": -3'))
     with pytest.raises(CaseFileError) as info:
-        casefile.load_failure(path)
+        casefile.load_case_file(path)
     assert info.value.field == "case.seqs[0].seq_len"
 
 
@@ -430,7 +431,7 @@ def test_the_memory_budget_is_a_quarter_of_memory_and_max_bytes_moves_it(sandbox
 # -- the trust rule ---------------------------------------------------------------------------------------
 def test_only_built_in_shipped_mutant_and_shipped_peer_backends_are_trusted(sandbox):
     from pagedkv.backends import BUILTIN
-    from pagedkv.testing.mutants import MUTANTS
+    from pagedkv.testing.mutants.backends import MUTANTS
     from pagedkv.testing.peers import PEERS
 
     for name in BUILTIN:
@@ -457,7 +458,7 @@ def test_a_runner_with_its_own_backend_ignores_an_untrusted_recorded_one():
 def test_the_schema_matches_the_dataclasses_and_the_librarys_names():
     from pagedkv.backends import BUILTIN
     from pagedkv.config import DTYPES
-    from pagedkv.testing import cases, invalid
+    from pagedkv.testing.cases import case as cases, invalid_call as invalid
 
     fields = lambda cls: tuple(f.name for f in dataclasses.fields(cls))  # noqa: E731
     assert fields(Case) == REQUIRED["Case"] + OPTIONAL_CASE == schema._CASE_KEYS

@@ -118,7 +118,7 @@ def test_fp8_cache_with_a_wrong_scale_fails():
 
 
 def test_fp8_round_trip_takes_the_stored_code_only_at_a_rounding_boundary():
-    from pagedkv.cli.e2e_fp8 import BoundaryCount, round_trip
+    from pagedkv.cli.e2e.fp8 import BoundaryCount, round_trip
 
     dtype = torch.float8_e4m3fn
     x = torch.tensor([[1.0625 + 1e-6, 1.5, -3.0, 100.0]], dtype=torch.float64)  # 1.0625: midpoint of 1 and 1.125

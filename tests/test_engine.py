@@ -9,7 +9,7 @@ import torch
 
 from pagedkv import CacheConfig, PagedKVCache, get_backend
 from pagedkv.engine import Step, admit
-from pagedkv.testing.cases import Geometry, token_kv
+from pagedkv.testing.cases.case import Geometry, token_kv
 
 GEOMETRY = Geometry(num_blocks=8, block_size=4, num_kv_heads=1, head_dim=4)
 

@@ -9,12 +9,14 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-import strategies
+from pagedkv.testing import strategies
 from pagedkv.backends.capabilities import FEATURE_NAMES, Capabilities
 from pagedkv.errors import CaseFileError
-from pagedkv.testing import known_cases as kc, registry, runner
-from pagedkv.testing.cases import Case, Geometry, SeqSpec
-from pagedkv.testing.schema import validate_record
+from pagedkv.testing import registry
+from pagedkv.testing.cases import known as kc
+from pagedkv.testing.mutants import kill_table as runner
+from pagedkv.testing.cases.case import Case, Geometry, SeqSpec
+from pagedkv.testing.casefiles.schema import validate_record
 
 FAST = settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.testing.databases import DatabaseError, describe, open_database, property_key
+from pagedkv.testing.fuzz.databases import DatabaseError, describe, open_database, property_key
 
 MUTANT = "pagedkv.testing.mutants:off_by_one_last_block"
 PROPERTY = "gather_returns_exactly_what_each_slot_holds"

@@ -1,5 +1,5 @@
 """Every Triton kernel compiles for sm_80 and sm_90 without a GPU, spills no register and fits in shared
-memory (:mod:`pagedkv.backends.compile_report`). CI compiles a subset (under 2 minutes on 2 cores); the
+memory (:mod:`pagedkv.cli.bench.compile_report`). CI compiles a subset (under 2 minutes on 2 cores); the
 ``nightly`` profile (``PAGEDKV_PROFILE=nightly``) compiles the whole matrix. Select with ``-m gpu_compile``."""
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ naming it, before writing anything) are registered in :mod:`pagedkv.testing.regi
 
 from __future__ import annotations
 
-from pagedkv.testing.cases import Case, Geometry, SeqSpec
-from pagedkv.testing.invalid import OPS, InvalidCall, faults_for
-from strategies import invalid_calls
+from pagedkv.testing.cases.case import Case, Geometry, SeqSpec
+from pagedkv.testing.cases.invalid_call import OPS, InvalidCall, faults_for
+from pagedkv.testing.strategies import invalid_calls
 
 
 C9_SCATTER = Case(Geometry(num_blocks=4, block_size=4), (SeqSpec((2, 0), 8, 1, 6),), values="identity")

@@ -1,6 +1,6 @@
 """Launch grids of the Triton kernels stay within CUDA's limits at any batch (up to 2**20 sequences) and
 any number of query tiles, and the packed-tile grid serves every query tile exactly once. Pure
-arithmetic (:mod:`pagedkv.backends.launch_grid`): nothing is launched, no Triton needed. The
+arithmetic (:mod:`pagedkv.backends.triton.launch_grid`): nothing is launched, no Triton needed. The
 65,537-sequence decode itself (case C15) runs on a GPU, or on CPU under the ``nightly`` profile."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from pagedkv.backends.launch_grid import (MAX_GRID, MAX_SPLITS, attention_grid, cdiv, check_grid, choose_num_splits,
+from pagedkv.backends.triton.launch_grid import (MAX_GRID, MAX_SPLITS, attention_grid, cdiv, check_grid,
+                                                 choose_num_splits,
                                           copy_grid, merge_grid)
 
 BATCHES = (1, 2, 3, 1000, 65535, 65536, 65537, 2**17 + 3, 2**20)
@@ -110,7 +111,7 @@ def test_c15_decode_of_65537_sequences_of_context_2():
     from pagedkv import get_backend
     from pagedkv.attention import reference_attention
     from pagedkv.errors import BackendUnavailableError
-    from pagedkv.testing.tolerance import assert_attention_close
+    from pagedkv.testing.compare import assert_attention_close
 
     try:
         backend = get_backend("triton")

@@ -7,7 +7,8 @@ does not flip on a rerun), stopping at the first failing example without shrinki
 
 import pytest
 
-from pagedkv.testing import feature_mutants, mutants, runner
+from pagedkv.testing import mutants
+from pagedkv.testing.mutants import features as feature_mutants, kill_table as runner
 from pagedkv.testing.registry import properties
 from pagedkv.backends import load_backend, missing_ops
 

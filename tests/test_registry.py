@@ -9,9 +9,12 @@ import sys
 
 import pytest
 
-from pagedkv.testing import checks, invalid, invariances, registry, scenarios
-from pagedkv.testing.casefile import load_case_file
-from pagedkv.testing.suite.test_regressions import FILES
+from pagedkv.testing import registry
+from pagedkv.testing.properties import definitions as checks, invariances, rejection, scenarios
+from pagedkv.testing.casefiles.reading import load_case_file
+from pagedkv.testing.casefiles.reading import shipped_regressions
+
+FILES = shipped_regressions()
 
 # Functions of the check modules that take a backend and a case but are helpers, not properties.
 HELPERS = {"run_attention", "run_scenario", "check_live_sequences", "outputs", "inputs", "reference_output",
@@ -30,7 +33,7 @@ def _check_functions(module) -> set:
 
 
 def test_every_check_function_is_registered():
-    unregistered = set().union(*map(_check_functions, (checks, invalid, invariances, scenarios))) - \
+    unregistered = set().union(*map(_check_functions, (checks, rejection, invariances, scenarios))) - \
         registry.check_functions()
     assert not unregistered, f"check functions no property registers: {sorted(f.__name__ for f in unregistered)}"
 
@@ -45,21 +48,24 @@ def test_every_registered_property_is_collected_by_pytest():
     assert not missing, f"registered properties pytest does not collect: {sorted(missing)}"
 
 
-def test_property_names_and_aliases_are_unique():
-    props = registry.properties().values()
-    aliases = [a for p in props for a in p.aliases]
-    assert len(aliases) == len(set(aliases))
-    for p in props:
+def test_property_names_are_unique_and_every_legacy_check_name_maps_to_one():
+    props = registry.properties()
+    for p in props.values():
         assert registry.property_for_record(p.name) is p
         assert p.sentence and p.name.isidentifier()
-        for check, transform in p.aliases:
-            assert registry.property_for_record(check, transform) is p
+    from pagedkv.testing.casefiles.schema import LEGACY_CHECKS, TRANSFORMS
+    from pagedkv.testing.cases.invalid_call import OPS
+
+    for old, (_, new) in LEGACY_CHECKS.items():
+        names = {new.format(transform=t, op=op) for t in TRANSFORMS for op in OPS}
+        assert names <= set(props), f"{old} maps to unregistered {sorted(names - set(props))}"
 
 
 @pytest.mark.parametrize("path", FILES, ids=[f.stem for f in FILES])
 def test_every_shipped_case_file_names_a_registered_property(path):
     record = load_case_file(path)
-    registry.property_for_record(record["check"], record.get("transform"))
+    registry.property_for_record(record["check"])
+    assert "legacy_check" not in record, f"{path.name} still names the check function {record['legacy_check']!r}"
 
 
 def test_an_unknown_check_is_a_key_error_naming_it():

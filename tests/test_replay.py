@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.testing import casefile
-from pagedkv.testing.cases import CacheScenario, Case, Geometry, SeqSpec
+from pagedkv.testing.casefiles import reading as casefile, writing
+from pagedkv.testing.cases.case import CacheScenario, Case, Geometry, SeqSpec
 from pagedkv.cli.replay import block_table_map, replay
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,9 +28,9 @@ def _failures_in_tmp(tmp_path, monkeypatch):
 @pytest.mark.parametrize("case", [CASE, SCENARIO], ids=["case", "scenario"])
 def test_a_case_file_round_trips(case):
     check = "sharing_isolated" if isinstance(case, CacheScenario) else "gather_matches_definition"
-    path = casefile.save_failure(check, "pagedkv.testing.mutants:gqa_modulo", case,
+    path = writing.save_failure(check, "pagedkv.testing.mutants:gqa_modulo", case,
                                test_id="tests/x.py::test_y[z]", error="boom\nsecond line")
-    record = casefile.load_failure(path)
+    record = casefile.load_case_file(path)
     assert record["case"] == case and type(record["case"]) is type(case)
     assert record["backend"] == "pagedkv.testing.mutants:gqa_modulo" and record["error"] == "boom"
     assert json.loads(path.read_text())["kind"] == type(case).__name__
@@ -44,13 +44,13 @@ def _run(path, *args):
 
 
 def test_a_passing_case_exits_0_and_says_so():
-    path = casefile.save_failure("scatter_round_trip", "indexed", CASE)
+    path = writing.save_failure("scatter_round_trip", "indexed", CASE)
     code, out = _run(path)
     assert code == 0 and "PASSES: scatter_round_trip on indexed (cpu)" in out
 
 
 def test_a_planted_fault_exits_1_with_the_slot_and_a_marked_map():
-    path = casefile.save_failure("scatter_round_trip", "pagedkv.testing.mutants:scatter_drops_start_offset",
+    path = writing.save_failure("scatter_round_trip", "pagedkv.testing.mutants:scatter_drops_start_offset",
                                CASE.replace(poison="nan", layout="contiguous"))
     code, out = _run(path)
     assert code == 1 and "FAILS: scatter_round_trip" in out
@@ -62,14 +62,14 @@ def test_a_planted_fault_exits_1_with_the_slot_and_a_marked_map():
 
 
 def test_impl_overrides_the_recorded_backend():
-    path = casefile.save_failure("scatter_round_trip", "pagedkv.testing.mutants:scatter_drops_start_offset", CASE)
+    path = writing.save_failure("scatter_round_trip", "pagedkv.testing.mutants:scatter_drops_start_offset", CASE)
     assert _run(path, ("impl", "loop"))[0] == 0
     code, out = _run(path, ("impl", "pagedkv.testing.mutants:scatter_clobbers_block"))
     assert code == 1 and "pagedkv.testing.mutants:scatter_clobbers_block" in out
 
 
 def test_a_sharing_failure_maps_the_live_tables_at_the_failing_step():
-    path = casefile.save_failure("sharing_isolated", "pagedkv.testing.mutants:no_copy_on_write", SCENARIO)
+    path = writing.save_failure("sharing_isolated", "pagedkv.testing.mutants:no_copy_on_write", SCENARIO)
     code, out = _run(path)
     assert code == 1 and "hands out slot 6 (position 6) in block 1" in out
     # the tables as they were when the append failed (block 2 already added to sequence 0); both still
@@ -81,7 +81,7 @@ def test_a_sharing_failure_maps_the_live_tables_at_the_failing_step():
 def test_a_missing_op_is_reported_as_skipped(tmp_path):
     (tmp_path / "gather_only.py").write_text(
         "from pagedkv.backends import indexed\nname = 'gather_only'\ngather = indexed.gather\n")
-    path = casefile.save_failure("write_kv_matches_definition", str(tmp_path / "gather_only.py"), CASE)
+    path = writing.save_failure("write_kv_matches_definition", str(tmp_path / "gather_only.py"), CASE)
     code, out = _run(path, ("impl", str(tmp_path / "gather_only.py")))  # a file's own spec runs only when named
     assert code == 0 and "SKIPPED" in out and "write_kv" in out
 
@@ -100,7 +100,7 @@ def test_the_map_marks_an_unowned_slot_and_cuts_long_rows():
 
 
 def test_the_cli_runs_as_a_module(tmp_path):
-    path = casefile.save_failure("gather_matches_definition", "pagedkv.testing.mutants:off_by_one_last_block", CASE)
+    path = writing.save_failure("gather_matches_definition", "pagedkv.testing.mutants:off_by_one_last_block", CASE)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "pagedkv", "replay", str(path), "--device", "cpu"], cwd=tmp_path,
                           env=env, capture_output=True, text=True)
@@ -118,11 +118,11 @@ def test_an_invalid_call_accepted_without_checks_replays_as_a_failure(tmp_path, 
         "def gather(cache, block_table, seq_len):\n"
         "    return loop.gather(cache, block_table, seq_len, validate=False)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    from pagedkv.testing.invalid import InvalidCall
+    from pagedkv.testing.cases.invalid_call import InvalidCall
 
     monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(tmp_path))
     call = InvalidCall("gather", "block_id_negative", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 5),)))
-    path = casefile.save_failure("check_rejected", "unchecked_backend", call, test_id="invalid", error="")
+    path = writing.save_failure("check_rejected", "unchecked_backend", call, test_id="invalid", error="")
     assert path.parent == tmp_path
     out = io.StringIO()
     assert replay(path, out=out) == 2 and "--impl unchecked_backend" in out.getvalue()  # not on the file's word
@@ -145,7 +145,7 @@ SLOPPY_GATHER = ("from pagedkv.backends import indexed\n"
 
 def test_a_scenario_read_that_differs_prints_expected_and_actual_kv(tmp_path):
     (tmp_path / "sloppy_gather.py").write_text(SLOPPY_GATHER)
-    path = casefile.save_failure("sharing_isolated", "indexed", SCENARIO)
+    path = writing.save_failure("sharing_isolated", "indexed", SCENARIO)
     code, out = _run(path, ("impl", str(tmp_path / "sloppy_gather.py")))
     assert code == 1
     assert "sequence:         0" in out and "logical position: 6" in out
@@ -157,7 +157,7 @@ def test_a_scenario_read_that_differs_prints_expected_and_actual_kv(tmp_path):
 
 def test_an_attention_failure_prints_the_first_differing_rows_and_no_false_marker():
     case = Case(Geometry(8, 4, 2, 4, 2), (SeqSpec((2, 3, 6), 9, 3, 0), SeqSpec((0, 1), 8, 1, 0)), seed=7)
-    path = casefile.save_failure("attention_matches_reference", "pagedkv.testing.mutants:gqa_modulo", case)
+    path = writing.save_failure("attention_matches_reference", "pagedkv.testing.mutants:gqa_modulo", case)
     code, out = _run(path)
     assert code == 1 and "compare the outputs above" not in out
     rows = [line for line in out.splitlines() if line.startswith("  attention of sequence")]
@@ -174,7 +174,7 @@ def test_the_legend_names_only_markers_it_draws():
 
 
 def test_a_scenario_failure_shows_the_tables_live_when_it_failed():
-    path = casefile.save_failure("prefix_cache_transparent", "pagedkv.testing.mutants:no_copy_on_write", SCENARIO)
+    path = writing.save_failure("prefix_cache_transparent", "pagedkv.testing.mutants:no_copy_on_write", SCENARIO)
     code, out = _run(path)
     assert code == 1 and "(none live)" not in out
     assert "seq 0 | [0 ] [1" in out and "seq 1 | [0 ] [1" in out

@@ -56,7 +56,7 @@ def test_soak_reports_a_planted_leak(monkeypatch):
 def test_soak_catches_a_cache_serving_unwritten_or_stale_kv(monkeypatch, mutant):
     """Blocks cached at reservation (then aborted mid-step) and copy-on-write of layer 0 only are caught."""
     import pagedkv.cache
-    from pagedkv.testing.cache_mutants import CACHE_MUTANTS
+    from pagedkv.testing.mutants.caches import CACHE_MUTANTS
 
     monkeypatch.setattr(pagedkv.cache, "PagedKVCache", CACHE_MUTANTS[mutant])
     report = run_soak(600, seed=0, check_every=10)

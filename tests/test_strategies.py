@@ -4,7 +4,7 @@ import pytest
 from hypothesis import Phase, find, given, settings
 
 from pagedkv.config import blocks_needed
-from strategies import cases, fragmented_cases, large_pool_cases, scenarios, seq_lens
+from pagedkv.testing.strategies import cases, fragmented_cases, large_pool_cases, scenarios, seq_lens
 
 # no shrinking: any hit will do
 FIND = settings(max_examples=2000, database=None, deadline=None, phases=[Phase.generate])

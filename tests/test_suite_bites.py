@@ -6,9 +6,9 @@ import pytest
 from hypothesis import find, settings
 
 from pagedkv import get_backend
-from pagedkv.testing import checks
+from pagedkv.testing.properties import definitions as checks
 from pagedkv.validation import check_gather
-from strategies import cases
+from pagedkv.testing.strategies import cases
 
 indexed = get_backend("indexed")
 
@@ -37,7 +37,7 @@ def round_trip_fails(case) -> bool:
 
 
 def test_the_fault_is_invisible_off_the_boundary():
-    from pagedkv.testing.known_cases import C8  # lengths 5, 13, 2 with block_size 4: no multiple of the block size
+    from pagedkv.testing.cases.known import C8  # lengths 5, 13, 2 with block_size 4: no multiple of the block size
 
     checks.scatter_round_trip(faulty, C8)
 

@@ -33,7 +33,7 @@ from pagedkv import blockwise, get_backend  # noqa: E402
 from pagedkv.attention import reference_attention  # noqa: E402
 from pagedkv.config import blocks_needed  # noqa: E402
 from pagedkv.errors import BackendUnavailableError, BlockIndexError, ShapeError  # noqa: E402
-from pagedkv.testing.tolerance import assert_attention_close, assert_bitwise_equal  # noqa: E402
+from pagedkv.testing.compare import assert_attention_close, assert_bitwise_equal  # noqa: E402
 
 try:  # first: on CPU it sets TRITON_INTERPRET=1 before triton is imported
     triton_backend = get_backend("triton")
@@ -348,7 +348,7 @@ FAULTS = {
 
 
 def plant(fault: str, tmp_path: Path):
-    """Import a copy of :mod:`pagedkv.backends.triton_attention` with ``fault`` planted, as a separate module."""
+    """Import a copy of :mod:`pagedkv.backends.triton.attention` with ``fault`` planted, as a separate module."""
     source = Path(triton_attention.__file__).read_text()
     line, broken = FAULTS[fault]
     assert source.count(line) == 1, f"fault {fault!r}: target line not found exactly once in the kernel source"
@@ -522,7 +522,7 @@ def test_suite_attention_properties_hold_for_a_fixed_split(prop):
     import dataclasses
 
     from pagedkv.testing.registry import properties
-    from pagedkv.testing.runner import run_property
+    from pagedkv.testing.mutants.kill_table import run_property
 
     chosen = properties()[prop]
     if SPLIT_EXAMPLES is not None:

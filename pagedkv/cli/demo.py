@@ -12,7 +12,7 @@ computes the step's packed batch (prefill chunks and decode tokens, causal) with
 
 - every ``paged_attention`` call, at every step: against an fp64 dense reference over the K/V the
   demo wrote (kept apart from the cache), with the tolerance policy of
-  :mod:`pagedkv.testing.tolerance`;
+  :mod:`pagedkv.testing.compare`;
 - every ``--check-every`` steps and at the end: a ``gather`` of K and of V of every live sequence,
   compared bit for bit with the K/V written for its tokens; the cache's invariants are checked then.
 
@@ -130,8 +130,8 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
     from pagedkv.engine import Step
     from pagedkv.cache import PagedKVCache
     from pagedkv.errors import OutOfBlocksError
-    from pagedkv.testing.cases import Geometry, token_kv
-    from pagedkv.testing.tolerance import assert_attention_close, bits
+    from pagedkv.testing.cases.case import Geometry, token_kv
+    from pagedkv.testing.compare import assert_attention_close, bits
 
     backends = [load_backend(b) if isinstance(b, str) else b for b in impls]
     names = [backend_name(b) for b in backends]

@@ -1,5 +1,5 @@
 """``python -m pagedkv fuzz``: fuzz every registered property of a candidate across N processes for a
-time budget, sharing one Hypothesis example database (see :mod:`pagedkv.testing.fuzzing`).
+time budget, sharing one Hypothesis example database (see :mod:`pagedkv.testing.fuzz.workers`).
 
     python -m pagedkv fuzz --impl my_engine.kv:backend --workers 8 --minutes 60 --database redis://fuzz:6379/0
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pagedkv.cli.common import device_option
 
-from pagedkv.testing.fuzzing import Failure, Quiet
+from pagedkv.testing.fuzz.workers import Failure, Quiet
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -130,7 +130,8 @@ def _positive_float(text: str) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """``python -m pagedkv fuzz``: see the module docstring for the exit status."""
-    from pagedkv.testing.fuzzing import DEFAULT_BATCH, FuzzConfig, fuzz
+    from pagedkv.testing.casefiles.writing import failure_dir
+    from pagedkv.testing.fuzz.workers import DEFAULT_BATCH, FuzzConfig, fuzz
 
     if args.list:
         from pagedkv.testing.registry import properties
@@ -142,13 +143,13 @@ def run(args: argparse.Namespace) -> int:
         print("pagedkv fuzz: name the implementation under test with --impl SPEC (or $PAGEDKV_IMPL)", file=sys.stderr)
         return 2
     import pagedkv
-    from pagedkv.testing.databases import DatabaseError
+    from pagedkv.testing.fuzz.databases import DatabaseError
 
     config = FuzzConfig(
         impl=args.impl, workers=args.workers, seconds=args.minutes * 60, database=args.database,
         properties=tuple(args.properties), device=args.device or os.environ.get("PAGEDKV_DEVICE") or None,
         batch=args.batch or DEFAULT_BATCH, interval=args.interval,
-        failure_dir=args.failure_dir or Path(os.environ.get("PAGEDKV_FAILURE_DIR", ".pagedkv-failures")))
+        failure_dir=args.failure_dir or failure_dir())
     try:
         report = fuzz(config, Progress)
     except (pagedkv.BackendError, DatabaseError, ValueError) as exc:

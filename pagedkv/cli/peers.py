@@ -78,10 +78,10 @@ def _case_from_reason(text: str) -> str:
         return ""
     path = found[-1]
     try:
-        from pagedkv.testing.casefile import load_failure
-        from pagedkv.testing.runner import brief
+        from pagedkv.testing.casefiles.reading import load_case_file
+        from pagedkv.testing.cases.notation import brief
 
-        return f"{brief(load_failure(path, check_backend=False)['case'])} (python -m pagedkv replay {path})"
+        return f"{brief(load_case_file(path, check_backend=False)['case'])} (python -m pagedkv replay {path})"
     except Exception as exc:  # a crashed or unreadable file: say so, keep the path
         return f"python -m pagedkv replay {path} ({type(exc).__name__})"
 
@@ -144,6 +144,8 @@ def _outcomes(log: Path, peer: str) -> list[dict]:
 
 def run_suite(peer: str, profile: str, jobs: int, device: str | None, timeout: float, budget: float = 0) -> dict:
     """One peer's suite in a pytest subprocess: ``{peer, seconds, exit, tests: [...], error}``."""
+    from pagedkv.testing.casefiles.writing import failure_dir
+
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "log.jsonl"
         log.touch()
@@ -155,7 +157,7 @@ def run_suite(peer: str, profile: str, jobs: int, device: str | None, timeout: f
         if device:
             cmd += ["--pagedkv-device", device]
         env = {**os.environ, "PAGEDKV_PEERS_LOG": str(log), "PAGEDKV_TEST_BUDGET_S": str(budget or ""),
-               "PAGEDKV_FAILURE_DIR": os.path.join(".pagedkv-failures", "peers", peer)}
+               "PAGEDKV_FAILURE_DIR": os.path.join(failure_dir(), "peers", peer)}
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -11,7 +11,7 @@ actual values) and a map of the block tables with the bad block marked::
       block 3: | . x . . |   (x = offset 1)
 
 A case file is untrusted input (a CI artifact, an issue attachment): before anything runs it passes
-:func:`pagedkv.testing.casefile.load_case_file` (size, encoding, schema, consistency, a memory
+:func:`pagedkv.testing.casefiles.reading.load_case_file` (size, encoding, schema, consistency, a memory
 budget), and the backend it records is loaded only when it is a built-in name, a shipped mutant or a
 shipped peer; any other spec runs only when you name it yourself with ``--impl`` (``--other`` for the
 second backend of a pair).
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _byte_count(text: str) -> int:
-    from pagedkv.testing.schema import parse_bytes
+    from pagedkv.testing.casefiles.schema import parse_bytes
 
     try:
         return parse_bytes(text)
@@ -84,14 +84,14 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
         quiet: only the verdict line.
         other: a backend spec replacing the recorded ``other`` (the second backend of a pair).
         max_bytes: memory budget of the case (``None``: a quarter of physical memory; see
-            :mod:`pagedkv.testing.casefile`).
+            :mod:`pagedkv.testing.casefiles.reading`).
 
     Returns:
         0 (passes), 1 (fails) or 2 (the file is refused, or the backend cannot be loaded).
     """
     choose_interpreter(on_cpu=not str(device).startswith("cuda"))  # before anything imports Triton
     from pagedkv.errors import CaseFileError
-    from pagedkv.testing.casefile import load_case_file
+    from pagedkv.testing.casefiles.reading import load_case_file
 
     out = out or sys.stdout
     try:  # before any backend is imported or any tensor allocated
@@ -100,7 +100,6 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
         print(f"replay: refused case file {path}: {exc}", file=out)
         return 2
     from pagedkv.backends import load_backend
-    from pagedkv.testing.casefile import run_record
     from pagedkv.testing.compare import MissingOp, Mismatch
 
     if str(device).startswith("cuda"):
@@ -117,8 +116,7 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
         print(f"replay: cannot load backend {spec!r}: {exc}", file=out)
         return 2
     check = record["check"]
-    what = check + (f"[{record['transform']}]" if record.get("transform") else "") + \
-        (f" vs {record['other']}" if record.get("other") else "")
+    what = check + (f" vs {record['other']}" if record.get("other") else "")
     if not quiet:
         title = f" ({record['id']}: {record['title']})" if record.get("id") else ""
         print(f"replay {path}{title}", file=out)
@@ -132,7 +130,7 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
         if hasattr(record["case"], "ops"):  # a cache scenario: keep the live tables at the failing step for the map
             _sharing_with_snapshot(backend, record["case"], device, snapshot, record)
         else:
-            run_record(record, backend, device)
+            _run_record(record, backend, device)
     except MissingOp as exc:
         print(f"SKIPPED: {exc}", file=out)
         return 0
@@ -151,6 +149,19 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
         return 1
     print(f"PASSES: {check} on {spec} ({device})", file=out)
     return 0
+
+
+def _run_record(record: dict, backend: Any, device: str) -> None:
+    """Run the record through :func:`pagedkv.testing.execute.run_record`; raise what it found (the
+    backend's own exception, or ``MissingOp`` when the property cannot be judged on it)."""
+    from pagedkv.testing.compare import MissingOp
+    from pagedkv.testing.execute import run_record
+
+    outcome = run_record(record, backend, device)
+    if outcome.status == "skipped":
+        raise MissingOp(outcome.reason)
+    if outcome.failed:
+        raise outcome.failures[0].error
 
 
 class _RecordingBackend:
@@ -178,12 +189,13 @@ def _sharing_with_snapshot(backend: Any, scenario, device: str, snapshot: dict, 
     """Run a cache scenario's check (``sharing_isolated`` unless ``record`` names another) and, when it
     fails, leave in ``snapshot`` the block table of every sequence live at that moment (in the first
     cache the check made) and add the expected and actual K/V of the first bad read to the mismatch."""
-    from pagedkv.testing.casefile import run_record
     from pagedkv.testing.compare import Mismatch
 
     recording = _RecordingBackend(backend)
+    record = record or {"check": "every_live_sequence_reads_only_its_own_tokens", "kind": "CacheScenario",
+                        "case": scenario, "backend": None}
     try:
-        run_record(record or {"check": "sharing_isolated", "case": scenario}, recording, device)
+        _run_record(record, recording, device)
     except Mismatch as exc:
         if recording.caches:
             _add_values(exc.where, backend, recording.caches[0], scenario)
@@ -203,10 +215,10 @@ def _add_values(where: dict, backend: Any, cache, scenario) -> None:
     if "expected" in where or not callable(getattr(backend, "gather", None)):
         return
     try:
-        from pagedkv.testing.cache_model import expected_kv
+        from pagedkv.testing.properties.cache_model import expected_kv
     except ImportError:  # an older kit: no namespaced values to compare with
         return
-    from pagedkv.testing.tolerance import bits
+    from pagedkv.testing.compare import bits
 
     g, bs = scenario.geometry, scenario.geometry.block_size
     for seq in sorted(cache.sequences, key=lambda s: (s != where.get("seq"), s)):
@@ -234,7 +246,7 @@ def _add_values(where: dict, backend: Any, cache, scenario) -> None:
 
 def _tables(case, snapshot: dict) -> dict[int, list[int]]:
     """``{seq: block table}`` for the map: the case's tables, or the cache's at the failing step."""
-    from pagedkv.testing.cases import Case
+    from pagedkv.testing.cases.case import Case
 
     if isinstance(case, Case):
         return {i: list(s.block_table) for i, s in enumerate(case.seqs)}
@@ -256,12 +268,12 @@ def _first_differences(backend: Any, case, device: str, out: TextIO, limit: int 
     sequence's gather (bit for bit) and the attention output (fp64 reference, tolerance policy), with
     expected and actual values. Returns ``{"seq", "position"}`` of the first bad gathered row, if any."""
 
-    from pagedkv.testing.checks import reference_output, run_attention
-    from pagedkv.testing.tolerance import attention_tolerance, bits
+    from pagedkv.testing.properties.definitions import reference_output, run_attention
+    from pagedkv.testing.compare import attention_tolerance, bits
 
     found, printed = {}, 0
     if callable(getattr(backend, "gather", None)):
-        from pagedkv.testing.cases import reference_gather
+        from pagedkv.testing.cases.case import reference_gather
 
         k_cache, _ = case.caches(device)
         for i, s in enumerate(case.seqs):
@@ -298,7 +310,7 @@ def _first_differences(backend: Any, case, device: str, out: TextIO, limit: int 
 
 def _report_where(where: dict, case, snapshot: dict, out: TextIO, *, backend: Any = None, device: str = "cpu") -> None:
     """Print the located mismatch (with expected and actual values) and the block-table map."""
-    from pagedkv.testing.cases import Case
+    from pagedkv.testing.cases.case import Case
 
     bs = case.geometry.block_size
     if "expected" not in where and backend is not None and isinstance(case, Case):

@@ -21,7 +21,7 @@ Each scheduler step:
    shared partial block copies it), and sequences that reached their length finish and free.
 
 Every token's K/V is a deterministic function of its token, position, every token before it and the
-layer (:func:`pagedkv.testing.cases.token_kv`), so a sequence's K/V follows from its committed tokens.
+layer (:func:`pagedkv.testing.cases.case.token_kv`), so a sequence's K/V follows from its committed tokens.
 Every ``check_every`` steps each live sequence is gathered in every layer and compared with the K/V
 of its tokens bit for bit, the allocator/cache invariants are checked, and every block the prefix
 cache holds (and a lookup can reach) must cache a prefix that was written and committed, and store
@@ -97,10 +97,10 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
     from pagedkv.backends import load_backend
     from pagedkv.cache import PagedKVCache
     from pagedkv.engine import Step, admit
-    from pagedkv.testing.cases import Geometry, token_kv
+    from pagedkv.testing.cases.case import Geometry, token_kv
     from pagedkv.config import blocks_needed
     from pagedkv.errors import OutOfBlocksError
-    from pagedkv.testing.tolerance import bits
+    from pagedkv.testing.compare import bits
 
     if steps < 1 or check_every < 1 or num_layers < 1:
         raise ValueError(f"steps, check_every and num_layers must be >= 1, got steps={steps}, "

@@ -7,21 +7,21 @@ runs properties is driven from here:
 
 - the pytest conformance suite (:mod:`pagedkv.testing.suite`): one test per property, named
   ``test_<name>``;
-- ``python -m pagedkv mutants`` (:mod:`pagedkv.testing.mutants`): every property against every mutant;
-- case files: the ``check`` field is a property name, and :func:`property_for_record` finds it again
-  (older files name the check function, which :attr:`Property.aliases` maps).
+- ``python -m pagedkv mutants`` / ``fuzz`` / ``peers`` / ``replay`` and the mutation command: each runs
+  a property through the one execution core, :mod:`pagedkv.testing.execute`;
+- case files: the ``check`` field is a property name (:func:`property_for_record`).
 
 Adding a property is one entry in :func:`_declare`. ``tests/test_registry.py`` fails when a check
 function is not registered or a registered property is not collected by pytest.
 
-Strategies are built lazily (``strategy()``): importing the registry needs neither Hypothesis nor
-the ``strategies`` package, so a case file replays on a machine without them.
+Strategies are built lazily (``strategy(caps)``): importing the registry needs neither Hypothesis nor
+:mod:`pagedkv.testing.strategies`, so a case file replays on a machine without them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache, partial
 from typing import Any
 
@@ -45,11 +45,10 @@ class Property:
         examples: a zero-argument callable returning explicit cases that always run (``@example``).
         max_examples: a cap below the profile's example count (expensive cases).
         pair: the check compares two backends (a candidate is compared with the ``indexed`` backend).
-        kind: ``"case"`` (a :class:`~pagedkv.testing.cases.Case`), ``"scenario"``
-            (:class:`~pagedkv.testing.cases.CacheScenario`), ``"invalid"``
-            (:class:`~pagedkv.testing.invalid.InvalidCall`) or ``"machine"`` (a Hypothesis state
+        kind: ``"case"`` (a :class:`~pagedkv.testing.cases.case.Case`), ``"scenario"``
+            (:class:`~pagedkv.testing.cases.case.CacheScenario`), ``"invalid"``
+            (:class:`~pagedkv.testing.cases.invalid_call.InvalidCall`) or ``"machine"`` (a Hypothesis state
             machine: ``check(backend, device, settings)``, no strategy, no case file).
-        aliases: ``(check_function_name, transform)`` pairs that older case files record.
         requires: ``requires(caps)`` says why a backend's declared space cannot run the property
             (``None``: it can); the suite skips it with that reason.
     """
@@ -63,51 +62,67 @@ class Property:
     max_examples: int | None = None
     pair: bool = False
     kind: str = "case"
-    aliases: tuple[tuple[str, str | None], ...] = field(default=())
     requires: Callable[[Any], str | None] = lambda caps: None
 
-    def run(self, backend: Any, case: Any, device: str = "cpu", reference: Any = None) -> None:
-        """Check ``case`` on ``backend``; a pair property compares it with ``reference`` (default:
-        pagedkv's ``indexed`` backend).
+    def cannot_run(self, backends: tuple, caps: Any) -> str | None:
+        """Why this property cannot be judged on ``backends`` (the candidate last) inside the declared
+        space ``caps``, or ``None`` when it can: an op a backend lacks, or a space the property needs."""
+        for b in backends:
+            missing = [op for op in self.ops if not callable(getattr(b, op, None))]
+            if missing:
+                return f"{getattr(b, 'name', None) or type(b).__name__} does not provide {missing[0]!r}"
+        return self.requires(caps)
 
-        Raises:
-            Mismatch: the property fails. MissingOp: the backend lacks an op it needs.
-        """
-        if self.pair:
-            from pagedkv.backends import get_backend
+    def strategy_in(self, caps: Any, **overrides):
+        """The Hypothesis strategy of this property's cases inside ``caps`` (``None`` for a state machine)."""
+        return None if self.kind == "machine" else self.strategy(caps, **overrides)
 
-            return self.check(reference or get_backend("indexed"), backend, case, device)
-        return self.check(backend, case, device)
+    def examples_in(self, caps: Any, *, violating: bool = False) -> list:
+        """The explicit examples that lie inside ``caps`` (with ``violating``: those that break its
+        declared precondition instead, for findings)."""
+        return [case for case in self.examples() if _fits(case, caps, violating)]
+
+
+def _fits(case: Any, caps: Any, violating: bool = False) -> bool:
+    geometry = getattr(case, "geometry", None) or case.case.geometry
+    if caps.rejects(geometry):
+        return False
+    if getattr(case, "features", frozenset()) - caps.features:  # a feature the backend does not declare
+        return False
+    poison = getattr(case, "poison", None) or getattr(getattr(case, "case", None), "poison", None)
+    breaks = "finite_unused_slots" in caps.preconditions and poison in ("nan", "inf")
+    return breaks if violating else not breaks
 
 
 def _declare() -> list[Property]:
-    from pagedkv.testing import checks, invalid, invariances, known_cases as kc, machine, scenarios
-    from pagedkv.testing import feature_checks as fc
+    from pagedkv.testing.cases import invalid_call as invalid, known as kc
+    from pagedkv.testing.properties import definitions as checks, features as fc, invariances, machine, rejection
+    from pagedkv.testing.properties import scenarios
 
     def mixed(**kw):
         def build(caps=None, poisons=None):
-            import strategies as s
+            import pagedkv.testing.strategies as s
 
             return s.cases(caps=caps, poisons=poisons, **kw) | s.fragmented_cases(caps=caps, poisons=poisons)
         return build
 
     def lazy(name, **kw):
         def build(caps=None, poisons=None):
-            import strategies as s
+            import pagedkv.testing.strategies as s
 
             return getattr(s, name)(caps=caps, **kw, **({"poisons": poisons} if poisons else {}))
         return build
 
     def featured(feature, **kw):  # cases with ``feature`` on (others drawn as usual)
         def build(caps=None, poisons=None):
-            import strategies as s
+            import pagedkv.testing.strategies as s
 
             return (s.cases(caps=caps, poisons=poisons, force=(feature,), **kw)
                     | s.fragmented_cases(caps=caps, poisons=poisons, force=(feature,)))
         return build
 
     def large_pool(caps):
-        from strategies.batches import large_pool_unsupported
+        from pagedkv.testing.strategies.batches import large_pool_unsupported
 
         return large_pool_unsupported(caps)
 
@@ -121,50 +136,42 @@ def _declare() -> list[Property]:
     props = [
         Property("gather_returns_exactly_what_each_slot_holds",
                  "gather returns, bit for bit, cache[table[p // bs], p % bs] for every position and writes nothing",
-                 ("gather",), checks.gather_matches_definition, mixed(), lambda: (kc.C5, kc.C6, kc.C8),
-                 aliases=(("gather_matches_definition", None),)),
+                 ("gather",), checks.gather_matches_definition, mixed(), lambda: (kc.C5, kc.C6, kc.C8)),
         Property("scatter_then_gather_round_trips_and_touches_no_other_slot",
                  "scatter writes exactly positions start .. seq_len - 1 (frame condition) and gather reads them back",
-                 ("scatter", "gather"), checks.scatter_round_trip, mixed(repeats=False), lambda: (kc.C6, kc.C8),
-                 aliases=(("scatter_round_trip", None),)),
+                 ("scatter", "gather"), checks.scatter_round_trip, mixed(repeats=False), lambda: (kc.C6, kc.C8)),
         Property("write_kv_lands_at_slot_mapping_and_skips_negative_slots",
                  "write_kv puts token t at slot_mapping[t] in both pools, skips negative slots, touches nothing else",
-                 ("write_kv",), checks.write_kv_matches_definition, mixed(repeats=False), lambda: (kc.C5,),
-                 aliases=(("write_kv_matches_definition", None),)),
+                 ("write_kv",), checks.write_kv_matches_definition, mixed(repeats=False), lambda: (kc.C5,)),
         Property("backends_agree_on_every_op_both_provide",
                  "two backends agree: data movement bit for bit, attention bitwise between gathering backends "
-                 "and within tolerance otherwise", (), checks.backends_agree, mixed(), lambda: (kc.C8,), pair=True,
-                 aliases=(("backends_agree", None),)),
+                 "and within tolerance otherwise", (), checks.backends_agree, mixed(), lambda: (kc.C8,), pair=True),
         Property("paged_attention_matches_fp64_dense_reference",
                  "paged_attention equals the fp64 dense reference within the dtype's tolerance; NaN never passes",
                  attn, checks.attention_matches_reference, mixed(),
-                 lambda: (kc.C5, kc.C6, *kc.C7, kc.C8, kc.F_WINDOW, kc.F_ALL, kc.F_FP8),
-                 aliases=(("attention_matches_reference", None),)),
+                 lambda: (kc.C5, kc.C6, *kc.C7, kc.C8, kc.F_WINDOW, kc.F_ALL, kc.F_FP8)),
         Property("a_request_alone_equals_the_same_request_in_a_batch",
                  "each request's attention alone equals, bit for bit, its rows in the batch",
-                 attn, invariances.alone_equals_in_batch, lazy("cases", max_seqs=4), lambda: (kc.C5, kc.C8),
-                 aliases=(("alone_equals_in_batch", None),)),
+                 attn, invariances.alone_equals_in_batch, lazy("cases", max_seqs=4), lambda: (kc.C5, kc.C8)),
         Property("decoding_token_by_token_equals_one_prefill_and_chunked_prefill",
                  "one prefill call equals decoding token by token and chunked prefill, within tolerance",
-                 attn, invariances.decode_matches_prefill, lazy("cases", max_seqs=2, max_q_len=6), lambda: (kc.C7[0],),
-                 aliases=(("decode_matches_prefill", None),)),
+                 attn, invariances.decode_matches_prefill, lazy("cases", max_seqs=2, max_q_len=6), lambda: (kc.C7[0],)),
         Property("every_live_sequence_reads_only_its_own_tokens",
                  "after every fork, append, copy-on-write and prefix hit, each live sequence reads exactly its "
                  "own tokens' K/V and the allocator's counts match the live tables",
                  ("write_kv", "gather"), scenarios.sharing_isolated, lazy("scenarios"),
-                 lambda: (kc.C2, kc.C4, kc.C1[0]), kind="scenario", aliases=(("sharing_isolated", None),)),
+                 lambda: (kc.C2, kc.C4, kc.C1[0]), kind="scenario"),
         Property("prefix_caching_changes_no_output",
                  "prefix caching on and off give every comparable sequence the same K/V and attention output",
                  ("write_kv", "paged_attention"), scenarios.prefix_cache_transparent,
-                 lazy("scenarios", constant_hash=False), lambda: (*kc.C1, kc.C4), kind="scenario",
-                 aliases=(("prefix_cache_transparent", None),)),
+                 lazy("scenarios", constant_hash=False), lambda: (*kc.C1, kc.C4), kind="scenario"),
     ]
     for t in sorted(invariances.TRANSFORMS):
         props.append(Property(
             f"outputs_are_bit_identical_under_{t}",
             f"gathers and attention are bit-identical after the '{t}' transform of the inputs",
             (), partial(invariances.invariant_under, transform=t), lazy("cases"), lambda: (kc.C6, kc.C8),
-            aliases=(("invariant_under", t),), requires=transform_needs.get(t, lambda caps: None)))
+            requires=transform_needs.get(t, lambda caps: None)))
     for op, fn in (("gather", checks.gather_matches_definition), ("scatter", checks.scatter_round_trip),
                    ("write_kv", checks.write_kv_matches_definition)):
         props.append(Property(
@@ -204,8 +211,8 @@ def _declare() -> list[Property]:
         props.append(Property(
             f"{op}_rejects_bad_arguments_and_writes_nothing",
             f"{op} with one argument broken raises the contract's error naming it, and both pools are unchanged",
-            (op,), invalid.check_rejected, lazy("invalid_calls", ops=(op,)), partial(kc.invalid_examples, op),
-            kind="invalid", aliases=(("check_rejected", None),) if op == "gather" else ()))
+            (op,), rejection.check_rejected, lazy("invalid_calls", ops=(op,)), partial(kc.invalid_examples, op),
+            kind="invalid"))
     return props
 
 
@@ -232,27 +239,19 @@ def properties() -> dict[str, Property]:
     return by_name
 
 
-def property_for_record(check: str, transform: str | None = None) -> Property:
-    """The property a case file's ``check`` (and ``transform``) field names: a property name, or the
-    check function name that older case files record.
+def property_for_record(check: str) -> Property:
+    """The property a case file's ``check`` field names (older check-function names are upgraded when
+    the file is read: :func:`pagedkv.testing.casefiles.schema.upgrade_legacy_check`).
 
     Raises:
-        KeyError: no property matches.
+        KeyError: no registered property has that name.
     """
-    props = properties()
-    if check in props:
-        return props[check]
-    for p in props.values():
-        if (check, transform) in p.aliases:
-            return p
-    raise KeyError(f"no registered property {check!r}" + (f" with transform {transform!r}" if transform else ""))
+    try:
+        return properties()[check]
+    except KeyError:
+        raise KeyError(f"no registered property {check!r}") from None
 
 
 def check_functions() -> set[Callable]:
     """The underlying check functions the registry refers to (``partial`` unwrapped)."""
     return {getattr(p.check, "func", p.check) for p in properties().values()}
-
-
-def missing_ops_for(backend: Any, prop: Property) -> list[str]:
-    """The ops of ``prop`` that ``backend`` does not provide (an empty list: it can run)."""
-    return [op for op in prop.ops if not callable(getattr(backend, op, None))]

@@ -13,9 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.testing.cases import Case, Geometry, SeqSpec
+from pagedkv.testing.cases.case import Case, Geometry, SeqSpec
 from pagedkv.testing.compare import bits, require
-from pagedkv.testing.invalid import FAULTS, InvalidCall, check_rejected, fault_sites
+from pagedkv.testing import execute
+from pagedkv.testing.cases.invalid_call import FAULTS, InvalidCall, fault_sites
+from pagedkv.testing.registry import properties
+from pagedkv.testing.report import failure_text
 
 pytestmark = pytest.mark.pagedkv
 
@@ -25,13 +28,19 @@ NUM_SLOTS = NUM_BLOCKS * BLOCK_SIZE
 
 
 @pytest.mark.parametrize("op,fault", sorted(FAULTS))
-def test_every_fault_is_rejected_on_a_fixed_case(check, backend, device, op, fault):
+def test_every_fault_is_rejected_on_a_fixed_case(pagedkv_run, backend, device, op, fault):
     """Each fault kind at least once, on a case that can carry every fault."""
     case = Case(Geometry(num_blocks=6, block_size=2, num_kv_heads=2, num_queries_per_kv=2),
                 (SeqSpec((4, 1), 3, 2, 1), SeqSpec((0, 3, 5), 5, 1, 0)), values="identity", poison="nan")
     sites = fault_sites(op, fault, case)
     assert sites, f"the fixed case cannot carry {op}/{fault}"
-    check(check_rejected, backend, InvalidCall(op, fault, case, sites[-1]), device)
+    prop = properties()[f"{op}_rejects_bad_arguments_and_writes_nothing"]
+    outcome = execute.run_case(prop, (backend,), InvalidCall(op, fault, case, sites[-1]), device,
+                               spec=pagedkv_run.spec, case_file=pagedkv_run.case_file)
+    if outcome.status == "skipped":
+        pytest.skip(outcome.reason)
+    if outcome.failed:
+        pytest.fail(failure_text(prop.sentence, outcome), pytrace=False)
 
 
 def test_c9_capacity_is_checked_before_any_write(backend, device):
@@ -61,7 +70,7 @@ def _aliased_pool(device: str) -> tuple[torch.Tensor, torch.Tensor]:
 def _skip_outside_declared_space(backend) -> None:
     """The aliased pool is a strided ``float32`` view with block size 512, one kv head and head_dim 1:
     skip (with the reason) a backend whose declared space excludes it."""
-    from pagedkv.testing.plugin import capabilities_under_test
+    from pagedkv.testing.space import capabilities_under_test
 
     caps = capabilities_under_test(backend)
     reason = caps.rejects(Geometry(NUM_BLOCKS, BLOCK_SIZE, num_kv_heads=1, head_dim=1)) or (

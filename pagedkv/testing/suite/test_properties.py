@@ -1,8 +1,9 @@
 """One test per registered property (:mod:`pagedkv.testing.registry`), named ``test_<property>``.
 
-Each draws its cases inside the backend's declared space
-(:class:`~pagedkv.backends.capabilities.Capabilities`), always runs the explicit examples that fit it,
-and skips with the reason when the backend lacks an op or its declared space cannot run the property.
+Each runs its property through :func:`pagedkv.testing.execute.run`: cases drawn inside the backend's
+declared space (:class:`~pagedkv.backends.capabilities.Capabilities`), the explicit examples that fit
+it first, a skip with the reason when the property cannot be judged through the backend's ops or
+space. A failure shows the property's sentence, the located mismatch, the case and its replay line.
 
 A backend that declares a *precondition* (for example ``finite_unused_slots``) is also run, by
 ``test_finding_outside_declared_preconditions``, on cases that break it: a failure there is reported
@@ -12,16 +13,15 @@ off as conformance.
 
 from __future__ import annotations
 
-from functools import cache
+import os
 
 import pytest
-from hypothesis import example, given, settings
 
 from pagedkv.backends import backend_name
-from pagedkv.backends.capabilities import Capabilities
-from pagedkv.testing.databases import property_key
-from pagedkv.testing.registry import Property, missing_ops_for, properties
-from pagedkv.testing.plugin import INTERPRETED_MAX_EXAMPLES, capabilities_under_test, interpreted
+from pagedkv.testing import execute
+from pagedkv.testing.fuzz.databases import property_key
+from pagedkv.testing.registry import Property, properties
+from pagedkv.testing.report import failure_text
 
 pytestmark = pytest.mark.pagedkv
 
@@ -29,68 +29,36 @@ pytestmark = pytest.mark.pagedkv
 VIOLATIONS = {"finite_unused_slots": {"poisons": ("nan", "inf")}}
 
 
-def _geometry(case):
-    return getattr(case, "geometry", None) or case.case.geometry
-
-
-def _fits(case, caps: Capabilities, violating: bool = False) -> bool:
-    """Whether an explicit example lies in the declared space (and breaks the precondition when
-    ``violating``, keeps it otherwise)."""
-    if caps.rejects(_geometry(case)):
-        return False
-    if getattr(case, "features", frozenset()) - caps.features:  # a feature the backend does not declare
-        return False
-    poison = getattr(case, "poison", None) or getattr(getattr(case, "case", None), "poison", None)
-    breaks = "finite_unused_slots" in caps.preconditions and poison in ("nan", "inf")
-    return breaks if violating else not breaks
-
-
-@cache
-def _hypothesis_test(prop: Property, caps: Capabilities, violation: str | None = None, cap: int | None = None):
-    """The property as a Hypothesis test over cases inside ``caps`` (breaking ``violation`` if given),
-    drawing at most ``cap`` examples when given."""
-    def body(check, backends, device, case):
-        check(prop, *backends, case, device)
-
-    overrides = VIOLATIONS.get(violation, {})
-    test = given(case=prop.strategy(caps, **overrides))(body)
-    for case in reversed(prop.examples()):
-        if _fits(case, caps, violating=violation is not None):
-            test = example(case=case)(test)
-    limit = min(x for x in (prop.max_examples, cap, settings().max_examples) if x is not None)
-    if limit < settings().max_examples:
-        test = settings(max_examples=limit)(test)
-    # A distinct database key per property: Hypothesis keys its example database by the test function.
-    test.hypothesis.inner_test._hypothesis_internal_add_digest = f"{prop.name}/{violation}".encode()
-    return test
-
-
-def _run(prop: Property, check, backends: tuple, device: str) -> None:
-    for b in backends:
-        missing = missing_ops_for(b, prop)
-        if missing:
-            pytest.skip(f"{getattr(b, 'name', b)} does not provide {missing[0]!r}: needed by {prop.name}")
-    caps = capabilities_under_test(backends[-1], for_drawing=True)
-    reason = prop.requires(caps)
-    if reason:
-        pytest.skip(f"{prop.name}: {reason}")
-    cap = INTERPRETED_MAX_EXAMPLES if any(interpreted(b) for b in backends) else None
-    if prop.kind == "machine":  # Hypothesis prints the shrunk steps; there is no case to write
-        prop.check(backends[-1], device, settings(max_examples=cap // 3) if cap else None)  # 50 steps a run
-        return
-    test = _hypothesis_test(prop, caps, None, cap)
-    # keyed per property and backend(s), as `python -m pagedkv fuzz` keys it: each replays what the other found
-    test._hypothesis_internal_database_key = property_key(prop.name, *(backend_name(b) for b in backends))
-    test(check, backends, device)
+def _judge(prop: Property, pagedkv_run, backends: tuple, device: str, **options) -> execute.Outcome:
+    """Run ``prop`` on ``backends`` (the candidate last), record the verdict, skip or fail the test."""
+    __tracebackhide__ = True
+    candidate = backends[-1]
+    outcome = execute.run(prop, backends, device, execute.suite_settings(), spec=pagedkv_run.spec,
+                          case_file=pagedkv_run.case_file,
+                          budget_s=float(os.environ.get("PAGEDKV_TEST_BUDGET_S") or 0),
+                          database_key=property_key(prop.name, *(backend_name(b) for b in backends)), **options)
+    finding = options.get("violating", False)
+    if outcome.status == "skipped":
+        pagedkv_run.record(prop.name, candidate, "skipped", outcome.reason)
+        pytest.skip(f"{prop.name}: {outcome.reason}")
+    if outcome.status == "failed" and finding:
+        pagedkv_run.record(prop.name, candidate, "finding", outcome.first_line)
+        return outcome
+    pagedkv_run.record(prop.name, candidate, "failed" if outcome.failed else "judged", outcome.reason)
+    if outcome.failed:
+        pytest.fail(failure_text(prop.sentence, outcome), pytrace=False)
+    if outcome.status == "partial":
+        pytest.skip(f"{prop.name}: {outcome.reason}")
+    return outcome
 
 
 def _make_test(prop: Property):
     if prop.pair:
-        def run(check, backend_pair, device):
-            _run(prop, check, tuple(backend_pair), device)
+        def run(pagedkv_run, backend_pair, device):
+            _judge(prop, pagedkv_run, tuple(backend_pair), device)
     else:
-        def run(check, backend, device):
-            _run(prop, check, (backend,), device)
+        def run(pagedkv_run, backend, device):
+            _judge(prop, pagedkv_run, (backend,), device)
     run.__name__ = run.__qualname__ = f"test_{prop.name}"
     run.__doc__ = prop.sentence
     return run
@@ -99,45 +67,18 @@ def _make_test(prop: Property):
 for _prop in properties().values():
     globals()[f"test_{_prop.name}"] = _make_test(_prop)
 
-_FINDING_PROPERTIES = [p for p in properties().values() if p.kind == "case" and not p.pair]
-
-
-def pytest_generate_tests(metafunc):
-    if metafunc.function.__name__ != "test_finding_outside_declared_preconditions":
-        return
-    from pagedkv.testing.plugin import backends_under_test
-
-    params, ids = [], []
-    for backend in backends_under_test(metafunc.config):
-        for precondition in sorted(capabilities_under_test(backend).preconditions):
-            for prop in _FINDING_PROPERTIES:
-                params.append((backend, precondition, prop))
-                ids.append(f"{getattr(backend, 'name', 'backend')}-{precondition}-{prop.name}")
-    if not params:
-        metafunc.parametrize("finding", [pytest.param(None, marks=pytest.mark.skip(
-            reason="no backend under test declares a precondition"))], ids=["none"])
-    else:
-        metafunc.parametrize("finding", params, ids=ids)
-
-
-def test_finding_outside_declared_preconditions(check, finding, device):
-    """Non-gating: a property on cases that break a precondition the backend declares."""
+def test_finding_outside_declared_preconditions(pagedkv_run, finding, device):
+    """Non-gating: a property on cases that break a precondition the backend declares (the plugin
+    parametrizes ``finding`` as ``(backend, precondition, property)``)."""
     backend, precondition, prop = finding
-    for op in missing_ops_for(backend, prop):
-        pytest.skip(f"{getattr(backend, 'name', backend)} does not provide {op!r}")
-    caps = capabilities_under_test(backend, for_drawing=True)
-    if prop.requires(caps):
-        pytest.skip(prop.requires(caps))
-    try:
-        _hypothesis_test(prop, caps, precondition, INTERPRETED_MAX_EXAMPLES if interpreted(backend) else None)(
-            check, (backend,), device)
-    except AssertionError as exc:
-        pytest.xfail(finding_reason(precondition, exc))
+    outcome = _judge(prop, pagedkv_run, (backend,), device, overrides=VIOLATIONS.get(precondition, {}),
+                     violating=True)
+    if outcome.failed:
+        pytest.xfail(finding_reason(precondition, outcome))
 
 
-def finding_reason(precondition: str, exc: BaseException) -> str:
+def finding_reason(precondition: str, outcome: execute.Outcome) -> str:
     """The xfail reason of a finding: its first line and the replay command of its case file."""
-    lines = str(exc).strip().splitlines()
-    replay = next((line for line in lines if line.startswith("replay: ")), "")
-    return (f"finding (outside the declared precondition '{precondition}'): {lines[0] if lines else type(exc).__name__}"
-            + (f"; {replay}" if replay else ""))
+    failure = outcome.failures[0]
+    return (f"finding (outside the declared precondition '{precondition}'): {failure.first_line}"
+            + (f"; replay: {failure.replay}" if failure.replay else ""))

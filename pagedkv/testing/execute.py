@@ -1,0 +1,377 @@
+"""The execution core: the one place a property runs on backends.
+
+Every entry point calls it: the pytest suite (:mod:`pagedkv.testing.suite`), the regression and
+limit tests, ``python -m pagedkv replay`` / ``mutants`` / ``fuzz`` / ``peers`` and the mutation
+command. So they agree on what is skipped and why (:meth:`Property.cannot_run
+<pagedkv.testing.registry.Property.cannot_run>`), where cases are drawn
+(:meth:`~pagedkv.testing.registry.Property.strategy_in`, inside the declared space), which explicit
+examples run, when a case file is written and what a failure says.
+
+- :func:`run`: a Hypothesis search of one property (explicit examples first), stopping at the first
+  failing example and shrinking it unless the settings say otherwise;
+- :func:`run_case`: one fixed case (a case file, a regression, a limit), the same case-file and
+  message rules;
+- :func:`run_record`: a case file's record, on the recorded or a given backend.
+
+Case files: each example is written to ``case_file`` *before* the backend runs (``"outcome":
+"running"``) and removed when it passes, so a crash leaves it behind. When Hypothesis reports
+several distinct failures, each gets a file of its own (``NAME.json``, ``NAME-2.json``, ...) and a
+replay line of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pagedkv.testing.compare import MissingOp
+
+
+class BudgetSpent(BaseException):
+    """Raised inside a search when its time budget is spent (a ``BaseException``: Hypothesis lets it
+    through instead of treating it as a failure)."""
+
+
+class _OpMissing(BaseException):
+    """Stops a search whose case needs an op the backend lacks: the property is skipped, not passed."""
+
+
+@dataclass
+class Failure:
+    """One distinct failure: the (shrunk) case, the exception, its case file and replay command."""
+
+    case: Any
+    error: BaseException
+    case_file: Path | None = None
+    replay: str = ""
+
+    @property
+    def first_line(self) -> str:
+        text = next((line for line in str(self.error).splitlines() if line.strip()), "")
+        return f"{type(self.error).__name__}: {text}" if not isinstance(self.error, AssertionError) else text
+
+
+@dataclass
+class Outcome:
+    """What one run of a property found.
+
+    ``status`` is ``"passed"``, ``"failed"``, ``"skipped"`` (``reason`` says why it could not be judged)
+    or ``"partial"`` (the time budget ran out after ``examples`` passing examples).
+    """
+
+    prop: str
+    status: str = "passed"
+    reason: str = ""
+    examples: int = 0
+    first_failing_example: int = 0
+    seconds: float = 0.0
+    failures: list[Failure] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "failed"
+
+    @property
+    def first_line(self) -> str:
+        return self.failures[0].first_line if self.failures else self.reason
+
+
+def suite_settings(base: Any = None) -> Any:
+    """``base`` (default: the loaded profile) with what every property needs whatever the profile:
+    no deadline (a first example compiles or warms caches) and no health check about slow or large
+    data (a case builds pools)."""
+    import hypothesis
+    from hypothesis import HealthCheck
+
+    base = base if base is not None else hypothesis.settings()
+    checks = set(base.suppress_health_check) | {HealthCheck.too_slow, HealthCheck.data_too_large}
+    return hypothesis.settings(base, deadline=None, suppress_health_check=sorted(checks, key=lambda c: c.value))
+
+
+def _with_reference(prop: Any, backends: tuple) -> tuple:
+    """A pair property compares the candidate (last) with a reference: pagedkv's ``indexed`` by default."""
+    if prop.pair and len(backends) == 1:
+        from pagedkv.backends import get_backend
+
+        return (get_backend("indexed"), backends[0])
+    return backends
+
+
+def call(prop: Any, backends: tuple, case: Any, device: str) -> None:
+    """Check ``case`` on ``backends`` (``(reference, candidate)`` for a pair property, else one backend).
+
+    Raises:
+        Mismatch (an ``AssertionError``): the property fails. MissingOp: a backend lacks an op.
+    """
+    __tracebackhide__ = True
+    backends = _with_reference(prop, tuple(backends))
+    if prop.pair:
+        return prop.check(backends[0], backends[1], case, device)
+    return prop.check(backends[-1], case, device)
+
+
+def replay_command(path: Path | str, impl: str | None = None, device: str = "cpu", other: str | None = None) -> str:
+    """The command that reruns a case file; ``--impl`` / ``--other`` when the file may not name them itself."""
+    from pagedkv.testing.casefiles.reading import trusted_backend_spec
+
+    cmd = f"python -m pagedkv replay {path}"
+    if impl and not trusted_backend_spec(impl):
+        cmd += f" --impl {impl}"
+    if other and not trusted_backend_spec(other):
+        cmd += f" --other {other}"
+    return cmd + ("" if device == "cpu" else f" --device {device}")
+
+
+def _origin(exc: BaseException) -> tuple:
+    """Which failure ``exc`` is, the way Hypothesis tells distinct failures apart (type and raising line)."""
+    try:
+        from hypothesis.internal.escalation import InterestingOrigin
+
+        return InterestingOrigin.from_exception(exc)
+    except Exception:  # noqa: BLE001 - an older Hypothesis: the innermost frame is a fair key
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        return (type(exc), tb.tb_frame.f_code.co_filename if tb else "", tb.tb_lineno if tb else 0)
+
+
+class _Recorder:
+    """Writes the case file of each example before it runs and keeps one file per distinct failure
+    (``NAME.json``, ``NAME-2.json``, ...); once a failure is on disk, later examples run under
+    ``NAME-running.json`` so shrinking never overwrites it."""
+
+    def __init__(self, prop: Any, spec: str, other: str | None, case_file: Path | None, device: str):
+        self.prop, self.spec, self.other, self.base, self.device = prop, spec, other, case_file, device
+        self.by_origin: dict[tuple, Failure] = {}
+
+    def _path(self, index: int) -> Path:
+        assert self.base is not None
+        return self.base if index == 0 else self.base.with_name(f"{self.base.stem}-{index + 1}{self.base.suffix}")
+
+    @property
+    def running(self) -> Path | None:
+        if self.base is None:
+            return None
+        return self.base if not self.by_origin else self.base.with_name(f"{self.base.stem}-running{self.base.suffix}")
+
+    def before(self, case: Any) -> None:
+        from pagedkv.testing.casefiles.writing import save_failure
+
+        if self.running is not None:
+            save_failure(self.prop.name, self.spec, case, other=self.other, outcome="running", path=self.running)
+
+    def passed(self) -> None:
+        if self.running is not None:
+            self.running.unlink(missing_ok=True)
+
+    def failed(self, case: Any, exc: BaseException) -> Failure:
+        from pagedkv.testing.casefiles.writing import save_failure
+
+        origin = _origin(exc)
+        running = self.running
+        origins = list(self.by_origin)
+        failure = Failure(case, exc)
+        if self.base is not None:
+            path = self._path(origins.index(origin) if origin in origins else len(origins))
+            outcome = "failed" if isinstance(exc, AssertionError) else "raised"
+            error = str(exc) if outcome == "failed" else f"{type(exc).__name__}: {exc}"
+            failure.case_file = save_failure(self.prop.name, self.spec, case, other=self.other, outcome=outcome,
+                                             error=error, path=path)
+            failure.replay = replay_command(path, self.spec, self.device, self.other)
+            if running is not None and running != path:
+                running.unlink(missing_ok=True)
+        self.by_origin[origin] = failure  # shrinking replaces a failure by its smaller case
+        return failure
+
+
+def run_case(prop: Any, backends: tuple, case: Any, device: str = "cpu", *, spec: str | None = None,
+             other: str | None = None, case_file: Path | None = None) -> Outcome:
+    """Run one fixed ``case`` of ``prop`` (a case file, a regression, a limit test).
+
+    Args:
+        prop: a registered :class:`~pagedkv.testing.registry.Property`.
+        backends: the candidate, or ``(reference, candidate)`` for a pair property.
+        case: a case of the property's kind.
+        device: where tensors live.
+        spec: the candidate's spec, recorded in the case file (default: its name).
+        other: the reference's spec of a pair property (recorded).
+        case_file: where the case is written before it runs (removed when it passes; ``None``: nowhere).
+
+    Returns:
+        An :class:`Outcome` with ``status`` ``passed``, ``failed`` (one :class:`Failure`) or ``skipped``
+        (the backend lacks an op the property needs).
+    """
+    from pagedkv.backends import backend_name
+
+    backends = _with_reference(prop, tuple(backends))
+    outcome = Outcome(prop.name)
+    recorder = _Recorder(prop, spec or backend_name(backends[-1]), other if prop.pair else None, case_file, device)
+    start = time.perf_counter()
+    recorder.before(case)
+    try:
+        call(prop, backends, case, device)
+    except MissingOp as exc:
+        recorder.passed()
+        outcome.status, outcome.reason = "skipped", str(exc)
+    except Exception as exc:  # noqa: BLE001 - any exception from a backend is a finding, reported with its case
+        outcome.status, outcome.examples, outcome.first_failing_example = "failed", 1, 1
+        outcome.failures.append(recorder.failed(case, exc))
+    else:
+        recorder.passed()
+        outcome.examples = 1
+    outcome.seconds = time.perf_counter() - start
+    return outcome
+
+
+def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *, caps: Any = None,
+        spec: str | None = None, other: str | None = None, case_file: Path | None = None,
+        on_example: Callable[[], None] | None = None, explicit: bool = True, budget_s: float = 0.0,
+        database_key: bytes | None = None, overrides: dict | None = None, violating: bool = False) -> Outcome:
+    """Search ``prop`` on ``backends`` with Hypothesis: explicit examples first (when ``explicit``), then
+    cases drawn inside the declared space, shrinking a failure unless ``settings`` leave out the shrink phase.
+
+    Args:
+        prop: a registered :class:`~pagedkv.testing.registry.Property`.
+        backends: the candidate, or ``(reference, candidate)`` for a pair property.
+        device: where tensors live.
+        settings: Hypothesis settings (``None``: the loaded profile); ``max_examples`` is capped by the
+            property's own cap and by :func:`pagedkv.testing.space.example_cap`.
+        caps: the declared space to draw in (``None``: :func:`pagedkv.testing.space.capabilities_under_test`
+            of the candidate, drawing space).
+        spec, other: the specs recorded in case files (default: the backends' names).
+        case_file: the case file of this run (``None``: none is written).
+        on_example: called before each example runs (fuzz workers count with it).
+        explicit: run the property's explicit examples that fit ``caps``.
+        budget_s: stop after this many seconds without a failure (``status`` ``"partial"``); 0: no budget.
+        database_key: the example database key (see :func:`pagedkv.testing.fuzz.databases.property_key`).
+        overrides: strategy keyword arguments (a finding draws cases that break a precondition).
+        violating: the explicit examples that break the declared precondition instead of those that keep it.
+
+    Returns:
+        An :class:`Outcome`; a failure's exception is in ``outcome.failures`` (never raised here).
+
+    Raises:
+        Exception: a harness error (Hypothesis raised although no example failed, e.g. an unsatisfiable
+            strategy).
+    """
+    import hypothesis
+    from hypothesis import given
+
+    from pagedkv.backends import backend_name
+    from pagedkv.testing.space import capabilities_under_test, example_cap
+
+    backends = _with_reference(prop, tuple(backends))
+    outcome = Outcome(prop.name)
+    caps = caps if caps is not None else capabilities_under_test(backends[-1], for_drawing=True)
+    reason = prop.cannot_run(backends, caps)
+    if reason:
+        outcome.status, outcome.reason = "skipped", reason
+        return outcome
+    chosen = settings if settings is not None else hypothesis.settings()
+    limit = min(x for x in (prop.max_examples, example_cap(backends), chosen.max_examples) if x is not None)
+    if limit < chosen.max_examples:
+        chosen = hypothesis.settings(chosen, max_examples=limit)
+    start = time.perf_counter()
+    if prop.kind == "machine":  # a Hypothesis state machine: it prints its own shrunk steps, no case file
+        return _run_machine(prop, backends[-1], device, chosen, outcome, start)
+    recorder = _Recorder(prop, spec or backend_name(backends[-1]), (other or backend_name(backends[0]))
+                         if prop.pair else None, case_file, device)
+    state = {"calls": 0}
+
+    def body(case):
+        __tracebackhide__ = True
+        if budget_s and not recorder.by_origin and time.perf_counter() - start > budget_s:
+            raise BudgetSpent
+        state["calls"] += 1
+        if on_example is not None:
+            on_example()
+        recorder.before(case)
+        try:
+            call(prop, backends, case, device)
+        except MissingOp as exc:
+            recorder.passed()
+            raise _OpMissing(str(exc)) from None
+        except Exception as exc:
+            outcome.first_failing_example = outcome.first_failing_example or state["calls"]
+            recorder.failed(case, exc)
+            raise
+        recorder.passed()
+
+    test = given(prop.strategy_in(caps, **(overrides or {})))(body)
+    if explicit:
+        for case in reversed(prop.examples_in(caps, violating=violating)):
+            test = hypothesis.example(case)(test)
+    test = chosen(test)
+    test._hypothesis_internal_database_key = database_key or f"{prop.name}/{violating}".encode()
+    try:
+        test()
+    except _OpMissing as exc:
+        outcome.status, outcome.reason = "skipped", str(exc)
+    except BudgetSpent:
+        outcome.status = "partial"
+        outcome.reason = (f"time budget of {budget_s:g} s spent: {state['calls']} examples passed, "
+                          f"the remaining examples did not run")
+    except BaseException as exc:  # noqa: BLE001 - Hypothesis re-raises the shrunk failure(s)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)) or not recorder.by_origin:
+            raise  # an interrupt, or a harness error: no example failed
+        errors = list(getattr(exc, "exceptions", None) or [exc])  # an exception group: several failures
+        outcome.status = "failed"
+        for error in errors:
+            failure = recorder.by_origin.get(_origin(error)) or Failure(None, error)
+            failure.error = error  # the final (shrunk) run's exception, with Hypothesis' notes
+            outcome.failures.append(failure)
+        _drop_stale_files(recorder, outcome.failures)
+    outcome.examples = state["calls"]
+    outcome.seconds = time.perf_counter() - start
+    return outcome
+
+
+def _drop_stale_files(recorder: _Recorder, kept: list[Failure]) -> None:
+    """Remove case files of failures seen while shrinking that Hypothesis did not report in the end."""
+    keep = {f.case_file for f in kept}
+    for failure in recorder.by_origin.values():
+        if failure.case_file is not None and failure.case_file not in keep:
+            failure.case_file.unlink(missing_ok=True)
+
+
+def _run_machine(prop: Any, backend: Any, device: str, chosen: Any, outcome: Outcome, start: float) -> Outcome:
+    try:
+        prop.check(backend, device, chosen)
+    except MissingOp as exc:
+        outcome.status, outcome.reason = "skipped", str(exc)
+    except Exception as exc:  # noqa: BLE001 - the state machine's failure, steps printed by Hypothesis
+        outcome.status = "failed"
+        outcome.failures.append(Failure(None, exc))
+    outcome.examples = chosen.max_examples
+    outcome.seconds = time.perf_counter() - start
+    return outcome
+
+
+def run_record(record: dict, backend: Any | None = None, device: str = "cpu", *, other: Any | None = None,
+               case_file: Path | None = None) -> Outcome:
+    """Rerun a case file's record (:func:`pagedkv.testing.casefiles.reading.load_case_file`): its property
+    on ``backend`` (default: the recorded one) and, for a pair property, ``other`` (default: the recorded
+    ``other``, else ``indexed``).
+
+    Raises:
+        KeyError: the record names no registered property.
+        pagedkv.errors.CaseFileError: the property runs on another kind of case than the file holds.
+    """
+    from pagedkv.backends import load_backend
+    from pagedkv.errors import CaseFileError
+    from pagedkv.testing.registry import property_for_record
+
+    prop = property_for_record(record["check"])
+    kind = {"case": "Case", "scenario": "CacheScenario", "invalid": "InvalidCall"}.get(prop.kind)
+    if kind != record.get("kind", "Case"):
+        raise CaseFileError("kind", f"property {prop.name!r} runs on a {kind or 'state machine'}, but the file "
+                                    f"holds a {record.get('kind', 'Case')}")
+    impl = backend if backend is not None else load_backend(record["backend"])
+    backends: tuple = (impl,)
+    if prop.pair:
+        backends = (other if other is not None else load_backend(record.get("other") or "indexed"), impl)
+    return run_case(prop, backends, record["case"], device, spec=record.get("backend"), other=record.get("other"),
+                    case_file=case_file)

@@ -1,0 +1,264 @@
+"""The properties, as plain functions of ``(backend, case, device)``.
+
+Each check builds the case's tensors, runs the backend and raises :class:`Mismatch` (an
+``AssertionError``) on the first disagreement, naming the sequence, logical position, physical block
+and slot. The pytest suite drives them with Hypothesis; ``python -m pagedkv replay`` reruns one
+from a case file on any device, without Hypothesis.
+
+What "equal" means is :mod:`pagedkv.testing.compare`: data movement bit for bit, attention within the
+per-dtype tolerance of an fp64 reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedkv.attention import reference_attention
+from pagedkv.backends import backend_name
+from pagedkv.testing.cases.case import Case, reference_gather, reference_write, writable, write_slot_mapping
+from pagedkv.testing.compare import Mismatch, MissingOp, assert_same_bits, bits, require  # noqa: F401 (re-exported)
+from pagedkv.testing.properties.scenarios import (check_live_sequences, prefix_cache_transparent,  # noqa: F401 (moved)
+                                       run_scenario, sharing_isolated)
+from pagedkv.testing.compare import assert_attention_close, assert_bitwise_equal
+
+GATHERING_BACKENDS = {"loop", "indexed"}  # attention = gather + the same dense op: bitwise equal to each other
+
+
+def _locate(case: Case, seq: int, position: int) -> dict:
+    bs = case.geometry.block_size
+    block = case.seqs[seq].block_table[position // bs]
+    return {"seq": seq, "position": position, "block": block, "slot": block * bs + position % bs}
+
+
+def _compare_rows(actual: torch.Tensor, expected: torch.Tensor, case: Case, seq: int, what: str) -> None:
+    """Bitwise row comparison of a gathered sequence, reporting the first bad logical position."""
+    assert_same_bits(actual, expected, f"{what} of sequence {seq}", locate=lambda i: _locate(case, seq, i[0]))
+
+
+def _slot_owner(case: Case, block: int, offset: int) -> dict:
+    """``{"block", "slot"}`` of a pool row, plus the ``seq`` and ``position`` stored there, if any."""
+    bs = case.geometry.block_size
+    where = {"block": block, "slot": block * bs + offset}
+    for i, s in enumerate(case.seqs):
+        table = case.used_table(i)
+        for p in range(offset, s.seq_len, bs):
+            if table[p // bs] == block:
+                return {"seq": i, "position": p, **where}
+    return where
+
+
+def _compare_pool(actual: torch.Tensor, expected: torch.Tensor, case: Case, what: str) -> None:
+    """Bitwise pool comparison reporting the first bad slot (covers the frame condition)."""
+    assert_same_bits(actual, expected, what, row_dims=2, locate=lambda i: _slot_owner(case, i[0], i[1]))
+
+
+# -- data movement -------------------------------------------------------------------------------------
+def gather_matches_definition(backend: Any, case: Case, device: str = "cpu") -> None:
+    """Gather returns, bit for bit, ``cache[table[p // bs], p % bs]`` for every position, and writes nothing."""
+    gather = require(backend, "gather")
+    k_cache, _ = case.caches(device)
+    before = k_cache.clone()
+    tables = case.block_tables(device)
+    for i, s in enumerate(case.seqs):
+        out = gather(k_cache, tables[i], s.seq_len)
+        _compare_rows(out, reference_gather(before, case.used_table(i), s.seq_len), case, i, "gather")
+        if out.device != k_cache.device:
+            raise Mismatch(f"gather returned a tensor on {out.device}, cache is on {k_cache.device}")
+    _compare_pool(k_cache, before, case, "gather wrote to the pool")
+
+
+def scatter_round_trip(backend: Any, case: Case, device: str = "cpu") -> None:
+    """``scatter`` writes exactly positions ``start .. seq_len - 1`` of each sequence and nothing else
+    (frame condition, bit for bit), and ``gather`` then returns what was written."""
+    scatter, gather = require(backend, "scatter"), require(backend, "gather")
+    new = case.stored_kv(1)
+    tables = case.block_tables(device)
+    for i in writable(case):
+        s = case.seqs[i]
+        k_cache, _ = case.caches(device)
+        expected = k_cache.clone()
+        values = new[i][0][s.start:].to(device)
+        reference_write(expected, case.used_table(i), values, s.start)
+        scatter(k_cache, tables[i], values, s.start)
+        _compare_pool(k_cache, expected, case, f"scatter of sequence {i} (start {s.start}, n {values.shape[0]})")
+        _compare_rows(gather(k_cache, tables[i], s.seq_len), reference_gather(expected, case.used_table(i), s.seq_len),
+                      case, i, "gather after scatter")
+
+
+def write_kv_matches_definition(backend: Any, case: Case, device: str = "cpu") -> None:
+    """``write_kv`` puts token ``t`` at ``slot_mapping[t]`` in both pools, skips negative slots and
+    leaves every other slot bit-identical (fp8 pools: exactly ``pagedkv.fp8.quantize`` of the token)."""
+    write_kv = require(backend, "write_kv")
+    slots, owners = write_slot_mapping(case)
+    new = case.logical_kv(1)
+    g = case.geometry
+    key = torch.empty((len(slots), g.num_kv_heads, g.head_dim), dtype=g.torch_dtype)
+    value = torch.empty_like(key)
+    for t, (i, p) in enumerate(owners):  # padding tokens carry values that must never land anywhere
+        key[t] = new[i][0][p] if i >= 0 else float(t + 1000)
+        value[t] = new[i][1][p] if i >= 0 else -float(t + 1000)
+    k_cache, v_cache = case.caches(device)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    k_stored, v_stored = case.stored(key, "k"), case.stored(value, "v")
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            k_expected[slot // g.block_size, slot % g.block_size] = k_stored[t]
+            v_expected[slot // g.block_size, slot % g.block_size] = v_stored[t]
+    write_kv(k_cache, v_cache, key.to(device), value.to(device), torch.tensor(slots, dtype=torch.int64, device=device),
+             **case.kv_scales(device))
+    _compare_pool(k_cache, k_expected, case, "write_kv (k_cache)")
+    _compare_pool(v_cache, v_expected, case, "write_kv (v_cache)")
+
+
+# -- attention -----------------------------------------------------------------------------------------
+def run_attention(backend: Any, case: Case, device: str = "cpu") -> torch.Tensor:
+    """The backend's ``paged_attention`` on the case's caches, tables, lengths, queries and features."""
+    attn = require(backend, "paged_attention")
+    k_cache, v_cache = case.caches(device)
+    return attn(case.query(device), k_cache, v_cache, case.block_tables(device), case.seq_lens(device),
+                case.query_start_loc(device), case.scale, **case.attention_features(device))
+
+
+def reference_output(case: Case, **features) -> tuple[torch.Tensor, float, float]:
+    """fp64 attention over the case's logical K/V (read by definition from the pool; an fp8 pool's
+    stored bytes dequantized), with its features (``features`` override them), and the largest
+    |logit| (the ALiBi bias and sinks included) and |V| (for the tolerance)."""
+    k_cache, v_cache = case.caches("cpu")
+    keys = [reference_gather(k_cache, case.used_table(i), s.seq_len) for i, s in enumerate(case.seqs)]
+    values = [reference_gather(v_cache, case.used_table(i), s.seq_len) for i, s in enumerate(case.seqs)]
+    query = case.query("cpu")
+    features = {**case.attention_features("cpu"), **features}
+    k_scale, v_scale = case.scale_vectors() if case.kv_cache_dtype != "auto" else (None, None)
+    features.update(k_scale=k_scale, v_scale=v_scale)
+    out = reference_attention(query, keys, values, case.query_start_loc_list, case.scale, **features)
+    scale = case.scale if case.scale is not None else case.geometry.head_dim ** -0.5
+    if k_scale is not None:  # the magnitudes of what attention reads
+        keys = [k.double() * k_scale.double().view(-1, 1) for k in keys]
+        values = [v.double() * v_scale.double().view(-1, 1) for v in values]
+    q_max = float(query.double().abs().max()) if query.numel() else 0.0
+    k_max = max((float(k.double().abs().max()) for k in keys if k.numel()), default=0.0)
+    v_max = max((float(v.double().abs().max()) for v in values if v.numel()), default=1.0)
+    logit = abs(scale) * q_max * k_max * case.geometry.head_dim
+    if features.get("alibi_slopes") is not None:
+        logit += float(features["alibi_slopes"].abs().max()) * max(case.seq_lens_list, default=0)
+    if features.get("sinks") is not None:
+        finite = features["sinks"][torch.isfinite(features["sinks"])]
+        logit = max(logit, float(finite.abs().max()) if finite.numel() else 0.0)
+    return out, logit, v_max
+
+
+def attention_matches_reference(backend: Any, case: Case, device: str = "cpu") -> None:
+    """``paged_attention`` equals the fp64 dense reference within the dtype's tolerance (NaN never passes)."""
+    out = run_attention(backend, case, device)
+    expected, max_logit, max_v = reference_output(case)
+    if out.shape != expected.shape or out.dtype != case.geometry.torch_dtype:
+        raise Mismatch(f"paged_attention returned {tuple(out.shape)} {out.dtype}, expected "
+                       f"{tuple(expected.shape)} {case.geometry.torch_dtype}")
+    try:
+        assert_attention_close(out.cpu(), expected, max_abs_logit=max_logit, max_abs_value=max_v)
+    except AssertionError as exc:
+        where = locate_attention(case, out.cpu(), expected)
+        raise Mismatch(f"paged_attention vs fp64 reference at {describe_attention(where)}: {exc}", where) from None
+
+
+def locate_attention(case: Case, actual: torch.Tensor, expected: torch.Tensor) -> dict:
+    """Where an attention output is worst: ``{"seq", "position", "query_head", "kv_head", "dim", "blocks",
+    "expected", "actual"}`` for the element of largest error (a non-finite one first).
+
+    ``position`` is the query's position in its sequence (``seq_len - q_len + i``); ``blocks`` are the
+    physical blocks its keys came from (the table entries up to that position)."""
+    err = (actual.double() - expected.double()).abs()
+    err = torch.where(torch.isfinite(actual), err, torch.full_like(err, float("inf")))
+    row, head, dim = (int(x) for x in torch.nonzero(err == err.max())[0])
+    qsl, bs = case.query_start_loc_list, case.geometry.block_size
+    seq = max(b for b in range(len(case.seqs)) if qsl[b] <= row)
+    s = case.seqs[seq]
+    position = s.seq_len - s.q_len + (row - qsl[seq])
+    return {"seq": seq, "position": position, "query_head": head,
+            "kv_head": head // case.geometry.num_queries_per_kv, "dim": dim,
+            "blocks": list(case.used_table(seq)[: position // bs + 1]),
+            "expected": [float(expected[row, head, dim])], "actual": [float(actual[row, head, dim])]}
+
+
+def describe_attention(where: dict) -> str:
+    """One line for :func:`locate_attention`'s dict."""
+    return (f"sequence {where['seq']}, query position {where['position']}, query head {where['query_head']} "
+            f"(kv head {where['kv_head']}), dim {where['dim']}, keys from blocks {where['blocks']}: got "
+            f"{where['actual'][0]!r}, expected {where['expected'][0]!r}")
+
+
+# -- agreement and invariances -----------------------------------------------------------------------
+def inputs(case: Case, device: str = "cpu") -> dict[str, Any]:
+    """The case as backend inputs: ``query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale``
+    and ``features`` (the keyword arguments of the features in use)."""
+    k_cache, v_cache = case.caches(device)
+    return {"query": case.query(device), "k_cache": k_cache, "v_cache": v_cache,
+            "block_tables": case.block_tables(device), "seq_lens": case.seq_lens(device),
+            "query_start_loc": case.query_start_loc(device), "scale": case.scale,
+            "features": case.attention_features(device)}
+
+
+def outputs(backend: Any, args: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Everything a backend computes on ``args`` (see :func:`inputs`), as CPU tensors keyed by op and
+    sequence (``gather[i]``, ``paged_attention[i]``); ops it lacks are left out."""
+    out: dict[str, torch.Tensor] = {}
+    if callable(getattr(backend, "gather", None)):
+        for i, n in enumerate(args["seq_lens"].tolist()):
+            out[f"gather[{i}]"] = backend.gather(args["k_cache"], args["block_tables"][i], n).cpu()
+    if callable(getattr(backend, "paged_attention", None)):
+        attn = backend.paged_attention(args["query"], args["k_cache"], args["v_cache"], args["block_tables"],
+                                       args["seq_lens"], args["query_start_loc"], args["scale"],
+                                       **args.get("features", {})).cpu()
+        qsl = args["query_start_loc"].tolist()
+        for i in range(len(qsl) - 1):
+            out[f"paged_attention[{i}]"] = attn[qsl[i]:qsl[i + 1]]
+    return out
+
+
+def backends_agree(backend: Any, other: Any, case: Case, device: str = "cpu") -> None:
+    """Two backends agree on every op both provide: data movement bit for bit (gather, scatter, write_kv
+    pools), attention bit for bit between gathering backends and within tolerance otherwise."""
+    common = [op for op in ("gather", "scatter", "write_kv", "paged_attention")
+              if callable(getattr(backend, op, None)) and callable(getattr(other, op, None))]
+    if not common:
+        raise MissingOp(f"{backend_name(backend)} and {backend_name(other)} share no op to compare")
+    pair = f"{backend_name(backend)} vs {backend_name(other)}"
+    a, b = outputs(backend, inputs(case, device)), outputs(other, inputs(case, device))
+    _, max_logit, max_v = reference_output(case)
+    for key in [k for k in a if k in b]:
+        i = int(key[key.index("[") + 1:-1])
+        if key.startswith("gather"):
+            _compare_rows(a[key], b[key], case, i, f"{pair} gather")
+        elif {backend_name(backend), backend_name(other)} <= GATHERING_BACKENDS:
+            try:
+                assert_bitwise_equal(a[key], b[key], f"{pair} {key}: ")
+            except AssertionError as exc:
+                raise Mismatch(str(exc), {"seq": i}) from None
+        else:
+            try:
+                assert_attention_close(a[key], b[key].double(), max_abs_logit=max_logit, max_abs_value=max_v)
+            except AssertionError as exc:
+                raise Mismatch(f"{pair} {key}: {exc}", {"seq": i}) from None
+    for op in ("scatter", "write_kv"):
+        if op not in common:
+            continue
+        pools = []
+        for impl in (backend, other):
+            k_cache, v_cache = case.caches(device)
+            tables = case.block_tables(device)
+            if op == "scatter":
+                new = case.stored_kv(1)
+                for i in writable(case):
+                    impl.scatter(k_cache, tables[i], new[i][0][case.seqs[i].start:].to(device), case.seqs[i].start)
+            else:
+                slots, _ = write_slot_mapping(case)
+                g = case.geometry
+                key = torch.randn((len(slots), g.num_kv_heads, g.head_dim),
+                                  generator=case._generator(3)).to(g.torch_dtype)
+                impl.write_kv(k_cache, v_cache, key.to(device), (-key).to(device),
+                              torch.tensor(slots, dtype=torch.int64, device=device), **case.kv_scales(device))
+            pools.append((k_cache.cpu(), v_cache.cpu()))
+        _compare_pool(pools[0][0], pools[1][0], case, f"{pair} {op} k_cache")
+        _compare_pool(pools[0][1], pools[1][1], case, f"{pair} {op} v_cache")

@@ -1,0 +1,192 @@
+"""What a run of the suite says: the header, a failure's short text, and the judged / skipped summary.
+
+Each suite test records what it judged on its pytest item (``user_properties``, so the records
+cross xdist workers); the terminal summary and the no-false-green rule read them back:
+
+- *judged*: the property ran on the candidate (passed, failed, or ran partly under a time budget);
+- *skipped*: it could not be judged, with the reason (an op the candidate lacks, a declared space
+  the property cannot be drawn in, an optional feature not declared: not covered);
+- *finding*: a case breaking a declared precondition failed (non-gating, reported as ``xfail``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter, defaultdict
+from typing import Any
+
+_KEY = "pagedkv"
+
+
+class TestRun:
+    """One suite test's handle: its case file, and :meth:`record` of what it judged."""
+
+    __test__ = False  # not a test class
+
+    def __init__(self, node: Any, spec: str | None):
+        from pagedkv.testing.casefiles.writing import case_file_path
+
+        self.node, self.spec = node, spec
+        self.case_file = case_file_path(node.nodeid)
+
+    def record(self, prop: str, backend: Any, status: str, reason: str = "", *, kind: str = "property") -> None:
+        """Record that ``prop`` was ``status`` (``judged``, ``failed``, ``skipped``, ``finding``) on ``backend``."""
+        from pagedkv.backends import backend_name
+
+        self.node.user_properties.append((_KEY, json.dumps(
+            {"prop": prop, "backend": backend_name(backend), "status": status, "reason": reason, "kind": kind})))
+
+
+def header_lines(spec: str | None, backends: list, device: str | None, profile: str) -> list[str]:
+    """The report header: implementation, device, profile, versions, declared space, crashed case files."""
+    import hypothesis
+    import torch
+
+    import pagedkv
+    from pagedkv.testing.casefiles.writing import crashed_case_files
+    from pagedkv.testing.space import capabilities_under_test, pick_device
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    device = pick_device(device)
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"
+    interp = " (TRITON_INTERPRET=1)" if os.environ.get("TRITON_INTERPRET") == "1" else ""
+    lines = [
+        f"pagedkv {pagedkv.__version__}: implementation under test: "
+        f"{spec or ', '.join(pagedkv.available_backends()) + ' (built-in)'}",
+        f"pagedkv device: {device} [{name}]; Hypothesis profile: {profile}",
+        f"versions: torch {torch.__version__}, triton {triton_version}{interp}, hypothesis {hypothesis.__version__}",
+    ]
+    if spec:
+        for backend in backends:
+            lines.append(f"pagedkv declared space: {capabilities_under_test(backend).summary()}")
+    left = crashed_case_files()
+    if left:
+        lines.append(f"pagedkv: {len(left)} case file(s) left by a run that crashed mid-case (replay them): "
+                     + ", ".join(str(p) for p in left[:3]))
+    return lines
+
+
+def failure_text(sentence: str, outcome: Any) -> str:
+    """A failing property in a few lines: its sentence, then per distinct failure the located mismatch,
+    the case in the one-line notation and as Python, and the replay command."""
+    from pagedkv.testing.cases.notation import brief
+
+    lines = [f"property: {sentence}"]
+    many = len(outcome.failures) > 1
+    for i, failure in enumerate(outcome.failures, 1):
+        if many:
+            lines.append(f"-- failure {i} of {len(outcome.failures)} --")
+        message = str(failure.error).strip()
+        if not isinstance(failure.error, AssertionError):
+            message = f"{type(failure.error).__name__}: {message}"
+        lines += [line for line in message.splitlines()[:8]]
+        if failure.case is not None:
+            lines.append(f"case: {brief(failure.case)}")
+            lines.append(f"      {failure.case!r}")
+        if failure.replay:
+            lines.append(f"replay: {failure.replay}")
+    return "\n".join(lines)
+
+
+def _records(stats: dict) -> list[dict]:
+    seen = []
+    for reports in stats.values():
+        for report in reports:
+            if getattr(report, "when", "call") not in ("call", "setup"):
+                continue
+            for key, value in getattr(report, "user_properties", ()):
+                if key == _KEY:
+                    seen.append(json.loads(value))
+    return seen
+
+
+def tally(stats: dict) -> dict[str, dict]:
+    """Per backend: counts of judged / failed / finding / skipped properties and skip reasons, and regressions."""
+    out: dict[str, dict] = defaultdict(lambda: {"judged": 0, "failed": 0, "finding": 0, "skipped": Counter(),
+                                                "missing_ops": 0, "regressions": 0, "regressions_skipped": Counter()})
+    for r in _records(stats):
+        t = out[r["backend"]]
+        if r["kind"] == "regression":
+            if r["status"] == "skipped":
+                t["regressions_skipped"][r["reason"]] += 1
+            else:
+                t["regressions"] += 1
+            continue
+        if r["status"] == "skipped":
+            if " does not provide " in r["reason"]:
+                t["missing_ops"] += 1
+            t["skipped"][_reason_group(r["reason"])] += 1
+        else:
+            t[r["status"] if r["status"] in ("failed", "finding") else "judged"] += 1
+    return out
+
+
+def _reason_group(reason: str) -> str:
+    """A skip reason without its per-test details (so reasons group)."""
+    for marker in (": needed by", " (", "; "):
+        if marker in reason:
+            reason = reason.split(marker)[0]
+    return reason
+
+
+def summary_lines(stats: dict, backends: list, spec: str | None) -> list[str]:
+    """The terminal summary: per backend, judged / skipped by reason / findings, regressions, declared space."""
+    from pagedkv.backends import backend_name
+    from pagedkv.backends.capabilities import FEATURE_NAMES
+    from pagedkv.testing.space import capabilities_under_test
+
+    counts = tally(stats)
+    lines = []
+    for backend in backends:
+        name = backend_name(backend)
+        if name not in counts:
+            continue
+        t = counts[name]
+        judged = t["judged"] + t["failed"]
+        applicable = judged + sum(t["skipped"].values()) - t["missing_ops"]
+        skipped = ", ".join(f"{n} {reason}" for reason, n in t["skipped"].most_common()) or "none"
+        lines.append(f"pagedkv {name}: {judged} properties judged ({t['failed']} failed) of {applicable} its ops allow"
+                     f"{f' ({judged / applicable:.0%})' if applicable else ''}; {t['finding']} findings; "
+                     f"skipped: {skipped}")
+        if t["regressions"] or t["regressions_skipped"]:
+            not_run = ", ".join(f"{n} {r}" for r, n in t["regressions_skipped"].most_common()) or "none"
+            lines.append(f"pagedkv {name}: regression cases run {t['regressions']}; not expressible: {not_run}")
+        caps = capabilities_under_test(backend)
+        missing = ", ".join(sorted(FEATURE_NAMES - caps.features)) or "none"
+        lines.append(f"pagedkv {name}: declared space {caps.summary()}; optional features declared (checked): "
+                     f"{', '.join(sorted(caps.features)) or 'none'}; not declared (not covered): {missing}")
+    return lines
+
+
+def judged_problem(stats: dict, spec: str | None, minimum: float, command: str) -> str | None:
+    """Why the run must fail although no test failed, or ``None``: a candidate named and no conformance
+    property run, or a judged fraction under ``minimum``."""
+    counts = tally(stats)
+    if spec and not any(t["judged"] + t["failed"] for t in counts.values()):
+        return (f"PAGEDKV_IMPL / --pagedkv-impl names {spec!r}, but no pagedkv conformance property was "
+                f"judged (were its tests collected?); run the suite with: {command.format(spec=spec)}")
+    for name, t in counts.items():
+        judged = t["judged"] + t["failed"]
+        applicable = judged + sum(t["skipped"].values()) - t["missing_ops"]
+        if minimum and applicable and judged / applicable < minimum:
+            return (f"{name}: {judged} of {applicable} applicable properties judged ({judged / applicable:.0%}), "
+                    f"under --pagedkv-min-judged {minimum:g}")
+    return None
+
+
+def crash_section(report: Any) -> str | None:
+    """For a test whose xdist worker died mid-case: the case file it left and its replay command."""
+    if not (report.failed and "crashed while running" in str(report.longrepr)[:2000]):
+        return None
+    from pagedkv.testing.casefiles.writing import case_file_path
+
+    path = case_file_path(report.nodeid)
+    if path.exists():
+        return f"crashed while running the case in {path}\nreplay: python -m pagedkv replay {path}"
+    return None

@@ -1,0 +1,108 @@
+"""The space under test: which backends, on which device, inside which declared input space.
+
+Every entry point (the pytest plugin, ``python -m pagedkv mutants`` / ``fuzz`` / ``peers`` / ``replay``,
+the mutation command) asks this module, so they agree on what a backend is judged on:
+
+- :func:`load_candidates`: the candidate a spec names, else every built-in backend usable here;
+- :func:`capabilities_under_test`: the backend's declared
+  :class:`~pagedkv.backends.capabilities.Capabilities`, trimmed where this machine cannot judge a
+  part of it (Triton's interpreter and bfloat16 ``tl.dot``), and the drawing space of a backend
+  whose kernels are interpreted here;
+- :func:`interpreted` and :data:`INTERPRETED_MAX_EXAMPLES`: Triton kernels run by the interpreter
+  (100-1000x slower) draw fewer examples;
+- :func:`pick_device`: the device the suite's tensors live on.
+
+Nothing here imports Hypothesis or pytest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import re
+import sys
+from typing import Any
+
+#: Examples a property draws for a backend whose kernels Triton interprets on the CPU (100-1000x slower
+#: than the other backends): enough to reach the edges of the small geometries, not the profile's count.
+INTERPRETED_MAX_EXAMPLES = 25
+_OWN_TRITON = "pagedkv.backends.triton"
+
+
+def load_candidates(spec: str | None) -> list:
+    """The backend ``spec`` names (see :func:`pagedkv.load_backend`), else every built-in backend usable here.
+
+    Raises:
+        pagedkv.BackendError: the spec cannot be loaded (the message says why).
+    """
+    import pagedkv
+
+    if spec:
+        return [pagedkv.load_backend(spec)]
+    return [pagedkv.get_backend(name) for name in pagedkv.available_backends()]
+
+
+def _module_of(backend: Any):
+    return backend if inspect.ismodule(backend) else inspect.getmodule(backend)
+
+
+def runs_triton_in_interpreter(backend: Any) -> bool:
+    """Whether ``backend`` (not pagedkv's own Triton backend) launches Triton kernels and Triton runs
+    them in its interpreter here."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or "triton" not in sys.modules:
+        return False
+    module = _module_of(backend)
+    if module is None or module.__name__ == _OWN_TRITON:
+        return False
+    return any(getattr(v, "__module__", "").startswith("triton") or getattr(v, "__name__", "") == "triton"
+               for v in vars(module).values())
+
+
+def interpreted(backend: Any) -> bool:
+    """Whether Triton interprets ``backend``'s kernels here (pagedkv's own Triton backend included)."""
+    module = _module_of(backend)
+    if module is not None and module.__name__ == _OWN_TRITON:
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return runs_triton_in_interpreter(backend)
+
+
+def capabilities_under_test(backend: Any, *, for_drawing: bool = False):
+    """The backend's declared :class:`~pagedkv.backends.capabilities.Capabilities`, less ``bfloat16``
+    for a Triton candidate run by the interpreter (there ``tl.dot`` on bfloat16 multiplies bit
+    patterns as integers, a Triton bug; pagedkv's own kernel upcasts first). With ``for_drawing``,
+    pagedkv's own Triton backend under the interpreter draws from the small geometries (block_size
+    <= 16, head_dim <= 8, GQA group <= 7): its production sizes run compiled on a GPU, and here in
+    ``tests/test_triton.py``'s shapes, the fixed limits and the regression files.
+
+    Raises:
+        TypeError: the backend's ``capabilities`` attribute is not a Capabilities.
+    """
+    from pagedkv.backends.capabilities import Sizes, capabilities_of
+
+    caps = capabilities_of(backend)
+    if "bfloat16" in caps.dtypes and len(caps.dtypes) > 1 and runs_triton_in_interpreter(backend):
+        caps = dataclasses.replace(caps, dtypes=caps.dtypes - {"bfloat16"})
+    if for_drawing and interpreted(backend) and not runs_triton_in_interpreter(backend):
+        caps = dataclasses.replace(caps, block_sizes=Sizes(max=16), head_dims=Sizes(max=8), gqa_groups=Sizes(max=7))
+    return caps
+
+
+def example_cap(backends) -> int | None:
+    """At most this many examples a property, or ``None``: :data:`INTERPRETED_MAX_EXAMPLES` when any
+    of ``backends`` is interpreted here."""
+    return INTERPRETED_MAX_EXAMPLES if any(interpreted(b) for b in backends) else None
+
+
+def pick_device(chosen: str | None = None) -> str:
+    """``chosen``, else ``$PAGEDKV_DEVICE``, else ``cuda:N`` (xdist worker ``gwK`` takes
+    ``K % device_count``), else ``cpu``."""
+    chosen = chosen or os.environ.get("PAGEDKV_DEVICE")
+    if chosen:
+        return chosen
+    import torch
+
+    if torch.cuda.is_available():
+        worker = re.fullmatch(r"gw(\d+)", os.environ.get("PYTEST_XDIST_WORKER", "gw0"))
+        return f"cuda:{int(worker.group(1)) % torch.cuda.device_count() if worker else 0}"
+    return "cpu"

@@ -1,0 +1,205 @@
+"""Batches of sequences over one pool: random, fragmented and large-pool block tables."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from pagedkv.allocator import BlockAllocator
+from pagedkv.backends.capabilities import FEATURE_NAMES
+from pagedkv.testing.cases.case import FINITE_POISONS, LAYOUTS, POISONS, VALUE_PATTERNS, Case, Geometry, SeqSpec
+from pagedkv.config import blocks_needed
+
+from .geometry import DTYPES, geometries, positions_in, seq_lens
+
+
+@st.composite
+def _lengths(draw, block_size: int, max_seqs: int, max_len: int, max_q_len: int):
+    """``[(seq_len, q_len, start)]`` for 1..max_seqs sequences; q_len biased to 1 (decode) and whole prompts."""
+    out = []
+    for _ in range(draw(st.integers(1, max_seqs))):
+        n = draw(seq_lens(block_size, max_len))
+        q_cap = min(n, max_q_len)
+        q_len = draw(st.one_of(st.sampled_from(sorted({min(1, n), q_cap})), st.integers(0, q_cap)))
+        out.append((n, q_len, draw(positions_in(n, block_size))))
+    return out
+
+
+def poisons_for(caps=None) -> tuple[str, ...]:
+    """The poisons a backend's declared preconditions allow (finite ones under ``finite_unused_slots``)."""
+    if caps is not None and "finite_unused_slots" in caps.preconditions:
+        return FINITE_POISONS
+    return POISONS
+
+
+SOFTCAPS = (1.0, 5.0, 30.0, 0.5)
+FP8_SCALES = (0.5, 0.0625, 0.03, 2.0, 1.0)
+
+
+def declared_features(caps=None, features: bool | tuple = True) -> frozenset[str]:
+    """The features a case may use: those ``caps`` declares (every one for ``caps=None``), none when
+    ``features`` is False, only the named ones when it is a tuple."""
+    declared = FEATURE_NAMES if caps is None else caps.features
+    if features is True:
+        return frozenset(declared)
+    return frozenset(declared) & frozenset(features or ())
+
+
+@st.composite
+def feature_fields(draw, geometry: Geometry, seqs, *, allowed=FEATURE_NAMES, force=()) -> dict:
+    """The optional features of a case, each drawn only when ``allowed`` (a backend's declared features)
+    names it; ``force`` (feature names) turns those on. About three cases in four draw none unless
+    forced, so the plain path keeps its share. Windows are biased to 0, 1, ``bs - 1``, ``bs``, the whole
+    context and past it; a quarter of the sinks are ``-inf`` (:meth:`Case.sink_values`); fp8 scales are
+    per tensor or per kv head."""
+    force = frozenset(force) & frozenset(allowed)
+    if not allowed or not force and draw(st.integers(0, 3)) != 3:  # shrinks toward no feature
+        return {}
+    on = {f for f in sorted(allowed) if f in force or draw(st.booleans())}
+    out: dict = {}
+    if "window" in on:
+        bs, context = geometry.block_size, max((s.seq_len for s in seqs), default=0)
+        edges = sorted({0, 1, bs - 1, bs, context, context + 1, context + bs} - {-1})
+        out["window_left"] = draw(st.one_of(st.sampled_from(edges), st.integers(0, context + 1)))
+    if "softcap" in on:
+        out["softcap"] = draw(st.sampled_from(SOFTCAPS))
+    out.update(alibi="alibi" in on, sinks="sinks" in on)
+    if "fp8" in on:
+        out["kv_cache_dtype"] = draw(st.sampled_from(("fp8_e4m3", "fp8_e5m2")))
+        for name in ("k_scale", "v_scale"):
+            per_head = st.tuples(*[st.sampled_from(FP8_SCALES)] * geometry.num_kv_heads)
+            out[name] = draw(st.one_of(st.sampled_from(FP8_SCALES), per_head))
+    return out
+
+
+@st.composite
+def _extras(draw, geometry: Geometry, seqs, *, read_only: bool, caps=None, poisons=None, features=True,
+            force=()) -> Case:
+    layouts = LAYOUTS if caps is None or caps.strided_pools else ("contiguous",)
+    return Case(
+        geometry=geometry,
+        seqs=tuple(seqs),
+        values=draw(st.sampled_from(VALUE_PATTERNS)),
+        poison=draw(st.sampled_from(poisons or poisons_for(caps))),
+        pad_value=draw(st.sampled_from((-1, -1, 0, geometry.num_blocks))) if read_only else -1,
+        pad_columns=draw(st.integers(0, 2)),
+        table_dtype=draw(st.sampled_from(("int32", "int64"))),
+        layout=draw(st.sampled_from(layouts)),
+        scale=draw(st.one_of(st.none(), st.sampled_from((0.5, 1.0, 0.1)))),
+        seed=draw(st.integers(0, 2**16)),
+        **draw(feature_fields(geometry, seqs, allowed=declared_features(caps, features), force=force)),
+    )
+
+
+def _scaled(block_size: int, max_seqs: int, max_len: int) -> tuple[int, int]:
+    """``(max_seqs, max_len)`` for a block size: large blocks get lengths that cross a block boundary
+    (past two blocks up to 64 tokens a block, one block and a bit beyond) and fewer sequences, so a case
+    stays cheap for a kernel run by Triton's interpreter."""
+    if block_size <= 16:
+        return max_seqs, max_len
+    if block_size <= 64:
+        return min(max_seqs, 2), max(max_len, 2 * block_size + 1)
+    return 1, max(max_len, block_size + 2)
+
+
+@st.composite
+def cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: int = 6, repeats: bool | None = None,
+          dtypes=DTYPES, caps=None, poisons=None, features: bool | tuple = True, force=(),
+          **geometry_kwargs) -> Case:
+    """A batch: geometry, per-sequence block tables, lengths, query lengths, scatter starts, pattern, seed.
+
+    Tables are a random permutation of the pool split among the sequences (every block owned once,
+    unused blocks left over), or, with ``repeats`` (drawn when ``None``), ids drawn independently so
+    one physical block can appear several times (valid for reads; writes skip such sequences).
+    ``caps`` (:class:`pagedkv.backends.capabilities.Capabilities`) keeps the case inside a backend's
+    declared space, its features included (:func:`feature_fields`; ``caps=None``: every feature);
+    ``features=False`` draws none, a tuple only those; ``force`` turns features on; ``poisons``
+    overrides the poisons drawn.
+    """
+    geometry = draw(geometries(num_blocks=1, dtypes=dtypes, caps=caps, **geometry_kwargs))
+    bs = geometry.block_size
+    lengths = draw(_lengths(bs, *_scaled(bs, max_seqs, max_len), max_q_len))
+    need = [blocks_needed(n, bs) for n, _, _ in lengths]
+    if caps is not None and not caps.repeated_blocks:
+        repeats = False
+    repeats = draw(st.booleans()) if repeats is None else repeats
+    if repeats:
+        num_blocks = draw(st.integers(1, max(1, sum(need))))
+        tables = [tuple(draw(st.lists(st.integers(0, num_blocks - 1), min_size=k, max_size=k))) for k in need]
+    else:
+        num_blocks = draw(st.integers(max(1, sum(need)), sum(need) + 3))
+        perm = draw(st.permutations(range(num_blocks)))
+        tables, at = [], 0
+        for k in need:
+            tables.append(tuple(perm[at:at + k]))
+            at += k
+    geometry = Geometry(num_blocks, bs, geometry.num_kv_heads, geometry.head_dim, geometry.num_queries_per_kv,
+                        geometry.dtype)
+    seqs = [SeqSpec(t, n, q, s) for t, (n, q, s) in zip(tables, lengths)]
+    return draw(_extras(geometry, seqs, read_only=repeats, caps=caps, poisons=poisons, features=features,
+                        force=force))
+
+
+@st.composite
+def fragmented_cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: int = 6, dtypes=DTYPES,
+                     caps=None, poisons=None, features: bool | tuple = True, force=(), **geometry_kwargs) -> Case:
+    """A batch whose block tables come from a real :class:`BlockAllocator` after a random alloc/free
+    history has scrambled its free list (the layouts a long-running server produces)."""
+    geometry = draw(geometries(num_blocks=1, dtypes=dtypes, caps=caps, **geometry_kwargs))
+    bs = geometry.block_size
+    lengths = draw(_lengths(bs, *_scaled(bs, max_seqs, max_len), max_q_len))
+    need = [blocks_needed(n, bs) for n, _, _ in lengths]
+    num_blocks = draw(st.integers(max(1, sum(need)), sum(need) + 6))
+    allocator = BlockAllocator(num_blocks, bs, enable_prefix_caching=False)
+    held: list[int] = []
+    for grab in draw(st.lists(st.integers(-3, 3), max_size=16)):
+        if grab > 0 and allocator.num_free >= grab:
+            held += allocator.allocate(grab)
+        elif grab <= 0 and held:
+            allocator.free(held.pop(draw(st.integers(0, len(held) - 1))))
+    allocator.free_all(held)  # everything back, in a scrambled order
+    tables = [tuple(allocator.allocate(k)) for k in need]
+    geometry = Geometry(num_blocks, bs, geometry.num_kv_heads, geometry.head_dim, geometry.num_queries_per_kv,
+                        geometry.dtype)
+    return draw(_extras(geometry, [SeqSpec(t, n, q, s) for t, (n, q, s) in zip(tables, lengths)], read_only=False,
+                        caps=caps, poisons=poisons, features=features, force=force))
+
+
+LARGE_POOL_BLOCK_SIZES = (1, 16, 64, 256)
+
+
+def large_pool_unsupported(caps) -> str | None:
+    """Why :func:`large_pool_cases` cannot be drawn for a backend's declared space (``None``: it can).
+
+    The cases keep pools of more than 2**24 slots cheap with one kv head of ``head_dim`` 1 in a 16-bit
+    dtype (32 MiB a pool)."""
+    if not caps.head_dims.allows(1) or not caps.num_kv_heads.allows(1):
+        return f"large-pool cases use head_dim 1 and one kv head; declared head_dim {caps.head_dims.describe()}"
+    if not {"float16", "bfloat16"} & caps.dtypes:
+        return "large-pool cases use a 16-bit dtype; none is declared"
+    if caps.max_pool_bytes is not None and caps.max_pool_bytes < 2 * (2**24 + 4 * 256):
+        return f"large-pool cases need pools of 32 MiB; declared max_pool_bytes {caps.max_pool_bytes}"
+    return None
+
+
+@st.composite
+def large_pool_cases(draw, *, min_slots: int = 2**24 + 1, caps=None, poisons=None) -> Case:
+    """One or two short sequences placed at the *end* of a pool of more than ``min_slots`` slots
+    (2**24 by default: past float32's exact integers), with tiny heads so the pool stays cheap
+    (``num_kv_heads = head_dim = 1``, float16/bfloat16: 2 bytes a slot). Index arithmetic in float32 or
+    int32 element offsets misplaces these tokens."""
+    bs = draw(st.sampled_from(LARGE_POOL_BLOCK_SIZES if caps is None
+                              else caps.block_sizes.choose(LARGE_POOL_BLOCK_SIZES)))
+    num_blocks = -(-min_slots // bs) + draw(st.integers(0, 3))
+    dtypes = ("float16", "bfloat16") if caps is None else tuple(d for d in ("float16", "bfloat16") if d in caps.dtypes)
+    groups = (1, 2) if caps is None else caps.gqa_groups.choose((1, 2))
+    geometry = Geometry(num_blocks, bs, 1, 1, draw(st.sampled_from(groups)), draw(st.sampled_from(dtypes)))
+    seqs = []
+    top = num_blocks
+    for _ in range(draw(st.integers(1, 2))):
+        n = draw(seq_lens(bs, 2 * bs, min_len=1))
+        k = blocks_needed(n, bs)
+        table = tuple(range(top - k, top))
+        top -= k
+        seqs.append(SeqSpec(table, n, min(n, draw(st.integers(1, 3))), draw(positions_in(n, bs))))
+    return Case(geometry, tuple(seqs), values="identity", poison=draw(st.sampled_from(poisons or poisons_for(caps))),
+                seed=draw(st.integers(0, 100)))

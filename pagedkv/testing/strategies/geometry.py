@@ -1,0 +1,85 @@
+"""Cache geometries and sequence lengths."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from pagedkv.testing.cases.case import Geometry
+
+DTYPES = ("float32", "float16", "bfloat16")
+BLOCK_SIZES = (1, 2, 3, 4, 5, 7, 8, 16)  # 1 and non-powers of two on purpose; small: fast to shrink
+GROUP_SIZES = (1, 2, 3, 4, 5, 6, 7)  # GQA groups that are not powers of two included
+HEAD_DIMS = (1, 2, 3, 4, 5, 7, 8)  # small odd head dims where the ops allow them
+# What production kernels run (drawn about half the time): vLLM/FlashInfer head dims incl. odd ones,
+# block sizes up to a non-power of two past 512, and GQA groups past a kernel's tile (71 over 1 kv head).
+REALISTIC_BLOCK_SIZES = (32, 64, 128, 256, 544)
+REALISTIC_HEAD_DIMS = (32, 40, 64, 72, 80, 96, 112, 128, 192, 256, 576)
+REALISTIC_GROUP_SIZES = (8, 16, 17, 48, 64, 71)
+
+
+def sized(small, realistic, allowed=None) -> st.SearchStrategy[int]:
+    """One of ``small`` (listed first, so a failure shrinks toward them) or, one draw in four,
+    ``realistic``, restricted to ``allowed`` (a :class:`pagedkv.backends.capabilities.Sizes`) when given.
+
+    Realistic sizes cost far more per example (a 544-token block, 71 query heads, head_dim 576), so
+    they are drawn often enough to reach every one in a run of the ``ci`` profile, not half the time.
+    """
+    if allowed is not None:
+        small = tuple(n for n in small if allowed.allows(n))
+        realistic = tuple(n for n in realistic if allowed.allows(n))
+        if not small and not realistic:
+            small = allowed.choose(())
+    if small and realistic:
+        return st.one_of(st.sampled_from(small), st.sampled_from(small), st.sampled_from(small),
+                         st.sampled_from(realistic))
+    return st.sampled_from(small or realistic)
+
+
+def allowed_dtypes(dtypes, caps=None) -> tuple[str, ...]:
+    """``dtypes`` restricted to the declared ones (the declared ones when none is left)."""
+    if caps is None:
+        return tuple(dtypes)
+    kept = tuple(d for d in dtypes if d in caps.dtypes)
+    return kept or tuple(sorted(caps.dtypes))
+
+
+@st.composite
+def geometries(draw, *, num_blocks: int | None = None, block_sizes=BLOCK_SIZES, dtypes=DTYPES,
+               max_kv_heads: int = 3, group_sizes=GROUP_SIZES, head_dims=HEAD_DIMS, realistic: bool = True,
+               caps=None) -> Geometry:
+    """A :class:`Geometry`; ``num_blocks`` defaults to a draw in ``[1, 12]``.
+
+    With ``realistic`` (the default), block sizes, head dims and GQA groups are drawn about half the
+    time from what production kernels run (:data:`REALISTIC_BLOCK_SIZES`, ...). ``caps`` (a
+    :class:`pagedkv.backends.capabilities.Capabilities`) keeps every draw inside a backend's declared space.
+    """
+    def pick(small, real, allowed):
+        return draw(sized(small, real if realistic else (), allowed))
+
+    group = pick(group_sizes, REALISTIC_GROUP_SIZES, caps.gqa_groups if caps else None)
+    kv_heads = draw(sized(tuple(range(1, (1 if group > 7 else max_kv_heads) + 1)), (),
+                          caps.num_kv_heads if caps else None))
+    return Geometry(
+        num_blocks=num_blocks if num_blocks is not None else draw(st.integers(1, 12)),
+        block_size=pick(block_sizes, REALISTIC_BLOCK_SIZES, caps.block_sizes if caps else None),
+        num_kv_heads=kv_heads,
+        head_dim=pick(head_dims, REALISTIC_HEAD_DIMS, caps.head_dims if caps else None),
+        num_queries_per_kv=group,
+        dtype=draw(st.sampled_from(allowed_dtypes(dtypes, caps))),
+    )
+
+
+def seq_lens(block_size: int, max_len: int, *, min_len: int = 0) -> st.SearchStrategy[int]:
+    """Lengths in ``[min_len, max_len]`` biased to ``0, 1, bs-1, bs, bs+1, k*bs`` and ``k*bs +- 1``."""
+    edges = {0, 1, block_size - 1, block_size, block_size + 1}
+    for k in range(2, max_len // block_size + 2):
+        edges |= {k * block_size - 1, k * block_size, k * block_size + 1}
+    edges = sorted(e for e in edges if min_len <= e <= max_len)
+    return st.one_of(st.sampled_from(edges), st.integers(min_len, max_len)) if edges else st.integers(min_len, max_len)
+
+
+def positions_in(seq_len: int, block_size: int) -> st.SearchStrategy[int]:
+    """A position in ``[0, seq_len]`` biased to block boundaries (a scatter start or a fork point)."""
+    edges = sorted({p for k in range(seq_len // block_size + 2) for p in (k * block_size - 1, k * block_size,
+                                                                        k * block_size + 1) if 0 <= p <= seq_len})
+    return st.one_of(st.sampled_from(edges), st.integers(0, seq_len))
