@@ -1,17 +1,21 @@
 """The tree shows three layers, each importing only downward: the library (``pagedkv``), the kit
-(``pagedkv.testing`` and ``strategies``) and the tools (``pagedkv.cli``). No module imports itself
-back through a cycle, the library runs without Hypothesis or pytest, and no module is over ~450 lines."""
+(``pagedkv.testing``, with its strategies) and the tools (``pagedkv.cli``). No module imports itself
+back through a cycle, the library runs without Hypothesis or pytest, no module is over ~450 lines,
+one module runs properties (:mod:`pagedkv.testing.execute`) and nothing imports the pytest plugin."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("pagedkv", "strategies")
-MAX_LINES = 460
+PACKAGES = ("pagedkv",)
+MAX_LINES = 450
+#: The modules that may touch check functions: the registry declares them, the core runs them.
+RUNNERS = ("pagedkv.testing.execute", "pagedkv.testing.registry")
 
 
 def _modules() -> dict[str, Path]:
@@ -95,3 +99,43 @@ def test_no_module_is_over_the_size_budget():
     big = {str(p.relative_to(ROOT)): n for p in _modules().values()
            if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not big, f"modules over {MAX_LINES} lines (split by concept): {big}"
+
+
+def test_one_runner_calls_check_functions():
+    """Only the execution core calls a property's check, and only the registry (and the check modules
+    among themselves) import the check modules: every entry point goes through execute."""
+    from pagedkv.testing.registry import check_functions
+
+    checks = {f.__name__ for f in check_functions()}
+    offenders = []
+    for name, path in _modules().items():
+        if name in RUNNERS or name.startswith("pagedkv.testing.properties"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pagedkv.testing.properties"):
+                module = importlib.import_module(node.module)
+                offenders += [f"{name} imports the check function {a.name}" for a in node.names
+                              if getattr(getattr(module, a.name, None), "__name__", None) in checks]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "check" \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id in ("prop", "p", "property_"):
+                offenders.append(f"{name} calls {node.func.value.id}.check (line {node.lineno})")
+    assert not offenders, f"property runs outside pagedkv.testing.execute: {offenders}"
+
+
+def test_nothing_imports_the_plugin():
+    modules = _modules()
+    importers = [m for m, p in modules.items() if "pagedkv.testing.plugin" in _imports(m, p, modules)]
+    assert not importers, f"modules importing the pytest plugin (it is hooks only): {importers}"
+
+
+def test_the_wheel_ships_no_top_level_strategies_and_the_face_is_the_same_modules():
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert config["tool"]["setuptools"]["packages"]["find"]["include"] == ["pagedkv*"]
+    import strategies
+    import strategies.batches
+
+    import pagedkv.testing.strategies as source
+
+    assert strategies.batches is source.batches and strategies.cases is source.cases

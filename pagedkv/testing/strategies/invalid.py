@@ -1,12 +1,12 @@
 """Invalid calls: a valid case with exactly one argument broken, tagged with the error it must raise.
 
-Each :class:`~pagedkv.testing.cases.InvalidCall` starts from a case drawn by :func:`.cases` (or a
-write-safe one for ``scatter``/``write_kv``) and plants one fault from
-:data:`~pagedkv.testing.cases.invalid_call.FAULTS`: a block id out of range or negative where it is read or written, a table too short for
-``start + n`` or ``seq_len``, negative lengths, a decreasing or inconsistent ``query_start_loc``,
-``q_len > seq_len``, head counts that do not divide, dtype/device/rank mismatches, non-integer or
-bool tables, an out-of-range or duplicate slot, a NaN scale, ... Only faults the drawn case can carry
-are drawn (no filtering), and ``amount`` is biased to 0 (just out of range) and to large values::
+Each :class:`~pagedkv.testing.cases.InvalidCall` starts from a case drawn by :func:`.cases` (or a write-safe
+one for ``scatter``/``write_kv``) and plants one fault from
+:data:`~pagedkv.testing.cases.invalid_call.FAULTS`: a block id out of range or negative where it is read or
+written, a table too short for ``start + n`` or ``seq_len``, negative lengths, a decreasing or inconsistent
+``query_start_loc``, ``q_len > seq_len``, head counts that do not divide, dtype/device/rank mismatches,
+non-integer or bool tables, an out-of-range or duplicate slot, a NaN scale, ... Only faults the drawn case can
+carry are drawn (no filtering), and ``amount`` is biased to 0 (just out of range) and to large values::
 
     from hypothesis import given
     from pagedkv.testing.strategies import invalid_calls
