@@ -11,7 +11,8 @@ Specs (:func:`load_baseline`; ``SPEC`` defaults to the candidate's own spec, e.g
 ``my_engine.kv:backend``):
 
 =========================  =========================================================================
-``git:REV[:SPEC]``         revision ``REV`` of the git repository of the working directory, extracted
+``git:REV[:SPEC]``         revision ``REV`` of the git repository of the working directory (or of
+                           ``$PAGEDKV_BASELINE_REPO``), extracted
                            once with ``git archive`` into ``<cache>/baselines/<sha>``
 ``path:DIR[:SPEC]``        a source tree, an unpacked wheel or an old ``site-packages`` (``DIR/src`` when
                            the module lives there)
@@ -131,13 +132,14 @@ def _publish(build, dest: Path) -> Path:
 
 
 def git_tree(rev: str, repo: str | Path | None = None) -> tuple[Path, str]:
-    """``(tree, sha)``: revision ``rev`` of the repository containing ``repo`` (default: the working
-    directory), extracted with ``git archive`` into ``<cache>/baselines/<sha>`` (once per commit).
+    """``(tree, sha)``: revision ``rev`` of the repository containing ``repo`` (default:
+    ``$PAGEDKV_BASELINE_REPO``, else the working directory), extracted with ``git archive`` into
+    ``<cache>/baselines/<sha>`` (once per commit).
 
     Raises:
         BackendError: not a git repository, an unknown revision, or ``git`` is missing.
     """
-    where = str(repo or Path.cwd())
+    where = str(repo or os.environ.get("PAGEDKV_BASELINE_REPO") or Path.cwd())
 
     def git(*args: str, **kw) -> subprocess.CompletedProcess:
         try:

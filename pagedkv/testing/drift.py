@@ -209,9 +209,11 @@ def judge(drift: Drift, *, exact: bool = False, max_ulp: int | None = None) -> s
 
 @dataclass
 class PropertyDrift:
-    """Per property: examples compared, examples skipped (outside the baseline's declared space), the
+    """Per property (and candidate): examples compared, examples skipped (outside the baseline's declared space), the
     worst drift and its case (``Case.to_dict()``)."""
 
+    check: str = ""
+    backend: str = ""
     examples: int = 0
     skipped: int = 0
     ulp: int = 0
@@ -230,9 +232,10 @@ class DriftLog:
     def __init__(self) -> None:
         self.props: dict[str, PropertyDrift] = {}
 
-    def add(self, prop: str, drift: Drift, case: Any) -> None:
-        """Count one compared example of ``prop``; keep it when it is the worst so far."""
-        p = self.props.setdefault(prop, PropertyDrift())
+    def add(self, prop: str, drift: Drift, case: Any, *, check: str = "", backend: str = "") -> None:
+        """Count one compared example under the key ``prop``; keep it when it is the worst so far (``check``:
+        the property's name, ``backend``: the candidate's spec, for the case file)."""
+        p = self.props.setdefault(prop, PropertyDrift(check=check or prop, backend=backend))
         p.examples += 1
         p.attention = p.attention or "paged_attention" in drift.compared
         if p.case is None or (drift.ulp, drift.rel) > (p.ulp, p.rel) or (drift.diverged and not p.worst["diverged"]):
@@ -244,7 +247,7 @@ class DriftLog:
 
     def merge(self, other: DriftLog) -> None:
         for name, q in other.props.items():
-            p = self.props.setdefault(name, PropertyDrift())
+            p = self.props.setdefault(name, PropertyDrift(check=q.check, backend=q.backend))
             keep = q if p.case is None or (q.case is not None and q.worse_than(p)) else p
             p.ulp, p.rel, p.worst, p.case = keep.ulp, keep.rel, keep.worst, keep.case
             p.examples += q.examples

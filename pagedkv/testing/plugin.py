@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 SUITE_PACKAGE = "pagedkv.testing.suite"
+pytest_plugins = ["pagedkv.testing.baseline_gate"]  # --pagedkv-baseline: drift against the code a refactor replaces
 _ACTIVE = pytest.StashKey[bool]()
 _PROFILE = pytest.StashKey[str]()
 _CANDIDATE = pytest.StashKey[object]()
@@ -294,6 +295,7 @@ def check(request):
     import time
 
     from pagedkv.backends import backend_name
+    from pagedkv.testing.baseline_gate import after_check
     from pagedkv.testing.casefile import save_failure
     from pagedkv.testing.compare import MissingOp
 
@@ -344,6 +346,7 @@ def check(request):
             raise AssertionError(f"{backend_name(backend)} raised {type(exc).__name__}: {exc}\n"
                                  f"replay: python -m pagedkv replay {path}") from exc
         path.unlink(missing_ok=True)
+        after_check(request.config, prop, args, spec, path)  # the same case on the baseline, if one is named
 
     return run
 
