@@ -30,6 +30,7 @@ from typing import Any, TextIO
 
 from pagedkv.backends.interpreter import choose_interpreter  # torch-free: replay imports nothing before the check
 from pagedkv.cli.common import device_option
+from pagedkv.cli.replay_drift import add_options as add_drift_options
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -54,6 +55,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="memory budget of the case (e.g. 8G); a case whose pools and tensors need more is "
                              "refused before anything is allocated (default: a quarter of this machine's memory)")
     parser.add_argument("--quiet", "-q", action="store_true", help="print only the verdict line")
+    add_drift_options(parser)
     parser.set_defaults(func=run)
     return parser
 
@@ -61,7 +63,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Replay ``args.file``; see the module docstring for the output and exit status."""
     return replay(args.file, device=args.device, impl=args.impl, other=args.other, max_bytes=args.max_bytes,
-                  quiet=args.quiet)
+                  quiet=args.quiet, exact=args.exact, max_drift_ulp=args.max_drift_ulp)
 
 
 def _byte_count(text: str) -> int:
@@ -74,7 +76,8 @@ def _byte_count(text: str) -> int:
 
 
 def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, quiet: bool = False,
-           out: TextIO | None = None, other: str | None = None, max_bytes: int | None = None) -> int:
+           out: TextIO | None = None, other: str | None = None, max_bytes: int | None = None,
+           exact: bool = False, max_drift_ulp: int | None = None) -> int:
     """Rerun a case file's check and report to ``out`` (default stdout).
 
     Args:
@@ -85,6 +88,7 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
         other: a backend spec replacing the recorded ``other`` (the second backend of a pair).
         max_bytes: memory budget of the case (``None``: a quarter of physical memory; see
             :mod:`pagedkv.testing.casefiles.reading`).
+        exact, max_drift_ulp: when ``other`` is a baseline (:mod:`pagedkv.cli.replay_drift`): the drift gate.
 
     Returns:
         0 (passes), 1 (fails) or 2 (the file is refused, or the backend cannot be loaded).
@@ -115,8 +119,12 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
     except Exception as exc:
         print(f"replay: cannot load backend {spec!r}: {exc}", file=out)
         return 2
+    from pagedkv.cli.replay_drift import drift_against, split_other
+
+    record, baseline = split_other(record)  # other as the baseline of a drift record, not a pair's partner
     check = record["check"]
-    what = check + (f" vs {record['other']}" if record.get("other") else "")
+    what = check + (f" vs {record['other']}" if record.get("other") else "") + \
+        (f", drift against {baseline}" if baseline else "")
     if not quiet:
         title = f" ({record['id']}: {record['title']})" if record.get("id") else ""
         print(f"replay {path}{title}", file=out)
@@ -148,6 +156,8 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
             traceback.print_exc(file=out)
         return 1
     print(f"PASSES: {check} on {spec} ({device})", file=out)
+    if baseline:
+        return drift_against(backend, spec, record, baseline, device, out, exact=exact, max_ulp=max_drift_ulp)
     return 0
 
 

@@ -229,7 +229,8 @@ def run_case(prop: Any, backends: tuple, case: Any, device: str = "cpu", *, spec
 def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *, caps: Any = None,
         spec: str | None = None, other: str | None = None, case_file: Path | None = None,
         on_example: Callable[[], None] | None = None, explicit: bool = True, budget_s: float = 0.0,
-        database_key: bytes | None = None, overrides: dict | None = None, violating: bool = False) -> Outcome:
+        database_key: bytes | None = None, overrides: dict | None = None, violating: bool = False,
+        after_pass: Callable[[tuple, Any], None] | None = None) -> Outcome:
     """Search ``prop`` on ``backends`` with Hypothesis: explicit examples first (when ``explicit``), then
     cases drawn inside the declared space, shrinking a failure unless ``settings`` leave out the shrink phase.
 
@@ -249,6 +250,8 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
         database_key: the example database key (see :func:`pagedkv.testing.fuzz.databases.property_key`).
         overrides: strategy keyword arguments (a finding draws cases that break a precondition).
         violating: the explicit examples that break the declared precondition instead of those that keep it.
+        after_pass: ``after_pass(backends, case)`` after each passing example (the baseline comparison of
+            :mod:`pagedkv.testing.baseline_gate`); what it raises fails that example, and is shrunk.
 
     Returns:
         An :class:`Outcome`; a failure's exception is in ``outcome.failures`` (never raised here).
@@ -291,6 +294,8 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
         recorder.before(case)
         try:
             call(prop, backends, case, device)
+            if after_pass is not None:
+                after_pass(backends, case)
         except MissingOp as exc:
             recorder.passed()
             raise _OpMissing(str(exc)) from None

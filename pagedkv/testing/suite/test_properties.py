@@ -19,6 +19,7 @@ import pytest
 
 from pagedkv.backends import backend_name
 from pagedkv.testing import execute
+from pagedkv.testing.baseline_gate import after_check
 from pagedkv.testing.fuzz.databases import property_key
 from pagedkv.testing.registry import Property, properties
 from pagedkv.testing.report import failure_text
@@ -33,10 +34,17 @@ def _judge(prop: Property, pagedkv_run, backends: tuple, device: str, **options)
     """Run ``prop`` on ``backends`` (the candidate last), record the verdict, skip or fail the test."""
     __tracebackhide__ = True
     candidate = backends[-1]
+    config = pagedkv_run.node.config
+
+    def after_pass(backends: tuple, case) -> None:  # --pagedkv-baseline: the same case on the replaced code
+        after_check(config, prop, (*backends, case, device), pagedkv_run.spec or backend_name(candidate),
+                    pagedkv_run.case_file)
+
     outcome = execute.run(prop, backends, device, execute.suite_settings(), spec=pagedkv_run.spec,
                           case_file=pagedkv_run.case_file,
                           budget_s=float(os.environ.get("PAGEDKV_TEST_BUDGET_S") or 0),
-                          database_key=property_key(prop.name, *(backend_name(b) for b in backends)), **options)
+                          database_key=property_key(prop.name, *(backend_name(b) for b in backends)),
+                          after_pass=after_pass, **options)
     finding = options.get("violating", False)
     if outcome.status == "skipped":
         pagedkv_run.record(prop.name, candidate, "skipped", outcome.reason)
