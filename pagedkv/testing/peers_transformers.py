@@ -27,14 +27,19 @@ from pagedkv.validation import check_paged_attention, check_write_kv
 RECIPE = 'pip install "transformers>=5" (pagedkv[hf]), see docs/peers.md'
 
 
-def _token_view(cache: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """NHD ``[num_blocks, block_size, H, D]`` as CB's token pool ``[num_blocks * block_size, H, D]``;
-    ``True`` when a view, ``False`` when a copy (a strided pool: the caller copies writes back)."""
+def _token_pool(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """CB's token pool for ``cache`` (NHD ``[num_blocks, block_size, H, D]``) and the int64 ``slots`` to touch:
+    ``(pool [tokens, H, D], slots in it, blocks)``. ``pool`` is the view ``[num_blocks * block_size, H, D]``
+    when the strides allow it (``blocks`` None); otherwise (a strided or aliased pool) a contiguous copy of
+    just the blocks ``slots`` touch, ``slots`` renumbered into it, and ``blocks`` the copied block ids (the
+    caller copies writes back)."""
     nb, bs, h, d = cache.shape
     try:
-        return cache.view(nb * bs, h, d), True
+        return cache.view(nb * bs, h, d), slots, None
     except RuntimeError:
-        return cache.reshape(nb * bs, h, d).clone(), False
+        blocks, where = torch.unique(slots // bs, return_inverse=True)
+        sub = cache.index_select(0, blocks).reshape(blocks.numel() * bs, h, d)
+        return sub, where * bs + slots % bs, blocks
 
 
 class TransformersPaged:
@@ -46,7 +51,8 @@ class TransformersPaged:
       holds only the layer's token views) under a ``PagedAttentionCache`` shell that maps layer 0 to it,
       and calls ``PagedAttentionCache.update`` with CB's kwargs (``read_index`` / ``write_index`` per
       allocator, ``cu_seq_lens_k`` / ``max_length_k`` per layer type), so CB's own transposes and index
-      ops run. A strided pool (no token view) is copied and written back.
+      ops run. A pool with no token view (strided, or aliased blocks) runs on a contiguous copy of the
+      blocks the call touches, written back block by block.
     - ``write_kv``: ``update`` with ``write_index = slot_mapping`` and no read. CB sends padding tokens to
       trash sectors instead of negative slots, so the adapter drops negative slots first.
     - ``paged_attention``: ``update`` with no write (the contract's new K/V are already in the cache) and
@@ -84,8 +90,11 @@ class TransformersPaged:
 
     def _update(self, k_cache, v_cache, key, value, read_index, write_index):
         """``PagedAttentionCache.update`` on layer 0 of a one-allocator shell over the pools; returns the read
-        K/V as ``[tokens, H, D]`` (the written ones when ``read_index`` is empty)."""
-        (k_tok, k_view), (v_tok, v_view) = _token_view(k_cache), _token_view(v_cache)
+        K/V as ``[tokens, H, D]`` (the written ones when ``read_index`` is empty). One of the two indices is
+        empty (a write, or a read)."""
+        touched = write_index if write_index.numel() else read_index
+        (k_tok, k_slots, k_blocks), (v_tok, _, v_blocks) = (_token_pool(c, touched) for c in (k_cache, v_cache))
+        read_index, write_index = (k_slots, write_index) if read_index.numel() else (read_index, k_slots)
         allocator = self._alloc_cls.__new__(self._alloc_cls)
         allocator.index, allocator._kv_token_views = 0, {0: (k_tok, v_tok)}
         cache = self._cache_cls.__new__(self._cache_cls)
@@ -97,9 +106,9 @@ class TransformersPaged:
         ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (key, value))  # CB's [1, H, seqlen_q, D]
         k_out, v_out = cache.update(ks, vs, 0, kwargs)
         if write_index.numel():
-            for pool, tok, is_view in ((k_cache, k_tok, k_view), (v_cache, v_tok, v_view)):
-                if not is_view:
-                    pool.copy_(tok.view(pool.shape))
+            for pool, tok, blocks in ((k_cache, k_tok, k_blocks), (v_cache, v_tok, v_blocks)):
+                if blocks is not None:
+                    pool[blocks] = tok.view((blocks.numel(),) + tuple(pool.shape[1:]))
         return k_out[0].transpose(0, 1), v_out[0].transpose(0, 1)
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping) -> None:
