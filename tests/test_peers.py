@@ -143,3 +143,48 @@ def test_peers_table_reads_the_runs_log(tmp_path):
                  "| finding: d (finite_unused_slots) | finding [3] |", "| e | partial: 7 passed [4] |",
                  "1. AssertionError: bad row", "- q: q is not installed"):
         assert text in table, text
+
+
+# -- SGLang's Triton kernels (pip install --no-deps sglang + its kernels' imports) and transformers' CB --------
+NEW_PEERS = ["sglang_triton", "sglang_triton_paged", "transformers_paged", "transformers_paged_eager"]
+
+
+@pytest.mark.parametrize("name", NEW_PEERS)
+@pytest.mark.parametrize("shape", [{}, dict(block_size=5, head_dim=24, group=1, poison="nan"),
+                                   dict(block_size=8, head_dim=8, group=3, dtype="float16")])
+def test_new_peer_writes_and_attends_on_a_fixed_case(name, shape):
+    """A prefill over a cached prefix (extend), a decode, GQA, a partial last block and NaN tails, on a
+    fixed case per shape (the interpreter is slow; `python -m pagedkv peers` runs the whole suite)."""
+    from pagedkv.testing.properties.definitions import attention_matches_reference, write_kv_matches_definition
+
+    peer = _peer(name)
+    write_kv_matches_definition(peer, _case(**shape), "cpu")
+    attention_matches_reference(peer, _case(**shape), "cpu")
+
+
+@pytest.mark.parametrize("name", ["transformers_paged", "transformers_paged_eager"])
+def test_transformers_peer_features_on_a_fixed_case(name):
+    """A window of 3 (CB's sliding_window 4) and, for paged|eager, sinks, on a strided pool."""
+    from pagedkv.testing.cases import Case
+    from pagedkv.testing.properties.definitions import attention_matches_reference
+
+    peer = _peer(name)
+    base = _case()
+    cases = [Case(base.geometry, base.seqs, window_left=3, layout="kv_interleaved")]
+    if "sinks" in peer.capabilities.features:
+        cases.append(Case(base.geometry, base.seqs, sinks=True))
+    for case in cases:
+        attention_matches_reference(peer, case, "cpu")
+
+
+@pytest.mark.parametrize("name", ["sglang_triton", "sglang_triton_paged"])
+def test_sglang_kv_indices_are_the_contract_slots(name):
+    """SGLang's create_flashinfer_kv_indices_triton, fed the adapter's req_to_token (page size 1) or page
+    table (page size = block), lists slot block * block_size + offset of every position, row by row."""
+    import torch
+
+    peer = _peer(name)
+    bs, tables, lens = 4, torch.tensor([[3, 0, -1], [1, 2, 5]]), [6, 9]
+    indptr, indices = peer._kv_indices(tables, lens, bs, 6 * bs)
+    want = [int(tables[b, p // bs]) * bs + p % bs for b, n in enumerate(lens) for p in range(n)]
+    assert indptr.tolist() == [0, 6, 15] and indices.tolist() == want

@@ -137,7 +137,7 @@ def attention_drift(case: Any, candidate: torch.Tensor, baseline: torch.Tensor) 
 def run_outputs(backend: Any, case: Any, device: str, ops: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """What ``backend`` computes on fresh tensors of ``case`` for each of ``ops``, as CPU tensors:
     ``gather[i]`` (sequence ``i``), ``scatter.k_cache``, ``write_kv.k_cache`` / ``write_kv.v_cache`` (the pools
-    after the write, as :func:`pagedkv.testing.properties.definitions.backends_agree` writes them) and ``paged_attention``."""
+    after the write, as :func:`~pagedkv.testing.properties.definitions.backends_agree` does) and ``paged_attention``."""
     from pagedkv.testing.cases.case import writable, write_slot_mapping
     from pagedkv.testing.properties.definitions import run_attention
 

