@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 
 from pagedkv.config import DTYPES
-from pagedkv.errors import (ArgumentTypeError, BackendError, BlockIndexError, DeviceMismatchError, DTypeMismatchError,
-                            ShapeError)
+from pagedkv.errors import (ArgumentTypeError, ArgumentValueError, BackendError, BlockIndexError, DeviceMismatchError,
+                            DTypeMismatchError, ShapeError)
 from pagedkv.overlap import shares_memory
 
 TableLike = torch.Tensor | Sequence[int]
@@ -166,8 +166,9 @@ def check_kv_scale(name: str, scale: object, num_kv_heads: int, device: torch.de
 
     Raises:
         ArgumentTypeError: not a number or tensor (a bool, a string, ``None`` where one is required).
-        DTypeMismatchError: a tensor that is not float32. ShapeError: a tensor of another shape, or a
-            scale that is zero, negative or not finite (scales multiply stored values: they must be > 0).
+        DTypeMismatchError: a tensor that is not float32. ShapeError: a tensor of another shape.
+        ArgumentValueError: a scale that is zero, negative or not finite (scales multiply stored
+            values: they must be > 0).
         DeviceMismatchError: a tensor on a device other than ``device`` and the CPU.
 
     With ``read_values=False`` a tensor's values are not read (nor copied to the host): only its
@@ -193,7 +194,7 @@ def check_kv_scale(name: str, scale: object, num_kv_heads: int, device: torch.de
     if bool(bad.any()):
         i = int(torch.nonzero(bad)[0][0])
         where = f"[{i}]" if isinstance(scale, torch.Tensor) and scale.numel() > 1 else ""
-        raise ShapeError(f"{name}{where} must be finite and > 0, got {float(values[i])}")
+        raise ArgumentValueError(f"{name}{where} must be finite and > 0, got {float(values[i])}")
     return values.to(device=device).contiguous()
 
 
@@ -243,7 +244,7 @@ def check_scale(scale: object, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     value = check_real("scale", scale)
     if not math.isfinite(value):
-        raise ShapeError(f"scale must be finite, got {value}")
+        raise ArgumentValueError(f"scale must be finite, got {value}")
     return value
 
 
@@ -256,7 +257,7 @@ def check_window(window_left: object) -> int:
                                 f"{window_left!r}")
     value = operator.index(window_left)
     if value < -1:
-        raise ShapeError(f"window_left must be -1 (no window) or >= 0, got {value}")
+        raise ArgumentValueError(f"window_left must be -1 (no window) or >= 0, got {value}")
     return value
 
 
@@ -264,7 +265,7 @@ def check_softcap(softcap: object) -> float:
     """Gemma's logit soft-cap: a finite float ``>= 0`` (``0``: off)."""
     value = check_real("softcap", softcap)
     if not math.isfinite(value) or value < 0:
-        raise ShapeError(f"softcap must be finite and >= 0 (0: off), got {value}")
+        raise ArgumentValueError(f"softcap must be finite and >= 0 (0: off), got {value}")
     return value
 
 
@@ -285,5 +286,5 @@ def check_head_vector(name: str, x: object, num_q_heads: int, device: torch.devi
     if not bool(ok.all()):
         i = int(torch.nonzero(~ok)[0][0])
         allowed = "finite or -inf" if allow_neg_inf else "finite"
-        raise ShapeError(f"{name}[{i}] must be {allowed}, got {float(x[i])}")
+        raise ArgumentValueError(f"{name}[{i}] must be {allowed}, got {float(x[i])}")
     return x.contiguous()

@@ -186,7 +186,8 @@ def check_write_kv(k_cache: object, v_cache: object, key: object, value: object,
     Raises:
         ShapeError: ``key``/``value`` not ``[num_tokens, num_kv_heads, head_dim]``, ``slot_mapping`` not
             ``[num_tokens]``, one slot written twice, ``k_cache`` and ``v_cache`` overlapping in memory, or
-            ``key``/``value`` overlapping a pool; a scale that is zero, negative or not finite.
+            ``key``/``value`` overlapping a pool.
+        ArgumentValueError: a scale that is zero, negative or not finite.
         BlockIndexError: a non-negative slot ``>= num_blocks * block_size``.
         DTypeMismatchError / DeviceMismatchError: key/value/slot_mapping/scales unlike the caches.
         ArgumentTypeError: an fp8 pool without scales, or scales for a non-fp8 pool.
@@ -336,8 +337,9 @@ def check_paged_attention(query: object, k_cache: object, v_cache: object, block
         ShapeError: wrong ranks; ``num_q_heads % num_kv_heads != 0``; ``head_dim`` mismatch;
             ``query_start_loc`` not ``[batch + 1]``, not starting at 0, decreasing, or not ending at
             ``total_q``; ``seq_lens`` not ``[batch]`` or negative; ``q_len > seq_len``; a table row too
-            short for its ``seq_len``; ``scale`` not finite; ``window_left < -1``; ``softcap`` negative or
-            not finite; slopes/sinks of the wrong shape or not finite; a scale ``<= 0`` or not finite.
+            short for its ``seq_len``; slopes/sinks/scales of the wrong shape.
+        ArgumentValueError: ``scale`` not finite; ``window_left < -1``; ``softcap`` negative or not
+            finite; slopes/sinks not finite (sinks may be ``-inf``); an fp8 scale ``<= 0`` or not finite.
         BlockIndexError: a read block id outside ``[0, num_blocks)``.
         DTypeMismatchError / DeviceMismatchError: query, metadata, slopes, sinks or scales unlike the caches.
         ArgumentTypeError: ``window_left`` not an int, ``softcap`` not a number, an fp8 pool without
