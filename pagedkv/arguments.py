@@ -269,22 +269,55 @@ def check_softcap(softcap: object) -> float:
     return value
 
 
+#: dtypes a head vector (ALiBi slopes, sinks) may come in; it is converted once to float32 (vLLM and
+#: FlashInfer take them in the model's dtype, gpt-oss ships bfloat16 sinks).
+HEAD_VECTOR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def check_head_vector(name: str, x: object, num_q_heads: int, device: torch.device, allow_neg_inf: bool,
                       read_values: bool = True) -> torch.Tensor:
-    """``float32 [num_q_heads]`` on ``device`` (ALiBi slopes, attention sinks), finite (sinks: or ``-inf``;
-    not read with ``read_values=False``)."""
-    x = check_tensor(name, x, 1)
-    if x.dtype != torch.float32:
-        raise DTypeMismatchError(f"{name}.dtype must be torch.float32, got {x.dtype}")
+    """ALiBi slopes or attention sinks as a contiguous ``float32 [num_q_heads]`` tensor on ``device``.
+
+    Accepted: a 1-D float32, float16 or bfloat16 tensor on ``device`` (converted once, exactly, to
+    float32), or a sequence of real numbers (rounded to float32), as vLLM and FlashInfer take them.
+    The values must be finite (sinks: or ``-inf``); they are not read with ``read_values=False``.
+
+    Raises:
+        ArgumentTypeError: neither a tensor nor a sequence of real numbers (a bool or string entry).
+        DTypeMismatchError: a tensor of another dtype (float64, an integer type).
+        ShapeError: not ``[num_q_heads]``. DeviceMismatchError: a tensor on another device.
+        ArgumentValueError: an entry that is NaN or infinite (sinks: ``+inf`` or NaN).
+    """
+    if isinstance(x, torch.Tensor):
+        x = check_tensor(name, x, 1)
+        if x.dtype not in HEAD_VECTOR_DTYPES:
+            raise DTypeMismatchError(f"{name}.dtype must be torch.float32, torch.float16 or torch.bfloat16, "
+                                     f"got {x.dtype}")
+        if x.device != torch.device(device):
+            raise DeviceMismatchError(f"{name} is on {x.device}, query on {device}")
+    else:
+        if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__") or not hasattr(x, "__len__"):
+            raise ArgumentTypeError(f"{name} must be a 1-D float tensor or a sequence of floats, "
+                                    f"got {type(x).__name__}")
+        x = torch.tensor([check_real(f"{name}[{i}]", v) for i, v in enumerate(x)], dtype=torch.float32,
+                         device=device)
     if x.shape[0] != num_q_heads:
         raise ShapeError(f"{name} must be float32 [num_q_heads = {num_q_heads}], got shape {tuple(x.shape)}")
-    if x.device != torch.device(device):
-        raise DeviceMismatchError(f"{name} is on {x.device}, query on {device}")
+    x = x.to(torch.float32).contiguous()
     if not read_values:
-        return x.contiguous()
+        return x
     ok = torch.isfinite(x) | (x == float("-inf")) if allow_neg_inf else torch.isfinite(x)
     if not bool(ok.all()):
         i = int(torch.nonzero(~ok)[0][0])
         allowed = "finite or -inf" if allow_neg_inf else "finite"
         raise ArgumentValueError(f"{name}[{i}] must be {allowed}, got {float(x[i])}")
-    return x.contiguous()
+    return x
+
+
+def as_head_vector(x: object, device: torch.device) -> torch.Tensor | None:
+    """:func:`check_head_vector`'s normalisation without its checks (validation level ``"none"``)."""
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return x.to(device=device, dtype=torch.float32).contiguous()
+    return torch.tensor([float(v) for v in x], dtype=torch.float32, device=device)

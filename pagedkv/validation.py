@@ -34,6 +34,7 @@ from pagedkv.arguments import (ALL_FEATURES, FP8_DTYPES, TableLike, as_scale, ch
                                check_features, check_head_vector, check_ids_in_range, check_int_tensor,
                                check_kv_scale, check_length, check_like_cache, check_no_overlap, check_pool_scales,
                                check_scale, check_softcap, check_tensor, check_window, normalize_block_table)
+from pagedkv.arguments import as_head_vector
 from pagedkv.config import DTYPES, blocks_needed
 from pagedkv.errors import ArgumentTypeError, BlockIndexError, DeviceMismatchError, DTypeMismatchError, ShapeError
 from pagedkv.overlap import shares_memory
@@ -328,7 +329,8 @@ def check_paged_attention(query: object, k_cache: object, v_cache: object, block
 
     The optional features (see ``docs/contract.md``; vLLM's unified attention and flash-attn's names):
     ``window_left`` (int ``>= -1``), ``softcap`` (float ``>= 0``), ``alibi_slopes`` and ``sinks``
-    (``float32 [num_q_heads]`` on the query's device; sinks may be ``-inf``), ``k_scale`` / ``v_scale``
+    (``[num_q_heads]`` float32, float16 or bfloat16 tensors on the query's device, or sequences of
+    floats, converted once to float32: :func:`check_head_vector`; sinks may be ``-inf``), ``k_scale`` / ``v_scale``
     (required for, and only for, an fp8 pool; see :func:`check_kv_scale`). With an fp8 pool the
     query is float32/float16/bfloat16. ``supported``: the backend's ``FEATURES``; a feature in use
     that it does not declare is refused (:func:`check_features`).
@@ -367,7 +369,8 @@ def attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_
         h, dev = k_cache.shape[2], k_cache.device
         return AttentionArgs(block_tables.to(torch.int64), None, None,
                              1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale),
-                             query.shape[1] // k_cache.shape[2], int(window_left), float(softcap), alibi_slopes, sinks,
+                             query.shape[1] // k_cache.shape[2], int(window_left), float(softcap),
+                             as_head_vector(alibi_slopes, query.device), as_head_vector(sinks, query.device),
                              as_scale(k_scale, h, dev) if fp8 else None, as_scale(v_scale, h, dev) if fp8 else None,
                              seq_lens, query_start_loc)
     k_cache, v_cache = check_cache_pair(k_cache, v_cache)

@@ -587,6 +587,46 @@ def test_scaling_stored_k_by_c_and_k_scale_by_one_over_c_changes_nothing_beyond_
     assert torch.equal(pools[0][0], pools[1][0]) and torch.equal(pools[0][1], pools[1][1])
 
 
+@pytest.mark.parametrize("name", ATTENTION)
+@pytest.mark.parametrize("form", ["float16", "bfloat16", "list", "tuple"])
+def test_slopes_and_sinks_in_the_models_dtype_equal_their_float32_values(name, form):
+    """Slopes and sinks in float16 / bfloat16 or as Python floats (vLLM's and FlashInfer's forms) are
+    converted once to float32: the output is bit-identical to passing that float32 tensor."""
+    backend = BACKENDS[name]
+    batch = make_batch(SEQS, block_size=BS, seed=11)
+    hq = batch.query.shape[1]
+    low = {"float16": F16, "bfloat16": BF16}.get(form, BF16)
+    slopes, sinks = _slopes(hq).to(low), _sinks(hq).to(low)  # values a float32 tensor and the low dtype share
+    sinks[0] = float("-inf")
+    exact = dict(alibi_slopes=slopes.float(), sinks=sinks.float())
+    if form in ("list", "tuple"):
+        kind = list if form == "list" else tuple
+        given = {k: kind(float(x) for x in v.cpu()) for k, v in exact.items()}
+    else:
+        given = dict(alibi_slopes=slopes, sinks=sinks)
+    want = batch.call(backend, **exact)
+    assert torch.equal(batch.call(backend, **given), want)
+    assert_matches(want, batch.ref(**{k: v.cpu() for k, v in exact.items()}), F32,
+                   slack=batch.slack(alibi_slopes=exact["alibi_slopes"]))
+    if name in STORAGE:  # below level "full" too (metadata: no value read; none: normalised only)
+        for level in ("metadata", "none"):
+            out = backend.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables,
+                                          batch.seq_lens, batch.query_start_loc, None, level, **given)
+            assert torch.equal(out, want), level
+
+
+def test_check_paged_attention_returns_float32_slopes_and_sinks():
+    from pagedkv.validation import check_paged_attention
+
+    batch = make_batch(((5, 2),), block_size=BS)
+    args = check_paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                                 batch.query_start_loc, alibi_slopes=[0.25, 0.5, 0.125, 1.0],
+                                 sinks=torch.tensor([0.5, -1.0, float("-inf"), 2.0], dtype=BF16, device=DEVICE))
+    assert args.alibi_slopes.dtype == F32 and args.sinks.dtype == F32
+    assert args.alibi_slopes.tolist() == [0.25, 0.5, 0.125, 1.0]
+    assert args.sinks.tolist() == [0.5, -1.0, float("-inf"), 2.0]
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad values are refused before anything is written, naming the argument
 # --------------------------------------------------------------------------------------------------
@@ -607,11 +647,17 @@ BAD_ATTENTION = [
     (dict(alibi_slopes=torch.zeros(5)), ShapeError, "alibi_slopes"),
     (dict(alibi_slopes=torch.zeros(4, 1)), ShapeError, "alibi_slopes"),
     (dict(alibi_slopes=torch.zeros(4, dtype=torch.float64)), DTypeMismatchError, "alibi_slopes"),
-    (dict(alibi_slopes=[0.0] * 4), ArgumentTypeError, "alibi_slopes"),
+    (dict(alibi_slopes=["0.5"] * 4), ArgumentTypeError, "alibi_slopes[0]"),
+    (dict(alibi_slopes=[0.0, 0.0, True, 0.0]), ArgumentTypeError, "alibi_slopes[2]"),
+    (dict(alibi_slopes=0.5), ArgumentTypeError, "alibi_slopes"),
+    (dict(alibi_slopes=[0.0] * 3), ShapeError, "alibi_slopes"),
+    (dict(alibi_slopes=[0.0, float("inf"), 0.0, 0.0]), ArgumentValueError, "alibi_slopes[1]"),
     (dict(alibi_slopes=torch.tensor([0.0, float("nan"), 0.0, 0.0])), ArgumentValueError, "alibi_slopes[1]"),
     (dict(alibi_slopes=_meta(4)), DeviceMismatchError, "alibi_slopes"),
     (dict(sinks=torch.zeros(3)), ShapeError, "sinks"),
-    (dict(sinks=torch.zeros(4, dtype=torch.float16)), DTypeMismatchError, "sinks"),
+    (dict(sinks=torch.zeros(4, dtype=torch.int32)), DTypeMismatchError, "sinks"),
+    (dict(sinks=torch.zeros(4, dtype=torch.float64)), DTypeMismatchError, "sinks"),
+    (dict(sinks=torch.tensor([0.0, float("nan"), 0.0, 0.0], dtype=torch.bfloat16)), ArgumentValueError, "sinks[1]"),
     (dict(sinks=torch.tensor([0.0, 0.0, float("inf"), 0.0])), ArgumentValueError, "sinks[2]"),
     (dict(sinks=torch.tensor([float("nan"), 0.0, 0.0, 0.0])), ArgumentValueError, "sinks[0]"),
     (dict(sinks=_meta(4)), DeviceMismatchError, "sinks"),

@@ -111,6 +111,8 @@ class PagedKVBackend(Protocol):
             softcap: ``> 0``: logits become ``softcap * tanh(logits / softcap)`` (Gemma 2); ``0``: off.
             alibi_slopes: ``float32 [num_q_heads]``: bias ``slope * (k_pos - q_pos)`` (after the soft-cap).
             sinks: ``float32 [num_q_heads]``: one extra logit per head in the denominator (gpt-oss).
+                pagedkv's own backends also take slopes and sinks in float16 / bfloat16 or as a sequence
+                of floats, converted once to float32 (``docs/contract.md``); the suite passes float32.
             k_scale, v_scale: fp8 pools only (required there): a float or ``float32 [num_kv_heads]``;
                 K/V are read as ``float32(stored) * scale``.
 
