@@ -321,3 +321,26 @@ def as_head_vector(x: object, device: torch.device) -> torch.Tensor | None:
     if isinstance(x, torch.Tensor):
         return x.to(device=device, dtype=torch.float32).contiguous()
     return torch.tensor([float(v) for v in x], dtype=torch.float32, device=device)
+
+
+#: Most split-K parts of one query tile's context (CUDA's limit of grid axis 2, where the Triton kernel puts them).
+MAX_NUM_SPLITS = 65535
+
+
+def check_num_splits(num_splits: object) -> int | None:
+    """Split-K parts of each query tile's context (flash-decoding): ``None`` (the backend's heuristic) or
+    an int in ``1 .. MAX_NUM_SPLITS`` (``1``: no split).
+
+    Raises:
+        ArgumentTypeError: not an int (a float, a bool, a string). ArgumentValueError: below 1 or above
+            :data:`MAX_NUM_SPLITS`.
+    """
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool) or not hasattr(num_splits, "__index__") or isinstance(num_splits, torch.Tensor):
+        raise ArgumentTypeError(f"num_splits must be an int or None (the heuristic), got {type(num_splits).__name__} "
+                                f"{num_splits!r}")
+    value = operator.index(num_splits)
+    if not 1 <= value <= MAX_NUM_SPLITS:
+        raise ArgumentValueError(f"num_splits must be in 1 .. {MAX_NUM_SPLITS} (1: no split), got {value}")
+    return value

@@ -34,7 +34,7 @@ from pagedkv.arguments import (ALL_FEATURES, FP8_DTYPES, TableLike, as_scale, ch
                                check_features, check_head_vector, check_ids_in_range, check_int_tensor,
                                check_kv_scale, check_length, check_like_cache, check_no_overlap, check_pool_scales,
                                check_scale, check_softcap, check_tensor, check_window, normalize_block_table)
-from pagedkv.arguments import as_head_vector
+from pagedkv.arguments import as_head_vector, check_num_splits
 from pagedkv.config import DTYPES, blocks_needed
 from pagedkv.errors import ArgumentTypeError, BlockIndexError, DeviceMismatchError, DTypeMismatchError, ShapeError
 from pagedkv.overlap import shares_memory
@@ -299,6 +299,7 @@ class AttentionArgs:
     v_scale: torch.Tensor | None = None
     seq_lens_tensor: torch.Tensor | None = None  # int32/int64 [batch] on the cache device, as given
     query_start_loc: torch.Tensor | None = None  # int32/int64 [batch + 1] on the cache device, as given
+    num_splits: int | None = None  # split-K parts (a backend that declares split-K); None: its heuristic
 
     @property
     def seq_lens(self) -> list[int]:
@@ -355,8 +356,10 @@ def check_paged_attention(query: object, k_cache: object, v_cache: object, block
 
 def attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,
                    validate: object = "full", *, window_left=-1, softcap=0.0, alibi_slopes=None, sinks=None,
-                   k_scale=None, v_scale=None, supported: frozenset | None = None) -> AttentionArgs:
-    """:func:`check_paged_attention` at any level.
+                   k_scale=None, v_scale=None, supported: frozenset | None = None,
+                   num_splits=None) -> AttentionArgs:
+    """:func:`check_paged_attention` at any level, plus ``num_splits`` (:func:`check_num_splits`; passed on
+    as ``AttentionArgs.num_splits``).
 
     ``"metadata"`` skips what needs the data: ``query_start_loc``'s values (first 0, last ``total_q``,
     non-decreasing), ``seq_lens`` against ``q_len`` and the table width, the block ids' range, and the
@@ -364,6 +367,7 @@ def attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_
     ``"full"`` the result carries the metadata tensors and no host copy of them.
     """
     level = validation_level(validate)
+    splits = (None if num_splits is None else int(num_splits)) if level == "none" else check_num_splits(num_splits)
     if level == "none":
         fp8 = k_cache.dtype in FP8_DTYPES
         h, dev = k_cache.shape[2], k_cache.device
@@ -372,7 +376,7 @@ def attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_
                              query.shape[1] // k_cache.shape[2], int(window_left), float(softcap),
                              as_head_vector(alibi_slopes, query.device), as_head_vector(sinks, query.device),
                              as_scale(k_scale, h, dev) if fp8 else None, as_scale(v_scale, h, dev) if fp8 else None,
-                             seq_lens, query_start_loc)
+                             seq_lens, query_start_loc, splits)
     k_cache, v_cache = check_cache_pair(k_cache, v_cache)
     query = check_tensor("query", query, 3)
     if k_cache.dtype in FP8_DTYPES:  # dequantized in the kernel: the query stays in a float dtype
@@ -411,7 +415,7 @@ def attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_
             and alibi_slopes is None and sinks is None and k_scale is None and v_scale is None
             and k_cache.dtype not in FP8_DTYPES):  # the plain call: no feature, nothing more to check
         return AttentionArgs(tables, lens, starts, scale, num_q_heads // num_kv_heads,
-                             seq_lens_tensor=seq_lens, query_start_loc=query_start_loc)
+                             seq_lens_tensor=seq_lens, query_start_loc=query_start_loc, num_splits=splits)
     read = level == "full"
     window_left = check_window(window_left)
     softcap = check_softcap(softcap)
@@ -421,7 +425,7 @@ def attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_
         sinks = check_head_vector("sinks", sinks, num_q_heads, query.device, True, read)
     k_scale, v_scale = check_pool_scales(k_cache, k_scale, v_scale, read_values=read)
     args = AttentionArgs(tables, lens, starts, scale, num_q_heads // num_kv_heads, window_left, softcap,
-                         alibi_slopes, sinks, k_scale, v_scale, seq_lens, query_start_loc)
+                         alibi_slopes, sinks, k_scale, v_scale, seq_lens, query_start_loc, splits)
     check_features(args.features, supported, "paged_attention")
     return args
 
