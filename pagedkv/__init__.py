@@ -19,9 +19,10 @@ from pagedkv.allocator import BlockAllocator
 from pagedkv.backends import available_backends, get_backend, load_backend
 from pagedkv.cache import PagedKVCache
 from pagedkv.config import CacheConfig
-from pagedkv.errors import (AllocatorError, ArgumentTypeError, BackendError, BackendUnavailableError, BlockIndexError,
-                     DeviceMismatchError, DoubleFreeError, DTypeMismatchError, InvariantError, OutOfBlocksError,
-                     PagedKVError, ShapeError, UnknownBlockError)
+from pagedkv.errors import (AllocatorError, ArgumentTypeError, ArgumentValueError, BackendError,
+                            BackendUnavailableError, BlockIndexError, DeviceMismatchError, DoubleFreeError,
+                            DTypeMismatchError, InvariantError, OutOfBlocksError, PagedKVError, ShapeError,
+                            UnknownBlockError)
 
 try:
     __version__ = _metadata.version("pagedkv")
@@ -29,7 +30,8 @@ except _metadata.PackageNotFoundError:  # running from a checkout that was never
     __version__ = "0+unknown"
 
 __all__ = [
-    "AllocatorError", "ArgumentTypeError", "BackendError", "BackendUnavailableError", "BlockAllocator",
+    "AllocatorError", "ArgumentTypeError", "ArgumentValueError", "BackendError", "BackendUnavailableError",
+    "BlockAllocator",
     "BlockIndexError", "CacheConfig", "PagedKVCache",
     "DeviceMismatchError", "DoubleFreeError", "DTypeMismatchError", "InvariantError", "OutOfBlocksError",
     "PagedKVError",

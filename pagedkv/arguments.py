@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 
 from pagedkv.config import DTYPES
-from pagedkv.errors import (ArgumentTypeError, BackendError, BlockIndexError, DeviceMismatchError, DTypeMismatchError,
-                            ShapeError)
+from pagedkv.errors import (ArgumentTypeError, ArgumentValueError, BackendError, BlockIndexError, DeviceMismatchError,
+                            DTypeMismatchError, ShapeError)
 from pagedkv.overlap import shares_memory
 
 TableLike = torch.Tensor | Sequence[int]
@@ -166,8 +166,9 @@ def check_kv_scale(name: str, scale: object, num_kv_heads: int, device: torch.de
 
     Raises:
         ArgumentTypeError: not a number or tensor (a bool, a string, ``None`` where one is required).
-        DTypeMismatchError: a tensor that is not float32. ShapeError: a tensor of another shape, or a
-            scale that is zero, negative or not finite (scales multiply stored values: they must be > 0).
+        DTypeMismatchError: a tensor that is not float32. ShapeError: a tensor of another shape.
+        ArgumentValueError: a scale that is zero, negative or not finite (scales multiply stored
+            values: they must be > 0).
         DeviceMismatchError: a tensor on a device other than ``device`` and the CPU.
 
     With ``read_values=False`` a tensor's values are not read (nor copied to the host): only its
@@ -193,7 +194,7 @@ def check_kv_scale(name: str, scale: object, num_kv_heads: int, device: torch.de
     if bool(bad.any()):
         i = int(torch.nonzero(bad)[0][0])
         where = f"[{i}]" if isinstance(scale, torch.Tensor) and scale.numel() > 1 else ""
-        raise ShapeError(f"{name}{where} must be finite and > 0, got {float(values[i])}")
+        raise ArgumentValueError(f"{name}{where} must be finite and > 0, got {float(values[i])}")
     return values.to(device=device).contiguous()
 
 
@@ -243,7 +244,7 @@ def check_scale(scale: object, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     value = check_real("scale", scale)
     if not math.isfinite(value):
-        raise ShapeError(f"scale must be finite, got {value}")
+        raise ArgumentValueError(f"scale must be finite, got {value}")
     return value
 
 
@@ -256,7 +257,7 @@ def check_window(window_left: object) -> int:
                                 f"{window_left!r}")
     value = operator.index(window_left)
     if value < -1:
-        raise ShapeError(f"window_left must be -1 (no window) or >= 0, got {value}")
+        raise ArgumentValueError(f"window_left must be -1 (no window) or >= 0, got {value}")
     return value
 
 
@@ -264,26 +265,82 @@ def check_softcap(softcap: object) -> float:
     """Gemma's logit soft-cap: a finite float ``>= 0`` (``0``: off)."""
     value = check_real("softcap", softcap)
     if not math.isfinite(value) or value < 0:
-        raise ShapeError(f"softcap must be finite and >= 0 (0: off), got {value}")
+        raise ArgumentValueError(f"softcap must be finite and >= 0 (0: off), got {value}")
     return value
+
+
+#: dtypes a head vector (ALiBi slopes, sinks) may come in; it is converted once to float32 (vLLM and
+#: FlashInfer take them in the model's dtype, gpt-oss ships bfloat16 sinks).
+HEAD_VECTOR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_head_vector(name: str, x: object, num_q_heads: int, device: torch.device, allow_neg_inf: bool,
                       read_values: bool = True) -> torch.Tensor:
-    """``float32 [num_q_heads]`` on ``device`` (ALiBi slopes, attention sinks), finite (sinks: or ``-inf``;
-    not read with ``read_values=False``)."""
-    x = check_tensor(name, x, 1)
-    if x.dtype != torch.float32:
-        raise DTypeMismatchError(f"{name}.dtype must be torch.float32, got {x.dtype}")
+    """ALiBi slopes or attention sinks as a contiguous ``float32 [num_q_heads]`` tensor on ``device``.
+
+    Accepted: a 1-D float32, float16 or bfloat16 tensor on ``device`` (converted once, exactly, to
+    float32), or a sequence of real numbers (rounded to float32), as vLLM and FlashInfer take them.
+    The values must be finite (sinks: or ``-inf``); they are not read with ``read_values=False``.
+
+    Raises:
+        ArgumentTypeError: neither a tensor nor a sequence of real numbers (a bool or string entry).
+        DTypeMismatchError: a tensor of another dtype (float64, an integer type).
+        ShapeError: not ``[num_q_heads]``. DeviceMismatchError: a tensor on another device.
+        ArgumentValueError: an entry that is NaN or infinite (sinks: ``+inf`` or NaN).
+    """
+    if isinstance(x, torch.Tensor):
+        x = check_tensor(name, x, 1)
+        if x.dtype not in HEAD_VECTOR_DTYPES:
+            raise DTypeMismatchError(f"{name}.dtype must be torch.float32, torch.float16 or torch.bfloat16, "
+                                     f"got {x.dtype}")
+        if x.device != torch.device(device):
+            raise DeviceMismatchError(f"{name} is on {x.device}, query on {device}")
+    else:
+        if isinstance(x, (str, bytes)) or not hasattr(x, "__iter__") or not hasattr(x, "__len__"):
+            raise ArgumentTypeError(f"{name} must be a 1-D float tensor or a sequence of floats, "
+                                    f"got {type(x).__name__}")
+        x = torch.tensor([check_real(f"{name}[{i}]", v) for i, v in enumerate(x)], dtype=torch.float32,
+                         device=device)
     if x.shape[0] != num_q_heads:
         raise ShapeError(f"{name} must be float32 [num_q_heads = {num_q_heads}], got shape {tuple(x.shape)}")
-    if x.device != torch.device(device):
-        raise DeviceMismatchError(f"{name} is on {x.device}, query on {device}")
+    x = x.to(torch.float32).contiguous()
     if not read_values:
-        return x.contiguous()
+        return x
     ok = torch.isfinite(x) | (x == float("-inf")) if allow_neg_inf else torch.isfinite(x)
     if not bool(ok.all()):
         i = int(torch.nonzero(~ok)[0][0])
         allowed = "finite or -inf" if allow_neg_inf else "finite"
-        raise ShapeError(f"{name}[{i}] must be {allowed}, got {float(x[i])}")
-    return x.contiguous()
+        raise ArgumentValueError(f"{name}[{i}] must be {allowed}, got {float(x[i])}")
+    return x
+
+
+def as_head_vector(x: object, device: torch.device) -> torch.Tensor | None:
+    """:func:`check_head_vector`'s normalisation without its checks (validation level ``"none"``)."""
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return x.to(device=device, dtype=torch.float32).contiguous()
+    return torch.tensor([float(v) for v in x], dtype=torch.float32, device=device)
+
+
+#: Most split-K parts of one query tile's context (CUDA's limit of grid axis 2, where the Triton kernel puts them).
+MAX_NUM_SPLITS = 65535
+
+
+def check_num_splits(num_splits: object) -> int | None:
+    """Split-K parts of each query tile's context (flash-decoding): ``None`` (the backend's heuristic) or
+    an int in ``1 .. MAX_NUM_SPLITS`` (``1``: no split).
+
+    Raises:
+        ArgumentTypeError: not an int (a float, a bool, a string). ArgumentValueError: below 1 or above
+            :data:`MAX_NUM_SPLITS`.
+    """
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool) or not hasattr(num_splits, "__index__") or isinstance(num_splits, torch.Tensor):
+        raise ArgumentTypeError(f"num_splits must be an int or None (the heuristic), got {type(num_splits).__name__} "
+                                f"{num_splits!r}")
+    value = operator.index(num_splits)
+    if not 1 <= value <= MAX_NUM_SPLITS:
+        raise ArgumentValueError(f"num_splits must be in 1 .. {MAX_NUM_SPLITS} (1: no split), got {value}")
+    return value

@@ -84,7 +84,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: f
 
     Returns:
         ``[q_len, num_q_heads, head_dim]`` in ``query.dtype``. A row with ``q_len == 0`` input gives
-        an empty output.
+        an empty output. The bits depend only on the values and shapes of the arguments, not on where
+        ``query`` lies in memory (a slice of a packed batch at any offset gives the same bits).
     """
     q_len, num_q_heads, head_dim = query.shape
     seq_len, num_kv_heads = key.shape[0], key.shape[1]
@@ -96,7 +97,11 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: f
     key = key.to(compute_dtype) if k_scale is None else key.to(compute_dtype) * k_scale.to(compute_dtype).view(-1, 1)
     value = (value.to(compute_dtype) if v_scale is None
              else value.to(compute_dtype) * v_scale.to(compute_dtype).view(-1, 1))
-    q = query.to(compute_dtype).view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, q, D]
+    # [Hkv, G, q, D] in storage of its own: ``query`` is often a row slice of a packed batch, and MKL's
+    # kernels pick their blocking by the operand's address, so a view would make the bits of this
+    # sequence depend on where it sits in the batch (the batch-order invariance).
+    q = query.to(compute_dtype).view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    q = q.clone(memory_format=torch.contiguous_format)
     k = key.permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, L, D]
     v = value.permute(1, 0, 2).unsqueeze(1)
     logits = torch.matmul(q, k.transpose(-1, -2)) * scale  # [Hkv, G, q, L]

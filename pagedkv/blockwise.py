@@ -51,8 +51,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         validate: check arguments first (see :func:`pagedkv.validation.check_paged_attention`).
         window_left: a query at position ``p`` sees keys ``p - window_left .. p``; ``-1``: no window.
         softcap: ``> 0`` soft-caps the logits (Gemma 2); ``0``: off.
-        alibi_slopes: ``float32 [num_q_heads]``: bias ``slope * (k_pos - q_pos)``.
-        sinks: ``float32 [num_q_heads]``: one extra logit per head in the denominator (gpt-oss).
+        alibi_slopes: ``[num_q_heads]`` float32, float16 or bfloat16 (or a sequence of floats;
+            converted once to float32): bias ``slope * (k_pos - q_pos)``.
+        sinks: ``[num_q_heads]``, dtypes as the slopes: one extra logit per head in the denominator (gpt-oss).
         k_scale, v_scale: required for an fp8 pool: a float, or ``float32 [num_kv_heads]``.
 
     Returns:

@@ -30,6 +30,13 @@ class ArgumentTypeError(PagedKVError, TypeError):
     """An argument of the wrong kind: a float or bool where an int is required, a list where a tensor is."""
 
 
+class ArgumentValueError(PagedKVError, ValueError):
+    """An argument of the right kind whose value is out of range: a ``softcap`` below 0 or not finite, a
+    ``window_left`` below -1, a non-finite ``scale``, an fp8 ``k_scale`` / ``v_scale`` that is not
+    finite and > 0, ALiBi slopes or sinks that are not finite (sinks: or ``-inf``), a ``num_splits``
+    below 1 (contract: ``ValueError``). Shapes that do not fit together are :class:`ShapeError`."""
+
+
 class AllocatorError(PagedKVError, RuntimeError):
     """Base class of block-allocator errors; a failed allocator call changes no state."""
 

@@ -34,6 +34,7 @@ from pagedkv.arguments import (ALL_FEATURES, FP8_DTYPES, TableLike, as_scale, ch
                                check_features, check_head_vector, check_ids_in_range, check_int_tensor,
                                check_kv_scale, check_length, check_like_cache, check_no_overlap, check_pool_scales,
                                check_scale, check_softcap, check_tensor, check_window, normalize_block_table)
+from pagedkv.arguments import as_head_vector, check_num_splits
 from pagedkv.config import DTYPES, blocks_needed
 from pagedkv.errors import ArgumentTypeError, BlockIndexError, DeviceMismatchError, DTypeMismatchError, ShapeError
 from pagedkv.overlap import shares_memory
@@ -186,7 +187,8 @@ def check_write_kv(k_cache: object, v_cache: object, key: object, value: object,
     Raises:
         ShapeError: ``key``/``value`` not ``[num_tokens, num_kv_heads, head_dim]``, ``slot_mapping`` not
             ``[num_tokens]``, one slot written twice, ``k_cache`` and ``v_cache`` overlapping in memory, or
-            ``key``/``value`` overlapping a pool; a scale that is zero, negative or not finite.
+            ``key``/``value`` overlapping a pool.
+        ArgumentValueError: a scale that is zero, negative or not finite.
         BlockIndexError: a non-negative slot ``>= num_blocks * block_size``.
         DTypeMismatchError / DeviceMismatchError: key/value/slot_mapping/scales unlike the caches.
         ArgumentTypeError: an fp8 pool without scales, or scales for a non-fp8 pool.
@@ -297,6 +299,7 @@ class AttentionArgs:
     v_scale: torch.Tensor | None = None
     seq_lens_tensor: torch.Tensor | None = None  # int32/int64 [batch] on the cache device, as given
     query_start_loc: torch.Tensor | None = None  # int32/int64 [batch + 1] on the cache device, as given
+    num_splits: int | None = None  # split-K parts (a backend that declares split-K); None: its heuristic
 
     @property
     def seq_lens(self) -> list[int]:
@@ -327,7 +330,8 @@ def check_paged_attention(query: object, k_cache: object, v_cache: object, block
 
     The optional features (see ``docs/contract.md``; vLLM's unified attention and flash-attn's names):
     ``window_left`` (int ``>= -1``), ``softcap`` (float ``>= 0``), ``alibi_slopes`` and ``sinks``
-    (``float32 [num_q_heads]`` on the query's device; sinks may be ``-inf``), ``k_scale`` / ``v_scale``
+    (``[num_q_heads]`` float32, float16 or bfloat16 tensors on the query's device, or sequences of
+    floats, converted once to float32: :func:`check_head_vector`; sinks may be ``-inf``), ``k_scale`` / ``v_scale``
     (required for, and only for, an fp8 pool; see :func:`check_kv_scale`). With an fp8 pool the
     query is float32/float16/bfloat16. ``supported``: the backend's ``FEATURES``; a feature in use
     that it does not declare is refused (:func:`check_features`).
@@ -336,8 +340,9 @@ def check_paged_attention(query: object, k_cache: object, v_cache: object, block
         ShapeError: wrong ranks; ``num_q_heads % num_kv_heads != 0``; ``head_dim`` mismatch;
             ``query_start_loc`` not ``[batch + 1]``, not starting at 0, decreasing, or not ending at
             ``total_q``; ``seq_lens`` not ``[batch]`` or negative; ``q_len > seq_len``; a table row too
-            short for its ``seq_len``; ``scale`` not finite; ``window_left < -1``; ``softcap`` negative or
-            not finite; slopes/sinks of the wrong shape or not finite; a scale ``<= 0`` or not finite.
+            short for its ``seq_len``; slopes/sinks/scales of the wrong shape.
+        ArgumentValueError: ``scale`` not finite; ``window_left < -1``; ``softcap`` negative or not
+            finite; slopes/sinks not finite (sinks may be ``-inf``); an fp8 scale ``<= 0`` or not finite.
         BlockIndexError: a read block id outside ``[0, num_blocks)``.
         DTypeMismatchError / DeviceMismatchError: query, metadata, slopes, sinks or scales unlike the caches.
         ArgumentTypeError: ``window_left`` not an int, ``softcap`` not a number, an fp8 pool without
@@ -351,8 +356,10 @@ def check_paged_attention(query: object, k_cache: object, v_cache: object, block
 
 def attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,
                    validate: object = "full", *, window_left=-1, softcap=0.0, alibi_slopes=None, sinks=None,
-                   k_scale=None, v_scale=None, supported: frozenset | None = None) -> AttentionArgs:
-    """:func:`check_paged_attention` at any level.
+                   k_scale=None, v_scale=None, supported: frozenset | None = None,
+                   num_splits=None) -> AttentionArgs:
+    """:func:`check_paged_attention` at any level, plus ``num_splits`` (:func:`check_num_splits`; passed on
+    as ``AttentionArgs.num_splits``).
 
     ``"metadata"`` skips what needs the data: ``query_start_loc``'s values (first 0, last ``total_q``,
     non-decreasing), ``seq_lens`` against ``q_len`` and the table width, the block ids' range, and the
@@ -360,14 +367,16 @@ def attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_
     ``"full"`` the result carries the metadata tensors and no host copy of them.
     """
     level = validation_level(validate)
+    splits = (None if num_splits is None else int(num_splits)) if level == "none" else check_num_splits(num_splits)
     if level == "none":
         fp8 = k_cache.dtype in FP8_DTYPES
         h, dev = k_cache.shape[2], k_cache.device
         return AttentionArgs(block_tables.to(torch.int64), None, None,
                              1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale),
-                             query.shape[1] // k_cache.shape[2], int(window_left), float(softcap), alibi_slopes, sinks,
+                             query.shape[1] // k_cache.shape[2], int(window_left), float(softcap),
+                             as_head_vector(alibi_slopes, query.device), as_head_vector(sinks, query.device),
                              as_scale(k_scale, h, dev) if fp8 else None, as_scale(v_scale, h, dev) if fp8 else None,
-                             seq_lens, query_start_loc)
+                             seq_lens, query_start_loc, splits)
     k_cache, v_cache = check_cache_pair(k_cache, v_cache)
     query = check_tensor("query", query, 3)
     if k_cache.dtype in FP8_DTYPES:  # dequantized in the kernel: the query stays in a float dtype
@@ -406,7 +415,7 @@ def attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_
             and alibi_slopes is None and sinks is None and k_scale is None and v_scale is None
             and k_cache.dtype not in FP8_DTYPES):  # the plain call: no feature, nothing more to check
         return AttentionArgs(tables, lens, starts, scale, num_q_heads // num_kv_heads,
-                             seq_lens_tensor=seq_lens, query_start_loc=query_start_loc)
+                             seq_lens_tensor=seq_lens, query_start_loc=query_start_loc, num_splits=splits)
     read = level == "full"
     window_left = check_window(window_left)
     softcap = check_softcap(softcap)
@@ -416,7 +425,7 @@ def attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_
         sinks = check_head_vector("sinks", sinks, num_q_heads, query.device, True, read)
     k_scale, v_scale = check_pool_scales(k_cache, k_scale, v_scale, read_values=read)
     args = AttentionArgs(tables, lens, starts, scale, num_q_heads // num_kv_heads, window_left, softcap,
-                         alibi_slopes, sinks, k_scale, v_scale, seq_lens, query_start_loc)
+                         alibi_slopes, sinks, k_scale, v_scale, seq_lens, query_start_loc, splits)
     check_features(args.features, supported, "paged_attention")
     return args
 

@@ -55,8 +55,10 @@ REQUIRED = {"record": ("check", "case"),
             "SeqSpec": ("block_table", "seq_len", "q_len", "start"),
             "CacheScenario": ("geometry", "ops", "enable_prefix_caching", "constant_hash", "seed"),
             "InvalidCall": ("op", "fault", "case", "seq", "amount")}
-OPTIONAL_CASE = ("window_left", "softcap", "alibi", "sinks", "kv_cache_dtype", "k_scale", "v_scale")  # off when absent
-NULLABLE = {"backend", "other", "transform", "error", "case.scale", "case.case.scale"}
+OPTIONAL_CASE = ("window_left", "softcap", "alibi", "sinks", "kv_cache_dtype", "k_scale", "v_scale",
+                 "num_splits")  # off when absent
+NULLABLE = {"backend", "other", "transform", "error", "case.scale", "case.case.scale", "case.num_splits",
+            "case.case.num_splits"}
 SIZE_FIELDS = ("num_blocks", "block_size", "num_kv_heads", "head_dim", "num_queries_per_kv", "seq_len", "q_len",
                "start", "pad_columns", "seed", "num_layers")
 POOL_FIELDS = ("num_blocks", "block_size", "num_kv_heads", "head_dim")

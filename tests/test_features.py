@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 
 from pagedkv import blockwise, get_backend
 from pagedkv.backends import backend_features, loop as loop_module
-from pagedkv.errors import (ArgumentTypeError, BackendError, BackendUnavailableError, DeviceMismatchError,
-                            DTypeMismatchError, ShapeError)
+from pagedkv.errors import (ArgumentTypeError, ArgumentValueError, BackendError, BackendUnavailableError,
+                            DeviceMismatchError, DTypeMismatchError, ShapeError)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -587,6 +587,46 @@ def test_scaling_stored_k_by_c_and_k_scale_by_one_over_c_changes_nothing_beyond_
     assert torch.equal(pools[0][0], pools[1][0]) and torch.equal(pools[0][1], pools[1][1])
 
 
+@pytest.mark.parametrize("name", ATTENTION)
+@pytest.mark.parametrize("form", ["float16", "bfloat16", "list", "tuple"])
+def test_slopes_and_sinks_in_the_models_dtype_equal_their_float32_values(name, form):
+    """Slopes and sinks in float16 / bfloat16 or as Python floats (vLLM's and FlashInfer's forms) are
+    converted once to float32: the output is bit-identical to passing that float32 tensor."""
+    backend = BACKENDS[name]
+    batch = make_batch(SEQS, block_size=BS, seed=11)
+    hq = batch.query.shape[1]
+    low = {"float16": F16, "bfloat16": BF16}.get(form, BF16)
+    slopes, sinks = _slopes(hq).to(low), _sinks(hq).to(low)  # values a float32 tensor and the low dtype share
+    sinks[0] = float("-inf")
+    exact = dict(alibi_slopes=slopes.float(), sinks=sinks.float())
+    if form in ("list", "tuple"):
+        kind = list if form == "list" else tuple
+        given = {k: kind(float(x) for x in v.cpu()) for k, v in exact.items()}
+    else:
+        given = dict(alibi_slopes=slopes, sinks=sinks)
+    want = batch.call(backend, **exact)
+    assert torch.equal(batch.call(backend, **given), want)
+    assert_matches(want, batch.ref(**{k: v.cpu() for k, v in exact.items()}), F32,
+                   slack=batch.slack(alibi_slopes=exact["alibi_slopes"]))
+    if name in STORAGE:  # below level "full" too (metadata: no value read; none: normalised only)
+        for level in ("metadata", "none"):
+            out = backend.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables,
+                                          batch.seq_lens, batch.query_start_loc, None, level, **given)
+            assert torch.equal(out, want), level
+
+
+def test_check_paged_attention_returns_float32_slopes_and_sinks():
+    from pagedkv.validation import check_paged_attention
+
+    batch = make_batch(((5, 2),), block_size=BS)
+    args = check_paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                                 batch.query_start_loc, alibi_slopes=[0.25, 0.5, 0.125, 1.0],
+                                 sinks=torch.tensor([0.5, -1.0, float("-inf"), 2.0], dtype=BF16, device=DEVICE))
+    assert args.alibi_slopes.dtype == F32 and args.sinks.dtype == F32
+    assert args.alibi_slopes.tolist() == [0.25, 0.5, 0.125, 1.0]
+    assert args.sinks.tolist() == [0.5, -1.0, float("-inf"), 2.0]
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad values are refused before anything is written, naming the argument
 # --------------------------------------------------------------------------------------------------
@@ -597,23 +637,29 @@ def _meta(n):
 
 
 BAD_ATTENTION = [
-    (dict(window_left=-2), ShapeError, "window_left"),
+    (dict(window_left=-2), ArgumentValueError, "window_left"),
     (dict(window_left=1.5), ArgumentTypeError, "window_left"),
     (dict(window_left=True), ArgumentTypeError, "window_left"),
-    (dict(softcap=-1.0), ShapeError, "softcap"),
-    (dict(softcap=float("inf")), ShapeError, "softcap"),
-    (dict(softcap=float("nan")), ShapeError, "softcap"),
+    (dict(softcap=-1.0), ArgumentValueError, "softcap"),
+    (dict(softcap=float("inf")), ArgumentValueError, "softcap"),
+    (dict(softcap=float("nan")), ArgumentValueError, "softcap"),
     (dict(softcap="4"), ArgumentTypeError, "softcap"),
     (dict(alibi_slopes=torch.zeros(5)), ShapeError, "alibi_slopes"),
     (dict(alibi_slopes=torch.zeros(4, 1)), ShapeError, "alibi_slopes"),
     (dict(alibi_slopes=torch.zeros(4, dtype=torch.float64)), DTypeMismatchError, "alibi_slopes"),
-    (dict(alibi_slopes=[0.0] * 4), ArgumentTypeError, "alibi_slopes"),
-    (dict(alibi_slopes=torch.tensor([0.0, float("nan"), 0.0, 0.0])), ShapeError, "alibi_slopes[1]"),
+    (dict(alibi_slopes=["0.5"] * 4), ArgumentTypeError, "alibi_slopes[0]"),
+    (dict(alibi_slopes=[0.0, 0.0, True, 0.0]), ArgumentTypeError, "alibi_slopes[2]"),
+    (dict(alibi_slopes=0.5), ArgumentTypeError, "alibi_slopes"),
+    (dict(alibi_slopes=[0.0] * 3), ShapeError, "alibi_slopes"),
+    (dict(alibi_slopes=[0.0, float("inf"), 0.0, 0.0]), ArgumentValueError, "alibi_slopes[1]"),
+    (dict(alibi_slopes=torch.tensor([0.0, float("nan"), 0.0, 0.0])), ArgumentValueError, "alibi_slopes[1]"),
     (dict(alibi_slopes=_meta(4)), DeviceMismatchError, "alibi_slopes"),
     (dict(sinks=torch.zeros(3)), ShapeError, "sinks"),
-    (dict(sinks=torch.zeros(4, dtype=torch.float16)), DTypeMismatchError, "sinks"),
-    (dict(sinks=torch.tensor([0.0, 0.0, float("inf"), 0.0])), ShapeError, "sinks[2]"),
-    (dict(sinks=torch.tensor([float("nan"), 0.0, 0.0, 0.0])), ShapeError, "sinks[0]"),
+    (dict(sinks=torch.zeros(4, dtype=torch.int32)), DTypeMismatchError, "sinks"),
+    (dict(sinks=torch.zeros(4, dtype=torch.float64)), DTypeMismatchError, "sinks"),
+    (dict(sinks=torch.tensor([0.0, float("nan"), 0.0, 0.0], dtype=torch.bfloat16)), ArgumentValueError, "sinks[1]"),
+    (dict(sinks=torch.tensor([0.0, 0.0, float("inf"), 0.0])), ArgumentValueError, "sinks[2]"),
+    (dict(sinks=torch.tensor([float("nan"), 0.0, 0.0, 0.0])), ArgumentValueError, "sinks[0]"),
     (dict(sinks=_meta(4)), DeviceMismatchError, "sinks"),
     (dict(k_scale=1.0, v_scale=1.0), ArgumentTypeError, "k_scale"),  # scales on a float32 pool
 ]
@@ -621,11 +667,11 @@ BAD_ATTENTION = [
 BAD_FP8 = [  # on an fp8 pool; for write_kv and paged_attention alike
     (dict(k_scale=None, v_scale=0.1), ArgumentTypeError, "k_scale"),
     (dict(k_scale=0.1, v_scale=None), ArgumentTypeError, "v_scale"),
-    (dict(k_scale=0.0, v_scale=0.1), ShapeError, "k_scale"),
-    (dict(k_scale=-0.5, v_scale=0.1), ShapeError, "k_scale"),
-    (dict(k_scale=float("inf"), v_scale=0.1), ShapeError, "k_scale"),
-    (dict(k_scale=0.1, v_scale=float("nan")), ShapeError, "v_scale"),
-    (dict(k_scale=torch.tensor([0.1, 0.0]), v_scale=0.1), ShapeError, "k_scale[1]"),
+    (dict(k_scale=0.0, v_scale=0.1), ArgumentValueError, "k_scale"),
+    (dict(k_scale=-0.5, v_scale=0.1), ArgumentValueError, "k_scale"),
+    (dict(k_scale=float("inf"), v_scale=0.1), ArgumentValueError, "k_scale"),
+    (dict(k_scale=0.1, v_scale=float("nan")), ArgumentValueError, "v_scale"),
+    (dict(k_scale=torch.tensor([0.1, 0.0]), v_scale=0.1), ArgumentValueError, "k_scale[1]"),
     (dict(k_scale=torch.tensor([0.1, 0.1, 0.1]), v_scale=0.1), ShapeError, "k_scale"),
     (dict(k_scale=torch.tensor([0.1, 0.1], dtype=torch.float64), v_scale=0.1), DTypeMismatchError, "k_scale"),
     (dict(k_scale=True, v_scale=0.1), ArgumentTypeError, "k_scale"),
@@ -666,6 +712,23 @@ def test_bad_feature_values_are_refused_naming_the_argument(name):
                                 fp8.query_start_loc, k_scale=0.1, v_scale=0.1)
     assert _unchanged(before, batch.k_cache, batch.v_cache)
     assert _unchanged(fp8_before, fp8.k_cache, fp8.v_cache)
+
+
+def test_a_value_out_of_range_is_an_argument_value_error_not_a_shape_error():
+    """Values out of range and shapes that do not fit are told apart by type; both stay ``ValueError``."""
+    from pagedkv.arguments import check_kv_scale, check_scale, check_softcap, check_window
+
+    assert issubclass(ArgumentValueError, ValueError) and not issubclass(ArgumentValueError, ShapeError)
+    for call, message in ((lambda: check_softcap(float("inf")), "softcap must be finite and >= 0 (0: off), got inf"),
+                          (lambda: check_window(-3), "window_left must be -1 (no window) or >= 0, got -3"),
+                          (lambda: check_scale(float("nan"), 8), "scale must be finite, got nan"),
+                          (lambda: check_kv_scale("k_scale", -1.0, 2, "cpu"),
+                           "k_scale must be finite and > 0, got -1.0")):
+        with pytest.raises(ArgumentValueError) as info:
+            call()
+        assert str(info.value) == message
+    with pytest.raises(ShapeError, match="k_scale must be a number"):
+        check_kv_scale("k_scale", torch.ones(3), 2, "cpu")
 
 
 @pytest.mark.parametrize("name", STORAGE)

@@ -32,7 +32,8 @@ from hypothesis import strategies as st  # noqa: E402
 from pagedkv import blockwise, get_backend  # noqa: E402
 from pagedkv.attention import reference_attention  # noqa: E402
 from pagedkv.config import blocks_needed  # noqa: E402
-from pagedkv.errors import BackendUnavailableError, BlockIndexError, ShapeError  # noqa: E402
+from pagedkv.errors import (ArgumentTypeError, ArgumentValueError, BackendUnavailableError,  # noqa: E402
+                            BlockIndexError, ShapeError)
 from pagedkv.testing.compare import assert_attention_close, assert_bitwise_equal  # noqa: E402
 
 try:  # first: on CPU it sets TRITON_INTERPRET=1 before triton is imported
@@ -40,7 +41,7 @@ try:  # first: on CPU it sets TRITON_INTERPRET=1 before triton is imported
 except BackendUnavailableError as exc:
     pytest.skip(str(exc), allow_module_level=True)
 loop_backend = get_backend("loop")
-from pagedkv.backends import triton_attention, triton_kernels  # noqa: E402
+from pagedkv.backends import launch_grid, triton_attention, triton_kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -473,6 +474,53 @@ def test_split_k_auto_count_is_one_on_cpu_and_a_keyword_overrides_it():
     via = triton_kernels.paged_attention(p.query, p.k_cache, p.v_cache, p.block_tables, p.seq_lens,
                                          p.query_start_loc, 0.25, p.max_q_len, num_splits=4)
     assert_split_close(via, via_splits(4)(p, 0.25))
+
+
+def _attend(p: Paged, scale: float, **kw) -> torch.Tensor:
+    return triton_backend.paged_attention(p.query, p.k_cache, p.v_cache, p.block_tables, p.seq_lens,
+                                          p.query_start_loc, scale, **kw)
+
+
+@pytest.mark.parametrize("name", ["short_contexts", "long_decode", "mixed_gqa6_bs5_d5"])
+def test_num_splits_argument_equals_unsplit_and_overrides_the_environment(name, monkeypatch):
+    """``num_splits`` on the public op splits the context (equal to ``num_splits=1`` within float32
+    rounding, and to the forced split); the argument wins over ``$PAGEDKV_NUM_SPLITS``."""
+    p = materialize(SPLIT_CASES[name])
+    scale = 1.0 / math.sqrt(SPLIT_CASES[name].head_dim)
+    unsplit = _attend(p, scale, num_splits=1)
+    assert_bitwise_equal(unsplit, via_splits(1)(p, scale), "num_splits=1 vs splits(1): ")
+    for n in (2, 5):
+        out = _attend(p, scale, num_splits=n)
+        assert_bitwise_equal(out, via_splits(n)(p, scale), f"num_splits={n} vs splits({n}): ")
+        assert_split_close(out, unsplit, msg=f"num_splits={n}: ")
+    monkeypatch.setenv(launch_grid.SPLITS_ENV, "4")
+    assert_bitwise_equal(_attend(p, scale), via_splits(4)(p, scale), "$PAGEDKV_NUM_SPLITS=4: ")
+    assert_bitwise_equal(_attend(p, scale, num_splits=1), unsplit, "num_splits=1 under $PAGEDKV_NUM_SPLITS=4: ")
+
+
+def test_num_splits_is_validated_by_every_backend_before_any_launch(monkeypatch):
+    p = materialize(SPLIT_CASES["short_contexts"])
+    for backend in (triton_backend, get_backend("loop"), get_backend("indexed")):
+        for bad, error in ((0, ArgumentValueError), (-2, ArgumentValueError), (65536, ArgumentValueError),
+                           (2.0, ArgumentTypeError), (True, ArgumentTypeError), ("4", ArgumentTypeError)):
+            with pytest.raises(error, match="num_splits"):
+                backend.paged_attention(p.query, p.k_cache, p.v_cache, p.block_tables, p.seq_lens,
+                                        p.query_start_loc, num_splits=bad)
+    loop = get_backend("loop")
+    plain = loop.paged_attention(p.query, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, p.query_start_loc)
+    assert_bitwise_equal(loop.paged_attention(p.query, p.k_cache, p.v_cache, p.block_tables, p.seq_lens,
+                                              p.query_start_loc, num_splits=3), plain, "loop ignores num_splits: ")
+    for text in ("0", "two"):
+        monkeypatch.setenv(launch_grid.SPLITS_ENV, text)
+        with pytest.raises(ArgumentValueError, match=launch_grid.SPLITS_ENV):
+            _attend(p, 0.5)
+
+
+def test_triton_declares_split_k_and_the_suite_draws_split_counts_for_it():
+    from pagedkv.backends.capabilities import capabilities_of
+
+    assert capabilities_of(triton_backend).split_k
+    assert not capabilities_of(get_backend("loop")).split_k and not capabilities_of(get_backend("indexed")).split_k
 
 
 class SplitBackend:

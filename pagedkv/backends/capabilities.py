@@ -101,6 +101,9 @@ class Capabilities:
         repeated_blocks: reads tables that name one physical block twice.
         features: attention features it implements (:data:`FEATURE_NAMES`).
         preconditions: assumptions about its inputs (:data:`PRECONDITIONS`).
+        split_k: its ``paged_attention`` takes ``num_splits`` (split-K decode; ``None``: its heuristic),
+            so the suite draws split counts (``Case.num_splits``). Read from a ``SPLIT_K`` attribute
+            when the backend has no ``capabilities``.
 
     Raises (on construction):
         ValueError: an unknown dtype, feature or precondition name.
@@ -117,6 +120,7 @@ class Capabilities:
     repeated_blocks: bool = True
     features: frozenset[str] = frozenset()
     preconditions: frozenset[str] = frozenset()
+    split_k: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in (("dtypes", DTYPE_NAMES), ("features", FEATURE_NAMES),
@@ -162,14 +166,15 @@ class Capabilities:
 def capabilities_of(backend: Any) -> Capabilities:
     """``backend.capabilities`` when it is a :class:`Capabilities`; else every size, dtype and layout,
     with ``features`` taken from a ``FEATURES`` attribute (none when the backend has no such attribute:
-    an undeclared feature is reported as not covered, never as passed).
+    an undeclared feature is reported as not covered, never as passed) and ``split_k`` from ``SPLIT_K``.
 
     Raises:
         TypeError: ``backend.capabilities`` exists but is not a :class:`Capabilities`.
     """
     caps = getattr(backend, "capabilities", None)
     if caps is None:
-        return Capabilities(features=frozenset(getattr(backend, "FEATURES", ())))
+        return Capabilities(features=frozenset(getattr(backend, "FEATURES", ())),
+                            split_k=bool(getattr(backend, "SPLIT_K", False)))
     if not isinstance(caps, Capabilities):
         raise TypeError(f"{getattr(backend, 'name', backend)!r}.capabilities must be a "
                         f"pagedkv.backends.capabilities.Capabilities, got {type(caps).__name__}")

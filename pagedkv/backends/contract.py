@@ -21,7 +21,12 @@ pagedkv's own backends also take ``validate`` after the contract's positional ar
 (or ``True``, the default) checks everything and reads block tables, lengths and slots on the host;
 ``"metadata"`` checks shapes, dtypes, devices, strides and memory overlap without reading tensor
 data (no host synchronisation); ``"none"`` (or ``False``) checks nothing, and a bad argument is
-undefined behaviour. See ``docs/validation.md`` for what each level catches."""
+undefined behaviour. See ``docs/validation.md`` for what each level catches.
+``paged_attention`` also takes ``num_splits`` (keyword-only; ``None``, the default: the backend's
+heuristic; ``1``: no split; an int ``>= 1`` otherwise, else ``ArgumentTypeError`` /
+``ArgumentValueError``): the split-K (flash-decoding) parts of each query tile's context, for a
+backend that declares split-K (``SPLIT_K = True``: ``triton``, where ``$PAGEDKV_NUM_SPLITS`` fixes the
+count when the argument is ``None``); ``loop`` and ``indexed`` validate it and compute unsplit."""
 
 
 @runtime_checkable
@@ -111,6 +116,8 @@ class PagedKVBackend(Protocol):
             softcap: ``> 0``: logits become ``softcap * tanh(logits / softcap)`` (Gemma 2); ``0``: off.
             alibi_slopes: ``float32 [num_q_heads]``: bias ``slope * (k_pos - q_pos)`` (after the soft-cap).
             sinks: ``float32 [num_q_heads]``: one extra logit per head in the denominator (gpt-oss).
+                pagedkv's own backends also take slopes and sinks in float16 / bfloat16 or as a sequence
+                of floats, converted once to float32 (``docs/contract.md``); the suite passes float32.
             k_scale, v_scale: fp8 pools only (required there): a float or ``float32 [num_kv_heads]``;
                 K/V are read as ``float32(stored) * scale``.
 

@@ -3,7 +3,10 @@
 ``gather`` copies whole blocks with one ``index_select`` on the block dimension straight into the
 output (the contiguous ``block_size * num_kv_heads * head_dim`` run of each block is copied as one
 piece) and the partial last block with one more ``index_select`` of a slot slice; it allocates
-nothing beyond the output and reads no block id back to the host.
+nothing beyond the output and reads no block id back to the host. On the CPU, contiguous pools with
+blocks of at least :data:`LARGE_BLOCK_BYTES` are gathered by one ``torch.cat`` of the block views into
+the output instead (one ``memcpy`` a block: ``index_select`` copies each slice through a
+``TensorIterator``, which costs more than the copy of a large block; reading the ids is free there).
 ``scatter`` is the write twin: one ``index_copy_`` of whole blocks on the block dimension plus at
 most two ``index_copy_`` of partial blocks at the two ends of the written range. ``write_kv`` (an
 arbitrary ``slot_mapping``) writes through the flat slot view of the pool with one ``index_copy_``
@@ -32,6 +35,8 @@ from pagedkv.fp8 import quantize
 from pagedkv.validation import FP8_DTYPES, AttentionArgs, WriteArgs, check_gather, check_write_overlap
 
 name = "indexed"
+#: On the CPU, blocks of at least this many bytes are gathered by one ``torch.cat`` of block views.
+LARGE_BLOCK_BYTES = 256 * 1024
 #: Optional attention features this backend supports (see ``docs/contract.md``).
 FEATURES = frozenset({"window", "softcap", "alibi", "sinks", "fp8"})
 
@@ -44,6 +49,11 @@ def gather(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tens
     full, tail = divmod(seq_len, block_size)
     if not full and tail and cache.device.type == "cpu":  # one partial block: a single copy into a new tensor
         return cache[int(table[0]), :tail].clone(memory_format=torch.contiguous_format)
+    if seq_len and cache.device.type == "cpu" and cache[0].nbytes >= LARGE_BLOCK_BYTES and cache.is_contiguous():
+        # large blocks: one torch.cat of the block slices (a memcpy each) beats index_select's per-slice copy
+        ids = table[: full + (tail > 0)].tolist()
+        out = cache.new_empty((seq_len, num_kv_heads, head_dim))
+        return torch.cat([cache[b] for b in ids[:full]] + ([cache[ids[full], :tail]] if tail else []), out=out)
     if full and not tail:  # whole blocks only: index_select allocates the (contiguous) output itself
         ids = table if table.shape[0] == full else table[:full]
         return torch.index_select(cache, 0, ids).view(seq_len, num_kv_heads, head_dim)

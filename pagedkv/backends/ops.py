@@ -16,7 +16,8 @@ The implementations receive:
 - ``gather(cache, table, seq_len)``, ``scatter(cache, table, values, start)``: ``table`` an ``int32`` /
   ``int64`` tensor on the cache's device (``int64`` unless the level is ``"none"``), ints for lengths;
 - ``write_kv(k_cache, v_cache, key, value, w)``: ``w`` a :class:`pagedkv.validation.WriteArgs`;
-- ``paged_attention(query, k_cache, v_cache, args)``: ``args`` a :class:`pagedkv.validation.AttentionArgs`.
+- ``paged_attention(query, k_cache, v_cache, args)``: ``args`` a :class:`pagedkv.validation.AttentionArgs`
+  (``args.num_splits``: the validated split-K count; a backend without split-K ignores it).
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ def _write_kv(impl: Callable, features: frozenset) -> Callable:
 def _paged_attention(impl: Callable, features: frozenset) -> Callable:
     def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,
                         validate="full", *, window_left=-1, softcap=0.0, alibi_slopes=None, sinks=None,
-                        k_scale=None, v_scale=None):
+                        k_scale=None, v_scale=None, num_splits=None):
         args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate,
                               window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                              k_scale=k_scale, v_scale=v_scale, supported=features)
+                              k_scale=k_scale, v_scale=v_scale, supported=features, num_splits=num_splits)
         return impl(query, k_cache, v_cache, args)
     return paged_attention
 

@@ -32,6 +32,8 @@ _kernels.check_runnable()  # BackendUnavailableError: no CUDA and triton was imp
 name = "triton"
 #: Optional attention features this backend supports (see ``docs/contract.md``).
 FEATURES = frozenset({"window", "softcap", "alibi", "sinks", "fp8"})
+#: ``paged_attention`` takes ``num_splits`` (split-K decode); the conformance suite draws split counts.
+SPLIT_K = True
 
 
 @backend_op(FEATURES)
@@ -87,27 +89,39 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     head's whole GQA group, so K/V are read once per group. No slot at a position ``>= seq_len`` is
     loaded, nor any before the first visible key of a query tile. Below level ``"full"`` the grid is
     sized for ``max_q_len = total_q`` (no host read of ``query_start_loc``; tiles past a sequence's
-    queries exit at once); under ``torch.compile`` the custom op ``pagedkv::triton_paged_attention``."""
+    queries exit at once); under ``torch.compile`` the custom op ``pagedkv::triton_paged_attention``.
+
+    Split-K (flash-decoding, as vLLM's and FlashInfer's decode kernels): ``num_splits`` cuts each
+    query tile's context into that many parts, computed by separate programs and merged by a second
+    kernel (their partial max, sum and accumulator, in float32): equal to the unsplit kernel within
+    float32 rounding. ``None`` (the default): ``$PAGEDKV_NUM_SPLITS`` when set (an int ``>= 1``, read at
+    each call; :func:`pagedkv.backends.triton_kernels.splits` sets it for a block of code), else on CUDA
+    :func:`pagedkv.backends.launch_grid.choose_num_splits` for decode batches too small to fill the
+    SMs, else 1. ``1``: never split."""
     max_q_len = -1
     if args.host_q_starts is not None:
         max_q_len = max((hi - lo for lo, hi in zip(args.host_q_starts, args.host_q_starts[1:])), default=0)
     call = torch.ops.pagedkv.triton_paged_attention if torch.compiler.is_compiling() else paged_attention_eager
     return call(query, k_cache, v_cache, args.block_tables, args.seq_lens_tensor, args.query_start_loc, args.scale,
-                max_q_len, args.window_left, args.softcap, args.alibi_slopes, args.sinks, args.k_scale, args.v_scale)
+                max_q_len, args.window_left, args.softcap, args.alibi_slopes, args.sinks, args.k_scale, args.v_scale,
+                args.num_splits)
 
 
 def paged_attention_eager(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                           scale: float, max_q_len: int, window_left: int, softcap: float,
                           alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
-                          k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
-    """The attention kernel's launcher as an opaque op (``max_q_len < 0``: bounded by ``total_q``)."""
+                          k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                          num_splits: int | None = None) -> torch.Tensor:
+    """The attention kernel's launcher as an opaque op (``max_q_len < 0``: bounded by ``total_q``;
+    ``num_splits``: as :func:`paged_attention`)."""
     # The kernel indexes seq_lens, query_start_loc, slopes, sinks and scales as dense arrays.
     dense = (lambda x: None if x is None else x.contiguous())
     return _kernels.paged_attention(query, k_cache, v_cache, block_tables, seq_lens.contiguous(),
                                     query_start_loc.contiguous(), scale, query.shape[0] if max_q_len < 0 else max_q_len,
                                     window_left=window_left, softcap=softcap, alibi_slopes=dense(alibi_slopes),
-                                    sinks=dense(sinks), k_scale=dense(k_scale), v_scale=dense(v_scale))
+                                    sinks=dense(sinks), k_scale=dense(k_scale), v_scale=dense(v_scale),
+                                    num_splits=num_splits)
 
 
 #: The registered op (``torch.ops.pagedkv.triton_paged_attention``): the graph node under ``torch.compile``.
@@ -117,5 +131,5 @@ paged_attention_op = torch.library.custom_op("pagedkv::triton_paged_attention", 
 
 @paged_attention_op.register_fake
 def _(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_q_len, window_left, softcap,
-      alibi_slopes, sinks, k_scale, v_scale) -> torch.Tensor:
+      alibi_slopes, sinks, k_scale, v_scale, num_splits=None) -> torch.Tensor:
     return query.new_empty(query.shape)

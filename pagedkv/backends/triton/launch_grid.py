@@ -23,6 +23,8 @@ import contextlib
 import contextvars
 import os
 
+from pagedkv.errors import ArgumentValueError
+
 #: CUDA grid limits per axis
 MAX_GRID = (2**31 - 1, 65535, 65535)
 #: most splits of one query tile's context
@@ -87,9 +89,15 @@ def fixed_num_splits() -> int | None:
     """The split count fixed by :func:`splits` or ``$PAGEDKV_NUM_SPLITS`` (``None``: choose)."""
     n = _FIXED.get()
     if n is None and os.environ.get(SPLITS_ENV):
-        n = int(os.environ[SPLITS_ENV])
+        text = os.environ[SPLITS_ENV]
+        try:
+            n = int(text)
+        except ValueError:
+            raise ArgumentValueError(f"${SPLITS_ENV} must be an int in 1 .. {MAX_GRID[2]}, got {text!r}") from None
+        if not 1 <= n <= MAX_GRID[2]:
+            raise ArgumentValueError(f"${SPLITS_ENV} must be in 1 .. {MAX_GRID[2]}, got {n}")
     if n is not None and not 1 <= n <= MAX_GRID[2]:
-        raise ValueError(f"num_splits must be in 1 .. {MAX_GRID[2]}, got {n}")
+        raise ArgumentValueError(f"num_splits must be in 1 .. {MAX_GRID[2]}, got {n}")
     return n
 
 

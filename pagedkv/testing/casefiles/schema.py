@@ -57,7 +57,8 @@ OUTCOMES = ("running", "failed", "raised", "crashed")  # save_failure's outcome:
 _GEOMETRY_KEYS = ("num_blocks", "block_size", "num_kv_heads", "head_dim", "num_queries_per_kv", "dtype")
 _SEQ_KEYS = ("block_table", "seq_len", "q_len", "start")
 _CASE_KEYS = ("geometry", "seqs", "values", "poison", "pad_value", "pad_columns", "table_dtype", "layout", "scale",
-              "seed", "window_left", "softcap", "alibi", "sinks", "kv_cache_dtype", "k_scale", "v_scale")
+              "seed", "window_left", "softcap", "alibi", "sinks", "kv_cache_dtype", "k_scale", "v_scale",
+              "num_splits")
 _CASE_REQUIRED = _CASE_KEYS[:10]  # the feature fields are optional (off in files written before them)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # pagedkv.testing.cases.case.KV_CACHE_DTYPES
 _SCENARIO_KEYS = ("geometry", "ops", "enable_prefix_caching", "constant_hash", "seed", "num_layers")
@@ -233,6 +234,8 @@ def _features(c: dict, path: str, num_kv_heads: int) -> None:
             _bool(c[key], f"{path}.{key}")
     if "kv_cache_dtype" in c:
         _choice(c["kv_cache_dtype"], f"{path}.kv_cache_dtype", KV_CACHE_DTYPES)
+    if c.get("num_splits") is not None:
+        _int(c["num_splits"], f"{path}.num_splits", 1, 65536)
     for key in ("k_scale", "v_scale"):
         if key not in c:
             continue

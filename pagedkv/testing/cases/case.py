@@ -90,6 +90,8 @@ class Case:
         kv_cache_dtype: ``"auto"`` (pools in the geometry's dtype) or ``"fp8_e4m3"`` / ``"fp8_e5m2"``
             (pools store ``sat(x / scale)``; the queries and outputs keep the geometry's dtype).
         k_scale, v_scale: fp8 scales: a number (per tensor) or one number per kv head.
+        num_splits: split-K parts passed as ``paged_attention``'s ``num_splits`` (``None``: not passed;
+            drawn only for a backend that declares ``split_k``).
     """
 
     geometry: Geometry
@@ -109,10 +111,14 @@ class Case:
     kv_cache_dtype: str = "auto"
     k_scale: float | tuple[float, ...] = 1.0
     v_scale: float | tuple[float, ...] = 1.0
+    num_splits: int | None = None
 
     # -- plain data ------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if out["num_splits"] is None:  # unset: files read the same as those written before the field
+            del out["num_splits"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "Case":
@@ -224,6 +230,8 @@ class Case:
             out["alibi_slopes"] = self.alibi_slopes(device)
         if self.sinks:
             out["sinks"] = self.sink_values(device)
+        if self.num_splits is not None:  # a launch option, not a feature: passed through, never in the reference
+            out["num_splits"] = self.num_splits
         return {**out, **self.kv_scales(device)}
 
     def stored(self, x: torch.Tensor, which: str = "k") -> torch.Tensor:

@@ -87,7 +87,21 @@ def _extras(draw, geometry: Geometry, seqs, *, read_only: bool, caps=None, poiso
         scale=draw(st.one_of(st.none(), st.sampled_from((0.5, 1.0, 0.1)))),
         seed=draw(st.integers(0, 2**16)),
         **draw(feature_fields(geometry, seqs, allowed=declared_features(caps, features), force=force)),
+        num_splits=draw(split_counts(caps)),
     )
+
+
+#: split-K counts drawn for a backend that declares ``split_k``: no split, a few, more than most contexts have keys
+SPLIT_COUNTS = (1, 2, 3, 8)
+
+
+def split_counts(caps=None) -> st.SearchStrategy:
+    """``Case.num_splits``: ``None`` (the backend's heuristic) for a backend without ``split_k``; for one
+    with it, ``None`` in about half the cases (shrinks there), else a count from :data:`SPLIT_COUNTS`,
+    so split decodes are drawn on every device (the CUDA heuristic never splits on a CPU)."""
+    if caps is None or not getattr(caps, "split_k", False):
+        return st.none()
+    return st.one_of(st.none(), st.sampled_from(SPLIT_COUNTS))
 
 
 def _scaled(block_size: int, max_seqs: int, max_len: int) -> tuple[int, int]:
