@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu_compile
 
 triton = pytest.importorskip("triton")
 
-from pagedkv.backends import compile_report  # noqa: E402
+from pagedkv.cli.bench import compile_report  # noqa: E402
 
 
 def _ptxas_available() -> bool:

@@ -41,7 +41,7 @@ try:  # first: on CPU it sets TRITON_INTERPRET=1 before triton is imported
 except BackendUnavailableError as exc:
     pytest.skip(str(exc), allow_module_level=True)
 loop_backend = get_backend("loop")
-from pagedkv.backends import launch_grid, triton_attention, triton_kernels  # noqa: E402
+from pagedkv.backends.triton import attention as triton_attention, kernels as triton_kernels, launch_grid  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16

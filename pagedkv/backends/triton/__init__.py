@@ -23,7 +23,7 @@ choose_interpreter()
 
 import triton  # noqa: E402,F401  (ImportError here: the registry reports the backend unavailable)
 
-from pagedkv.backends import triton_kernels as _kernels  # noqa: E402
+from pagedkv.backends.triton import kernels as _kernels  # noqa: E402
 from pagedkv.backends.ops import backend_op  # noqa: E402
 from pagedkv.validation import AttentionArgs, WriteArgs, check_write_overlap  # noqa: E402
 
@@ -95,7 +95,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     query tile's context into that many parts, computed by separate programs and merged by a second
     kernel (their partial max, sum and accumulator, in float32): equal to the unsplit kernel within
     float32 rounding. ``None`` (the default): ``$PAGEDKV_NUM_SPLITS`` when set (an int ``>= 1``, read at
-    each call; :func:`pagedkv.backends.triton_kernels.splits` sets it for a block of code), else on CUDA
+    each call; :func:`pagedkv.backends.triton.kernels.splits` sets it for a block of code), else on CUDA
     :func:`pagedkv.backends.launch_grid.choose_num_splits` for decode batches too small to fill the
     SMs, else 1. ``1``: never split."""
     max_q_len = -1

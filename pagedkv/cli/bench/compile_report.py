@@ -171,7 +171,7 @@ def record(case: Case) -> list[tuple]:
     import torch
     from triton.runtime.jit import JITFunction
 
-    from pagedkv.backends import triton_kernels as kernels
+    from pagedkv.backends.triton import kernels
 
     launches: list = []
     modules = [m for name, m in sys.modules.items() if name.startswith("pagedkv.backends.triton")]

@@ -43,24 +43,16 @@ from pagedkv.testing.casefiles.schema import (BUILTIN_BACKENDS, FORMAT_VERSION, 
                                     MUTANTS_MODULE, PEERS_MODULE, _human, validate_record)
 
 # -- which backends a file may name -------------------------------------------------------------------------
-CACHE_MUTANTS_MODULE = "pagedkv.testing.mutants.caches"
-FEATURE_MUTANTS_MODULE = "pagedkv.testing.mutants.features"
-SHIPPED_MODULES = (MUTANTS_MODULE, CACHE_MUTANTS_MODULE, FEATURE_MUTANTS_MODULE, PEERS_MODULE)
+#: Modules earlier versions recorded for cache and feature mutants (read as pagedkv.testing.mutants:NAME).
+LEGACY_MUTANT_MODULES = ("pagedkv.testing.cache_mutants", "pagedkv.testing.feature_mutants")
+SHIPPED_MODULES = (MUTANTS_MODULE, PEERS_MODULE)
 
 
 def _shipped(module: str) -> set[str]:
     if module == MUTANTS_MODULE:
-        from pagedkv.testing.mutants.backends import MUTANTS
+        from pagedkv.testing.mutants import MUTANTS
 
         return set(MUTANTS)
-    if module == CACHE_MUTANTS_MODULE:
-        from pagedkv.testing.mutants.caches import CACHE_MUTANTS
-
-        return set(CACHE_MUTANTS)
-    if module == FEATURE_MUTANTS_MODULE:
-        from pagedkv.testing.mutants.features import FEATURE_MUTANTS
-
-        return set(FEATURE_MUTANTS)
     from pagedkv.testing.peers import PEERS
 
     return set(PEERS)
@@ -84,6 +76,8 @@ def canonical_backend_spec(spec: object) -> str | None:
     if spec in BUILTIN_BACKENDS:
         return spec
     module, sep, name = spec.partition(":")
+    if module in LEGACY_MUTANT_MODULES:
+        module, spec = MUTANTS_MODULE, f"{MUTANTS_MODULE}:{name}"
     if sep:
         return spec if module in SHIPPED_MODULES and name in _shipped(module) else None
     for module in SHIPPED_MODULES:

@@ -43,7 +43,7 @@ TRANSFORMS = ("batch_order", "layout", "pad_value", "poison", "renumber_blocks",
 INVALID_OPS = ("gather", "scatter", "write_kv", "paged_attention")
 SCENARIO_OPS = {"add": (3, 4), "append": (3, 3), "reserve": (3, 4), "write": (2, 3), "fork": (3, 3), "free": (2, 2)}
 BUILTIN_BACKENDS = ("loop", "indexed", "triton")  # pagedkv.backends.BUILTIN
-MUTANTS_MODULE = "pagedkv.testing.mutants.backends"
+MUTANTS_MODULE = "pagedkv.testing.mutants"  # any shipped mutant: pagedkv.testing.mutants:NAME
 PEERS_MODULE = "pagedkv.testing.peers"
 
 _MAX_ID = 2**31  # sequence ids and token ids in scenarios

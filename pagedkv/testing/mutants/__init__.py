@@ -8,9 +8,11 @@
 ``pagedkv.testing.mutants:NAME`` loads any shipped mutant (case files and docs name them so).
 """
 
-from pagedkv.testing.mutants.backends import MUTANTS as BACKEND_MUTANTS, TARGETS as BACKEND_TARGETS
+from pagedkv.testing.mutants.backends import MUTANTS as BACKEND_MUTANTS, TARGETS as BACKEND_TARGETS, IndexedBackend
 from pagedkv.testing.mutants.caches import CACHE_MUTANT_BACKENDS, CACHE_TARGETS
 from pagedkv.testing.mutants.features import FEATURE_MUTANTS, FEATURE_TARGETS
+
+__all__ = ["IndexedBackend", "MUTANTS", "TARGETS"]
 
 #: name -> mutant backend class, every shipped mutant.
 MUTANTS: dict[str, type] = {**BACKEND_MUTANTS, **FEATURE_MUTANTS, **CACHE_MUTANT_BACKENDS}
