@@ -225,7 +225,7 @@ def child_main(job: dict, out_path: str) -> None:
                 out["budget_spent"] = True
                 return flush()
             run = {"seed": seed, "explicit": explicit, "killed": False, "property": "", "examples": 0,
-                   "seconds": 0.0, "error": "", "case_file": "", "properties_run": 0}
+                   "seconds": 0.0, "error": "", "case_file": "", "properties_run": 0, "partial": False}
             t0 = time.monotonic()
             for name in job["properties"]:
                 prop = props[name]
@@ -239,8 +239,10 @@ def child_main(job: dict, out_path: str) -> None:
                 try:
                     res = _run_one(prop, backend, job["device"], seed, n, explicit, caps=caps, deadline=deadline,
                                    on_example=note)
-                except _OverBudget:
-                    out["budget_spent"] = True
+                except _OverBudget:  # the run so far is kept, marked partial
+                    run.update(partial=True, seconds=round(time.monotonic() - t0, 3))
+                    out["runs"].append(run)
+                    out.update(budget_spent=True, current=None)
                     return flush()
                 run["properties_run"] += 1
                 run["examples"] += res["examples"]

@@ -76,6 +76,7 @@ def summarize(job: dict, result: dict, equivalent: dict[str, str] | None = None)
         mine = [r for r in runs if r["explicit"] == explicit]
         row[f"{label}_killed"] = sum(r["killed"] for r in mine)
         row[f"{label}_runs"] = len(mine)
+        row[f"{label}_partial"] = sum(bool(r.get("partial")) and not r["killed"] for r in mine)
     gen_kills = [r for r in runs if r["killed"] and not r["explicit"]]
     row["median_examples"] = statistics.median(r["examples"] for r in gen_kills) if gen_kills else None
     row["median_seconds"] = round(statistics.median(r["seconds"] for r in gen_kills), 2) if gen_kills else None
@@ -130,8 +131,8 @@ def _cell(text, width: int = 90) -> str:
 
 
 def _rate(row: dict, label: str) -> str:
-    n = row[f"{label}_runs"]
-    return f"{row[f'{label}_killed']}/{n}" if n else "-"
+    n, partial = row[f"{label}_runs"], row.get(f"{label}_partial", 0)
+    return (f"{row[f'{label}_killed']}/{n}" + ("*" * bool(partial))) if n else "-"
 
 
 def markdown(config: dict, rows: list[dict], title: str = "") -> str:
@@ -148,7 +149,8 @@ def markdown(config: dict, rows: list[dict], title: str = "") -> str:
         out.append("Left out: " + "; ".join(f"{k} ({v})" for k, v in config["left_out"].items()))
     out += ["", "Rates are *killed runs / runs completed*, one run per seed: **explicit** runs the explicit "
             "examples first, **generated** draws examples only. Median examples and seconds are to the first "
-            "failure in the generated runs.", "",
+            "failure in the generated runs. `*`: the last run was cut short by the time budget (it passed the "
+            "properties it reached).", "",
             "| mutant | operator | diff | status | explicit | generated | median ex. | median s | "
             "fails first | case file / note |",
             "|---|---|---|---|---|---|---|---|---|---|"]
