@@ -203,6 +203,8 @@ def child_main(job: dict, out_path: str) -> None:
     out: dict = {"id": job["id"], "status": "ran", "runs": [], "current": None, "error": ""}
 
     def flush():
+        if job.get("module"):  # which file the backend runs for the mutated module (None: not imported yet)
+            out["loaded_from"] = loaded_from(job["module"])
         Path(out_path).write_text(json.dumps(out))
 
     try:
@@ -243,6 +245,7 @@ def child_main(job: dict, out_path: str) -> None:
                     run.update(partial=True, seconds=round(time.monotonic() - t0, 3))
                     out["runs"].append(run)
                     out.update(budget_spent=True, current=None)
+                    running.unlink(missing_ok=True)
                     return flush()
                 run["properties_run"] += 1
                 run["examples"] += res["examples"]
@@ -260,8 +263,6 @@ def child_main(job: dict, out_path: str) -> None:
             flush()
     running.unlink(missing_ok=True)
     out["seconds"] = round(time.monotonic() - t_job, 3)
-    if job.get("module"):
-        out["loaded_from"] = loaded_from(job["module"])
     flush()
 
 
