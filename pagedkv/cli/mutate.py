@@ -126,9 +126,14 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     done = {"n": 0}
 
+    finished: dict = {}
+
     def progress(job, result):
         done["n"] += 1
         row = kill_tables.summarize(job.__dict__, result, marks)
+        if job.kind != "baseline" and args.json:  # the rows so far, should the run be stopped
+            finished[job.id] = row
+            kill_tables.write_json(f"{args.json}.partial", {"impl": args.impl}, list(finished.values()))
         print(f"[{done['n']}/{total}] {job.id:28} {row['status']:10} explicit {kill_tables._rate(row, 'explicit'):5} "
               f"generated {kill_tables._rate(row, 'generated'):5} {result.get('wall_s')}s "
               f"{row['first_property'] or row['note']}"[:200], flush=True)
@@ -168,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
               "properties": common["properties"], "left_out": left_out}
     if args.json:
         kill_tables.write_json(args.json, config, rows)
+        Path(f"{args.json}.partial").unlink(missing_ok=True)
     text = kill_tables.markdown(config, rows, args.title)
     if args.markdown:
         Path(args.markdown).write_text(text)
