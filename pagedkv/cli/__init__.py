@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "demo": ".demo",
     "replay": ".replay",
     "mutants": ".mutants",
+    "mutate": ".mutate",
     "bench": ".bench",
     "e2e": ".e2e",
     "soak": ".soak",

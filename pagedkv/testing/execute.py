@@ -230,7 +230,7 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
         spec: str | None = None, other: str | None = None, case_file: Path | None = None,
         on_example: Callable[[], None] | None = None, explicit: bool = True, budget_s: float = 0.0,
         database_key: bytes | None = None, overrides: dict | None = None, violating: bool = False,
-        after_pass: Callable[[tuple, Any], None] | None = None) -> Outcome:
+        after_pass: Callable[[tuple, Any], None] | None = None, seed: int | None = None) -> Outcome:
     """Search ``prop`` on ``backends`` with Hypothesis: explicit examples first (when ``explicit``), then
     cases drawn inside the declared space, shrinking a failure unless ``settings`` leave out the shrink phase.
 
@@ -252,6 +252,7 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
         violating: the explicit examples that break the declared precondition instead of those that keep it.
         after_pass: ``after_pass(backends, case)`` after each passing example (the baseline comparison of
             :mod:`pagedkv.testing.baseline_gate`); what it raises fails that example, and is shrunk.
+        seed: Hypothesis' random seed (independent runs of the kill-rate table); ``None``: the settings decide.
 
     Returns:
         An :class:`Outcome`; a failure's exception is in ``outcome.failures`` (never raised here).
@@ -310,6 +311,8 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
         for case in reversed(prop.examples_in(caps, violating=violating)):
             test = hypothesis.example(case)(test)
     test = chosen(test)
+    if seed is not None:
+        test = hypothesis.seed(seed)(test)
     test._hypothesis_internal_database_key = database_key or f"{prop.name}/{violating}".encode()
     try:
         test()
