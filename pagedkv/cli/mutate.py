@@ -107,7 +107,7 @@ def _mutants(args) -> list:
 def run(args: argparse.Namespace) -> int:
     """``python -m pagedkv mutate``: 0 when every non-equivalent mutant is killed, 1 otherwise."""
     from pagedkv.backends import load_backend
-    from pagedkv.testing import kill_tables
+    from pagedkv.testing.mutants import kill_rate_tables as kill_tables
     from pagedkv.testing.mutants.kill_rates import Job, runnable_properties, run_jobs, source_job
 
     mutants = _mutants(args)
