@@ -70,12 +70,30 @@ def _import(module_name: str, spec: str) -> ModuleType:
         except Exception as exc:
             del sys.modules[mod_name]
             raise BackendError(f"importing backend file {module_name!r} (from {spec!r}) failed: "
-                               f"{type(exc).__name__}: {exc}") from exc
+                               f"{type(exc).__name__}: {exc}{_hint(exc)}") from exc
         return module
     try:
         return importlib.import_module(module_name)
     except ImportError as exc:
         raise BackendError(f"cannot import backend module {module_name!r} (from {spec!r}): {exc}") from exc
+    except Exception as exc:  # the module itself raised on import: say what, in one line
+        raise BackendError(f"importing backend module {module_name!r} (from {spec!r}) failed: "
+                           f"{type(exc).__name__}: {exc}{_hint(exc)}") from exc
+
+
+def _hint(exc: Exception) -> str:
+    """For a misspelled :class:`~pagedkv.backends.capabilities.Capabilities` (or ``Sizes``) field: the known ones."""
+    import dataclasses
+    import difflib
+
+    match = re.search(r"\b(Capabilities|Sizes).__init__\(\) got an unexpected keyword argument '(\w+)'", str(exc))
+    if not match:
+        return ""
+    from pagedkv.backends import capabilities
+
+    known = [f.name for f in dataclasses.fields(getattr(capabilities, match.group(1)))]
+    close = difflib.get_close_matches(match.group(2), known, n=1)
+    return (f" (did you mean {close[0]!r}?" if close else " (") + f" {match.group(1)} fields: {', '.join(known)})"
 
 
 def _materialize(obj: Any, spec: str) -> Any:

@@ -24,6 +24,7 @@ the collected paths, or the ini key ``pagedkv_builtin = true`` is set. The logic
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -100,11 +101,15 @@ def candidates(config: pytest.Config) -> list:
         from pagedkv.testing.space import capabilities_under_test, load_candidates
 
         try:
-            loaded = load_candidates(impl_spec(config))
-            for backend in loaded:
-                capabilities_under_test(backend)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                loaded = load_candidates(impl_spec(config))
+                for backend in loaded:
+                    capabilities_under_test(backend)
         except (pagedkv.BackendError, TypeError, ValueError) as exc:
             raise pytest.UsageError(f"--pagedkv-impl / PAGEDKV_IMPL: {exc}") from exc
+        for w in caught:  # a misspelled `capabilities` and the like: shown once, in the warnings summary
+            config.issue_config_time_warning(pytest.PytestWarning(f"pagedkv: {w.message}"), stacklevel=2)
         config.stash[_CANDIDATES] = loaded
     return config.stash[_CANDIDATES]
 
@@ -233,4 +238,4 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if problem:
         if reporter:
             reporter.write_line(f"ERROR: {problem}", red=True, bold=True)
-        session.exitstatus = pytest.ExitCode.USAGE_ERROR if "no conformance property" in problem else 1
+        session.exitstatus = pytest.ExitCode.USAGE_ERROR if "no pagedkv conformance property" in problem else 1

@@ -1,0 +1,65 @@
+"""The gate's usage errors: a wrong capabilities field is one line naming it and the known fields
+(exit 4), a misspelled ``capabilities`` attribute is warned about, and a named candidate whose run
+judged no conformance property fails with the command that runs the suite."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+BAD_FIELD = """
+from pagedkv.backends import indexed
+from pagedkv.backends.capabilities import Capabilities
+class Backend:
+    name = "bad_field"
+    capabilities = Capabilities(head_dim=(64,))
+    write_kv = staticmethod(indexed.write_kv)
+backend = Backend()
+"""
+MISSPELLED = """
+from pagedkv.backends import indexed
+from pagedkv.backends.capabilities import Capabilities, Sizes
+class Backend:
+    name = "misspelled"
+    capabilites = Capabilities(head_dims=Sizes(values={64}))
+    write_kv = staticmethod(indexed.write_kv)
+backend = Backend()
+"""
+
+
+def _pytest(tmp_path, *args, env=None):
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path), **(env or {})})
+
+
+def test_a_wrong_capabilities_field_is_a_one_line_usage_error(tmp_path):
+    (tmp_path / "bad_field.py").write_text(textwrap.dedent(BAD_FIELD))
+    proc = _pytest(tmp_path, "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", "bad_field:backend", "--co")
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "INTERNALERROR" not in proc.stdout + proc.stderr
+    assert "did you mean 'head_dims'?" in proc.stderr and "block_sizes" in proc.stderr, proc.stderr
+
+
+def test_a_misspelled_capabilities_attribute_is_warned_about(tmp_path):
+    (tmp_path / "misspelled.py").write_text(textwrap.dedent(MISSPELLED))
+    proc = _pytest(tmp_path, "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", "misspelled:backend", "--co",
+                   "-q")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "has 'capabilites': a misspelling?" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("how", ["env", "option"])
+def test_a_named_candidate_with_no_property_judged_is_a_usage_error(tmp_path, how):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_own.py").write_text("def test_own():\n    assert True\n")
+    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\ntestpaths = ["tests"]\n')
+    args, env = ((), {"PAGEDKV_IMPL": "indexed"}) if how == "env" else (("--pagedkv-impl", "indexed"), {})
+    proc = _pytest(tmp_path, *args, env=env)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "1 passed" in proc.stdout
+    assert "pytest --pyargs pagedkv.testing.suite --pagedkv-impl indexed" in proc.stdout, proc.stdout
