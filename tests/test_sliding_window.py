@@ -172,13 +172,14 @@ def _windowed_batch(window_left=5, block_size=4, lens=(23, 9, 17), q_lens=(1, 3,
             if i >= first:
                 tables[b, i] = nxt
                 m = min(block_size, n - i * block_size)
-                k_cache[nxt, :m], v_cache[nxt, :m] = k[i * block_size:i * block_size + m], v[i * block_size:][:m]
+                lo = i * block_size
+                k_cache[nxt, :m], v_cache[nxt, :m] = k[lo:lo + m], v[lo:lo + m]
                 nxt += 1
         qsl.append(qsl[-1] + q)
     query = torch.randn(qsl[-1], 4, 8)
     expected = reference_attention(query, keys, values, qsl, window_left=window_left)
-    return query, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32), \
-        expected
+    lens_t, qsl_t = torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32)
+    return query, k_cache, v_cache, tables, lens_t, qsl_t, expected
 
 
 @pytest.mark.parametrize("name", available_backends())
