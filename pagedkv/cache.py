@@ -40,7 +40,7 @@ from pagedkv.allocator import BlockAllocator, HashFn, as_int, as_token_ids, chec
 from pagedkv.config import CacheConfig, blocks_needed, slots_for_positions
 from pagedkv.errors import (ArgumentTypeError, DoubleFreeError, InvariantError, OutOfBlocksError, ShapeError,
                             UnknownBlockError)
-from pagedkv.window import NULL_BLOCK, releasable_blocks
+from pagedkv.window import NULL_BLOCK, releasable_blocks, releasable_held_blocks
 
 
 @dataclass
@@ -276,35 +276,17 @@ class PagedKVCache:
         return added
 
     def _releasable(self, seq: SequenceState) -> list[int]:
-        """The held blocks of ``seq`` no later query can read (``[]`` without a window).
-
-        A later query sits at a position ``>= num_written``: the tokens committed are computed, their
-        attention done (the next append starts the next step, as vLLM's ``allocate_slots`` calls
-        ``remove_skipped_blocks``), so it reads nothing before ``num_written - window_left``
-        (:func:`pagedkv.window.releasable_blocks`). The last full block stays while it caches a prefix:
-        the next full block is registered with it as its parent.
-        """
-        if self.window_left is None:
-            return []
-        bs, table = self.block_size, seq.block_table
-        last_full = seq.num_written // bs - 1
-        keep = last_full >= 0 and table[last_full] != NULL_BLOCK and self.allocator.is_cached(table[last_full])
-        return table[seq.num_released:releasable_blocks(seq.num_written, self.window_left, bs, keep_last_full=keep)]
+        return releasable_held_blocks(self, seq)
 
     def _release_outside_window(self, seq: SequenceState) -> None:
-        """Release :meth:`_releasable`: the entries become ``-1``; each block loses this table's reference,
-        the last one first (deepest evicted first, as :meth:`free`); a block shared with another table or
-        caching a prefix stays with them (used, or evictable)."""
         released = self._releasable(seq)
-        if not released:
-            return
-        n = seq.num_released + len(released)
-        table = seq.block_table
-        self.allocator.free_all(released)
-        self._poison(released, if_empty=True)
-        table[seq.num_released:n] = [NULL_BLOCK] * (n - seq.num_released)
-        self.num_window_released += n - seq.num_released
-        seq.num_released = n
+        if released:  # the entries become -1; each block loses this table's reference, the last first
+            self.allocator.free_all(released)
+            self._poison(released, if_empty=True)
+            n = seq.num_released + len(released)
+            seq.block_table[seq.num_released:n] = [NULL_BLOCK] * len(released)
+            self.num_window_released += len(released)
+            seq.num_released = n
 
     def first_held_position(self, seq_id: int) -> int:
         """The first position of ``seq_id`` whose block the sequence still holds: ``0`` without a window;

@@ -48,3 +48,23 @@ def releasable_blocks(num_computed: int, window_left: int | None, block_size: in
     if keep_last_full:
         n = min(n, max(num_computed // block_size - 1, 0))
     return n
+
+
+def releasable_held_blocks(cache, seq) -> list[int]:
+    """The blocks ``seq`` (a :class:`~pagedkv.cache.SequenceState` of ``cache``) holds and no later query
+    reads: ``[]`` without ``cache.window_left``.
+
+    A later query sits at a position ``>= seq.num_written``: the committed tokens are computed and
+    their attention done (the cache releases at the next append, the start of the next step, as vLLM's
+    ``allocate_slots`` calls ``remove_skipped_blocks``), so it reads nothing before
+    ``num_written - window_left``. The last full block stays while it caches a prefix: the next full
+    block is registered with it as its parent. Released, each block loses the table's reference (the
+    last one first, deepest evicted first); a block shared with another table or caching a prefix
+    stays with them (used, or evictable).
+    """
+    if cache.window_left is None:
+        return []
+    bs, table = cache.block_size, seq.block_table
+    last_full = seq.num_written // bs - 1
+    keep = last_full >= 0 and table[last_full] != NULL_BLOCK and cache.allocator.is_cached(table[last_full])
+    return table[seq.num_released:releasable_blocks(seq.num_written, cache.window_left, bs, keep_last_full=keep)]

@@ -51,10 +51,10 @@ def test_windowed_soak_releases_blocks_and_every_sequence_reads_its_window(windo
 
 
 def test_windowed_soak_catches_a_cache_releasing_one_block_too_early(monkeypatch):
-    import pagedkv.cache as cache_module
+    import pagedkv.window as window_module
 
-    real = cache_module.releasable_blocks
-    monkeypatch.setattr(cache_module, "releasable_blocks",
+    real = window_module.releasable_blocks
+    monkeypatch.setattr(window_module, "releasable_blocks",
                         lambda n, w, bs, keep_last_full=False: real(n + bs, w, bs, keep_last_full=keep_last_full))
     report = run_soak(300, seed=2, window_left=5, check_every=10)
     assert not report["ok"]
