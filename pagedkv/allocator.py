@@ -9,7 +9,8 @@ Design (after vLLM's block manager and its v1 prefix cache):
 - Allocation takes free blocks first, then evicts the least recently released evictable block.
 - Prefix caching keys each full block by a chained hash ``h_i = hash_fn(h_{i-1}, tokens_i)``, with
   ``h_{-1}`` derived from the sequence's ``cache_key`` (a namespace: a LoRA adapter, a tenant's cache
-  salt, multimodal extra keys; ``None`` by default), so equal tokens under two keys never share. Each
+  salt, multimodal extra keys; ``None`` by default; a ``str``, an ``int`` or a tuple of them, compared
+  with their type: :func:`check_cache_key`), so equal tokens under two keys never share. Each
   cached block records its own tokens and its parent (the cached block before it, with the parent's
   *generation*, bumped whenever a block's cache entry is dropped). A lookup walks the prompt block
   by block and accepts a candidate only when its tokens are equal and its parent is the block just
@@ -27,6 +28,7 @@ Design (after vLLM's block manager and its v1 prefix cache):
 
 from __future__ import annotations
 
+import numbers
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -56,13 +58,42 @@ def as_int(name: str, value: object) -> int:
 
 
 def check_cache_key(name: str, cache_key: object) -> Hashable:
-    """``cache_key`` if it can key the prefix cache (hashable), else ArgumentTypeError naming ``name``."""
-    try:
-        hash(cache_key)
-    except TypeError:
-        raise ArgumentTypeError(f"{name} must be hashable (a str, int, tuple or None), got "
-                                f"{type(cache_key).__name__} {cache_key!r}") from None
-    return cache_key
+    """``cache_key`` as a prefix-cache namespace: ``None``, a ``str``, an ``int`` or a tuple of them (nested).
+
+    Keys are compared with their type: Python calls ``1``, ``1.0`` and ``True`` equal (and hashes them
+    alike), so a float or a bool would silently share a namespace with an int; both are refused.
+    ``str`` and ``int`` subclasses (an ``IntEnum`` adapter id, NumPy integers) are normalised to the
+    plain ``str`` / ``int`` they hold, so the returned key holds only ``str``, ``int`` and ``tuple``
+    values, and no two of those types ever compare equal: two keys name one namespace exactly when
+    they are equal with equal types, element by element (tenant salts, LoRA adapter ids and
+    multimodal extra keys, as vLLM's ``cache_salt`` and ``extra_keys``, cannot collide by accident).
+
+    Returns:
+        The normalised key (``None`` stays ``None``).
+
+    Raises:
+        ArgumentTypeError (a ``TypeError``): any other value (a float, a bool, bytes, a list, ...),
+            at any depth; the message names ``name`` and the offending element.
+    """
+    return None if cache_key is None else _typed_key(name, cache_key, ())
+
+
+def _typed_key(name: str, key: object, path: tuple[int, ...]) -> str | int | tuple:
+    where = name + "".join(f"[{i}]" for i in path)
+    if isinstance(key, str):
+        return str.__str__(key)  # a plain str (a str subclass's own text)
+    if isinstance(key, tuple):
+        return tuple(_typed_key(name, k, path + (i,)) for i, k in enumerate(key))
+    if isinstance(key, numbers.Integral) and not isinstance(key, (bool, torch.Tensor)) and \
+            type(key).__name__ not in ("bool_", "bool"):
+        return operator.index(key)
+    is_bool = isinstance(key, bool) or type(key).__name__ in ("bool_", "bool")
+    kind = "a bool" if is_bool else "a float" if isinstance(key, numbers.Real) else type(key).__name__
+    why = (": 1, 1.0 and True compare equal in Python, so a float or a bool would share an int's namespace"
+           if is_bool or kind == "a float" else "")
+    allowed = "a str, an int (not a bool) or a tuple of them" if path else \
+        "None, a str, an int (not a bool) or a tuple of them"
+    raise ArgumentTypeError(f"{where} must be {allowed}, got {kind} {key!r}{why}")
 
 
 def root_hash(cache_key: Hashable) -> Hashable:
@@ -180,6 +211,11 @@ class BlockAllocator:
         """True when ``block`` can be handed out (free or evictable)."""
         self._check_id(block)
         return block in self._free or block in self._evictable
+
+    def is_cached(self, block: int) -> bool:
+        """True when ``block`` holds a prefix-cache entry (used or evictable)."""
+        self._check_id(block)
+        return block in self._entries
 
     def _check_id(self, block: int) -> None:
         if isinstance(block, bool) or not isinstance(block, int):

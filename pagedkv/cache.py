@@ -20,6 +20,13 @@ A full block enters the prefix cache only at ``mark_written``, once its K/V is w
 layer: a sequence freed (preempted, aborted) between ``append`` and ``mark_written``, or whose write
 raised, leaves no entry, so no later prompt is served K/V that nobody wrote. The lifecycle is drawn
 in ``docs/cache.md``.
+
+With ``CacheConfig.window_left`` set (every layer attends through that window), ``append`` (the
+next step) and ``add_sequence`` release the leading blocks no later query can read and set their table entries to
+``-1`` (:mod:`pagedkv.window`, after vLLM v1's ``SlidingWindowManager``); a released block that
+another table shares, or that caches a prefix, just loses one reference. With
+``CacheConfig.debug_poison`` the pools start poisoned and every allocated or emptied block is
+poisoned again, so a read of an unwritten slot shows.
 """
 
 from __future__ import annotations
@@ -31,20 +38,28 @@ import torch
 
 from pagedkv.allocator import BlockAllocator, HashFn, as_int, as_token_ids, check_cache_key, default_block_hash
 from pagedkv.config import CacheConfig, blocks_needed, slots_for_positions
-from pagedkv.errors import (ArgumentTypeError, DoubleFreeError, InvariantError, ShapeError,
+from pagedkv.errors import (ArgumentTypeError, DoubleFreeError, InvariantError, OutOfBlocksError, ShapeError,
                             UnknownBlockError)
+from pagedkv.window import NULL_BLOCK, releasable_blocks, releasable_held_blocks
 
 
 @dataclass
 class SequenceState:
     """One sequence's block table, the token ids it holds slots for, how many leading tokens' K/V is
-    written (``num_written``: committed by ``mark_written``, or served by the prefix cache) and its
-    prefix-cache namespace ``cache_key``."""
+    written (``num_written``: committed by ``mark_written``, or served by the prefix cache), its
+    prefix-cache namespace ``cache_key`` and how many leading table entries the sliding window
+    released (``num_released``: they hold ``-1``)."""
 
     block_table: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     num_written: int = 0
     cache_key: Hashable = None
+    num_released: int = 0
+
+    @property
+    def held_blocks(self) -> list[int]:
+        """The table's entries past the released ones: the blocks this sequence holds a reference on."""
+        return self.block_table[self.num_released:]
 
     @property
     def num_tokens(self) -> int:
@@ -60,7 +75,8 @@ class PagedKVCache:
     """K/V pools for ``config.num_layers`` layers and the sequences stored in them.
 
     Args:
-        config: the geometry; pools are allocated zero-filled on ``config.device``.
+        config: the geometry; pools are allocated on ``config.device``, zero-filled (or filled with
+            ``config.debug_poison``); ``config.window_left`` turns on sliding-window release.
         enable_prefix_caching: reuse full blocks of earlier prompts (vLLM's automatic prefix caching).
         hash_fn: the allocator's chained block hash (inject one to test collisions).
 
@@ -82,8 +98,11 @@ class PagedKVCache:
         self.allocator = BlockAllocator(config.num_blocks, config.block_size,
                                         enable_prefix_caching=enable_prefix_caching, hash_fn=hash_fn)
         # [layers, K/V, num_blocks, block_size, num_kv_heads, head_dim]: one allocation; k_cache(l) is a view.
-        self.kv = torch.zeros((config.num_layers, 2, config.num_blocks, *config.block_shape), dtype=config.cache_dtype,
-                              device=config.device)
+        shape, poison = (config.num_layers, 2, config.num_blocks, *config.block_shape), config.poison_value
+        self.kv = (torch.zeros(shape, dtype=config.cache_dtype, device=config.device) if poison is None else
+                   torch.full(shape, poison, dtype=config.cache_dtype, device=config.device))
+        self.window_left = config.window_left  # None: full attention, no block is released early
+        self.num_window_released = 0  # table entries released by the sliding window, over the cache's life
         self.sequences: dict[int, SequenceState] = {}
         self._finished: set[int] = set()
         self.num_cow_copies = 0
@@ -95,6 +114,17 @@ class PagedKVCache:
         if not 0 <= layer < self.config.num_layers:
             raise IndexError(f"layer {layer} outside [0, num_layers={self.config.num_layers})")
         return layer
+
+    def _poison(self, blocks: Iterable[int], *, if_empty: bool = False) -> None:
+        """Refill ``blocks`` with the debug poison in every layer (K and V); with ``if_empty`` only those
+        now free and caching nothing (an evictable block keeps its K/V for a later prefix hit)."""
+        poison = self.config.poison_value
+        if poison is None:
+            return
+        a = self.allocator
+        ids = [b for b in blocks if not if_empty or (a.ref_count(b) == 0 and not a.is_cached(b))]
+        if ids:
+            self.kv[:, :, torch.tensor(ids, dtype=torch.int64, device=self.kv.device)] = poison
 
     def k_cache(self, layer: int = 0) -> torch.Tensor:
         """Layer ``layer``'s K pool, ``[num_blocks, block_size, num_kv_heads, head_dim]`` (a view).
@@ -131,9 +161,10 @@ class PagedKVCache:
         Args:
             seq_id: a new sequence id (an int).
             prompt_token_ids: the prompt (a sequence of ints or a 1-D integer tensor).
-            cache_key: the prefix-cache namespace (any hashable: a LoRA adapter id, a tenant's cache
-                salt, a tuple of multimodal extra keys; ``None``: the default namespace). It is part of
-                each block's identity: equal tokens under two keys never share a block. Forks inherit it.
+            cache_key: the prefix-cache namespace: ``None`` (the default one), a ``str``, an ``int`` or a
+                tuple of them (a LoRA adapter id, a tenant's cache salt, multimodal extra keys), compared
+                with their type (:func:`~pagedkv.allocator.check_cache_key`). It is part of each block's
+                identity: equal tokens under two keys never share a block. Forks inherit it.
 
         Returns:
             The number of leading prompt tokens whose K/V is already cached (a multiple of
@@ -141,7 +172,8 @@ class PagedKVCache:
 
         Raises:
             ValueError: ``seq_id`` is live already.
-            ArgumentTypeError: ``seq_id`` not an int, a token id not an int, or ``cache_key`` unhashable.
+            ArgumentTypeError: ``seq_id`` not an int, a token id not an int, or ``cache_key`` not a
+                ``str``, an ``int`` or a tuple of them (a float, a bool, a list...).
         """
         _check_seq_id("seq_id", seq_id)
         prompt_token_ids = as_token_ids("prompt_token_ids", prompt_token_ids)
@@ -150,9 +182,14 @@ class PagedKVCache:
             raise ValueError(f"sequence {seq_id} already exists")
         cacheable = (max(len(prompt_token_ids) - 1, 0) // self.block_size) * self.block_size
         blocks = self.allocator.find_cached_prefix(list(prompt_token_ids[:cacheable]), cache_key)
-        self.allocator.acquire(blocks)
         cached = len(blocks) * self.block_size
-        self.sequences[seq_id] = SequenceState(list(blocks), prompt_token_ids[:cached], cached, cache_key)
+        # a hit's blocks before the first query's window are not taken at all (the last one is: the parent
+        # of the next block to cache); the table holds -1 there, as if the window had released them
+        skip = releasable_blocks(cached, self.window_left, self.block_size, keep_last_full=True)
+        self.allocator.acquire(blocks[skip:])
+        table = [NULL_BLOCK] * skip + list(blocks[skip:])
+        self.sequences[seq_id] = SequenceState(table, prompt_token_ids[:cached], cached, cache_key, skip)
+        self.num_window_released += skip
         self._finished.discard(seq_id)
         self.num_cached_tokens += cached
         return cached
@@ -163,7 +200,9 @@ class PagedKVCache:
         Allocates blocks as needed; when the last block is partially filled and shared (after a
         ``fork``), copies it first (copy-on-write, every layer's K and V) so the other owners never see
         these tokens. Nothing enters the prefix cache here: write the K/V at the returned slots, then
-        call :meth:`mark_written`.
+        call :meth:`mark_written`. With ``config.window_left``, the blocks wholly before the window of
+        the first token not yet committed are released first (``-1`` in the table) and may serve this
+        allocation: an append starts the next step, so the committed tokens' attention is done.
 
         Returns:
             ``int64 [len(token_ids)]`` slot_mapping on the cache's device, for ``write_kv``.
@@ -178,7 +217,13 @@ class PagedKVCache:
         n, start, bs = len(token_ids), seq.num_tokens, self.block_size
         table = seq.block_table
         new_blocks, cow = self._blocks_for_append(seq, n)
-        blocks = self.allocator.allocate(new_blocks + cow)  # raises before any change
+        released = self._releasable(seq)
+        if new_blocks + cow > self.allocator.num_free + sum(self.allocator.ref_count(b) == 1 for b in released):
+            raise OutOfBlocksError(f"need {new_blocks + cow} blocks, only {self.allocator.num_free} free of "
+                                   f"{self.allocator.num_blocks}")  # before any change
+        self._release_outside_window(seq)  # the window's released blocks are free for this allocation
+        blocks = self.allocator.allocate(new_blocks + cow)
+        self._poison(blocks[int(cow):])  # debug: a block from the free list or evicted shows no old K/V
         if cow:
             old, table[-1] = table[-1], blocks.pop(0)
             self.kv[:, :, table[-1]] = self.kv[:, :, old]
@@ -223,10 +268,31 @@ class PagedKVCache:
             return 0
         bs, table, added = self.block_size, seq.block_table, 0
         for i in range(seq.num_written // bs, n // bs):  # blocks completed by this commit
+            if i and table[i - 1] == NULL_BLOCK:  # its parent was released: no lookup could reach it
+                continue
             added += self.allocator.cache_full_block(table[i], seq.token_ids[i * bs: (i + 1) * bs],
                                                      table[i - 1] if i else None, cache_key=seq.cache_key)
         seq.num_written = n
         return added
+
+    def _releasable(self, seq: SequenceState) -> list[int]:
+        return releasable_held_blocks(self, seq)
+
+    def _release_outside_window(self, seq: SequenceState) -> None:
+        released = self._releasable(seq)
+        if released:  # the entries become -1; each block loses this table's reference, the last first
+            self.allocator.free_all(released)
+            self._poison(released, if_empty=True)
+            n = seq.num_released + len(released)
+            seq.block_table[seq.num_released:n] = [NULL_BLOCK] * len(released)
+            self.num_window_released += len(released)
+            seq.num_released = n
+
+    def first_held_position(self, seq_id: int) -> int:
+        """The first position of ``seq_id`` whose block the sequence still holds: ``0`` without a window;
+        positions before it were released by the window (their table entries are ``-1``), so a read of
+        the sequence (``gather``) starts here: ``gather(pool, table[p // block_size:], seq_len - p)``."""
+        return self._seq(seq_id).num_released * self.block_size
 
     def num_written(self, seq_id: int) -> int:
         """Leading tokens of ``seq_id`` whose K/V is committed (``mark_written``) or was served by the prefix cache."""
@@ -243,7 +309,8 @@ class PagedKVCache:
         :meth:`append` returned earlier for a shared partial block may belong to another sequence.
 
         Raises:
-            ShapeError: not ``0 <= start <= end <= seq_len(seq_id)``. ArgumentTypeError: not ints.
+            ShapeError: not ``0 <= start <= end <= seq_len(seq_id)``, or ``start`` in a block the
+            sliding window released (before :meth:`first_held_position`). ArgumentTypeError: not ints.
         """
         seq = self._seq(seq_id)
         start = as_int("start", start)
@@ -252,6 +319,9 @@ class PagedKVCache:
             raise ShapeError(f"start, end must satisfy 0 <= start <= end <= {seq.num_tokens} (sequence {seq_id}), "
                              f"got start={start}, end={end}")
         bs = self.block_size
+        if start < end and start < seq.num_released * bs:
+            raise ShapeError(f"start {start} of sequence {seq_id} lies in a block the sliding window released "
+                             f"(positions before {seq.num_released * bs})")
         first = start // bs
         positions = torch.arange(start - first * bs, end - first * bs, dtype=torch.int64)
         touched = torch.tensor(seq.block_table[first: blocks_needed(end, bs)], dtype=torch.int64)
@@ -277,10 +347,10 @@ class PagedKVCache:
         _check_seq_id("child_id", child_id)
         if child_id in self.sequences:
             raise ValueError(f"sequence {child_id} already exists")
-        for block in parent.block_table:
+        for block in parent.held_blocks:
             self.allocator.incref(block)
         self.sequences[child_id] = SequenceState(list(parent.block_table), list(parent.token_ids), parent.num_written,
-                                                 parent.cache_key)
+                                                 parent.cache_key, parent.num_released)
         self._finished.discard(child_id)
 
     def free(self, seq_id: int) -> None:
@@ -293,7 +363,9 @@ class PagedKVCache:
             DoubleFreeError: the sequence was freed already. UnknownBlockError: never existed.
         """
         seq = self._seq(seq_id)
-        self.allocator.free_all(seq.block_table)
+        held = seq.held_blocks
+        self.allocator.free_all(held)
+        self._poison(held, if_empty=True)
         del self.sequences[seq_id]
         self._finished.add(seq_id)
 
@@ -309,7 +381,8 @@ class PagedKVCache:
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         new_blocks, cow = self._blocks_for_append(seq, num_tokens)
-        return new_blocks + cow <= self.allocator.num_free
+        released = sum(self.allocator.ref_count(b) == 1 for b in self._releasable(seq))  # free once released
+        return new_blocks + cow <= self.allocator.num_free + released
 
     # -- metadata for the ops ---------------------------------------------------------------------
     def seq_len(self, seq_id: int) -> int:
@@ -317,7 +390,8 @@ class PagedKVCache:
         return self._seq(seq_id).num_tokens
 
     def block_table(self, seq_id: int) -> torch.Tensor:
-        """``int32 [num_blocks_of_seq]`` block table of one sequence, on the cache's device."""
+        """``int32 [num_blocks_of_seq]`` block table of one sequence, on the cache's device (``-1`` in the
+        leading entries the sliding window released)."""
         return torch.tensor(self._seq(seq_id).block_table, dtype=torch.int32, device=self.config.device)
 
     def block_tables(self, seq_ids: Iterable[int], pad: int = -1, width: int | None = None) -> torch.Tensor:
@@ -344,30 +418,41 @@ class PagedKVCache:
 
     # -- reports ----------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        """Blocks used / shared / free / cached, prefix-cache hit rate, copy-on-write copies, evictions."""
+        """Blocks used / shared / free / cached, prefix-cache hit rate, copy-on-write copies, evictions, and the
+        table entries the sliding window released (``window_released``: over the cache's life;
+        ``window_released_live``: in the live tables now, the blocks those tables would otherwise hold)."""
         a = self.allocator
         shared = a.num_shared
         return {
             "num_blocks": a.num_blocks, "used": a.num_used, "shared": shared, "free": a.num_free,
             "cached": a.num_cached, "prefix_hit_rate": a.prefix_hits / a.prefix_queries if a.prefix_queries else 0.0,
             "cached_tokens": self.num_cached_tokens, "cow_copies": self.num_cow_copies, "evictions": a.num_evictions,
-            "live_sequences": len(self.sequences),
+            "live_sequences": len(self.sequences), "window_released": self.num_window_released,
+            "window_released_live": sum(q.num_released for q in self.sequences.values()),
         }
 
     def reference_counts(self) -> dict[int, int]:
         """``{block: number of live block tables holding it}`` (what the allocator's counts must equal)."""
         refs: dict[int, int] = {}
         for seq in self.sequences.values():
-            for block in seq.block_table:
+            for block in seq.held_blocks:
                 refs[block] = refs.get(block, 0) + 1
         return refs
 
     def check_invariants(self) -> None:
         """:class:`~pagedkv.errors.InvariantError` (an ``AssertionError``) unless the allocator's counts match
-        the live tables, every table fits its tokens and no sequence commits more tokens than it holds."""
+        the live tables, every table fits its tokens, no sequence commits more tokens than it holds, and
+        the ``-1`` entries are exactly the released leading ones, none of them a later query can read."""
         self.allocator.check_invariants(self.reference_counts())
         for seq_id, seq in self.sequences.items():
             if len(seq.block_table) != blocks_needed(seq.num_tokens, self.block_size):
                 raise InvariantError(f"sequence {seq_id}: {len(seq.block_table)} blocks for {seq.num_tokens} tokens")
             if not 0 <= seq.num_written <= seq.num_tokens:
                 raise InvariantError(f"sequence {seq_id}: {seq.num_written} tokens committed of {seq.num_tokens}")
+            released, held = seq.block_table[:seq.num_released], seq.held_blocks
+            if any(b != NULL_BLOCK for b in released) or any(b < 0 for b in held):
+                raise InvariantError(f"sequence {seq_id}: table {seq.block_table} should hold -1 in exactly its first "
+                                     f"{seq.num_released} entries (released by the sliding window)")
+            if seq.num_released > releasable_blocks(seq.num_written, self.window_left, self.block_size):
+                raise InvariantError(f"sequence {seq_id}: {seq.num_released} blocks released, but a later query "
+                                     f"reads from position {seq.num_written - (self.window_left or 0)}")

@@ -14,6 +14,8 @@ import torch
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: vLLM's ``kv_cache_dtype`` names -> the pools' torch dtype (``None``: the model's dtype).
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+#: ``CacheConfig.debug_poison`` names -> the value unwritten slots hold.
+POISONS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
 def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
@@ -58,6 +60,21 @@ class CacheConfig:
         kv_cache_dtype: ``"auto"`` (pools in ``dtype``), ``"fp8_e4m3"`` (``float8_e4m3fn``) or
             ``"fp8_e5m2"`` (``float8_e5m2``): vLLM's ``--kv-cache-dtype``; fp8 pools are written and read
             with ``k_scale`` / ``v_scale`` (see :mod:`pagedkv.fp8`).
+        window_left: ``None`` (or ``-1``): full attention, every block is kept. An int ``>= 0``: every
+            layer attends with this ``window_left`` (a query at position ``p`` reads keys
+            ``p - window_left .. p``; vLLM's and transformers' ``sliding_window`` is ``window_left + 1``),
+            so :class:`~pagedkv.cache.PagedKVCache` releases the blocks no later query can read (vLLM
+            v1's ``SlidingWindowManager``; see ``docs/cache.md``). A model that mixes windowed and full
+            layers (Gemma 2) leaves it ``None`` and passes ``window_left`` per layer to the attention.
+        debug_poison: ``None``, ``"nan"``, ``"inf"`` or ``"-inf"``: the pools start filled with it, and
+            every block handed out by an allocation or released empty is refilled with it (every layer,
+            K and V), so a read of a slot nobody wrote shows in the output. For running an engine under
+            test; off (``None``) in production: it costs one fill per allocated and released block.
+
+    Raises (also):
+        ArgumentValueError (``ValueError``): ``window_left`` below ``-1``; ``debug_poison`` not one of
+        :data:`POISONS`. DTypeMismatchError: a poison the pools' dtype cannot hold (``"inf"`` in
+        ``float8_e4m3fn``, which has no infinity). ArgumentTypeError: ``window_left`` not an int.
     """
 
     num_blocks: int
@@ -68,6 +85,8 @@ class CacheConfig:
     device: str = "cpu"
     num_layers: int = 1
     kv_cache_dtype: str = "auto"
+    window_left: int | None = None
+    debug_poison: str | None = None
 
     def __post_init__(self) -> None:
         from pagedkv.allocator import as_int
@@ -84,6 +103,7 @@ class CacheConfig:
 
             raise DTypeMismatchError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, "
                                      f"got {self.kv_cache_dtype!r}")
+        self._check_window_and_poison()
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
@@ -91,6 +111,28 @@ class CacheConfig:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise DeviceMismatchError(f"device {self.device!r} asked for, but torch sees no CUDA device "
                                       f"(torch {torch.__version__})")
+
+    def _check_window_and_poison(self) -> None:
+        from pagedkv.allocator import as_int
+        from pagedkv.errors import ArgumentValueError, DTypeMismatchError
+
+        if self.window_left is not None:
+            window = as_int("window_left", self.window_left)
+            if window < -1:
+                raise ArgumentValueError(f"window_left must be None (or -1: no window) or >= 0, got {window}")
+            object.__setattr__(self, "window_left", None if window == -1 else window)
+        if self.debug_poison is not None:
+            if self.debug_poison not in POISONS:
+                raise ArgumentValueError(f"debug_poison must be None or one of {sorted(POISONS)}, "
+                                         f"got {self.debug_poison!r}")
+            if self.debug_poison != "nan" and self.cache_dtype == torch.float8_e4m3fn:  # the one with no infinity
+                raise DTypeMismatchError(f"debug_poison {self.debug_poison!r} cannot be stored in {self.cache_dtype} "
+                                         "pools (no infinity): use \"nan\"")
+
+    @property
+    def poison_value(self) -> float | None:
+        """The float ``debug_poison`` names (``None``: no poison)."""
+        return None if self.debug_poison is None else POISONS[self.debug_poison]
 
     @property
     def num_slots(self) -> int:

@@ -343,7 +343,8 @@ def check_paged_attention(query: object, k_cache: object, v_cache: object, block
             short for its ``seq_len``; slopes/sinks/scales of the wrong shape.
         ArgumentValueError: ``scale`` not finite; ``window_left < -1``; ``softcap`` negative or not
             finite; slopes/sinks not finite (sinks may be ``-inf``); an fp8 scale ``<= 0`` or not finite.
-        BlockIndexError: a read block id outside ``[0, num_blocks)``.
+        BlockIndexError: a read block id outside ``[0, num_blocks)`` (with a window, the entries wholly
+            before the first query's window are not read: ``-1`` there is fine).
         DTypeMismatchError / DeviceMismatchError: query, metadata, slopes, sinks or scales unlike the caches.
         ArgumentTypeError: ``window_left`` not an int, ``softcap`` not a number, an fp8 pool without
             scales or scales for a non-fp8 pool.
@@ -407,8 +408,9 @@ def attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_
         raise ShapeError(f"query_start_loc must have batch + 1 = {batch + 1} entries, got {query_start_loc.shape[0]}")
     tables = block_tables.to(torch.int64)
     lens = starts = None
-    if level == "full":
-        lens, starts = _check_lengths(tables, seq_lens, query_start_loc, query.shape[0], num_blocks, block_size)
+    if level == "full":  # a window leaves the table entries before it unread: -1 (released) is fine there
+        lens, starts = _check_lengths(tables, seq_lens, query_start_loc, query.shape[0], num_blocks, block_size,
+                                      check_window(window_left))
     scale = check_scale(scale, head_dim)
     num_q_heads = query.shape[1]
     if (type(window_left) is int and window_left == -1 and type(softcap) in (float, int) and softcap == 0
@@ -431,8 +433,12 @@ def attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_
 
 
 def _check_lengths(tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, total_q: int,
-                   num_blocks: int, block_size: int) -> tuple[list[int], list[int]]:
-    """The data checks of ``paged_attention``'s metadata; returns ``seq_lens`` and ``query_start_loc`` as host ints."""
+                   num_blocks: int, block_size: int, window_left: int = -1) -> tuple[list[int], list[int]]:
+    """The data checks of ``paged_attention``'s metadata; returns ``seq_lens`` and ``query_start_loc`` as host ints.
+
+    Block ids are checked in the entries a query reads: from the block of the first query's first
+    visible key (``seq_len - q_len - window_left`` with a window, else 0) to ``ceil(seq_len / block_size)``,
+    so entries a sliding window released (``-1``, :mod:`pagedkv.window`) pass where no query reads them."""
     lens = [int(x) for x in seq_lens.tolist()]
     starts = [int(x) for x in query_start_loc.tolist()]
     if starts[0] != 0:
@@ -455,5 +461,10 @@ def _check_lengths(tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc
         if need > tables.shape[1]:
             raise ShapeError(f"seq_lens[{b}] = {lens[b]} needs {need} blocks of block_size {block_size}, "
                              f"block_tables has {tables.shape[1]} columns")
-        check_ids_in_range(f"block_tables[{b}]", tables[b, :need], num_blocks)
+        row = tables[b, :need]
+        first = 0 if window_left < 0 else min(max(0, lens[b] - q_len - window_left) // block_size, need)
+        if first:  # unread entries: checked as block 0, so an error still names the entry's own index
+            row = row.clone()
+            row[:first] = 0
+        check_ids_in_range(f"block_tables[{b}]", row, num_blocks)
     return lens, starts

@@ -75,6 +75,28 @@ def test_sliding_window_and_softcap_models_match_dense(arch, name):
     assert ("attention softcap 4" in text) == (arch == "gemma2")
 
 
+@pytest.mark.parametrize("name", ["indexed", "triton"])
+def test_mistral_releases_window_blocks_and_matches_dense(name):
+    # every layer slides: the cache releases the blocks no later query reads; tokens stay identical to
+    # the dense run, and the logits to the run that keeps every block
+    backend = get_backend(name)
+    scenario = _scenario_for(backend, "cpu")
+    window = 10 if scenario is SMALL else 5
+    report = e2e.run_e2e(backend, arch="mistral", model_kwargs={"sliding_window": window}, **scenario)
+    text = _assert_passes(report)
+    released = report.cache_stats["window_released"]
+    assert released > 0 and f"window_left {window - 1} and released {released} blocks early" in text
+    kept = e2e.run_e2e(backend, arch="mistral", model_kwargs={"sliding_window": window}, release_window_blocks=False,
+                       **scenario)
+    assert kept.cache_stats["window_released"] == 0 and "released" not in "\n".join(kept.lines())
+    assert [c.max_logit_diff for c in kept.checks] == [c.max_logit_diff for c in report.checks]
+
+
+def test_gemma2_keeps_every_block_for_its_full_layers():
+    report = e2e.run_e2e("indexed", arch="gemma2", **FAULT)
+    assert report.ok and report.cache_stats["window_released"] == 0
+
+
 @pytest.mark.parametrize("fault", ["window_off_by_one", "no_window", "no_softcap", "default_scale"])
 def test_window_softcap_and_scale_are_what_the_model_computes(fault):
     # The paged run is sensitive to each feature the hook passes: dropping or skewing one fails.

@@ -41,6 +41,26 @@ def test_short_soak_other_geometries(block_size, num_blocks):
                            check_every=20))
 
 
+@pytest.mark.parametrize("window_left,block_size", [(0, 4), (5, 4), (6, 1), (9, 3)])
+def test_windowed_soak_releases_blocks_and_every_sequence_reads_its_window(window_left, block_size):
+    report = run_soak(600, seed=window_left, block_size=block_size, num_blocks=40 if block_size > 1 else 120,
+                      window_left=window_left, check_every=20)
+    _assert_clean(report)
+    assert report["stats"]["window_released"] > 0
+    assert report["forks"] > 0 and report["stats"]["prefix_hit_rate"] > 0  # released under sharing and hits
+
+
+def test_windowed_soak_catches_a_cache_releasing_one_block_too_early(monkeypatch):
+    import pagedkv.window as window_module
+
+    real = window_module.releasable_blocks
+    monkeypatch.setattr(window_module, "releasable_blocks",
+                        lambda n, w, bs, keep_last_full=False: real(n + bs, w, bs, keep_last_full=keep_last_full))
+    report = run_soak(300, seed=2, window_left=5, check_every=10)
+    assert not report["ok"]
+    assert "reads" in report["failure"] or "released" in report["failure"], report["failure"]
+
+
 def test_soak_reports_a_planted_leak(monkeypatch):
     """A cache that forgets to release one block of long sequences is caught (the soak can fail)."""
     from pagedkv.allocator import BlockAllocator

@@ -16,6 +16,12 @@ computes the step's packed batch (prefill chunks and decode tokens, causal) with
 - every ``--check-every`` steps and at the end: a ``gather`` of K and of V of every live sequence,
   compared bit for bit with the K/V written for its tokens; the cache's invariants are checked then.
 
+The pools run with ``CacheConfig(debug_poison="nan")``: new, allocated and emptied blocks hold NaN,
+so a read of a slot nobody wrote poisons the output. With ``--window-left N`` every read attends
+through a sliding window (``window_left=N``) and the cache runs with ``CacheConfig(window_left=N)``:
+it releases the blocks no later query reads (their table entries become ``-1``), the gathers read
+from each sequence's first held block, and the report counts the blocks released.
+
 The first read that differs stops the run with exit status 1.
 """
 
@@ -52,6 +58,9 @@ def add_parser(subparsers) -> None:
                         "code) computes paged_attention every N steps, not every step; 1: every step (default 4)")
     p.add_argument("--check-every", type=int, default=16,
                    help="gather every live sequence's K and V every N steps and at the end (default 16)")
+    p.add_argument("--window-left", type=int, default=None, metavar="N",
+                   help="attend through a sliding window (a query at p reads p - N .. p) and let the cache "
+                        "release the blocks no later query reads (default: full attention, every block kept)")
     p.set_defaults(func=run, _parser=p)
 
 
@@ -89,6 +98,8 @@ class DemoReport:
     reads: dict[str, Reads] = field(default_factory=dict)
     failure: str = ""
     caches: list = field(default_factory=list)  # one per backend, as left at the end
+    window_left: int | None = None
+    window_released_peak: int = 0  # most table entries released by the window in the live tables at once
 
 
 def block_counts(cache) -> dict[str, int]:
@@ -115,14 +126,19 @@ class DemoFailure(Exception):
 def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size: int = 16, num_blocks: int = 88,
              num_kv_heads: int = 2, queries_per_kv: int = 2, head_dim: int = 32, dtype: str = "float32",
              device: str = "cpu", prefill_chunk: int = 64, check_every: int = 16,
-             interpreted_every: int = 4, on_step: Callable[[int, Any], None] | None = None) -> DemoReport:
+             interpreted_every: int = 4, on_step: Callable[[int, Any], None] | None = None,
+             window_left: int | None = None) -> DemoReport:
     """Serve the workload through every backend in ``impls`` (objects or specs); see the module doc.
 
     ``on_step(step, cache)`` is called after every step with the first backend's cache.
+    ``window_left``: attend through this sliding window and let the caches release what it never reads
+    (``CacheConfig.window_left``); ``None``: full attention.
 
     Returns:
         The report; ``failure`` is set (and the run stopped) at the first read that differs.
     """
+    import dataclasses
+
     import torch
 
     from pagedkv.attention import reference_attention
@@ -136,15 +152,15 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
     backends = [load_backend(b) if isinstance(b, str) else b for b in impls]
     names = [backend_name(b) for b in backends]
     geometry = Geometry(num_blocks, block_size, num_kv_heads, head_dim, queries_per_kv, dtype)
-    caches = [(getattr(b, "cache_class", None) or PagedKVCache)(geometry.cache_config(device)) for b in backends]
-    for cache in caches:  # unwritten slots read as NaN: a read of one poisons the output
-        cache.k_cache().fill_(float("nan"))
-        cache.v_cache().fill_(float("nan"))
+    # unwritten slots read as NaN (new, allocated and emptied blocks): a read of one poisons the output
+    config = dataclasses.replace(geometry.cache_config(device), debug_poison="nan", window_left=window_left)
+    caches = [(getattr(b, "cache_class", None) or PagedKVCache)(config) for b in backends]
+    window = {} if window_left is None else {"window_left": window_left}
     report = DemoReport(names, dict(requests=requests, block_size=block_size, num_blocks=num_blocks,
                                     num_kv_heads=num_kv_heads, queries_per_kv=queries_per_kv, head_dim=head_dim,
                                     dtype=dtype, device=str(device), check_every=check_every),
                         reads={n: Reads(interpreted_every if _interpreted(b, device) else 1)
-                               for n, b in zip(names, backends)}, caches=caches)
+                               for n, b in zip(names, backends)}, caches=caches, window_left=window_left)
     rng = random.Random(seed)
     qgen = torch.Generator().manual_seed(seed)
     bs, main = block_size, caches[0]
@@ -175,13 +191,15 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
             reads = report.reads[name]
             cache.check_invariants()
             for seq_id, toks in tokens.items():
-                for pool, expected, which in ((cache.k_cache(), shadow[seq_id][0], "K"),
-                                              (cache.v_cache(), shadow[seq_id][1], "V")):
+                # a sliding window released the blocks before this position: read from the first held one
+                p = cache.first_held_position(seq_id) if window_left is not None else 0
+                for pool, expected, which in ((cache.k_cache(), shadow[seq_id][0][p:], "K"),
+                                              (cache.v_cache(), shadow[seq_id][1][p:], "V")):
                     t0 = time.perf_counter()
-                    got = backend.gather(pool, cache.block_table(seq_id), len(toks))
+                    got = backend.gather(pool, cache.block_table(seq_id)[p // bs:], len(toks) - p)
                     reads.seconds += time.perf_counter() - t0
                     reads.gathers += 1
-                    reads.gathered_tokens += len(toks)
+                    reads.gathered_tokens += len(toks) - p
                     if got.shape != expected.shape or not torch.equal(bits(got.cpu()), bits(expected)):
                         raise DemoFailure(f"step {report.steps}: {name} gather of {which} of sequence {seq_id} "
                                           f"({len(toks)} tokens) differs from what was written")
@@ -199,7 +217,7 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
         ids = [seq_id for seq_id, _ in batch]
         query = torch.randn((qsl[-1], geometry.num_q_heads, head_dim), generator=qgen).to(geometry.torch_dtype)
         keys, values = [shadow[i][0] for i in ids], [shadow[i][1] for i in ids]
-        expected = reference_attention(query, keys, values, qsl)
+        expected = reference_attention(query, keys, values, qsl, **window)
         max_logit = head_dim ** -0.5 * float(query.double().abs().max()) * head_dim * \
             max(float(k.double().abs().max()) for k in keys)
         max_v = max(float(v.double().abs().max()) for v in values)
@@ -213,7 +231,7 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
                 continue
             t0 = time.perf_counter()
             out = backend.paged_attention(query.to(device), cache.k_cache(), cache.v_cache(), cache.block_tables(ids),
-                                          cache.seq_lens(ids), qsl_t, None)
+                                          cache.seq_lens(ids), qsl_t, None, **window)
             reads.seconds += time.perf_counter() - t0
             reads.attention_calls += 1
             reads.query_rows += qsl[-1]
@@ -271,6 +289,7 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
                 serve(batch, steps)
                 report.served_steps += 1
             history.append(block_counts(main))
+            report.window_released_peak = max(report.window_released_peak, main.stats()["window_released_live"])
             if on_step is not None:
                 on_step(step, main)
             if history[-1]["used"] > report.peak.get("used", -1):
@@ -321,6 +340,10 @@ def report_lines(r: DemoReport) -> list[str]:
            f"  prefix cache          {s.get('prefix_hit_rate', 0.0):.1%} of the full prompt blocks looked up were "
            f"found; {s.get('cached_tokens')} prompt tokens not recomputed; {s.get('evictions')} entries evicted",
            f"  copy-on-write         {s.get('cow_copies')} shared partial blocks copied before an append"]
+    if r.window_left is not None:
+        out.append(f"  sliding window        window_left {r.window_left}: {s.get('window_released')} blocks released "
+                   "early (table entries set to -1: no later query reads them); at most "
+                   f"{r.window_released_peak} at once in the live tables, blocks they would hold without the window")
     out.append("  verified              every read below: each paged_attention call against an fp64 dense "
                "reference over the K/V written (tolerance policy), each gather bit for bit")
     for name, reads in r.reads.items():
@@ -366,7 +389,8 @@ def run(args: argparse.Namespace) -> int:
     report = run_demo(backends, seed=args.seed, requests=args.requests, block_size=args.block_size,
                       num_blocks=args.num_blocks, num_kv_heads=args.num_kv_heads, queries_per_kv=args.queries_per_kv,
                       head_dim=args.head_dim, dtype=args.dtype, device=device, prefill_chunk=args.prefill_chunk,
-                      check_every=args.check_every, interpreted_every=args.interpreted_every)
+                      check_every=args.check_every, interpreted_every=args.interpreted_every,
+                      window_left=args.window_left)
     for line in report_lines(report):
         print(line)
     if report.failure:

@@ -27,6 +27,12 @@ of its tokens bit for bit, the allocator/cache invariants are checked, and every
 cache holds (and a lookup can reach) must cache a prefix that was written and committed, and store
 that prefix's K/V in every layer. At the end everything is checked once more, every sequence is
 freed, and every block must be free (no leak).
+
+With ``--window-left N`` the cache runs with ``CacheConfig(window_left=N)``: each append releases
+the blocks no later query reads (table entries ``-1``, shared and cached blocks just lose a
+reference), the full check reads each sequence from its first held block and checks that no
+``-1`` lies in its window; the report counts the blocks released. The pools run with
+``CacheConfig(debug_poison="nan")`` throughout.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
              num_kv_heads: int = 2, head_dim: int = 4, dtype: str = "float32", device: str = "cpu",
              backend: Any = "indexed", check_every: int = 50, max_running: int = 10, prefill_chunk: int | None = None,
              arrival_prob: float = 0.6, fork_prob: float = 0.02, num_systems: int = 3, num_layers: int = 2,
-             abort_prob: float = 0.05, progress: bool = False) -> dict:
+             abort_prob: float = 0.05, progress: bool = False, window_left: int | None = None) -> dict:
     """Run ``steps`` scheduler steps of a simulated serving trace and check the cache throughout.
 
     Args:
@@ -83,6 +89,8 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
         abort_prob: chance per step that a scheduled sequence is aborted or preempted between its
             slot reservation and the write.
         progress: show a tqdm progress bar.
+        window_left: ``None``, or the sliding window of every layer: the cache releases what it never
+            reads (``CacheConfig.window_left``).
 
     Returns:
         A report dict: ``ok`` (bool), ``failure`` (message or ``None``), ``steps`` run, ``seconds``,
@@ -116,7 +124,10 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
     if blocks_needed(max_prompt + max_new, bs) + 1 > num_blocks:
         raise ValueError(f"num_blocks {num_blocks} cannot hold one request of up to {max_prompt + max_new} tokens "
                          f"(block_size {bs})")
-    cache = PagedKVCache(geometry.cache_config(device, num_layers))
+    import dataclasses
+
+    cache = PagedKVCache(dataclasses.replace(geometry.cache_config(device, num_layers), window_left=window_left,
+                                             debug_poison="nan"))
     layers = range(num_layers)
     written_prefixes: set[tuple[int, ...]] = set()  # full-block prefixes whose K/V was written and committed
     systems = [[rng.randrange(1000) for _ in range(rng.randrange(bs, 3 * bs + 2))] for _ in range(num_systems)]
@@ -145,13 +156,18 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
                 raise SoakFailure(f"{where}: sequence {req.seq_id} holds {n} tokens, {cache.num_written(req.seq_id)} "
                                   f"committed; {req.computed} were written")
             table = cache.block_table(req.seq_id)
+            first = cache.first_held_position(req.seq_id)  # 0 without a window
+            if window_left is not None and first > max(0, n - window_left):
+                raise SoakFailure(f"{where}: sequence {req.seq_id} released position {first - 1}, which its next "
+                                  f"query (at {n}, window_left {window_left}) reads")
             for layer in layers:
                 k_exp, v_exp = kv_of(req.tokens[:n], 0, layer)
-                for pool, exp, name in ((cache.k_cache(layer), k_exp, "K"), (cache.v_cache(layer), v_exp, "V")):
-                    got = be.gather(pool, table, n).cpu()
+                for pool, exp, name in ((cache.k_cache(layer), k_exp[first:], "K"),
+                                        (cache.v_cache(layer), v_exp[first:], "V")):
+                    got = be.gather(pool, table[first // bs:], n - first).cpu()
                     if got.shape != exp.shape or not torch.equal(bits(got), bits(exp)):
                         bad = (bits(got) != bits(exp)).flatten(1).any(1).nonzero() if got.shape == exp.shape else None
-                        p = int(bad[0]) if bad is not None and bad.numel() else -1
+                        p = first + int(bad[0]) if bad is not None and bad.numel() else -1
                         raise SoakFailure(f"{where}: sequence {req.seq_id} ({n} tokens) reads a wrong {name} in layer "
                                           f"{layer} at position {p} (block {int(table[p // bs]) if p >= 0 else '?'}), "
                                           f"not the K/V written for its tokens")
@@ -325,6 +341,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=2, help="layers, each written and checked (default 2)")
     p.add_argument("--abort-prob", type=float, default=0.05,
                    help="chance per step of an abort or preemption between reserve and write (default 0.05)")
+    p.add_argument("--window-left", type=int, default=None, metavar="N",
+                   help="every layer attends through this sliding window: the cache releases the blocks no "
+                        "later query reads (default: full attention)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -336,7 +355,8 @@ def run(args: argparse.Namespace) -> int:
     report = run_soak(args.steps, args.seed, num_blocks=args.num_blocks, block_size=args.block_size,
                       num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype, device=args.device,
                       backend=args.backend, check_every=args.check_every, max_running=args.max_running,
-                      num_layers=args.num_layers, abort_prob=args.abort_prob, progress=not args.no_progress)
+                      num_layers=args.num_layers, abort_prob=args.abort_prob, progress=not args.no_progress,
+                      window_left=args.window_left)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -351,6 +371,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  tokens written {report['tokens_written']}, full checks {report['checks']}, prefix hit rate "
               f"{s['prefix_hit_rate']:.3f}, copy-on-write copies {s['cow_copies']}, evictions {s['evictions']}, "
               f"leaked blocks {report['leaked_blocks']}")
+        if args.window_left is not None:
+            print(f"  sliding window (window_left {args.window_left}): {s['window_released']} blocks released early")
         if report["failure"]:
             print(f"  failure: {report['failure']}")
     return 0 if report["ok"] else 1

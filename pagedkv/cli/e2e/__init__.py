@@ -31,7 +31,7 @@ import torch
 from pagedkv.cli.e2e.fp8 import (KV_CACHE_DTYPES, Fp8OracleStep, kv_cache_dtype_from_name,  # noqa: F401
                                  kv_cache_dtype_name)
 from pagedkv.cli.e2e.model import (ARCHS, ATTN_IMPLEMENTATION, DEFAULT_SLIDING_WINDOW, STEP_KWARG,  # noqa: F401
-                                   StepContext, build_model, load_model, model_geometry,
+                                   StepContext, build_model, every_layer_window_left, load_model, model_geometry,
                                    pagedkv_attention_forward, register_attention)
 from pagedkv.cli.e2e.oracle import (E2E_LOGIT_TOLERANCE, E2EReport, RequestCheck, TokenMismatch,  # noqa: F401
                                     dense_model, dense_oracle)
@@ -42,7 +42,7 @@ def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float3
             model: torch.nn.Module | str | None = None, seed: int = 0, num_requests: int = 9,
             decode_steps: int = 32, block_size: int = 8, chunk_size: int | None = None,
             model_kwargs: dict | None = None, strict_tokens: bool = True, arch: str = "llama",
-            kv_cache_dtype: str | torch.dtype | None = None) -> E2EReport:
+            kv_cache_dtype: str | torch.dtype | None = None, release_window_blocks: bool = True) -> E2EReport:
     """Build (or load) the model, serve the scenario from a PagedKVCache, check it against dense.
 
     Args:
@@ -60,6 +60,9 @@ def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float3
             with the same quantize -> dequantize round trip (see :mod:`pagedkv.cli.e2e.fp8`); the max
             logit diff against the unquantized dense run is reported as information.
         strict_tokens: reject near-tie token differences too (see :class:`E2EReport`).
+        release_window_blocks: when every layer slides (Mistral; :func:`every_layer_window_left`) and
+            the pools are not fp8, run the cache with ``CacheConfig.window_left``: it releases the
+            blocks no later query reads, and the report says how many.
 
     Returns:
         An :class:`E2EReport`.
@@ -91,9 +94,10 @@ def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float3
     vocab = model.config.vocab_size
     requests = make_scenario(seed=seed, num_requests=num_requests, decode_steps=decode_steps,
                              block_size=block_size, vocab_size=vocab)
+    window = every_layer_window_left(model) if release_window_blocks and kv_dtype is None else None
     t0 = time.perf_counter()
     engine = PagedEngine(model, backend, block_size=block_size, chunk_size=chunk_size, seed=seed,
-                         kv_cache_dtype=kv_dtype)
+                         kv_cache_dtype=kv_dtype, window_left=window)
     try:
         results = engine.run(requests)
     except Exception as exc:  # the backend (or its cache manager) failed mid-run: a failed check
@@ -103,6 +107,10 @@ def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float3
                          time.perf_counter() - t0, strict_tokens, error)
     seconds = time.perf_counter() - t0
     notes = [_model_note(model)]
+    if window is not None:
+        notes.append(f"sliding window on every layer: the cache ran with window_left {window} and released "
+                     f"{engine.cache.stats()['window_released']} blocks early (no later query read them; "
+                     f"their table entries became -1), at most {engine.window_released_peak} at once")
     if kv_dtype is None:
         checks = dense_oracle(model, results)
     else:

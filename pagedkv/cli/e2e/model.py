@@ -254,6 +254,25 @@ def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: str = "
     return model.to(device=device, dtype=dtype).eval()
 
 
+def every_layer_window_left(model: torch.nn.Module) -> int | None:
+    """The ``window_left`` every attention layer of ``model`` uses, or ``None`` when one attends fully.
+
+    ``sliding_window`` (``W``, the query included) on every layer, as Mistral's config sets it, gives
+    ``W - 1``: the cache can then release the blocks no later query reads (``CacheConfig.window_left``).
+    ``None`` without a window, with ``use_sliding_window=False`` (Qwen 2), or when ``layer_types``
+    holds a full-attention layer (Gemma 2 alternates): such a layer reads the whole context, so the
+    shared block table must keep every block (the windowed layers just skip the early ones).
+    """
+    cfg = model.config
+    window = getattr(cfg, "sliding_window", None)
+    if window is None or not getattr(cfg, "use_sliding_window", True):
+        return None
+    kinds = getattr(cfg, "layer_types", None)
+    if kinds is not None and any(kind != "sliding_attention" for kind in kinds):
+        return None
+    return int(window) - 1
+
+
 def model_geometry(model: torch.nn.Module) -> tuple[int, int, int]:
     """``(num_layers, num_kv_heads, head_dim)`` of a transformers decoder-only model."""
     cfg = model.config

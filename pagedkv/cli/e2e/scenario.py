@@ -14,7 +14,10 @@ The scenario (:func:`make_scenario`, :class:`PagedEngine`) is a small engine run
 - a long prompt is prefilled in chunks over several steps while other requests decode;
 - greedy decode runs for dozens of steps; requests finish (and are freed) at different steps;
 - block tables are padded with ``-1`` to one width for the whole run (the most blocks a request
-  can need, as vLLM pads to ``max_num_blocks_per_req``), not to the step's longest table.
+  can need, as vLLM pads to ``max_num_blocks_per_req``), not to the step's longest table;
+- with a sliding window on every layer (``window_left``), the cache releases the blocks no later
+  query reads (``CacheConfig.window_left``): their table entries become ``-1`` and the attention of
+  every layer must skip them.
 
 A backend that raises during the run (a validation error, an out-of-range index) fails the check
 with that error in the report.
@@ -156,7 +159,11 @@ class PagedEngine:
         num_blocks: pool size; ``None`` sizes it from the requests (plus the fragmentation dummies).
         chunk_size: most prompt tokens one request prefills per step (chunked prefill).
         fragment: allocate and free dummy sequences first, so blocks come from a scrambled free list.
-        poison: fill the pools with NaN first, so a read of an unowned slot poisons the logits.
+        poison: run the cache with ``CacheConfig(debug_poison="nan")``: new, allocated and emptied blocks
+            hold NaN, so a read of a slot nobody wrote poisons the logits.
+        window_left: ``None``, or the window every layer attends through: the cache then releases the
+            blocks no later query reads (``CacheConfig.window_left``; :attr:`window_released_peak`).
+            Not with an fp8 cache (its oracle reads every position's stored code at the end).
         kv_cache_dtype: ``None`` (pools in the model's dtype) or ``torch.float8_e4m3fn`` /
             ``torch.float8_e5m2``: fp8 pools with per-layer, per-tensor ``k_scale`` / ``v_scale``
             chosen on the first prefill (:attr:`kv_scales`, see :mod:`pagedkv.cli.e2e.fp8`).
@@ -167,9 +174,14 @@ class PagedEngine:
 
     def __init__(self, model: torch.nn.Module, backend: Any, *, block_size: int = 8, num_blocks: int | None = None,
                  chunk_size: int | None = None, fragment: bool = True, poison: bool = True, seed: int = 0,
-                 kv_cache_dtype: torch.dtype | None = None) -> None:
+                 kv_cache_dtype: torch.dtype | None = None, window_left: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if window_left is not None and kv_cache_dtype is not None:
+            raise ValueError("window_left (released blocks) and an fp8 cache (whose oracle reads every position's "
+                             "stored code at the end) do not go together")
+        self.window_left = window_left
+        self.window_released_peak = 0  # most table entries released by the window at once, over the run
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -229,11 +241,10 @@ class PagedEngine:
         self.table_width = max((blocks_needed(n, bs) for n in bounds.values()), default=1)
         config = CacheConfig(num_blocks=num_blocks, block_size=bs, num_kv_heads=num_kv_heads, head_dim=head_dim,
                              dtype=param.dtype, device=str(param.device), num_layers=num_layers,
-                             kv_cache_dtype=kv_cache_dtype_name(self.kv_cache_dtype) if self.kv_cache_dtype else "auto")
+                             kv_cache_dtype=kv_cache_dtype_name(self.kv_cache_dtype) if self.kv_cache_dtype else "auto",
+                             window_left=self.window_left, debug_poison="nan" if self.poison else None)
         cache_class = getattr(self.backend, "cache_class", None) or PagedKVCache  # a backend's own cache manager
         cache = cache_class(config)
-        if self.poison:
-            cache.kv.fill_(float("nan"))
         # Earlier traffic: dummies allocated in turn, every other one freed, the rest live throughout.
         # Nothing is written for them, so nothing is committed: their blocks cache nothing (a freed
         # dummy's blocks go back to the free list). Their ids lie outside the vocabulary.
@@ -355,6 +366,8 @@ class PagedEngine:
                         running.remove(sid)
                         finished.add(sid)
                         res.finish_step = step
+            self.window_released_peak = max(self.window_released_peak,
+                                            sum(q.num_released for q in cache.sequences.values()))
             step += 1
             self.steps_done = step
         self.steps = step
