@@ -10,7 +10,7 @@ Design (after vLLM's block manager and its v1 prefix cache):
 - Prefix caching keys each full block by a chained hash ``h_i = hash_fn(h_{i-1}, tokens_i)``, with
   ``h_{-1}`` derived from the sequence's ``cache_key`` (a namespace: a LoRA adapter, a tenant's cache
   salt, multimodal extra keys; ``None`` by default; a ``str``, an ``int`` or a tuple of them, compared
-  with their type: :func:`check_cache_key`), so equal tokens under two keys never share. Each
+  with their type: :func:`pagedkv.prefix_hash.check_cache_key`), so equal tokens under two keys never share. Each
   cached block records its own tokens and its parent (the cached block before it, with the parent's
   *generation*, bumped whenever a block's cache entry is dropped). A lookup walks the prompt block
   by block and accepts a candidate only when its tokens are equal and its parent is the block just
@@ -28,18 +28,16 @@ Design (after vLLM's block manager and its v1 prefix cache):
 
 from __future__ import annotations
 
-import numbers
 import operator
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pagedkv.errors import (ArgumentTypeError, DoubleFreeError, InvariantError, OutOfBlocksError, ShapeError,
                             UnknownBlockError)
-
-HashFn = Callable[[Hashable, tuple[int, ...]], Hashable]
+from pagedkv.prefix_hash import HashFn, check_cache_key, default_block_hash, root_hash
 
 
 def as_int(name: str, value: object) -> int:
@@ -55,50 +53,6 @@ def as_int(name: str, value: object) -> int:
             raise ArgumentTypeError(f"{name} must be an int, got a {value.dtype} tensor of shape {tuple(value.shape)}")
         return int(value.item())
     return operator.index(value)
-
-
-def check_cache_key(name: str, cache_key: object) -> Hashable:
-    """``cache_key`` as a prefix-cache namespace: ``None``, a ``str``, an ``int`` or a tuple of them (nested).
-
-    Keys are compared with their type: Python calls ``1``, ``1.0`` and ``True`` equal (and hashes them
-    alike), so a float or a bool would silently share a namespace with an int; both are refused.
-    ``str`` and ``int`` subclasses (an ``IntEnum`` adapter id, NumPy integers) are normalised to the
-    plain ``str`` / ``int`` they hold, so the returned key holds only ``str``, ``int`` and ``tuple``
-    values, and no two of those types ever compare equal: two keys name one namespace exactly when
-    they are equal with equal types, element by element (tenant salts, LoRA adapter ids and
-    multimodal extra keys, as vLLM's ``cache_salt`` and ``extra_keys``, cannot collide by accident).
-
-    Returns:
-        The normalised key (``None`` stays ``None``).
-
-    Raises:
-        ArgumentTypeError (a ``TypeError``): any other value (a float, a bool, bytes, a list, ...),
-            at any depth; the message names ``name`` and the offending element.
-    """
-    return None if cache_key is None else _typed_key(name, cache_key, ())
-
-
-def _typed_key(name: str, key: object, path: tuple[int, ...]) -> str | int | tuple:
-    where = name + "".join(f"[{i}]" for i in path)
-    if isinstance(key, str):
-        return str.__str__(key)  # a plain str (a str subclass's own text)
-    if isinstance(key, tuple):
-        return tuple(_typed_key(name, k, path + (i,)) for i, k in enumerate(key))
-    if isinstance(key, numbers.Integral) and not isinstance(key, (bool, torch.Tensor)) and \
-            type(key).__name__ not in ("bool_", "bool"):
-        return operator.index(key)
-    is_bool = isinstance(key, bool) or type(key).__name__ in ("bool_", "bool")
-    kind = "a bool" if is_bool else "a float" if isinstance(key, numbers.Real) else type(key).__name__
-    why = (": 1, 1.0 and True compare equal in Python, so a float or a bool would share an int's namespace"
-           if is_bool or kind == "a float" else "")
-    allowed = "a str, an int (not a bool) or a tuple of them" if path else \
-        "None, a str, an int (not a bool) or a tuple of them"
-    raise ArgumentTypeError(f"{where} must be {allowed}, got {kind} {key!r}{why}")
-
-
-def root_hash(cache_key: Hashable) -> Hashable:
-    """The parent hash of a sequence's first block under ``cache_key`` (``None`` for the default namespace)."""
-    return None if cache_key is None else ("pagedkv.cache_key", cache_key)
 
 
 def as_token_ids(name: str, token_ids: object) -> list[int]:
@@ -138,11 +92,6 @@ class CacheEntry:
     parent: int | None
     parent_generation: int
     cache_key: Hashable = None
-
-
-def default_block_hash(parent_hash: Hashable, token_ids: tuple[int, ...]) -> Hashable:
-    """Chained block hash: Python's tuple hash of ``(parent_hash, token_ids)`` (deterministic for ints)."""
-    return hash((parent_hash, token_ids))
 
 
 class BlockAllocator:

@@ -32,43 +32,16 @@ poisoned again, so a read of an unwritten slot shows.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.allocator import BlockAllocator, HashFn, as_int, as_token_ids, check_cache_key, default_block_hash
+from pagedkv.allocator import BlockAllocator, as_int, as_token_ids
 from pagedkv.config import CacheConfig, blocks_needed, slots_for_positions
 from pagedkv.errors import (ArgumentTypeError, DoubleFreeError, InvariantError, OutOfBlocksError, ShapeError,
                             UnknownBlockError)
+from pagedkv.prefix_hash import HashFn, check_cache_key, default_block_hash
+from pagedkv.sequence import SequenceState, check_seq_id
 from pagedkv.window import NULL_BLOCK, releasable_blocks, releasable_held_blocks
-
-
-@dataclass
-class SequenceState:
-    """One sequence's block table, the token ids it holds slots for, how many leading tokens' K/V is
-    written (``num_written``: committed by ``mark_written``, or served by the prefix cache), its
-    prefix-cache namespace ``cache_key`` and how many leading table entries the sliding window
-    released (``num_released``: they hold ``-1``)."""
-
-    block_table: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    num_written: int = 0
-    cache_key: Hashable = None
-    num_released: int = 0
-
-    @property
-    def held_blocks(self) -> list[int]:
-        """The table's entries past the released ones: the blocks this sequence holds a reference on."""
-        return self.block_table[self.num_released:]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-def _check_seq_id(name: str, seq_id: object) -> None:
-    if isinstance(seq_id, bool) or not isinstance(seq_id, int):
-        raise ArgumentTypeError(f"{name} must be an int, got {type(seq_id).__name__} {seq_id!r}")
 
 
 class PagedKVCache:
@@ -144,7 +117,7 @@ class PagedKVCache:
 
     # -- sequences --------------------------------------------------------------------------------
     def _seq(self, seq_id: int) -> SequenceState:
-        _check_seq_id("seq_id", seq_id)
+        check_seq_id("seq_id", seq_id)
         try:
             return self.sequences[seq_id]
         except KeyError:
@@ -163,7 +136,7 @@ class PagedKVCache:
             prompt_token_ids: the prompt (a sequence of ints or a 1-D integer tensor).
             cache_key: the prefix-cache namespace: ``None`` (the default one), a ``str``, an ``int`` or a
                 tuple of them (a LoRA adapter id, a tenant's cache salt, multimodal extra keys), compared
-                with their type (:func:`~pagedkv.allocator.check_cache_key`). It is part of each block's
+                with their type (:func:`~pagedkv.prefix_hash.check_cache_key`). It is part of each block's
                 identity: equal tokens under two keys never share a block. Forks inherit it.
 
         Returns:
@@ -175,7 +148,7 @@ class PagedKVCache:
             ArgumentTypeError: ``seq_id`` not an int, a token id not an int, or ``cache_key`` not a
                 ``str``, an ``int`` or a tuple of them (a float, a bool, a list...).
         """
-        _check_seq_id("seq_id", seq_id)
+        check_seq_id("seq_id", seq_id)
         prompt_token_ids = as_token_ids("prompt_token_ids", prompt_token_ids)
         cache_key = check_cache_key("cache_key", cache_key)
         if seq_id in self.sequences:
@@ -344,7 +317,7 @@ class PagedKVCache:
             ArgumentTypeError: an id that is not an int.
         """
         parent = self._seq(parent_id)
-        _check_seq_id("child_id", child_id)
+        check_seq_id("child_id", child_id)
         if child_id in self.sequences:
             raise ValueError(f"sequence {child_id} already exists")
         for block in parent.held_blocks:
