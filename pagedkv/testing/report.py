@@ -5,7 +5,9 @@ cross xdist workers); the terminal summary and the no-false-green rule read them
 
 - *judged*: the property ran on the candidate (passed, failed, or ran partly under a time budget);
 - *skipped*: it could not be judged, with the reason (an op the candidate lacks, a declared space
-  the property cannot be drawn in, an optional feature not declared: not covered);
+  the property cannot be drawn in, an optional feature not declared: not covered). An op it lacks
+  and a feature it does not declare make a property not applicable (outside the judged fraction's
+  denominator); a declared space the property cannot be drawn in counts against it;
 - *finding*: a case breaking a declared precondition failed (non-gating, reported as ``xfail``).
 """
 
@@ -119,8 +121,8 @@ def tally(stats: dict) -> dict[str, dict]:
                 t["regressions"] += 1
             continue
         if r["status"] == "skipped":
-            if " does not provide " in r["reason"]:
-                t["missing_ops"] += 1
+            if " does not provide " in r["reason"] or "not covered" in r["reason"]:
+                t["missing_ops"] += 1  # not applicable: an op it lacks, an optional feature it does not declare
             t["skipped"][_reason_group(r["reason"])] += 1
         else:
             t[r["status"] if r["status"] in ("failed", "finding") else "judged"] += 1
