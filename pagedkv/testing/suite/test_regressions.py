@@ -1,7 +1,9 @@
 """Every regression case file shipped with pagedkv (C1-C11 and kept failures), and the user's own
 (``--pagedkv-regressions DIR`` / ini ``pagedkv_regressions``), replays clean against the
-implementation under test; a file outside the backend's declared space is skipped with the reason,
-and one that breaks a declared precondition runs as a non-gating finding (as the properties do)."""
+implementation under test. A case outside the backend's declared space is re-expressed inside it
+(:mod:`pagedkv.testing.cases.translate`: the same tables, lengths at the same places in their
+blocks, declared head dims and dtypes); one with no faithful translation is skipped, saying why; one
+that breaks a declared precondition runs as a non-gating finding (as the properties do)."""
 
 from __future__ import annotations
 
@@ -16,25 +18,37 @@ from pagedkv.testing.space import capabilities_under_test
 pytestmark = pytest.mark.pagedkv
 
 
-def _outside(record: dict, prop, caps) -> str | None:
-    case = record["case"]
-    inner = getattr(case, "case", None)
-    geometry = getattr(case, "geometry", None) or inner.geometry
-    layout = getattr(case, "layout", None) or getattr(inner, "layout", None)
-    return caps.rejects(geometry) or prop.cannot_run((), caps) or (
-        None if caps.strided_pools or layout != "kv_interleaved" else "the backend declares contiguous pools only")
+def _inside(record: dict, prop, caps) -> tuple[object | None, str]:
+    """The record's case inside the declared space (re-expressed when it has to be), or ``None`` and why."""
+    from pagedkv.testing.casefiles.schema import POOL_COPIES, default_max_bytes
+    from pagedkv.testing.cases.translate import into_space
+
+    reason = prop.cannot_run((), caps)
+    if reason:
+        return None, reason
+    case, how = into_space(record["case"], caps)
+    if case is None:
+        return None, f"no faithful translation into the declared space: {how}"
+    inner = getattr(case, "case", None) or case
+    g = inner.geometry
+    layout = getattr(inner, "layout", None)
+    if layout == "kv_interleaved" and not caps.strided_pools:
+        return None, "the backend declares contiguous pools only"
+    pools = 2 * POOL_COPIES * g.num_blocks * g.block_size * g.num_kv_heads * g.head_dim * g.torch_dtype.itemsize
+    if how and pools > default_max_bytes():
+        return None, f"{how} needs {pools / 2**30:.1f} GiB of pools, over this machine's budget"
+    return case, how
 
 
 def test_regression_case_replays_clean(pagedkv_run, backend, device, regression_file):
     record = load_case_file(regression_file, check_backend=False)  # checked like any case file; the candidate runs
     prop = property_for_record(record["check"])
     caps = capabilities_under_test(backend)
-    outside = _outside(record, prop, caps)
-    if outside:
-        pagedkv_run.record(regression_file.stem, backend, "skipped", outside, kind="regression")
-        pytest.skip(f"{regression_file.stem}: {outside}")
-    outcome = execute.run_record(record, backend, device, case_file=pagedkv_run.case_file)
-    case = record["case"]
+    case, how = _inside(record, prop, caps)
+    if case is None:
+        pagedkv_run.record(regression_file.stem, backend, "skipped", how, kind="regression")
+        pytest.skip(f"{regression_file.stem}: {how}")
+    outcome = execute.run_record({**record, "case": case}, backend, device, case_file=pagedkv_run.case_file)
     poison = getattr(case, "poison", None) or getattr(getattr(case, "case", None), "poison", None)
     finding = "finite_unused_slots" in caps.preconditions and poison in ("nan", "inf")
     if outcome.status == "skipped":
@@ -45,4 +59,5 @@ def test_regression_case_replays_clean(pagedkv_run, backend, device, regression_
         pytest.xfail(f"finding (outside the declared precondition 'finite_unused_slots'): "
                      f"{outcome.failures[0].first_line}")
     if outcome.failed:
-        pytest.fail(failure_text(f"{prop.sentence} (regression {regression_file.name})", outcome), pytrace=False)
+        where = f"regression {regression_file.name}" + (f", {how}" if how else "")
+        pytest.fail(failure_text(f"{prop.sentence} ({where})", outcome), pytrace=False)
