@@ -280,7 +280,7 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
         chosen = hypothesis.settings(chosen, max_examples=limit)
     start = time.perf_counter()
     if prop.kind == "machine":  # a Hypothesis state machine: it prints its own shrunk steps, no case file
-        return _run_machine(prop, backends[-1], device, chosen, outcome, start)
+        return _run_machine(prop, backends[-1], device, chosen, outcome, start, caps)
     recorder = _Recorder(prop, spec or backend_name(backends[-1]), (other or backend_name(backends[0]))
                          if prop.pair else None, case_file, device)
     state = {"calls": 0}
@@ -345,9 +345,10 @@ def _drop_stale_files(recorder: _Recorder, kept: list[Failure]) -> None:
             failure.case_file.unlink(missing_ok=True)
 
 
-def _run_machine(prop: Any, backend: Any, device: str, chosen: Any, outcome: Outcome, start: float) -> Outcome:
+def _run_machine(prop: Any, backend: Any, device: str, chosen: Any, outcome: Outcome, start: float,
+                 caps: Any) -> Outcome:
     try:
-        prop.check(backend, device, chosen)
+        prop.check(backend, device, chosen, caps)
     except MissingOp as exc:
         outcome.status, outcome.reason = "skipped", str(exc)
     except Exception as exc:  # noqa: BLE001 - the state machine's failure, steps printed by Hypothesis

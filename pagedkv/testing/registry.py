@@ -159,7 +159,7 @@ def _declare() -> list[Property]:
         Property("every_live_sequence_reads_only_its_own_tokens",
                  "after every fork, append, copy-on-write and prefix hit, each live sequence reads exactly its "
                  "own tokens' K/V and the allocator's counts match the live tables",
-                 ("write_kv", "gather"), scenarios.sharing_isolated, lazy("scenarios"),
+                 ("write_kv",), scenarios.sharing_isolated, lazy("scenarios"),
                  lambda: (kc.C2, kc.C4, kc.C1[0]), kind="scenario"),
         Property("prefix_caching_changes_no_output",
                  "prefix caching on and off give every comparable sequence the same K/V and attention output",
@@ -182,8 +182,7 @@ def _declare() -> list[Property]:
         "cache_state_machine_holds_its_invariants",
         "driven like a scheduler (add with prefix lookup, reserve, write in part or not at all, commit, fork, "
         "copy-on-write, preempt, abort, double free), the cache matches a shadow model after every step",
-        ("write_kv", "gather"), machine.cache_state_machine, lambda caps=None: None, kind="machine",
-        requires=_machine_space))
+        ("write_kv",), machine.cache_state_machine, lambda caps=None: None, kind="machine"))
     for name, feature, sentence, check, kw, examples in (
             ("a_window_of_at_least_the_context_equals_no_window", "window",
              "a window_left of at least the longest context equals no window, within tolerance",
@@ -219,14 +218,6 @@ def _declare() -> list[Property]:
 def _feature_declared(feature: str, caps) -> str | None:
     """A feature property runs only on a backend that declares the feature (else: not covered)."""
     return None if feature in caps.features else f"feature {feature!r} not declared: not covered"
-
-
-def _machine_space(caps) -> str | None:
-    """The state machine runs 1 kv head of head_dim 2 in float32 with block sizes 1-4."""
-    if not (caps.head_dims.allows(2) and caps.num_kv_heads.allows(1) and "float32" in caps.dtypes
-            and any(caps.block_sizes.allows(b) for b in (1, 2, 3, 4))):
-        return "the cache state machine uses head_dim 2, one kv head, float32 and block sizes 1-4"
-    return None
 
 
 @cache

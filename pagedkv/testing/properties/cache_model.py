@@ -79,11 +79,13 @@ class CacheModel:
         gather: ``gather(cache, block_table, seq_len)`` used to read sequences back (a backend's).
     """
 
-    def __init__(self, cache, geometry: Geometry, seed: int, num_layers: int, write_kv, gather) -> None:
+    def __init__(self, cache, geometry: Geometry, seed: int, num_layers: int, write_kv, gather,
+                 attention=None) -> None:
         self.cache, self.alloc = cache, cache.allocator
         self.geometry, self.seed, self.num_layers = geometry, seed, num_layers
         self.bs = geometry.block_size
-        self.write_kv, self.gather = write_kv, gather
+        self.write_kv, self.gather = write_kv, gather or _pool_read
+        self.attention = attention  # a backend without gather is read through its paged_attention
         self.seqs: dict[int, SeqModel] = {}
         self.written_prefixes: set[tuple[Hashable, tuple[int, ...]]] = set()
         self.lru: list[int] = []  # released cached blocks, next evicted first
@@ -227,6 +229,29 @@ class CacheModel:
                                         f"{p} (block {block}) of {end} written tokens",
                                         {"seq": seq_id, "position": p, "block": block} if p >= 0 else {"seq": seq_id})
 
+    def _check_attention(self, seq_id: int, seq: SeqModel, what: str) -> None:
+        """The backend's ``paged_attention`` over the sequence's table (a prefill of every written
+        token, causal) equals the fp64 reference over the K/V the model expects, in every layer."""
+        from pagedkv.attention import reference_attention
+        from pagedkv.testing.compare import assert_attention_close
+
+        g, end = self.geometry, seq.written
+        table = self.cache.block_table(seq_id).to(self.device).view(1, -1)
+        gen = torch.Generator().manual_seed(self.seed * 7919 + seq_id * 31 + end)
+        query = torch.randn(end, g.num_q_heads, g.head_dim, generator=gen).to(g.torch_dtype)
+        lens = torch.tensor([end], dtype=torch.int32, device=self.device)
+        qsl = torch.tensor([0, end], dtype=torch.int32, device=self.device)
+        for layer in range(self.num_layers):
+            k_exp, v_exp = self.kv(seq, 0, end, layer)
+            out = self.attention(query.to(self.device), self.cache.k_cache(layer), self.cache.v_cache(layer),
+                                 table, lens, qsl)
+            try:
+                assert_attention_close(out.cpu(), reference_attention(query, [k_exp], [v_exp], [0, end]))
+            except AssertionError as exc:
+                raise ModelMismatch(f"{what}: paged_attention over sequence {seq_id}'s blocks {table.tolist()[0]} "
+                                    f"(layer {layer}, {end} written tokens) differs from attention over its own "
+                                    f"tokens' K/V: {str(exc).splitlines()[0]}", {"seq": seq_id}) from None
+
     def check(self, what: str = "after an op") -> None:
         """Every property of the module docstring, now."""
         self.cache.check_invariants()
@@ -237,6 +262,8 @@ class CacheModel:
                                     f"{self.cache.num_written(seq_id)} committed; the model: {len(seq.tokens)}, "
                                     f"{seq.written}")
             self._check_reads(seq_id, 0, seq.written, what)
+            if self.attention is not None and seq.written:
+                self._check_attention(seq_id, seq, what)
         entries = self.alloc.cached_entries()
         for block, entry in entries.items():
             prefix = self.alloc.cached_prefix(block)
@@ -264,3 +291,10 @@ class CacheModel:
             if len(found) < run:
                 raise ModelMismatch(f"{what}: the first {run} blocks of sequence {seq_id} are cached, a lookup of its "
                                     f"tokens finds {len(found)}")
+
+
+def _pool_read(pool: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
+    """``pool[table[p // bs], p % bs]`` for ``p < n``, by plain indexing (the definition of a gather)."""
+    from pagedkv.testing.cases.case import reference_gather
+
+    return reference_gather(pool, table, n)

@@ -64,17 +64,23 @@ class CacheMachine(RuleBasedStateMachine):
     cache_class = PagedKVCache
     backend = None  # write_kv and gather come from here; None: pagedkv's indexed backend
     device = "cpu"
+    # the geometry, inside the backend's declared space (machine_for)
+    block_sizes: tuple[int, ...] = (1, 2, 3, 4)
+    num_kv_heads, head_dim, group, dtype = 1, 2, 1, "float32"
 
-    @initialize(num_blocks=st.integers(3, 10), block_size=st.sampled_from((1, 2, 3, 4)), num_layers=st.integers(1, 3),
+    @initialize(num_blocks=st.integers(3, 10), block_size=st.integers(0, 3), num_layers=st.integers(1, 3),
                 constant_hash=st.booleans(), seed=st.integers(0, 100),
                 systems=st.lists(st.integers(0, 9).flatmap(_tokens), min_size=1, max_size=3))
     def start(self, num_blocks, block_size, num_layers, constant_hash, seed, systems):
-        self.geometry = Geometry(num_blocks, block_size, num_kv_heads=1, head_dim=2, dtype="float32")
+        bs = self.block_sizes[block_size % len(self.block_sizes)]  # an index: the sizes come from the declared space
+        self.geometry = Geometry(num_blocks, bs, self.num_kv_heads, self.head_dim, self.group, self.dtype)
         self.cache = self.cache_class(self.geometry.cache_config(self.device, num_layers),
                                       **({"hash_fn": lambda parent, tokens: 0} if constant_hash else {}))
         self.alloc = self.cache.allocator
         backend = self.backend or get_backend("indexed")
-        self.model = CacheModel(self.cache, self.geometry, seed, num_layers, backend.write_kv, backend.gather)
+        gather = getattr(backend, "gather", None)
+        self.model = CacheModel(self.cache, self.geometry, seed, num_layers, backend.write_kv, gather,
+                                attention=None if gather else getattr(backend, "paged_attention", None))
         self.systems = systems  # shared system prompts: later requests hit the prefix cache
         self.freed: list[int] = []
         self.next_id = 0
@@ -389,19 +395,26 @@ class CacheMachine(RuleBasedStateMachine):
         assert all(self.alloc.is_free(b) for b in range(self.alloc.num_blocks))
 
 
-def machine_for(backend: Any = None, device: str = "cpu", cache_class: type | None = None) -> type:
-    """The machine over ``backend`` (its ``write_kv``/``gather``, and its ``cache_class`` when it ships
-    its own cache manager) on ``device``."""
+def machine_for(backend: Any = None, device: str = "cpu", cache_class: type | None = None, caps: Any = None) -> type:
+    """The machine over ``backend`` (its ``write_kv`` and ``gather``, else its ``paged_attention``, and
+    its ``cache_class`` when it ships its own cache manager) on ``device``, with pools inside the
+    declared space ``caps`` (block sizes 1-4, head_dim 2, one kv head in float32 where it allows them)."""
     cls = cache_class or getattr(backend, "cache_class", None) or PagedKVCache
+    space = {}
+    if caps is not None:
+        space = dict(block_sizes=caps.block_sizes.choose((1, 2, 3, 4))[:4],
+                     head_dim=caps.head_dims.choose((2, 4, 8))[0],
+                     num_kv_heads=caps.num_kv_heads.choose((1, 2))[0], group=caps.gqa_groups.choose((1, 2))[0],
+                     dtype=next(d for d in ("float32", "float16", "bfloat16") if d in caps.dtypes))
     return type(f"CacheMachine_{cls.__name__}", (CacheMachine,),
-                {"cache_class": cls, "backend": backend, "device": device})
+                {"cache_class": cls, "backend": backend, "device": device, **space})
 
 
-def cache_state_machine(backend: Any, device: str = "cpu", chosen: settings | None = None) -> None:
-    """Run the state machine over ``backend`` (a registered property of kind ``"machine"``).
+def cache_state_machine(backend: Any, device: str = "cpu", chosen: settings | None = None, caps: Any = None) -> None:
+    """Run the state machine over ``backend`` inside ``caps`` (a registered property of kind ``"machine"``).
 
     Raises:
         AssertionError: a rule or invariant failed (Hypothesis prints the shrunk steps).
     """
-    run_state_machine_as_test(machine_for(backend, device), settings=settings(chosen or settings(),
+    run_state_machine_as_test(machine_for(backend, device, caps=caps), settings=settings(chosen or settings(),
                                                                                 stateful_step_count=STEPS))

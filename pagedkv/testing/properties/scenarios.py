@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from pagedkv.cache import PagedKVCache
-from pagedkv.testing.cases.case import CacheScenario, reference_gather, token_kv
+from pagedkv.testing.cases.case import CacheScenario, token_kv
 from pagedkv.testing.compare import Mismatch, bits, require
 from pagedkv.testing.compare import assert_bitwise_equal
 
@@ -35,8 +35,9 @@ def run_scenario(backend: Any, scenario: CacheScenario, device: str = "cpu",
     cache = cache_class(g.cache_config(device, scenario.num_layers),
                         enable_prefix_caching=scenario.enable_prefix_caching,
                         **({"hash_fn": lambda parent, tokens: 0} if scenario.constant_hash else {}))
-    model = CacheModel(cache, g, scenario.seed, scenario.num_layers, write_kv,
-                       getattr(backend, "gather", None) or (lambda pool, table, n: reference_gather(pool, table, n)))
+    gather = getattr(backend, "gather", None)
+    model = CacheModel(cache, g, scenario.seed, scenario.num_layers, write_kv, gather,
+                       attention=None if gather else getattr(backend, "paged_attention", None))
     shadow = _Shadow()
     shadow.model = model
 
@@ -131,8 +132,9 @@ def check_live_sequences(backend: Any, cache: PagedKVCache, shadow: dict, scenar
 
 def sharing_isolated(backend: Any, scenario: CacheScenario, device: str = "cpu") -> None:
     """After every operation, every live sequence (forked, copy-on-write, prefix-cached) reads exactly
-    its own tokens' K/V, and the allocator's counts match the live tables."""
-    require(backend, "gather")
+    its own tokens' K/V, and the allocator's counts match the live tables. The reads are the backend's
+    ``gather``; a backend without one is read through its ``paged_attention`` (against the fp64
+    reference over the sequence's own tokens) and the pools by definition."""
     run_scenario(backend, scenario, device,
                  lambda cache, shadow: check_live_sequences(backend, cache, shadow, scenario))
 
