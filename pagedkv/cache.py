@@ -71,9 +71,13 @@ class PagedKVCache:
         self.allocator = BlockAllocator(config.num_blocks, config.block_size,
                                         enable_prefix_caching=enable_prefix_caching, hash_fn=hash_fn)
         # [layers, K/V, num_blocks, block_size, num_kv_heads, head_dim]: one allocation; k_cache(l) is a view.
+        # HND: the memory is head-major ([..., num_kv_heads, block_size, head_dim]) under the same NHD shape.
         shape, poison = (config.num_layers, 2, config.num_blocks, *config.block_shape), config.poison_value
-        self.kv = (torch.zeros(shape, dtype=config.cache_dtype, device=config.device) if poison is None else
-                   torch.full(shape, poison, dtype=config.cache_dtype, device=config.device))
+        hnd = config.kv_layout == "HND"
+        memory = (*shape[:3], shape[4], shape[3], shape[5]) if hnd else shape
+        kv = (torch.zeros(memory, dtype=config.cache_dtype, device=config.device) if poison is None else
+              torch.full(memory, poison, dtype=config.cache_dtype, device=config.device))
+        self.kv = kv.transpose(3, 4) if hnd else kv
         self.window_left = config.window_left  # None: full attention, no block is released early
         self.num_window_released = 0  # table entries released by the sliding window, over the cache's life
         self.sequences: dict[int, SequenceState] = {}

@@ -14,6 +14,8 @@ import torch
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: vLLM's ``kv_cache_dtype`` names -> the pools' torch dtype (``None``: the model's dtype).
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+#: ``CacheConfig.kv_layout`` names: the memory order of each pool (the tensors handed out are NHD-shaped).
+KV_LAYOUTS = ("NHD", "HND")
 #: ``CacheConfig.debug_poison`` names -> the value unwritten slots hold.
 POISONS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
@@ -66,6 +68,11 @@ class CacheConfig:
             so :class:`~pagedkv.cache.PagedKVCache` releases the blocks no later query can read (vLLM
             v1's ``SlidingWindowManager``; see ``docs/cache.md``). A model that mixes windowed and full
             layers (Gemma 2) leaves it ``None`` and passes ``window_left`` per layer to the attention.
+        kv_layout: ``"NHD"`` (the default: each pool's memory is ``[num_blocks, block_size, num_kv_heads,
+            head_dim]``, vLLM's and FlashInfer's default) or ``"HND"`` (memory ``[num_blocks, num_kv_heads,
+            block_size, head_dim]``, FlashInfer's other layout and vLLM's for some kernels). The pools are
+            always handed out as NHD-shaped tensors; with ``"HND"`` they are views of head-major memory,
+            so ``pool.permute(0, 2, 1, 3)`` is the contiguous HND tensor a head-major kernel takes.
         debug_poison: ``None``, ``"nan"``, ``"inf"`` or ``"-inf"``: the pools start filled with it, and
             every block handed out by an allocation or released empty is refilled with it (every layer,
             K and V), so a read of a slot nobody wrote shows in the output. For running an engine under
@@ -87,6 +94,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     window_left: int | None = None
     debug_poison: str | None = None
+    kv_layout: str = "NHD"
 
     def __post_init__(self) -> None:
         from pagedkv.allocator import as_int
@@ -98,6 +106,10 @@ class CacheConfig:
                 raise ShapeError(f"{name} must be a positive int, got {value!r}")
             object.__setattr__(self, name, value)
         object.__setattr__(self, "dtype", dtype_from_name(self.dtype))
+        if self.kv_layout not in KV_LAYOUTS:
+            from pagedkv.errors import ArgumentValueError
+
+            raise ArgumentValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             from pagedkv.errors import DTypeMismatchError
 

@@ -85,6 +85,8 @@ class Sizes:
 
 
 ANY = Sizes()
+#: Pool layouts a backend may declare (``Capabilities.layout``).
+LAYOUTS = ("NHD", "HND")
 
 
 @dataclass(frozen=True)
@@ -104,9 +106,14 @@ class Capabilities:
         split_k: its ``paged_attention`` takes ``num_splits`` (split-K decode; ``None``: its heuristic),
             so the suite draws split counts (``Case.num_splits``). Read from a ``SPLIT_K`` attribute
             when the backend has no ``capabilities``.
+        layout: the pool layout its ops take: ``"NHD"`` (``[num_blocks, block_size, num_kv_heads,
+            head_dim]``, the contract's) or ``"HND"`` (``[num_blocks, num_kv_heads, block_size, head_dim]``,
+            FlashInfer's and vLLM's head-major layout). For ``"HND"`` the suite builds head-major pools
+            and hands the backend their HND tensors (contiguous, no copy), and compares in logical
+            positions as for any backend.
 
     Raises (on construction):
-        ValueError: an unknown dtype, feature or precondition name.
+        ValueError: an unknown dtype, feature, precondition or layout name.
     """
 
     block_sizes: Sizes = ANY
@@ -121,8 +128,11 @@ class Capabilities:
     features: frozenset[str] = frozenset()
     preconditions: frozenset[str] = frozenset()
     split_k: bool = False
+    layout: str = "NHD"
 
     def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"Capabilities.layout: unknown {self.layout!r}; known: {list(LAYOUTS)}")
         for name, allowed in (("dtypes", DTYPE_NAMES), ("features", FEATURE_NAMES),
                               ("preconditions", frozenset(PRECONDITIONS))):
             value = frozenset(getattr(self, name))

@@ -107,10 +107,16 @@ def call(prop: Any, backends: tuple, case: Any, device: str) -> None:
         Mismatch (an ``AssertionError``): the property fails. MissingOp: a backend lacks an op.
     """
     __tracebackhide__ = True
+    from pagedkv.backends.capabilities import capabilities_of
+    from pagedkv.testing.cases.case import pool_layout
+    from pagedkv.testing.space import as_declared_layout
+
     backends = _with_reference(prop, tuple(backends))
-    if prop.pair:
-        return prop.check(backends[0], backends[1], case, device)
-    return prop.check(backends[-1], case, device)
+    candidate = as_declared_layout(backends[-1])
+    with pool_layout(capabilities_of(backends[-1]).layout):  # the candidate's memory order; compared as NHD
+        if prop.pair:
+            return prop.check(backends[0], candidate, case, device)
+        return prop.check(candidate, case, device)
 
 
 def replay_command(path: Path | str, impl: str | None = None, device: str = "cpu", other: str | None = None) -> str:
@@ -347,8 +353,12 @@ def _drop_stale_files(recorder: _Recorder, kept: list[Failure]) -> None:
 
 def _run_machine(prop: Any, backend: Any, device: str, chosen: Any, outcome: Outcome, start: float,
                  caps: Any) -> Outcome:
+    from pagedkv.testing.cases.case import pool_layout
+    from pagedkv.testing.space import as_declared_layout
+
     try:
-        prop.check(backend, device, chosen, caps)
+        with pool_layout(caps.layout):
+            prop.check(as_declared_layout(backend), device, chosen, caps)
     except MissingOp as exc:
         outcome.status, outcome.reason = "skipped", str(exc)
     except Exception as exc:  # noqa: BLE001 - the state machine's failure, steps printed by Hypothesis

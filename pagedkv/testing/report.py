@@ -89,8 +89,8 @@ def failure_text(sentence: str, outcome: Any) -> str:
             message = f"{type(failure.error).__name__}: {message}"
         lines += [line for line in message.splitlines()[:8]]
         if failure.case is not None:
-            lines.append(f"case: {brief(failure.case)}")
-            lines.append(f"      {failure.case!r}")
+            short, exact = brief(failure.case), repr(failure.case)
+            lines += [f"case: {short}"] + ([f"      {exact}"] if exact != short else [])
         if failure.replay:
             lines.append(f"replay: {failure.replay}")
     return "\n".join(lines)

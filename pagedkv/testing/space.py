@@ -106,3 +106,47 @@ def pick_device(chosen: str | None = None) -> str:
         worker = re.fullmatch(r"gw(\d+)", os.environ.get("PYTEST_XDIST_WORKER", "gw0"))
         return f"cuda:{int(worker.group(1)) % torch.cuda.device_count() if worker else 0}"
     return "cpu"
+
+
+#: The pool arguments of each op, by name (the contract's signatures).
+_POOL_ARGS = {"gather": ("cache",), "scatter": ("cache",), "write_kv": ("k_cache", "v_cache"),
+              "paged_attention": ("k_cache", "v_cache")}
+
+
+class HeadMajor:
+    """A backend declaring ``layout="HND"`` seen through the contract's NHD ops: each pool argument
+    (an NHD-shaped view of head-major memory, as the kit builds it under
+    :func:`~pagedkv.testing.cases.case.pool_layout`) reaches the backend as ``pool.permute(0, 2, 1, 3)``,
+    its contiguous ``[num_blocks, num_kv_heads, block_size, head_dim]`` tensor: no copy, and what the
+    backend writes lands in the pools the suite compares."""
+
+    def __init__(self, backend: Any):
+        self._backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._backend, name)
+        if name not in _POOL_ARGS or not callable(target):
+            return target
+        import inspect
+
+        signature = inspect.signature(target)
+
+        def op(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            for arg in _POOL_ARGS[name]:
+                pool = bound.arguments.get(arg)
+                if getattr(pool, "dim", lambda: 0)() == 4:  # anything else is a bad argument: passed as it is
+                    bound.arguments[arg] = pool.permute(0, 2, 1, 3)
+            return target(*bound.args, **bound.kwargs)
+
+        op.__name__ = getattr(target, "__name__", name)
+        return op
+
+
+def as_declared_layout(backend: Any) -> Any:
+    """``backend`` itself, or a :class:`HeadMajor` view of it when it declares ``layout="HND"``."""
+    from pagedkv.backends.capabilities import capabilities_of
+
+    if getattr(capabilities_of(backend), "layout", "NHD") == "HND":
+        return HeadMajor(backend)
+    return backend

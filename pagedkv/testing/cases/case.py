@@ -12,6 +12,8 @@ This module needs only torch: cases run, replay and report without Hypothesis in
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -48,9 +50,9 @@ class Geometry:
 
     def cache_config(self, device: str = "cpu", num_layers: int = 1) -> CacheConfig:
         """The library's :class:`~pagedkv.config.CacheConfig` of this geometry (the one place the kit
-        builds a cache's configuration from a geometry)."""
+        builds a cache's configuration from a geometry), in the pool layout of :func:`pool_layout`."""
         return CacheConfig(self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.torch_dtype,
-                           device, num_layers=num_layers)
+                           device, num_layers=num_layers, kv_layout=POOL_LAYOUT.get())
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -288,9 +290,13 @@ class Case:
         g, dtype = self.geometry, self.pool_dtype
         shape = (g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
 
+        hnd = POOL_LAYOUT.get() == "HND"  # head-major memory under the NHD shape (pool_layout)
+
         def full(size):  # fp8 poison through float32: torch's cast saturates inf where the format has none
-            return torch.full(size, self._poison_value(), dtype=torch.float32 if dtype.itemsize == 1 else dtype,
-                              device=device).to(dtype)
+            memory = (*size[:-3], size[-2], size[-3], size[-1]) if hnd else size
+            out = torch.full(memory, self._poison_value(), dtype=torch.float32 if dtype.itemsize == 1 else dtype,
+                             device=device).to(dtype)
+            return out.transpose(-3, -2) if hnd else out
         if self.layout == "kv_interleaved":
             kv = full((g.num_blocks, 2, *shape[1:]))
             return kv[:, 0], kv[:, 1]
@@ -307,6 +313,20 @@ class Case:
             reference_write(k_cache, self.used_table(i), k.to(device), 0)
             reference_write(v_cache, self.used_table(i), v.to(device), 0)
         return k_cache, v_cache
+
+
+#: The memory order of the pools the kit builds (``"NHD"``; ``"HND"`` while a head-major backend runs).
+POOL_LAYOUT: contextvars.ContextVar[str] = contextvars.ContextVar("pagedkv_pool_layout", default="NHD")
+
+
+@contextlib.contextmanager
+def pool_layout(layout: str):
+    """Build every pool in ``layout``'s memory order inside the block (the tensors stay NHD-shaped)."""
+    token = POOL_LAYOUT.set(layout)
+    try:
+        yield
+    finally:
+        POOL_LAYOUT.reset(token)
 
 
 def reference_write(cache: torch.Tensor, block_table, values: torch.Tensor, start: int = 0) -> None:

@@ -37,8 +37,8 @@ import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
-                                 run_state_machine_as_test)
+from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple,
+                                 precondition, rule, run_state_machine_as_test)
 
 from pagedkv import get_backend
 from pagedkv.cache import PagedKVCache
@@ -52,14 +52,15 @@ STEPS = 50  # under the ci profile 40 steps let cow_first_layer_only live; 50 ki
 
 VOCAB = st.integers(0, 5)  # a small vocabulary: equal blocks, hash hits and near-misses are common
 KEYS = (None, "tenant-a", ("lora", 7))
-
-
-def _tokens(n: int):
-    return st.lists(VOCAB, min_size=n, max_size=n)
+SUFFIX = st.lists(VOCAB, max_size=8)  # a request's own tokens after its system prompt
 
 
 class CacheMachine(RuleBasedStateMachine):
-    """A :class:`PagedKVCache` over a small pool, driven like a scheduler drives it."""
+    """A :class:`PagedKVCache` over a small pool, driven like a scheduler drives it.
+
+    ``seqs`` holds the live sequence ids (a rule that ends one consumes it), ``freed`` the ids of those
+    finished or aborted (for double frees), ``systems`` the shared system prompts requests start with.
+    """
 
     cache_class = PagedKVCache
     backend = None  # write_kv and gather come from here; None: pagedkv's indexed backend
@@ -68,10 +69,15 @@ class CacheMachine(RuleBasedStateMachine):
     block_sizes: tuple[int, ...] = (1, 2, 3, 4)
     num_kv_heads, head_dim, group, dtype = 1, 2, 1, "float32"
 
+    seqs = Bundle("seqs")
+    freed = Bundle("freed")
+    systems = Bundle("systems")
+
     @initialize(num_blocks=st.integers(3, 10), block_size=st.integers(0, 3), num_layers=st.integers(1, 3),
-                constant_hash=st.booleans(), seed=st.integers(0, 100),
-                systems=st.lists(st.integers(0, 9).flatmap(_tokens), min_size=1, max_size=3))
-    def start(self, num_blocks, block_size, num_layers, constant_hash, seed, systems):
+                constant_hash=st.booleans(), seed=st.integers(0, 100))
+    def start(self, num_blocks, block_size, num_layers, constant_hash, seed):
+        """The pool: ``block_size`` indexes the declared block sizes; ``constant_hash``: every block hashes
+        to 0 (each hit must then compare tokens and namespace)."""
         bs = self.block_sizes[block_size % len(self.block_sizes)]  # an index: the sizes come from the declared space
         self.geometry = Geometry(num_blocks, bs, self.num_kv_heads, self.head_dim, self.group, self.dtype)
         self.cache = self.cache_class(self.geometry.cache_config(self.device, num_layers),
@@ -81,9 +87,12 @@ class CacheMachine(RuleBasedStateMachine):
         gather = getattr(backend, "gather", None)
         self.model = CacheModel(self.cache, self.geometry, seed, num_layers, backend.write_kv, gather,
                                 attention=None if gather else getattr(backend, "paged_attention", None))
-        self.systems = systems  # shared system prompts: later requests hit the prefix cache
-        self.freed: list[int] = []
         self.next_id = 0
+
+    @initialize(target=systems, prompts=st.lists(st.lists(VOCAB, max_size=9), min_size=1, max_size=3))
+    def system_prompts(self, prompts):
+        """Shared system prompts: later requests starting with one hit the prefix cache."""
+        return multiple(*prompts)
 
     # -- helpers ---------------------------------------------------------------------------------------
     def snapshot(self):
@@ -106,17 +115,16 @@ class CacheMachine(RuleBasedStateMachine):
         return self.next_id - 1
 
     def release(self, seq_id):
+        """Free ``seq_id`` (finish, abort, preempt): the blocks other live tables still hold stay allocated."""
+        shared = [b for b in self.cache.sequences[seq_id].block_table if self.alloc.ref_count(b) > 1]
         self.model.free(seq_id)
-        self.freed.append(seq_id)
+        assert all(not self.alloc.is_free(b) for b in shared), \
+            f"freeing sequence {seq_id} freed blocks {shared} that other sequences still hold"
 
-    def prompt(self, data, min_suffix=0):
-        system = data.draw(st.sampled_from(self.systems))
-        return system + data.draw(st.integers(min_suffix if system else 1,
-                                              2 * self.geometry.block_size).flatmap(_tokens))
-
-    def admit(self, seq_id, prompt, key) -> bool:
-        """add_sequence + reserve the uncached tokens; a refused reservation changes nothing, and the
-        request is dropped (as a scheduler defers it)."""
+    def admit(self, prompt, key):
+        """add_sequence + reserve the uncached tokens: the new id, or ``multiple()`` when the reservation is
+        refused (it changes nothing, and the request is dropped, as a scheduler defers it)."""
+        seq_id = self.new_id()
         cached = self.model.add(seq_id, prompt, key)
         before = self.snapshot()
         try:
@@ -124,235 +132,222 @@ class CacheMachine(RuleBasedStateMachine):
         except OutOfBlocksError:
             self.assert_unchanged(before, f"a refused prefill of sequence {seq_id}")
             self.release(seq_id)
-            return False
-        return True
+            return None
+        return seq_id
+
+    def prompt(self, system, suffix):
+        return list(system) + list(suffix or ([] if system else [0]))
 
     live = property(lambda self: sorted(self.model.seqs))
     pending = property(lambda self: sorted(s for s, m in self.model.seqs.items() if m.written < len(m.tokens)))
 
     # -- rules -------------------------------------------------------------------------------------
-    @rule(data=st.data())
-    def add(self, data):
-        """A request arrives under a namespace: prefix lookup, then its prefill is reserved and usually
-        written and committed at once (sometimes left pending for a later rule)."""
-        prompt, key = self.prompt(data), data.draw(st.sampled_from(KEYS))
-        seq_id = self.new_id()
-        if self.admit(seq_id, prompt, key) and data.draw(st.sampled_from((True, True, False))):
+    @rule(target=seqs, system=systems, suffix=SUFFIX, cache_key=st.sampled_from(KEYS),
+          write=st.sampled_from((True, True, False)))
+    def add(self, system, suffix, cache_key, write):
+        """A request (``system + suffix``; ``[0]`` for an empty one) arrives under a namespace: prefix lookup,
+        then its prefill is reserved and written and committed at once, or left pending for later rules.
+        A refused prefill adds no sequence."""
+        seq_id = self.admit(self.prompt(system, suffix), cache_key)
+        if seq_id is None:
+            return multiple()
+        if write:
             self.model.write(seq_id)
+        return seq_id
 
-    @precondition(lambda self: self.model.seqs)
-    @rule(data=st.data(), write=st.booleans())
-    def append(self, data, write):
+    @rule(seq=seqs, tokens=st.lists(VOCAB, min_size=1, max_size=5), write=st.booleans())
+    def append(self, seq, tokens, write):
         """Decode or a prefill chunk (copy-on-write when the last block is shared and partial), written
-        and committed at once or left reserved."""
-        seq_id = data.draw(st.sampled_from(self.live))
-        tokens = data.draw(st.integers(1, self.geometry.block_size + 1).flatmap(_tokens))
-        fits = self.cache.can_append(seq_id, len(tokens))
+        and committed at once or left reserved; a refusal agrees with ``can_append`` and changes nothing."""
+        fits = self.cache.can_append(seq, len(tokens))
         before = self.snapshot()
         try:
-            self.model.reserve(seq_id, tokens)
+            self.model.reserve(seq, tokens)
         except OutOfBlocksError:
             assert not fits, "can_append said yes, append refused"
-            self.assert_unchanged(before, f"a refused append to sequence {seq_id}")
+            self.assert_unchanged(before, f"a refused append to sequence {seq}")
             return
         assert fits, "can_append said no, append succeeded"
         if write:
-            self.model.write(seq_id)
+            self.model.write(seq)
 
     @precondition(lambda self: self.pending)
-    @rule(data=st.data())
-    def write_part_of_a_chunk(self, data):
-        """Only part of what was reserved is written and committed (a chunk cut short)."""
-        seq_id = data.draw(st.sampled_from(self.pending))
-        m = self.model.seqs[seq_id]
-        self.model.write(seq_id, data.draw(st.integers(1, len(m.tokens) - m.written)))
+    @rule(seq=seqs, n=st.integers(1, 8))
+    def write_part_of_a_chunk(self, seq, n):
+        """Only the next ``n`` reserved tokens (at most what is pending) are written and committed (a chunk
+        cut short); with nothing pending it is a commit of nothing new."""
+        self.model.write(seq, n)
 
     @precondition(lambda self: self.pending)
-    @rule(data=st.data())
-    def failed_write(self, data):
+    @rule(seq=seqs)
+    def failed_write(self, seq):
         """A write that raises (K/V of the wrong dtype) writes nothing and commits nothing."""
-        seq_id = data.draw(st.sampled_from(self.pending))
         before = self.snapshot()
-        self.model.failed_write(seq_id)
-        self.assert_unchanged(before, f"a failed write to sequence {seq_id}")
+        self.model.failed_write(seq)
+        self.assert_unchanged(before, f"a failed write to sequence {seq}")
 
-    @precondition(lambda self: self.pending)
-    @rule(data=st.data())
-    def abort_before_write(self, data):
-        """A request aborted between reserve and write (C11): the blocks only it held, past what it
-        committed, go back free and cache nothing."""
-        seq_id = data.draw(st.sampled_from(self.pending))
-        table = self.cache.block_table(seq_id).tolist()
-        bs, m = self.geometry.block_size, self.model.seqs[seq_id]
+    @rule(target=freed, seq=consumes(seqs))
+    def abort_before_write(self, seq):
+        """A request aborted, possibly between reserve and write (C11): the blocks only it held, past what
+        it committed, go back free and cache nothing."""
+        table = self.cache.block_table(seq).tolist()
+        bs, m = self.geometry.block_size, self.model.seqs[seq]
         own_unwritten = [b for i, b in enumerate(table) if (i + 1) * bs > m.written and self.alloc.ref_count(b) == 1]
-        self.release(seq_id)
+        self.release(seq)
         for b in own_unwritten:
             assert self.alloc.is_free(b) and b not in self.alloc.cached_entries(), \
-                f"block {b}, reserved by aborted sequence {seq_id} but never written, is in the prefix cache"
+                f"block {b}, reserved by aborted sequence {seq} but never written, is in the prefix cache"
+        return seq
 
-    @precondition(lambda self: self.pending)
-    @rule(data=st.data())
-    def preempt_before_write(self, data):
-        """A request preempted between reserve and write, then recomputed from all its tokens: its
-        prefix hit covers only K/V written before (the model checks it), then it is written in full."""
-        seq_id = data.draw(st.sampled_from(self.pending))
-        m = self.model.seqs[seq_id]
+    @rule(target=seqs, seq=consumes(seqs))
+    def preempt_before_write(self, seq):
+        """A request preempted (possibly between reserve and write), then recomputed from all its tokens
+        under a new id: its prefix hit covers only K/V written before (the model checks it), then it is
+        written in full. A refused recompute adds no sequence."""
+        m = self.model.seqs[seq]
         tokens, key = list(m.tokens), m.cache_key
-        self.release(seq_id)
-        new = self.new_id()
-        if self.admit(new, tokens, key):
-            self.model.write(new)
+        self.release(seq)
+        new = self.admit(tokens, key)
+        if new is None:
+            return multiple()
+        self.model.write(new)
+        return new
 
-    @precondition(lambda self: self.model.seqs)
-    @rule(data=st.data())
-    def fork(self, data):
+    @rule(target=seqs, parent=seqs, diverge=st.none() | st.tuples(*[st.lists(VOCAB, min_size=1, max_size=4)] * 2))
+    def fork(self, parent, diverge):
         """Parallel sampling: possibly before the parent's reserved tokens are written (then both must
-        write them: a copy-on-write may separate their blocks)."""
-        parent = data.draw(st.sampled_from(self.live))
+        write them: a copy-on-write may separate their blocks). ``diverge``: the samples diverge at once,
+        parent then child appending (and writing) these tokens into a block they share."""
         child = self.new_id()
         self.model.fork(parent, child)
-        if data.draw(st.booleans()):  # the samples diverge at once: both append into a block they share
-            for seq_id in (parent, child):
-                tokens = data.draw(st.integers(1, self.geometry.block_size).flatmap(_tokens))
-                try:
-                    self.model.reserve(seq_id, tokens)
-                except OutOfBlocksError:
-                    break
-                self.model.write(seq_id)
+        for seq_id, tokens in zip((parent, child), diverge or ()):
+            before = self.snapshot()
+            try:
+                self.model.reserve(seq_id, tokens)
+            except OutOfBlocksError:
+                self.assert_unchanged(before, f"a refused append to forked sequence {seq_id}")
+                break
+            self.model.write(seq_id)
+        return child
 
-    @precondition(lambda self: self.model.seqs)
-    @rule(data=st.data())
-    def finish(self, data):
-        self.release(data.draw(st.sampled_from(self.live)))
+    @rule(target=freed, seq=consumes(seqs))
+    def finish(self, seq):
+        """A request finishes or is preempted: blocks it shares with others stay allocated and intact."""
+        self.release(seq)
+        return seq
 
-    @precondition(lambda self: any(self.alloc.ref_count(b) > 1 for s in self.model.seqs
-                                   for b in self.cache.sequences[s].block_table))
-    @rule(data=st.data())
-    def preempt_sharer(self, data):
-        """Preempt a sequence whose blocks others still hold: theirs stay allocated and intact."""
-        sharers = [s for s in self.live
-                   if any(self.alloc.ref_count(b) > 1 for b in self.cache.sequences[s].block_table)]
-        victim = data.draw(st.sampled_from(sharers))
-        shared = [b for b in self.cache.sequences[victim].block_table if self.alloc.ref_count(b) > 1]
-        self.release(victim)
-        assert all(not self.alloc.is_free(b) for b in shared), "a block still referenced became free"
-
-    @precondition(lambda self: self.model.seqs)
-    @rule(data=st.data())
-    def refused_then_retried(self, data):
-        """An append larger than the free pool is refused and changes nothing; after another sequence
-        finishes (if any), a retry of a fitting size succeeds."""
-        seq_id = data.draw(st.sampled_from(self.live))
+    def refuse_oversized(self, seq, tokens):
+        """An append larger than the free pool (``tokens`` repeated) is refused and changes nothing;
+        returns the retry (its first block's worth)."""
         too_many = (self.alloc.num_free + 1) * self.geometry.block_size + 1
-        tokens = data.draw(_tokens(too_many))
-        assert not self.cache.can_append(seq_id, too_many)
+        oversized = (tokens * too_many)[:too_many]
+        assert not self.cache.can_append(seq, too_many)
         before = self.snapshot()
         with pytest.raises(OutOfBlocksError):
-            self.model.reserve(seq_id, tokens)
-        self.assert_unchanged(before, f"a refused oversized append to sequence {seq_id}")
-        others = [s for s in self.live if s != seq_id]
-        if others:
-            self.release(data.draw(st.sampled_from(others)))
-        retry = tokens[:self.geometry.block_size]
-        if self.cache.can_append(seq_id, len(retry)):
-            self.model.reserve(seq_id, retry)
-            self.model.write(seq_id)
+            self.model.reserve(seq, oversized)
+        self.assert_unchanged(before, f"a refused oversized append to sequence {seq}")
+        return oversized[:self.geometry.block_size]
+
+    def retry(self, seq, tokens):
+        if self.cache.can_append(seq, len(tokens)):
+            self.model.reserve(seq, tokens)
+            self.model.write(seq)
+
+    @rule(seq=seqs, tokens=st.lists(VOCAB, min_size=1, max_size=3))
+    def refused_then_retried(self, seq, tokens):
+        """An append of ``tokens`` repeated past the free pool is refused and changes nothing; a retry of
+        a fitting size succeeds when ``can_append`` says it fits."""
+        self.retry(seq, self.refuse_oversized(seq, tokens))
+
+    @precondition(lambda self: len(self.model.seqs) >= 2)
+    @rule(target=freed, finished=consumes(seqs), seq=seqs, tokens=st.lists(VOCAB, min_size=1, max_size=3))
+    def refused_then_retried_after_a_finish(self, finished, seq, tokens):
+        """As :meth:`refused_then_retried`, with another sequence (``finished``, drawn first: never ``seq``)
+        finishing between the refusal and the retry."""
+        retry = self.refuse_oversized(seq, tokens)
+        self.release(finished)
+        self.retry(seq, retry)
+        return finished
 
     @precondition(lambda self: any(m.written >= self.geometry.block_size for m in self.model.seqs.values()))
-    @rule(data=st.data())
-    def same_prompt_under_two_keys(self, data):
+    @rule(seq=seqs, other_key=st.sampled_from(KEYS))
+    def same_prompt_under_two_keys(self, seq, other_key):
         """A committed prompt added again under its own namespace hits its cached blocks (hits are found);
-        under another namespace it shares none of them."""
-        bs = self.geometry.block_size
-        seq_id = data.draw(st.sampled_from([s for s, m in self.model.seqs.items() if m.written >= bs]))
-        m = self.model.seqs[seq_id]
-        prompt, own = m.tokens[:m.written] + [0], self.cache.block_table(seq_id).tolist()
-        other_key = data.draw(st.sampled_from([k for k in KEYS if k != m.cache_key]))
-        other = self.new_id()
-        self.model.add(other, prompt, other_key)
-        shared = set(self.cache.block_table(other).tolist()) & set(own)
-        assert not shared, f"the same tokens under cache_key {other_key!r} share blocks {shared} of {m.cache_key!r}"
-        self.release(other)
+        under another namespace (``other_key``, when it is another) it shares none of them."""
+        bs, m = self.geometry.block_size, self.model.seqs[seq]
+        prompt, own = m.tokens[:m.written] + [0], self.cache.block_table(seq).tolist()
+        if other_key != m.cache_key:
+            other = self.new_id()
+            self.model.add(other, prompt, other_key)
+            shared = set(self.cache.block_table(other).tolist()) & set(own)
+            assert not shared, \
+                f"the same tokens under cache_key {other_key!r} share blocks {shared} of {m.cache_key!r}"
+            self.release(other)
         again = self.new_id()
         cached = self.model.add(again, prompt, m.cache_key)
         committed_blocks = [b for b in own[:m.written // bs] if b in self.alloc.cached_entries()]
         assert cached >= len(committed_blocks) * bs, \
-            f"sequence {seq_id}'s {len(committed_blocks)} committed blocks are cached, a re-add hits {cached} tokens"
+            f"sequence {seq}'s {len(committed_blocks)} committed blocks are cached, a re-add hits {cached} tokens"
         self.release(again)
 
-    @precondition(lambda self: self.freed)
-    @rule(data=st.data())
-    def double_free(self, data):
+    @rule(seq=freed)
+    def double_free(self, seq):
         """C3: freeing a freed sequence again raises DoubleFreeError and changes nothing."""
-        seq_id = data.draw(st.sampled_from(self.freed))
         before = self.snapshot()
         with pytest.raises(DoubleFreeError):
-            self.cache.free(seq_id)
-        self.assert_unchanged(before, f"a second free of sequence {seq_id}")
+            self.cache.free(seq)
+        self.assert_unchanged(before, f"a second free of sequence {seq}")
 
-    @rule(data=st.data())
-    def double_free_block(self, data):
-        """Dropping a reference a free (or evictable) block does not hold raises and changes nothing;
-        so does releasing a used block more times than it is referenced."""
-        idle = [b for b in range(self.alloc.num_blocks) if self.alloc.is_free(b)]
-        used = [b for b in range(self.alloc.num_blocks) if not self.alloc.is_free(b)]
+    @rule(block=st.integers(0, 10))
+    def double_free_block(self, block):
+        """Dropping a reference a free (or evictable) block does not hold raises and changes nothing; so
+        does releasing a used block more times than it is referenced, and freeing a block id past the pool."""
         before = self.snapshot()
-        if idle:
+        if block >= self.alloc.num_blocks:
+            with pytest.raises(UnknownBlockError):
+                self.alloc.free(block)
+        elif self.alloc.is_free(block):
             with pytest.raises(DoubleFreeError):
-                self.alloc.free(data.draw(st.sampled_from(idle)))
-        if used:
-            b = data.draw(st.sampled_from(used))
+                self.alloc.free(block)
+        else:
             with pytest.raises(DoubleFreeError):
-                self.alloc.free_all([b] * (self.alloc.ref_count(b) + 1))
-        self.assert_unchanged(before, "a double free of a block")
+                self.alloc.free_all([block] * (self.alloc.ref_count(block) + 1))
+        self.assert_unchanged(before, f"a double free of block {block}")
 
-    @rule(data=st.data())
-    def prefix_lookup(self, data):
+    @rule(system=systems, suffix=SUFFIX, cache_key=st.sampled_from(KEYS))
+    def prefix_lookup(self, system, suffix, cache_key):
         """A lookup takes no reference; each block it finds caches exactly that token prefix, under
         that namespace, and was written."""
-        prompt, key = self.prompt(data), data.draw(st.sampled_from(KEYS))
+        prompt = self.prompt(system, suffix)
         before = self.snapshot()
-        found = self.alloc.find_cached_prefix(prompt, key)
+        found = self.alloc.find_cached_prefix(prompt, cache_key)
         self.assert_unchanged(before, "a prefix lookup (which takes no reference)")
         bs = self.geometry.block_size
         for i, b in enumerate(found):
             prefix = tuple(prompt[:(i + 1) * bs])
             assert self.alloc.cached_prefix(b) == prefix, f"block {b}: a hit on unequal tokens"
-            assert self.alloc.cached_entries()[b].cache_key == key, f"block {b}: a hit across namespaces"
-            assert (key, prefix) in self.model.written_prefixes, f"block {b}: a hit on K/V never written"
+            assert self.alloc.cached_entries()[b].cache_key == cache_key, f"block {b}: a hit across namespaces"
+            assert (cache_key, prefix) in self.model.written_prefixes, f"block {b}: a hit on K/V never written"
 
-    @precondition(lambda self: self.model.seqs)
-    @rule(data=st.data())
-    def prefix_reinsert(self, data):
-        """Registering a full block that already caches its prefix is a no-op, and so is a commit of
-        no more tokens than are committed."""
-        seq_id = data.draw(st.sampled_from(self.live))
-        seq, bs = self.cache.sequences[seq_id], self.geometry.block_size
+    @rule(seq=seqs, commit_less_by=st.integers(0, 8), depth=st.integers(0, 4))
+    def prefix_reinsert(self, seq, commit_less_by, depth):
+        """A commit of no more tokens than are committed (``commit_less_by`` fewer) is a no-op, and so is
+        registering again the full block at ``depth`` of the table when it caches its prefix."""
+        s, bs = self.cache.sequences[seq], self.geometry.block_size
         before = self.snapshot()
-        assert self.cache.mark_written(seq_id, data.draw(st.integers(0, seq.num_written))) == 0
+        assert self.cache.mark_written(seq, max(s.num_written - commit_less_by, 0)) == 0
         self.assert_unchanged(before, "a commit of tokens already committed")
-        full = seq.num_written // bs
-        if not full:
-            return
-        i = data.draw(st.integers(0, full - 1))
-        block = seq.block_table[i]
-        if block not in self.alloc.cached_entries():
-            return  # its prefix is cached by another block (an equal block registered first)
-        self.alloc.cache_full_block(block, seq.token_ids[i * bs:(i + 1) * bs], seq.block_table[i - 1] if i else None,
-                                    cache_key=seq.cache_key)
+        if depth >= s.num_written // bs or s.block_table[depth] not in self.alloc.cached_entries():
+            return  # no full block there, or its prefix is cached by another block (registered first)
+        self.alloc.cache_full_block(s.block_table[depth], s.token_ids[depth * bs:(depth + 1) * bs],
+                                    s.block_table[depth - 1] if depth else None, cache_key=s.cache_key)
         self.assert_unchanged(before, "re-registering a cached block")
 
-    @rule(data=st.data())
-    def bad_arguments(self, data):
+    @rule(kind=st.sampled_from(("unknown_seq", "negative_n", "bad_block", "unhashable_key")))
+    def bad_arguments(self, kind):
         """Bad arguments raise the documented type and change nothing."""
         before = self.snapshot()
-        kind = data.draw(st.sampled_from(("float_token", "unknown_seq", "negative_n", "bad_block", "commit_past_end",
-                                          "slots_past_end", "unhashable_key")))
-        live = self.live
-        if kind == "float_token" and live:
-            with pytest.raises(ArgumentTypeError):
-                self.cache.append(data.draw(st.sampled_from(live)), [1, 2.5])
-        elif kind == "unknown_seq":
+        if kind == "unknown_seq":
             with pytest.raises(UnknownBlockError):
                 self.cache.append(self.next_id + 1000, [1])
         elif kind == "negative_n":
@@ -361,26 +356,31 @@ class CacheMachine(RuleBasedStateMachine):
         elif kind == "bad_block":
             with pytest.raises(UnknownBlockError):
                 self.alloc.free(self.alloc.num_blocks)
-        elif kind == "commit_past_end" and live:
-            seq_id = data.draw(st.sampled_from(live))
-            with pytest.raises(ShapeError, match="num_tokens"):
-                self.cache.mark_written(seq_id, self.cache.seq_len(seq_id) + 1)
-            with pytest.raises(ShapeError, match="num_tokens"):
-                self.cache.mark_written(seq_id, -1)
-        elif kind == "slots_past_end" and live:
-            seq_id = data.draw(st.sampled_from(live))
-            with pytest.raises(ShapeError, match="end"):
-                self.cache.slot_mapping(seq_id, 0, self.cache.seq_len(seq_id) + 1)
-        elif kind == "unhashable_key":
+        else:
             with pytest.raises(ArgumentTypeError, match="cache_key"):
                 self.cache.add_sequence(self.next_id + 1000, [1, 2], cache_key=["not", "hashable"])
         self.assert_unchanged(before, f"a call with a bad argument ({kind})")
 
+    @rule(seq=seqs, kind=st.sampled_from(("float_token", "commit_past_end", "slots_past_end")))
+    def bad_sequence_arguments(self, seq, kind):
+        """Bad arguments about a live sequence raise the documented type and change nothing."""
+        before = self.snapshot()
+        if kind == "float_token":
+            with pytest.raises(ArgumentTypeError):
+                self.cache.append(seq, [1, 2.5])
+        elif kind == "commit_past_end":
+            with pytest.raises(ShapeError, match="num_tokens"):
+                self.cache.mark_written(seq, self.cache.seq_len(seq) + 1)
+            with pytest.raises(ShapeError, match="num_tokens"):
+                self.cache.mark_written(seq, -1)
+        else:
+            with pytest.raises(ShapeError, match="end"):
+                self.cache.slot_mapping(seq, 0, self.cache.seq_len(seq) + 1)
+        self.assert_unchanged(before, f"a call with a bad argument ({kind}) about sequence {seq}")
+
     # -- invariants --------------------------------------------------------------------------------
     @invariant()
     def the_model_holds(self):
-        if not hasattr(self, "model"):
-            return
         self.model.observe_evictions("after a step")
         self.model.check("after a step")
         assert self.alloc.num_free + self.alloc.num_used == self.alloc.num_blocks

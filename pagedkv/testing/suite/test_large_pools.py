@@ -19,7 +19,7 @@ from pagedkv.attention import reference_attention
 from pagedkv.backends import backend_name
 from pagedkv.config import dtype_from_name
 from pagedkv.testing.compare import assert_attention_close, bits, require
-from pagedkv.testing.space import capabilities_under_test
+from pagedkv.testing.space import as_declared_layout, capabilities_under_test
 
 pytestmark = pytest.mark.pagedkv
 
@@ -52,23 +52,28 @@ def _geometry(backend) -> tuple[dict | None, str]:
     return dict(num_blocks=nb, block_size=bs, head_dim=hd, num_kv_heads=kvh, group=group, dtype=dtype), ""
 
 
-def _pools(g: dict, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = (g["num_blocks"], g["block_size"], g["num_kv_heads"], g["head_dim"])
+def _pools(g: dict, device: str, layout: str = "NHD") -> tuple[torch.Tensor, torch.Tensor]:
+    """NaN pools, NHD-shaped, in the backend's memory order (head-major views for ``layout="HND"``)."""
+    nb, bs, kvh, hd = g["num_blocks"], g["block_size"], g["num_kv_heads"], g["head_dim"]
     dtype = dtype_from_name(g["dtype"])
-    return (torch.full(shape, float("nan"), dtype=dtype, device=device),
-            torch.full(shape, float("nan"), dtype=dtype, device=device))
+
+    def pool():
+        if layout == "HND":
+            return torch.full((nb, kvh, bs, hd), float("nan"), dtype=dtype, device=device).permute(0, 2, 1, 3)
+        return torch.full((nb, bs, kvh, hd), float("nan"), dtype=dtype, device=device)
+    return pool(), pool()
 
 
-def _rows(pool: torch.Tensor) -> torch.Tensor:
-    return pool.view(-1, pool.shape[2], pool.shape[3])
+def _row(pool: torch.Tensor, slot: int) -> torch.Tensor:
+    return pool[slot // pool.shape[1], slot % pool.shape[1]]
 
 
 def _finite_rows(pool: torch.Tensor) -> list[int]:
-    """Slots holding anything but the poison (counted in chunks: no copy of the pool)."""
-    rows, found = _rows(pool), []
-    for start in range(0, rows.shape[0], _CHUNK_ROWS):
-        chunk = rows[start:start + _CHUNK_ROWS]
-        found += (start + torch.nonzero(~torch.isnan(chunk).flatten(1).all(1)).flatten()).tolist()
+    """Slots holding anything but the poison (counted over chunks of blocks: no copy of the pool)."""
+    bs, step, found = pool.shape[1], max(1, _CHUNK_ROWS // pool.shape[1]), []
+    for first in range(0, pool.shape[0], step):
+        written = ~torch.isnan(pool[first:first + step]).flatten(2).all(-1)  # [blocks, block_size]
+        found += [(first + int(b)) * bs + int(o) for b, o in torch.nonzero(written).tolist()]
     return found
 
 
@@ -93,9 +98,9 @@ def _geometry_or_skip(pagedkv_run, backend, name: str) -> dict:
 def test_write_kv_is_exact_past_2_24_slots_at_a_declared_geometry(pagedkv_run, backend, device):
     """write_kv puts each token at its slot past 2**24 (2**24 + 1 is not a float32) and nowhere else."""
     name = "write_kv_is_exact_past_2_24_slots_at_a_declared_geometry"
-    write_kv = require(backend, "write_kv")
+    write_kv = require(as_declared_layout(backend), "write_kv")
     g = _geometry_or_skip(pagedkv_run, backend, name)
-    k_cache, v_cache = _pools(g, device)
+    k_cache, v_cache = _pools(g, device, capabilities_under_test(backend).layout)
     last = g["num_blocks"] * g["block_size"] - 1
     slots = [2**24 + 1, 2**24 + 3, last, last - g["block_size"] - 1]
     gen = torch.Generator().manual_seed(0)
@@ -106,7 +111,7 @@ def test_write_kv_is_exact_past_2_24_slots_at_a_declared_geometry(pagedkv_run, b
           torch.tensor(slots, dtype=torch.int64, device=device))
     for pool, rows, what in ((k_cache, key, "k_cache"), (v_cache, value, "v_cache")):
         written = _finite_rows(pool)
-        wrong = [s for s in slots if not torch.equal(bits(_rows(pool)[s].cpu()), bits(rows[slots.index(s)].cpu()))]
+        wrong = [s for i, s in enumerate(slots) if not torch.equal(bits(_row(pool, s).cpu()), bits(rows[i].cpu()))]
         stray = sorted(set(written) - set(slots))
         if wrong or stray:
             pagedkv_run.record(name, backend, "failed")
@@ -119,9 +124,9 @@ def test_write_kv_is_exact_past_2_24_slots_at_a_declared_geometry(pagedkv_run, b
 def test_paged_attention_reads_blocks_past_2_24_slots_at_a_declared_geometry(pagedkv_run, backend, device):
     """paged_attention over the last blocks of a pool past 2**24 slots equals the fp64 reference."""
     name = "paged_attention_reads_blocks_past_2_24_slots_at_a_declared_geometry"
-    attention = require(backend, "paged_attention")
+    attention = require(as_declared_layout(backend), "paged_attention")
     g = _geometry_or_skip(pagedkv_run, backend, name)
-    k_cache, v_cache = _pools(g, device)
+    k_cache, v_cache = _pools(g, device, capabilities_under_test(backend).layout)
     bs, nb = g["block_size"], g["num_blocks"]
     seq_lens, q_lens = [bs + 3, 2 * bs - 1], [1, 3]
     tables = [[nb - 1, nb - 3], [nb - 2, nb - 4]]

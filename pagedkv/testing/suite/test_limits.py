@@ -19,6 +19,7 @@ from pagedkv.testing import execute
 from pagedkv.testing.cases.invalid_call import FAULTS, InvalidCall, fault_sites
 from pagedkv.testing.registry import properties
 from pagedkv.testing.report import failure_text
+from pagedkv.testing.space import as_declared_layout
 
 pytestmark = pytest.mark.pagedkv
 
@@ -51,12 +52,12 @@ def test_c9_capacity_is_checked_before_any_write(backend, device):
     table = torch.tensor([2, 0, -1], dtype=torch.int32, device=device)
     before = cache.clone()
     with pytest.raises(ValueError, match=r"block_table has 2 entries.*seq_len 9"):
-        require(backend, "gather")(cache, table[:2], 9)
+        require(as_declared_layout(backend), "gather")(cache, table[:2], 9)
     with pytest.raises(IndexError, match=r"block_table has block id -1 at entry 2"):
-        require(backend, "gather")(cache, table, 9)
+        require(as_declared_layout(backend), "gather")(cache, table, 9)
     values = torch.ones((3, 1, 4), dtype=torch.float32, device=device)
     with pytest.raises(ValueError, match=r"start \+ n = 6 \+ 3 = 9"):
-        require(backend, "scatter")(cache, table[:2], values, 6)
+        require(as_declared_layout(backend), "scatter")(cache, table[:2], values, 6)
     assert torch.equal(bits(cache.cpu()), bits(before.cpu()))
 
 
@@ -97,7 +98,7 @@ HIGH_BLOCKS = (NUM_BLOCKS - 1, 2**22 + 7, 2**23 - 3 * BLOCK_SIZE, 2**22 + 2 * BL
 
 
 def test_gather_reads_the_right_block_past_2_31_slots(backend, device, pools):
-    gather = require(backend, "gather")
+    gather = require(as_declared_layout(backend), "gather")
     _skip_outside_declared_space(backend)
     pool, _ = _pool(pools, device)
     table = torch.tensor(HIGH_BLOCKS, dtype=torch.int32, device=device)
@@ -110,7 +111,7 @@ def test_gather_reads_the_right_block_past_2_31_slots(backend, device, pools):
 
 
 def test_write_kv_hits_slots_past_2_31_exactly(backend, device, pools):
-    write_kv = require(backend, "write_kv")
+    write_kv = require(as_declared_layout(backend), "write_kv")
     _skip_outside_declared_space(backend)
     k_pool, k_buffer = _pool(pools, device, "k")
     v_pool, v_buffer = _pool(pools, device, "v")
@@ -128,7 +129,7 @@ def test_write_kv_hits_slots_past_2_31_exactly(backend, device, pools):
 
 
 def test_scatter_writes_the_right_blocks_past_2_31_slots(backend, device, pools):
-    scatter = require(backend, "scatter")
+    scatter = require(as_declared_layout(backend), "scatter")
     _skip_outside_declared_space(backend)
     pool, buffer = _pool(pools, device)
     table = torch.tensor(HIGH_BLOCKS, dtype=torch.int64, device=device)
@@ -144,7 +145,7 @@ def test_scatter_writes_the_right_blocks_past_2_31_slots(backend, device, pools)
 
 def test_validation_bounds_are_exact_past_2_31_slots(backend, device, pools):
     """The last slot and block are accepted; one past them is an IndexError naming the bound."""
-    gather, write_kv = require(backend, "gather"), require(backend, "write_kv")
+    gather, write_kv = require(as_declared_layout(backend), "gather"), require(as_declared_layout(backend), "write_kv")
     _skip_outside_declared_space(backend)
     k_pool, k_buffer = _pool(pools, device, "k")
     v_pool, _ = _pool(pools, device, "v")
