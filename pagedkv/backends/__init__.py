@@ -37,7 +37,7 @@ def get_backend(name: str) -> Any:
         raise BackendError(f"unknown backend {name!r}; built-in backends are {list(BUILTIN)}")
     if name == "triton":
         try:
-            return importlib.import_module(".triton", __name__)
+            return importlib.import_module(".triton.backend", __name__)
         except ImportError as exc:
             raise BackendUnavailableError(f"backend 'triton' needs the triton package: {exc}") from exc
     return importlib.import_module(f".{name}", __name__)

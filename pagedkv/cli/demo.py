@@ -308,7 +308,7 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
 
 def _interpreted(backend: Any, device: str) -> bool:
     """True for pagedkv's Triton backend running in Triton's CPU interpreter."""
-    return not str(device).startswith("cuda") and getattr(backend, "__name__", "") == "pagedkv.backends.triton"
+    return not str(device).startswith("cuda") and getattr(backend, "__name__", "") == "pagedkv.backends.triton.backend"
 
 
 def report_lines(r: DemoReport) -> list[str]:

@@ -153,7 +153,7 @@ def summary_lines(stats: dict, backends: list, spec: str | None) -> list[str]:
         judged = t["judged"] + t["failed"]
         applicable = judged + sum(t["skipped"].values()) - t["missing_ops"]
         skipped = ", ".join(f"{n} {reason}" for reason, n in t["skipped"].most_common()) or "none"
-        lines.append(f"pagedkv {name}: {judged} properties judged ({t['failed']} failed) of {applicable} its ops allow"
+        lines.append(f"pagedkv {name}: {judged} properties judged ({t['failed']} failing) of {applicable} its ops allow"
                      f"{f' ({judged / applicable:.0%})' if applicable else ''}; {t['finding']} findings; "
                      f"skipped: {skipped}")
         if t["regressions"] or t["regressions_skipped"]:

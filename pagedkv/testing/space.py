@@ -27,7 +27,7 @@ from typing import Any
 #: Examples a property draws for a backend whose kernels Triton interprets on the CPU (100-1000x slower
 #: than the other backends): enough to reach the edges of the small geometries, not the profile's count.
 INTERPRETED_MAX_EXAMPLES = 25
-_OWN_TRITON = "pagedkv.backends.triton"
+_OWN_TRITON = "pagedkv.backends.triton.backend"
 
 
 def load_candidates(spec: str | None) -> list:

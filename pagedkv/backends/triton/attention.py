@@ -20,7 +20,7 @@ sum ``l`` and accumulator (a part with no visible key stores ``m = -inf, l = 0``
 sum 2**(m_s - M) l_s``. The sink, when there is one, starts the first part only. Grids and the split
 count: :mod:`pagedkv.backends.triton.launch_grid`.
 
-The launcher does no argument checking (``pagedkv.backends.triton`` validates first), reads nothing
+The launcher does no argument checking (``pagedkv.backends.triton.backend`` validates first), reads nothing
 from the device and launches nothing for empty work. Every tensor is addressed through explicit
 strides and every element offset is formed in 64 bits.
 """

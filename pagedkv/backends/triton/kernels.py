@@ -10,7 +10,7 @@
 - :mod:`pagedkv.cli.bench.compile_report`: every kernel compiled ahead of time for sm_80 / sm_90 with
   registers, spills, shared memory and occupancy (``python -m pagedkv bench --compile-report``).
 
-The launchers do no argument checking (``pagedkv.backends.triton`` validates first) and launch
+The launchers do no argument checking (``pagedkv.backends.triton.backend`` validates first) and launch
 nothing for empty work. Without a CUDA device the kernels run on the CPU in Triton's interpreter
 (``TRITON_INTERPRET=1``, chosen in :mod:`pagedkv.backends.interpreter` before Triton is imported).
 """

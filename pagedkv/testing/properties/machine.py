@@ -1,12 +1,17 @@
 """The allocator and the cache as a Hypothesis state machine, driven like a scheduler drives them and
 checked against a shadow model (:class:`pagedkv.testing.properties.cache_model.CacheModel`).
-shadow model (:class:`pagedkv.testing.properties.cache_model.CacheModel`).
+
+Written in Hypothesis' stateful idiom: live sequence ids, freed ids and system prompts flow between
+rules through bundles (a rule that ends a sequence consumes it), and every choice is a rule argument,
+so a shrunk failure prints as a program of calls (``seqs_0 = state.add(cache_key=None, suffix=[1],
+system=systems_0, write=False)``, ``seqs_1 = state.fork(diverge=None, parent=seqs_0)``, ...). The
+messages name sequences by the cache's ids, which count every ``add_sequence`` (dropped requests too).
 
 Histories: adds under cache namespaces (with prefix lookup), reservations (``append``) written and
 committed at once, later, in part (a partial write of a chunk) or never (the write raised; the
 request aborted or preempted between reserve and write), forks before or after the parent's write,
-copy-on-write, finishes, preemptions with recompute, refused allocations and their retries, double
-frees and bad arguments, over 1-3 layers.
+copy-on-write, finishes and preemptions (a freed sequence's shared blocks stay allocated), preemptions
+with recompute, refused allocations and their retries, double frees and bad arguments, over 1-3 layers.
 
 After every step (the model's checks):
 
@@ -135,9 +140,6 @@ class CacheMachine(RuleBasedStateMachine):
             return None
         return seq_id
 
-    def prompt(self, system, suffix):
-        return list(system) + list(suffix or ([] if system else [0]))
-
     live = property(lambda self: sorted(self.model.seqs))
     pending = property(lambda self: sorted(s for s, m in self.model.seqs.items() if m.written < len(m.tokens)))
 
@@ -145,10 +147,10 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(target=seqs, system=systems, suffix=SUFFIX, cache_key=st.sampled_from(KEYS),
           write=st.sampled_from((True, True, False)))
     def add(self, system, suffix, cache_key, write):
-        """A request (``system + suffix``; ``[0]`` for an empty one) arrives under a namespace: prefix lookup,
+        """A request (``system + suffix``, possibly empty) arrives under a namespace: prefix lookup,
         then its prefill is reserved and written and committed at once, or left pending for later rules.
         A refused prefill adds no sequence."""
-        seq_id = self.admit(self.prompt(system, suffix), cache_key)
+        seq_id = self.admit(system + suffix, cache_key)
         if seq_id is None:
             return multiple()
         if write:
@@ -318,7 +320,7 @@ class CacheMachine(RuleBasedStateMachine):
     def prefix_lookup(self, system, suffix, cache_key):
         """A lookup takes no reference; each block it finds caches exactly that token prefix, under
         that namespace, and was written."""
-        prompt = self.prompt(system, suffix)
+        prompt = system + suffix
         before = self.snapshot()
         found = self.alloc.find_cached_prefix(prompt, cache_key)
         self.assert_unchanged(before, "a prefix lookup (which takes no reference)")
