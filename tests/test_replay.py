@@ -46,14 +46,14 @@ def _run(path, *args):
 def test_a_passing_case_exits_0_and_says_so():
     path = writing.save_failure("scatter_round_trip", "indexed", CASE)
     code, out = _run(path)
-    assert code == 0 and "PASSES: scatter_round_trip on indexed (cpu)" in out
+    assert code == 0 and "PASSES: scatter_then_gather_round_trips_and_touches_no_other_slot on indexed (cpu)" in out
 
 
 def test_a_planted_fault_exits_1_with_the_slot_and_a_marked_map():
     path = writing.save_failure("scatter_round_trip", "pagedkv.testing.mutants:scatter_drops_start_offset",
                                CASE.replace(poison="nan", layout="contiguous"))
     code, out = _run(path)
-    assert code == 1 and "FAILS: scatter_round_trip" in out
+    assert code == 1 and "FAILS: scatter_then_gather_round_trips_and_touches_no_other_slot" in out
     assert "sequence:         0" in out and "logical position: 4" in out
     assert "physical block:   3" in out and "slot:             12   (= 3 * 4 + 0)" in out
     assert "expected:         [5, 5, ...]" in out and "actual:" in out

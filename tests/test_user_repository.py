@@ -45,7 +45,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-SUMMARY = re.compile(r"pagedkv (?P<name>\S+): (?P<judged>\d+) properties judged \((?P<failed>\d+) failed\) "
+SUMMARY = re.compile(r"pagedkv (?P<name>\S+): (?P<judged>\d+) properties judged \((?P<failed>\d+) failing\) "
                      r"of (?P<applicable>\d+) its ops allow(?: \((?P<pct>\d+)%\))?[^\n]*")
 #: The issue's target: of the properties a kernel's ops allow, the share the gate judges.
 TARGET_FRACTION = 0.9
