@@ -63,3 +63,23 @@ def test_a_named_candidate_with_no_property_judged_is_a_usage_error(tmp_path, ho
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert "1 passed" in proc.stdout
     assert "pytest --pyargs pagedkv.testing.suite --pagedkv-impl indexed" in proc.stdout, proc.stdout
+
+
+def test_the_console_script_names_itself_and_finds_candidates_in_the_working_directory(tmp_path):
+    import shutil
+
+    script = shutil.which("pagedkv")
+    if script is None:
+        pytest.skip("the pagedkv console script is not installed here")
+    assert subprocess.run([script, "--help"], capture_output=True, text=True).stdout.startswith("usage: pagedkv ")
+    (tmp_path / "local_kv.py").write_text("from pagedkv.backends.indexed import *  # noqa: F403\n"
+                                          "from pagedkv.backends.indexed import name  # noqa: F401\n")
+    from pagedkv.testing.cases import Case, Geometry, SeqSpec
+    from pagedkv.testing.casefiles.writing import save_failure
+
+    path = save_failure("gather_returns_exactly_what_each_slot_holds", "local_kv",
+                        Case(Geometry(4, 2), (SeqSpec((1, 3), 3),)), path=tmp_path / "case.json")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([script, "replay", str(path), "--impl", "local_kv"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "PASSES" in proc.stdout, proc.stdout + proc.stderr

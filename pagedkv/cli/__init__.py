@@ -27,7 +27,7 @@ SUBCOMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per subcommand."""
     parser = argparse.ArgumentParser(
-        prog="python -m pagedkv",
+        prog=_prog(),
         description="pagedkv: a paged KV cache whose loop, indexed and fused read paths are proved equal.")
     from pagedkv import __version__
 
@@ -44,8 +44,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _prog() -> str:
+    """``pagedkv`` when run as the console script, ``python -m pagedkv`` otherwise."""
+    import os
+
+    return "pagedkv" if os.path.basename(sys.argv[0] or "") == "pagedkv" else "python -m pagedkv"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` and run the chosen subcommand; returns its exit status."""
+    """Parse ``argv`` and run the chosen subcommand; returns its exit status.
+
+    The working directory goes first on ``sys.path``, as ``python -m`` puts it: the console script
+    then finds the same candidates (``--impl my_engine.kv:backend`` from the repository's root).
+    """
+    import os
+
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
