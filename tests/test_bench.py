@@ -132,3 +132,21 @@ def test_check_exits_1_when_a_limit_fails(tmp_path, monkeypatch, capsys):
     assert cli.main(args) == 0  # without --check the verdict is only printed
     assert cli.main(args + ["--check"]) == 1
     assert "check: 1 limit(s) failed: gather (indexed) / copy bound" in capsys.readouterr().out
+
+
+def test_a_candidate_is_timed_only_inside_its_declared_space_and_results_stay_out_of_a_users_files(tmp_path,
+                                                                                                monkeypatch):
+    from pagedkv.backends.capabilities import Capabilities, Sizes
+    from pagedkv.cli.bench import _default_out_dir
+    from pagedkv.cli.bench.sweep import _outside_declared
+
+    class Kernel:
+        capabilities = Capabilities(block_sizes=Sizes(values={16, 32}), head_dims=Sizes(values={64, 128}),
+                                    dtypes={"float16"})
+
+    assert "block_size 1" in _outside_declared(Kernel(), 1, 8, 128, "float16")
+    assert "dtype float32" in _outside_declared(Kernel(), 16, 8, 128, "float32")
+    assert _outside_declared(Kernel(), 16, 8, 128, "float16") is None
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "tinyserve"\n')
+    assert _default_out_dir() == ".pagedkv-bench"

@@ -33,6 +33,7 @@ and into the JSON.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import sys
@@ -96,7 +97,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "default 1.5)")
     p.add_argument("--triton-on-cpu", action="store_true",
                    help="time the triton backend on CPU too (interpreter; only at the smallest sequence length)")
-    p.add_argument("--out-dir", default="bench/results", help="where <name>.json/.csv/.png go (default bench/results)")
+    p.add_argument("--out-dir", default=None,
+                   help="where <name>.json/.csv/.png go (default: bench/results in pagedkv's own checkout, "
+                        "else .pagedkv-bench in the working directory, never your repository's own files)")
     p.add_argument("--name", default=None, help="file stem; default '<device>-quick' or '<device>-full'")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-progress", action="store_true",
@@ -182,6 +185,9 @@ def run(args: argparse.Namespace) -> int:
     impls, specs, error = _check_args(args)
     if error:
         return _usage_error(args, error)
+    if not args.no_plot and importlib.util.find_spec("matplotlib") is None:  # checked before any timing
+        print("note: matplotlib is not installed (pip install \"pagedkv[bench]\"): no plot is drawn")
+        args.no_plot = True
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     malloc = "cuda caching allocator"
@@ -218,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print("limits")
     print(format_limits(verdicts))
-    out_dir = Path(args.out_dir)
+    out_dir = Path(args.out_dir or _default_out_dir())
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.name or f"{device.type}-{'quick' if quick else 'full'}"
     doc = {"environment": env, "plan": {k: (str(v) if k == "device" else v) for k, v in asdict(plan).items()},
@@ -240,6 +246,13 @@ def run(args: argparse.Namespace) -> int:
               "check: every limit passes")
         return 1 if bad else 0
     return 0
+
+
+def _default_out_dir() -> str:
+    """``bench/results`` in pagedkv's own checkout (its committed results), else ``.pagedkv-bench``."""
+    pyproject = Path("pyproject.toml")
+    own = pyproject.is_file() and 'name = "pagedkv"' in pyproject.read_text(errors="replace")
+    return "bench/results" if own else ".pagedkv-bench"
 
 
 def _validation_cost(plan: Plan) -> list[dict]:

@@ -314,6 +314,10 @@ def sweep(plan: Plan, progress: bool = True) -> tuple[list[Row], str]:
                 continue
             if impl in plan.candidates and not callable(getattr(backends[impl], CONTRACT_OP[op], None)):
                 continue
+            if impl in plan.candidates and _outside_declared(backends[impl], bs, heads, dim, dtype_name):
+                plan.skipped[f"{impl} at {dtype_name} {preset} bs={bs}"] = _outside_declared(
+                    backends[impl], bs, heads, dim, dtype_name)  # timed only inside its declared space
+                continue
             if impl == "triton-nosplit" and plan.device.type == "cpu":
                 continue
             if impl == "triton" and plan.device.type == "cpu" and seq_len != min(plan.seq_lens):
@@ -364,3 +368,15 @@ def sweep(plan: Plan, progress: bool = True) -> tuple[list[Row], str]:
     if bar is not None:
         bar.close()
     return rows, mem_method
+
+
+def _outside_declared(backend, block_size: int, heads: int, dim: int, dtype: str) -> str | None:
+    """Why a candidate's declared space (its ``capabilities``) excludes this sweep point, or ``None``."""
+    from pagedkv.backends.capabilities import capabilities_of
+
+    caps = capabilities_of(backend)
+    for what, sizes, n in (("block_size", caps.block_sizes, block_size), ("head_dim", caps.head_dims, dim),
+                           ("num_kv_heads", caps.num_kv_heads, heads)):
+        if not sizes.allows(n):
+            return f"{what} {n} is outside its declared {sizes.describe()}: not timed"
+    return None if dtype in caps.dtypes else f"dtype {dtype} is not declared: not timed"
