@@ -332,3 +332,53 @@ class WindowMachine(RuleBasedStateMachine):
 
 WindowMachine.TestCase.settings = settings(settings(), stateful_step_count=40)
 TestWindowMachine = WindowMachine.TestCase
+
+
+# -- the shadow model's window checks (the cache state machine draws window_left) ------------------------
+class _WindowCountsReservedTokens(PagedKVCache):
+    """Moves the window with the tokens reserved, not those committed: it releases blocks the queries
+    of the tokens still to be written read."""
+
+    def _releasable(self, seq):
+        return seq.block_table[seq.num_released:releasable_blocks(seq.num_tokens, self.window_left, self.block_size)]
+
+
+def _model(cache_class, window_left, num_blocks=12, block_size=2):
+    from pagedkv.testing.properties.cache_model import CacheModel
+
+    geometry = Geometry(num_blocks, block_size, num_kv_heads=1, head_dim=2, dtype="float32")
+    config = dataclasses.replace(geometry.cache_config("cpu", 2), window_left=window_left, debug_poison="nan")
+    cache = cache_class(config)
+    return CacheModel(cache, geometry, 3, 2, INDEXED.write_kv, INDEXED.gather)
+
+
+def test_the_model_follows_releases_under_sharing_and_prefix_hits():
+    model = _model(PagedKVCache, window_left=1)
+    model.add(0, list(range(7)))
+    model.reserve(0, list(range(7)))
+    model.write(0)
+    model.fork(0, 1)
+    for t in range(4):  # the parent's window moves on: it releases blocks its child still holds
+        model.reserve(0, [t])
+        model.write(0)
+    assert model.cache.first_held_position(0) > 0 and model.cache.first_held_position(1) == 0
+    model.free(0)
+    model.observe_evictions("after the parent finished")
+    assert model.add(2, list(range(7)) + [0]) == 6  # a hit on the child's blocks and the released ones
+    model.reserve(2, [0])
+    model.check("after a hit under a window")
+    model.free(1)
+    model.free(2)
+    model.observe_evictions("after every sequence finished")
+    model.check("at the end")
+    assert model.alloc.num_used == 0
+
+
+def test_the_model_catches_a_release_of_a_block_the_next_query_reads():
+    from pagedkv.testing.properties.cache_model import ModelMismatch
+
+    model = _model(_WindowCountsReservedTokens, window_left=2)
+    model.add(0, [])
+    model.reserve(0, list(range(8)))  # a chunk reserved, not yet written
+    with pytest.raises(ModelMismatch, match="released its first 3 blocks"):
+        model.reserve(0, [8])

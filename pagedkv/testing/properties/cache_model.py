@@ -16,7 +16,12 @@ failed write, fork, free) while keeping its own account of what must be true:
   full last block, copies a partial last block only when it is shared (and then exactly once), and
   hands out slots only in blocks no other live sequence holds;
 - eviction order: released cached blocks queue least recently released first and, among blocks
-  released together, deepest first; allocation evicts from the head of that queue only.
+  released together, deepest first; allocation evicts from the head of that queue only;
+- with a sliding window (``config.window_left``): an append releases only leading entries no later
+  query reads (``-1`` in the table, no more than :func:`pagedkv.window.releasable_blocks` of the
+  committed count), changes no other entry, and queues the released blocks it held alone that cache
+  a prefix (last first, as a ``free`` does); a prefix hit takes no reference on the blocks before its
+  window (they keep their place in the queue); reads start at the first held position.
 
 The kit's scenario runner (:func:`pagedkv.testing.properties.definitions.run_scenario`), the state machine and the
 cache-mutant tests all use it. Every failed check raises :class:`ModelMismatch` (an ``AssertionError``).
@@ -33,6 +38,7 @@ import torch
 
 from pagedkv.testing.cases.case import Geometry, token_kv
 from pagedkv.testing.compare import bits
+from pagedkv.window import NULL_BLOCK, releasable_blocks
 
 
 class ModelMismatch(AssertionError):
@@ -90,11 +96,20 @@ class CacheModel:
         self.written_prefixes: set[tuple[Hashable, tuple[int, ...]]] = set()
         self.lru: list[int] = []  # released cached blocks, next evicted first
         self.device = cache.config.device
+        self.window = getattr(cache, "window_left", None)  # None: nothing is released early
 
     # -- values --------------------------------------------------------------------------------
     def kv(self, seq: SeqModel | tuple, start: int, end: int, layer: int):
         tokens, key = (seq.tokens, seq.cache_key) if isinstance(seq, SeqModel) else seq
         return expected_kv(self.geometry, list(tokens)[:end], start, self.seed, layer=layer, cache_key=key)
+
+    def first_held(self, seq_id: int) -> int:
+        """The first position whose block ``seq_id`` still holds (``0`` without a window)."""
+        return self.cache.first_held_position(seq_id) if self.window is not None else 0
+
+    def held(self, seq_id: int) -> list[int]:
+        """The blocks ``seq_id``'s table holds (its entries that the window did not release)."""
+        return [b for b in self.cache.block_table(seq_id).tolist() if b != NULL_BLOCK]
 
     # -- operations -----------------------------------------------------------------------------
     def add(self, seq_id: int, tokens, cache_key: Hashable = None) -> int:
@@ -105,7 +120,12 @@ class CacheModel:
         if cached % self.bs or len(hit) * self.bs != cached or cached > max(len(tokens) - 1, 0):
             raise ModelMismatch(f"add of sequence {seq_id}: {cached} cached tokens over {len(hit)} blocks "
                                 f"(block_size {self.bs}, prompt of {len(tokens)})")
-        self.lru = [b for b in self.lru if b not in hit]  # revived
+        skip = self.first_held(seq_id) // self.bs
+        if skip > releasable_blocks(cached, self.window, self.bs, keep_last_full=True) or \
+                any(b != NULL_BLOCK for b in hit[:skip]) or any(b < 0 for b in hit[skip:]):
+            raise ModelMismatch(f"add of sequence {seq_id}: table {hit} after a hit of {cached} tokens (window_left "
+                                f"{self.window}): -1 must stand exactly before the first query's window")
+        self.lru = [b for b in self.lru if b not in hit]  # revived (blocks before the window stay queued)
         seq = SeqModel(tokens[:cached], cached, cache_key)
         for i in range(len(hit)):
             prefix = tuple(tokens[:(i + 1) * self.bs])
@@ -121,11 +141,19 @@ class CacheModel:
         tokens = list(tokens)
         seq, bs = self.seqs[seq_id], self.bs
         before = self.cache.block_table(seq_id).tolist()
-        n0 = len(seq.tokens)
-        last_shared = bool(before) and self.alloc.ref_count(before[-1]) > 1
+        n0, r0 = len(seq.tokens), self.first_held(seq_id) // bs
+        last_shared = bool(before) and before[-1] != NULL_BLOCK and self.alloc.ref_count(before[-1]) > 1
+        alone = {b for b in before if b != NULL_BLOCK and self.alloc.ref_count(b) == 1}
+        entries = set(self.alloc.cached_entries())
         copies = self.cache.num_cow_copies
         slots = self.cache.append(seq_id, tokens)  # OutOfBlocksError: the caller checks nothing changed
-        others = {b: s for s in self.seqs if s != seq_id for b in self.cache.block_table(s).tolist()}
+        r1 = self.first_held(seq_id) // bs
+        if r1 > releasable_blocks(seq.written, self.window, bs):
+            raise ModelMismatch(f"an append to sequence {seq_id} released its first {r1} blocks; with {seq.written} "
+                                f"tokens committed and window_left {self.window} a later query may read block "
+                                f"{releasable_blocks(seq.written, self.window, bs)}", {"seq": seq_id})
+        self.lru += [b for b in reversed(before[r0:r1]) if b in alone and b in entries]  # a release queues them
+        others = {b: s for s in self.seqs if s != seq_id for b in self.held(s)}
         for j, slot in enumerate(slots.tolist()):
             if slot // bs in others:
                 raise ModelMismatch(f"append to sequence {seq_id} hands out slot {slot} (position {n0 + j}) in block "
@@ -136,7 +164,7 @@ class CacheModel:
         partial = n0 % bs != 0
         cow = bool(tokens) and partial and last_shared
         keep = len(before) - 1 if cow else len(before)
-        if after[:keep] != before[:keep]:
+        if after[:keep] != [NULL_BLOCK if r0 <= i < r1 else b for i, b in enumerate(before[:keep])]:
             raise ModelMismatch(f"an append of {len(tokens)} tokens to sequence {seq_id} changed table entries it "
                                 f"did not need to: {before} -> {after}")
         if cow and after[keep] == before[keep]:
@@ -187,7 +215,7 @@ class CacheModel:
 
     def free(self, seq_id: int) -> None:
         """Release (finish, preempt, abort): cached blocks whose last reference goes queue deepest first."""
-        table = self.cache.block_table(seq_id).tolist()
+        table = self.held(seq_id)
         entries = self.alloc.cached_entries()
         released = [b for b in reversed(table) if self.alloc.ref_count(b) == 1 and b in entries]
         self.cache.free(seq_id)
@@ -213,18 +241,21 @@ class CacheModel:
             raise ModelMismatch(f"{what}: evictable blocks {sorted(evictable)}, the model expects {sorted(self.lru)}")
 
     def _check_reads(self, seq_id: int, start: int, end: int, what: str) -> None:
+        """Positions ``start .. end - 1`` (from the first held one) read the K/V written for them."""
+        first = self.first_held(seq_id)
+        start = max(start, first)
         if end <= start:
             return
         seq = self.seqs[seq_id]
-        table = self.cache.block_table(seq_id)
+        table = self.cache.block_table(seq_id)[first // self.bs:]
         for layer in range(self.num_layers):
-            k_exp, v_exp = self.kv(seq, 0, end, layer)
+            k_exp, v_exp = self.kv(seq, first, end, layer)
             for pool, exp, name in ((self.cache.k_cache(layer), k_exp, "K"), (self.cache.v_cache(layer), v_exp, "V")):
-                got = self.gather(pool, table, end).cpu()
-                a, e = bits(got[start:]), bits(exp[start:])
+                got = self.gather(pool, table, end - first).cpu()
+                a, e = bits(got[start - first:]), bits(exp[start - first:])
                 if got.shape != exp.shape or not torch.equal(a, e):
                     p = start + int((a != e).flatten(1).any(1).nonzero()[0]) if got.shape == exp.shape else -1
-                    block = int(table[p // self.bs]) if p >= 0 else -1
+                    block = int(table[(p - first) // self.bs]) if p >= 0 else -1
                     raise ModelMismatch(f"{what}: sequence {seq_id} reads a wrong {name} in layer {layer} at position "
                                         f"{p} (block {block}) of {end} written tokens",
                                         {"seq": seq_id, "position": p, "block": block} if p >= 0 else {"seq": seq_id})

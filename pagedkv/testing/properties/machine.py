@@ -11,7 +11,9 @@ Histories: adds under cache namespaces (with prefix lookup), reservations (``app
 committed at once, later, in part (a partial write of a chunk) or never (the write raised; the
 request aborted or preempted between reserve and write), forks before or after the parent's write,
 copy-on-write, finishes and preemptions (a freed sequence's shared blocks stay allocated), preemptions
-with recompute, refused allocations and their retries, double frees and bad arguments, over 1-3 layers.
+with recompute, refused allocations and their retries, double frees and bad arguments, over 1-3 layers,
+with or without a sliding window (``window_left``: appends and prefix hits release the leading blocks
+no later query reads, under sharing and namespaces; :mod:`.window_rules`).
 
 After every step (the model's checks):
 
@@ -27,6 +29,9 @@ After every step (the model's checks):
 - sharing is kept (an append changes no entry before its last, never copies a full last block, copies
   a shared partial one exactly once) and eviction follows the model's queue (least recently released
   first, deepest first among blocks released together);
+- with a window: only blocks no later query reads are released (``-1`` exactly there), a sequence still
+  reads its own K/V from its first held block, a gather over a released entry is refused, released
+  blocks that cache a prefix queue for eviction and keep their K/V;
 - a call that raised changed nothing: the allocator's lists (in order), reference counts, prefix-cache
   entries, every table, every committed count and the pools are as before.
 
@@ -37,6 +42,8 @@ is the cache under test (the cache mutants' test drives faulty ones through the 
 from __future__ import annotations
 
 from typing import Any
+
+import dataclasses
 
 import pytest
 import torch
@@ -51,6 +58,8 @@ from pagedkv.errors import ArgumentTypeError, DoubleFreeError, OutOfBlocksError,
 from pagedkv.testing.properties.cache_model import CacheModel
 from pagedkv.testing.cases.case import Geometry
 from pagedkv.testing.compare import bits
+from pagedkv.testing.properties.window_rules import check_windowed_sequence
+from pagedkv.window import NULL_BLOCK, releasable_blocks
 
 #: Rules per run of the machine.
 STEPS = 50  # under the ci profile 40 steps let cow_first_layer_only live; 50 kill all nine cache mutants
@@ -58,6 +67,8 @@ STEPS = 50  # under the ci profile 40 steps let cow_first_layer_only live; 50 ki
 VOCAB = st.integers(0, 5)  # a small vocabulary: equal blocks, hash hits and near-misses are common
 KEYS = (None, "tenant-a", ("lora", 7))
 SUFFIX = st.lists(VOCAB, max_size=8)  # a request's own tokens after its system prompt
+POOL = dict(num_blocks=st.integers(3, 10), block_size=st.integers(0, 3), num_layers=st.integers(1, 3),
+            constant_hash=st.booleans(), seed=st.integers(0, 100))
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -78,15 +89,16 @@ class CacheMachine(RuleBasedStateMachine):
     freed = Bundle("freed")
     systems = Bundle("systems")
 
-    @initialize(num_blocks=st.integers(3, 10), block_size=st.integers(0, 3), num_layers=st.integers(1, 3),
-                constant_hash=st.booleans(), seed=st.integers(0, 100))
-    def start(self, num_blocks, block_size, num_layers, constant_hash, seed):
+    @initialize(**POOL, window_left=st.none() | st.integers(0, 9))
+    def start(self, num_blocks, block_size, num_layers, constant_hash, seed, window_left):
         """The pool: ``block_size`` indexes the declared block sizes; ``constant_hash``: every block hashes
-        to 0 (each hit must then compare tokens and namespace)."""
+        to 0 (each hit must then compare tokens and namespace); ``window_left``: every layer attends
+        through that window, so appends and prefix hits release the blocks no later query reads."""
         bs = self.block_sizes[block_size % len(self.block_sizes)]  # an index: the sizes come from the declared space
         self.geometry = Geometry(num_blocks, bs, self.num_kv_heads, self.head_dim, self.group, self.dtype)
-        self.cache = self.cache_class(self.geometry.cache_config(self.device, num_layers),
-                                      **({"hash_fn": lambda parent, tokens: 0} if constant_hash else {}))
+        config = dataclasses.replace(self.geometry.cache_config(self.device, num_layers), window_left=window_left,
+                                     debug_poison="nan")  # a freed or released block shows no old K/V
+        self.cache = self.cache_class(config, **({"hash_fn": lambda parent, tokens: 0} if constant_hash else {}))
         self.alloc = self.cache.allocator
         backend = self.backend or get_backend("indexed")
         gather = getattr(backend, "gather", None)
@@ -121,7 +133,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def release(self, seq_id):
         """Free ``seq_id`` (finish, abort, preempt): the blocks other live tables still hold stay allocated."""
-        shared = [b for b in self.cache.sequences[seq_id].block_table if self.alloc.ref_count(b) > 1]
+        shared = [b for b in self.model.held(seq_id) if self.alloc.ref_count(b) > 1]
         self.model.free(seq_id)
         assert all(not self.alloc.is_free(b) for b in shared), \
             f"freeing sequence {seq_id} freed blocks {shared} that other sequences still hold"
@@ -194,7 +206,8 @@ class CacheMachine(RuleBasedStateMachine):
         it committed, go back free and cache nothing."""
         table = self.cache.block_table(seq).tolist()
         bs, m = self.geometry.block_size, self.model.seqs[seq]
-        own_unwritten = [b for i, b in enumerate(table) if (i + 1) * bs > m.written and self.alloc.ref_count(b) == 1]
+        own_unwritten = [b for i, b in enumerate(table)
+                         if (i + 1) * bs > m.written and b != NULL_BLOCK and self.alloc.ref_count(b) == 1]
         self.release(seq)
         for b in own_unwritten:
             assert self.alloc.is_free(b) and b not in self.alloc.cached_entries(), \
@@ -241,14 +254,17 @@ class CacheMachine(RuleBasedStateMachine):
     def refuse_oversized(self, seq, tokens):
         """An append larger than the free pool (``tokens`` repeated) is refused and changes nothing;
         returns the retry (its first block's worth)."""
-        too_many = (self.alloc.num_free + 1) * self.geometry.block_size + 1
+        bs, m = self.geometry.block_size, self.model.seqs[seq]
+        releasable = self.cache.block_table(seq).tolist()[:releasable_blocks(m.written, self.cache.window_left, bs)]
+        freeable = self.alloc.num_free + sum(b != NULL_BLOCK and self.alloc.ref_count(b) == 1 for b in releasable)
+        too_many = (freeable + 1) * bs + 1  # the free pool and what the window may release first
         oversized = (tokens * too_many)[:too_many]
         assert not self.cache.can_append(seq, too_many)
         before = self.snapshot()
         with pytest.raises(OutOfBlocksError):
             self.model.reserve(seq, oversized)
         self.assert_unchanged(before, f"a refused oversized append to sequence {seq}")
-        return oversized[:self.geometry.block_size]
+        return oversized[:bs]
 
     def retry(self, seq, tokens):
         if self.cache.can_append(seq, len(tokens)):
@@ -281,13 +297,14 @@ class CacheMachine(RuleBasedStateMachine):
         if other_key != m.cache_key:
             other = self.new_id()
             self.model.add(other, prompt, other_key)
-            shared = set(self.cache.block_table(other).tolist()) & set(own)
+            shared = set(self.model.held(other)) & set(self.model.held(seq))
             assert not shared, \
                 f"the same tokens under cache_key {other_key!r} share blocks {shared} of {m.cache_key!r}"
             self.release(other)
         again = self.new_id()
         cached = self.model.add(again, prompt, m.cache_key)
-        committed_blocks = [b for b in own[:m.written // bs] if b in self.alloc.cached_entries()]
+        committed = own[:m.written // bs] if NULL_BLOCK not in own else []  # a released block may be evicted
+        committed_blocks = [b for b in committed if b in self.alloc.cached_entries()]
         assert cached >= len(committed_blocks) * bs, \
             f"sequence {seq}'s {len(committed_blocks)} committed blocks are cached, a re-add hits {cached} tokens"
         self.release(again)
@@ -339,8 +356,11 @@ class CacheMachine(RuleBasedStateMachine):
         before = self.snapshot()
         assert self.cache.mark_written(seq, max(s.num_written - commit_less_by, 0)) == 0
         self.assert_unchanged(before, "a commit of tokens already committed")
-        if depth >= s.num_written // bs or s.block_table[depth] not in self.alloc.cached_entries():
-            return  # no full block there, or its prefix is cached by another block (registered first)
+        table = s.block_table
+        if depth >= s.num_written // bs or table[depth] not in self.alloc.cached_entries() or \
+                (depth and table[depth - 1] == NULL_BLOCK):
+            return  # no full block there, its prefix is cached by another block (registered first), or its
+            # parent was released by the window
         self.alloc.cache_full_block(s.block_table[depth], s.token_ids[depth * bs:(depth + 1) * bs],
                                     s.block_table[depth - 1] if depth else None, cache_key=s.cache_key)
         self.assert_unchanged(before, "re-registering a cached block")
@@ -386,6 +406,13 @@ class CacheMachine(RuleBasedStateMachine):
         self.model.observe_evictions("after a step")
         self.model.check("after a step")
         assert self.alloc.num_free + self.alloc.num_used == self.alloc.num_blocks
+        if self.cache.window_left is not None:  # the model's check covers window_rules.check_cached_blocks
+            for seq_id, m in self.model.seqs.items():
+                check_windowed_sequence(self.cache, seq_id, m.tokens, m.written, m.cache_key, self.kv_of,
+                                        self.model.gather)
+
+    def kv_of(self, tokens, start, end, layer, cache_key):
+        return self.model.kv((tokens, cache_key), start, end, layer)
 
     def teardown(self):
         if not hasattr(self, "model"):
@@ -395,6 +422,15 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.check_invariants()
         assert self.alloc.num_used == 0 and self.alloc.num_free == self.alloc.num_blocks, "a block leaked"
         assert all(self.alloc.is_free(b) for b in range(self.alloc.num_blocks))
+
+
+class FullAttentionCacheMachine(CacheMachine):
+    """The machine without a sliding window: a backend read through its ``paged_attention`` only (no
+    ``gather``) is judged by a causal prefill over every committed token, which a released block breaks."""
+
+    @initialize(**POOL)
+    def start(self, num_blocks, block_size, num_layers, constant_hash, seed):
+        CacheMachine.start(self, num_blocks, block_size, num_layers, constant_hash, seed, window_left=None)
 
 
 def machine_for(backend: Any = None, device: str = "cpu", cache_class: type | None = None, caps: Any = None) -> type:
@@ -408,8 +444,9 @@ def machine_for(backend: Any = None, device: str = "cpu", cache_class: type | No
                      head_dim=caps.head_dims.choose((2, 4, 8))[0],
                      num_kv_heads=caps.num_kv_heads.choose((1, 2))[0], group=caps.gqa_groups.choose((1, 2))[0],
                      dtype=next(d for d in ("float32", "float16", "bfloat16") if d in caps.dtypes))
-    return type(f"CacheMachine_{cls.__name__}", (CacheMachine,),
-                {"cache_class": cls, "backend": backend, "device": device, **space})
+    base = CacheMachine if backend is None or getattr(backend, "gather", None) else FullAttentionCacheMachine
+    return type(f"CacheMachine_{cls.__name__}", (base,), {"cache_class": cls, "backend": backend, "device": device,
+                                                          **space})
 
 
 def cache_state_machine(backend: Any, device: str = "cpu", chosen: settings | None = None, caps: Any = None) -> None:

@@ -7,20 +7,25 @@ cache, released blocks included (:class:`WindowMachine` in ``tests/test_sliding_
 cache through adds with prefix hits under namespaces, appends written whole, in part or not at all,
 forks and frees, and runs both after every rule).
 
-Adopting them in :class:`.machine.CacheMachine` (and :class:`.cache_model.CacheModel`):
+The cache state machine adopts them (:class:`.machine.CacheMachine`, with
+:class:`.cache_model.CacheModel`):
 
-1. ``start`` draws ``window_left`` from ``None`` or ``0 .. 2 * block_size + 1`` and builds the config with
-   ``dataclasses.replace(config, window_left=window_left, debug_poison="nan")``;
+1. ``start`` draws ``window_left`` from ``None`` or ``0 .. 9`` and builds the config with
+   ``dataclasses.replace(config, window_left=window_left, debug_poison="nan")`` (a backend read through
+   its ``paged_attention`` only runs without a window: ``FullAttentionCacheMachine``);
 2. ``CacheModel.reserve``: the append may first release entries ``r0 .. r1 - 1`` (``r = first_held_position
-   // block_size`` before and after); the entries before ``r0`` and from ``r1`` to the last must be
-   unchanged, those in ``r0 .. r1 - 1`` become ``-1``, and ``r1 <= releasable_blocks(written, window_left,
-   block_size)``; the released blocks whose reference count was 1 and that cache a prefix join the
-   eviction queue, last first (as a ``free`` queues them); ``others`` (blocks other tables hold) skips ``-1``;
-3. ``CacheModel.add``: the hit's entries before ``first_held_position`` are ``-1`` and take no reference
-   (the evictable queue keeps them in place); the prefix checks apply to the held ones;
-4. ``CacheModel.free`` and every ``ref_count`` / ``block_table`` walk skip ``-1`` entries;
-   ``_check_reads`` reads from ``first_held_position``;
-5. the invariant calls :func:`check_windowed_sequence` for every live sequence and :func:`check_cached_blocks`.
+   // block_size`` before and after); every other entry is unchanged (but a copied shared partial last
+   block), those in ``r0 .. r1 - 1`` become ``-1``, and ``r1 <= releasable_blocks(written, window_left,
+   block_size)``; the released blocks it held alone that cache a prefix join the eviction queue, last
+   first (as a ``free`` queues them); the slots handed out lie in no block another table holds;
+3. ``CacheModel.add``: the hit's entries are ``-1`` exactly before ``first_held_position`` (at most
+   ``releasable_blocks(cached, window_left, block_size, keep_last_full=True)`` of them) and take no
+   reference (the evictable queue keeps them in place); the prefix checks apply to every hit block;
+4. ``CacheModel.free`` and every ``ref_count`` / table walk of the model and the machine skip ``-1``
+   entries; reads start at ``first_held_position``; a re-add claims a hit on a sequence's committed
+   blocks only when the window released none of its entries (a released block may be evicted);
+5. the invariant calls :func:`check_windowed_sequence` for every live sequence; ``CacheModel.check``
+   checks every cached block as :func:`check_cached_blocks` does (and that a lookup reaches it).
 """
 
 from __future__ import annotations
