@@ -26,8 +26,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.arguments import ALL_FEATURES
+
 DTYPE_NAMES = frozenset({"float32", "float16", "bfloat16"})
-FEATURE_NAMES = frozenset({"window", "softcap", "alibi", "sinks", "fp8"})
+FEATURE_NAMES = ALL_FEATURES  # the optional attention features (defined with their argument checks)
 
 #: name -> what a backend that declares it assumes about its inputs.
 PRECONDITIONS = {

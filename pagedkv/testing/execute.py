@@ -108,7 +108,7 @@ def call(prop: Any, backends: tuple, case: Any, device: str) -> None:
     """
     __tracebackhide__ = True
     from pagedkv.backends.capabilities import capabilities_of
-    from pagedkv.testing.cases.case import pool_layout
+    from pagedkv.testing.cases.memory import pool_layout
     from pagedkv.testing.space import as_declared_layout
 
     backends = _with_reference(prop, tuple(backends))
@@ -353,7 +353,7 @@ def _drop_stale_files(recorder: _Recorder, kept: list[Failure]) -> None:
 
 def _run_machine(prop: Any, backend: Any, device: str, chosen: Any, outcome: Outcome, start: float,
                  caps: Any) -> Outcome:
-    from pagedkv.testing.cases.case import pool_layout
+    from pagedkv.testing.cases.memory import pool_layout
     from pagedkv.testing.space import as_declared_layout
 
     try:

@@ -20,7 +20,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 LOG2E = 1.4426950408889634
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+from pagedkv.arguments import FP8_DTYPES  # noqa: E402  (one source: the fp8 pool dtypes)
 
 
 def as_bytes(x: torch.Tensor) -> torch.Tensor:

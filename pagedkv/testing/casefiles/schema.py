@@ -14,7 +14,13 @@ import re
 import unicodedata
 from typing import Any
 
+from pagedkv.backends import BUILTIN
+from pagedkv.backends.capabilities import DTYPE_NAMES
+from pagedkv.config import dtype_from_name
 from pagedkv.errors import CaseFileError
+from pagedkv.testing.cases.case import KV_CACHE_DTYPES as _KV_CACHE_DTYPES, LAYOUTS, POISONS, VALUE_PATTERNS
+from pagedkv.testing.cases.invalid_call import OPS as _INVALID_OPS
+from pagedkv.testing.properties.invariances import TRANSFORMS as _TRANSFORMS
 from pagedkv.testing.casefiles.legacy import LEGACY_CHECKS, upgrade_legacy_check
 
 #: The format version :func:`pagedkv.testing.casefiles.reading.save_failure` writes; files without one are version 1.
@@ -33,16 +39,15 @@ TOKEN_BYTES = 32
 #: Most positions (sum of ``seq_len``) a case may hold: the reference reads them one by one.
 MAX_POSITIONS = 1 << 20
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# The names a record may use come from where they are defined (one source each); the schema only reads them.
+DTYPE_BYTES = {name: dtype_from_name(name).itemsize for name in sorted(DTYPE_NAMES)}
 KINDS = ("Case", "CacheScenario", "InvalidCall")
-VALUE_PATTERNS = ("normal", "identity", "large")  # pagedkv.testing.cases.case (tests keep these in step)
-POISONS = ("nan", "inf", "sentinel", "zero")
-LAYOUTS = ("contiguous", "kv_interleaved")
 TABLE_DTYPES = {"int32": 2**31, "int64": 2**63}  # name -> bound of |pad_value|
-TRANSFORMS = ("batch_order", "layout", "pad_value", "poison", "renumber_blocks", "strided_metadata", "table_dtype")
-INVALID_OPS = ("gather", "scatter", "write_kv", "paged_attention")
+TRANSFORMS = tuple(sorted(_TRANSFORMS))
+INVALID_OPS = _INVALID_OPS
+KV_CACHE_DTYPES = tuple(_KV_CACHE_DTYPES)
 SCENARIO_OPS = {"add": (3, 4), "append": (3, 3), "reserve": (3, 4), "write": (2, 3), "fork": (3, 3), "free": (2, 2)}
-BUILTIN_BACKENDS = ("loop", "indexed", "triton")  # pagedkv.backends.BUILTIN
+BUILTIN_BACKENDS = BUILTIN
 MUTANTS_MODULE = "pagedkv.testing.mutants"  # any shipped mutant: pagedkv.testing.mutants:NAME
 PEERS_MODULE = "pagedkv.testing.peers"
 
@@ -60,7 +65,6 @@ _CASE_KEYS = ("geometry", "seqs", "values", "poison", "pad_value", "pad_columns"
               "seed", "window_left", "softcap", "alibi", "sinks", "kv_cache_dtype", "k_scale", "v_scale",
               "num_splits")
 _CASE_REQUIRED = _CASE_KEYS[:10]  # the feature fields are optional (off in files written before them)
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # pagedkv.testing.cases.case.KV_CACHE_DTYPES
 _SCENARIO_KEYS = ("geometry", "ops", "enable_prefix_caching", "constant_hash", "seed", "num_layers")
 _INVALID_KEYS = ("op", "fault", "case", "seq", "amount")
 

@@ -12,8 +12,6 @@ This module needs only torch: cases run, replay and report without Hypothesis in
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ import torch
 
 from pagedkv.config import CacheConfig, blocks_needed, dtype_from_name
 from pagedkv.fp8 import quantize
+from pagedkv.testing.cases.memory import POOL_LAYOUT
 
 VALUE_PATTERNS = ("normal", "identity", "large")
 POISONS = ("nan", "inf", "sentinel", "zero")
@@ -313,20 +312,6 @@ class Case:
             reference_write(k_cache, self.used_table(i), k.to(device), 0)
             reference_write(v_cache, self.used_table(i), v.to(device), 0)
         return k_cache, v_cache
-
-
-#: The memory order of the pools the kit builds (``"NHD"``; ``"HND"`` while a head-major backend runs).
-POOL_LAYOUT: contextvars.ContextVar[str] = contextvars.ContextVar("pagedkv_pool_layout", default="NHD")
-
-
-@contextlib.contextmanager
-def pool_layout(layout: str):
-    """Build every pool in ``layout``'s memory order inside the block (the tensors stay NHD-shaped)."""
-    token = POOL_LAYOUT.set(layout)
-    try:
-        yield
-    finally:
-        POOL_LAYOUT.reset(token)
 
 
 def reference_write(cache: torch.Tensor, block_table, values: torch.Tensor, start: int = 0) -> None:
