@@ -23,7 +23,7 @@ failed write, fork, free) while keeping its own account of what must be true:
   a prefix (last first, as a ``free`` does); a prefix hit takes no reference on the blocks before its
   window (they keep their place in the queue); reads start at the first held position.
 
-The kit's scenario runner (:func:`pagedkv.testing.properties.definitions.run_scenario`), the state machine and the
+The kit's scenario runner (:func:`.scenarios.run_scenario`), the state machine and the
 cache-mutant tests all use it. Every failed check raises :class:`ModelMismatch` (an ``AssertionError``).
 """
 

@@ -15,25 +15,10 @@ with recompute, refused allocations and their retries, double frees and bad argu
 with or without a sliding window (``window_left``: appends and prefix hits release the leading blocks
 no later query reads, under sharing and namespaces; :mod:`.window_rules`).
 
-After every step (the model's checks):
-
-- free + used == total; free, evictable and used are disjoint; a block's reference count equals the
-  number of live block tables holding it (``cache.check_invariants``);
-- every live sequence reads, bit for bit and in every layer, the K/V written for its committed tokens
-  (values depend on the whole prefix, the layer and the namespace: :func:`.cache_model.expected_kv`);
-- no cached block was never written: each one's prefix (under its namespace) is one the model wrote,
-  and it stores exactly that K/V, so every prefix-cache hit returns the K/V written for those tokens,
-  even with a hash function that collides on every block (C4);
-- hits are found: a lookup of a live sequence's tokens returns at least the leading run of its cached
-  blocks, and a lookup of any cached prefix reaches its block;
-- sharing is kept (an append changes no entry before its last, never copies a full last block, copies
-  a shared partial one exactly once) and eviction follows the model's queue (least recently released
-  first, deepest first among blocks released together);
-- with a window: only blocks no later query reads are released (``-1`` exactly there), a sequence still
-  reads its own K/V from its first held block, a gather over a released entry is refused, released
-  blocks that cache a prefix queue for eviction and keep their K/V;
-- a call that raised changed nothing: the allocator's lists (in order), reference counts, prefix-cache
-  entries, every table, every committed count and the pools are as before.
+After every step, the model's checks (:mod:`.cache_model` lists them): the allocator's counts and
+reference counts, every live sequence's K/V bit for bit in every layer, no cached block that was never
+written (C4 included), hits found, sharing kept, the eviction order, the window's releases, and that a
+call that raised changed nothing.
 
 At the end every live sequence is freed and every block must be free (no leak). ``CacheMachine.cache_class``
 is the cache under test (the cache mutants' test drives faulty ones through the same rules).
@@ -41,9 +26,8 @@ is the cache under test (the cache mutants' test drives faulty ones through the 
 
 from __future__ import annotations
 
-from typing import Any
-
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
