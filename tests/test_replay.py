@@ -194,3 +194,17 @@ def test_an_unlocated_mismatch_gets_the_first_differences_from_the_backend():
     out = io.StringIO()
     _report_where({}, case, {}, out, backend=mutants.MUTANTS["off_by_one_last_block"](), device="cpu")
     assert "gather of sequence 1, position 4: expected" in out.getvalue() and "seq 1 | [0 ] [1*]" in out.getvalue()
+
+
+def test_a_case_whose_run_crashed_replays_in_a_child_and_reports_the_crash(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "segv_kv.py").write_text("import ctypes\nname = 'segv_kv'\n\n"
+                                         "def gather(cache, block_table, seq_len):\n    ctypes.string_at(0)\n")
+    path = writing.save_failure("gather_returns_exactly_what_each_slot_holds", "segv_kv", CASE, outcome="running",
+                                path=tmp_path / "crashed.json")
+    proc = subprocess.run([sys.executable, "-m", "pagedkv", "replay", str(path), "--impl", "segv_kv"], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "CRASHED: the backend's process died of SIGSEGV" in proc.stdout, proc.stdout

@@ -55,6 +55,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="memory budget of the case (e.g. 8G); a case whose pools and tensors need more is "
                              "refused before anything is allocated (default: a quarter of this machine's memory)")
     parser.add_argument("--quiet", "-q", action="store_true", help="print only the verdict line")
+    parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the case in a child process, so a backend that crashes (a segmentation fault, "
+                             "a device fault) is reported as the result (default: on for a case file whose run "
+                             "crashed, outcome 'running' or 'crashed')")
     add_drift_options(parser)
     parser.set_defaults(func=run)
     return parser
@@ -62,8 +66,41 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Replay ``args.file``; see the module docstring for the output and exit status."""
+    if _isolated(args):
+        return _replay_in_child(args)
     return replay(args.file, device=args.device, impl=args.impl, other=args.other, max_bytes=args.max_bytes,
                   quiet=args.quiet, exact=args.exact, max_drift_ulp=args.max_drift_ulp)
+
+
+def _isolated(args: argparse.Namespace) -> bool:
+    """``--isolate``, else whether the file records a run that never finished (it crashed)."""
+    if args.isolate is not None:
+        return args.isolate
+    import json
+
+    try:
+        return json.loads(Path(args.file).read_bytes()[:1 << 20]).get("outcome") in ("running", "crashed")
+    except (OSError, ValueError, AttributeError):
+        return False  # the in-process replay refuses the file with its reason
+
+
+def _replay_in_child(args: argparse.Namespace) -> int:
+    """The same replay in a child process; a child killed by a signal is the verdict ``CRASHED`` (exit 1)."""
+    import signal
+    import subprocess
+
+    argv = ["replay", str(args.file), "--device", str(args.device), "--no-isolate"]
+    for option, value in (("--impl", args.impl), ("--other", args.other), ("--max-bytes", args.max_bytes),
+                          ("--max-drift-ulp", args.max_drift_ulp)):
+        argv += [option, str(value)] if value is not None else []
+    argv += ["--quiet"] * bool(args.quiet) + ["--exact"] * bool(args.exact)
+    proc = subprocess.run([sys.executable, "-m", "pagedkv", *argv])
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name
+        print(f"CRASHED: the backend's process died of {name} while running the case in {args.file} "
+              f"(replayed in a child process)")
+        return 1
+    return proc.returncode
 
 
 def _byte_count(text: str) -> int:
