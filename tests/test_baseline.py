@@ -23,7 +23,7 @@ import pagedkv
 from pagedkv.testing.baseline import BaselineError, BaselineProxy, load_baseline, parse_spec, resolve
 from pagedkv.testing.cases import Case, Geometry, SeqSpec
 from pagedkv.testing.properties.definitions import attention_matches_reference, run_attention
-from pagedkv.testing.drift import NAN_ULP, DriftLog, judge, measure, ulp_distance
+from pagedkv.testing.baseline.drift import NAN_ULP, DriftLog, judge, measure, ulp_distance
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -125,7 +125,7 @@ def test_one_runner_calls_check_functions():
 def test_nothing_imports_the_plugin():
     modules = _modules()
     importers = [m for m, p in modules.items() if "pagedkv.testing.plugin" in _imports(m, p, modules)
-                 and m != "pagedkv.testing.baseline_gate"]  # the plugin's own second module (pytest_plugins)
+                 and m != "pagedkv.testing.baseline.gate"]  # the plugin's own second module (pytest_plugins)
     assert not importers, f"modules importing the pytest plugin (it is hooks only): {importers}"
 
 

@@ -1,8 +1,8 @@
 """``replay FILE --other BASELINE``: the drift half of a case file written by the baseline gate.
 
-A case file from :mod:`pagedkv.testing.baseline_gate` records the candidate (``backend``) and the
+A case file from :mod:`pagedkv.testing.baseline.gate` records the candidate (``backend``) and the
 baseline (``other``). Replay reruns the property's conformance check on the candidate as usual and
-then, once it passes, runs the case on both (:func:`pagedkv.testing.drift.measure`) and prints both
+then, once it passes, runs the case on both (:func:`pagedkv.testing.baseline.drift.measure`) and prints both
 outputs at the located position; ``--exact`` / ``--max-drift-ulp N`` apply the gate's verdict.
 
 ``other`` is the baseline when the property is not a pair property, or when it is a ``git:``,
@@ -51,7 +51,7 @@ def drift_against(backend: Any, spec: str, record: dict, baseline_spec: str, dev
     2 when the baseline cannot be loaded, else 0."""
     from pagedkv.testing.baseline import load_baseline
     from pagedkv.testing.cases import Case
-    from pagedkv.testing.drift import judge, measure
+    from pagedkv.testing.baseline.drift import judge, measure
     from pagedkv.testing.registry import property_for_record
 
     case = record["case"]

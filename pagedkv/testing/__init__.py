@@ -12,9 +12,10 @@ A map (each folder is one concept; arrows point the way imports go)::
     execute.py    the one runner: every entry point below runs a property through it
     casefiles/    the case-file schema, reading untrusted files, writing, names, shipped regressions
     plugin.py     the pytest hooks and fixtures (glue only), suite/ the generated pytest modules
-    mutants/      shipped faulty backends and caches, and their kill table
+    mutants/      shipped faulty backends and caches, their kill table; generated source mutants, kill rates
     peers/        other projects' kernels adapted to the contract (PyTorch, vLLM, ...)
     fuzz/         long-running search workers sharing an example database
+    baseline/     the code a refactor replaces as a second oracle: loaded in a worker, drift measured
 
 Public names, imported lazily (importing :mod:`pagedkv.testing` needs neither Hypothesis nor pytest):
 ``Case``, ``CacheScenario``, ``InvalidCall``, ``Geometry``, ``SeqSpec``, ``Property``, ``properties``,

@@ -257,7 +257,7 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
         overrides: strategy keyword arguments (a finding draws cases that break a precondition).
         violating: the explicit examples that break the declared precondition instead of those that keep it.
         after_pass: ``after_pass(backends, case)`` after each passing example (the baseline comparison of
-            :mod:`pagedkv.testing.baseline_gate`); what it raises fails that example, and is shrunk.
+            :mod:`pagedkv.testing.baseline.gate`); what it raises fails that example, and is shrunk.
         seed: Hypothesis' random seed (independent runs of the kill-rate table); ``None``: the settings decide.
 
     Returns:

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 SUITE_PACKAGE = "pagedkv.testing.suite"
-pytest_plugins = ["pagedkv.testing.baseline_gate"]  # --pagedkv-baseline: drift against the code a refactor replaces
+pytest_plugins = ["pagedkv.testing.baseline.gate"]  # --pagedkv-baseline: drift against the code a refactor replaces
 SUITE_COMMAND = "pytest --pyargs pagedkv.testing.suite --pagedkv-impl {spec} -n auto"
 _ACTIVE = pytest.StashKey[bool]()
 _PROFILE = pytest.StashKey[str]()

@@ -19,7 +19,7 @@ import pytest
 
 from pagedkv.backends import backend_name
 from pagedkv.testing import execute
-from pagedkv.testing.baseline_gate import after_check
+from pagedkv.testing.baseline.gate import after_check
 from pagedkv.testing.fuzz.databases import property_key
 from pagedkv.testing.registry import Property, properties
 from pagedkv.testing.report import failure_text

@@ -1,10 +1,10 @@
 """The code a refactor replaces, loaded as a second backend: a git revision, a source tree, a wheel.
 
 A refactor is gated against the contract (the fp64 definition, the tolerance policy) *and* against
-what the old code computed (:mod:`pagedkv.testing.drift`). The old code usually shares every module
+what the old code computed (:mod:`pagedkv.testing.baseline.drift`). The old code usually shares every module
 name with the new one (``pagedkv.backends.triton`` at ``HEAD~1`` and in the working tree), so one
 interpreter cannot import both: the baseline runs in a worker process of its own
-(:mod:`pagedkv.testing.baseline_worker`) with its tree first on ``sys.path``, and
+(:mod:`pagedkv.testing.baseline.worker`) with its tree first on ``sys.path``, and
 :class:`BaselineProxy` stands in for it here with the same ops and attributes.
 
 Specs (:func:`load_baseline`; ``SPEC`` defaults to the candidate's own spec, e.g. ``indexed`` or
@@ -254,7 +254,7 @@ class BaselineProxy:
     def _start(self) -> dict:
         import torch
 
-        worker = Path(__file__).with_name("baseline_worker.py")
+        worker = Path(__file__).with_name("worker.py")
         self._stderr = tempfile.TemporaryFile()
         argv = [sys.executable, "-c", _BOOTSTRAP, str(worker), str(self.tree), self.backend_spec, json.dumps(sys.path)]
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
@@ -266,7 +266,7 @@ class BaselineProxy:
         return json.loads(reply[1])
 
     def _receive(self, torch, doing: str):
-        from pagedkv.testing.baseline_worker import read_message
+        from pagedkv.testing.baseline.worker import read_message
 
         message = read_message(self._proc.stdout, torch)
         if message is None:
@@ -296,7 +296,7 @@ class BaselineProxy:
         """
         import torch
 
-        from pagedkv.testing.baseline_worker import write_message
+        from pagedkv.testing.baseline.worker import write_message
 
         with self._lock:
             if self._proc is None:
@@ -329,7 +329,7 @@ class BaselineProxy:
         try:
             import torch
 
-            from pagedkv.testing.baseline_worker import write_message
+            from pagedkv.testing.baseline.worker import write_message
 
             write_message(proc.stdin, torch, ("close",))
             proc.stdin.close()

@@ -12,7 +12,7 @@ Options (group ``pagedkv``; loaded by :mod:`pagedkv.testing.plugin`):
 
 After a property's conformance check passes on a drawn case (the verdict is unchanged), the check
 fixture calls :func:`after_check`: the case runs again on the candidate and on the baseline, each on
-fresh tensors (:func:`pagedkv.testing.drift.measure`, over the ops the property uses; all four for pair
+fresh tensors (:func:`pagedkv.testing.baseline.drift.measure`, over the ops the property uses; all four for pair
 and invariance properties), and the drift is logged. Data movement must be bit-identical (a divergence
 fails), attention fails only past the options above. Cases of the kinds ``scenario``, ``invalid`` and
 ``machine`` are not compared, nor examples outside the baseline's declared space (counted as skipped).
@@ -81,7 +81,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     from pagedkv.errors import BackendError
     from pagedkv.testing.baseline import resolve
-    from pagedkv.testing.drift import DriftLog
+    from pagedkv.testing.baseline.drift import DriftLog
 
     try:  # a bad spec or an unknown revision is a usage error now; git trees are extracted once, here
         _, tree, backend, label = resolve(spec, impl_spec(config) or "indexed")
@@ -129,7 +129,7 @@ def after_check(config: pytest.Config, prop, args: tuple, spec: str, path: Path)
     from pagedkv.testing.baseline import load_baseline
     from pagedkv.testing.casefiles.writing import save_failure
     from pagedkv.testing.cases import Case
-    from pagedkv.testing.drift import judge, measure
+    from pagedkv.testing.baseline.drift import judge, measure
     from pagedkv.testing.plugin import impl_spec
 
     case, device = args[-2], args[-1]
@@ -178,7 +178,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def merged_log():
     """The drift logs every process of this run wrote, merged."""
-    from pagedkv.testing.drift import DriftLog
+    from pagedkv.testing.baseline.drift import DriftLog
 
     log = DriftLog()
     for path in sorted(drift_dir().glob("_log-*.json")):
@@ -191,7 +191,7 @@ def write_worst_cases(log, other: str) -> dict[str, Path]:
     ``error`` = the drift it shows); ``{key: path}``."""
     import re
 
-    from pagedkv.testing.drift import Drift
+    from pagedkv.testing.baseline.drift import Drift
 
     paths = {}
     for key, p in log.props.items():
