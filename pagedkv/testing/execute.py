@@ -281,7 +281,10 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
         outcome.status, outcome.reason = "skipped", reason
         return outcome
     chosen = settings if settings is not None else hypothesis.settings()
-    limit = min(x for x in (prop.max_examples, example_cap(backends), chosen.max_examples) if x is not None)
+    cap = example_cap(backends)
+    if cap is not None and prop.kind == "machine":
+        cap //= 3  # a run of the state machine is 50 steps: a third of the examples under Triton's interpreter
+    limit = min(x for x in (prop.max_examples, cap, chosen.max_examples) if x is not None)
     if limit < chosen.max_examples:
         chosen = hypothesis.settings(chosen, max_examples=limit)
     start = time.perf_counter()

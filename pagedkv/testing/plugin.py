@@ -237,7 +237,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """No false green: a named candidate with no conformance property run is a usage error, and so is a
     judged fraction under ``--pagedkv-min-judged``."""
     config = session.config
-    if not is_active(config) or hasattr(config, "workerinput") or exitstatus not in (0, 1, 5) \
+    if not is_active(config) or hasattr(config, "workerinput") or exitstatus not in (0, 5) \
             or config.option.collectonly:
         return
     from pagedkv.testing.report import judged_problem
