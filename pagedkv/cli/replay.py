@@ -76,12 +76,14 @@ def _isolated(args: argparse.Namespace) -> bool:
     """``--isolate``, else whether the file records a run that never finished (it crashed)."""
     if args.isolate is not None:
         return args.isolate
-    import json
+    from pagedkv.errors import CaseFileError
+    from pagedkv.testing.casefiles.reading import parse_case_bytes, read_case_bytes
 
-    try:
-        return json.loads(Path(args.file).read_bytes()[:1 << 20]).get("outcome") in ("running", "crashed")
-    except (OSError, ValueError, AttributeError):
+    try:  # read as any untrusted file is (size, encoding, nesting, duplicate keys)
+        record = parse_case_bytes(read_case_bytes(args.file))
+    except CaseFileError:
         return False  # the in-process replay refuses the file with its reason
+    return isinstance(record, dict) and record.get("outcome") in ("running", "crashed")
 
 
 def _replay_in_child(args: argparse.Namespace) -> int:

@@ -387,7 +387,7 @@ def run_record(record: dict, backend: Any | None = None, device: str = "cpu", *,
     from pagedkv.testing.registry import property_for_record
 
     prop = property_for_record(record["check"])
-    kind = {"case": "Case", "scenario": "CacheScenario", "invalid": "InvalidCall"}.get(prop.kind)
+    kind = {"case": "Case", "scenario": "CacheScenario", "invalid": "InvalidCall", "limit": "LimitCase"}.get(prop.kind)
     if kind != record.get("kind", "Case"):
         raise CaseFileError("kind", f"property {prop.name!r} runs on a {kind or 'state machine'}, but the file "
                                     f"holds a {record.get('kind', 'Case')}")

@@ -178,6 +178,20 @@ def _declare() -> list[Property]:
             f"{op}_is_exact_on_pools_past_2_24_slots",
             f"{op} places tokens exactly in the last blocks of pools of more than 2**24 slots",
             (op,), fn, lazy("large_pool_cases"), max_examples=LARGE_POOL_EXAMPLES, requires=large_pool))
+    from pagedkv.testing.cases.limit import LIMITS
+    from pagedkv.testing.properties import large_pools
+
+    for limit in LIMITS:
+        for op, check, sentence in (
+                ("write_kv", large_pools.write_kv_exact_past_the_limit,
+                 "write_kv puts each token at its slot past {} at the declared geometry, and nowhere else"),
+                ("paged_attention", large_pools.attention_past_the_limit,
+                 "paged_attention over the last blocks of pools past {} at the declared geometry equals the "
+                 "fp64 reference")):
+            props.append(Property(
+                f"{op}_is_exact_past_{limit}_at_a_declared_geometry", sentence.format(limit.replace("_", " ", 1)),
+                (op,), check, partial(_limit_case, limit), max_examples=1, kind="limit",
+                requires=partial(_limit_space, limit)))
     props.append(Property(
         "cache_state_machine_holds_its_invariants",
         "driven like a scheduler (add with prefix lookup, reserve, write in part or not at all, commit, fork, "
@@ -213,6 +227,22 @@ def _declare() -> list[Property]:
             (op,), rejection.check_rejected, lazy("invalid_calls", ops=(op,)), partial(kc.invalid_examples, op),
             kind="invalid"))
     return props
+
+
+def _limit_case(limit: str, caps=None, **_):
+    """The one case of a limit property: pools past ``limit`` at the declared geometry."""
+    from hypothesis import strategies as st
+
+    from pagedkv.backends.capabilities import Capabilities
+    from pagedkv.testing.cases.limit import LimitCase
+
+    return st.just(LimitCase.for_space(limit, caps or Capabilities())[0])
+
+
+def _limit_space(limit: str, caps) -> str | None:
+    from pagedkv.testing.cases.limit import LimitCase
+
+    return LimitCase.for_space(limit, caps)[1] or None
 
 
 def _feature_declared(feature: str, caps) -> str | None:

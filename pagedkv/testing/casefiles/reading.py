@@ -213,6 +213,10 @@ def build_case(record: dict) -> Any:
         from pagedkv.testing.cases.invalid_call import InvalidCall
 
         return InvalidCall.from_dict(record["case"])
+    if record["kind"] == "LimitCase":
+        from pagedkv.testing.cases.limit import LimitCase
+
+        return LimitCase.from_dict(record["case"])
     return (CacheScenario if record["kind"] == "CacheScenario" else Case).from_dict(record["case"])
 
 

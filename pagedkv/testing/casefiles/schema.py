@@ -41,7 +41,7 @@ MAX_POSITIONS = 1 << 20
 
 # The names a record may use come from where they are defined (one source each); the schema only reads them.
 DTYPE_BYTES = {name: dtype_from_name(name).itemsize for name in sorted(DTYPE_NAMES)}
-KINDS = ("Case", "CacheScenario", "InvalidCall")
+KINDS = ("Case", "CacheScenario", "InvalidCall", "LimitCase")
 TABLE_DTYPES = {"int32": 2**31, "int64": 2**63}  # name -> bound of |pad_value|
 TRANSFORMS = tuple(sorted(_TRANSFORMS))
 INVALID_OPS = _INVALID_OPS
@@ -121,6 +121,8 @@ def estimate_bytes(record: dict) -> tuple[int, int]:
     """
     case = record["case"]["case"] if record["kind"] == "InvalidCall" else record["case"]
     g = case["geometry"]
+    if record["kind"] == "LimitCase":  # lazily backed pools (cases/limit.py): a few pages, whatever their size
+        return 0, TOKEN_BYTES * 64 * g["num_kv_heads"] * g["num_queries_per_kv"] * g["head_dim"]
     item = DTYPE_BYTES[g["dtype"]]
     row = g["num_kv_heads"] * g["head_dim"]
     q_heads = g["num_kv_heads"] * g["num_queries_per_kv"]
@@ -345,6 +347,15 @@ def _scenario(value: Any, path: str) -> dict:
     return c
 
 
+def _limit_case(value: Any, path: str) -> dict:
+    from pagedkv.testing.cases.limit import LIMITS
+
+    c = _object(value, path, ("limit", "geometry"), ("limit", "geometry"))
+    _choice(c["limit"], f"{path}.limit", tuple(LIMITS))
+    c["geometry"] = _geometry(c["geometry"], f"{path}.geometry")
+    return c
+
+
 def _invalid_call(value: Any, path: str) -> dict:
     c = _object(value, path, _INVALID_KEYS)
     op = _choice(c["op"], f"{path}.op", INVALID_OPS)
@@ -411,7 +422,8 @@ def validate_record(data: object, *, max_bytes: int | None = None) -> dict:
     elif check == "invariant_under":
         raise CaseFileError("transform", f"check 'invariant_under' needs a transform, one of {', '.join(TRANSFORMS)}")
     out["transform"] = transform
-    out["case"] = {"Case": _case, "CacheScenario": _scenario, "InvalidCall": _invalid_call}[kind](r["case"], "case")
+    out["case"] = {"Case": _case, "CacheScenario": _scenario, "InvalidCall": _invalid_call,
+                   "LimitCase": _limit_case}[kind](r["case"], "case")
     out = upgrade_legacy_check(out)  # the deprecated check names of older files
     budget = default_max_bytes() if max_bytes is None else max_bytes
     pools, total = estimate_bytes(out)

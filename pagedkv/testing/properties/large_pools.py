@@ -1,0 +1,113 @@
+"""Slot and offset arithmetic past 2**24 slots and 2**31 elements at the candidate's declared
+geometry (:class:`~pagedkv.testing.cases.limit.LimitCase`).
+
+The memory trick: on a CPU the pools are ``torch.empty``, fresh pages the operating system maps as
+zeros and backs with memory only where they are written, so a correct backend costs a few pages and
+the whole pool is still checked: the written rows bit for bit, every other row still zero (scanned in
+chunks, no copy). On a GPU the pools are zero-filled (skipped when the device lacks the memory).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedkv.attention import reference_attention
+from pagedkv.testing.cases.limit import LimitCase
+from pagedkv.testing.cases.memory import POOL_LAYOUT
+from pagedkv.testing.compare import Mismatch, MissingOp, assert_attention_close, bits, require
+
+_CHUNK_ELEMENTS = 1 << 26
+
+
+def _pools(case: LimitCase, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = case.geometry
+    hnd = POOL_LAYOUT.get() == "HND"
+    memory = (g.num_blocks, g.num_kv_heads, g.block_size, g.head_dim) if hnd else \
+        (g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
+    if str(device).startswith("cuda") and 2 * case.pool_bytes > torch.cuda.mem_get_info(device)[0] // 2:
+        raise MissingOp(f"two pools past {case.limit} need {2 * case.pool_bytes / 2**30:.1f} GiB: the device does "
+                        f"not provide them (half its free memory)")
+    make = torch.empty if str(device) == "cpu" else torch.zeros
+
+    def pool():
+        out = make(memory, dtype=g.torch_dtype, device=device)
+        return out.permute(0, 2, 1, 3) if hnd else out
+    pools = pool(), pool()
+    if str(device) == "cpu" and (nonzero_slots(pools[0]) or nonzero_slots(pools[1])):
+        raise MissingOp("this machine's allocator does not provide fresh zero pages for the lazy pools")
+    return pools
+
+
+def nonzero_slots(pool: torch.Tensor) -> list[int]:
+    """Slots holding anything but zero, scanned over chunks of blocks (reading fresh pages maps no memory)."""
+    bs = pool.shape[1]
+    step = max(1, _CHUNK_ELEMENTS // (bs * pool.shape[2] * pool.shape[3]))
+    found = []
+    for first in range(0, pool.shape[0], step):
+        written = (pool[first:first + step] != 0).flatten(2).any(-1)  # [blocks, block_size]
+        found += [(first + int(b)) * bs + int(o) for b, o in torch.nonzero(written).tolist()]
+    return found
+
+
+def _row(pool: torch.Tensor, slot: int) -> torch.Tensor:
+    return pool[slot // pool.shape[1], slot % pool.shape[1]]
+
+
+def write_kv_exact_past_the_limit(backend: Any, case: LimitCase, device: str = "cpu") -> None:
+    """``write_kv`` puts each token at its slot past the limit (and in the last blocks) and nowhere else.
+
+    Raises:
+        Mismatch: a token not at its slot, or a slot written that no token maps to.
+    """
+    write_kv = require(backend, "write_kv")
+    k_cache, v_cache = _pools(case, device)
+    g, past = case.geometry, case.first_slot_past
+    last = g.num_blocks * g.block_size - 1
+    slots = sorted({past, past + 2, last, last - g.block_size - 1})
+    gen = torch.Generator().manual_seed(0)
+    shape = (len(slots), g.num_kv_heads, g.head_dim)
+    key = (torch.rand(shape, generator=gen) + 1).to(device=device, dtype=k_cache.dtype)  # never zero
+    value = (torch.rand(shape, generator=gen) + 1).to(device=device, dtype=k_cache.dtype)
+    write_kv(k_cache, v_cache, key, value, torch.tensor(slots, dtype=torch.int64, device=device))
+    for pool, rows, what in ((k_cache, key, "k_cache"), (v_cache, value, "v_cache")):
+        wrong = [s for i, s in enumerate(slots) if not torch.equal(bits(_row(pool, s).cpu()), bits(rows[i].cpu()))]
+        stray = sorted(set(nonzero_slots(pool)) - set(slots))
+        if wrong or stray:
+            bad = (wrong or stray)[0]
+            raise Mismatch(f"write_kv into pools past {case.limit}: {what} slots {wrong} do not hold their token; "
+                           f"slots {stray[:4]} were written although no token maps there (float32 or int32 slot "
+                           f"arithmetic?)", {"slot": bad, "block": bad // g.block_size})
+
+
+def attention_past_the_limit(backend: Any, case: LimitCase, device: str = "cpu") -> None:
+    """``paged_attention`` over sequences held in the last blocks of the pools equals the fp64 reference.
+
+    Raises:
+        Mismatch: the output differs from the reference beyond the tolerance.
+    """
+    attention = require(backend, "paged_attention")
+    k_cache, v_cache = _pools(case, device)
+    g = case.geometry
+    bs, nb = g.block_size, g.num_blocks
+    seq_lens, q_lens = [bs + 3, 2 * bs - 1], [1, 3]
+    tables = [[nb - 1, nb - 3], [nb - 2, nb - 4]]
+    gen = torch.Generator().manual_seed(1)
+    for table, length in zip(tables, seq_lens):  # the rows the sequences own hold K/V
+        for p in range(length):
+            for pool in (k_cache, v_cache):
+                pool[table[p // bs], p % bs] = torch.randn(g.num_kv_heads, g.head_dim, generator=gen).to(
+                    device=device, dtype=pool.dtype)
+    query = torch.randn(sum(q_lens), g.num_q_heads, g.head_dim, generator=gen).to(device=device, dtype=k_cache.dtype)
+    qsl = [0, q_lens[0], sum(q_lens)]
+    out = attention(query, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32, device=device),
+                    torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                    torch.tensor(qsl, dtype=torch.int32, device=device))
+    keys = [torch.stack([k_cache[t[p // bs], p % bs] for p in range(n)]) for t, n in zip(tables, seq_lens)]
+    values = [torch.stack([v_cache[t[p // bs], p % bs] for p in range(n)]) for t, n in zip(tables, seq_lens)]
+    try:
+        assert_attention_close(out, reference_attention(query, keys, values, qsl))
+    except AssertionError as exc:
+        raise Mismatch(f"paged_attention over blocks {tables} of pools past {case.limit}: "
+                       f"{str(exc).splitlines()[0]}", {"block": tables[0][0]}) from None
