@@ -42,7 +42,10 @@ from xml.etree import ElementTree
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    os.environ.get("PAGEDKV_PROFILE") != "nightly" and not os.environ.get("PAGEDKV_SLOW"),
+    reason="a user's repository gated from the wheel (about 4 minutes on 2 cores) runs under "
+           "PAGEDKV_PROFILE=nightly or PAGEDKV_SLOW=1; tests/test_wheel_gate.py covers the wheel on every run")]
 
 ROOT = Path(__file__).resolve().parent.parent
 SUMMARY = re.compile(r"pagedkv (?P<name>\S+): (?P<judged>\d+) properties judged \((?P<failed>\d+) failing\) "
@@ -301,7 +304,7 @@ def test_the_documented_gate_passes_the_correct_kernel(good_run):
     proc, out, outcomes = good_run
     assert proc.returncode == 0, out[-6000:]
     assert "implementation under test: tinyserve.kv:backend" in out, out[-3000:]
-    suite = {t: v for t, v in outcomes.items() if t.startswith("pagedkv.testing.suite")}
+    suite = {t: v for t, v in outcomes.items() if "pagedkv.testing.suite" in t}
     assert "passed" in suite.values() and not {"failure", "error"} & set(suite.values()), out[-3000:]
     lines = [m for m in SUMMARY.finditer(out) if m["name"] == "tinyserve"]
     assert len(lines) == 1, "no single judged summary line for tinyserve:\n" + out[-3000:]

@@ -112,3 +112,14 @@ def test_the_installed_gate_fails_a_planted_tail_bug_with_a_replayable_case_file
     replay = _run([str(venv), "-m", "pagedkv", "replay", str(files[0]), "--impl", "tail_bug_kv"], cwd=work,
                   env={**os.environ, "PYTHONPATH": str(work)})
     assert replay.returncode == 1 and "FAILS" in replay.stdout, replay.stdout + replay.stderr
+
+
+def test_the_wheel_installs_only_pagedkv_so_a_users_strategies_package_wins(venv, tmp_path):
+    (tmp_path / "strategies").mkdir()
+    (tmp_path / "strategies" / "__init__.py").write_text("OWNER = 'the user'\n")
+    probe = ("import strategies, pagedkv.testing.strategies as ours; from importlib.metadata import distribution; "
+             "print(strategies.OWNER); print(distribution('pagedkv').read_text('top_level.txt').split()); "
+             "print(callable(ours.cases))")
+    proc = _run([str(venv), "-c", probe], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == ["the user", "['pagedkv']", "True"], proc.stdout
