@@ -83,3 +83,39 @@ def test_the_console_script_names_itself_and_finds_candidates_in_the_working_dir
     proc = subprocess.run([script, "replay", str(path), "--impl", "local_kv"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "PASSES" in proc.stdout, proc.stdout + proc.stderr
+
+
+TWO_BUGS = """
+import torch
+from pagedkv.backends import indexed
+
+name = "two_bugs"
+
+
+def gather(cache, block_table, seq_len):  # two bugs the explicit examples (block sizes 4 and 128) miss
+    if cache.shape[1] in (3, 7):
+        raise RuntimeError("block sizes 3 and 7 are not supported by this kernel")
+    out = indexed.gather(cache, block_table, seq_len)
+    if cache.shape[1] in (1, 2, 5) and seq_len >= 1:
+        out = out.clone()
+        out[0] = 0.0  # a wrong value at position 0
+    return out
+"""
+
+
+def test_two_distinct_failures_get_two_case_files_that_each_replay_to_their_own(tmp_path):
+    (tmp_path / "two_bugs.py").write_text(textwrap.dedent(TWO_BUGS))
+    proc = _pytest(tmp_path, "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", "two_bugs", "-k",
+                   "gather_returns_exactly", env={"PAGEDKV_PROFILE": "ci", "PAGEDKV_FAILURE_DIR": str(tmp_path / "f")})
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    files = sorted((tmp_path / "f").glob("*.json"))
+    assert len(files) == 2, (files, proc.stdout[-3000:])
+    assert proc.stdout.count("replay: python -m pagedkv replay") == 2, proc.stdout[-3000:]
+    verdicts = set()
+    for path in files:
+        replay = subprocess.run([sys.executable, "-m", "pagedkv", "replay", str(path), "--impl", "two_bugs"],
+                                cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True,
+                                text=True, timeout=300)
+        assert replay.returncode == 1, replay.stdout
+        verdicts.add("RuntimeError" in replay.stdout)
+    assert verdicts == {True, False}  # one replays to the exception, the other to the wrong value
