@@ -26,6 +26,12 @@ BUILTIN = ("loop", "indexed", "triton")
 OP_PARAMS = {op: tuple(inspect.signature(getattr(PagedKVBackend, op)).parameters)[1:] for op in OPS}
 
 
+#: ``paged_attention``'s positional parameters for a backend declaring ``page_table="csr"`` (FlashInfer's
+#: page metadata instead of padded block tables; :mod:`pagedkv.csr`).
+CSR_ATTENTION_PARAMS = ("query", "k_cache", "v_cache", "kv_indptr", "kv_indices", "kv_last_page_len",
+                        "query_start_loc")
+
+
 def get_backend(name: str) -> Any:
     """Return one of the project's backends: ``"loop"``, ``"indexed"`` or ``"triton"``.
 
@@ -198,9 +204,11 @@ def missing_ops(backend: Any) -> dict[str, str]:
     """
     problems = {}
     name = backend_name(backend)
+    csr = getattr(getattr(backend, "capabilities", None), "page_table", "padded") == "csr"
     for op in OPS:
         fn = getattr(backend, op, None)
-        expected = f"{op}({', '.join(OP_PARAMS[op])})"
+        params = CSR_ATTENTION_PARAMS if csr and op == "paged_attention" else OP_PARAMS[op]
+        expected = f"{op}({', '.join(params)})"
         if fn is None:
             problems[op] = f"{_NO}{op!r}: {name} does not provide {expected}"
             continue
@@ -212,7 +220,7 @@ def missing_ops(backend: Any) -> dict[str, str]:
         except (TypeError, ValueError):
             continue  # a builtin without a signature: trust it
         try:
-            sig.bind(*OP_PARAMS[op])
+            sig.bind(*params)
         except TypeError as exc:
             problems[op] = f"{name}.{op}{sig} cannot be called as {expected}: {exc}"
     return problems

@@ -89,6 +89,8 @@ class Sizes:
 ANY = Sizes()
 #: Pool layouts a backend may declare (``Capabilities.layout``).
 LAYOUTS = ("NHD", "HND")
+#: Page-table formats a backend's ``paged_attention`` may declare (``Capabilities.page_table``).
+PAGE_TABLES = ("padded", "csr")
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,12 @@ class Capabilities:
         split_k: its ``paged_attention`` takes ``num_splits`` (split-K decode; ``None``: its heuristic),
             so the suite draws split counts (``Case.num_splits``). Read from a ``SPLIT_K`` attribute
             when the backend has no ``capabilities``.
+        page_table: ``"padded"`` (``block_tables [batch, max_blocks]`` padded with ``-1``, vLLM's and
+            flash-attn's) or ``"csr"`` (FlashInfer's ``kv_indptr`` / ``kv_indices`` / ``kv_last_page_len``,
+            :mod:`pagedkv.csr`): its ``paged_attention`` is then called as ``paged_attention(query,
+            k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, query_start_loc, scale=None,
+            **features)``, the suite builds that metadata from every drawn case, and the CSR faults
+            replace the padded-table faults of the rejection property.
         layout: the pool layout its ops take: ``"NHD"`` (``[num_blocks, block_size, num_kv_heads,
             head_dim]``, the contract's) or ``"HND"`` (``[num_blocks, num_kv_heads, block_size, head_dim]``,
             FlashInfer's and vLLM's head-major layout). For ``"HND"`` the suite builds head-major pools
@@ -131,8 +139,11 @@ class Capabilities:
     preconditions: frozenset[str] = frozenset()
     split_k: bool = False
     layout: str = "NHD"
+    page_table: str = "padded"
 
     def __post_init__(self) -> None:
+        if self.page_table not in PAGE_TABLES:
+            raise ValueError(f"Capabilities.page_table: unknown {self.page_table!r}; known: {list(PAGE_TABLES)}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"Capabilities.layout: unknown {self.layout!r}; known: {list(LAYOUTS)}")
         for name, allowed in (("dtypes", DTYPE_NAMES), ("features", FEATURE_NAMES),

@@ -225,8 +225,24 @@ def _declare() -> list[Property]:
             f"{op}_rejects_bad_arguments_and_writes_nothing",
             f"{op} with one argument broken raises the contract's error naming it, and both pools are unchanged",
             (op,), rejection.check_rejected, lazy("invalid_calls", ops=(op,)), partial(kc.invalid_examples, op),
-            kind="invalid"))
+            kind="invalid", requires=_padded_tables if op == "paged_attention" else lambda caps: None))
+    props.append(Property(
+        "paged_attention_rejects_bad_csr_page_metadata",
+        "paged_attention with FlashInfer page metadata broken one way (kv_indptr not monotone, a last page "
+        "length of 0 or past the page size, indices past the pool, a row longer than its pages) raises the "
+        "contract's error", attn, rejection.csr_metadata_rejected, mixed(), lambda: (kc.C5, kc.C8),
+        requires=_csr_tables))
     return props
+
+
+def _padded_tables(caps) -> str | None:
+    """The padded-table faults apply to a backend that takes padded tables (a CSR one has its own)."""
+    return None if caps.page_table == "padded" else \
+        "not applicable: the backend takes CSR page tables (paged_attention_rejects_bad_csr_page_metadata)"
+
+
+def _csr_tables(caps) -> str | None:
+    return None if caps.page_table == "csr" else "not applicable: the backend takes padded block tables"
 
 
 def _limit_case(limit: str, caps=None, **_):

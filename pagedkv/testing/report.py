@@ -121,7 +121,7 @@ def tally(stats: dict) -> dict[str, dict]:
                 t["regressions"] += 1
             continue
         if r["status"] == "skipped":
-            if " does not provide " in r["reason"] or "not covered" in r["reason"]:
+            if any(w in r["reason"] for w in (" does not provide ", "not covered", "not applicable")):
                 t["missing_ops"] += 1  # not applicable: an op it lacks, an optional feature it does not declare
             t["skipped"][_reason_group(r["reason"])] += 1
         else:

@@ -110,7 +110,7 @@ def pick_device(chosen: str | None = None) -> str:
 
 #: The pool arguments of each op, by name (the contract's signatures).
 _POOL_ARGS = {"gather": ("cache",), "scatter": ("cache",), "write_kv": ("k_cache", "v_cache"),
-              "paged_attention": ("k_cache", "v_cache")}
+              "paged_attention": ("k_cache", "v_cache"), "paged_attention_csr": ("k_cache", "v_cache")}
 
 
 class HeadMajor:
@@ -143,10 +143,39 @@ class HeadMajor:
         return op
 
 
+class CsrPageTables:
+    """A backend declaring ``page_table="csr"`` seen through the contract's padded ``paged_attention``:
+    the drawn case's ``block_tables`` / ``seq_lens`` reach it as FlashInfer's ``kv_indptr`` /
+    ``kv_indices`` / ``kv_last_page_len`` (:func:`pagedkv.testing.cases.csr.call_paged_attention`)."""
+
+    def __init__(self, backend: Any):
+        self._backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def paged_attention(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,
+                        **features):
+        from pagedkv.testing.cases.csr import call_paged_attention
+
+        return call_paged_attention(self._backend, query, k_cache, v_cache, block_tables, seq_lens,
+                                    query_start_loc, scale, **features)
+
+    def paged_attention_csr(self, query, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len,
+                            query_start_loc, scale=None, **features):
+        """The backend's own CSR call, for the properties about CSR metadata itself."""
+        return self._backend.paged_attention(query, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len,
+                                             query_start_loc, scale, **features)
+
+
 def as_declared_layout(backend: Any) -> Any:
-    """``backend`` itself, or a :class:`HeadMajor` view of it when it declares ``layout="HND"``."""
+    """``backend`` seen through the contract's ops: a :class:`HeadMajor` view when it declares
+    ``layout="HND"``, a :class:`CsrPageTables` view when it declares ``page_table="csr"``, else itself."""
     from pagedkv.backends.capabilities import capabilities_of
 
-    if getattr(capabilities_of(backend), "layout", "NHD") == "HND":
-        return HeadMajor(backend)
+    caps = capabilities_of(backend)
+    if getattr(caps, "page_table", "padded") == "csr":
+        backend = CsrPageTables(backend)
+    if getattr(caps, "layout", "NHD") == "HND":
+        backend = HeadMajor(backend)
     return backend

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from pagedkv.testing.cases.invalid_call import InvalidCall
-from pagedkv.testing.compare import Mismatch, bits, require
+from pagedkv.testing.compare import Mismatch, MissingOp, bits, require
 
 
 def check_rejected(backend: Any, call: InvalidCall, device: str = "cpu", *,
@@ -43,3 +43,34 @@ def check_rejected(backend: Any, call: InvalidCall, device: str = "cpu", *,
         raise Mismatch(f"{call.op} with {call.fault}: the {type(raised).__name__} message does not name the argument "
                        f"{call.spec.argument!r}: {raised}")
     return raised
+
+
+def csr_metadata_rejected(backend: Any, case: Any, device: str = "cpu") -> None:
+    """A CSR candidate's ``paged_attention`` with each fault of :data:`~pagedkv.testing.cases.csr.CSR_FAULTS`
+    that fits the case's metadata (indptr not monotone, a last page length of 0 or past the page size,
+    indices past the pool, a row longer than its pages, ...) raises the contract's error.
+
+    Raises:
+        Mismatch: no error, or the wrong type. MissingOp: the backend takes padded tables.
+    """
+    from pagedkv.testing.cases.csr import CSR_FAULTS, csr_from_case
+
+    call = getattr(backend, "paged_attention_csr", None)
+    if call is None:
+        raise MissingOp(f"{getattr(backend, 'name', backend)} does not provide a CSR paged_attention")
+    k_cache, v_cache = case.caches(device)
+    query, qsl = case.query(device), case.query_start_loc(device)
+    valid = csr_from_case(case, device)
+    for fault in CSR_FAULTS:
+        if not fault.applies(valid):
+            continue
+        bad = fault.breaks(valid, case.geometry.num_blocks)
+        try:
+            call(query, k_cache, v_cache, bad.kv_indptr, bad.kv_indices, bad.kv_last_page_len, qsl)
+        except fault.error:
+            continue
+        except Exception as exc:  # noqa: BLE001 - the wrong type is the finding
+            raise Mismatch(f"paged_attention with {fault.name} raised {type(exc).__name__}: {exc}; the contract "
+                           f"requires {fault.error.__name__}") from exc
+        raise Mismatch(f"paged_attention with {fault.name} raised nothing; the contract requires "
+                       f"{fault.error.__name__}")
