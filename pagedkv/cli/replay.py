@@ -30,6 +30,7 @@ from typing import Any, TextIO
 
 from pagedkv.backends.interpreter import choose_interpreter  # torch-free: replay imports nothing before the check
 from pagedkv.cli.common import device_option
+from pagedkv.cli.replay_child import isolated, replay_in_child
 from pagedkv.cli.replay_drift import add_options as add_drift_options
 
 
@@ -66,43 +67,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Replay ``args.file``; see the module docstring for the output and exit status."""
-    if _isolated(args):
-        return _replay_in_child(args)
+    if isolated(args):
+        return replay_in_child(args)
     return replay(args.file, device=args.device, impl=args.impl, other=args.other, max_bytes=args.max_bytes,
                   quiet=args.quiet, exact=args.exact, max_drift_ulp=args.max_drift_ulp)
-
-
-def _isolated(args: argparse.Namespace) -> bool:
-    """``--isolate``, else whether the file records a run that never finished (it crashed)."""
-    if args.isolate is not None:
-        return args.isolate
-    from pagedkv.errors import CaseFileError
-    from pagedkv.testing.casefiles.reading import parse_case_bytes, read_case_bytes
-
-    try:  # read as any untrusted file is (size, encoding, nesting, duplicate keys)
-        record = parse_case_bytes(read_case_bytes(args.file))
-    except CaseFileError:
-        return False  # the in-process replay refuses the file with its reason
-    return isinstance(record, dict) and record.get("outcome") in ("running", "crashed")
-
-
-def _replay_in_child(args: argparse.Namespace) -> int:
-    """The same replay in a child process; a child killed by a signal is the verdict ``CRASHED`` (exit 1)."""
-    import signal
-    import subprocess
-
-    argv = ["replay", str(args.file), "--device", str(args.device), "--no-isolate"]
-    for option, value in (("--impl", args.impl), ("--other", args.other), ("--max-bytes", args.max_bytes),
-                          ("--max-drift-ulp", args.max_drift_ulp)):
-        argv += [option, str(value)] if value is not None else []
-    argv += ["--quiet"] * bool(args.quiet) + ["--exact"] * bool(args.exact)
-    proc = subprocess.run([sys.executable, "-m", "pagedkv", *argv])
-    if proc.returncode < 0:
-        name = signal.Signals(-proc.returncode).name
-        print(f"CRASHED: the backend's process died of {name} while running the case in {args.file} "
-              f"(replayed in a child process)")
-        return 1
-    return proc.returncode
 
 
 def _byte_count(text: str) -> int:
