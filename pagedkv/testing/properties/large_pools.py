@@ -40,13 +40,24 @@ def _pools(case: LimitCase, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return pools
 
 
+def _memory(pool: torch.Tensor) -> torch.Tensor:
+    """The pool's storage in memory order (NHD as is, head-major permuted back): contiguous, no copy."""
+    return pool if pool.is_contiguous() else pool.permute(0, 2, 1, 3)
+
+
 def nonzero_slots(pool: torch.Tensor) -> list[int]:
-    """Slots holding anything but zero, scanned over chunks of blocks (reading fresh pages maps no memory)."""
-    bs = pool.shape[1]
+    """Slots holding anything but zero bits. Chunks of blocks are scanned as 64-bit words first (reading
+    fresh pages maps no memory); only a chunk with a set bit is looked at slot by slot."""
+    memory, bs = _memory(pool), pool.shape[1]
     step = max(1, _CHUNK_ELEMENTS // (bs * pool.shape[2] * pool.shape[3]))
     found = []
     for first in range(0, pool.shape[0], step):
-        written = (pool[first:first + step] != 0).flatten(2).any(-1)  # [blocks, block_size]
+        chunk = memory[first:first + step]
+        words = chunk.reshape(-1).view(torch.uint8)
+        words = words.view(torch.int64) if words.numel() % 8 == 0 else words
+        if not bool(words.any()):
+            continue
+        written = (bits(pool[first:first + step]) != 0).flatten(2).any(-1)  # [blocks, block_size]
         found += [(first + int(b)) * bs + int(o) for b, o in torch.nonzero(written).tolist()]
     return found
 
