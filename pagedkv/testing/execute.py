@@ -152,6 +152,7 @@ class _Recorder:
     def __init__(self, prop: Any, spec: str, other: str | None, case_file: Path | None, device: str):
         self.prop, self.spec, self.other, self.base, self.device = prop, spec, other, case_file, device
         self.by_origin: dict[tuple, Failure] = {}
+        self.by_error: dict[int, Failure] = {}
 
     def _path(self, index: int) -> Path:
         assert self.base is not None
@@ -190,7 +191,33 @@ class _Recorder:
             if running is not None and running != path:
                 running.unlink(missing_ok=True)
         self.by_origin[origin] = failure  # shrinking replaces a failure by its smaller case
+        self.by_error[id(exc)] = failure  # the exception Hypothesis reports in the end is this object
         return failure
+
+    def finish(self, errors: list[BaseException]) -> list[Failure]:
+        """One failure, case file and replay line per exception Hypothesis reports in the end
+        (``NAME.json``, ``NAME-2.json``, ...); files of failures seen only while shrinking are removed."""
+        from pagedkv.testing.casefiles.writing import save_failure
+
+        seen = {id(f) for f in self.by_origin.values()}
+        final = []
+        for i, error in enumerate(errors):
+            found = self.by_error.get(id(error)) or self.by_origin.get(_origin(error))
+            failure = Failure(found.case if found else None, error)
+            if self.base is not None and failure.case is not None:
+                outcome = "failed" if isinstance(error, AssertionError) else "raised"
+                text = str(error) if outcome == "failed" else f"{type(error).__name__}: {error}"
+                failure.case_file = save_failure(self.prop.name, self.spec, failure.case, other=self.other,
+                                                 outcome=outcome, error=text, path=self._path(i))
+                failure.replay = replay_command(failure.case_file, self.spec, self.device, self.other)
+            final.append(failure)
+        keep = {f.case_file for f in final}
+        for old in self.by_origin.values():
+            if id(old) in seen and old.case_file is not None and old.case_file not in keep:
+                old.case_file.unlink(missing_ok=True)
+        if self.running is not None and self.running not in keep:
+            self.running.unlink(missing_ok=True)
+        return final
 
 
 def run_case(prop: Any, backends: tuple, case: Any, device: str = "cpu", *, spec: str | None = None,
@@ -336,22 +363,10 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
             raise  # an interrupt, or a harness error: no example failed
         errors = list(getattr(exc, "exceptions", None) or [exc])  # an exception group: several failures
         outcome.status = "failed"
-        for error in errors:
-            failure = recorder.by_origin.get(_origin(error)) or Failure(None, error)
-            failure.error = error  # the final (shrunk) run's exception, with Hypothesis' notes
-            outcome.failures.append(failure)
-        _drop_stale_files(recorder, outcome.failures)
+        outcome.failures = recorder.finish(errors)
     outcome.examples = state["calls"]
     outcome.seconds = time.perf_counter() - start
     return outcome
-
-
-def _drop_stale_files(recorder: _Recorder, kept: list[Failure]) -> None:
-    """Remove case files of failures seen while shrinking that Hypothesis did not report in the end."""
-    keep = {f.case_file for f in kept}
-    for failure in recorder.by_origin.values():
-        if failure.case_file is not None and failure.case_file not in keep:
-            failure.case_file.unlink(missing_ok=True)
 
 
 def _run_machine(prop: Any, backend: Any, device: str, chosen: Any, outcome: Outcome, start: float,
