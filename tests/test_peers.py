@@ -188,3 +188,38 @@ def test_sglang_kv_indices_are_the_contract_slots(name):
     indptr, indices = peer._kv_indices(tables, lens, bs, 6 * bs)
     want = [int(tables[b, p // bs]) * bs + p % bs for b, n in enumerate(lens) for p in range(n)]
     assert indptr.tolist() == [0, 6, 15] and indices.tolist() == want
+
+
+def _vllm_feature_outcomes(name: str, **case_changes) -> dict:
+    import dataclasses
+
+    from pagedkv.testing import execute
+    from pagedkv.testing.cases import known as kc
+
+    peer = _peer(name)
+    prop = properties()["paged_attention_matches_fp64_dense_reference"]
+    off = dict(window_left=-1, softcap=0.0, alibi=False, sinks=False)
+    out = {}
+    for feature in ({"window_left": 4}, {"softcap": 5.0}, {"alibi": True}, {"sinks": True},
+                    {"alibi": True, "sinks": True}):
+        case = dataclasses.replace(kc.F_ALL, **{**off, **case_changes, **feature})
+        out[tuple(feature)] = execute.run_case(prop, (peer,), case).status
+    return out
+
+
+def test_vllm_unified_attention_takes_each_declared_feature_and_diverges_on_alibi_with_sinks():
+    """Each feature alone matches the definition; ALiBi and sinks together do not (docs/peers.md)."""
+    peer = _peer("vllm_triton")
+    assert {"window", "softcap", "alibi", "sinks"} <= peer.capabilities.features
+    outcomes = _vllm_feature_outcomes("vllm_triton")
+    assert all(v == "passed" for k, v in outcomes.items() if len(k) == 1), outcomes
+    assert outcomes[("alibi", "sinks")] == "failed", outcomes
+
+
+def test_vllm_tensor_descriptor_path_reads_the_unused_tail():
+    """use_td=True: NaN in the last block's unused tail reaches the output (declared finite_unused_slots);
+    with finite unused slots every feature matches."""
+    assert "finite_unused_slots" in _peer("vllm_triton_td").capabilities.preconditions
+    assert set(_vllm_feature_outcomes("vllm_triton_td").values()) == {"failed"}
+    finite = _vllm_feature_outcomes("vllm_triton_td", poison="sentinel")
+    assert all(v == "passed" for k, v in finite.items() if len(k) == 1), finite

@@ -99,6 +99,8 @@ class VllmTriton:
     """
 
     name = "vllm_triton"
+    use_td = False  # unified_attention's tensor-descriptor path (the vllm_triton_td variant)
+    preconditions: frozenset = frozenset()
 
     def __init__(self) -> None:
         if not torch.cuda.is_available():
@@ -111,8 +113,11 @@ class VllmTriton:
             raise _unavailable("Triton attention ops", exc) from exc
         self._write, self._attend = triton_reshape_and_cache_flash, unified_attention
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        # unified_attention takes a left window, a soft-cap, ALiBi slopes and sinks: declared, so drawn
         self.capabilities = Capabilities(dtypes={"float32", "float16"} if interpreted else
-                                         {"float32", "float16", "bfloat16"})
+                                         {"float32", "float16", "bfloat16"},
+                                         features={"window", "softcap", "alibi", "sinks"},
+                                         preconditions=self.preconditions)
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping) -> None:
         """``triton_reshape_and_cache_flash(key, value, k_cache, v_cache, slot_mapping, "auto", 1, 1)``."""
@@ -123,10 +128,14 @@ class VllmTriton:
         with _capability_for_cpu_tensors(k_cache.device):
             self._write(key, value, k_cache, v_cache, slots, "auto", one, one)
 
-    def paged_attention(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None):
+    def paged_attention(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,
+                        window_left=-1, softcap=0.0, alibi_slopes=None, sinks=None):
         """``unified_attention(q, k_cache, v_cache, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
-        scale, causal=True, window_size=(-1, -1), block_table, softcap=0, descales None)``."""
-        args = check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        scale, causal=True, window_size=(window_left, 0) or (-1, -1), block_table, softcap, descales None,
+        alibi_slopes=, sinks=, use_td=)``: pagedkv's ``window_left`` is flash-attn's left window."""
+        args = check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                     window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes,
+                                     sinks=sinks)
         out = torch.zeros_like(query)
         q_lens = [args.q_starts[b + 1] - args.q_starts[b] for b in range(len(args.seq_lens))]
         if not any(q_lens):
@@ -135,9 +144,20 @@ class VllmTriton:
         self._attend(query, k_cache, v_cache, out,
                      torch.tensor(args.q_starts, dtype=torch.int32, device=device), max(q_lens),
                      torch.tensor(args.seq_lens, dtype=torch.int32, device=device), max(args.seq_lens),
-                     args.scale, True, (-1, -1), args.block_tables.to(torch.int32).contiguous(), 0.0,
-                     None, None, None)
+                     args.scale, True, (args.window_left, 0) if args.window_left >= 0 else (-1, -1),
+                     args.block_tables.to(torch.int32).contiguous(), args.softcap, None, None, None,
+                     alibi_slopes=args.alibi_slopes, sinks=args.sinks, **({"use_td": True} if self.use_td else {}))
         return out
+
+
+class VllmTritonTensorDescriptors(VllmTriton):
+    """:class:`VllmTriton` on ``unified_attention``'s tensor-descriptor path (``use_td=True``). It reads
+    whole tiles of the last block, so NaN in its unused tail reaches the output (the kind of fault vLLM's
+    open PR #44850 reports): declared as the precondition ``finite_unused_slots``, run as a finding."""
+
+    name = "vllm_triton_td"
+    use_td = True
+    preconditions = frozenset({"finite_unused_slots"})
 
 
 def _fresh_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -233,4 +253,5 @@ class VllmCpuAttention:
 
 def peer_classes() -> dict[str, Any]:
     """name -> adapter class, for :data:`pagedkv.testing.peers.PEERS`."""
-    return {"vllm_triton": VllmTriton, "vllm_cpu_attention": VllmCpuAttention}
+    return {"vllm_triton": VllmTriton, "vllm_triton_td": VllmTritonTensorDescriptors,
+            "vllm_cpu_attention": VllmCpuAttention}
