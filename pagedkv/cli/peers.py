@@ -34,8 +34,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "peers", help="run the conformance suite against other projects' kernels and print a conformance table",
         description="Run the conformance suite against each peer (pagedkv.testing.peers: PyTorch, flash-attn, "
                     "vLLM, SGLang, transformers) usable here and print a property x peer table: pass, FAIL with "
-                    "the shrunk case, skipped with the reason, or finding (outside a declared precondition, non-gating). Peers not installed are "
-                    "listed with the reason. Exit status 1 when a peer fails a gating test.")
+                    "the shrunk case, skipped with the reason, or finding (outside a declared precondition, "
+                    "non-gating). Peers not installed are listed with the reason. Exit status 1 when a peer fails "
+                    "a gating test.")
     parser.add_argument("--peers", metavar="NAMES", help="comma-separated peer names (default: every peer)")
     parser.add_argument("--profile", default="ci", choices=("dev", "ci", "gpu", "nightly", "repro"),
                         help="Hypothesis profile (default: ci, derandomized)")
