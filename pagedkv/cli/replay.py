@@ -1,7 +1,7 @@
 """``python -m pagedkv replay FILE``: rerun one failing case from its case file, on any device.
 
-A case file (written by the suite on failure, or committed under ``pagedkv/testing/regressions/``) names the
-check, the backend spec and the case as plain data. Replay reruns exactly that check and, on
+A case file (written by the suite on failure, or committed under
+``pagedkv/testing/casefiles/regressions/``) names the check, the backend spec and the case as plain data. Replay reruns exactly that check and, on
 failure, prints the first mismatch (sequence, logical position, physical block, slot, expected and
 actual values) and a map of the block tables with the bad block marked::
 
@@ -40,8 +40,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "replay", parents=[device_option("cpu", "replayed tensors")],
         help="rerun a failing case file and show where it fails",
         description="Rerun the check recorded in a case file (.pagedkv-failures/*.json or "
-                    "pagedkv/testing/regressions/*.json) and, on failure, print the first mismatch and a map of the "
-                    "block tables with the bad slot marked. The file is checked first (size, schema, consistency, "
+                    "pagedkv/testing/casefiles/regressions/*.json) and, on failure, print the first mismatch and a "
+                    "map of the block tables with the bad slot marked. The file is checked first (size, schema, consistency, "
                     "memory budget) and only a built-in, shipped-mutant or shipped-peer backend is loaded on its "
                     "word. Exit status: 0 passes, 1 fails, 2 refused or cannot load.")
     parser.add_argument("file", metavar="FILE",

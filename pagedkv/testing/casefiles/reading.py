@@ -1,7 +1,7 @@
 """Case files: written when a property fails (or before the backend runs), read as untrusted input.
 
 A case file is plain JSON (written by :func:`save_failure`, committed under
-``pagedkv/testing/regressions/``, downloaded from a CI artifact or an issue). Whoever hands you one
+``pagedkv/testing/casefiles/regressions/``, downloaded from a CI artifact or an issue). Whoever hands you one
 controls every byte of it, so :func:`load_case_file` reads it in this order and stops at the first
 problem with a :class:`~pagedkv.errors.CaseFileError` whose ``field`` is the path of the offending
 field (``case.seqs[0].seq_len``; ``file`` for the bytes themselves):
