@@ -1,9 +1,10 @@
 """``python -m pagedkv replay FILE``: rerun one failing case from its case file, on any device.
 
 A case file (written by the suite on failure, or committed under
-``pagedkv/testing/casefiles/regressions/``) names the check, the backend spec and the case as plain data. Replay reruns exactly that check and, on
-failure, prints the first mismatch (sequence, logical position, physical block, slot, expected and
-actual values) and a map of the block tables with the bad block marked::
+``pagedkv/testing/casefiles/regressions/``) names the check, the backend spec and the case as plain
+data. Replay reruns exactly that check and, on failure, prints the first mismatch (sequence, logical
+position, physical block, slot, expected and actual values) and a map of the block tables with the
+bad block marked::
 
     block tables (block_size 4; * = first bad block, offset 1 = slot 13):
       seq 0 | [ 2 ] [ 3*] [-1 ]
@@ -41,9 +42,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="rerun a failing case file and show where it fails",
         description="Rerun the check recorded in a case file (.pagedkv-failures/*.json or "
                     "pagedkv/testing/casefiles/regressions/*.json) and, on failure, print the first mismatch and a "
-                    "map of the block tables with the bad slot marked. The file is checked first (size, schema, consistency, "
-                    "memory budget) and only a built-in, shipped-mutant or shipped-peer backend is loaded on its "
-                    "word. Exit status: 0 passes, 1 fails, 2 refused or cannot load.")
+                    "map of the block tables with the bad slot marked. The file is checked first (size, schema, "
+                    "consistency, memory budget) and only a built-in, shipped-mutant or shipped-peer backend is "
+                    "loaded on its word. Exit status: 0 passes, 1 fails, 2 refused or cannot load.")
     parser.add_argument("file", metavar="FILE",
                         help="case file (JSON) written by the suite or committed as a regression")
     parser.add_argument("--impl", metavar="SPEC", default=None,
