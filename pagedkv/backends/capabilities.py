@@ -196,7 +196,6 @@ def capabilities_of(backend: Any) -> Capabilities:
     """
     caps = getattr(backend, "capabilities", None)
     if caps is None:
-        _warn_misspelled(backend)
         return Capabilities(features=frozenset(getattr(backend, "FEATURES", ())),
                             split_k=bool(getattr(backend, "SPLIT_K", False)))
     if not isinstance(caps, Capabilities):
@@ -205,15 +204,17 @@ def capabilities_of(backend: Any) -> Capabilities:
     return caps
 
 
-def _warn_misspelled(backend: Any) -> None:
-    """Warn when ``backend`` has no ``capabilities`` but an attribute that looks like a misspelling of it
-    (``capabilites``): the declared space would otherwise be ignored without a word."""
+def misspelled_capabilities(backend: Any) -> str | None:
+    """When ``backend`` has no ``capabilities`` but an attribute that looks like a misspelling of it
+    (``capabilites``), the message saying so (its declared space would otherwise be ignored without a
+    word); else ``None``. Checked once, when a candidate is loaded."""
     import difflib
-    import warnings
 
+    if getattr(backend, "capabilities", None) is not None:
+        return None
     names = [n for n in dir(backend) if not n.startswith("__")]
     close = [n for n in difflib.get_close_matches("capabilities", names, n=3, cutoff=0.8) if n != "capabilities"]
-    if close:
-        warnings.warn(f"{getattr(backend, 'name', None) or type(backend).__name__} has no 'capabilities' attribute "
-                      f"but has {close[0]!r}: a misspelling? Its declared space is ignored (everything is drawn)",
-                      UserWarning, stacklevel=3)
+    if not close:
+        return None
+    return (f"{getattr(backend, 'name', None) or type(backend).__name__} has no 'capabilities' attribute but has "
+            f"{close[0]!r}: a misspelling? Its declared space is ignored (everything is drawn)")

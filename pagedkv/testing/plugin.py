@@ -24,7 +24,6 @@ the collected paths, or the ini key ``pagedkv_builtin = true`` is set. The logic
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 import pytest
@@ -98,18 +97,17 @@ def candidates(config: pytest.Config) -> list:
     """
     if _CANDIDATES not in config.stash:
         import pagedkv
+        from pagedkv.backends.capabilities import misspelled_capabilities
         from pagedkv.testing.space import capabilities_under_test, load_candidates
 
         try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                loaded = load_candidates(impl_spec(config))
-                for backend in loaded:
-                    capabilities_under_test(backend)
+            loaded = load_candidates(impl_spec(config))
+            for backend in loaded:
+                capabilities_under_test(backend)
         except (pagedkv.BackendError, TypeError, ValueError) as exc:
             raise pytest.UsageError(f"--pagedkv-impl / PAGEDKV_IMPL: {exc}") from exc
-        for w in caught:  # a misspelled `capabilities` and the like: shown once, in the warnings summary
-            config.issue_config_time_warning(pytest.PytestWarning(f"pagedkv: {w.message}"), stacklevel=2)
+        for message in filter(None, map(misspelled_capabilities, loaded)):  # once, in the warnings summary
+            config.issue_config_time_warning(pytest.PytestWarning(f"pagedkv: {message}"), stacklevel=2)
         config.stash[_CANDIDATES] = loaded
     return config.stash[_CANDIDATES]
 
