@@ -204,7 +204,12 @@ def missing_ops(backend: Any) -> dict[str, str]:
     """
     problems = {}
     name = backend_name(backend)
-    csr = getattr(getattr(backend, "capabilities", None), "page_table", "padded") == "csr"
+    from pagedkv.backends.capabilities import capabilities_of
+
+    try:
+        csr = capabilities_of(backend).page_table == "csr"
+    except (TypeError, ValueError):
+        csr = False  # a malformed declaration is reported where the declared space is read
     for op in OPS:
         fn = getattr(backend, op, None)
         params = CSR_ATTENTION_PARAMS if csr and op == "paged_attention" else OP_PARAMS[op]

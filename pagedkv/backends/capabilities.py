@@ -189,15 +189,18 @@ class Capabilities:
 def capabilities_of(backend: Any) -> Capabilities:
     """``backend.capabilities`` when it is a :class:`Capabilities`; else every size, dtype and layout,
     with ``features`` taken from a ``FEATURES`` attribute (none when the backend has no such attribute:
-    an undeclared feature is reported as not covered, never as passed) and ``split_k`` from ``SPLIT_K``.
+    an undeclared feature is reported as not covered, never as passed), ``split_k`` from ``SPLIT_K`` and
+    ``page_table`` from a ``page_table`` attribute. The one place a backend's declarations are read.
 
     Raises:
         TypeError: ``backend.capabilities`` exists but is not a :class:`Capabilities`.
+        ValueError: a ``page_table`` attribute that names no format.
     """
     caps = getattr(backend, "capabilities", None)
     if caps is None:
         return Capabilities(features=frozenset(getattr(backend, "FEATURES", ())),
-                            split_k=bool(getattr(backend, "SPLIT_K", False)))
+                            split_k=bool(getattr(backend, "SPLIT_K", False)),
+                            page_table=getattr(backend, "page_table", None) or "padded")
     if not isinstance(caps, Capabilities):
         raise TypeError(f"{getattr(backend, 'name', backend)!r}.capabilities must be a "
                         f"pagedkv.backends.capabilities.Capabilities, got {type(caps).__name__}")

@@ -174,8 +174,8 @@ def as_declared_layout(backend: Any) -> Any:
     from pagedkv.backends.capabilities import capabilities_of
 
     caps = capabilities_of(backend)
-    if getattr(caps, "page_table", "padded") == "csr":
+    if caps.page_table == "csr":
         backend = CsrPageTables(backend)
-    if getattr(caps, "layout", "NHD") == "HND":
+    if caps.layout == "HND":
         backend = HeadMajor(backend)
     return backend

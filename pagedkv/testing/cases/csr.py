@@ -2,8 +2,7 @@
 a candidate that takes it, and the faults of CSR metadata that the invalid-input properties inject.
 
 A candidate declares that its ``paged_attention`` takes CSR page metadata instead of padded block tables
-with ``page_table = "csr"`` (on its ``capabilities``, or as a backend attribute while
-:class:`~pagedkv.backends.capabilities.Capabilities` has no such field), and is then called as::
+with ``page_table = "csr"`` (on its ``capabilities``, or as a backend attribute), and is then called as::
 
     paged_attention(query, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, query_start_loc, scale=None,
                     **features)
@@ -27,22 +26,17 @@ from pagedkv.errors import BlockIndexError, ShapeError
 
 __all__ = ["CSR_FAULTS", "CsrFault", "call_paged_attention", "csr_from_case", "page_table_format"]
 
-PAGE_TABLE_FORMATS = ("padded", "csr")
-
 
 def page_table_format(backend: Any) -> str:
-    """``"csr"`` or ``"padded"`` (the default): ``backend.capabilities.page_table`` when present, else a
-    ``page_table`` attribute of the backend.
+    """``"csr"`` or ``"padded"``: the backend's declared ``page_table``
+    (:func:`pagedkv.backends.capabilities.capabilities_of`, which also reads a ``page_table`` attribute).
 
     Raises:
-        ValueError: a declared format other than :data:`PAGE_TABLE_FORMATS`.
+        ValueError: a declared format other than ``padded`` / ``csr``.
     """
-    caps = getattr(backend, "capabilities", None)
-    fmt = getattr(caps, "page_table", None) or getattr(backend, "page_table", None) or "padded"
-    if fmt not in PAGE_TABLE_FORMATS:
-        raise ValueError(f"{getattr(backend, 'name', backend)!r} declares page_table={fmt!r}; known: "
-                         f"{list(PAGE_TABLE_FORMATS)}")
-    return fmt
+    from pagedkv.backends.capabilities import capabilities_of
+
+    return capabilities_of(backend).page_table
 
 
 def csr_from_case(case: Any, device: str | torch.device = "cpu") -> CsrPageTable:
