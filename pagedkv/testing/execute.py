@@ -112,8 +112,9 @@ def call(prop: Any, backends: tuple, case: Any, device: str) -> None:
     from pagedkv.testing.space import as_declared_layout
 
     backends = _with_reference(prop, tuple(backends))
-    candidate = as_declared_layout(backends[-1])
-    with pool_layout(capabilities_of(backends[-1]).layout):  # the candidate's memory order; compared as NHD
+    caps = capabilities_of(backends[-1])
+    candidate = as_declared_layout(backends[-1], caps)
+    with pool_layout(caps.layout):  # the candidate's memory order; compared as NHD
         if prop.pair:
             return prop.check(backends[0], candidate, case, device)
         return prop.check(candidate, case, device)

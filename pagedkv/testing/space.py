@@ -123,7 +123,7 @@ class HeadMajor:
     def __init__(self, backend: Any):
         self._backend = backend
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # called once per name: the op is kept on the instance
         target = getattr(self._backend, name)
         if name not in _POOL_ARGS or not callable(target):
             return target
@@ -140,6 +140,7 @@ class HeadMajor:
             return target(*bound.args, **bound.kwargs)
 
         op.__name__ = getattr(target, "__name__", name)
+        setattr(self, name, op)
         return op
 
 
@@ -168,12 +169,13 @@ class CsrPageTables:
                                              query_start_loc, scale, **features)
 
 
-def as_declared_layout(backend: Any) -> Any:
+def as_declared_layout(backend: Any, caps: Any = None) -> Any:
     """``backend`` seen through the contract's ops: a :class:`HeadMajor` view when it declares
-    ``layout="HND"``, a :class:`CsrPageTables` view when it declares ``page_table="csr"``, else itself."""
+    ``layout="HND"``, a :class:`CsrPageTables` view when it declares ``page_table="csr"``, else itself
+    (``caps``: its declarations, when the caller has read them already)."""
     from pagedkv.backends.capabilities import capabilities_of
 
-    caps = capabilities_of(backend)
+    caps = caps if caps is not None else capabilities_of(backend)
     if caps.page_table == "csr":
         backend = CsrPageTables(backend)
     if caps.layout == "HND":
