@@ -175,20 +175,25 @@ class _Recorder:
         if self.running is not None:
             self.running.unlink(missing_ok=True)
 
-    def failed(self, case: Any, exc: BaseException) -> Failure:
+    def _save(self, failure: Failure, path: Path) -> None:
+        """Write ``failure``'s case file at ``path`` (outcome ``failed`` for an assertion, else ``raised``)."""
         from pagedkv.testing.casefiles.writing import save_failure
 
+        exc = failure.error
+        outcome = "failed" if isinstance(exc, AssertionError) else "raised"
+        error = str(exc) if outcome == "failed" else f"{type(exc).__name__}: {exc}"
+        failure.case_file = save_failure(self.prop.name, self.spec, failure.case, other=self.other, outcome=outcome,
+                                         error=error, path=path)
+        failure.replay = replay_command(path, self.spec, self.device, self.other)
+
+    def failed(self, case: Any, exc: BaseException) -> Failure:
         origin = _origin(exc)
         running = self.running
         origins = list(self.by_origin)
         failure = Failure(case, exc)
         if self.base is not None:
             path = self._path(origins.index(origin) if origin in origins else len(origins))
-            outcome = "failed" if isinstance(exc, AssertionError) else "raised"
-            error = str(exc) if outcome == "failed" else f"{type(exc).__name__}: {exc}"
-            failure.case_file = save_failure(self.prop.name, self.spec, case, other=self.other, outcome=outcome,
-                                             error=error, path=path)
-            failure.replay = replay_command(path, self.spec, self.device, self.other)
+            self._save(failure, path)
             if running is not None and running != path:
                 running.unlink(missing_ok=True)
         self.by_origin[origin] = failure  # shrinking replaces a failure by its smaller case
@@ -198,23 +203,16 @@ class _Recorder:
     def finish(self, errors: list[BaseException]) -> list[Failure]:
         """One failure, case file and replay line per exception Hypothesis reports in the end
         (``NAME.json``, ``NAME-2.json``, ...); files of failures seen only while shrinking are removed."""
-        from pagedkv.testing.casefiles.writing import save_failure
-
-        seen = {id(f) for f in self.by_origin.values()}
         final = []
         for i, error in enumerate(errors):
             found = self.by_error.get(id(error)) or self.by_origin.get(_origin(error))
             failure = Failure(found.case if found else None, error)
             if self.base is not None and failure.case is not None:
-                outcome = "failed" if isinstance(error, AssertionError) else "raised"
-                text = str(error) if outcome == "failed" else f"{type(error).__name__}: {error}"
-                failure.case_file = save_failure(self.prop.name, self.spec, failure.case, other=self.other,
-                                                 outcome=outcome, error=text, path=self._path(i))
-                failure.replay = replay_command(failure.case_file, self.spec, self.device, self.other)
+                self._save(failure, self._path(i))
             final.append(failure)
         keep = {f.case_file for f in final}
         for old in self.by_origin.values():
-            if id(old) in seen and old.case_file is not None and old.case_file not in keep:
+            if old.case_file is not None and old.case_file not in keep:
                 old.case_file.unlink(missing_ok=True)
         if self.running is not None and self.running not in keep:
             self.running.unlink(missing_ok=True)
