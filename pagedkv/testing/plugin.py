@@ -212,7 +212,8 @@ def pagedkv_run(request):
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Collect what each suite test judged; point a crashed worker's test at the case file it left."""
+    """Point a test whose xdist worker crashed at the case file it left (the judged records travel in
+    each report's ``user_properties`` and are read back by the terminal summary)."""
     from pagedkv.testing.report import crash_section
 
     section = crash_section(report)
