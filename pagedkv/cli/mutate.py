@@ -88,6 +88,8 @@ def _mutants(args) -> list:
 
     per_file = []
     for path in args.source:
+        if not Path(path).is_file():
+            raise SystemExit(f"--source {path}: no such file")
         module = module_name_for(path)
         spec = importlib.util.find_spec(module)
         if spec is None or not spec.origin or not Path(spec.origin).samefile(path):
