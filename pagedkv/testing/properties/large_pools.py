@@ -15,34 +15,33 @@ import torch
 
 from pagedkv.attention import reference_attention
 from pagedkv.testing.cases.limit import LimitCase
-from pagedkv.testing.cases.memory import POOL_LAYOUT
+from pagedkv.testing.cases.memory import POOL_LAYOUTS, new_pools, storage_of
 from pagedkv.testing.compare import Mismatch, MissingOp, assert_attention_close, bits, require
 
 _CHUNK_ELEMENTS = 1 << 26
 
 
 def _pools(case: LimitCase, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lazy (CPU) or zeroed (GPU) logical pools, their storage in the declared layout (a copy-pair layout
+    cannot be converted around each call at this size: skipped)."""
     g = case.geometry
-    hnd = POOL_LAYOUT.get() == "HND"
-    memory = (g.num_blocks, g.num_kv_heads, g.block_size, g.head_dim) if hnd else \
-        (g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
+    copy_form = [layout.name for layout in POOL_LAYOUTS.get() if not layout.is_view]
+    if copy_form:
+        raise MissingOp(f"layout {copy_form[0]} is declared as a copy pair: pools past {case.limit} cannot be "
+                        f"converted on every call (declare it as a view: allocate + logical)")
     if str(device).startswith("cuda") and 2 * case.pool_bytes > torch.cuda.mem_get_info(device)[0] // 2:
         raise MissingOp(f"two pools past {case.limit} need {2 * case.pool_bytes / 2**30:.1f} GiB: the device does "
                         f"not provide them (half its free memory)")
-    make = torch.empty if str(device) == "cpu" else torch.zeros
-
-    def pool():
-        out = make(memory, dtype=g.torch_dtype, device=device)
-        return out.permute(0, 2, 1, 3) if hnd else out
-    pools = pool(), pool()
+    pools = new_pools((g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim), g.torch_dtype, device,
+                      None if str(device) == "cpu" else 0.0)
     if str(device) == "cpu" and (nonzero_slots(pools[0]) or nonzero_slots(pools[1])):
         raise MissingOp("this machine's allocator does not provide fresh zero pages for the lazy pools")
     return pools
 
 
 def _memory(pool: torch.Tensor) -> torch.Tensor:
-    """The pool's storage in memory order (NHD as is, head-major permuted back): contiguous, no copy."""
-    return pool if pool.is_contiguous() else pool.permute(0, 2, 1, 3)
+    """The pool's storage in memory order (its layout's storage tensor, dim 0 the blocks): no copy."""
+    return storage_of(pool)
 
 
 def nonzero_slots(pool: torch.Tensor) -> list[int]:
