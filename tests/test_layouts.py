@@ -171,7 +171,8 @@ def test_a_layout_declared_as_a_view_hands_its_storage_and_a_copy_pair_converts(
 
 @pytest.mark.parametrize("name", ["write_kv_lands_at_slot_mapping_and_skips_negative_slots",
                                   "paged_attention_matches_fp64_dense_reference",
-                                  "gather_returns_exactly_what_each_slot_holds", "outputs_are_bit_identical_under_layout",
+                                  "gather_returns_exactly_what_each_slot_holds",
+                                  "outputs_are_bit_identical_under_layout",
                                   "outputs_are_bit_identical_under_poison",
                                   "write_kv_is_exact_past_2_24_slots_at_a_declared_geometry"])
 def test_mapped_layouts_pass_the_properties(name):
