@@ -286,6 +286,16 @@ def _first_differences(backend: Any, case, device: str, out: TextIO, limit: int 
     sequence's gather (bit for bit) and the attention output (fp64 reference, tolerance policy), with
     expected and actual values. Returns ``{"seq", "position"}`` of the first bad gathered row, if any."""
 
+    from pagedkv.backends.capabilities import capabilities_of
+    from pagedkv.testing.cases.memory import pool_layout
+    from pagedkv.testing.space import as_declared_layout
+
+    caps = capabilities_of(backend)
+    with pool_layout(caps.layout):  # called as the suite calls it: pools in the declared layout
+        return _first_differences_as_declared(as_declared_layout(backend, caps), case, device, out, limit)
+
+
+def _first_differences_as_declared(backend: Any, case, device: str, out: TextIO, limit: int) -> dict:
     from pagedkv.testing.properties.definitions import reference_output, run_attention
     from pagedkv.testing.compare import attention_tolerance, bits
 
@@ -359,27 +369,49 @@ def _report_where(where: dict, case, snapshot: dict, out: TextIO, *, backend: An
         if "expected" in where or "actual" in where:
             print(f"  expected:         {_fmt(where.get('expected'))}", file=out)
             print(f"  actual:           {_fmt(where.get('actual'))}", file=out)
-    print(block_table_map(_tables(case, snapshot), bs, seq=seq, position=pos, block=block, offset=offset), file=out)
+    attention = "query_head" in where  # located by the attention check: the query's slot, not a bad one
+    read = _tail_reads(backend, case, device) if attention and backend is not None and isinstance(case, Case) else {}
+    if read:
+        print("unused slots read: " + "; ".join(f"block {b} offsets {o[0]}..{o[-1]}" for b, o in read.items())
+              + " (refilling them changes the output)", file=out)
+    print(block_table_map(_tables(case, snapshot), bs, seq=seq, position=pos, block=block, offset=offset,
+                          read=read, query=attention), file=out)
+
+
+def _tail_reads(backend: Any, case, device: str) -> dict[int, list[int]]:
+    """:func:`pagedkv.cli.replay_reads.unused_slots_read`, or ``{}`` when the backend crashes on it."""
+    from pagedkv.cli.replay_reads import unused_slots_read
+
+    try:
+        return unused_slots_read(backend, case, device)
+    except Exception:  # noqa: BLE001 - the failure is reported above; the map just has no read marks
+        return {}
 
 
 def block_table_map(tables: dict[int, list[int]], block_size: int, *, seq: int | None = None,
                     position: int | None = None, block: int | None = None, offset: int | None = None,
-                    max_entries: int = 24) -> str:
+                    max_entries: int = 24, read: dict[int, list[int]] | None = None, query: bool = False) -> str:
     """An ASCII map of block tables, one row per sequence, with the bad entry marked.
 
     The entry holding ``position`` of sequence ``seq`` gets ``*``; other entries naming the same
-    physical ``block`` (sharing) get ``=``. A last line draws the bad block's slots with ``x`` at
-    ``offset``. Rows longer than ``max_entries`` are cut around the bad entry.
+    physical ``block`` (sharing) get ``=``; entries naming a block of ``read`` get ``r``. A last line
+    draws the bad block's slots with ``x`` at ``offset`` (``q`` when ``query``: the offset is the failing
+    query's own position, not a wrongly read slot), and one line per block of ``read`` draws ``r`` at
+    the unused slots the kernel read. Rows longer than ``max_entries`` are cut around the bad entry.
 
     Args:
         tables: ``{seq: [block ids]}`` (``-1`` padding included as given).
         block_size: slots per block.
+        read: ``{block: [offsets]}`` of unused slots whose contents change the failing output
+            (:func:`pagedkv.cli.replay_reads.unused_slots_read`).
+        query: ``position`` / ``offset`` locate a failing attention query, not a bad slot.
 
     Returns:
         The map as text (no trailing newline).
     """
     if not tables:
         return "block tables: (none live)"
+    read = read or {}
     width = max(len(str(b)) for t in tables.values() for b in (t or [0]))
     bad_entry = position // block_size if position is not None else None
     if block is None and seq in tables and bad_entry is not None and bad_entry < len(tables[seq]):
@@ -391,7 +423,7 @@ def block_table_map(tables: dict[int, list[int]], block_size: int, *, seq: int |
         cells = []
         for j, b in enumerate(table):
             mark = "*" if (s == seq and j == bad_entry) or (seq is None and b == block) else \
-                "=" if block is not None and b == block else " "
+                "=" if block is not None and b == block else "r" if b in read else " "
             marks.add(mark)
             cells.append(f"[{b:>{width}}{mark}]")
         lo = 0
@@ -404,18 +436,31 @@ def block_table_map(tables: dict[int, list[int]], block_size: int, *, seq: int |
         rows.append(f"  seq {s:>{label}} | " + " ".join(cells) + ("   < the failing sequence" if located else ""))
     legend = []  # only what the map draws
     if "*" in marks:
-        legend.append("* = first bad block" + (f", {where}" if where else ""))
+        legend.append(("* = the failing query's block" if query else "* = first bad block")
+                      + (f", {where}" if where else ""))
     elif seq in tables:
         legend.append("< = the failing sequence, no single block located")
     elif where:
         legend.append(where)
     if "=" in marks:
         legend.append("= = the same block in another table")
+    if "r" in marks:
+        legend.append("r = a block whose unused slots were read")
     lines = [f"block tables (block_size {block_size}" + "".join(f"; {x}" for x in legend) + "):"] + rows
+    glyph = "q" if query else "x"
+    if block is not None and offset is not None and block not in read:
+        slots = " ".join(glyph if i == offset else "." for i in range(block_size)) if block_size <= 64 else \
+            f"... {glyph} at {offset} ..."
+        lines.append(f"  block {block}: | {slots} |   ({glyph} = offset {offset}"
+                     + (", the failing query's own position)" if query else ")"))
+    for b, offsets in read.items():
+        here = offset if b == block else None
+        cells = ["r" if i in offsets else glyph if i == here else "." for i in range(block_size)]
+        slots = " ".join(cells) if block_size <= 64 else f"... r at {offsets[0]}..{offsets[-1]} ..."
+        lines.append(f"  block {b}: | {slots} |   (r = an unused slot the kernel read: refilling it changes the "
+                     f"output" + (f"; {glyph} = offset {here}, the failing query's own position)" if here is not None
+                                  else ")"))
     if block is not None and offset is not None:
-        slots = " ".join("x" if i == offset else "." for i in range(block_size)) if block_size <= 64 else \
-            f"... x at {offset} ..."
-        lines.append(f"  block {block}: | {slots} |   (x = offset {offset})")
         if not any(block in t for t in tables.values()):
             lines.append(f"  block {block} is in no sequence's table: a write touched a slot it does not own")
     return "\n".join(lines)
