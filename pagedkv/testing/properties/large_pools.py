@@ -121,3 +121,62 @@ def attention_past_the_limit(backend: Any, case: LimitCase, device: str = "cpu")
     except AssertionError as exc:
         raise Mismatch(f"paged_attention over blocks {tables} of pools past {case.limit}: "
                        f"{str(exc).splitlines()[0]}", {"block": tables[0][0]}) from None
+
+
+def _table_past_the_limit(case: LimitCase) -> tuple[list[int], int]:
+    """A block table through the block holding the first slot past the limit and the pools' last two
+    blocks, and a length that ends mid-way through the last (a partial last block)."""
+    g, nb = case.geometry, case.geometry.num_blocks
+    return [case.first_slot_past // g.block_size, nb - 2, nb - 1], 2 * g.block_size + max(1, g.block_size // 2)
+
+
+def gather_exact_past_the_limit(backend: Any, case: LimitCase, device: str = "cpu") -> None:
+    """``gather`` reads, bit for bit, rows held in the block past the limit and in the last blocks.
+
+    Raises:
+        Mismatch: a gathered row that is not the one its slot holds.
+    """
+    gather = require(backend, "gather")
+    k_cache, v_cache = _pools(case, device)
+    g = case.geometry
+    table, length = _table_past_the_limit(case)
+    gen = torch.Generator().manual_seed(2)
+    rows = (torch.rand((length, g.num_kv_heads, g.head_dim), generator=gen) + 1).to(device=device, dtype=k_cache.dtype)
+    for pool in (k_cache, v_cache):
+        for p in range(length):
+            pool[table[p // g.block_size], p % g.block_size] = rows[p] if pool is k_cache else -rows[p]
+    tables = torch.tensor(table, dtype=torch.int32, device=device)
+    for pool, want, what in ((k_cache, rows, "k_cache"), (v_cache, -rows, "v_cache")):
+        got = gather(pool, tables, length)
+        bad = [p for p in range(length) if not torch.equal(bits(got[p].cpu()), bits(want[p].cpu()))]
+        if bad:
+            p = bad[0]
+            raise Mismatch(f"gather of {what} past {case.limit}: positions {bad[:4]} do not hold their slot's row "
+                           f"(float32 or int32 slot arithmetic?)",
+                           {"seq": 0, "position": p, "block": table[p // g.block_size],
+                            "slot": table[p // g.block_size] * g.block_size + p % g.block_size})
+
+
+def scatter_exact_past_the_limit(backend: Any, case: LimitCase, device: str = "cpu") -> None:
+    """``scatter`` writes each position into its slot past the limit and in the last blocks, and nowhere else.
+
+    Raises:
+        Mismatch: a position not at its slot, or a slot written that the table does not map to.
+    """
+    scatter = require(backend, "scatter")
+    k_cache, _ = _pools(case, device)
+    g = case.geometry
+    table, length = _table_past_the_limit(case)
+    start = 1  # a write that starts past the block's first slot
+    gen = torch.Generator().manual_seed(3)
+    rows = (torch.rand((length - start, g.num_kv_heads, g.head_dim), generator=gen) + 1).to(device=device,
+                                                                                            dtype=k_cache.dtype)
+    scatter(k_cache, torch.tensor(table, dtype=torch.int32, device=device), rows, start)
+    slots = [table[p // g.block_size] * g.block_size + p % g.block_size for p in range(start, length)]
+    wrong = [s for i, s in enumerate(slots) if not torch.equal(bits(_row(k_cache, s).cpu()), bits(rows[i].cpu()))]
+    stray = sorted(set(nonzero_slots(k_cache)) - set(slots))
+    if wrong or stray:
+        bad = (wrong or stray)[0]
+        raise Mismatch(f"scatter into pools past {case.limit}: slots {wrong[:4]} do not hold their row; slots "
+                       f"{stray[:4]} were written although the table maps no position there (float32 or int32 "
+                       f"slot arithmetic?)", {"slot": bad, "block": bad // g.block_size})
