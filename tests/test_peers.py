@@ -19,6 +19,18 @@ def _peer(name):
         pytest.skip(str(exc))
 
 
+def _in_declared_layout(check, peer, case):
+    """``check(peer, case, "cpu")`` as the suite runs it: pools built in the peer's declared layout and the
+    peer seen through it."""
+    from pagedkv.backends.capabilities import capabilities_of
+    from pagedkv.testing.cases.memory import pool_layout
+    from pagedkv.testing.space import as_declared_layout
+
+    caps = capabilities_of(peer)
+    with pool_layout(caps.layout):
+        return check(as_declared_layout(peer, caps), case, "cpu")
+
+
 WRITE_KV = "write_kv_lands_at_slot_mapping_and_skips_negative_slots"
 
 
@@ -72,26 +84,53 @@ def test_vllm_peer_writes_and_attends_on_a_fixed_case(name):
     from pagedkv.testing.properties.definitions import attention_matches_reference, write_kv_matches_definition
 
     peer = _peer(name)
-    write_kv_matches_definition(peer, _case(), "cpu")
-    attention_matches_reference(peer, _case(), "cpu")
+    _in_declared_layout(write_kv_matches_definition, peer, _case())
+    _in_declared_layout(attention_matches_reference, peer, _case())
 
 
 def test_vllm_cpu_attention_packed_layout_is_the_one_its_reshape_writes():
-    """The adapter's NHD -> packed conversion equals what vLLM's cpu_attn_reshape_and_cache writes."""
+    """The adapter's declared layout (keys and values) is what vLLM's cpu_attn_reshape_and_cache writes:
+    its storage, seen through the layout's logical views, holds each token at its logical slot."""
     import torch
 
+    from pagedkv.testing.peers.vllm import PACKED_KEYS, PACKED_VALUES
+
     peer = _peer("vllm_cpu_attention")
+    assert peer.capabilities.pool_layouts == (PACKED_KEYS, PACKED_VALUES)
     for block_size, dtype in ((16, torch.float32), (32, torch.bfloat16), (48, torch.float16)):
         nb, h, d = 3, 2, 32
         k, v = torch.randn(nb, block_size, h, d).to(dtype), torch.randn(nb, block_size, h, d).to(dtype)
         kp, vp = torch.zeros(nb, h, block_size, d, dtype=dtype), torch.zeros(nb, h, block_size, d, dtype=dtype)
         torch.ops._C.cpu_attn_reshape_and_cache(k.reshape(-1, h, d), v.reshape(-1, h, d), kp, vp,
                                                 torch.arange(nb * block_size), peer.isa(block_size))
-        mine_k, mine_v = peer.pack(k, v)
-        assert torch.equal(mine_k, kp) and torch.equal(mine_v, vp), (block_size, dtype)
-        k2, v2 = torch.empty_like(k), torch.empty_like(v)
-        peer.unpack(kp, vp, k2, v2)
-        assert torch.equal(k2, k) and torch.equal(v2, v)
+        assert torch.equal(PACKED_KEYS.logical(kp), k), (block_size, dtype)
+        assert torch.equal(PACKED_VALUES.logical(vp), v), (block_size, dtype)
+        storage, logical = PACKED_KEYS.new((nb, block_size, h, d), dtype, "cpu")
+        assert storage.shape == kp.shape and storage.stride() == kp.stride()  # the kernel's own tensor
+        logical.copy_(k)
+        assert torch.equal(storage, kp) and PACKED_KEYS.storage_of(logical).data_ptr() == storage.data_ptr()
+
+
+def test_vllm_cpu_attention_takes_the_suites_pools_without_a_copy():
+    """Through the suite's view of the declared layout, write_kv and paged_attention get the packed
+    storage the kit built (the same memory, no per-call copy), and the writes land in the logical pools."""
+    import torch
+
+    from pagedkv.testing.cases.memory import pool_layout
+    from pagedkv.testing.space import as_declared_layout
+
+    peer = _peer("vllm_cpu_attention")
+    seen = []
+    real = peer._reshape
+    peer._reshape = lambda key, value, kp, vp, *rest: (seen.append((kp.data_ptr(), vp.data_ptr())),
+                                                         real(key, value, kp, vp, *rest))
+    case = _case()
+    with pool_layout(peer.capabilities.layout):
+        k_cache, v_cache = case.empty_caches()
+        key, value = torch.randn(3, 2, 32), torch.randn(3, 2, 32)
+        as_declared_layout(peer).write_kv(k_cache, v_cache, key, value, torch.tensor([0, 17, 35]))
+    assert seen == [(k_cache.data_ptr(), v_cache.data_ptr())]
+    assert torch.equal(k_cache[1, 1], key[1]) and torch.equal(v_cache[2, 3], value[2])
 
 
 def test_vllm_cpu_attention_nan_tail_is_outside_its_declared_precondition():
@@ -107,8 +146,8 @@ def test_vllm_cpu_attention_nan_tail_is_outside_its_declared_precondition():
     case = Case(Geometry(num_blocks=1, block_size=16, num_kv_heads=1, head_dim=32), (SeqSpec((0,), 1, 1),),
                 poison="nan")
     with pytest.raises(AssertionError, match="nan"):
-        attention_matches_reference(peer, case, "cpu")
-    attention_matches_reference(peer, Case(case.geometry, case.seqs, poison="zero"), "cpu")
+        _in_declared_layout(attention_matches_reference, peer, case)
+    _in_declared_layout(attention_matches_reference, peer, Case(case.geometry, case.seqs, poison="zero"))
 
 
 def test_vllm_peers_declare_the_kernels_limits():

@@ -163,7 +163,7 @@ def test_an_attention_failure_prints_the_first_differing_rows_and_no_false_marke
     rows = [line for line in out.splitlines() if line.startswith("  attention of sequence")]
     assert len(rows) <= 3 and all("expected [" in r and "actual [" in r for r in rows)
     assert rows or ("  expected:" in out and "  actual:" in out)  # located by replay, or by the check itself
-    assert ("* = first bad block" in out) == ("*]" in out)  # the legend promises only the marker it draws
+    assert ("* = the failing query's block" in out) == ("*]" in out)  # the legend promises only the marker it draws
 
 
 def test_the_legend_names_only_markers_it_draws():
@@ -208,3 +208,26 @@ def test_a_case_whose_run_crashed_replays_in_a_child_and_reports_the_crash(tmp_p
     proc = subprocess.run([sys.executable, "-m", "pagedkv", "replay", str(path), "--impl", "segv_kv"], cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "CRASHED: the backend's process died of SIGSEGV" in proc.stdout, proc.stdout
+
+
+def test_a_tail_read_marks_the_unused_slots_it_read_not_the_querys_slot():
+    """A decode kernel that attends to whole blocks reads the unused tail of sequence 0's last block
+    (block 3, offsets 2 and 3): the map marks those slots ``r`` (refilling them changes the output), the
+    query's own slot ``q``; sequence 1 fills its blocks and has no tail to read."""
+    case = Case(Geometry(8, 4, 1, 4), (SeqSpec((2, 3), 6, 1), SeqSpec((0, 1), 8, 1)), poison="nan")
+    path = writing.save_failure("attention_matches_reference", "pagedkv.testing.mutants:tail_unmasked", case)
+    code, out = _run(path)
+    assert code == 1, out
+    assert "unused slots read: block 3 offsets 2..3" in out, out
+    assert "  block 3: | . q r r |" in out and "r = an unused slot the kernel read" in out, out
+    assert "| x" not in out and " x " not in out.split("block tables")[-1]  # no slot claimed wrong that is not
+    assert "  seq 1 | [0 ] [1 ]" in out  # nothing read there: unmarked
+
+
+def test_a_kernel_that_masks_its_tail_has_no_read_marks():
+    from pagedkv.backends import get_backend
+    from pagedkv.cli.replay_reads import unused_slots_read, unused_tails
+
+    case = Case(Geometry(8, 4, 1, 4), (SeqSpec((2, 3), 6, 1), SeqSpec((0, 1), 8, 1)), poison="nan")
+    assert unused_tails(case) == {3: [2, 3]}
+    assert unused_slots_read(get_backend("indexed"), case) == {}

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.arguments import ALL_FEATURES
+from pagedkv.layouts import NHD, PoolLayout, pool_layouts
+from pagedkv.layouts import describe as describe_layout
 
 DTYPE_NAMES = frozenset({"float32", "float16", "bfloat16"})
 FEATURE_NAMES = ALL_FEATURES  # the optional attention features (defined with their argument checks)
@@ -87,7 +89,8 @@ class Sizes:
 
 
 ANY = Sizes()
-#: Pool layouts a backend may declare (``Capabilities.layout``).
+#: Pool layouts a backend may declare by name (``Capabilities.layout``; a
+#: :class:`~pagedkv.layouts.PoolLayout` or a ``(key, value)`` pair of them declares any other).
 LAYOUTS = ("NHD", "HND")
 #: Page-table formats a backend's ``paged_attention`` may declare (``Capabilities.page_table``).
 PAGE_TABLES = ("padded", "csr")
@@ -117,10 +120,12 @@ class Capabilities:
             **features)``, the suite builds that metadata from every drawn case, and the CSR faults
             replace the padded-table faults of the rejection property.
         layout: the pool layout its ops take: ``"NHD"`` (``[num_blocks, block_size, num_kv_heads,
-            head_dim]``, the contract's) or ``"HND"`` (``[num_blocks, num_kv_heads, block_size, head_dim]``,
-            FlashInfer's and vLLM's head-major layout). For ``"HND"`` the suite builds head-major pools
-            and hands the backend their HND tensors (contiguous, no copy), and compares in logical
-            positions as for any backend.
+            head_dim]``, the contract's), ``"HND"`` (``[num_blocks, num_kv_heads, block_size, head_dim]``,
+            FlashInfer's and vLLM's head-major layout), a :class:`~pagedkv.layouts.PoolLayout` (its own
+            mapping of logical positions to storage, for both pools) or a ``(key, value)`` pair of them
+            where the pools differ (vLLM's packed CPU layout). The suite builds and poisons the pools
+            in that storage, hands the backend the storage (no copy when the layout is a view), and
+            compares in logical positions as for any backend (:mod:`pagedkv.layouts`).
 
     Raises (on construction):
         ValueError: an unknown dtype, feature, precondition or layout name.
@@ -138,14 +143,16 @@ class Capabilities:
     features: frozenset[str] = frozenset()
     preconditions: frozenset[str] = frozenset()
     split_k: bool = False
-    layout: str = "NHD"
+    layout: Any = "NHD"
     page_table: str = "padded"
 
     def __post_init__(self) -> None:
         if self.page_table not in PAGE_TABLES:
             raise ValueError(f"Capabilities.page_table: unknown {self.page_table!r}; known: {list(PAGE_TABLES)}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"Capabilities.layout: unknown {self.layout!r}; known: {list(LAYOUTS)}")
+        try:
+            pool_layouts(self.layout)
+        except ValueError as exc:
+            raise ValueError(f"Capabilities.layout: {exc}") from None
         for name, allowed in (("dtypes", DTYPE_NAMES), ("features", FEATURE_NAMES),
                               ("preconditions", frozenset(PRECONDITIONS))):
             value = frozenset(getattr(self, name))
@@ -155,6 +162,11 @@ class Capabilities:
             object.__setattr__(self, name, value)
         if not self.dtypes:
             raise ValueError("Capabilities.dtypes must name at least one dtype")
+
+    @property
+    def pool_layouts(self) -> tuple[PoolLayout, PoolLayout]:
+        """``(key_layout, value_layout)``: the declared :attr:`layout` as :class:`~pagedkv.layouts.PoolLayout` s."""
+        return pool_layouts(self.layout)
 
     def rejects(self, geometry: Any) -> str | None:
         """Why ``geometry`` (anything with ``block_size``, ``head_dim``, ``num_kv_heads``,
@@ -181,6 +193,8 @@ class Capabilities:
                  f"GQA group {self.gqa_groups.describe()}", f"dtypes {sorted(self.dtypes)}"]
         if not self.strided_pools:
             parts.append("contiguous pools only")
+        if pool_layouts(self.layout) != (NHD, NHD):
+            parts.append(f"layout {describe_layout(self.layout)}")
         if self.preconditions:
             parts.append(f"assumes {sorted(self.preconditions)}")
         return "; ".join(parts)

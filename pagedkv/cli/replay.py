@@ -33,6 +33,7 @@ from pagedkv.backends.interpreter import choose_interpreter  # torch-free: repla
 from pagedkv.cli.common import device_option
 from pagedkv.cli.replay_child import isolated, replay_in_child
 from pagedkv.cli.replay_drift import add_options as add_drift_options
+from pagedkv.cli.replay_map import block_table_map
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -286,6 +287,16 @@ def _first_differences(backend: Any, case, device: str, out: TextIO, limit: int 
     sequence's gather (bit for bit) and the attention output (fp64 reference, tolerance policy), with
     expected and actual values. Returns ``{"seq", "position"}`` of the first bad gathered row, if any."""
 
+    from pagedkv.backends.capabilities import capabilities_of
+    from pagedkv.testing.cases.memory import pool_layout
+    from pagedkv.testing.space import as_declared_layout
+
+    caps = capabilities_of(backend)
+    with pool_layout(caps.layout):  # called as the suite calls it: pools in the declared layout
+        return _first_differences_as_declared(as_declared_layout(backend, caps), case, device, out, limit)
+
+
+def _first_differences_as_declared(backend: Any, case, device: str, out: TextIO, limit: int) -> dict:
     from pagedkv.testing.properties.definitions import reference_output, run_attention
     from pagedkv.testing.compare import attention_tolerance, bits
 
@@ -359,63 +370,20 @@ def _report_where(where: dict, case, snapshot: dict, out: TextIO, *, backend: An
         if "expected" in where or "actual" in where:
             print(f"  expected:         {_fmt(where.get('expected'))}", file=out)
             print(f"  actual:           {_fmt(where.get('actual'))}", file=out)
-    print(block_table_map(_tables(case, snapshot), bs, seq=seq, position=pos, block=block, offset=offset), file=out)
+    attention = "query_head" in where  # located by the attention check: the query's slot, not a bad one
+    read = _tail_reads(backend, case, device) if attention and backend is not None and isinstance(case, Case) else {}
+    if read:
+        print("unused slots read: " + "; ".join(f"block {b} offsets {o[0]}..{o[-1]}" for b, o in read.items())
+              + " (refilling them changes the output)", file=out)
+    print(block_table_map(_tables(case, snapshot), bs, seq=seq, position=pos, block=block, offset=offset,
+                          read=read, query=attention), file=out)
 
 
-def block_table_map(tables: dict[int, list[int]], block_size: int, *, seq: int | None = None,
-                    position: int | None = None, block: int | None = None, offset: int | None = None,
-                    max_entries: int = 24) -> str:
-    """An ASCII map of block tables, one row per sequence, with the bad entry marked.
+def _tail_reads(backend: Any, case, device: str) -> dict[int, list[int]]:
+    """:func:`pagedkv.cli.replay_reads.unused_slots_read`, or ``{}`` when the backend crashes on it."""
+    from pagedkv.cli.replay_reads import unused_slots_read
 
-    The entry holding ``position`` of sequence ``seq`` gets ``*``; other entries naming the same
-    physical ``block`` (sharing) get ``=``. A last line draws the bad block's slots with ``x`` at
-    ``offset``. Rows longer than ``max_entries`` are cut around the bad entry.
-
-    Args:
-        tables: ``{seq: [block ids]}`` (``-1`` padding included as given).
-        block_size: slots per block.
-
-    Returns:
-        The map as text (no trailing newline).
-    """
-    if not tables:
-        return "block tables: (none live)"
-    width = max(len(str(b)) for t in tables.values() for b in (t or [0]))
-    bad_entry = position // block_size if position is not None else None
-    if block is None and seq in tables and bad_entry is not None and bad_entry < len(tables[seq]):
-        block = tables[seq][bad_entry]
-    where = f"offset {offset} = slot {block * block_size + offset}" if block is not None and offset is not None else ""
-    label = max(len(str(s)) for s in tables)
-    rows, marks = [], set()
-    for s, table in tables.items():
-        cells = []
-        for j, b in enumerate(table):
-            mark = "*" if (s == seq and j == bad_entry) or (seq is None and b == block) else \
-                "=" if block is not None and b == block else " "
-            marks.add(mark)
-            cells.append(f"[{b:>{width}}{mark}]")
-        lo = 0
-        if len(cells) > max_entries:
-            focus = bad_entry if s == seq and bad_entry is not None else 0
-            lo = max(0, min(focus - max_entries // 2, len(cells) - max_entries))
-            cells = (["..."] if lo else []) + cells[lo:lo + max_entries] + \
-                (["..."] if lo + max_entries < len(table) else [])
-        located = s == seq and "*" not in "".join(cells)
-        rows.append(f"  seq {s:>{label}} | " + " ".join(cells) + ("   < the failing sequence" if located else ""))
-    legend = []  # only what the map draws
-    if "*" in marks:
-        legend.append("* = first bad block" + (f", {where}" if where else ""))
-    elif seq in tables:
-        legend.append("< = the failing sequence, no single block located")
-    elif where:
-        legend.append(where)
-    if "=" in marks:
-        legend.append("= = the same block in another table")
-    lines = [f"block tables (block_size {block_size}" + "".join(f"; {x}" for x in legend) + "):"] + rows
-    if block is not None and offset is not None:
-        slots = " ".join("x" if i == offset else "." for i in range(block_size)) if block_size <= 64 else \
-            f"... x at {offset} ..."
-        lines.append(f"  block {block}: | {slots} |   (x = offset {offset})")
-        if not any(block in t for t in tables.values()):
-            lines.append(f"  block {block} is in no sequence's table: a write touched a slot it does not own")
-    return "\n".join(lines)
+    try:
+        return unused_slots_read(backend, case, device)
+    except Exception:  # noqa: BLE001 - the failure is reported above; the map just has no read marks
+        return {}

@@ -121,10 +121,17 @@ def _declare() -> list[Property]:
                     | s.fragmented_cases(caps=caps, poisons=poisons, force=(feature,)))
         return build
 
-    def large_pool(caps):
+    def large_pool(op, caps):
+        """The head_dim-1 large-pool cases: run where the space declares head_dim 1 (and a 16-bit dtype);
+        else not applicable when the declared-geometry twin of ``op`` past 2**24 slots runs (it judges the
+        same fault, float32 slot arithmetic, at a declared head_dim), else skipped with the reason."""
         from pagedkv.testing.strategies.batches import large_pool_unsupported
 
-        return large_pool_unsupported(caps)
+        reason = large_pool_unsupported(caps)
+        if reason and _limit_space("2_24_slots", caps) is None:
+            return (f"not applicable: {reason}; {op}_is_exact_past_2_24_slots_at_a_declared_geometry judges the "
+                    f"same slot arithmetic at the declared geometry")
+        return reason
 
     transform_needs = {
         "layout": lambda caps: None if caps.strided_pools else "the backend declares contiguous pools only",
@@ -177,12 +184,18 @@ def _declare() -> list[Property]:
         props.append(Property(
             f"{op}_is_exact_on_pools_past_2_24_slots",
             f"{op} places tokens exactly in the last blocks of pools of more than 2**24 slots",
-            (op,), fn, lazy("large_pool_cases"), max_examples=LARGE_POOL_EXAMPLES, requires=large_pool))
+            (op,), fn, lazy("large_pool_cases"), max_examples=LARGE_POOL_EXAMPLES, requires=partial(large_pool, op)))
     from pagedkv.testing.cases.limit import LIMITS
     from pagedkv.testing.properties import large_pools
 
     for limit in LIMITS:
         for op, check, sentence in (
+                ("gather", large_pools.gather_exact_past_the_limit,
+                 "gather reads, bit for bit, the rows in the block past {} and in the last blocks at the "
+                 "declared geometry"),
+                ("scatter", large_pools.scatter_exact_past_the_limit,
+                 "scatter writes each position into its slot past {} and in the last blocks at the declared "
+                 "geometry, and nowhere else"),
                 ("write_kv", large_pools.write_kv_exact_past_the_limit,
                  "write_kv puts each token at its slot past {} at the declared geometry, and nowhere else"),
                 ("paged_attention", large_pools.attention_past_the_limit,

@@ -113,35 +113,64 @@ _POOL_ARGS = {"gather": ("cache",), "scatter": ("cache",), "write_kv": ("k_cache
               "paged_attention": ("k_cache", "v_cache"), "paged_attention_csr": ("k_cache", "v_cache")}
 
 
-class HeadMajor:
-    """A backend declaring ``layout="HND"`` seen through the contract's NHD ops: each pool argument
-    (an NHD-shaped view of head-major memory, as the kit builds it under
-    :func:`~pagedkv.testing.cases.case.pool_layout`) reaches the backend as ``pool.permute(0, 2, 1, 3)``,
-    its contiguous ``[num_blocks, num_kv_heads, block_size, head_dim]`` tensor: no copy, and what the
-    backend writes lands in the pools the suite compares."""
+class DeclaredLayout:
+    """A backend declaring a pool layout other than NHD (``Capabilities.layout``: ``"HND"``, a
+    :class:`~pagedkv.layouts.PoolLayout` or a ``(key, value)`` pair) seen through the contract's ops,
+    which take logical ``[num_blocks, block_size, num_kv_heads, head_dim]`` pools. Each 4-D pool argument
+    reaches the backend as its storage in the declared layout (``k_cache`` in the key layout, ``v_cache``
+    in the value layout, ``gather``'s / ``scatter``'s ``cache`` in the key layout):
 
-    def __init__(self, backend: Any):
+    - a pool the kit built in that layout (:func:`~pagedkv.testing.cases.memory.new_pools`, a view of
+      its storage): the storage itself, found from the pool's strides; no copy, and what the backend
+      writes lands in the pool the suite compares;
+    - any other pool (a copy-pair layout, a pool a property made with ``torch.where``, a library
+      cache's): ``to_storage`` of it, and after the call (raised or not) ``to_logical`` of that storage
+      copied back into the pool, so writes, and stray writes, are seen in logical positions.
+
+    Anything that is not a 4-D tensor (a bad argument of a rejection property) is passed as it is."""
+
+    def __init__(self, backend: Any, layouts: tuple):
         self._backend = backend
+        self._layouts = layouts
 
     def __getattr__(self, name: str) -> Any:  # called once per name: the op is kept on the instance
         target = getattr(self._backend, name)
         if name not in _POOL_ARGS or not callable(target):
             return target
-        import inspect
+        import torch
 
         signature = inspect.signature(target)
+        key_layout, value_layout = self._layouts
 
         def op(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
+            copied = []
             for arg in _POOL_ARGS[name]:
                 pool = bound.arguments.get(arg)
-                if getattr(pool, "dim", lambda: 0)() == 4:  # anything else is a bad argument: passed as it is
-                    bound.arguments[arg] = pool.permute(0, 2, 1, 3)
-            return target(*bound.args, **bound.kwargs)
+                if not isinstance(pool, torch.Tensor) or pool.dim() != 4:
+                    continue
+                layout = value_layout if arg == "v_cache" else key_layout
+                storage = _storage_or_none(layout, pool)
+                if storage is None:
+                    storage = layout.copy_to_storage(pool)
+                    copied.append((pool, layout, storage))
+                bound.arguments[arg] = storage
+            try:
+                return target(*bound.args, **bound.kwargs)
+            finally:
+                for pool, layout, storage in copied:
+                    pool.copy_(layout.copy_to_logical(storage))
 
         op.__name__ = getattr(target, "__name__", name)
         setattr(self, name, op)
         return op
+
+
+def _storage_or_none(layout: Any, pool: Any) -> Any:
+    try:
+        return layout.storage_of(pool)
+    except Exception:  # noqa: BLE001 - a user's allocate may not take the meta device: convert instead
+        return None
 
 
 class CsrPageTables:
@@ -170,14 +199,16 @@ class CsrPageTables:
 
 
 def as_declared_layout(backend: Any, caps: Any = None) -> Any:
-    """``backend`` seen through the contract's ops: a :class:`HeadMajor` view when it declares
-    ``layout="HND"``, a :class:`CsrPageTables` view when it declares ``page_table="csr"``, else itself
+    """``backend`` seen through the contract's ops: a :class:`DeclaredLayout` view when it declares a
+    layout other than NHD, a :class:`CsrPageTables` view when it declares ``page_table="csr"``, else itself
     (``caps``: its declarations, when the caller has read them already)."""
     from pagedkv.backends.capabilities import capabilities_of
+    from pagedkv.layouts import NHD
 
     caps = caps if caps is not None else capabilities_of(backend)
     if caps.page_table == "csr":
         backend = CsrPageTables(backend)
-    if caps.layout == "HND":
-        backend = HeadMajor(backend)
+    layouts = caps.pool_layouts
+    if layouts != (NHD, NHD):
+        backend = DeclaredLayout(backend, layouts)
     return backend

@@ -20,7 +20,7 @@ import torch
 
 from pagedkv.config import CacheConfig, blocks_needed, dtype_from_name
 from pagedkv.fp8 import quantize
-from pagedkv.testing.cases.memory import POOL_LAYOUT
+from pagedkv.testing.cases.memory import POOL_LAYOUT, new_pools
 
 VALUE_PATTERNS = ("normal", "identity", "large")
 POISONS = ("nan", "inf", "sentinel", "zero")
@@ -285,21 +285,12 @@ class Case:
         return q.to(g.torch_dtype).to(device)
 
     def empty_caches(self, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """Poison-filled ``(k_cache, v_cache)`` in the case's layout."""
-        g, dtype = self.geometry, self.pool_dtype
+        """Poison-filled logical ``(k_cache, v_cache)`` in the case's layout, their storage in the pool
+        layout of :func:`~pagedkv.testing.cases.memory.pool_layout` (poisoned in that storage)."""
+        g = self.geometry
         shape = (g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
-
-        hnd = POOL_LAYOUT.get() == "HND"  # head-major memory under the NHD shape (pool_layout)
-
-        def full(size):  # fp8 poison through float32: torch's cast saturates inf where the format has none
-            memory = (*size[:-3], size[-2], size[-3], size[-1]) if hnd else size
-            out = torch.full(memory, self._poison_value(), dtype=torch.float32 if dtype.itemsize == 1 else dtype,
-                             device=device).to(dtype)
-            return out.transpose(-3, -2) if hnd else out
-        if self.layout == "kv_interleaved":
-            kv = full((g.num_blocks, 2, *shape[1:]))
-            return kv[:, 0], kv[:, 1]
-        return full(shape), full(shape)
+        return new_pools(shape, self.pool_dtype, device, self._poison_value(),
+                         interleaved=self.layout == "kv_interleaved")
 
     def caches(self, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_cache, v_cache)``: poison everywhere, each sequence's K/V (:meth:`stored_kv`) at its owned slots.

@@ -14,8 +14,25 @@ kernel that declares block sizes {16, 32} and head dims {64, 128} would otherwis
 
 Head dims and dtypes carry no structure of a case (its values come from the seed) and move to a
 declared one. A case whose point is a size the space excludes (a GQA group of 3 where only powers of
-two are declared), and a cache scenario (its sharing is written in tokens at one block size), has
-no faithful translation: :func:`into_space` says why.
+two are declared) has no faithful translation: :func:`into_space` says why.
+
+A :class:`~pagedkv.testing.cases.CacheScenario` is written in tokens: its sharing, copy-on-write and
+prefix hits follow from which token streams share which prefixes, block by block. It moves to a
+declared block size ``bs' >= bs`` by *stretching* each sequence's token stream block by block: the
+token at offset ``r`` of a block fills the new block's offsets ``place(r) .. place(r + 1) - 1`` (``place``
+as above), so
+
+- a length ``k * bs + r`` becomes ``k * bs' + place(r)``: full blocks stay full, a partial last block
+  stays partial (one token short of full stays one short: ``k * bs - 1 -> k * bs' - 1``), and every
+  sequence needs as many blocks as before (the pool keeps its size, so eviction and running out of
+  blocks happen at the same steps);
+- two streams share a prefix of ``k * bs + r`` tokens exactly when the stretched ones share
+  ``k * bs' + place(r)``: a block-aligned shared prefix stays aligned, an unaligned one unaligned, equal
+  blocks stay equal (the prefix cache hashes the same chains) and different ones different;
+- each op's tokens are the stretched stream's new part, ``write n`` writes ``place(w + n) - place(w)``
+  tokens (``w`` written before), and ids, forks, frees and cache keys are kept.
+
+A scenario whose block size is larger than every declared one would lose tokens and is not translated.
 """
 
 from __future__ import annotations
@@ -46,6 +63,85 @@ def _choose(sizes: Any, keep: int, preferred: tuple[int, ...]) -> int:
     return keep if sizes.allows(keep) else sizes.choose(preferred)[0]
 
 
+def _sizes(g: Geometry, caps: Any, bs: int) -> tuple[Geometry | None, str]:
+    """``g`` at block size ``bs`` with a declared head dim and dtype, or ``None`` and why."""
+    if not caps.gqa_groups.allows(g.num_queries_per_kv):
+        return None, (f"the case is about GQA group {g.num_queries_per_kv}, outside the declared "
+                      f"{caps.gqa_groups.describe()}")
+    if not caps.num_kv_heads.allows(g.num_kv_heads):
+        return None, f"the case needs {g.num_kv_heads} kv heads, outside the declared {caps.num_kv_heads.describe()}"
+    head_dim = _choose(caps.head_dims, g.head_dim, _HEAD_DIMS)
+    dtype = g.dtype if g.dtype in caps.dtypes else next((d for d in _DTYPES if d in caps.dtypes), None)
+    if dtype is None:
+        return None, "no float dtype declared"
+    moved = Geometry(g.num_blocks, bs, g.num_kv_heads, head_dim, g.num_queries_per_kv, dtype)
+    reason = caps.rejects(moved)
+    return (None, reason) if reason else (moved, "")
+
+
+def _changes(g: Geometry, moved: Geometry) -> str:
+    changed = [f"{what} {getattr(g, what)} -> {getattr(moved, what)}" for what in ("block_size", "head_dim", "dtype")
+               if getattr(g, what) != getattr(moved, what)]
+    return "re-expressed: " + ", ".join(changed)
+
+
+def stretch(tokens: list, bs: int, new_bs: int) -> list:
+    """A token stream at block size ``bs`` stretched to ``new_bs >= bs`` (see the module docstring): its
+    length is ``_place(len(tokens))`` and ``stretch(t[:n]) == stretch(t)[:_place(n)]`` for every ``n``."""
+    out = []
+    for p, token in enumerate(tokens):
+        out += [token] * (_place(p + 1, bs, new_bs) - _place(p, bs, new_bs))
+    return out
+
+
+def _scenario_into_space(scenario: Any, caps: Any) -> tuple[Any | None, str]:
+    g = scenario.geometry
+    if not caps.rejects(g):
+        return scenario, ""
+    larger = [b for b in caps.block_sizes.choose(_BLOCK_SIZES) if b >= g.block_size]
+    bs = g.block_size if caps.block_sizes.allows(g.block_size) else (larger[0] if larger else None)
+    if bs is None:
+        return None, (f"a cache scenario's sharing is written in tokens at block size {g.block_size}; every declared "
+                      f"block size ({caps.block_sizes.describe()}) is smaller, and stretching cannot shrink it")
+    moved_geometry, why = _sizes(g, caps, bs)
+    if moved_geometry is None:
+        return None, why
+    streams: dict = {}  # seq id -> (original stream, tokens written)
+    ops = []
+    for op in scenario.ops:
+        kind, seq = op[0], op[1]
+        if kind in ("add", "reserve", "append"):
+            new = kind != "append" and seq not in streams
+            if (kind == "append" and seq not in streams) or (kind == "add" and seq in streams):
+                ops.append(op)  # ignored by the scenario (no such sequence / already live): kept as it is
+                continue
+            before, written = ([], 0) if new else streams[seq]
+            after = before + list(op[2])
+            tokens = stretch(after, g.block_size, bs)[_place(len(before), g.block_size, bs):]
+            streams[seq] = (after, written if kind == "reserve" else len(after))
+            ops.append((kind, seq, tuple(tokens), *op[3:]))
+        elif kind == "write":
+            n = op[2] if len(op) > 2 else None
+            if seq in streams:
+                stream, written = streams[seq]
+                done = len(stream) if n is None else min(len(stream), written + n)
+                if n is not None:
+                    n = _place(done, g.block_size, bs) - _place(written, g.block_size, bs)
+                streams[seq] = (stream, done)
+            ops.append((kind, seq, n))
+        elif kind == "fork":
+            if seq in streams and op[2] not in streams:
+                streams[op[2]] = streams[seq]
+            ops.append(op)
+        elif kind == "free":
+            streams.pop(seq, None)
+            ops.append(op)
+        else:
+            return None, f"the cache scenario has an op {kind!r} the translation does not know"
+    moved = dataclasses.replace(scenario, geometry=moved_geometry, ops=tuple(ops))
+    return moved, _changes(g, moved_geometry) + f" (each block's tokens stretched from {g.block_size} to {bs})"
+
+
 def into_space(case: Any, caps: Any) -> tuple[Any | None, str]:
     """``(case', how)``: ``case`` inside ``caps`` (``how`` names what moved, ``""`` when nothing had to),
     or ``(None, why)`` when it has no faithful translation.
@@ -66,23 +162,14 @@ def into_space(case: Any, caps: Any) -> tuple[Any | None, str]:
             return None, f"the fault {case.fault!r} has no site in the case at the declared sizes"
         return dataclasses.replace(case, case=moved), how
     if not isinstance(case, Case):
-        g = case.geometry
-        reason = caps.rejects(g)
-        return (case, "") if not reason else (None, f"a cache scenario's sharing is written in tokens at block size "
-                                                    f"{g.block_size}; {reason}")
+        return _scenario_into_space(case, caps)
     g = case.geometry
     if not caps.rejects(g):
         return case, ""
-    if not caps.gqa_groups.allows(g.num_queries_per_kv):
-        return None, (f"the case is about GQA group {g.num_queries_per_kv}, outside the declared "
-                      f"{caps.gqa_groups.describe()}")
-    if not caps.num_kv_heads.allows(g.num_kv_heads):
-        return None, f"the case needs {g.num_kv_heads} kv heads, outside the declared {caps.num_kv_heads.describe()}"
     bs = _choose(caps.block_sizes, g.block_size, _BLOCK_SIZES)
-    head_dim = _choose(caps.head_dims, g.head_dim, _HEAD_DIMS)
-    dtype = g.dtype if g.dtype in caps.dtypes else next((d for d in _DTYPES if d in caps.dtypes), None)
-    if dtype is None:
-        return None, "no float dtype declared"
+    moved_geometry, why = _sizes(g, caps, bs)
+    if moved_geometry is None:
+        return None, why
     seqs = []
     for s in case.seqs:
         length = _place(s.seq_len, g.block_size, bs) if s.seq_len else 0
@@ -90,13 +177,5 @@ def into_space(case: Any, caps: Any) -> tuple[Any | None, str]:
         q_len = min(length, max(length - first_query, 1 if s.q_len else 0)) if s.seq_len else s.q_len
         seqs.append(SeqSpec(s.block_table, length, q_len, min(_place(s.start, g.block_size, bs), length)))
     window = case.window_left if case.window_left < 1 else _place(case.window_left, g.block_size, bs)
-    moved = dataclasses.replace(case, geometry=Geometry(g.num_blocks, bs, g.num_kv_heads, head_dim,
-                                                        g.num_queries_per_kv, dtype),
-                                seqs=tuple(seqs), window_left=window)
-    reason = caps.rejects(moved.geometry)
-    if reason:
-        return None, reason
-    changed = [f"{what} {a} -> {b}" for what, a, b in (("block_size", g.block_size, bs),
-                                                       ("head_dim", g.head_dim, head_dim), ("dtype", g.dtype, dtype))
-               if a != b]
-    return moved, "re-expressed: " + ", ".join(changed)
+    moved = dataclasses.replace(case, geometry=moved_geometry, seqs=tuple(seqs), window_left=window)
+    return moved, _changes(g, moved_geometry)

