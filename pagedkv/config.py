@@ -16,8 +16,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 #: ``CacheConfig.kv_layout`` names: the memory order of each pool (the tensors handed out are NHD-shaped).
 KV_LAYOUTS = ("NHD", "HND")
-#: ``CacheConfig.debug_poison`` names -> the value unwritten slots hold.
-POISONS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+#: ``CacheConfig.debug_poison`` names -> the value unwritten slots hold (``"max"``: the pools' dtype's
+#: largest finite value, filled in per dtype by ``CacheConfig.poison_value``).
+POISONS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "max": None}
 
 
 def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
@@ -73,10 +74,13 @@ class CacheConfig:
             block_size, head_dim]``, FlashInfer's other layout and vLLM's for some kernels). The pools are
             always handed out as NHD-shaped tensors; with ``"HND"`` they are views of head-major memory,
             so ``pool.permute(0, 2, 1, 3)`` is the contiguous HND tensor a head-major kernel takes.
-        debug_poison: ``None``, ``"nan"``, ``"inf"`` or ``"-inf"``: the pools start filled with it, and
-            every block handed out by an allocation or released empty is refilled with it (every layer,
-            K and V), so a read of a slot nobody wrote shows in the output. For running an engine under
-            test; off (``None``) in production: it costs one fill per allocated and released block.
+        debug_poison: ``None``, ``"nan"``, ``"inf"``, ``"-inf"`` or ``"max"``: the pools start filled with
+            it, and every block handed out by an allocation or released empty is refilled with it (every
+            layer, K and V), so a read of a slot nobody wrote shows in the output. ``"max"`` is the pools'
+            dtype's largest finite value: the poison for kernels that load unused slots and mask their
+            scores afterwards, so they need those slots finite (vLLM's CPU attention), while a read that
+            reaches the output still shows as a huge value. For running an engine under test; off
+            (``None``) in production: it costs one fill per allocated and released block.
 
     Raises (also):
         ArgumentValueError (``ValueError``): ``window_left`` below ``-1``; ``debug_poison`` not one of
@@ -137,14 +141,18 @@ class CacheConfig:
             if self.debug_poison not in POISONS:
                 raise ArgumentValueError(f"debug_poison must be None or one of {sorted(POISONS)}, "
                                          f"got {self.debug_poison!r}")
-            if self.debug_poison != "nan" and self.cache_dtype == torch.float8_e4m3fn:  # the one with no infinity
+            if self.debug_poison in ("inf", "-inf") and self.cache_dtype == torch.float8_e4m3fn:  # no infinity
                 raise DTypeMismatchError(f"debug_poison {self.debug_poison!r} cannot be stored in {self.cache_dtype} "
-                                         "pools (no infinity): use \"nan\"")
+                                         "pools (no infinity): use \"nan\" or \"max\"")
 
     @property
     def poison_value(self) -> float | None:
-        """The float ``debug_poison`` names (``None``: no poison)."""
-        return None if self.debug_poison is None else POISONS[self.debug_poison]
+        """The float ``debug_poison`` names (``None``: no poison; ``"max"``: ``torch.finfo(cache_dtype).max``)."""
+        if self.debug_poison is None:
+            return None
+        if self.debug_poison == "max":
+            return torch.finfo(self.cache_dtype).max
+        return POISONS[self.debug_poison]
 
     @property
     def num_slots(self) -> int:

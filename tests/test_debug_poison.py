@@ -35,6 +35,24 @@ def test_new_pools_hold_the_poison_in_every_layer(poison):
     assert (torch.isnan(x).all() if poison == "nan" else (x == value).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_finite_poison_is_the_pools_largest_value(dtype):
+    cache = _cache("max", dtype=dtype)
+    biggest = torch.finfo(dtype).max
+    assert cache.config.poison_value == biggest
+    assert (cache.kv.float() == biggest).all()  # finite, for kernels that need unused slots finite
+    cache.add_sequence(0, [])
+    _write(cache, 0, [1, 2], torch.randn(2, 1, 2).to(dtype))
+    cache.append(0, [3])  # reserved, never written: reads back as the poison, not as a plausible zero
+    got = INDEXED.gather(cache.k_cache(1), cache.block_table(0), 3)
+    assert (got[2].float() == biggest).all() and torch.isfinite(got).all()
+
+
+def test_the_finite_poison_fits_fp8_e4m3_which_has_no_infinity():
+    cache = _cache("max", kv_cache_dtype="fp8_e4m3")
+    assert (cache.kv.float() == torch.finfo(torch.float8_e4m3fn).max).all()
+
+
 def test_without_a_poison_the_pools_start_as_zeros():
     assert not _cache(None).kv.any()
 

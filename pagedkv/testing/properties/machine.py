@@ -37,6 +37,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
                                  precondition, rule, run_state_machine_as_test)
 
 from pagedkv import get_backend
+from pagedkv.backends.capabilities import capabilities_of
 from pagedkv.cache import PagedKVCache
 from pagedkv.errors import ArgumentTypeError, DoubleFreeError, OutOfBlocksError, ShapeError, UnknownBlockError
 from pagedkv.testing.properties.cache_model import CacheModel
@@ -80,11 +81,14 @@ class CacheMachine(RuleBasedStateMachine):
         through that window, so appends and prefix hits release the blocks no later query reads."""
         bs = self.block_sizes[block_size % len(self.block_sizes)]  # an index: the sizes come from the declared space
         self.geometry = Geometry(num_blocks, bs, self.num_kv_heads, self.head_dim, self.group, self.dtype)
+        backend = self.backend or get_backend("indexed")
+        # a freed or released block shows no old K/V: NaN, or the largest finite value for a backend that
+        # declares it loads unused slots and needs them finite
+        poison = "max" if "finite_unused_slots" in capabilities_of(backend).preconditions else "nan"
         config = dataclasses.replace(self.geometry.cache_config(self.device, num_layers), window_left=window_left,
-                                     debug_poison="nan")  # a freed or released block shows no old K/V
+                                     debug_poison=poison)
         self.cache = self.cache_class(config, **({"hash_fn": lambda parent, tokens: 0} if constant_hash else {}))
         self.alloc = self.cache.allocator
-        backend = self.backend or get_backend("indexed")
         gather = getattr(backend, "gather", None)
         self.model = CacheModel(self.cache, self.geometry, seed, num_layers, backend.write_kv, gather,
                                 attention=None if gather else getattr(backend, "paged_attention", None))
