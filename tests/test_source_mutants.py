@@ -152,3 +152,28 @@ def test_an_equivalent_mark_needs_its_argument(bad, capsys):
 
     with pytest.raises(SystemExit, match="ID=WHY"):
         main(["mutate", "--equivalent", bad.replace("no_equals", "x-0001")])
+
+
+def test_an_earlier_report_rerenders_with_new_equivalence_arguments_and_runs_nothing(tmp_path):
+    from pagedkv.cli import main
+
+    survivor, killed = ("k-0001", "survived"), ("k-0002", "killed")
+    rows = [{"id": i, "kind": "source", "operator": "boundary", "file": "k.py", "line": n, "function": "f",
+             "before": "a < b", "after": "a <= b", "diff": "a < b -> a <= b", "status": status, "note": "",
+             "wall_s": 1.0, "budget_spent": False, "explicit_killed": 0, "explicit_runs": 0, "explicit_partial": 0,
+             "generated_killed": int(status == "killed"), "generated_runs": 1, "generated_partial": 0,
+             "median_examples": None, "median_seconds": None, "first_property": "", "case_file": "", "error": "",
+             "runs": []} for n, (i, status) in enumerate((survivor, killed), start=1)]
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"config": {"impl": "k"}, "mutants": rows}))
+    out = tmp_path / "out.json"
+    argue = ["--equivalent", "k-0001=only on ROCm", "--equivalent", "k-0002=wrong"]
+    assert main(["mutate", "--from-json", str(earlier), "--json", str(out), *argue]) == 0
+    got = {r["id"]: r for r in json.loads(out.read_text())["mutants"]}
+    assert got["k-0001"]["status"] == "equivalent" and got["k-0001"]["note"] == "only on ROCm"
+    assert got["k-0002"]["status"] == "killed" and "the argument is wrong" in got["k-0002"]["note"]
+    assert main(["mutate", "--from-json", str(earlier), "--json", str(out)]) == 1  # the survivor stands
+    not_a_report = tmp_path / "bad.json"
+    not_a_report.write_text("[]")
+    with pytest.raises(SystemExit, match="not a report"):
+        main(["mutate", "--from-json", str(not_a_report)])

@@ -65,6 +65,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--markdown", metavar="FILE", help="write the report as markdown")
     p.add_argument("--title", default="", help="the markdown report's title")
     p.add_argument("--list", action="store_true", help="list the mutants (id, operator, diff) and exit")
+    p.add_argument("--from-json", metavar="FILE",
+                   help="run nothing: re-render an earlier --json report with these --equivalent marks "
+                        "(to --json / --markdown, or the markdown to stdout)")
     p.set_defaults(func=run)
     return p
 
@@ -106,12 +109,34 @@ def _mutants(args) -> list:
     return [m for ms in per_file for m in ms]
 
 
+def _rerender(args, kill_tables) -> int:
+    """``--from-json``: an earlier report with this run's equivalence arguments applied; 0 / 1 as a run."""
+    path = Path(args.from_json)
+    if not path.is_file():
+        raise SystemExit(f"--from-json {path}: no such file")
+    report = json.loads(path.read_text())
+    if not isinstance(report, dict) or not {"config", "mutants"} <= report.keys():
+        raise SystemExit(f"--from-json {path}: not a report written by --json (no 'config' / 'mutants')")
+    rows = kill_tables.remark(report["mutants"], _equivalents(args))
+    if args.json:
+        kill_tables.write_json(args.json, report["config"], rows)
+    text = kill_tables.markdown(report["config"], rows, args.title)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    elif not args.json:
+        print(text)
+    c = kill_tables.counts(rows)
+    return 1 if c["survived"] or c["error"] else 0
+
+
 def run(args: argparse.Namespace) -> int:
     """``python -m pagedkv mutate``: 0 when every non-equivalent mutant is killed, 1 otherwise."""
     from pagedkv.backends import load_backend
     from pagedkv.testing.mutants import kill_rate_tables as kill_tables
     from pagedkv.testing.mutants.kill_rates import Job, runnable_properties, run_jobs, source_job
 
+    if args.from_json:
+        return _rerender(args, kill_tables)
     mutants = _mutants(args)
     if args.list:
         for m in mutants:

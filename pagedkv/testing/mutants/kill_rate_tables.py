@@ -119,6 +119,21 @@ def line_table(rows: list[dict]) -> list[dict]:
     return out
 
 
+def remark(rows: list[dict], equivalent: dict[str, str]) -> list[dict]:
+    """``rows`` of an earlier report with the equivalence arguments ``{mutant id: why}`` applied as
+    :func:`summarize` applies them: a survivor becomes ``equivalent`` with the argument as its note, a
+    killed mutant keeps its status and its note says the argument is wrong. Nothing is rerun."""
+    out = []
+    for row in rows:
+        row, why = dict(row), equivalent.get(row["id"])
+        if why and row["status"] in ("survived", "equivalent"):
+            row["status"], row["note"] = "equivalent", why
+        elif why and row["status"] in KILLED:
+            row["note"] = f"marked equivalent ({why}) but killed: the argument is wrong"
+        out.append(row)
+    return out
+
+
 def write_json(path: str | Path, config: dict, rows: list[dict]) -> None:
     """The whole report as JSON: ``config``, ``counts``, ``mutants`` (rows), ``lines`` (:func:`line_table`)."""
     Path(path).write_text(json.dumps({"config": config, "counts": counts(rows), "mutants": rows,
