@@ -25,7 +25,7 @@ from pagedkv.testing.cases.memory import POOL_LAYOUT
 VALUE_PATTERNS = ("normal", "identity", "large")
 POISONS = ("nan", "inf", "sentinel", "zero")
 FINITE_POISONS = ("sentinel", "zero")  # for backends that assume finite unused slots
-LAYOUTS = ("contiguous", "kv_interleaved")
+LAYOUTS = ("contiguous", "kv_interleaved", "head_strided")
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _EXACT_INTEGERS = {"float32": 2**24, "float16": 2**11, "bfloat16": 2**8}  # ids a dtype holds exactly
 _LARGE = 30.0  # |q|, |k| ~ 30: logits in the hundreds, exp() overflows without max subtraction
@@ -81,8 +81,10 @@ class Case:
         pad_value: fills block-table entries past each sequence's table.
         pad_columns: extra padded columns in the batch's block tables.
         table_dtype: ``"int32"`` or ``"int64"`` block tables.
-        layout: ``"contiguous"`` pools or ``"kv_interleaved"`` (``kv[:, 0]`` / ``kv[:, 1]`` views of one
-            ``[num_blocks, 2, block_size, H, D]`` tensor: non-contiguous).
+        layout: ``"contiguous"`` pools, ``"kv_interleaved"`` (``kv[:, 0]`` / ``kv[:, 1]`` views of one
+            ``[num_blocks, 2, block_size, H, D]`` tensor: non-contiguous) or ``"head_strided"`` (K and V
+            side by side in each head of one ``[num_blocks, block_size, H, 2 * D + 1]`` tensor, ``kv[..., :D]``
+            and ``kv[..., D + 1:]``: a head stride of ``2 * D + 1``, not ``D``, and V at an offset).
         scale: attention scale (``None``: ``1 / sqrt(head_dim)``).
         window_left: sliding window of ``paged_attention`` (``-1``: off; see ``docs/contract.md``).
         softcap: logit soft-cap (``0.0``: off).
@@ -299,6 +301,9 @@ class Case:
         if self.layout == "kv_interleaved":
             kv = full((g.num_blocks, 2, *shape[1:]))
             return kv[:, 0], kv[:, 1]
+        if self.layout == "head_strided":  # a sub-view of a wider cache; the element between K and V is poison
+            kv = full((*shape[:-1], 2 * g.head_dim + 1))
+            return kv[..., : g.head_dim], kv[..., g.head_dim + 1 :]
         return full(shape), full(shape)
 
     def caches(self, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
