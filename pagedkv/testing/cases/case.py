@@ -81,10 +81,9 @@ class Case:
         pad_value: fills block-table entries past each sequence's table.
         pad_columns: extra padded columns in the batch's block tables.
         table_dtype: ``"int32"`` or ``"int64"`` block tables.
-        layout: ``"contiguous"`` pools, ``"kv_interleaved"`` (``kv[:, 0]`` / ``kv[:, 1]`` views of one
-            ``[num_blocks, 2, block_size, H, D]`` tensor: non-contiguous) or ``"head_strided"`` (K and V
-            side by side in each head of one ``[num_blocks, block_size, H, 2 * D + 1]`` tensor, ``kv[..., :D]``
-            and ``kv[..., D + 1:]``: a head stride of ``2 * D + 1``, not ``D``, and V at an offset).
+        layout: ``"contiguous"``, ``"kv_interleaved"`` (``kv[:, 0]`` / ``kv[:, 1]`` of one ``[num_blocks, 2,
+            block_size, H, D]`` tensor) or ``"head_strided"`` (``kv[..., :D]`` / ``kv[..., D + 1:]`` of one
+            ``[num_blocks, block_size, H, 2 * D + 1]`` tensor: head stride ``2 * D + 1``, V at an offset).
         scale: attention scale (``None``: ``1 / sqrt(head_dim)``).
         window_left: sliding window of ``paged_attention`` (``-1``: off; see ``docs/contract.md``).
         softcap: logit soft-cap (``0.0``: off).
