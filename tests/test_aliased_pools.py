@@ -57,12 +57,13 @@ def test_a_planted_int32_fault_fails_with_a_located_case_file_that_replays(tmp_p
     assert record["check"] == name and record["kind"] == "LimitCase" and record["outcome"] == "failed"
     assert record["case"]["limit"] == "2_32_slots_aliased" and record["case"]["geometry"]["num_blocks"] == 2**23 + 1
     assert located in outcome.failures[0].error.where
-    again = execute.run_record(load_case_file(path, check_backend=False), backend=planted(), case_file=tmp_path / "again.json")
+    again = execute.run_record(load_case_file(path, check_backend=False), backend=planted(),
+                               case_file=tmp_path / "again.json")
     assert again.failed and again.first_line == outcome.first_line
 
 
-@pytest.mark.parametrize("name", ["gather_reads_the_right_block_past_2_31_slots", "write_kv_hits_slots_past_2_31_exactly",
-                                  "scatter_writes_the_right_blocks_past_2_31_slots",
+@pytest.mark.parametrize("name", ["gather_reads_the_right_block_past_2_31_slots",
+                                  "write_kv_hits_slots_past_2_31_exactly", "scatter_writes_the_right_blocks_past_2_31_slots",
                                   "validation_bounds_are_exact_past_2_31_slots"])
 @pytest.mark.parametrize("impl", ["loop", "indexed"])
 def test_the_aliased_pool_properties_pass_on_our_backends_and_leave_no_file(tmp_path, name, impl):
