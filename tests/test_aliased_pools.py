@@ -63,7 +63,8 @@ def test_a_planted_int32_fault_fails_with_a_located_case_file_that_replays(tmp_p
 
 
 @pytest.mark.parametrize("name", ["gather_reads_the_right_block_past_2_31_slots",
-                                  "write_kv_hits_slots_past_2_31_exactly", "scatter_writes_the_right_blocks_past_2_31_slots",
+                                  "write_kv_hits_slots_past_2_31_exactly",
+                                  "scatter_writes_the_right_blocks_past_2_31_slots",
                                   "validation_bounds_are_exact_past_2_31_slots"])
 @pytest.mark.parametrize("impl", ["loop", "indexed"])
 def test_the_aliased_pool_properties_pass_on_our_backends_and_leave_no_file(tmp_path, name, impl):
