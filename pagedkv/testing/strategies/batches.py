@@ -64,14 +64,16 @@ def declared_features(caps=None, features: bool | tuple = True) -> frozenset[str
 @st.composite
 def feature_fields(draw, geometry: Geometry, seqs, *, allowed=FEATURE_NAMES, force=()) -> dict:
     """The optional features of a case, each drawn only when ``allowed`` (a backend's declared features)
-    names it; ``force`` (feature names) turns those on. About three cases in four draw none unless
-    forced, so the plain path keeps its share. Windows are biased to 0, 1, ``bs - 1``, ``bs``, the whole
+    names it; ``force`` (feature names) turns those on. Half the cases draw none unless forced, so the
+    plain path keeps its share; the other half is swarm-style: each declared feature on with
+    probability one half, at least one. Windows are biased to 0, 1, ``bs - 1``, ``bs``, the whole
     context and past it; a quarter of the sinks are ``-inf`` (:meth:`Case.sink_values`); fp8 scales are
     per tensor or per kv head."""
     force = frozenset(force) & frozenset(allowed)
-    if not allowed or not force and draw(st.integers(0, 3)) != 3:  # shrinks toward no feature
+    if not allowed or not force and not draw(st.booleans()):  # shrinks toward no feature
         return {}
     on = {f for f in sorted(allowed) if f in force or draw(st.booleans())}
+    on = on or {draw(st.sampled_from(sorted(allowed)))}
     out: dict = {}
     if "window" in on:
         bs, context = geometry.block_size, max((s.seq_len for s in seqs), default=0)
