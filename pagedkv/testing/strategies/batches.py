@@ -28,14 +28,17 @@ def _lengths(draw, block_size: int, max_seqs: int, max_len: int, max_q_len: int)
     them) takes a length from :data:`TILE_EDGES` (past ``max_len``, up to 129 tokens) and a query of
     up to :data:`LONG_MAX_Q_LEN` tokens; the other sequences keep their short lengths, so a batch
     mixes decodes, prefills, chunked prefills and empty sequences with one sequence crossing kernel tiles.
+    One batch in four is decodes only (every query at most one token, empty sequences included), the
+    shape a kernel's split-KV path (vLLM's 3D ``unified_attention``, flash-decoding) is chosen for.
     """
     count = draw(st.integers(1, max_seqs))
     long_lens = [n for n in TILE_EDGES if n > max_len] if block_size <= 16 else []
     longest = draw(st.integers(0, count - 1)) if long_lens and draw(st.integers(0, 3)) == 3 else None
+    decode_only = draw(st.integers(0, 3)) == 3  # a batch of decodes only: what split-KV (3D) paths serve
     out = []
     for i in range(count):
         n = draw(st.sampled_from(long_lens)) if i == longest else draw(seq_lens(block_size, max_len))
-        q_cap = min(n, LONG_MAX_Q_LEN if i == longest else max_q_len)
+        q_cap = min(n, 1 if decode_only else LONG_MAX_Q_LEN if i == longest else max_q_len)
         q_len = draw(st.one_of(st.sampled_from(sorted({min(1, n), q_cap})), st.integers(0, q_cap)))
         out.append((n, q_len, draw(positions_in(n, block_size))))
     return out
