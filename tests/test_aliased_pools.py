@@ -83,3 +83,14 @@ def test_a_backend_that_accepts_a_slot_past_the_pool_is_named():
     outcome = execute.run_case(properties()["validation_bounds_are_exact_past_2_31_slots"], (NoBoundCheck(),),
                                LimitCase.aliased())
     assert outcome.failed and "was accepted" in outcome.first_line and str(2**32 + 512) in outcome.first_line
+
+
+def test_a_backend_declaring_contiguous_pools_only_is_skipped_with_the_reason():
+    from pagedkv.backends.capabilities import Capabilities
+
+    class Contiguous(Int32Slots):
+        capabilities = Capabilities(strided_pools=False)
+
+    outcome = execute.run_case(properties()["write_kv_hits_slots_past_2_31_exactly"], (Contiguous(),),
+                               LimitCase.aliased())
+    assert outcome.status == "skipped" and "contiguous pools only" in outcome.reason

@@ -178,7 +178,7 @@ def _declare() -> list[Property]:
             f"{op}_is_exact_on_pools_past_2_24_slots",
             f"{op} places tokens exactly in the last blocks of pools of more than 2**24 slots",
             (op,), fn, lazy("large_pool_cases"), max_examples=LARGE_POOL_EXAMPLES, requires=large_pool))
-    from pagedkv.testing.cases.limit import LIMITS, LimitCase
+    from pagedkv.testing.cases.limit import LIMITS
     from pagedkv.testing.properties import large_pools
 
     for limit in LIMITS:
@@ -195,8 +195,7 @@ def _declare() -> list[Property]:
     from pagedkv.testing.properties import aliased_pools
 
     for name, ops, check, sentence in aliased_pools.PROPERTIES:
-        props.append(Property(name, sentence, ops, check, _aliased_case, max_examples=1, kind="limit",
-                              requires=LimitCase.aliased_unsupported))
+        props.append(Property(name, sentence, ops, check, _aliased_case, max_examples=1, kind="limit"))
     props.append(Property(
         "cache_state_machine_holds_its_invariants",
         "driven like a scheduler (add with prefix lookup, reserve, write in part or not at all, commit, fork, "
