@@ -161,6 +161,28 @@ def assert_attention_close(actual: torch.Tensor, expected: torch.Tensor, *, max_
                                msg=lambda m: f"{msg}{m}")
 
 
+def target_attention_error(actual: torch.Tensor, expected: torch.Tensor, *, max_abs_logit: float = 0.0,
+                           max_abs_value: float = 1.0) -> None:
+    """Inside a Hypothesis search, ``hypothesis.target`` the worst element's error as a fraction of the
+    tolerance :func:`assert_attention_close` allows (``1.0`` is the limit), so the search climbs toward
+    inputs where an output drifts (a fault that shifts a result by a little, a case near its limit).
+    Outside a search (a fixed case, a replay without Hypothesis) it does nothing.
+
+    Args:
+        actual: ``[tokens, heads, head_dim]`` output that passed; ``expected``: the reference (float64).
+    """
+    try:
+        from hypothesis import currently_in_test_context, target
+    except ImportError:  # replays run without Hypothesis
+        return
+    if not currently_in_test_context() or actual.numel() == 0:
+        return
+    rtol, atol = attention_tolerance(actual.dtype, max_abs_logit, max_abs_value)
+    e = expected.double()
+    ratio = ((actual.double() - e).abs() / (atol + rtol * e.abs())).max()
+    target(float(ratio), label="attention error / tolerance")
+
+
 def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, msg: str = "") -> None:
     """Assert two tensors are identical bit for bit: same shape, dtype and bit pattern everywhere.
 

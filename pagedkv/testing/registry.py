@@ -205,6 +205,10 @@ def _declare() -> list[Property]:
                 f"{op}_is_exact_past_{limit}_at_a_declared_geometry", sentence.format(limit.replace("_", " ", 1)),
                 (op,), check, partial(_limit_case, limit), max_examples=1, kind="limit",
                 requires=partial(_limit_space, limit)))
+    from pagedkv.testing.properties import aliased_pools
+
+    for name, ops, check, sentence in aliased_pools.PROPERTIES:
+        props.append(Property(name, sentence, ops, check, _aliased_case, max_examples=1, kind="limit"))
     props.append(Property(
         "cache_state_machine_holds_its_invariants",
         "driven like a scheduler (add with prefix lookup, reserve, write in part or not at all, commit, fork, "
@@ -266,6 +270,15 @@ def _limit_case(limit: str, caps=None, **_):
     from pagedkv.testing.cases.limit import LimitCase
 
     return st.just(LimitCase.for_space(limit, caps or Capabilities())[0])
+
+
+def _aliased_case(caps=None, **_):
+    """The one case of an aliased-pool property (:meth:`LimitCase.aliased`)."""
+    from hypothesis import strategies as st
+
+    from pagedkv.testing.cases.limit import LimitCase
+
+    return st.just(LimitCase.aliased())
 
 
 def _limit_space(limit: str, caps) -> str | None:

@@ -348,10 +348,10 @@ def _scenario(value: Any, path: str) -> dict:
 
 
 def _limit_case(value: Any, path: str) -> dict:
-    from pagedkv.testing.cases.limit import LIMITS
+    from pagedkv.testing.cases.limit import ALIASED_LIMIT, LIMITS
 
     c = _object(value, path, ("limit", "geometry"), ("limit", "geometry"))
-    _choice(c["limit"], f"{path}.limit", tuple(LIMITS))
+    _choice(c["limit"], f"{path}.limit", (*LIMITS, ALIASED_LIMIT))
     c["geometry"] = _geometry(c["geometry"], f"{path}.geometry")
     return c
 

@@ -25,7 +25,7 @@ from pagedkv.testing.cases.memory import POOL_LAYOUT, new_pools
 VALUE_PATTERNS = ("normal", "identity", "large")
 POISONS = ("nan", "inf", "sentinel", "zero")
 FINITE_POISONS = ("sentinel", "zero")  # for backends that assume finite unused slots
-LAYOUTS = ("contiguous", "kv_interleaved")
+LAYOUTS = ("contiguous", "kv_interleaved", "head_strided")
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _EXACT_INTEGERS = {"float32": 2**24, "float16": 2**11, "bfloat16": 2**8}  # ids a dtype holds exactly
 _LARGE = 30.0  # |q|, |k| ~ 30: logits in the hundreds, exp() overflows without max subtraction
@@ -81,8 +81,9 @@ class Case:
         pad_value: fills block-table entries past each sequence's table.
         pad_columns: extra padded columns in the batch's block tables.
         table_dtype: ``"int32"`` or ``"int64"`` block tables.
-        layout: ``"contiguous"`` pools or ``"kv_interleaved"`` (``kv[:, 0]`` / ``kv[:, 1]`` views of one
-            ``[num_blocks, 2, block_size, H, D]`` tensor: non-contiguous).
+        layout: ``"contiguous"``, ``"kv_interleaved"`` (``kv[:, 0]`` / ``kv[:, 1]`` of one ``[num_blocks, 2,
+            block_size, H, D]`` tensor) or ``"head_strided"`` (``kv[..., :D]`` / ``kv[..., D + 1:]`` of one
+            ``[num_blocks, block_size, H, 2 * D + 1]`` tensor: head stride ``2 * D + 1``, V at an offset).
         scale: attention scale (``None``: ``1 / sqrt(head_dim)``).
         window_left: sliding window of ``paged_attention`` (``-1``: off; see ``docs/contract.md``).
         softcap: logit soft-cap (``0.0``: off).
@@ -290,7 +291,7 @@ class Case:
         g = self.geometry
         shape = (g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
         return new_pools(shape, self.pool_dtype, device, self._poison_value(),
-                         interleaved=self.layout == "kv_interleaved")
+                         interleaved=self.layout == "kv_interleaved", head_strided=self.layout == "head_strided")
 
     def caches(self, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_cache, v_cache)``: poison everywhere, each sequence's K/V (:meth:`stored_kv`) at its owned slots.

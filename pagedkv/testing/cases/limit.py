@@ -17,6 +17,8 @@ from pagedkv.testing.cases.case import Geometry
 
 #: name -> (slots, elements) the pool must exceed.
 LIMITS = {"2_24_slots": (2**24 + 1, 0), "2_31_elements": (0, 2**31 + 1)}
+#: The aliased pool past 2**32 slots (:mod:`pagedkv.testing.properties.aliased_pools`): its geometry.
+ALIASED_LIMIT, ALIASED_GEOMETRY = "2_32_slots_aliased", Geometry(2**23 + 1, 512, 1, 1, 1, "float32")
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
@@ -27,6 +29,19 @@ class LimitCase:
 
     limit: str
     geometry: Geometry
+
+    @classmethod
+    def aliased(cls) -> "LimitCase":
+        """The aliased pool's case: ``[2**23 + 1, 512, 1, 1]`` float32 with block stride 1 (32 MiB)."""
+        return cls(ALIASED_LIMIT, ALIASED_GEOMETRY)
+
+    @staticmethod
+    def aliased_unsupported(caps) -> str | None:
+        """Why the aliased pool lies outside ``caps`` (``None``: inside): a strided float32 view with block
+        size 512, one kv head and head_dim 1."""
+        reason = caps.rejects(ALIASED_GEOMETRY) or (None if caps.strided_pools else
+                                                    "the backend declares contiguous pools only")
+        return f"the aliased pool past 2**31 slots: {reason}" if reason else None
 
     @property
     def first_slot_past(self) -> int:

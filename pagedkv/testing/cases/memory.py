@@ -62,14 +62,21 @@ def _logical_pool(layout: PoolLayout, shape, dtype, device, fill: float | None) 
     return logical
 
 
-def new_pools(shape, dtype: torch.dtype, device, fill: float | None, *,
-              interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def new_pools(shape, dtype: torch.dtype, device, fill: float | None, *, interleaved: bool = False,
+              head_strided: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Logical ``(k_cache, v_cache)`` of ``shape`` ``[num_blocks, block_size, num_kv_heads, head_dim]`` in
     the storage of :data:`POOL_LAYOUTS`, every element ``fill`` (``None``: left as allocated, e.g. fresh
     zero pages). ``interleaved``: block ``b`` of K and V are blocks ``2b`` and ``2b + 1`` of one arena
     (``kv[:, 0]`` / ``kv[:, 1]`` of a ``[num_blocks, 2, ...]`` tensor: non-contiguous pools); when the
-    key and value layouts differ, each pool takes every other block of an arena of its own."""
+    key and value layouts differ, each pool takes every other block of an arena of its own.
+    ``head_strided``: K and V are sub-views of one wider pool whose heads hold ``2 * head_dim + 1``
+    elements (K first, one poisoned element, then V), so the head stride is not ``head_dim`` and V
+    starts at an offset: a sub-view of a wider cache, as an engine's fused KV buffer hands out."""
     k_layout, v_layout = POOL_LAYOUTS.get()
+    if head_strided:
+        d = shape[-1]
+        wide = _logical_pool(k_layout, (*shape[:-1], 2 * d + 1), dtype, device, fill)
+        return wide[..., :d], wide[..., d + 1:]
     if not interleaved:
         return (_logical_pool(k_layout, shape, dtype, device, fill),
                 _logical_pool(v_layout, shape, dtype, device, fill))

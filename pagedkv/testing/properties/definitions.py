@@ -21,7 +21,7 @@ from pagedkv.testing.cases.case import Case, reference_gather, reference_write, 
 from pagedkv.testing.compare import Mismatch, MissingOp, assert_same_bits, bits, require  # noqa: F401 (re-exported)
 from pagedkv.testing.properties.scenarios import (check_live_sequences, prefix_cache_transparent,  # noqa: F401 (moved)
                                        run_scenario, sharing_isolated)
-from pagedkv.testing.compare import assert_attention_close, assert_bitwise_equal
+from pagedkv.testing.compare import assert_attention_close, assert_bitwise_equal, target_attention_error
 
 GATHERING_BACKENDS = {"loop", "indexed"}  # attention = gather + the same dense op: bitwise equal to each other
 
@@ -162,6 +162,7 @@ def attention_matches_reference(backend: Any, case: Case, device: str = "cpu") -
     except AssertionError as exc:
         where = locate_attention(case, out.cpu(), expected)
         raise Mismatch(f"paged_attention vs fp64 reference at {describe_attention(where)}: {exc}", where) from None
+    target_attention_error(out.cpu(), expected, max_abs_logit=max_logit, max_abs_value=max_v)
 
 
 def locate_attention(case: Case, actual: torch.Tensor, expected: torch.Tensor) -> dict:

@@ -12,13 +12,33 @@ from pagedkv.config import blocks_needed
 from .geometry import DTYPES, geometries, positions_in, seq_lens
 
 
+#: Key tiles kernels loop over (vLLM's ``unified_attention``: 16, 32 or 64 keys; pagedkv's Triton
+#: kernel: 16 or 32): lengths just around one or two tiles, drawn at block sizes up to 16, most of which
+#: do not divide a tile, so a tile ends inside a block and a block inside a tile.
+TILE_EDGES = tuple(sorted({k * t + d for t in (16, 32, 64) for k in (1, 2) for d in (-1, 0, 1)}))
+#: A long sequence's query may cross a query tile (16 rows) too: a chunked prefill past one tile.
+LONG_MAX_Q_LEN = 17
+
+
 @st.composite
 def _lengths(draw, block_size: int, max_seqs: int, max_len: int, max_q_len: int):
-    """``[(seq_len, q_len, start)]`` for 1..max_seqs sequences; q_len biased to 1 (decode) and whole prompts."""
+    """``[(seq_len, q_len, start)]`` for 1..max_seqs sequences; q_len biased to 1 (decode) and whole prompts.
+
+    Swarm-style, one case in four at block sizes up to 16 turns *long* on: one sequence (any of
+    them) takes a length from :data:`TILE_EDGES` (past ``max_len``, up to 129 tokens) and a query of
+    up to :data:`LONG_MAX_Q_LEN` tokens; the other sequences keep their short lengths, so a batch
+    mixes decodes, prefills, chunked prefills and empty sequences with one sequence crossing kernel tiles.
+    One batch in four is decodes only (every query at most one token, empty sequences included), the
+    shape a kernel's split-KV path (vLLM's 3D ``unified_attention``, flash-decoding) is chosen for.
+    """
+    count = draw(st.integers(1, max_seqs))
+    long_lens = [n for n in TILE_EDGES if n > max_len] if block_size <= 16 else []
+    longest = draw(st.integers(0, count - 1)) if long_lens and draw(st.integers(0, 3)) == 3 else None
+    decode_only = draw(st.integers(0, 3)) == 3  # a batch of decodes only: what split-KV (3D) paths serve
     out = []
-    for _ in range(draw(st.integers(1, max_seqs))):
-        n = draw(seq_lens(block_size, max_len))
-        q_cap = min(n, max_q_len)
+    for i in range(count):
+        n = draw(st.sampled_from(long_lens)) if i == longest else draw(seq_lens(block_size, max_len))
+        q_cap = min(n, 1 if decode_only else LONG_MAX_Q_LEN if i == longest else max_q_len)
         q_len = draw(st.one_of(st.sampled_from(sorted({min(1, n), q_cap})), st.integers(0, q_cap)))
         out.append((n, q_len, draw(positions_in(n, block_size))))
     return out
@@ -47,14 +67,16 @@ def declared_features(caps=None, features: bool | tuple = True) -> frozenset[str
 @st.composite
 def feature_fields(draw, geometry: Geometry, seqs, *, allowed=FEATURE_NAMES, force=()) -> dict:
     """The optional features of a case, each drawn only when ``allowed`` (a backend's declared features)
-    names it; ``force`` (feature names) turns those on. About three cases in four draw none unless
-    forced, so the plain path keeps its share. Windows are biased to 0, 1, ``bs - 1``, ``bs``, the whole
+    names it; ``force`` (feature names) turns those on. Half the cases draw none unless forced, so the
+    plain path keeps its share; the other half is swarm-style: each declared feature on with
+    probability one half, at least one. Windows are biased to 0, 1, ``bs - 1``, ``bs``, the whole
     context and past it; a quarter of the sinks are ``-inf`` (:meth:`Case.sink_values`); fp8 scales are
     per tensor or per kv head."""
     force = frozenset(force) & frozenset(allowed)
-    if not allowed or not force and draw(st.integers(0, 3)) != 3:  # shrinks toward no feature
+    if not allowed or not force and not draw(st.booleans()):  # shrinks toward no feature
         return {}
     on = {f for f in sorted(allowed) if f in force or draw(st.booleans())}
+    on = on or {draw(st.sampled_from(sorted(allowed)))}
     out: dict = {}
     if "window" in on:
         bs, context = geometry.block_size, max((s.seq_len for s in seqs), default=0)

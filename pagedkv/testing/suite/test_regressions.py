@@ -32,7 +32,7 @@ def _inside(record: dict, prop, caps) -> tuple[object | None, str]:
     inner = getattr(case, "case", None) or case
     g = inner.geometry
     layout = getattr(inner, "layout", None)
-    if layout == "kv_interleaved" and not caps.strided_pools:
+    if layout not in (None, "contiguous") and not caps.strided_pools:
         return None, "the backend declares contiguous pools only"
     pools = 2 * POOL_COPIES * g.num_blocks * g.block_size * g.num_kv_heads * g.head_dim * g.torch_dtype.itemsize
     if how and pools > default_max_bytes():

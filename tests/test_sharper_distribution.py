@@ -1,0 +1,64 @@
+"""The case distribution reaches what kernels get wrong: sequences across key tiles at small block
+sizes, query tiles of chunked prefills, pools whose head stride is not head_dim, and every subset
+of the declared features."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import find, settings
+
+from pagedkv.testing.cases.case import Case, Geometry, SeqSpec
+from pagedkv.testing.cases.memory import pool_layout
+from pagedkv.testing.strategies.batches import LONG_MAX_Q_LEN, TILE_EDGES, cases
+
+FIND = settings(max_examples=2000, database=None, deadline=None)
+
+
+def test_a_sequence_crosses_a_32_key_tile_at_a_block_size_that_does_not_divide_it():
+    case = find(cases(), lambda c: 32 % c.geometry.block_size and
+                any(s.seq_len > 32 and s.q_len > 6 for s in c.seqs), settings=FIND)
+    long = [s for s in case.seqs if s.seq_len > 24]
+    assert len(long) == 1 and long[0].seq_len in TILE_EDGES and long[0].q_len <= LONG_MAX_Q_LEN
+    assert len(long[0].block_table) >= math.ceil(long[0].seq_len / case.geometry.block_size)
+
+
+def test_a_long_sequence_shares_its_batch_with_decodes_and_empty_sequences():
+    def mixed(c):
+        kinds = {"long chunk" if s.seq_len > 24 and s.q_len > 1 else "decode" if s.seq_len and s.q_len == 1 else
+                 "empty" if not s.seq_len else "other" for s in c.seqs}
+        return {"long chunk", "decode", "empty"} <= kinds
+
+    case = find(cases(), mixed, settings=FIND)
+    assert len(case.seqs) >= 3 and any(s.seq_len in TILE_EDGES for s in case.seqs)
+
+
+def test_long_sequences_stay_off_large_blocks_where_lengths_already_cross_blocks():
+    case = find(cases(), lambda c: c.geometry.block_size >= 32, settings=FIND)
+    assert all(s.seq_len <= 2 * case.geometry.block_size + 1 for s in case.seqs)
+
+
+@pytest.mark.parametrize("memory", ["NHD", "HND"])
+def test_head_strided_pools_are_views_of_a_wider_cache_with_poison_between_k_and_v(memory):
+    case = Case(Geometry(num_blocks=3, block_size=2, num_kv_heads=2, head_dim=3), (SeqSpec((2, 0), 3, 1, 0),),
+                layout="head_strided", poison="nan")
+    with pool_layout(memory):
+        k, v = case.caches()
+    assert k.shape == v.shape == (3, 2, 2, 3) and k.stride(3) == 1
+    assert (k.stride(2) if memory == "NHD" else k.stride(1)) == 7  # the row of one head (NHD) or token (HND)
+    assert v.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+    assert v.storage_offset() - k.storage_offset() == 4
+    gap = torch.as_strided(k, (3, 2, 2), (k.stride(0), k.stride(1), k.stride(2)), k.storage_offset() + 3)
+    assert bool(gap.isnan().all())  # the element between each head's K and V is poison
+    assert torch.isfinite(k[2, 0]).all() and torch.isfinite(v[0, 0]).all()  # token 0 and token 2 are stored
+
+
+@pytest.mark.parametrize("target", [(), ("window",), ("softcap", "sinks"), ("window", "softcap", "alibi", "sinks")])
+def test_the_features_are_drawn_swarm_style_any_subset_and_the_plain_path(target):
+    names = ("window", "softcap", "alibi", "sinks")
+
+    def features(c):
+        return tuple(n for n, on in zip(names, (c.window_left >= 0, c.softcap > 0, c.alibi, c.sinks)) if on)
+    assert features(find(cases(features=names), lambda c: features(c) == target, settings=FIND)) == target
