@@ -14,7 +14,8 @@ from pagedkv.testing.cases.case import Case, Geometry, SeqSpec
 from pagedkv.testing.cases.memory import pool_layout
 from pagedkv.testing.strategies.batches import LONG_MAX_Q_LEN, TILE_EDGES, cases
 
-FIND = settings(max_examples=2000, database=None, deadline=None, phases=(Phase.generate,))  # found is enough: no shrinking
+# an example found is enough: no shrinking
+FIND = settings(max_examples=2000, database=None, deadline=None, phases=(Phase.generate,))
 
 
 def test_a_sequence_crosses_a_32_key_tile_at_a_block_size_that_does_not_divide_it():
