@@ -146,7 +146,8 @@ def test_peers_table_reads_the_runs_log(tmp_path):
 
 
 # -- SGLang's Triton kernels (pip install --no-deps sglang + its kernels' imports) and transformers' CB --------
-NEW_PEERS = ["sglang_triton", "sglang_triton_paged", "transformers_paged", "transformers_paged_eager"]
+NEW_PEERS = ["sglang_triton", "sglang_triton_paged", "sglang_triton_deterministic", "transformers_paged",
+             "transformers_paged_eager"]
 
 
 @pytest.mark.parametrize("name", NEW_PEERS)
@@ -185,9 +186,14 @@ def test_sglang_kv_indices_are_the_contract_slots(name):
 
     peer = _peer(name)
     bs, tables, lens = 4, torch.tensor([[3, 0, -1], [1, 2, 5]]), [6, 9]
-    indptr, indices = peer._kv_indices(tables, lens, bs, 6 * bs)
+    indptr, indices = peer._kv_indices(tables, [0, 0], lens, bs, 6 * bs)
     want = [int(tables[b, p // bs]) * bs + p % bs for b, n in enumerate(lens) for p in range(n)]
     assert indptr.tolist() == [0, 6, 15] and indices.tolist() == want
+    # a window's part of each row (kv_start_idx): positions 3 .. 5 and 5 .. 8; the -1 before it is never read
+    tables = torch.tensor([[-1, 0, -1], [-1, 2, 5]])
+    indptr, indices = peer._kv_indices(tables, [4, 5], [2, 4], bs, 6 * bs)
+    want = [int(tables[b, p // bs]) * bs + p % bs for b, s, n in ((0, 4, 2), (1, 5, 4)) for p in range(s, s + n)]
+    assert indptr.tolist() == [0, 2, 6] and indices.tolist() == want
 
 
 def _vllm_feature_outcomes(name: str, **case_changes) -> dict:
