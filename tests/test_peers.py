@@ -229,3 +229,43 @@ def test_vllm_tensor_descriptor_path_reads_the_unused_tail():
     assert set(_vllm_feature_outcomes("vllm_triton_td").values()) == {"failed"}
     finite = _vllm_feature_outcomes("vllm_triton_td", poison="sentinel")
     assert all(v == "passed" for k, v in finite.items() if len(k) == 1), finite
+
+
+SGLANG_PEERS = ["sglang_triton", "sglang_triton_paged", "sglang_triton_deterministic"]
+
+
+def _decode_and_extend(seed=0):
+    """A decode (seq_len 9) and a prefill of 4 over a prefix of 9, block size 4, GQA 2, shuffled blocks."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    nb, bs, kvh, d = 8, 4, 2, 16
+    k, v = torch.randn(nb, bs, kvh, d, generator=g), torch.randn(nb, bs, kvh, d, generator=g)
+    perm = torch.randperm(nb, generator=g).to(torch.int32)
+    tables = torch.stack([torch.cat([perm[:3], perm.new_full((1,), -1)]), perm[3:7]])
+    q = torch.randn(5, 2 * kvh, d, generator=g)
+    return q, k, v, tables, torch.tensor([9, 13], dtype=torch.int32), torch.tensor([0, 1, 5], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("name", SGLANG_PEERS)
+def test_sglang_features_match_and_the_decode_window_is_one_key_short(name):
+    """Soft-cap, sinks and split counts match the definition on decode and extend rows; with a window the
+    extend rows match it and the decode row matches a window one key shorter (docs/peers.md)."""
+    import torch
+
+    from pagedkv.backends import get_backend
+
+    peer, ref = _peer(name), get_backend("indexed")
+    assert {"window", "softcap", "sinks"} <= peer.capabilities.features
+    q, k, v, tables, lens, qsl = _decode_and_extend()
+    sinks = torch.linspace(-1.0, 2.0, q.shape[1])
+    splits = [{}, {"num_splits": 1}, {"num_splits": 3}] if peer.capabilities.split_k else [{}]
+    for features in ({}, {"softcap": 2.5}, {"sinks": sinks}, {"softcap": 4.0, "sinks": sinks}):
+        want = ref.paged_attention(q, k, v, tables, lens, qsl, None, **features)
+        for kw in splits:
+            got = peer.paged_attention(q, k, v, tables, lens, qsl, None, **features, **kw)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{features} {kw}")
+    got = peer.paged_attention(q, k, v, tables, lens, qsl, None, window_left=3)
+    torch.testing.assert_close(got[1:], ref.paged_attention(q, k, v, tables, lens, qsl, None, window_left=3)[1:])
+    torch.testing.assert_close(got[:1], ref.paged_attention(q, k, v, tables, lens, qsl, None, window_left=2)[:1])
+    assert not torch.allclose(got[:1], ref.paged_attention(q, k, v, tables, lens, qsl, None, window_left=3)[:1])
