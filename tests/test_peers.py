@@ -145,6 +145,30 @@ def test_peers_table_reads_the_runs_log(tmp_path):
         assert text in table, text
 
 
+def test_peers_table_reuses_the_columns_of_an_earlier_run(tmp_path, capsys):
+    """`--reuse FILE` puts an earlier --json run's column in the table without running that peer again, and
+    refuses a file of another profile."""
+    import argparse
+    import json
+
+    from pagedkv.cli import peers as cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    earlier = tmp_path / "earlier.json"
+    tests = [dict(test="test_a[vllm_triton]", row="a", status="pass", detail="", seconds=1.0)]
+    earlier.write_text(json.dumps(dict(profile="ci", results=[dict(peer="vllm_triton", seconds=12.0, exit=0,
+                                                                   tests=tests, error="", capabilities="")])))
+    args = parser.parse_args(["peers", "--peers", "vllm_triton", "--reuse", str(earlier),
+                              "--markdown", str(tmp_path / "t.md")])
+    assert cli.run(args) == 0
+    table = (tmp_path / "t.md").read_text()
+    assert "| property | vllm_triton |" in table and "| a | pass |" in table and "| **suite time (s)** | 12 |" in table
+    args = parser.parse_args(["peers", "--peers", "vllm_triton", "--reuse", str(earlier), "--profile", "dev"])
+    assert cli.run(args) == 2
+    assert "profile 'ci'" in capsys.readouterr().err
+
+
 # -- SGLang's Triton kernels (pip install --no-deps sglang + its kernels' imports) and transformers' CB --------
 NEW_PEERS = ["sglang_triton", "sglang_triton_paged", "sglang_triton_deterministic", "transformers_paged",
              "transformers_paged_eager"]

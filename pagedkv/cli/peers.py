@@ -51,6 +51,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "for vLLM's Triton kernels in Triton's interpreter)")
     parser.add_argument("--json", metavar="PATH", help="also write every test's outcome and the timings as JSON")
     parser.add_argument("--markdown", metavar="PATH", help="also write the table and its notes as Markdown")
+    parser.add_argument("--reuse", metavar="JSON", action="append", default=[],
+                        help="take the columns of the peers an earlier --json run holds from that file instead of "
+                             "running them again (repeatable; a peer in no file runs; the profiles must match): a "
+                             "slow peer re-run alone, with a longer --timeout, joins the table of the others")
     parser.set_defaults(func=run)
     return parser
 
@@ -252,6 +256,23 @@ def format_table(results: list[dict], unavailable: dict[str, str]) -> str:
     return "\n".join(out) + "\n"
 
 
+def reused_results(paths: list[str], profile: str) -> dict[str, dict]:
+    """``{peer: result}`` from earlier ``--json`` files (a later file's column wins).
+
+    Raises:
+        OSError: a file cannot be read. ValueError: not JSON, or written under another profile.
+        KeyError: no ``results`` list in it.
+    """
+    out: dict[str, dict] = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if data.get("profile") != profile:
+            raise ValueError(f"{path} was run under profile {data.get('profile')!r}, this table under {profile!r}")
+        for result in data["results"]:
+            out[result["peer"]] = result
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """``python -m pagedkv peers``: 0 when no peer run fails a gating test, 1 otherwise, 2 on a bad name."""
     from pagedkv.testing.peers import PEERS, available
@@ -261,10 +282,18 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown peer(s) {', '.join(unknown)}; known: {', '.join(PEERS)}", file=sys.stderr)
         return 2
+    try:
+        reused = reused_results(args.reuse, args.profile)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"--reuse: {exc}", file=sys.stderr)
+        return 2
     reasons = available()
-    unavailable = {n: reasons[n] for n in names if reasons[n]}
+    unavailable = {n: reasons[n] for n in names if reasons[n] and n not in reused}
     results = []
     for name in names:
+        if name in reused:
+            results.append(reused[name])
+            continue
         if name in unavailable:
             continue
         print(f"{name}: running the conformance suite (profile {args.profile}) ...", file=sys.stderr, flush=True)
