@@ -133,14 +133,17 @@ def test_peers_table_reads_the_runs_log(tmp_path):
             ("test_properties.py::test_finding_outside_declared_preconditions[p-finite_unused_slots-d]", "call",
              "finding", "finding (outside the declared precondition 'finite_unused_slots'): nan"),
             ("test_properties.py::test_e[p]", "call", "skipped",
-             "time budget spent ($PAGEDKV_TEST_BUDGET_S=20 s): 7 examples passed, the remaining examples did not run")]
+             "time budget spent ($PAGEDKV_TEST_BUDGET_S=20 s): 7 examples passed, the remaining examples did not run"),
+            ("test_properties.py::test_f[p]", "call", "skipped",
+             "time budget of 10 s spent: 3 examples passed, the remaining examples did not run")]
     log.write_text("".join(json.dumps(dict(nodeid=n, when=w, outcome=o, text=t, seconds=0.5)) + "\n"
                            for n, w, o, t in rows))
     tests = _outcomes(log, "p")
-    assert [t["status"] for t in tests] == ["pass", "FAIL", "skipped", "finding", "partial"]
+    assert [t["status"] for t in tests] == ["pass", "FAIL", "skipped", "finding", "partial", "partial"]
     table = format_table([dict(peer="p", seconds=1.0, tests=tests, error="")], {"q": "q is not installed"})
     for text in ("| a | pass |", "| b | FAIL [1] |", "| c | skipped [2] |",
                  "| finding: d (finite_unused_slots) | finding [3] |", "| e | partial: 7 passed [4] |",
+                 "| f | partial: 3 passed [5] |",
                  "1. AssertionError: bad row", "- q: q is not installed"):
         assert text in table, text
 

@@ -120,6 +120,11 @@ def _failure_line(text: str) -> str:
     return first or (text.strip().splitlines() or ["failed"])[-1]
 
 
+def _budget_spent(reason: str) -> bool:
+    """Whether a skip reason is the example budget's (``time budget [of S s] spent: N examples passed``)."""
+    return re.match(r"time budget (of [\d.e+-]+ s )?spent", reason) is not None
+
+
 def _outcomes(log: Path, peer: str) -> list[dict]:
     """Every test of one run's log: id, row, status (pass/FAIL/skipped/finding), detail, seconds."""
     tests: dict[str, dict] = {}
@@ -143,7 +148,7 @@ def _outcomes(log: Path, peer: str) -> list[dict]:
                 f"; case: {case}" if case else "")
         else:
             reason = re.sub(r"^Skipped: ", "", r["text"]).strip().splitlines()[0]
-            t["status"], t["detail"] = ("partial" if reason.startswith("time budget spent") else "skipped"), reason
+            t["status"], t["detail"] = ("partial" if _budget_spent(reason) else "skipped"), reason
     return list(tests.values())
 
 
@@ -269,6 +274,9 @@ def reused_results(paths: list[str], profile: str) -> dict[str, dict]:
         if data.get("profile") != profile:
             raise ValueError(f"{path} was run under profile {data.get('profile')!r}, this table under {profile!r}")
         for result in data["results"]:
+            for t in result["tests"]:  # files written before the budget's message named its seconds
+                if t["status"] == "skipped" and _budget_spent(t["detail"]):
+                    t["status"] = "partial"
             out[result["peer"]] = result
     return out
 
