@@ -277,7 +277,8 @@ def _decode_and_extend(seed=0):
 @pytest.mark.parametrize("name", SGLANG_PEERS)
 def test_sglang_features_match_and_the_decode_window_is_one_key_short(name):
     """Soft-cap, sinks and split counts match the definition on decode and extend rows; with a window the
-    extend rows match it and the decode row matches a window one key shorter (docs/peers.md)."""
+    extend rows match it and the decode row matches a window one key shorter; a window of 0 is none
+    (docs/peers.md)."""
     import torch
 
     from pagedkv.backends import get_backend
@@ -296,3 +297,6 @@ def test_sglang_features_match_and_the_decode_window_is_one_key_short(name):
     torch.testing.assert_close(got[1:], ref.paged_attention(q, k, v, tables, lens, qsl, None, window_left=3)[1:])
     torch.testing.assert_close(got[:1], ref.paged_attention(q, k, v, tables, lens, qsl, None, window_left=2)[:1])
     assert not torch.allclose(got[:1], ref.paged_attention(q, k, v, tables, lens, qsl, None, window_left=3)[:1])
+    # SGLang's `sliding_window_size > 0` guards: a window of one token (window_left 0) is no window
+    torch.testing.assert_close(peer.paged_attention(q, k, v, tables, lens, qsl, None, window_left=0),
+                               ref.paged_attention(q, k, v, tables, lens, qsl, None), rtol=1e-5, atol=1e-5)
