@@ -135,7 +135,7 @@ def test_peers_table_reads_the_runs_log(tmp_path):
             ("test_properties.py::test_e[p]", "call", "skipped",
              "time budget spent ($PAGEDKV_TEST_BUDGET_S=20 s): 7 examples passed, the remaining examples did not run"),
             ("test_properties.py::test_f[p]", "call", "skipped",
-             "time budget of 10 s spent: 3 examples passed, the remaining examples did not run")]
+             "f: time budget of 10 s spent: 3 examples passed, the remaining examples did not run")]
     log.write_text("".join(json.dumps(dict(nodeid=n, when=w, outcome=o, text=t, seconds=0.5)) + "\n"
                            for n, w, o, t in rows))
     tests = _outcomes(log, "p")

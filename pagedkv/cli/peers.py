@@ -121,8 +121,9 @@ def _failure_line(text: str) -> str:
 
 
 def _budget_spent(reason: str) -> bool:
-    """Whether a skip reason is the example budget's (``time budget [of S s] spent: N examples passed``)."""
-    return re.match(r"time budget (of [\d.e+-]+ s )?spent", reason) is not None
+    """Whether a skip reason is the example budget's (``[PROPERTY: ]time budget [of S s] spent: N examples
+    passed ...``)."""
+    return re.match(r"([\w.-]+: )?time budget (of [\d.e+-]+ s )?spent", reason) is not None
 
 
 def _outcomes(log: Path, peer: str) -> list[dict]:
