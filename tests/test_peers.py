@@ -172,20 +172,48 @@ def test_peers_table_reads_the_runs_log(tmp_path):
             ("test_properties.py::test_finding_outside_declared_preconditions[p-finite_unused_slots-d]", "call",
              "finding", "finding (outside the declared precondition 'finite_unused_slots'): nan"),
             ("test_properties.py::test_e[p]", "call", "skipped",
-             "time budget spent ($PAGEDKV_TEST_BUDGET_S=20 s): 7 examples passed, the remaining examples did not run")]
+             "time budget spent ($PAGEDKV_TEST_BUDGET_S=20 s): 7 examples passed, the remaining examples did not run"),
+            ("test_properties.py::test_f[p]", "call", "skipped",
+             "f: time budget of 10 s spent: 3 examples passed, the remaining examples did not run")]
     log.write_text("".join(json.dumps(dict(nodeid=n, when=w, outcome=o, text=t, seconds=0.5)) + "\n"
                            for n, w, o, t in rows))
     tests = _outcomes(log, "p")
-    assert [t["status"] for t in tests] == ["pass", "FAIL", "skipped", "finding", "partial"]
+    assert [t["status"] for t in tests] == ["pass", "FAIL", "skipped", "finding", "partial", "partial"]
     table = format_table([dict(peer="p", seconds=1.0, tests=tests, error="")], {"q": "q is not installed"})
     for text in ("| a | pass |", "| b | FAIL [1] |", "| c | skipped [2] |",
                  "| finding: d (finite_unused_slots) | finding [3] |", "| e | partial: 7 passed [4] |",
+                 "| f | partial: 3 passed [5] |",
                  "1. AssertionError: bad row", "- q: q is not installed"):
         assert text in table, text
 
 
+def test_peers_table_reuses_the_columns_of_an_earlier_run(tmp_path, capsys):
+    """`--reuse FILE` puts an earlier --json run's column in the table without running that peer again, and
+    refuses a file of another profile."""
+    import argparse
+    import json
+
+    from pagedkv.cli import peers as cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    earlier = tmp_path / "earlier.json"
+    tests = [dict(test="test_a[vllm_triton]", row="a", status="pass", detail="", seconds=1.0)]
+    earlier.write_text(json.dumps(dict(profile="ci", results=[dict(peer="vllm_triton", seconds=12.0, exit=0,
+                                                                   tests=tests, error="", capabilities="")])))
+    args = parser.parse_args(["peers", "--peers", "vllm_triton", "--reuse", str(earlier),
+                              "--markdown", str(tmp_path / "t.md")])
+    assert cli.run(args) == 0
+    table = (tmp_path / "t.md").read_text()
+    assert "| property | vllm_triton |" in table and "| a | pass |" in table and "| **suite time (s)** | 12 |" in table
+    args = parser.parse_args(["peers", "--peers", "vllm_triton", "--reuse", str(earlier), "--profile", "dev"])
+    assert cli.run(args) == 2
+    assert "profile 'ci'" in capsys.readouterr().err
+
+
 # -- SGLang's Triton kernels (pip install --no-deps sglang + its kernels' imports) and transformers' CB --------
-NEW_PEERS = ["sglang_triton", "sglang_triton_paged", "transformers_paged", "transformers_paged_eager"]
+NEW_PEERS = ["sglang_triton", "sglang_triton_paged", "sglang_triton_deterministic", "transformers_paged",
+             "transformers_paged_eager"]
 
 
 @pytest.mark.parametrize("name", NEW_PEERS)
@@ -224,9 +252,14 @@ def test_sglang_kv_indices_are_the_contract_slots(name):
 
     peer = _peer(name)
     bs, tables, lens = 4, torch.tensor([[3, 0, -1], [1, 2, 5]]), [6, 9]
-    indptr, indices = peer._kv_indices(tables, lens, bs, 6 * bs)
+    indptr, indices = peer._kv_indices(tables, [0, 0], lens, bs, 6 * bs)
     want = [int(tables[b, p // bs]) * bs + p % bs for b, n in enumerate(lens) for p in range(n)]
     assert indptr.tolist() == [0, 6, 15] and indices.tolist() == want
+    # a window's part of each row (kv_start_idx): positions 3 .. 5 and 5 .. 8; the -1 before it is never read
+    tables = torch.tensor([[-1, 0, -1], [-1, 2, 5]])
+    indptr, indices = peer._kv_indices(tables, [4, 5], [2, 4], bs, 6 * bs)
+    want = [int(tables[b, p // bs]) * bs + p % bs for b, s, n in ((0, 4, 2), (1, 5, 4)) for p in range(s, s + n)]
+    assert indptr.tolist() == [0, 2, 6] and indices.tolist() == want
 
 
 def _vllm_feature_outcomes(name: str, **case_changes) -> dict:
@@ -262,3 +295,47 @@ def test_vllm_tensor_descriptor_path_reads_the_unused_tail():
     assert set(_vllm_feature_outcomes("vllm_triton_td").values()) == {"failed"}
     finite = _vllm_feature_outcomes("vllm_triton_td", poison="sentinel")
     assert all(v == "passed" for k, v in finite.items() if len(k) == 1), finite
+
+
+SGLANG_PEERS = ["sglang_triton", "sglang_triton_paged", "sglang_triton_deterministic"]
+
+
+def _decode_and_extend(seed=0):
+    """A decode (seq_len 9) and a prefill of 4 over a prefix of 9, block size 4, GQA 2, shuffled blocks."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    nb, bs, kvh, d = 8, 4, 2, 16
+    k, v = torch.randn(nb, bs, kvh, d, generator=g), torch.randn(nb, bs, kvh, d, generator=g)
+    perm = torch.randperm(nb, generator=g).to(torch.int32)
+    tables = torch.stack([torch.cat([perm[:3], perm.new_full((1,), -1)]), perm[3:7]])
+    q = torch.randn(5, 2 * kvh, d, generator=g)
+    return q, k, v, tables, torch.tensor([9, 13], dtype=torch.int32), torch.tensor([0, 1, 5], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("name", SGLANG_PEERS)
+def test_sglang_features_match_and_the_decode_window_is_one_key_short(name):
+    """Soft-cap, sinks and split counts match the definition on decode and extend rows; with a window the
+    extend rows match it and the decode row matches a window one key shorter; a window of 0 is none
+    (docs/peers.md)."""
+    import torch
+
+    from pagedkv.backends import get_backend
+
+    peer, ref = _peer(name), get_backend("indexed")
+    assert {"window", "softcap", "sinks"} <= peer.capabilities.features
+    q, k, v, tables, lens, qsl = _decode_and_extend()
+    sinks = torch.linspace(-1.0, 2.0, q.shape[1])
+    splits = [{}, {"num_splits": 1}, {"num_splits": 3}] if peer.capabilities.split_k else [{}]
+    for features in ({}, {"softcap": 2.5}, {"sinks": sinks}, {"softcap": 4.0, "sinks": sinks}):
+        want = ref.paged_attention(q, k, v, tables, lens, qsl, None, **features)
+        for kw in splits:
+            got = peer.paged_attention(q, k, v, tables, lens, qsl, None, **features, **kw)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{features} {kw}")
+    got = peer.paged_attention(q, k, v, tables, lens, qsl, None, window_left=3)
+    torch.testing.assert_close(got[1:], ref.paged_attention(q, k, v, tables, lens, qsl, None, window_left=3)[1:])
+    torch.testing.assert_close(got[:1], ref.paged_attention(q, k, v, tables, lens, qsl, None, window_left=2)[:1])
+    assert not torch.allclose(got[:1], ref.paged_attention(q, k, v, tables, lens, qsl, None, window_left=3)[:1])
+    # SGLang's `sliding_window_size > 0` guards: a window of one token (window_left 0) is no window
+    torch.testing.assert_close(peer.paged_attention(q, k, v, tables, lens, qsl, None, window_left=0),
+                               ref.paged_attention(q, k, v, tables, lens, qsl, None), rtol=1e-5, atol=1e-5)

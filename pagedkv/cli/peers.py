@@ -51,6 +51,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "for vLLM's Triton kernels in Triton's interpreter)")
     parser.add_argument("--json", metavar="PATH", help="also write every test's outcome and the timings as JSON")
     parser.add_argument("--markdown", metavar="PATH", help="also write the table and its notes as Markdown")
+    parser.add_argument("--reuse", metavar="JSON", action="append", default=[],
+                        help="take the columns of the peers an earlier --json run holds from that file instead of "
+                             "running them again (repeatable; a peer in no file runs; the profiles must match): a "
+                             "slow peer re-run alone, with a longer --timeout, joins the table of the others")
     parser.set_defaults(func=run)
     return parser
 
@@ -116,6 +120,12 @@ def _failure_line(text: str) -> str:
     return first or (text.strip().splitlines() or ["failed"])[-1]
 
 
+def _budget_spent(reason: str) -> bool:
+    """Whether a skip reason is the example budget's (``[PROPERTY: ]time budget [of S s] spent: N examples
+    passed ...``)."""
+    return re.match(r"([\w.-]+: )?time budget (of [\d.e+-]+ s )?spent", reason) is not None
+
+
 def _outcomes(log: Path, peer: str) -> list[dict]:
     """Every test of one run's log: id, row, status (pass/FAIL/skipped/finding), detail, seconds."""
     tests: dict[str, dict] = {}
@@ -139,7 +149,7 @@ def _outcomes(log: Path, peer: str) -> list[dict]:
                 f"; case: {case}" if case else "")
         else:
             reason = re.sub(r"^Skipped: ", "", r["text"]).strip().splitlines()[0]
-            t["status"], t["detail"] = ("partial" if reason.startswith("time budget spent") else "skipped"), reason
+            t["status"], t["detail"] = ("partial" if _budget_spent(reason) else "skipped"), reason
     return list(tests.values())
 
 
@@ -252,6 +262,26 @@ def format_table(results: list[dict], unavailable: dict[str, str]) -> str:
     return "\n".join(out) + "\n"
 
 
+def reused_results(paths: list[str], profile: str) -> dict[str, dict]:
+    """``{peer: result}`` from earlier ``--json`` files (a later file's column wins).
+
+    Raises:
+        OSError: a file cannot be read. ValueError: not JSON, or written under another profile.
+        KeyError: no ``results`` list in it.
+    """
+    out: dict[str, dict] = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if data.get("profile") != profile:
+            raise ValueError(f"{path} was run under profile {data.get('profile')!r}, this table under {profile!r}")
+        for result in data["results"]:
+            for t in result["tests"]:  # files written before the budget's message named its seconds
+                if t["status"] == "skipped" and _budget_spent(t["detail"]):
+                    t["status"] = "partial"
+            out[result["peer"]] = result
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """``python -m pagedkv peers``: 0 when no peer run fails a gating test, 1 otherwise, 2 on a bad name."""
     from pagedkv.testing.peers import PEERS, available
@@ -261,10 +291,18 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown peer(s) {', '.join(unknown)}; known: {', '.join(PEERS)}", file=sys.stderr)
         return 2
+    try:
+        reused = reused_results(args.reuse, args.profile)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"--reuse: {exc}", file=sys.stderr)
+        return 2
     reasons = available()
-    unavailable = {n: reasons[n] for n in names if reasons[n]}
+    unavailable = {n: reasons[n] for n in names if reasons[n] and n not in reused}
     results = []
     for name in names:
+        if name in reused:
+            results.append(reused[name])
+            continue
         if name in unavailable:
             continue
         print(f"{name}: running the conformance suite (profile {args.profile}) ...", file=sys.stderr, flush=True)
