@@ -94,8 +94,8 @@ name = "two_bugs"
 
 
 def gather(cache, block_table, seq_len):  # two bugs the explicit examples (block sizes 4 and 128) miss
-    if cache.shape[1] in (3, 7):
-        raise RuntimeError("block sizes 3 and 7 are not supported by this kernel")
+    if cache.shape[1] in (3, 7) or (cache.shape[1] in (1, 2, 5) and seq_len == 0):  # next to the wrong value:
+        raise RuntimeError("this block size is not supported here")  # the shrinker meets both
     out = indexed.gather(cache, block_table, seq_len)
     if cache.shape[1] in (1, 2, 5) and seq_len >= 1:
         out = out.clone()
