@@ -94,3 +94,26 @@ def test_a_backend_declaring_contiguous_pools_only_is_skipped_with_the_reason():
     outcome = execute.run_case(properties()["write_kv_hits_slots_past_2_31_exactly"], (Contiguous(),),
                                LimitCase.aliased())
     assert outcome.status == "skipped" and "contiguous pools only" in outcome.reason
+
+
+class InsideLimits:
+    """``indexed`` declaring a real kernel's limits: block sizes {16, 32}, head dims {64, 128}."""
+
+    name = "inside_limits"
+    gather, scatter, write_kv = (staticmethod(INDEXED.gather), staticmethod(INDEXED.scatter),
+                                 staticmethod(INDEXED.write_kv))
+
+    @property
+    def capabilities(self):
+        from pagedkv.backends.capabilities import Capabilities, Sizes
+
+        return Capabilities(block_sizes=Sizes(values={16, 32}), head_dims=Sizes(values={64, 128}),
+                            dtypes={"float16"})
+
+
+@pytest.mark.parametrize("name", ["write_kv_hits_slots_past_2_31_exactly",
+                                  "gather_reads_the_right_block_past_2_31_slots"])
+def test_outside_the_declared_geometry_the_aliased_pool_is_not_applicable_where_the_twin_judges(name):
+    outcome = execute.run_case(properties()[name], (InsideLimits(),), LimitCase.aliased())
+    assert outcome.status == "skipped" and outcome.reason.startswith("not applicable"), outcome
+    assert "block_size 512 is outside" in outcome.reason and "past_2_31_elements" in outcome.reason
