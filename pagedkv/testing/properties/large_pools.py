@@ -82,13 +82,20 @@ def write_kv_exact_past_the_limit(backend: Any, case: LimitCase, device: str = "
     value = (torch.rand(shape, generator=gen) + 1).to(device=device, dtype=k_cache.dtype)
     write_kv(k_cache, v_cache, key, value, torch.tensor(slots, dtype=torch.int64, device=device))
     for pool, rows, what in ((k_cache, key, "k_cache"), (v_cache, value, "v_cache")):
-        wrong = [s for i, s in enumerate(slots) if not torch.equal(bits(_row(pool, s).cpu()), bits(rows[i].cpu()))]
-        stray = sorted(set(nonzero_slots(pool)) - set(slots))
-        if wrong or stray:
-            bad = (wrong or stray)[0]
-            raise Mismatch(f"write_kv into pools past {case.limit}: {what} slots {wrong} do not hold their token; "
-                           f"slots {stray[:4]} were written although no token maps there (float32 or int32 slot "
-                           f"arithmetic?)", {"slot": bad, "block": bad // g.block_size})
+        _require_rows_at(pool, slots, rows, g.block_size,
+                         f"write_kv into pools past {case.limit}: {what} slots", "token", "no token maps there")
+
+
+def _require_rows_at(pool: torch.Tensor, slots: list[int], rows: torch.Tensor, block_size: int, what: str,
+                     row: str, unmapped: str) -> None:
+    """``pool``'s slot ``slots[i]`` holds ``rows[i]`` bit for bit and no other slot is nonzero (the pools
+    start as zero pages), else a located :class:`Mismatch` naming the first wrong or stray slot."""
+    wrong = [s for i, s in enumerate(slots) if not torch.equal(bits(_row(pool, s).cpu()), bits(rows[i].cpu()))]
+    stray = sorted(set(nonzero_slots(pool)) - set(slots))
+    if wrong or stray:
+        bad = (wrong or stray)[0]
+        raise Mismatch(f"{what} {wrong[:4]} do not hold their {row}; slots {stray[:4]} were written although "
+                       f"{unmapped} (float32 or int32 slot arithmetic?)", {"slot": bad, "block": bad // block_size})
 
 
 def attention_past_the_limit(backend: Any, case: LimitCase, device: str = "cpu") -> None:
@@ -173,10 +180,5 @@ def scatter_exact_past_the_limit(backend: Any, case: LimitCase, device: str = "c
                                                                                             dtype=k_cache.dtype)
     scatter(k_cache, torch.tensor(table, dtype=torch.int32, device=device), rows, start)
     slots = [table[p // g.block_size] * g.block_size + p % g.block_size for p in range(start, length)]
-    wrong = [s for i, s in enumerate(slots) if not torch.equal(bits(_row(k_cache, s).cpu()), bits(rows[i].cpu()))]
-    stray = sorted(set(nonzero_slots(k_cache)) - set(slots))
-    if wrong or stray:
-        bad = (wrong or stray)[0]
-        raise Mismatch(f"scatter into pools past {case.limit}: slots {wrong[:4]} do not hold their row; slots "
-                       f"{stray[:4]} were written although the table maps no position there (float32 or int32 "
-                       f"slot arithmetic?)", {"slot": bad, "block": bad // g.block_size})
+    _require_rows_at(k_cache, slots, rows, g.block_size, f"scatter into pools past {case.limit}: slots", "row",
+                     "the table maps no position there")
