@@ -127,7 +127,9 @@ class DeclaredLayout:
       cache's): ``to_storage`` of it, and after the call (raised or not) ``to_logical`` of that storage
       copied back into the pool, so writes, and stray writes, are seen in logical positions.
 
-    Anything that is not a 4-D tensor (a bad argument of a rejection property) is passed as it is."""
+    Anything that is not a 4-D tensor (a bad argument of a rejection property) is passed as it is, and a
+    ``v_cache`` that is the ``k_cache`` tensor reaches the backend as the same storage object (the
+    rejection property's one-tensor-for-both fault stays that fault)."""
 
     def __init__(self, backend: Any, layouts: tuple):
         self._backend = backend
@@ -144,10 +146,14 @@ class DeclaredLayout:
 
         def op(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
+            given = dict(bound.arguments)
             copied = []
             for arg in _POOL_ARGS[name]:
                 pool = bound.arguments.get(arg)
                 if not isinstance(pool, torch.Tensor) or pool.dim() != 4:
+                    continue
+                if arg == "v_cache" and pool is given.get("k_cache"):
+                    bound.arguments[arg] = bound.arguments["k_cache"]  # one tensor for both stays one tensor
                     continue
                 layout = value_layout if arg == "v_cache" else key_layout
                 storage = _storage_or_none(layout, pool)

@@ -124,6 +124,16 @@ def faults_for(op: str) -> list[Fault]:
     return [f for (o, _), f in FAULTS.items() if o == op]
 
 
+def inexpressible(op: str, fault: str, caps: Any) -> str | None:
+    """Why ``fault`` cannot reach a backend with capabilities ``caps`` (``None``: it can). Two overlapping
+    views of one buffer exist only in one layout: where the key and value pools are declared in different
+    layouts (vLLM's packed CPU keys beside head-major values) the kit hands each pool over in its own
+    storage, so the overlap would not survive the conversion."""
+    if fault == "pools_overlap" and caps is not None and caps.pool_layouts[0] != caps.pool_layouts[1]:
+        return f"{op}/{fault}: the key and value pools are declared in different layouts"
+    return None
+
+
 # -- what a case offers ------------------------------------------------------------------------------
 def _written(case: Case, i: int) -> tuple[int, int]:
     """``(first, last)`` table entries a scatter of sequence ``i`` (``start .. seq_len - 1``) writes."""

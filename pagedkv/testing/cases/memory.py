@@ -71,9 +71,11 @@ def new_pools(shape, dtype: torch.dtype, device, fill: float | None, *, interlea
     key and value layouts differ, each pool takes every other block of an arena of its own.
     ``head_strided``: K and V are sub-views of one wider pool whose heads hold ``2 * head_dim + 1``
     elements (K first, one poisoned element, then V), so the head stride is not ``head_dim`` and V
-    starts at an offset: a sub-view of a wider cache, as an engine's fused KV buffer hands out."""
+    starts at an offset: a sub-view of a wider cache, as an engine's fused KV buffer hands out. It needs
+    one view layout for both pools (NHD, HND); under a declared pair of different layouts (vLLM's packed
+    CPU keys beside head-major values) the pools are that pair's own."""
     k_layout, v_layout = POOL_LAYOUTS.get()
-    if head_strided:
+    if head_strided and k_layout is v_layout and k_layout.is_view:
         d = shape[-1]
         wide = _logical_pool(k_layout, (*shape[:-1], 2 * d + 1), dtype, device, fill)
         return wide[..., :d], wide[..., d + 1:]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from pagedkv.testing.cases.invalid_call import OPS, InvalidCall, fault_sites, faults_for
+from pagedkv.testing.cases.invalid_call import OPS, InvalidCall, fault_sites, faults_for, inexpressible
 
 from .batches import cases
 
@@ -41,9 +41,10 @@ def invalid_calls(draw, *, ops=OPS, faults=None, max_seqs: int = 3, max_len: int
     write = op in ("scatter", "write_kv")
     case = draw(cases(max_seqs=max_seqs, max_len=max_len, max_q_len=max_q_len, repeats=False if write else None,
                       caps=caps, features=False))
-    kinds = [f.name for f in faults_for(op) if (faults is None or f.name in faults) and fault_sites(op, f.name, case)]
+    usable = [f.name for f in faults_for(op) if not inexpressible(op, f.name, caps) and fault_sites(op, f.name, case)]
+    kinds = [name for name in usable if faults is None or name in faults]
     if not kinds:  # restricted to faults this case cannot carry: fall back to one every case carries
-        kinds = [f.name for f in faults_for(op) if fault_sites(op, f.name, case)]
+        kinds = usable
     fault = draw(st.sampled_from(kinds))
     seq = draw(st.sampled_from(fault_sites(op, fault, case)))
     amount = draw(_AMOUNTS)
