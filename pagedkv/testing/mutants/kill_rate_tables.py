@@ -64,10 +64,7 @@ def summarize(job: dict, result: dict, equivalent: dict[str, str] | None = None)
             note = f"module loaded from {result['loaded_from']}, not the mutant"
         elif job.get("module") and not result.get("loaded_from"):
             note = f"{job['module']} was never imported by the backend"
-    if status == "survived" and job["id"] in equivalent:
-        status, note = "equivalent", equivalent[job["id"]]
-    elif status in KILLED and job["id"] in equivalent:
-        note = f"marked equivalent ({equivalent[job['id']]}) but killed: the argument is wrong"
+    status, note = _marked(status, note, equivalent.get(job["id"]))
     row = {"id": job["id"], "kind": job["kind"], **job.get("meta", {}), "status": status, "note": note,
            "wall_s": result.get("wall_s"), "budget_spent": bool(result.get("budget_spent"))}
     if job.get("module"):  # a source mutant: was the mutated file what the backend ran?
@@ -125,13 +122,20 @@ def remark(rows: list[dict], equivalent: dict[str, str]) -> list[dict]:
     killed mutant keeps its status and its note says the argument is wrong. Nothing is rerun."""
     out = []
     for row in rows:
-        row, why = dict(row), equivalent.get(row["id"])
-        if why and row["status"] in ("survived", "equivalent"):
-            row["status"], row["note"] = "equivalent", why
-        elif why and row["status"] in KILLED:
-            row["note"] = f"marked equivalent ({why}) but killed: the argument is wrong"
-        out.append(row)
+        status, note = _marked(row["status"], row["note"], equivalent.get(row["id"]))
+        out.append({**row, "status": status, "note": note})
     return out
+
+
+def _marked(status: str, note: str, why: str | None) -> tuple[str, str]:
+    """``(status, note)`` with an equivalence argument ``why`` applied: a survivor (or a mutant already
+    marked) becomes ``equivalent`` with ``why`` as its note; a killed one keeps its status and its note
+    says the argument is wrong; no argument changes nothing."""
+    if why and status in ("survived", "equivalent"):
+        return "equivalent", why
+    if why and status in KILLED:
+        return status, f"marked equivalent ({why}) but killed: the argument is wrong"
+    return status, note
 
 
 def write_json(path: str | Path, config: dict, rows: list[dict]) -> None:
