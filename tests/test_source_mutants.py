@@ -140,7 +140,12 @@ def test_kill_rates_kill_a_planted_mutant_in_k_of_n_and_report_an_equivalent_sur
     assert survivor["status"] == "equivalent" and survivor["generated_killed"] == 0
     assert survivor["mutant_loaded"] and killed["mutant_loaded"]  # the backend ran the mutated file
     assert survivor["generated_runs"] == 3 and survivor["note"] == "validated seq_len is never negative"
-    assert rows["tinypkg.crashy"]["status"] == "crashed" and rows["tinypkg.crashy"]["note"] == "signal 11"
+    crashy = rows["tinypkg.crashy"]  # each seed's run is forked: every crash ends one run, and the next seed runs
+    assert crashy["status"] == "crashed" and crashy["note"] == "signal 11 in 3 of 3 runs"
+    assert crashy["generated_killed"] == crashy["generated_runs"] == 3
+    assert crashy["first_property"] == "gather_returns_exactly_what_each_slot_holds"
+    kept = json.loads(open(crashy["case_file"]).read())  # the case each crashed run was running
+    assert kept["check"] == crashy["first_property"] and kept["outcome"] == "running"
     assert counts(list(rows.values()))["killed"] == 2
     (line10,) = [e for e in line_table(list(rows.values())) if e["line"] == 10]
     assert line10["pinned"] and line10["equivalent"][0]["id"] == equivalent.id

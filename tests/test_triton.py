@@ -538,17 +538,11 @@ class SplitBackend:
             return triton_backend.paged_attention(*args, **kwargs)
 
 
-#: the suite's attention properties, bit-identical invariances included, for a fixed split count
-SPLIT_PROPERTIES = [
-    "paged_attention_matches_fp64_dense_reference", "a_request_alone_equals_the_same_request_in_a_batch",
-    "decoding_token_by_token_equals_one_prefill_and_chunked_prefill",
-    "outputs_are_bit_identical_under_batch_order", "outputs_are_bit_identical_under_layout",
-    "outputs_are_bit_identical_under_pad_value", "outputs_are_bit_identical_under_poison",
-    "outputs_are_bit_identical_under_renumber_blocks", "outputs_are_bit_identical_under_strided_metadata",
-    "outputs_are_bit_identical_under_table_dtype", "a_window_of_at_least_the_context_equals_no_window",
-    "sinks_of_minus_inf_equal_no_sinks", "nan_in_blocks_outside_the_window_changes_nothing",
-    "scaling_stored_k_by_c_and_k_scale_by_1_over_c_changes_nothing",
-]
+#: The conformance suite draws split counts for this backend (``Case.num_splits``), so every attention
+#: property there already runs split; these two also run at a fixed count of 3 for every launch: the
+#: reference, and the open batch-invariance finding below.
+SPLIT_PROPERTIES = ["paged_attention_matches_fp64_dense_reference",
+                    "a_request_alone_equals_the_same_request_in_a_batch"]
 
 
 #: examples per property here (the explicit examples run too); PAGEDKV_PROFILE=gpu/nightly: the profile's count

@@ -82,13 +82,13 @@ def venv(tmp_path_factory) -> Path:
     return python
 
 
-def _gate(python: Path, work: Path, name: str, fault: str) -> subprocess.CompletedProcess:
+def _gate(python: Path, work: Path, name: str, fault: str, *options: str) -> subprocess.CompletedProcess:
     work.mkdir()
     (work / f"{name}.py").write_text(CANDIDATE.format(name=name, fault=fault))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PAGEDKV_", "PYTHONPATH"))}
     env.update(PYTHONPATH=str(work), PAGEDKV_PROFILE="dev", PAGEDKV_FAILURE_DIR=str(work / "failures"))
     return _run([str(python), "-m", "pytest", "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", name,
-                 "-p", "no:cacheprovider"], cwd=work, env=env)
+                 "-p", "no:cacheprovider", *options], cwd=work, env=env)
 
 
 def test_the_installed_gate_passes_a_correct_candidate(venv, tmp_path):
@@ -101,7 +101,7 @@ def test_the_installed_gate_passes_a_correct_candidate(venv, tmp_path):
 
 def test_the_installed_gate_fails_a_planted_tail_bug_with_a_replayable_case_file(venv, tmp_path):
     work = tmp_path / "bad"
-    proc = _gate(venv, work, "tail_bug_kv", TAIL_BUG)
+    proc = _gate(venv, work, "tail_bug_kv", TAIL_BUG, "-x")  # stops at the first failure, as a user iterating would
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     files = sorted((work / "failures").glob("*test_gather_returns_exactly_what_each_slot_holds*.json"))

@@ -12,12 +12,14 @@ import os
 
 import torch
 
-from pagedkv.backends.interpreter import choose_interpreter
+from pagedkv.backends.interpreter import choose_interpreter, launch_on_fresh_stack_chunks
 
 choose_interpreter()
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+launch_on_fresh_stack_chunks()
 
 LOG2E = 1.4426950408889634
 from pagedkv.arguments import FP8_DTYPES  # noqa: E402  (one source: the fp8 pool dtypes)

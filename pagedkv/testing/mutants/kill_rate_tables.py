@@ -9,7 +9,7 @@ the property that fails first most often and the case file of the first failure.
 status         meaning
 =============  =====================================================================================
 ``killed``     some run failed (a property, or the mutant did not import)
-``crashed``    the child died of a signal (a segmentation fault): killed by crash
+``crashed``    a run (or the child) died of a signal (a segmentation fault): killed by crash
 ``timeout``    the child ran past its budget plus :data:`~pagedkv.testing.mutants.kill_rates.GRACE_S` (a hang)
 ``survived``   every completed run passed: no property pins the mutated line down
 ``equivalent`` survived, and marked equivalent with an argument (``--equivalent ID=why``)
@@ -56,6 +56,9 @@ def summarize(job: dict, result: dict, equivalent: dict[str, str] | None = None)
             f" in {current['property']}" if current else "")
     elif result.get("status") == "no_result" or result.get("returncode"):
         status, note = "error", result.get("error", "") or f"exit status {result.get('returncode')}"
+    elif any(r.get("crashed") for r in runs):  # forked runs: each crash ended its own run
+        signals = ", ".join(map(str, sorted({r["signal"] for r in runs if r.get("signal")})))
+        status, note = "crashed", f"signal {signals} in {sum(bool(r.get('crashed')) for r in runs)} of {len(runs)} runs"
     elif any(r["killed"] for r in runs):
         status, note = "killed", ""
     else:

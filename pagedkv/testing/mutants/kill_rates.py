@@ -8,7 +8,9 @@ spec). Each job runs in its own child process (``python -c``), so that
   meta-path finder, :data:`~pagedkv.testing.mutants.generate.BOOTSTRAP`): Triton compiles the mutated
   kernel from a real file, and the installed file is never touched;
 - a mutant that crashes the interpreter (a segmentation fault in a kernel) is reported as *killed by
-  crash*, with the property and the case file (written before every example) it crashed on;
+  crash*, with the property and the case file (written before every example) it crashed on: each run
+  is a fork of the child (:func:`_forked_run`), so a crash ends one run and the next seed runs, and a
+  crashing mutant gets a rate over N seeds like any other;
 - a mutant that hangs is stopped at its time budget (plus a grace for the imports): *timeout*.
 
 In the child, for each seed ``s`` (the same seeds for every mutant) and each mode (the explicit
@@ -154,14 +156,84 @@ def runnable_properties(backend: Any, names: list[str] | None = None) -> tuple[l
     return keep, left_out
 
 
+def _one_run(job: dict, seed: int, explicit: bool, ctx: dict, on_property) -> dict:
+    """One run of ``job``: its properties in order, ``seed``, explicit examples first or not, until the
+    first failure. ``ctx``: the loaded backend and settings (:func:`child_main`). ``on_property(name)`` is
+    called as each property starts (what a crashed run reports)."""
+    from pagedkv.testing.casefiles.writing import save_failure
+
+    run = {"seed": seed, "explicit": explicit, "killed": False, "property": "", "examples": 0,
+           "seconds": 0.0, "error": "", "case_file": "", "properties_run": 0, "partial": False}
+    t0 = time.monotonic()
+    for name in job["properties"]:
+        prop = ctx["props"][name]
+        n = min(x for x in (ctx["limit"], prop.max_examples, ctx["cap"]) if x is not None)
+        on_property(name)
+        try:
+            res = _run_one(prop, ctx["backend"], job["device"], seed, n, explicit, caps=ctx["caps"],
+                           deadline=ctx["deadline"], case_file=ctx["running"])
+        except _OverBudget:  # the run so far is kept, marked partial
+            run.update(partial=True, seconds=round(time.monotonic() - t0, 3))
+            return run
+        run["properties_run"] += 1
+        run["examples"] += res["examples"]
+        if res["failed"]:
+            run.update(killed=True, property=name, error=res["error"], examples=res["examples"])
+            if res["case"] is not None and not ctx["saved"][explicit]:
+                path = ctx["case_dir"] / f"{job['id']}-seed{seed}{'-explicit' if explicit else ''}.json"
+                save_failure(name, job["impl"], res["case"], path=path,
+                             error=f"[mutant {job['id']}] {res['error']}")
+                run["case_file"] = str(path)
+            break
+    run["seconds"] = round(time.monotonic() - t0, 3)
+    return run
+
+
+def _forked_run(job: dict, seed: int, explicit: bool, ctx: dict) -> dict:
+    """:func:`_one_run` in a forked process, so that a mutant that crashes the interpreter (a segmentation
+    fault in a kernel) ends that run alone, as *killed by crash*, and the next seed runs: the fork shares
+    the loaded backend, so a run costs no import. The crashed run names the property in progress and
+    keeps the case file it was running (written before every example)."""
+    result, progress = ctx["workdir"] / f"{job['id']}.run.json", ctx["workdir"] / f"{job['id']}.progress.json"
+    for path in (result, progress, ctx["running"]):
+        path.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # the run; nothing of the parent's (pytest, open files) must run on exit
+        code = 0
+        try:
+            run = _one_run(job, seed, explicit, ctx, lambda name: progress.write_text(json.dumps({"property": name})))
+            result.write_text(json.dumps(run))
+        except BaseException:  # noqa: BLE001  (reported by the parent as a harness error)
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        at = json.loads(progress.read_text()) if progress.is_file() and progress.stat().st_size else {}
+        run = {"seed": seed, "explicit": explicit, "killed": True, "crashed": True, "property": at.get("property", ""),
+               "examples": 0, "seconds": round(time.monotonic() - t0, 3),
+               "error": f"the run died of signal {os.WTERMSIG(status)}", "case_file": "", "properties_run": 0,
+               "partial": False, "signal": os.WTERMSIG(status)}
+        if ctx["running"].is_file() and not ctx["saved"][explicit]:  # the case it was running
+            kept = ctx["case_dir"] / f"{job['id']}-seed{seed}{'-explicit' if explicit else ''}-crash.json"
+            ctx["running"].replace(kept)
+            run["case_file"] = str(kept)
+        return run
+    if os.WEXITSTATUS(status) != 0 or not result.is_file():
+        raise RuntimeError(f"the run of seed {seed} exited with status {os.WEXITSTATUS(status)} outside any property")
+    return json.loads(result.read_text())
+
+
 def child_main(job: dict, out_path: str) -> None:
-    """Run one job (a :class:`Job` as a dict) and keep ``out_path`` (JSON) up to date after every
-    property, so a crash leaves the runs so far and the property in progress."""
+    """Run one job (a :class:`Job` as a dict) and keep ``out_path`` (JSON) up to date after every run.
+
+    Where the platform forks, each run is a forked process (:func:`_forked_run`): a crash ends one run,
+    not the job. Elsewhere the runs share this process and a crash ends the job, leaving the runs so far
+    and the run in progress (``"current"``)."""
     import torch
 
     torch.set_num_threads(1)
     from pagedkv.backends import load_backend
-    from pagedkv.testing.casefiles.writing import save_failure
     from pagedkv.testing.mutants.generate import loaded_from
     from pagedkv.testing.registry import properties
     from pagedkv.testing.space import INTERPRETED_MAX_EXAMPLES, capabilities_under_test, interpreted
@@ -179,52 +251,36 @@ def child_main(job: dict, out_path: str) -> None:
     except Exception as exc:  # a mutant that does not even import
         out.update(status="import_error", error=_first_line(exc))
         return flush()
-    caps = capabilities_under_test(backend, for_drawing=True)
-    props = properties()
-    limit = PROFILES[job["profile"]]["max_examples"]
-    cap = INTERPRETED_MAX_EXAMPLES if interpreted(backend) else None
     case_dir = Path(job["case_dir"])
-    running = case_dir / f"{job['id']}.running.json"
-    deadline = time.monotonic() + job["budget_s"]
-    saved = {True: False, False: False}
+    ctx = {"backend": backend, "caps": capabilities_under_test(backend, for_drawing=True), "props": properties(),
+           "limit": PROFILES[job["profile"]]["max_examples"],
+           "cap": INTERPRETED_MAX_EXAMPLES if interpreted(backend) else None,
+           "case_dir": case_dir, "running": case_dir / f"{job['id']}.running.json",
+           "workdir": Path(out_path).parent, "deadline": time.monotonic() + job["budget_s"],
+           "saved": {True: False, False: False}}
+    fork = hasattr(os, "fork")
+
+    def in_progress(name):  # without a fork: the run in progress is what a crash of this process leaves
+        out["current"]["property"] = name
+        flush()
     t_job = time.monotonic()
     for seed in job["seeds"]:
         for explicit in job["modes"]:
-            if time.monotonic() > deadline:
+            if time.monotonic() > ctx["deadline"]:
                 out["budget_spent"] = True
                 return flush()
-            run = {"seed": seed, "explicit": explicit, "killed": False, "property": "", "examples": 0,
-                   "seconds": 0.0, "error": "", "case_file": "", "properties_run": 0, "partial": False}
-            t0 = time.monotonic()
-            for name in job["properties"]:
-                prop = props[name]
-                n = min(x for x in (limit, prop.max_examples, cap) if x is not None)
-                out["current"] = {"seed": seed, "explicit": explicit, "property": name, "case_file": str(running)}
-                flush()
-                try:
-                    res = _run_one(prop, backend, job["device"], seed, n, explicit, caps=caps, deadline=deadline,
-                                   case_file=running)
-                except _OverBudget:  # the run so far is kept, marked partial
-                    run.update(partial=True, seconds=round(time.monotonic() - t0, 3))
-                    out["runs"].append(run)
-                    out.update(budget_spent=True, current=None)
-                    running.unlink(missing_ok=True)
-                    return flush()
-                run["properties_run"] += 1
-                run["examples"] += res["examples"]
-                if res["failed"]:
-                    run.update(killed=True, property=name, error=res["error"], examples=res["examples"])
-                    if res["case"] is not None and not saved[explicit]:
-                        path = case_dir / f"{job['id']}-seed{seed}{'-explicit' if explicit else ''}.json"
-                        save_failure(name, job["impl"], res["case"], path=path,
-                                     error=f"[mutant {job['id']}] {res['error']}")
-                        run["case_file"], saved[explicit] = str(path), True
-                    break
-            run["seconds"] = round(time.monotonic() - t0, 3)
+            out["current"] = {"seed": seed, "explicit": explicit, "property": "", "case_file": str(ctx["running"])}
+            flush()
+            run = _forked_run(job, seed, explicit, ctx) if fork else _one_run(job, seed, explicit, ctx, in_progress)
+            ctx["saved"][explicit] |= bool(run["case_file"])
             out["runs"].append(run)
             out["current"] = None
+            if run["partial"]:
+                out["budget_spent"] = True
+                ctx["running"].unlink(missing_ok=True)
+                return flush()
             flush()
-    running.unlink(missing_ok=True)
+    ctx["running"].unlink(missing_ok=True)
     out["seconds"] = round(time.monotonic() - t_job, 3)
     flush()
 
@@ -245,6 +301,15 @@ def _package_root() -> str:
     return str(Path(pagedkv.__file__).resolve().parents[1])
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (AttributeError, ProcessLookupError, PermissionError):  # no process groups here, or already gone
+        proc.kill()
+
+
 def run_job(job: Job, workdir: str | Path) -> dict:
     """Run ``job`` in a child process and return its raw result: the child's JSON plus ``returncode``,
     ``signal`` (when it died of one), ``timed_out`` and ``wall_s``."""
@@ -258,11 +323,12 @@ def run_job(job: Job, workdir: str | Path) -> dict:
     t0 = time.monotonic()
     timed_out = False
     proc = subprocess.Popen([sys.executable, "-c", BOOTSTRAP + _CHILD_TAIL, str(spec_path), str(out_path)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group: a hang is stopped with its forked run
     try:
         _, stderr = proc.communicate(timeout=job.budget_s + GRACE_S)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        _kill_group(proc)
         _, stderr = proc.communicate()
         timed_out = True
     result = json.loads(out_path.read_text()) if out_path.is_file() and out_path.stat().st_size else \
