@@ -261,14 +261,16 @@ def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype,
     group = triton.next_power_of_2(num_queries_per_kv)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     upcast = fp8 or dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
-    if max_q_len <= 1:  # decode: K and V tiles of at most 4096 elements (2048 in float32)
+    # Key tiles of at most 4096 elements (2048 in float32), the same for decode and prefill: a row sums
+    # its keys in BLOCK_N steps, so a decode next to a prefill (prefill tiles) rounds as it does alone
+    # (decode tiles): a request's output does not depend on its batch.
+    block_n = max(16, min(64, (2048 if upcast else 4096) // head_dim_pad))
+    if max_q_len <= 1:  # decode: one token x the GQA group, 16 rows at least, 4 warps
         block_m = max(16, group)
-        block_n = max(16, min(32, (2048 if upcast else 4096) // head_dim_pad))
         num_warps = 4
     else:  # prefill: 64 rows (32 in float32 or past head_dim 128), 8 warps (a 32 x 256 float32 accumulator
-        # is 32 registers a thread); K and V tiles of at most 4096 elements (2048 in float32)
+        # is 32 registers a thread)
         block_m = max(32 if upcast or head_dim_pad > 128 else 64, group)
-        block_n = max(16, min(64, (2048 if upcast else 4096) // head_dim_pad))
         num_warps = 8
     return dict(
         QUERIES_PER_KV=num_queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,

@@ -189,6 +189,18 @@ def _one_run(job: dict, seed: int, explicit: bool, ctx: dict, on_property) -> di
     return run
 
 
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies (a child stopped at its budget, or a
+    ``mutate`` stopped by Ctrl-C, takes its forked run along). Elsewhere nothing."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _forked_run(job: dict, seed: int, explicit: bool, ctx: dict) -> dict:
     """:func:`_one_run` in a forked process, so that a mutant that crashes the interpreter (a segmentation
     fault in a kernel) ends that run alone, as *killed by crash*, and the next seed runs: the fork shares
@@ -200,6 +212,7 @@ def _forked_run(job: dict, seed: int, explicit: bool, ctx: dict) -> dict:
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:  # the run; nothing of the parent's (pytest, open files) must run on exit
+        _die_with_parent()
         code = 0
         try:
             run = _one_run(job, seed, explicit, ctx, lambda name: progress.write_text(json.dumps({"property": name})))
@@ -301,15 +314,6 @@ def _package_root() -> str:
     return str(Path(pagedkv.__file__).resolve().parents[1])
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    import signal
-
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (AttributeError, ProcessLookupError, PermissionError):  # no process groups here, or already gone
-        proc.kill()
-
-
 def run_job(job: Job, workdir: str | Path) -> dict:
     """Run ``job`` in a child process and return its raw result: the child's JSON plus ``returncode``,
     ``signal`` (when it died of one), ``timed_out`` and ``wall_s``."""
@@ -323,12 +327,11 @@ def run_job(job: Job, workdir: str | Path) -> dict:
     t0 = time.monotonic()
     timed_out = False
     proc = subprocess.Popen([sys.executable, "-c", BOOTSTRAP + _CHILD_TAIL, str(spec_path), str(out_path)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group: a hang is stopped with its forked run
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _, stderr = proc.communicate(timeout=job.budget_s + GRACE_S)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        proc.kill()  # its forked run dies with it (_die_with_parent)
         _, stderr = proc.communicate()
         timed_out = True
     result = json.loads(out_path.read_text()) if out_path.is_file() and out_path.stat().st_size else \
