@@ -182,3 +182,14 @@ def test_an_earlier_report_rerenders_with_new_equivalence_arguments_and_runs_not
     not_a_report.write_text("[]")
     with pytest.raises(SystemExit, match="not a report"):
         main(["mutate", "--from-json", str(not_a_report)])
+
+
+def test_a_mutant_of_a_file_that_changed_since_generation_is_refused(tmp_path):
+    src = tmp_path / "kernel.py"
+    src.write_text("def f(x):\n    return x + 1\n")
+    mutant = generate(src)[0]
+    mutated = mutant.mutated_source()
+    assert mutated != src.read_text() and len(mutated.splitlines()) == 2
+    src.write_text('def f(x):\n    """A docstring line shifts every offset."""\n    return x + 1\n')
+    with pytest.raises(ValueError, match="changed since mutant"):
+        mutant.mutated_source()

@@ -73,11 +73,19 @@ class SourceMutant:
         return f"L{self.line}: {short(old)}  ->  {short(new)}"
 
     def mutated_source(self, source: str | None = None) -> str:
-        """The whole mutated file (``source``: the original text, read from :attr:`file` when omitted)."""
+        """The whole mutated file (``source``: the original text, read from :attr:`file` when omitted).
+
+        Raises:
+            ValueError: the span no longer holds :attr:`original` (the file changed since the mutants were
+                generated: its offsets would splice the replacement into the wrong place).
+        """
         text = Path(self.file).read_text() if source is None else source
         lines = text.splitlines(keepends=True)
         start = sum(len(x) for x in lines[: self.line - 1]) + self.col
         end = sum(len(x) for x in lines[: self.end_line - 1]) + self.end_col
+        if text[start:end] != self.original:
+            raise ValueError(f"{self.file} changed since mutant {self.id} was generated: line {self.line} no longer "
+                             f"holds {self.original!r}; generate the mutants again")
         return text[:start] + self.replacement + text[end:]
 
     def to_dict(self) -> dict:
