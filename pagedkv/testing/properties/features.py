@@ -113,12 +113,22 @@ def nan_outside_the_window_changes_nothing(backend: Any, case: Case, device: str
         raise Mismatch(str(exc), {"blocks": blocks}) from None
 
 
+def _magnitudes(case: Case) -> list[torch.Tensor]:
+    """Per sequence, a ``[seq_len, 1, 1]`` power of two per token, ``2**-40`` to ``2**3`` (in the case's
+    dtype): written K/V then span fp8's saturation, normal and subnormal ranges and underflow to zero."""
+    gen = case._generator(11)
+    dtype = case.geometry.torch_dtype
+    return [torch.pow(2.0, torch.randint(-40, 4, (s.seq_len, 1, 1), generator=gen).double()).to(dtype)
+            for s in case.seqs]
+
+
 def fp8_write_then_gather_is_exact(backend: Any, case: Case, device: str = "cpu") -> None:
     """``write_kv`` into an fp8 pool then ``gather`` returns, bit for bit, ``pagedkv.fp8.quantize`` of the
-    keys and values written (``sat(x / scale)``, round to nearest even)."""
+    keys and values written (``sat(x / scale)``, round to nearest even), each token's K/V scaled by a
+    power of two (:func:`_magnitudes`) so that every fp8 rounding path is written."""
     write_kv, gather = require(backend, "write_kv"), require(backend, "gather")
     slots, owners = write_slot_mapping(case)
-    new = case.logical_kv(1)
+    new = [(k * m, v * m) for (k, v), m in zip(case.logical_kv(1), _magnitudes(case))]
     g = case.geometry
     key = torch.zeros((len(slots), g.num_kv_heads, g.head_dim), dtype=g.torch_dtype)
     value = torch.zeros_like(key)
