@@ -22,8 +22,15 @@ def test_a_sequence_crosses_a_32_key_tile_at_a_block_size_that_does_not_divide_i
     case = find(cases(), lambda c: 32 % c.geometry.block_size and
                 any(s.seq_len > 32 and s.q_len > 6 for s in c.seqs), settings=FIND)
     long = [s for s in case.seqs if s.seq_len > 24]
-    assert len(long) == 1 and long[0].seq_len in TILE_EDGES and long[0].q_len <= LONG_MAX_Q_LEN
-    assert len(long[0].block_table) >= math.ceil(long[0].seq_len / case.geometry.block_size)
+    (s,) = long  # its length, or its context (the keys before its query), sits at a tile edge
+    assert s.seq_len in TILE_EDGES or s.seq_len - s.q_len in TILE_EDGES
+    assert s.q_len <= LONG_MAX_Q_LEN and len(s.block_table) >= math.ceil(s.seq_len / case.geometry.block_size)
+
+
+def test_a_long_sequences_context_ends_on_a_tile_edge():
+    case = find(cases(), lambda c: any(s.seq_len - s.q_len in TILE_EDGES and s.q_len > 1 and s.seq_len - s.q_len > 24
+                                       for s in c.seqs), settings=FIND)
+    assert any(s.seq_len - s.q_len in TILE_EDGES and s.seq_len > 24 for s in case.seqs)
 
 
 def test_a_long_sequence_shares_its_batch_with_decodes_and_empty_sequences():
@@ -33,7 +40,8 @@ def test_a_long_sequence_shares_its_batch_with_decodes_and_empty_sequences():
         return {"long chunk", "decode", "empty"} <= kinds
 
     case = find(cases(), mixed, settings=FIND)
-    assert len(case.seqs) >= 3 and any(s.seq_len in TILE_EDGES for s in case.seqs)
+    assert len(case.seqs) >= 3 and any(s.seq_len in TILE_EDGES or s.seq_len - s.q_len in TILE_EDGES
+                                       for s in case.seqs)
 
 
 def test_long_sequences_stay_off_large_blocks_where_lengths_already_cross_blocks():

@@ -26,8 +26,10 @@ def _lengths(draw, block_size: int, max_seqs: int, max_len: int, max_q_len: int)
 
     Swarm-style, one case in four at block sizes up to 16 turns *long* on: one sequence (any of
     them) takes a length from :data:`TILE_EDGES` (past ``max_len``, up to 129 tokens) and a query of
-    up to :data:`LONG_MAX_Q_LEN` tokens; the other sequences keep their short lengths, so a batch
-    mixes decodes, prefills, chunked prefills and empty sequences with one sequence crossing kernel tiles.
+    up to :data:`LONG_MAX_Q_LEN` tokens, and in half of those its context (the keys before its query)
+    is that length instead, so a kernel's key loop ends exactly on a tile edge at the new tokens; the
+    other sequences keep their short lengths, so a batch mixes decodes, prefills, chunked prefills and
+    empty sequences with one sequence crossing kernel tiles.
     One batch in four is decodes only (every query at most one token, empty sequences included), the
     shape a kernel's split-KV path (vLLM's 3D ``unified_attention``, flash-decoding) is chosen for.
     """
@@ -40,6 +42,8 @@ def _lengths(draw, block_size: int, max_seqs: int, max_len: int, max_q_len: int)
         n = draw(st.sampled_from(long_lens)) if i == longest else draw(seq_lens(block_size, max_len))
         q_cap = min(n, 1 if decode_only else LONG_MAX_Q_LEN if i == longest else max_q_len)
         q_len = draw(st.one_of(st.sampled_from(sorted({min(1, n), q_cap})), st.integers(0, q_cap)))
+        if i == longest and draw(st.booleans()):  # the context (keys before the new tokens) ends on the tile edge
+            n += q_len
         out.append((n, q_len, draw(positions_in(n, block_size))))
     return out
 
