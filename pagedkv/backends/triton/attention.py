@@ -253,8 +253,10 @@ def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype,
 
     Decode (``max_q_len == 1``) tiles one token x the whole GQA group (16 rows at least, the smallest
     tensor-core tile) with 4 warps; prefill tiles 64 rows (32 with float32 dots or head dims over
-    128) with 8 warps. ``dtype`` is the query's; with an fp8 pool (``fp8``) K/V are dequantized to
-    float32 and the dots run in float32. Tile sizes and warps were chosen with the compile report
+    128) with 8 warps. Both step through keys ``BLOCK_N`` at a time (at most 64 keys; K and V tiles
+    of at most 4096 elements, 2048 in float32), so a row rounds the same whichever tiles its batch
+    gets. ``dtype`` is the query's; with an fp8 pool (``fp8``) K/V are dequantized to float32 and the
+    dots run in float32. Tile sizes and warps were chosen with the compile report
     (:mod:`pagedkv.cli.bench.compile_report`) so that no configuration spills registers on sm_80 or
     sm_90.
     """
