@@ -39,3 +39,20 @@ def test_the_reserved_frame_passes_arguments_results_and_errors_through():
 def test_the_reserved_frame_fits_in_no_chunk_but_its_own():
     # 16 KiB chunks hold 2,048 slots; a frame past that opens its own chunk, whatever the caller's depth
     assert interpreter._reserve.__code__.co_nlocals > 2 * 2048
+
+
+def test_a_candidates_own_interpreted_kernels_are_wrapped_when_it_is_loaded(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "own_kernels.py").write_text(
+        "import triton\n\nname = 'own'\n\n\ndef gather(cache, block_table, seq_len):\n    return cache\n")
+    probe = ("from pagedkv.backends import load_backend; from triton.runtime.interpreter import GridExecutor; "
+             "import sys; flag = lambda: getattr(GridExecutor.__call__, '_pagedkv_fresh_chunk', False); "
+             "before = flag(); load_backend('own_kernels'); "
+             "print(before, flag(), 'pagedkv.backends.triton.common' in sys.modules)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True", "False"], done.stdout

@@ -183,6 +183,10 @@ def load_backend(spec: str, *, required: tuple[str, ...] | list[str] = ()) -> An
             obj.name = spec
         except (AttributeError, TypeError):
             pass
+    if "triton" in sys.modules:  # a candidate's own interpreted kernels too (pagedkv.backends.interpreter)
+        from pagedkv.backends.interpreter import launch_on_fresh_stack_chunks
+
+        launch_on_fresh_stack_chunks()
     return obj
 
 
