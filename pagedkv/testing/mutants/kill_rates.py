@@ -162,8 +162,7 @@ def _one_run(job: dict, seed: int, explicit: bool, ctx: dict, on_property) -> di
     called as each property starts (what a crashed run reports)."""
     from pagedkv.testing.casefiles.writing import save_failure
 
-    run = {"seed": seed, "explicit": explicit, "killed": False, "property": "", "examples": 0,
-           "seconds": 0.0, "error": "", "case_file": "", "properties_run": 0, "partial": False}
+    run = _new_run(seed, explicit)
     t0 = time.monotonic()
     for name in job["properties"]:
         prop = ctx["props"][name]
@@ -180,13 +179,24 @@ def _one_run(job: dict, seed: int, explicit: bool, ctx: dict, on_property) -> di
         if res["failed"]:
             run.update(killed=True, property=name, error=res["error"], examples=res["examples"])
             if res["case"] is not None and not ctx["saved"][explicit]:
-                path = ctx["case_dir"] / f"{job['id']}-seed{seed}{'-explicit' if explicit else ''}.json"
+                path = _case_path(ctx, job, seed, explicit)
                 save_failure(name, job["impl"], res["case"], path=path,
                              error=f"[mutant {job['id']}] {res['error']}")
                 run["case_file"] = str(path)
             break
     run["seconds"] = round(time.monotonic() - t0, 3)
     return run
+
+
+def _new_run(seed: int, explicit: bool, **fields) -> dict:
+    """A run record: not killed, nothing run yet, ``fields`` set."""
+    return {"seed": seed, "explicit": explicit, "killed": False, "property": "", "examples": 0, "seconds": 0.0,
+            "error": "", "case_file": "", "properties_run": 0, "partial": False, **fields}
+
+
+def _case_path(ctx: dict, job: dict, seed: int, explicit: bool, suffix: str = "") -> Path:
+    """Where the case file of ``job``'s first failure (``suffix="-crash"``: its crash) in a mode goes."""
+    return ctx["case_dir"] / f"{job['id']}-seed{seed}{'-explicit' if explicit else ''}{suffix}.json"
 
 
 def _die_with_parent() -> None:
@@ -223,12 +233,11 @@ def _forked_run(job: dict, seed: int, explicit: bool, ctx: dict) -> dict:
     _, status = os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):
         at = json.loads(progress.read_text()) if progress.is_file() and progress.stat().st_size else {}
-        run = {"seed": seed, "explicit": explicit, "killed": True, "crashed": True, "property": at.get("property", ""),
-               "examples": 0, "seconds": round(time.monotonic() - t0, 3),
-               "error": f"the run died of signal {os.WTERMSIG(status)}", "case_file": "", "properties_run": 0,
-               "partial": False, "signal": os.WTERMSIG(status)}
+        sig = os.WTERMSIG(status)
+        run = _new_run(seed, explicit, killed=True, crashed=True, property=at.get("property", ""), signal=sig,
+                       seconds=round(time.monotonic() - t0, 3), error=f"the run died of signal {sig}")
         if ctx["running"].is_file() and not ctx["saved"][explicit]:  # the case it was running
-            kept = ctx["case_dir"] / f"{job['id']}-seed{seed}{'-explicit' if explicit else ''}-crash.json"
+            kept = _case_path(ctx, job, seed, explicit, "-crash")
             ctx["running"].replace(kept)
             run["case_file"] = str(kept)
         return run
