@@ -71,3 +71,28 @@ def test_the_features_are_drawn_swarm_style_any_subset_and_the_plain_path(target
     def features(c):
         return tuple(n for n, on in zip(names, (c.window_left >= 0, c.softcap > 0, c.alibi, c.sinks)) if on)
     assert features(find(cases(features=names), lambda c: features(c) == target, settings=FIND)) == target
+
+
+def test_half_the_cases_of_a_short_run_draw_features_and_half_the_plain_path():
+    """The featured share is measured where it matters, in runs of the interpreted backends' 25 examples
+    (Hypothesis lands a fair coin deep in a case on True only about a third of the time there)."""
+    from hypothesis import HealthCheck, given, seed
+
+    drawn = []
+    for s in range(16):
+        @seed(s)
+        @settings(max_examples=25, database=None, deadline=None, phases=(Phase.generate,),
+                  suppress_health_check=list(HealthCheck))
+        @given(cases())
+        def run(case):
+            drawn.append(case.window_left >= 0 or case.softcap > 0 or case.alibi or case.sinks
+                         or case.kv_cache_dtype != "auto")
+        run()
+    assert 0.4 <= sum(drawn) / len(drawn) <= 0.62, f"{sum(drawn)} of {len(drawn)} cases use a feature"
+
+
+def test_soft_caps_below_one_are_drawn_as_often_as_the_rest():
+    from pagedkv.testing.strategies.batches import SOFTCAPS
+
+    assert sum(0 < c <= 1 for c in SOFTCAPS) >= len(SOFTCAPS) / 2
+    assert find(cases(features=("softcap",)), lambda c: 0 < c.softcap < 0.5, settings=FIND).softcap < 0.5

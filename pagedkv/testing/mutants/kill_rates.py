@@ -15,10 +15,13 @@ spec). Each job runs in its own child process (``python -c``), so that
 
 In the child, for each seed ``s`` (the same seeds for every mutant) and each mode (the explicit
 examples run first, or generated examples only), the properties run in registry order at the
-profile's example count, each with ``hypothesis.seed(s)``, no database, no shrinking, and the run
-stops at its first failure. The job's result: per run, killed or not, by which property, after how
-many examples and seconds, and the case file of the first failure. :mod:`pagedkv.testing.mutants.kill_rate_tables`
-turns results into the JSON and markdown tables.
+profile's example count, each with its own seed (:func:`property_seed`: ``s`` and the property's name,
+hashed), no database, no shrinking, and the run stops at its first failure. Properties that share a
+strategy would draw the very same cases from one seed, and one run would then be as strong as its
+single best property; with a seed each, they search independently, as under pytest (where
+``derandomize`` seeds each test from its own name). The job's result: per run, killed or not, by
+which property, after how many examples and seconds, and the case file of the first failure.
+:mod:`pagedkv.testing.mutants.kill_rate_tables` turns results into the JSON and markdown tables.
 
 The one call that runs a property on a backend with a seed is :func:`_run_one`; it follows the
 suite's own test (:mod:`pagedkv.testing.suite.test_properties`): cases drawn inside
@@ -29,6 +32,7 @@ are not seeded by Hypothesis's ``seed`` and are left out.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -86,10 +90,16 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:300]
 
 
+def property_seed(seed: int, name: str) -> int:
+    """The Hypothesis seed of property ``name`` in the run of ``seed``: a 64-bit hash of both, the same
+    on every machine and Python (not ``hash()``, which is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little")
+
+
 def _run_one(prop: Any, backend: Any, device: str, seed: int, max_examples: int, explicit: bool, *,
              caps: Any, deadline: float | None = None, case_file: Path | None = None) -> dict:
-    """Run property ``prop`` on ``backend`` once: Hypothesis seeded with ``seed``, ``max_examples``
-    generated examples (after the explicit ones that fit ``caps`` when ``explicit``), no database, no
+    """Run property ``prop`` on ``backend`` once: Hypothesis seeded with :func:`property_seed` of ``seed``,
+    ``max_examples`` generated examples (after the explicit ones that fit ``caps`` when ``explicit``), no database, no
     shrinking, stopping at the first failure; each example is written to ``case_file`` before it runs.
 
     It runs through the execution core (:func:`pagedkv.testing.execute.run`), like every other entry point.
@@ -111,8 +121,8 @@ def _run_one(prop: Any, backend: Any, device: str, seed: int, max_examples: int,
     chosen = settings(max_examples=max_examples, derandomize=False, database=None, deadline=None,
                       phases=[Phase.explicit, Phase.generate] if explicit else [Phase.generate],
                       report_multiple_bugs=False, print_blob=False, suppress_health_check=list(HealthCheck))
-    outcome = run(prop, (backend,), device, chosen, caps=caps, explicit=explicit, seed=seed, on_example=before,
-                  case_file=case_file)
+    outcome = run(prop, (backend,), device, chosen, caps=caps, explicit=explicit, seed=property_seed(seed, prop.name),
+                  on_example=before, case_file=case_file)
     if outcome.status == "partial":
         raise _OverBudget
     if outcome.status == "skipped":
