@@ -79,8 +79,7 @@ def test_properties_sharing_a_strategy_draw_their_own_cases_in_one_kill_rate_run
     for name, s in zip(names, seeds):
         chosen = settings(max_examples=3, database=None, deadline=None, phases=[Phase.generate],
                           suppress_health_check=list(HealthCheck))
-        drawn = []
+        first[name] = []
         execute.run(properties()[name], (get_backend("indexed"),), "cpu", chosen, caps=None, explicit=False, seed=s,
-                    after_pass=lambda backends, case: drawn.append(repr(case)))
-        first[name] = drawn
+                    after_pass=lambda backends, case, name=name: first[name].append(repr(case)))
     assert len(first[names[0]]) == 3 and first[names[0]] != first[names[1]]

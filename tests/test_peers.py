@@ -244,6 +244,27 @@ def test_transformers_peer_features_on_a_fixed_case(name):
         attention_matches_reference(peer, case, "cpu")
 
 
+@pytest.mark.parametrize("name", ["transformers_paged", "transformers_paged_eager", "torch_paged_attention"])
+def test_one_requests_nan_value_reaches_the_other_requests_of_the_batch(name):
+    """The finding of docs/peers.md: a NaN in one request's V turns up in every request beside it
+    (an additive bias or -inf scores give another request's value weight 0, and 0 * NaN is NaN)."""
+    import torch
+
+    from pagedkv.testing.cases import known as kc
+    from pagedkv.testing.compare import Mismatch
+    from pagedkv.testing.properties.features import _attention, nan_value_shows_exactly_where_it_is_read
+
+    peer = _peer(name)
+    case = kc.C8
+    k_cache, v_cache = case.caches()
+    v_cache[6, 3, 1, 2] = float("nan")  # sequence 0, position 3 (table (6, 1)); kv head 1, dim 2
+    rows = torch.nonzero(_attention(peer, case, "cpu", caches=(k_cache, v_cache))[:, 2, 2].isnan()).flatten()
+    assert rows.tolist() == [0, 1, 2, 3, 4]  # sequence 0's two rows, and the three rows of sequences 1 and 2
+    if name.startswith("transformers"):  # any slot leaks in CB; the property's own draw on C8 finds it
+        with pytest.raises(Mismatch, match="the outputs without it in their context"):
+            nan_value_shows_exactly_where_it_is_read(peer, case, "cpu")
+
+
 @pytest.mark.parametrize("name", ["sglang_triton", "sglang_triton_paged"])
 def test_sglang_kv_indices_are_the_contract_slots(name):
     """SGLang's create_flashinfer_kv_indices_triton, fed the adapter's req_to_token (page size 1) or page

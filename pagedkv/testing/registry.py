@@ -237,6 +237,13 @@ def _declare() -> list[Property]:
         ops = ("write_kv", "gather") if feature == "fp8" and "write" in name else attn
         props.append(Property(name, sentence, ops, check, featured(feature, **kw), examples,
                               max_examples=FEATURE_EXAMPLES, requires=partial(_feature_declared, feature)))
+    props.append(Property(
+        "a_nan_value_shows_exactly_in_the_outputs_that_read_it",
+        "one NaN in V (an fp8 pool's NaN byte in half the cases where fp8 is declared) makes exactly the outputs "
+        "that attend its token NaN, in its head group and dim, and leaves the rest bit-identical",
+        attn, fc.nan_value_shows_exactly_where_it_is_read,
+        lambda caps=None, poisons=None: featured("fp8")(caps, poisons) | mixed()(caps, poisons),
+        lambda: (kc.C8, kc.F_ALL, kc.F_FP8), max_examples=FEATURE_EXAMPLES))
     for op in invalid.OPS:
         props.append(Property(
             f"{op}_rejects_bad_arguments_and_writes_nothing",

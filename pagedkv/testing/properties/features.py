@@ -8,6 +8,7 @@ covered*, for a backend whose ``FEATURES`` does not declare it.
 - a window of at least the context equals no window; a soft-cap far above every logit approaches
   none; zero ALiBi slopes equal none; sinks of ``-inf`` equal none (within the dtype's tolerance);
 - blocks wholly outside every query's window may hold NaN: the output is bit-identical;
+- one NaN in V (an fp8 pool's NaN byte too) shows exactly in the outputs that read it;
 - ``write_kv`` into an fp8 pool then ``gather`` returns exactly ``pagedkv.fp8.quantize`` of what was
   written (bit for bit);
 - scaling the stored K by a power of two ``c`` (exactly) and ``k_scale`` by ``1 / c`` changes nothing
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.backends.capabilities import capabilities_of
 from pagedkv.fp8 import quantize
 from pagedkv.testing.cases.case import Case, reference_gather, writable, write_slot_mapping
 from pagedkv.testing.properties.definitions import _compare_rows, reference_output
@@ -111,6 +113,81 @@ def nan_outside_the_window_changes_nothing(backend: Any, case: Case, device: str
         assert_bitwise_equal(after, before, f"NaN in blocks {blocks} (outside window_left={case.window_left}): ")
     except AssertionError as exc:
         raise Mismatch(str(exc), {"blocks": blocks}) from None
+
+
+def nan_value_readers(case: Case, block: int, offset: int, kv_head: int, dim: int, *,
+                      tails_masked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(reads, masked)``, each ``[total_q, num_q_heads, head_dim]`` bool, for V at ``(block, offset,
+    kv_head, dim)``: the outputs that read it, and those that hold it in their context but mask it.
+
+    Row ``r`` of sequence ``j`` (query position ``q``) reads the slot when a position ``p <= q`` of ``j``
+    inside its window (``p >= q - window_left`` with a window) lives there: ``used_table(j)[p // bs] ==
+    block`` and ``p % bs == offset``; it masks it when such a ``p`` lies after ``q`` or before its window
+    (a kernel that multiplies a masked weight of 0 by the NaN gets NaN, IEEE's 0 * NaN), and, with
+    ``tails_masked`` (a backend that assumes ``finite_unused_slots``), when the slot is past ``seq_len``
+    in ``j``'s last block (a block shared by a longer sequence). Only the query heads of ``kv_head``
+    (GQA), in ``dim``."""
+    g, qsl = case.geometry, case.query_start_loc_list
+    reads = torch.zeros((qsl[-1], g.num_q_heads, g.head_dim), dtype=torch.bool)
+    masked = torch.zeros_like(reads)
+    heads = slice(kv_head * g.num_queries_per_kv, (kv_head + 1) * g.num_queries_per_kv)
+    for j, s in enumerate(case.seqs):
+        table = case.used_table(j)
+        span = len(table) * g.block_size if tails_masked else s.seq_len
+        here = [p for p in range(span) if table[p // g.block_size] == block and p % g.block_size == offset]
+        for t in range(s.q_len):
+            q = s.seq_len - s.q_len + t
+            seen = any(p <= q and (case.window_left < 0 or p >= q - case.window_left) for p in here)
+            (reads if seen else masked)[qsl[j] + t, heads, dim] = bool(here)
+    return reads, masked
+
+
+def nan_value_shows_exactly_where_it_is_read(backend: Any, case: Case, device: str = "cpu") -> None:
+    """One NaN planted in V (stored as the pool's NaN: fp8's too) makes every output that attends its
+    token NaN, in its head group and dim, and leaves bit-identical every output that has no such token
+    in its context (other sequences, kv heads and dims). An output with the token in its context but
+    masked (a later position, or before its window) may be either: IEEE's ``0 * NaN`` is NaN, so a
+    kernel that weights a masked value by 0 is not wrong here (the window's frame condition is
+    :func:`nan_outside_the_window_changes_nothing`). For a backend that assumes ``finite_unused_slots``,
+    the NaN in another sequence's unused tail (a shared block) is masked too.
+
+    The slot is a token the last query of a sequence sees (drawn from the case's seed); a case with no
+    query checks nothing, and Hypothesis draws another. K is left alone: a NaN logit may vanish in a
+    running maximum (Triton's ``tl.maximum`` drops NaN); a NaN value may not."""
+    g = case.geometry
+    seen = [(i, p) for i, s in enumerate(case.seqs) if s.q_len
+            for p in range(s.seq_len) if case.window_left < 0 or p >= s.seq_len - 1 - case.window_left]
+    if not seen:
+        from hypothesis import assume, currently_in_test_context
+
+        if currently_in_test_context():
+            assume(False)
+        return
+    gen = case._generator(12)
+    i, p = seen[int(torch.randint(len(seen), (1,), generator=gen))]
+    kv_head, dim = (int(torch.randint(n, (1,), generator=gen)) for n in (g.num_kv_heads, g.head_dim))
+    block, offset = case.used_table(i)[p // g.block_size], p % g.block_size
+    before = _attention(backend, case, device)
+    k_cache, v_cache = case.caches(device)
+    v_cache[block, offset, kv_head, dim] = torch.tensor(float("nan"), device=device).to(v_cache.dtype)
+    after = _attention(backend, case, device, caches=(k_cache, v_cache))
+    tails = "finite_unused_slots" in capabilities_of(backend).preconditions
+    reads, masked = nan_value_readers(case, block, offset, kv_head, dim, tails_masked=tails)
+    where = f"NaN in V at block {block}, slot {offset}, kv head {kv_head}, dim {dim} (sequence {i}, position {p})"
+    missing = reads & ~after.isnan()
+    if bool(missing.any()):
+        row, head, d = (int(x) for x in torch.nonzero(missing)[0])
+        seq = max(b for b in range(len(case.seqs)) if case.query_start_loc_list[b] <= row)
+        s = case.seqs[seq]
+        q = s.seq_len - s.q_len + row - case.query_start_loc_list[seq]
+        raise Mismatch(f"{where}: output of sequence {seq}, query position {q}, query head {head}, dim {d} reads "
+                       f"it and is {float(after[row, head, d])!r}, not NaN ({int(missing.sum())} of "
+                       f"{int(reads.sum())} readers)", {"seq": seq, "position": q, "query_head": head, "dim": d})
+    rest = ~(reads | masked)
+    try:
+        assert_bitwise_equal(after[rest], before[rest], f"{where}, the outputs without it in their context: ")
+    except AssertionError as exc:
+        raise Mismatch(str(exc)) from None
 
 
 def _magnitudes(case: Case) -> list[torch.Tensor]:
