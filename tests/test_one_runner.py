@@ -61,25 +61,29 @@ def test_a_faulty_backend_fails_and_a_correct_one_passes_at_every_entry_point(tm
     assert core.status == "passed" and not killed and fuzz_failure is None and not rate["failed"]
 
 
-def test_properties_sharing_a_strategy_draw_their_own_cases_in_one_kill_rate_run():
-    """One run's seed gives each property its own Hypothesis seed, the same in every process."""
+def test_properties_sharing_a_strategy_draw_their_own_cases_in_one_kill_rate_run(monkeypatch):
+    """One run's seed gives each property its own Hypothesis seed (the same in every process), and the
+    kill-rate runner passes it on: properties sharing a strategy draw different cases in one run."""
+    import os
     import subprocess
     import sys
 
     from pagedkv.testing.mutants.kill_rates import property_seed
+    from pagedkv.testing.space import capabilities_under_test
 
     names = ("paged_attention_matches_fp64_dense_reference", "backends_agree_on_every_op_both_provide")
-    seeds = [property_seed(7, n) for n in names]
-    assert len(set(seeds + [property_seed(8, names[0])])) == 3
     code = f"from pagedkv.testing.mutants.kill_rates import property_seed; print(property_seed(7, {names[0]!r}))"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={**__import__("os").environ, "PYTHONHASHSEED": "12345"})
-    assert int(other.stdout) == seeds[0]
-    first = {}
-    for name, s in zip(names, seeds):
-        chosen = settings(max_examples=3, database=None, deadline=None, phases=[Phase.generate],
-                          suppress_health_check=list(HealthCheck))
-        first[name] = []
-        execute.run(properties()[name], (get_backend("indexed"),), "cpu", chosen, caps=None, explicit=False, seed=s,
-                    after_pass=lambda backends, case, name=name: first[name].append(repr(case)))
-    assert len(first[names[0]]) == 3 and first[names[0]] != first[names[1]]
+                           env={**os.environ, "PYTHONHASHSEED": "12345"})
+    assert int(other.stdout) == property_seed(7, names[0]) != property_seed(8, names[0])
+    real, drawn = execute.run, {}
+
+    def recording(prop, *args, **kwargs):
+        drawn[prop.name] = []
+        return real(prop, *args, **kwargs, after_pass=lambda backends, case: drawn[prop.name].append(repr(case)))
+    monkeypatch.setattr(execute, "run", recording)
+    backend = get_backend("indexed")
+    caps = capabilities_under_test(backend, for_drawing=True)
+    for name in names:
+        assert not _run_one(properties()[name], backend, "cpu", 7, 3, False, caps=caps)["failed"]
+    assert len(drawn[names[0]]) == 3 and drawn[names[0]] != drawn[names[1]]

@@ -239,8 +239,8 @@ def _declare() -> list[Property]:
                               max_examples=FEATURE_EXAMPLES, requires=partial(_feature_declared, feature)))
     props.append(Property(
         "a_nan_value_shows_exactly_in_the_outputs_that_read_it",
-        "one NaN in V (an fp8 pool's NaN byte in half the cases where fp8 is declared) makes exactly the outputs "
-        "that attend its token NaN, in its head group and dim, and leaves the rest bit-identical",
+        "one NaN in V (an fp8 pool's NaN byte in at least half the cases where fp8 is declared) makes every output "
+        "that attends its token NaN in its head group and dim, and no output without that token in its context",
         attn, fc.nan_value_shows_exactly_where_it_is_read,
         lambda caps=None, poisons=None: featured("fp8")(caps, poisons) | mixed()(caps, poisons),
         lambda: (kc.C8, kc.F_ALL, kc.F_FP8), max_examples=FEATURE_EXAMPLES))

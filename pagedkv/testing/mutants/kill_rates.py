@@ -18,9 +18,10 @@ examples run first, or generated examples only), the properties run in registry 
 profile's example count, each with its own seed (:func:`property_seed`: ``s`` and the property's name,
 hashed), no database, no shrinking, and the run stops at its first failure. Properties that share a
 strategy would draw the very same cases from one seed, and one run would then be as strong as its
-single best property; with a seed each, they search independently, as under pytest (where
-``derandomize`` seeds each test from its own name). The job's result: per run, killed or not, by
-which property, after how many examples and seconds, and the case file of the first failure.
+single best property; with a seed each, they search independently, as under pytest with a
+derandomized profile (``ci``: Hypothesis seeds each test from its own name). The job's result: per
+run, killed or not, by which property, after how many examples and seconds, and the case file of the
+first failure.
 :mod:`pagedkv.testing.mutants.kill_rate_tables` turns results into the JSON and markdown tables.
 
 The one call that runs a property on a backend with a seed is :func:`_run_one`; it follows the
