@@ -44,7 +44,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     os.environ.get("PAGEDKV_PROFILE") != "nightly" and not os.environ.get("PAGEDKV_SLOW"),
-    reason="a user's repository gated from the wheel (about 4 minutes on 2 cores) runs under "
+    reason="a user's repository gated from the wheel (about 1.5 minutes on 2 cores) runs under "
            "PAGEDKV_PROFILE=nightly or PAGEDKV_SLOW=1; tests/test_wheel_gate.py covers the wheel on every run")]
 
 ROOT = Path(__file__).resolve().parent.parent
