@@ -324,10 +324,8 @@ def _first_differences_as_declared(backend: Any, case, device: str, out: TextIO,
             rtol, atol = attention_tolerance(got.dtype, max_logit, max_v)
             err = (got.double() - want).abs()
             bad = (~(err <= atol + rtol * want.abs())).any(-1).nonzero().tolist()  # NaN counts as bad
-            qsl = case.query_start_loc_list
             for row, head in bad[:limit - printed]:
-                i = max(j for j in range(len(qsl) - 1) if qsl[j] <= row)
-                pos = case.seqs[i].seq_len - (qsl[i + 1] - row)
+                i, pos = case.row_position(row)
                 print(f"  attention of sequence {i}, query row {row} (position {pos}), head {head}: expected "
                       f"{_fmt(want[row, head, :4].tolist())}  actual {_fmt(got[row, head, :4].tolist())}", file=out)
                 printed += 1

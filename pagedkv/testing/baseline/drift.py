@@ -108,11 +108,8 @@ def _ulp(n: int) -> str:
 
 def locate(case: Any, row: int, head: int, dim: int) -> dict:
     """``{"seq", "position", "row", "query_head", "dim"}`` of attention output element ``[row, head, dim]``."""
-    qsl = case.query_start_loc_list
-    seq = max(b for b in range(len(case.seqs)) if qsl[b] <= row)
-    s = case.seqs[seq]
-    return {"seq": seq, "position": s.seq_len - s.q_len + (row - qsl[seq]), "row": row, "query_head": head,
-            "dim": dim}
+    seq, position = case.row_position(row)
+    return {"seq": seq, "position": position, "row": row, "query_head": head, "dim": dim}
 
 
 def attention_drift(case: Any, candidate: torch.Tensor, baseline: torch.Tensor) -> tuple[int, float, dict | None]:

@@ -154,6 +154,14 @@ class Case:
             out.append(out[-1] + s.q_len)
         return out
 
+    def row_position(self, row: int) -> tuple[int, int]:
+        """``(sequence, position)`` of query row ``row`` (an index into the packed ``[total_q, ...]``
+        query): the sequence whose rows hold it, and its position there (``seq_len - q_len + i``)."""
+        qsl = self.query_start_loc_list
+        seq = max(b for b in range(len(self.seqs)) if qsl[b] <= row)
+        s = self.seqs[seq]
+        return seq, s.seq_len - s.q_len + (row - qsl[seq])
+
     def used_table(self, i: int) -> tuple[int, ...]:
         """The entries of sequence ``i``'s table that are read (``ceil(seq_len / block_size)``)."""
         s = self.seqs[i]

@@ -174,10 +174,8 @@ def locate_attention(case: Case, actual: torch.Tensor, expected: torch.Tensor) -
     err = (actual.double() - expected.double()).abs()
     err = torch.where(torch.isfinite(actual), err, torch.full_like(err, float("inf")))
     row, head, dim = (int(x) for x in torch.nonzero(err == err.max())[0])
-    qsl, bs = case.query_start_loc_list, case.geometry.block_size
-    seq = max(b for b in range(len(case.seqs)) if qsl[b] <= row)
-    s = case.seqs[seq]
-    position = s.seq_len - s.q_len + (row - qsl[seq])
+    bs = case.geometry.block_size
+    seq, position = case.row_position(row)
     return {"seq": seq, "position": position, "query_head": head,
             "kv_head": head // case.geometry.num_queries_per_kv, "dim": dim,
             "blocks": list(case.used_table(seq)[: position // bs + 1]),

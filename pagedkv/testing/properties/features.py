@@ -171,7 +171,7 @@ def nan_value_shows_exactly_where_it_is_read(backend: Any, case: Case, device: s
     missing = reads & ~after.isnan()
     if bool(missing.any()):
         row, head, d = (int(x) for x in torch.nonzero(missing)[0])
-        seq, q = _row_position(case, row)
+        seq, q = case.row_position(row)
         raise Mismatch(f"{where}: output of sequence {seq}, query position {q}, query head {head}, dim {d} reads "
                        f"it and is {float(after[row, head, d])!r}, not NaN ({int(missing.sum())} of "
                        f"{int(reads.sum())} readers)", {"seq": seq, "position": q, "query_head": head, "dim": d})
@@ -179,19 +179,11 @@ def nan_value_shows_exactly_where_it_is_read(backend: Any, case: Case, device: s
     wrong = ~reads & ~unchanged & ~(masked & after.isnan())  # a masked output: unchanged, or IEEE's 0 * NaN
     if bool(wrong.any()):
         row, head, d = (int(x) for x in torch.nonzero(wrong)[0])
-        seq, q = _row_position(case, row)
+        seq, q = case.row_position(row)
         raise Mismatch(f"{where}: output of sequence {seq}, query position {q}, query head {head}, dim {d} "
                        f"{'masks' if masked[row, head, d] else 'does not have'} it in its context and changed: "
                        f"{float(after[row, head, d])!r}, was {float(before[row, head, d])!r} ({int(wrong.sum())} "
                        f"outputs changed)", {"seq": seq, "position": q, "query_head": head, "dim": d})
-
-
-def _row_position(case: Case, row: int) -> tuple[int, int]:
-    """``(sequence, query position)`` of query row ``row``."""
-    qsl = case.query_start_loc_list
-    seq = max(b for b in range(len(case.seqs)) if qsl[b] <= row)
-    s = case.seqs[seq]
-    return seq, s.seq_len - s.q_len + row - qsl[seq]
 
 
 def _reject_in_a_search() -> None:
