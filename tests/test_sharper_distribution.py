@@ -73,38 +73,34 @@ def test_the_features_are_drawn_swarm_style_any_subset_and_the_plain_path(target
     assert features(find(cases(features=names), lambda c: features(c) == target, settings=FIND)) == target
 
 
-def test_half_the_cases_of_a_short_run_draw_features_and_half_the_plain_path():
-    """The featured share is measured where it matters, in runs of the interpreted backends' 25 examples
-    (Hypothesis lands a fair coin deep in a case on True only about a third of the time there)."""
+def _drawn_in_short_runs(strategy, runs: int) -> list:
+    """The cases of ``runs`` seeded runs of 25 examples (the interpreted backends' count), where a
+    share is measured: Hypothesis draws differently there than in one long run."""
     from hypothesis import HealthCheck, given, seed
 
     drawn = []
-    for s in range(16):
+    for s in range(runs):
         @seed(s)
         @settings(max_examples=25, database=None, deadline=None, phases=(Phase.generate,),
                   suppress_health_check=list(HealthCheck))
-        @given(cases())
+        @given(strategy)
         def run(case):
-            drawn.append(case.window_left >= 0 or case.softcap > 0 or case.alibi or case.sinks
-                         or case.kv_cache_dtype != "auto")
+            drawn.append(case)
         run()
+    return drawn
+
+
+def test_half_the_cases_of_a_short_run_draw_features_and_half_the_plain_path():
+    """The featured share is measured where it matters, in runs of the interpreted backends' 25 examples
+    (Hypothesis lands a fair coin deep in a case on True only about a third of the time there)."""
+    drawn = [c.window_left >= 0 or c.softcap > 0 or c.alibi or c.sinks or c.kv_cache_dtype != "auto"
+             for c in _drawn_in_short_runs(cases(), 16)]
     assert 0.4 <= sum(drawn) / len(drawn) <= 0.62, f"{sum(drawn)} of {len(drawn)} cases use a feature"
 
 
 def test_soft_caps_at_most_one_are_drawn_in_half_the_soft_capped_cases_of_a_short_run():
     """Both sides of the switch-off a kernel tests (``softcap > 0``): caps at most 1, which saturate
     nearly every logit, in about half the cases with a soft-cap (measured in 25-example runs)."""
-    from hypothesis import HealthCheck, given, seed
-
-    caps = []
-    for s in range(12):
-        @seed(s)
-        @settings(max_examples=25, database=None, deadline=None, phases=(Phase.generate,),
-                  suppress_health_check=list(HealthCheck))
-        @given(cases(features=("softcap",)))
-        def run(case):
-            if case.softcap > 0:
-                caps.append(case.softcap)
-        run()
+    caps = [c.softcap for c in _drawn_in_short_runs(cases(features=("softcap",)), 12) if c.softcap > 0]
     small = sum(c <= 1 for c in caps)
     assert len(caps) >= 50 and 0.4 <= small / len(caps) <= 0.75, f"{small} of {len(caps)} soft-caps at most 1"

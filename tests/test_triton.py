@@ -550,8 +550,6 @@ SPLIT_PROPERTIES = ["paged_attention_matches_fp64_dense_reference",
 SPLIT_EXAMPLES = None if os.environ.get("PAGEDKV_PROFILE") in ("gpu", "nightly") else 8
 
 
-
-
 @pytest.mark.parametrize("prop", SPLIT_PROPERTIES)
 def test_suite_attention_properties_hold_for_a_fixed_split(prop):
     import dataclasses
