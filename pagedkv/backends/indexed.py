@@ -7,6 +7,10 @@ nothing beyond the output and reads no block id back to the host. On the CPU, co
 blocks of at least :data:`LARGE_BLOCK_BYTES` are gathered by one ``torch.cat`` of the block views into
 the output instead (one ``memcpy`` a block: ``index_select`` copies each slice through a
 ``TensorIterator``, which costs more than the copy of a large block; reading the ids is free there).
+On the CPU, outputs of 1 MiB and more from a contiguous pool of smaller blocks go through the
+prefetching row gather of :mod:`pagedkv.backends.native_rows` where it is built (``index_select``
+otherwise): at block size 1 a fragmented table puts every row on a new page, and
+``index_select`` waits on each.
 ``scatter`` is the write twin: one ``index_copy_`` of whole blocks on the block dimension plus at
 most two ``index_copy_`` of partial blocks at the two ends of the written range. ``write_kv`` (an
 arbitrary ``slot_mapping``) writes through the flat slot view of the pool with one ``index_copy_``
@@ -30,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from pagedkv.attention import paged_attention_by_gather, paged_attention_sync_free
+from pagedkv.backends import native_rows
 from pagedkv.backends.ops import backend_op
 from pagedkv.fp8 import quantize
 from pagedkv.validation import FP8_DTYPES, AttentionArgs, WriteArgs, check_gather, check_write_overlap
@@ -47,20 +52,25 @@ def gather(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tens
     is read back to the host."""
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     full, tail = divmod(seq_len, block_size)
-    if not full and tail and cache.device.type == "cpu":  # one partial block: a single copy into a new tensor
+    on_cpu = cache.device.type == "cpu"
+    if not full and tail and on_cpu:  # one partial block: a single copy into a new tensor
         return cache[int(table[0]), :tail].clone(memory_format=torch.contiguous_format)
-    if seq_len and cache.device.type == "cpu" and cache[0].nbytes >= LARGE_BLOCK_BYTES and cache.is_contiguous():
+    block_bytes = block_size * num_kv_heads * head_dim * cache.element_size()
+    if seq_len and on_cpu and block_bytes >= LARGE_BLOCK_BYTES and cache.is_contiguous():
         # large blocks: one torch.cat of the block slices (a memcpy each) beats index_select's per-slice copy
         ids = table[: full + (tail > 0)].tolist()
         out = cache.new_empty((seq_len, num_kv_heads, head_dim))
         return torch.cat([cache[b] for b in ids[:full]] + ([cache[ids[full], :tail]] if tail else []), out=out)
-    if full and not tail:  # whole blocks only: index_select allocates the (contiguous) output itself
+    # on the CPU, 1 MiB or more of small blocks: the prefetching row gather (native_rows.py)
+    native = on_cpu and full * block_bytes >= native_rows.MIN_BYTES
+    if full and not tail and not native:  # whole blocks only: index_select allocates the output itself
         ids = table if table.shape[0] == full else table[:full]
         return torch.index_select(cache, 0, ids).view(seq_len, num_kv_heads, head_dim)
     out = cache.new_empty((seq_len, num_kv_heads, head_dim))
     if full:
-        torch.index_select(cache, 0, table[:full],
-                           out=out[: full * block_size].view(full, block_size, num_kv_heads, head_dim))
+        blocks = out[: full * block_size].view(full, block_size, num_kv_heads, head_dim)
+        if not (native and native_rows.gather_rows(cache, table[:full], blocks)):
+            torch.index_select(cache, 0, table[:full], out=blocks)
     if tail:
         if cache.device.type == "cpu":  # reading the id costs nothing here; one slice copy is cheaper
             out[full * block_size :].copy_(cache[int(table[full]), :tail])

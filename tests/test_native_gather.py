@@ -1,0 +1,153 @@
+"""The native CPU row gather (``pagedkv/backends/rows.c`` through :mod:`pagedkv.backends.native_rows`).
+
+The suite's drawn pools are far below :data:`native_rows.MIN_BYTES`, so the indexed backend's gather
+takes ``index_select`` there; the native path is searched here with the size floor lifted, and
+checked at its real size once."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv.backends import get_backend, native_rows
+from pagedkv.testing.compare import assert_bitwise_equal
+
+INDEXED = get_backend("indexed")
+needs_native = pytest.mark.skipif(not native_rows.available(),
+                                  reason="the native row gather was not built (no C compiler at install)")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int64, torch.uint8]
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``x`` (NaN payloads and fp8 compare exactly)."""
+    return x.contiguous().flatten().view(torch.uint8)
+
+
+def _definition(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    bs = cache.shape[1]
+    rows = [cache[int(table[p // bs]), p % bs] for p in range(seq_len)]
+    return torch.stack(rows) if rows else cache.new_empty((0, *cache.shape[2:]))
+
+
+def test_a_machine_with_a_c_compiler_builds_it():
+    """The extension is optional so that an install without a compiler still works; where there is
+    one, a missing library means the build step is broken, and the gather silently slow."""
+    if not shutil.which("cc") and not shutil.which("gcc"):
+        pytest.skip("no C compiler on this machine")
+    if os.environ.get("PAGEDKV_NATIVE_GATHER") == "0":
+        pytest.skip("PAGEDKV_NATIVE_GATHER=0 turns it off")
+    assert native_rows.available()
+
+
+@st.composite
+def _gathers(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    num_rows = draw(st.integers(1, 12))
+    row_shape = draw(st.lists(st.integers(0, 9), min_size=0, max_size=3))  # 0: empty rows
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    pool = torch.randint(0, 256, (num_rows, *row_shape), dtype=torch.uint8, generator=gen)
+    pool = pool.view(dtype) if dtype.itemsize == 1 else torch.randn(num_rows, *row_shape, generator=gen).to(dtype)
+    ids = torch.tensor(draw(st.lists(st.integers(0, num_rows - 1), max_size=40)), dtype=torch.int64)
+    ids = ids.to(draw(st.sampled_from([torch.int32, torch.int64])))
+    return pool, ids, draw(st.integers(1, 4))
+
+
+@needs_native
+@settings(max_examples=150, deadline=None)
+@given(_gathers())
+def test_gather_rows_copies_exactly_the_named_rows(drawn):
+    """Any dtype, row length (odd, under a cache line, unaligned for streaming stores), repeated ids,
+    both id dtypes, one to four threads: bit for bit ``pool[ids]``."""
+    pool, ids, threads = drawn
+    out = torch.empty((ids.shape[0], *pool.shape[1:]), dtype=pool.dtype)
+    out.view(torch.uint8).fill_(7)  # a byte the copy must overwrite everywhere
+    previous = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native_rows, "MIN_BYTES", 0)
+        mp.setattr(native_rows, "THREAD_BYTES", 1)  # every thread gets rows, however few
+        torch.set_num_threads(threads)
+        try:
+            assert native_rows.gather_rows(pool, ids, out)
+        finally:
+            torch.set_num_threads(previous)
+    assert torch.equal(_bits(out), _bits(pool[ids.long()]))
+
+
+@needs_native
+@settings(max_examples=100, deadline=None)
+@given(block_size=st.integers(1, 6), heads=st.integers(1, 3), dim=st.integers(1, 20),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e5m2]), data=st.data())
+def test_the_indexed_backend_through_the_native_path_gathers_what_each_slot_holds(block_size, heads, dim, dtype,
+                                                                                  data):
+    num_blocks = data.draw(st.integers(1, 10))
+    cache = torch.randn(num_blocks, block_size, heads, dim).to(dtype)
+    table = torch.tensor(data.draw(st.lists(st.integers(0, num_blocks - 1), min_size=1, max_size=8)))
+    seq_len = data.draw(st.integers(0, table.shape[0] * block_size))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native_rows, "MIN_BYTES", 0)
+        out = INDEXED.gather(cache, table, seq_len)
+    assert out.is_contiguous() and out.shape == (seq_len, heads, dim)
+    assert torch.equal(_bits(out), _bits(_definition(cache, table, seq_len)))
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_fragmented_block_size_1_gather_of_its_real_size_takes_the_native_path(threads):
+    """8 x 128 float32 at block size 1 and 512 tokens (2 MiB): the size the bench's limits start at."""
+    gen = torch.Generator().manual_seed(threads)
+    cache = torch.randn(1024, 1, 8, 128, generator=gen)
+    table = torch.randperm(1024, generator=gen)[:512]
+    out = torch.empty(512, 1, 8, 128)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert native_rows.gather_rows(cache, table, out)
+        assert_bitwise_equal(out, cache[table])
+        assert_bitwise_equal(INDEXED.gather(cache, table, 511), _definition(cache, table, 511))
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [-1, 9, 2**40])
+def test_an_id_out_of_range_writes_nothing_and_the_op_still_raises(bad):
+    cache = torch.randn(9, 1, 2, 4)
+    ids = torch.tensor([3, 1, bad, 0])
+    out = torch.zeros(4, 1, 2, 4)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native_rows, "MIN_BYTES", 0)
+        assert not native_rows.gather_rows(cache, ids, out)
+        assert torch.count_nonzero(out) == 0
+        with pytest.raises(IndexError):  # validate="none": the id reaches index_select, which refuses it
+            INDEXED.gather(cache, ids, 4, validate="none")
+
+
+@needs_native
+def test_calls_it_cannot_take_are_left_to_the_caller():
+    cache = torch.randn(6, 4, 2, 8)
+    ids = torch.tensor([5, 0, 2])
+    out = torch.empty(3, 4, 2, 8)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native_rows, "MIN_BYTES", 0)
+        assert not native_rows.gather_rows(cache.transpose(1, 2).contiguous().transpose(1, 2), ids, out)  # strided
+        assert not native_rows.gather_rows(cache, ids, out.double())  # dtype mismatch
+        assert not native_rows.gather_rows(cache, ids, torch.empty(3, 4, 2, 7))  # row shape mismatch
+        assert not native_rows.gather_rows(cache, ids.float(), out)  # not integer ids
+        assert not native_rows.gather_rows(cache, ids[:2], out)  # length mismatch
+    assert not native_rows.gather_rows(cache, ids, out)  # under MIN_BYTES
+    big_rows = torch.empty(2, native_rows.MAX_ROW_BYTES // 4)
+    assert not native_rows.gather_rows(big_rows, torch.tensor([1] * 8), torch.empty(8, big_rows.shape[1]))
+
+
+def test_pagedkv_native_gather_0_turns_it_off():
+    code = "from pagedkv.backends import native_rows; print(native_rows.available())"
+    env = {**os.environ, "PAGEDKV_NATIVE_GATHER": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
