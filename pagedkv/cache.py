@@ -35,6 +35,7 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import torch
 
+from pagedkv import hugepages
 from pagedkv.allocator import BlockAllocator, as_int, as_token_ids
 from pagedkv.config import CacheConfig, blocks_needed, slots_for_positions
 from pagedkv.errors import (ArgumentTypeError, DoubleFreeError, InvariantError, OutOfBlocksError, ShapeError,
@@ -75,8 +76,11 @@ class PagedKVCache:
         shape, poison = (config.num_layers, 2, config.num_blocks, *config.block_shape), config.poison_value
         hnd = config.kv_layout == "HND"
         memory = (*shape[:3], shape[4], shape[3], shape[5]) if hnd else shape
-        kv = (torch.zeros(memory, dtype=config.cache_dtype, device=config.device) if poison is None else
-              torch.full(memory, poison, dtype=config.cache_dtype, device=config.device))
+        # on a Linux CPU the pools sit on transparent huge pages: a fragmented table at small block sizes
+        # reads a new 4 KiB page a row otherwise (pagedkv/hugepages.py)
+        kv = hugepages.zeros(memory, config.cache_dtype, config.device)
+        if poison is not None:
+            kv.fill_(poison)
         self.kv = kv.transpose(3, 4) if hnd else kv
         self.window_left = config.window_left  # None: full attention, no block is released early
         self.num_window_released = 0  # table entries released by the sliding window, over the cache's life

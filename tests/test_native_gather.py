@@ -1,11 +1,13 @@
-"""The native CPU row gather (``pagedkv/backends/rows.c`` through :mod:`pagedkv.backends.native_rows`).
+"""The native CPU row gather and scatter (``pagedkv/backends/rows.c`` through
+:mod:`pagedkv.backends.native_rows`).
 
-The suite's drawn pools are far below :data:`native_rows.MIN_BYTES`, so the indexed backend's gather
-takes ``index_select`` there; the native path is searched here with the size floor lifted, and
-checked at its real size once."""
+The suite's drawn pools are far below :data:`native_rows.MIN_BYTES`, so the indexed backend takes
+``index_select`` / ``index_copy_`` there; the native paths are searched here with the size floor
+lifted, and checked at their real size once."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -41,8 +43,8 @@ def test_a_machine_with_a_c_compiler_builds_it():
     one, a missing library means the build step is broken, and the gather silently slow."""
     if not shutil.which("cc") and not shutil.which("gcc"):
         pytest.skip("no C compiler on this machine")
-    if os.environ.get("PAGEDKV_NATIVE_GATHER") == "0":
-        pytest.skip("PAGEDKV_NATIVE_GATHER=0 turns it off")
+    if os.environ.get("PAGEDKV_NATIVE_ROWS") == "0":
+        pytest.skip("PAGEDKV_NATIVE_ROWS=0 turns it off")
     assert native_rows.available()
 
 
@@ -59,6 +61,20 @@ def _gathers(draw):
     return pool, ids, draw(st.integers(1, 4))
 
 
+@contextlib.contextmanager
+def _native_at_any_size(threads: int = 1):
+    """The native loops take every call (no size floor), splitting rows over ``threads`` however few."""
+    previous = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native_rows, "MIN_BYTES", 0)
+        mp.setattr(native_rows, "THREAD_BYTES", 1)
+        torch.set_num_threads(threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
+
+
 @needs_native
 @settings(max_examples=150, deadline=None)
 @given(_gathers())
@@ -68,16 +84,25 @@ def test_gather_rows_copies_exactly_the_named_rows(drawn):
     pool, ids, threads = drawn
     out = torch.empty((ids.shape[0], *pool.shape[1:]), dtype=pool.dtype)
     out.view(torch.uint8).fill_(7)  # a byte the copy must overwrite everywhere
-    previous = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(native_rows, "MIN_BYTES", 0)
-        mp.setattr(native_rows, "THREAD_BYTES", 1)  # every thread gets rows, however few
-        torch.set_num_threads(threads)
-        try:
-            assert native_rows.gather_rows(pool, ids, out)
-        finally:
-            torch.set_num_threads(previous)
+    with _native_at_any_size(threads):
+        assert native_rows.gather_rows(pool, ids, out)
     assert torch.equal(_bits(out), _bits(pool[ids.long()]))
+
+
+@needs_native
+@settings(max_examples=150, deadline=None)
+@given(_gathers())
+def test_scatter_rows_writes_exactly_the_named_rows_and_nothing_else(drawn):
+    """The twin: distinct ids, so ``pool[ids] = src`` is defined; every other row keeps its bytes."""
+    pool, ids, threads = drawn
+    ids = torch.unique(ids.long())[torch.randperm(torch.unique(ids).numel())].to(ids.dtype)
+    src = torch.empty((ids.shape[0], *pool.shape[1:]), dtype=pool.dtype)
+    src.view(torch.uint8).copy_(torch.randint(0, 256, src.view(torch.uint8).shape, dtype=torch.uint8))
+    want = pool.clone()
+    want[ids.long()] = src
+    with _native_at_any_size(threads):
+        assert native_rows.scatter_rows(pool, ids, src)
+    assert torch.equal(_bits(pool), _bits(want))
 
 
 @needs_native
@@ -90,11 +115,39 @@ def test_the_indexed_backend_through_the_native_path_gathers_what_each_slot_hold
     cache = torch.randn(num_blocks, block_size, heads, dim).to(dtype)
     table = torch.tensor(data.draw(st.lists(st.integers(0, num_blocks - 1), min_size=1, max_size=8)))
     seq_len = data.draw(st.integers(0, table.shape[0] * block_size))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(native_rows, "MIN_BYTES", 0)
+    with _native_at_any_size(data.draw(st.integers(1, 3))):
         out = INDEXED.gather(cache, table, seq_len)
     assert out.is_contiguous() and out.shape == (seq_len, heads, dim)
     assert torch.equal(_bits(out), _bits(_definition(cache, table, seq_len)))
+
+
+@needs_native
+@settings(max_examples=100, deadline=None)
+@given(block_size=st.integers(1, 6), heads=st.integers(1, 3), dim=st.integers(1, 20),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), data=st.data())
+def test_the_indexed_backend_writes_through_the_native_path_exactly_where_the_slots_say(block_size, heads, dim,
+                                                                                       dtype, data):
+    """``write_kv`` (the flat slot view, padding slots dropped) and ``scatter`` (whole blocks); fp8
+    pools take the same bytes path after quantizing (the gather and scatter_rows tests draw fp8)."""
+    num_blocks = data.draw(st.integers(1, 10))
+    k_cache = torch.randn(num_blocks, block_size, heads, dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, heads, dim).to(dtype)
+    slots = data.draw(st.lists(st.integers(-1, num_blocks * block_size - 1), max_size=12)
+                      .filter(lambda s: len({x for x in s if x >= 0}) == len([x for x in s if x >= 0])))
+    key = torch.randn(len(slots), heads, dim).to(dtype)
+    value = torch.randn(len(slots), heads, dim).to(dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for i, slot in enumerate(slots):
+        if slot >= 0:
+            want_k[slot // block_size, slot % block_size] = key[i]
+            want_v[slot // block_size, slot % block_size] = value[i]
+    table = torch.randperm(num_blocks)[: data.draw(st.integers(1, num_blocks))]
+    values = torch.randn(table.shape[0] * block_size, heads, dim).to(dtype)
+    with _native_at_any_size(data.draw(st.integers(1, 3))):
+        INDEXED.write_kv(k_cache, v_cache, key, value, torch.tensor(slots, dtype=torch.int64))
+        assert torch.equal(_bits(k_cache), _bits(want_k)) and torch.equal(_bits(v_cache), _bits(want_v))
+        INDEXED.scatter(k_cache, table, values)
+    assert torch.equal(_bits(INDEXED.gather(k_cache, table, values.shape[0])), _bits(values))
 
 
 @needs_native
@@ -121,10 +174,12 @@ def test_an_id_out_of_range_writes_nothing_and_the_op_still_raises(bad):
     cache = torch.randn(9, 1, 2, 4)
     ids = torch.tensor([3, 1, bad, 0])
     out = torch.zeros(4, 1, 2, 4)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(native_rows, "MIN_BYTES", 0)
+    before = cache.clone()
+    with _native_at_any_size():
         assert not native_rows.gather_rows(cache, ids, out)
         assert torch.count_nonzero(out) == 0
+        assert not native_rows.scatter_rows(cache, ids, torch.ones(4, 1, 2, 4))
+        assert torch.equal(cache, before)
         with pytest.raises(IndexError):  # validate="none": the id reaches index_select, which refuses it
             INDEXED.gather(cache, ids, 4, validate="none")
 
@@ -146,8 +201,8 @@ def test_calls_it_cannot_take_are_left_to_the_caller():
     assert not native_rows.gather_rows(big_rows, torch.tensor([1] * 8), torch.empty(8, big_rows.shape[1]))
 
 
-def test_pagedkv_native_gather_0_turns_it_off():
+def test_pagedkv_native_rows_0_turns_it_off():
     code = "from pagedkv.backends import native_rows; print(native_rows.available())"
-    env = {**os.environ, "PAGEDKV_NATIVE_GATHER": "0"}
+    env = {**os.environ, "PAGEDKV_NATIVE_ROWS": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

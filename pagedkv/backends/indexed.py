@@ -109,7 +109,10 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
 
 
 def _index_copy(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.index_copy_(0, index, src)``, on wide views of both when both allow one."""
+    """``dst.index_copy_(0, index, src)``: on the CPU, 1 MiB or more of rows under 256 KiB through the
+    native row scatter (native_rows.py); else on wide views of both when both allow one."""
+    if dst.device.type == "cpu" and native_rows.scatter_rows(dst, index, src):
+        return
     dst, src = _bytes(dst), _bytes(src)
     wide_dst, wide_src = _wide(dst), _wide(src)
     if wide_dst is not None and wide_src is not None and wide_dst.dtype == wide_src.dtype:

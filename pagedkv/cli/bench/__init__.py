@@ -95,6 +95,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--pool-factor", type=float, default=1.5,
                    help="pool blocks per block the table uses (block ids are a random permutation of the pool; "
                         "default 1.5)")
+    p.add_argument("--pool-memory", choices=("cache", "torch"), default="cache",
+                   help="how the pools (and the copy bound's source) are allocated: 'cache' as PagedKVCache "
+                        "allocates them (transparent huge pages on a Linux CPU, pagedkv.hugepages), 'torch' by "
+                        "torch.empty, as a caller's own pools (4 KiB pages unless THP_MEM_ALLOC_ENABLE=1); "
+                        "default cache")
     p.add_argument("--triton-on-cpu", action="store_true",
                    help="time the triton backend on CPU too (interpreter; only at the smallest sequence length)")
     p.add_argument("--out-dir", default=None,
@@ -209,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
                 rounds=max(1, args.rounds or (2 if quick else 3)),
                 clock=(("thread" if args.threads == 1 else "wall") if args.clock == "auto" else args.clock)
                 if device.type == "cpu" else "cuda-events",
-                pool_factor=args.pool_factor, triton_on_cpu=args.triton_on_cpu, seed=args.seed, candidates=specs)
+                pool_factor=args.pool_factor, triton_on_cpu=args.triton_on_cpu, seed=args.seed, candidates=specs,
+                pool_memory=args.pool_memory)
     progress = not args.no_progress and sys.stdout.isatty() and sys.stderr.isatty()
     rows, mem_method = sweep(plan, progress=progress)
     verdicts = limits(rows, device)
@@ -220,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     for name, reason in plan.skipped.items():
         print(f"note: {name}: {reason}")
     print(f"device {device}, torch threads {env['threads']}, clock {plan.clock}, {plan.rounds} rounds, "
-          f"load average {env['loadavg']},\nallocator: {malloc}; memory: {mem_method}")
+          f"load average {env['loadavg']},\nallocator: {malloc}; pools: {plan.pool_memory}; memory: {mem_method}")
     print()
     print("limits")
     print(format_limits(verdicts))

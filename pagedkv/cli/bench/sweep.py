@@ -93,22 +93,35 @@ def _randn(shape, dtype, device, gen) -> torch.Tensor:
     return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype=dtype, device=device)
 
 
+def _pool_randn(shape, dtype, device, gen, pool_memory: str) -> torch.Tensor:
+    """Random pool contents in memory allocated as ``pool_memory`` says: ``cache`` as
+    :class:`pagedkv.PagedKVCache` allocates its pools (:func:`pagedkv.hugepages.zeros`), ``torch``
+    by ``torch.empty`` (a caller's own pool)."""
+    if pool_memory == "torch":
+        return _randn(shape, dtype, device, gen)
+    from pagedkv import hugepages
+
+    return hugepages.zeros(shape, dtype, device).copy_(_randn(shape, dtype, device, gen))
+
+
 def _make_set(op: str, seq_len: int, block_size: int, heads: int, dim: int, dtype: torch.dtype,
-              device: torch.device, batch: int, pool_factor: float, gen: torch.Generator) -> dict:
+              device: torch.device, batch: int, pool_factor: float, gen: torch.Generator,
+              pool_memory: str = "cache") -> dict:
     """One input set for ``op``: pools whose used blocks are a random permutation of a larger pool."""
+    pool = lambda shape: _pool_randn(shape, dtype, device, gen, pool_memory)
     blocks = -(-seq_len // block_size)
     if op == "attention":
         num_blocks = int(math.ceil(batch * blocks * pool_factor)) + 1
         perm = torch.randperm(num_blocks, generator=gen)[: batch * blocks].view(batch, blocks)
-        k = _randn((num_blocks, block_size, heads, dim), dtype, device, gen)
-        v = _randn((num_blocks, block_size, heads, dim), dtype, device, gen)
+        k = pool((num_blocks, block_size, heads, dim))
+        v = pool((num_blocks, block_size, heads, dim))
         return dict(query=_randn((batch, heads * GQA_GROUP, dim), dtype, device, gen), k_cache=k, v_cache=v,
                     block_tables=perm.to(torch.int32).to(device),
                     seq_lens=torch.full((batch,), seq_len, dtype=torch.int32, device=device),
                     query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device))
     num_blocks = int(math.ceil(blocks * pool_factor)) + 1
     table = torch.randperm(num_blocks, generator=gen)[:blocks]
-    cache = _randn((num_blocks, block_size, heads, dim), dtype, device, gen)
+    cache = pool((num_blocks, block_size, heads, dim))
     if op == "gather":
         return dict(cache=cache, table=table.to(torch.int32).to(device), seq_len=seq_len)
     if op == "scatter":
@@ -116,7 +129,7 @@ def _make_set(op: str, seq_len: int, block_size: int, heads: int, dim: int, dtyp
                     values=_randn((seq_len, heads, dim), dtype, device, gen))
     positions = torch.arange(seq_len)
     slots = table[positions // block_size] * block_size + positions % block_size
-    return dict(k_cache=cache, v_cache=_randn(cache.shape, dtype, device, gen),
+    return dict(k_cache=cache, v_cache=pool(cache.shape),
                 key=_randn((seq_len, heads, dim), dtype, device, gen),
                 value=_randn((seq_len, heads, dim), dtype, device, gen), slot_mapping=slots.to(device))
 
@@ -215,6 +228,7 @@ class Plan:
     seed: int
     candidates: list[str] = field(default_factory=list)  # backend specs (pagedkv.load_backend), timed as impl = spec
     skipped: dict = field(default_factory=dict)  # impl -> reason
+    pool_memory: str = "cache"  # cache: allocated as PagedKVCache allocates (huge pages); torch: torch.empty
 
 
 def _load_backends(plan: Plan) -> dict:
@@ -255,14 +269,17 @@ def _sets_for(op, seq_len, block_size, heads, dim, dtype, plan, batch, gen, llc)
     else:
         n = int(min(32, max(2, math.ceil(2 * llc / set_bytes))))
         n = max(2, min(n, int(2 * 1024 ** 3 // set_bytes)))
-    return [_make_set(op, seq_len, block_size, heads, dim, dtype, plan.device, batch, plan.pool_factor, gen)
+    return [_make_set(op, seq_len, block_size, heads, dim, dtype, plan.device, batch, plan.pool_factor, gen,
+                      plan.pool_memory)
             for _ in range(n)]
 
 
 def _bound_sets(elems: int, dtype: torch.dtype, plan: Plan, llc: int, gen) -> list[dict]:
     elem = torch.finfo(dtype).bits // 8
     n = 2 if plan.device.type == "cuda" else int(min(32, max(2, math.ceil(2 * llc / (2 * elems * elem)))))
-    return [dict(src=_randn((elems,), dtype, plan.device, gen), dst=torch.empty(elems, dtype=dtype, device=plan.device))
+    # the copy reads the same kind of memory as the ops' pools, and writes where their outputs go
+    return [dict(src=_pool_randn((elems,), dtype, plan.device, gen, plan.pool_memory),
+                 dst=torch.empty(elems, dtype=dtype, device=plan.device))
             for _ in range(n)]
 
 

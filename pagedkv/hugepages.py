@@ -1,0 +1,54 @@
+"""CPU pools on transparent huge pages.
+
+A read of a fragmented block table at small block sizes touches a new 4 KiB page every row (8 x 128
+float32 is one page a token): a TLB miss and a page walk each, two-dimensional under a hypervisor.
+On 2 MiB pages the walks all but vanish; on the machine of docs/benchmarks.md the block-size-1
+gather from a 128 MiB pool went from 1.1-1.5x a copy to 0.8-1.0x. PyTorch offers the same for
+every allocation of a process (``THP_MEM_ALLOC_ENABLE=1``, read once at its first allocation); the
+pools here get it on their own, whatever the rest of the process does.
+
+:func:`zeros` maps anonymous memory aligned to 2 MiB and asks the kernel for huge pages
+(``madvise(MADV_HUGEPAGE)``, which Linux's default THP mode ``madvise`` honours; the kernel falls
+back to 4 KiB pages silently when it has none). Elsewhere (not Linux, not the CPU, under 2 MiB) it
+is ``torch.zeros``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+
+import torch
+
+#: The x86-64 / arm64 (4 KiB base page) transparent huge page.
+HUGE_PAGE_BYTES = 2 * 1024 * 1024
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zero-filled contiguous tensor; on a Linux CPU and at 2 MiB or more, on transparent huge pages.
+
+    Args:
+        shape: the tensor's shape (ints).
+        dtype: any torch dtype (fp8 included).
+        device: where it lives; only ``cpu`` gets huge pages.
+
+    Returns:
+        A contiguous tensor of ``shape`` and ``dtype``. The huge-page one is backed by an anonymous
+        ``mmap`` (zero-filled by the kernel, so no page is touched here), which the tensor keeps
+        alive; it is freed with the tensor.
+    """
+    device = torch.device(device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # private (a shared anonymous map is shmem, whose huge pages are off by default); page aligned,
+    # and one huge page more than asked for, to align the start
+    memory = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(memory)) % HUGE_PAGE_BYTES
+    try:
+        memory.madvise(mmap.MADV_HUGEPAGE)  # before any page is touched: faults then map 2 MiB at a time
+    except OSError:  # THP compiled out or turned off: plain pages, same tensor
+        pass
+    flat = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes, offset=start)
+    return flat.view(dtype).view(shape)
