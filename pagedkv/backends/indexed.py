@@ -7,10 +7,10 @@ nothing beyond the output and reads no block id back to the host. On the CPU, co
 blocks of at least :data:`LARGE_BLOCK_BYTES` are gathered by one ``torch.cat`` of the block views into
 the output instead (one ``memcpy`` a block: ``index_select`` copies each slice through a
 ``TensorIterator``, which costs more than the copy of a large block; reading the ids is free there).
-On the CPU, outputs of 1 MiB and more from a contiguous pool of smaller blocks go through the
-prefetching row gather of :mod:`pagedkv.backends.native_rows` where it is built (``index_select``
-otherwise): at block size 1 a fragmented table puts every row on a new page, and
-``index_select`` waits on each.
+On the CPU, calls moving 1 MiB and more of blocks (or slots) under 256 KiB of a contiguous pool go
+through the prefetching row loops of :mod:`pagedkv.backends.native_rows` where they are built
+(``index_select`` / ``index_copy_`` otherwise): at block size 1 a fragmented table puts every row on
+a new page, and the row-by-row copies wait on each.
 ``scatter`` is the write twin: one ``index_copy_`` of whole blocks on the block dimension plus at
 most two ``index_copy_`` of partial blocks at the two ends of the written range. ``write_kv`` (an
 arbitrary ``slot_mapping``) writes through the flat slot view of the pool with one ``index_copy_``
@@ -53,14 +53,12 @@ def gather(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tens
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     full, tail = divmod(seq_len, block_size)
     on_cpu = cache.device.type == "cpu"
-    if not full and tail and on_cpu:  # one partial block: a single copy into a new tensor
-        return cache[int(table[0]), :tail].clone(memory_format=torch.contiguous_format)
     block_bytes = block_size * num_kv_heads * head_dim * cache.element_size()
-    if seq_len and on_cpu and block_bytes >= LARGE_BLOCK_BYTES and cache.is_contiguous():
-        # large blocks: one torch.cat of the block slices (a memcpy each) beats index_select's per-slice copy
+    if seq_len and on_cpu and (not full or block_bytes >= LARGE_BLOCK_BYTES and cache.is_contiguous()):
+        # one partial block, or large blocks: one torch.cat of the block slices (a memcpy each) beats
+        # index_select's per-slice copy; cat allocating its output is 2 us faster than cat(out=)
         ids = table[: full + (tail > 0)].tolist()
-        out = cache.new_empty((seq_len, num_kv_heads, head_dim))
-        return torch.cat([cache[b] for b in ids[:full]] + ([cache[ids[full], :tail]] if tail else []), out=out)
+        return torch.cat([cache[b] for b in ids[:full]] + ([cache[ids[full], :tail]] if tail else []))
     # on the CPU, 1 MiB or more of small blocks: the prefetching row gather (native_rows.py)
     native = on_cpu and full * block_bytes >= native_rows.MIN_BYTES
     if full and not tail and not native:  # whole blocks only: index_select allocates the output itself
