@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -343,7 +344,11 @@ def sweep(plan: Plan, progress: bool = True) -> tuple[list[Row], str]:
                             graph and impl not in ("loop", "elementwise")))
         best: dict[int, tuple[float, float, int]] = {}
         for round_ in range(plan.rounds):
-            for i, (row, fn, inputs, use_graph) in enumerate(entries):
+            order = list(range(len(entries)))
+            if round_:  # a new order each round: no implementation always runs after the same one
+                random.Random(plan.seed * 1000 + round_).shuffle(order)
+            for i in order:
+                row, fn, inputs, use_graph = entries[i]
                 if row.note:
                     continue
                 try:
