@@ -50,7 +50,7 @@ class PagedKVCache:
 
     Args:
         config: the geometry; pools are allocated on ``config.device``, zero-filled (or filled with
-            ``config.debug_poison``), on transparent huge pages on a Linux CPU
+            ``config.debug_poison``), on transparent huge pages on a Linux CPU from 32 MiB
             (:func:`pagedkv.hugepages.zeros`); ``config.window_left`` turns on sliding-window release.
         enable_prefix_caching: reuse full blocks of earlier prompts (vLLM's automatic prefix caching).
         hash_fn: the allocator's chained block hash (inject one to test collisions).

@@ -9,8 +9,8 @@ pools here get it on their own, whatever the rest of the process does.
 
 :func:`zeros` maps anonymous memory aligned to 2 MiB and asks the kernel for huge pages
 (``madvise(MADV_HUGEPAGE)``, which Linux's default THP mode ``madvise`` honours; the kernel falls
-back to 4 KiB pages silently when it has none). Elsewhere (not Linux, not the CPU, under 2 MiB) it
-is ``torch.zeros``.
+back to 4 KiB pages silently when it has none). Elsewhere (not Linux, not the CPU, under
+:data:`MIN_BYTES`) it is ``torch.zeros``.
 """
 
 from __future__ import annotations
@@ -23,10 +23,16 @@ import torch
 
 #: The x86-64 / arm64 (4 KiB base page) transparent huge page.
 HUGE_PAGE_BYTES = 2 * 1024 * 1024
+#: Pools from this size on get huge pages: past the reach of a last-level TLB of 4 KiB pages (2048
+#: entries, 8 MiB, on current x86 cores) with room to spare. Smaller pools keep torch's allocation:
+#: a huge-page fault zeroes 2 MiB at once and may compact memory first (``defrag=madvise``), which a
+#: test suite creating many small caches pays again and again for nothing.
+MIN_BYTES = 32 * 1024 * 1024
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A zero-filled contiguous tensor; on a Linux CPU and at 2 MiB or more, on transparent huge pages.
+    """A zero-filled contiguous tensor; on a Linux CPU and at :data:`MIN_BYTES` or more, on transparent
+    huge pages.
 
     Args:
         shape: the tensor's shape (ints).
@@ -40,7 +46,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     """
     device = torch.device(device)
     nbytes = math.prod(shape) * dtype.itemsize
-    if device.type != "cpu" or nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if device.type != "cpu" or nbytes < MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype, device=device)
     # private (a shared anonymous map is shmem, whose huge pages are off by default); page aligned,
     # and one huge page more than asked for, to align the start

@@ -31,7 +31,7 @@ def _mapping_flags(address: int) -> list[str] | None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int64])
 def test_zeros_is_a_contiguous_zero_tensor_of_the_shape_and_dtype(dtype):
-    for shape in [(3, 5), (9, 1, 8, 128), (2, 2, 300, 16, 8, 64)]:  # under and over a huge page
+    for shape in [(3, 5), (9, 1, 8, 128), (2, 2, 600, 16, 8, 64)]:  # under and over hugepages.MIN_BYTES
         x = hugepages.zeros(shape, dtype)
         assert x.shape == shape and x.dtype == dtype and x.is_contiguous() and x.device.type == "cpu"
         assert torch.count_nonzero(x.view(torch.uint8) if dtype.itemsize == 1 else x) == 0
@@ -40,18 +40,18 @@ def test_zeros_is_a_contiguous_zero_tensor_of_the_shape_and_dtype(dtype):
 
 
 @linux_thp
-def test_a_pool_of_2_mib_or_more_starts_on_a_huge_page_boundary_and_is_advised_huge():
-    x = hugepages.zeros((64, 16, 8, 128), torch.float32)  # 4 MiB
-    assert x.data_ptr() % hugepages.HUGE_PAGE_BYTES == 0
+def test_a_pool_of_min_bytes_or_more_starts_on_a_huge_page_boundary_and_is_advised_huge():
+    x = hugepages.zeros((512, 16, 8, 128), torch.float32)  # 32 MiB
+    assert x.nbytes >= hugepages.MIN_BYTES and x.data_ptr() % hugepages.HUGE_PAGE_BYTES == 0
     assert "hg" in _mapping_flags(x.data_ptr())  # madvise(MADV_HUGEPAGE) was applied to its mapping
-    small = hugepages.zeros((4, 16, 8, 128), torch.float32)  # 256 KiB: torch's own allocation
+    small = hugepages.zeros((64, 16, 8, 128), torch.float32)  # 4 MiB: torch's own allocation
     flags = _mapping_flags(small.data_ptr())
     assert flags is None or "hg" not in flags
 
 
 @linux_thp
 def test_the_mapping_is_freed_with_the_tensor():
-    x = hugepages.zeros((64, 16, 8, 128), torch.float32)
+    x = hugepages.zeros((512, 16, 8, 128), torch.float32)
     view = x[3:7]  # a view keeps it alive
     address = x.data_ptr()
     del x
@@ -64,11 +64,11 @@ def test_the_mapping_is_freed_with_the_tensor():
 
 @linux_thp
 def test_the_cache_allocates_its_cpu_pools_on_huge_pages_and_fills_the_debug_poison():
-    config = CacheConfig(num_blocks=64, block_size=16, num_kv_heads=8, head_dim=128, num_layers=2,
-                         dtype=torch.float32, device="cpu")
+    config = CacheConfig(num_blocks=256, block_size=16, num_kv_heads=8, head_dim=128, num_layers=2,
+                         dtype=torch.float32, device="cpu")  # 64 MiB
     cache = PagedKVCache(config)
     assert "hg" in _mapping_flags(cache.kv.data_ptr())
     assert torch.count_nonzero(cache.kv) == 0
-    poisoned = PagedKVCache(CacheConfig(num_blocks=64, block_size=16, num_kv_heads=8, head_dim=128, num_layers=2,
+    poisoned = PagedKVCache(CacheConfig(num_blocks=256, block_size=16, num_kv_heads=8, head_dim=128, num_layers=2,
                                         dtype=torch.float32, device="cpu", debug_poison="nan"))
     assert torch.isnan(poisoned.kv).all()
