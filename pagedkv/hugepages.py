@@ -2,10 +2,11 @@
 
 A read of a fragmented block table at small block sizes touches a new 4 KiB page every row (8 x 128
 float32 is one page a token): a TLB miss and a page walk each, two-dimensional under a hypervisor.
-On 2 MiB pages the walks all but vanish; on the machine of docs/benchmarks.md the block-size-1
-gather from a 128 MiB pool went from 1.1-1.5x a copy to 0.8-1.0x. PyTorch offers the same for
-every allocation of a process (``THP_MEM_ALLOC_ENABLE=1``, read once at its first allocation); the
-pools here get it on their own, whatever the rest of the process does.
+On 2 MiB pages the walks all but vanish; on the machine of docs/benchmarks.md the native
+block-size-1 gather of 16384 tokens went from 1.12-1.19x a copy to 0.94-1.07x (one process, same
+ids). PyTorch offers the same for every allocation of a process (``THP_MEM_ALLOC_ENABLE=1``, read
+once at its first allocation); the pools here get it on their own, whatever the rest of the process
+does.
 
 :func:`zeros` maps anonymous memory aligned to 2 MiB and asks the kernel for huge pages
 (``madvise(MADV_HUGEPAGE)``, which Linux's default THP mode ``madvise`` honours; the kernel falls

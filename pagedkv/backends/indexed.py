@@ -70,7 +70,7 @@ def gather(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tens
         if not (native and native_rows.gather_rows(cache, table[:full], blocks)):
             torch.index_select(cache, 0, table[:full], out=blocks)
     if tail:
-        if cache.device.type == "cpu":  # reading the id costs nothing here; one slice copy is cheaper
+        if on_cpu:  # reading the id costs nothing here; one slice copy is cheaper
             out[full * block_size :].copy_(cache[int(table[full]), :tail])
         else:  # no device-to-host read of the id: stays asynchronous and capturable in a CUDA graph
             torch.index_select(cache[:, :tail], 0, table[full : full + 1],
@@ -109,7 +109,7 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
 def _index_copy(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.index_copy_(0, index, src)``: on the CPU, 1 MiB or more of rows under 256 KiB through the
     native row scatter (native_rows.py); else on wide views of both when both allow one."""
-    if dst.device.type == "cpu" and native_rows.scatter_rows(dst, index, src):
+    if native_rows.scatter_rows(dst, index, src):  # False, writing nothing, off the CPU and where it does not apply
         return
     dst, src = _bytes(dst), _bytes(src)
     wide_dst, wide_src = _wide(dst), _wide(src)
