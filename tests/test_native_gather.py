@@ -189,8 +189,7 @@ def test_calls_it_cannot_take_are_left_to_the_caller():
     cache = torch.randn(6, 4, 2, 8)
     ids = torch.tensor([5, 0, 2])
     out = torch.empty(3, 4, 2, 8)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(native_rows, "MIN_BYTES", 0)
+    with _native_at_any_size():
         assert not native_rows.gather_rows(cache.transpose(1, 2).contiguous().transpose(1, 2), ids, out)  # strided
         assert not native_rows.gather_rows(cache, ids, out.double())  # dtype mismatch
         assert not native_rows.gather_rows(cache, ids, torch.empty(3, 4, 2, 7))  # row shape mismatch
