@@ -1,6 +1,7 @@
-"""The indexed gather's large-block path (one ``torch.cat`` of block views on the CPU, for blocks of at
-least ``LARGE_BLOCK_BYTES``) returns exactly what each slot holds, like every other path. The suite's
-drawn pools are far smaller than that, so the path is pinned here."""
+"""The indexed gather's large-block paths on the CPU (one ``torch.cat`` of block views for blocks of at
+least ``LARGE_BLOCK_BYTES``; the native row gather from 1 MiB of whole blocks, where it is built) return
+exactly what each slot holds, like every other path. The suite's drawn pools are far smaller than
+that, so the paths are pinned here, each with the native loops on and off."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from pagedkv.backends import get_backend
-from pagedkv.backends import indexed
+from pagedkv.backends import indexed, native_rows
 from pagedkv.testing.compare import assert_bitwise_equal
 
 INDEXED = get_backend("indexed")
@@ -24,9 +25,12 @@ def test_the_large_block_path_is_taken_for_float32_blocks_of_64_tokens_of_8x128(
     assert torch.empty(64, 8, 128).nbytes >= indexed.LARGE_BLOCK_BYTES > torch.empty(16, 8, 128).nbytes
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "cat"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("block_size", [64, 256, 512])
-def test_large_blocks_gather_exactly_what_each_slot_holds(dtype, block_size):
+def test_large_blocks_gather_exactly_what_each_slot_holds(dtype, block_size, native, monkeypatch):
+    if not native:
+        monkeypatch.setattr(native_rows, "available", lambda: False)
     heads, dim = 8, 128
     gen = torch.Generator().manual_seed(block_size)
     cache = torch.randn(7, block_size, heads, dim, generator=gen).to(dtype)

@@ -3,14 +3,15 @@
 ``gather`` copies whole blocks with one ``index_select`` on the block dimension straight into the
 output (the contiguous ``block_size * num_kv_heads * head_dim`` run of each block is copied as one
 piece) and the partial last block with one more ``index_select`` of a slot slice; it allocates
-nothing beyond the output and reads no block id back to the host. On the CPU, contiguous pools with
-blocks of at least :data:`LARGE_BLOCK_BYTES` are gathered by one ``torch.cat`` of the block views into
-the output instead (one ``memcpy`` a block: ``index_select`` copies each slice through a
-``TensorIterator``, which costs more than the copy of a large block; reading the ids is free there).
-On the CPU, calls moving 1 MiB and more of blocks (or slots) under 256 KiB of a contiguous pool go
-through the prefetching row loops of :mod:`pagedkv.backends.native_rows` where they are built
-(``index_select`` / ``index_copy_`` otherwise): at block size 1 a fragmented table puts every row on
-a new page, and the row-by-row copies wait on each.
+nothing beyond the output and reads no block id back to the host. On the CPU, calls moving 1 MiB and
+more of blocks (or slots) of a contiguous pool go through the prefetching row loops of
+:mod:`pagedkv.backends.native_rows` where they are built (``index_select`` / ``index_copy_``
+otherwise): at block size 1 a fragmented table puts every row on a new page, and the row-by-row
+copies wait on each; at every block size they write the output with streaming stores. Below 1 MiB
+(or without them), contiguous pools with blocks of at least :data:`LARGE_BLOCK_BYTES` are gathered
+by one ``torch.cat`` of the block views (one ``memcpy`` a block: ``index_select`` copies each slice
+through a ``TensorIterator``, which costs more than the copy of a large block; reading the ids is
+free there).
 ``scatter`` is the write twin: one ``index_copy_`` of whole blocks on the block dimension plus at
 most two ``index_copy_`` of partial blocks at the two ends of the written range. ``write_kv`` (an
 arbitrary ``slot_mapping``) writes through the flat slot view of the pool with one ``index_copy_``
@@ -54,13 +55,14 @@ def gather(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tens
     full, tail = divmod(seq_len, block_size)
     on_cpu = cache.device.type == "cpu"
     block_bytes = block_size * num_kv_heads * head_dim * cache.element_size()
-    if seq_len and on_cpu and (not full or block_bytes >= LARGE_BLOCK_BYTES and cache.is_contiguous()):
-        # one partial block, or large blocks: one torch.cat of the block slices (a memcpy each) beats
-        # index_select's per-slice copy; cat allocating its output is 2 us faster than cat(out=)
+    # on the CPU, 1 MiB or more of whole blocks: the prefetching, streaming row gather (native_rows.py)
+    native = on_cpu and full * block_bytes >= native_rows.MIN_BYTES and cache.is_contiguous() \
+        and native_rows.available()
+    if seq_len and on_cpu and not native and (not full or block_bytes >= LARGE_BLOCK_BYTES and cache.is_contiguous()):
+        # one partial block, or a few large blocks: one torch.cat of the block slices (a memcpy each)
+        # beats index_select's per-slice copy; cat allocating its output is 2 us faster than cat(out=)
         ids = table[: full + (tail > 0)].tolist()
         return torch.cat([cache[b] for b in ids[:full]] + ([cache[ids[full], :tail]] if tail else []))
-    # on the CPU, 1 MiB or more of small blocks: the prefetching row gather (native_rows.py)
-    native = on_cpu and full * block_bytes >= native_rows.MIN_BYTES
     if full and not tail and not native:  # whole blocks only: index_select allocates the output itself
         ids = table if table.shape[0] == full else table[:full]
         return torch.index_select(cache, 0, ids).view(seq_len, num_kv_heads, head_dim)
@@ -107,8 +109,8 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
 
 
 def _index_copy(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.index_copy_(0, index, src)``: on the CPU, 1 MiB or more of rows under 256 KiB through the
-    native row scatter (native_rows.py); else on wide views of both when both allow one."""
+    """``dst.index_copy_(0, index, src)``: on the CPU, 1 MiB or more of rows through the native row
+    scatter (native_rows.py); else on wide views of both when both allow one."""
     if native_rows.scatter_rows(dst, index, src):  # False, writing nothing, off the CPU and where it does not apply
         return
     dst, src = _bytes(dst), _bytes(src)

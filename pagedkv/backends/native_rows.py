@@ -5,7 +5,7 @@ blocks, in C (``rows.c``).
 for 8 x 128 float32) every pool row is a new page at a random address: each copy waits on DRAM, and
 a gather from a fragmented free list costs 1.6-2x a contiguous copy of the same bytes. ``rows.c``
 keeps the misses in flight (a prefetch stream a fixed number of cache lines ahead, page walks started
-rows ahead) and writes with streaming stores, which brings the gather to about the copy's time
+rows ahead) and writes large destinations with streaming stores, which brings the gather to about the copy's time
 (docs/benchmarks.md has the measurements). It follows the approach of the open PyTorch PR
 pytorch/pytorch#192270 for ``index_select``.
 
@@ -30,16 +30,18 @@ import torch
 #: anyway, so it is written with streaming stores, and the call's fixed cost (about 4 us of Python
 #: and ctypes) is under a tenth of the copy. Below it ``index_select`` is as fast or faster.
 MIN_BYTES = 1 << 20
-#: Rows (blocks) of at least this many bytes are left to the caller: one ``memcpy`` a row streams
-#: by itself there (the indexed backend's ``torch.cat`` path).
-MAX_ROW_BYTES = 256 * 1024
+#: Calls moving at least this many bytes write their destination with streaming stores (a quarter of
+#: a 32 MiB last-level cache: beyond it a destination written with plain stores does not stay in the
+#: cache for the next op, so its read-for-ownership is wasted; below it plain stores are faster, and
+#: a destination the next op reads is still in the cache). glibc's memcpy makes the same switch.
+STREAM_BYTES = 8 << 20
 #: Bytes a thread must have to move before another one is started (a thread start costs about as
 #: much as copying this from cache).
 THREAD_BYTES = 256 * 1024
 _ID_DTYPES = (torch.int32, torch.int64)
-_ABI = 3  # rows.c's pagedkv_rows_abi()
+_ABI = 4  # rows.c's pagedkv_rows_abi()
 _ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
-         ctypes.c_void_p, ctypes.c_int]
+         ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
 
 
 @functools.cache
@@ -76,13 +78,14 @@ def _call(fn_name: str, pool: torch.Tensor, ids: torch.Tensor, rows: torch.Tenso
     n = ids.shape[0]
     row_bytes = math.prod(rows.shape[1:]) * rows.element_size()  # not stride(0): an empty row may have any
     total = n * row_bytes
-    if total < MIN_BYTES or row_bytes >= MAX_ROW_BYTES:
+    if total < MIN_BYTES:
         return False
     fn = getattr(lib, fn_name)
     args = (pool.data_ptr(), pool.shape[0], row_bytes, ids.data_ptr(), ids.element_size(), n, rows.data_ptr())
-    status = fn(*args, max(1, min(torch.get_num_threads(), total // THREAD_BYTES)))
+    stream = int(total >= STREAM_BYTES)
+    status = fn(*args, max(1, min(torch.get_num_threads(), total // THREAD_BYTES)), stream)
     if status == -2:  # a thread could not be started: redo the whole call on this one
-        status = fn(*args, 1)
+        status = fn(*args, 1, stream)
     return status == -1
 
 
@@ -97,9 +100,9 @@ def gather_rows(pool: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> boo
     Returns:
         False, having written nothing, when the native loop does not take the call: not built or
         turned off, a non-CPU or non-contiguous tensor, a dtype or row-shape mismatch, under
-        :data:`MIN_BYTES` in all or rows of :data:`MAX_ROW_BYTES` or more (``index_select`` or one
-        ``memcpy`` a row is as fast there), or an id outside ``[0, num_rows)`` (the caller's
-        ``index_select`` then raises its own error). True when ``out`` holds the rows.
+        :data:`MIN_BYTES` in all (``index_select`` is as fast there), or an id outside
+        ``[0, num_rows)`` (the caller's ``index_select`` then raises its own error). True when
+        ``out`` holds the rows.
 
     Uses up to ``torch.get_num_threads()`` POSIX threads, each a contiguous range of rows.
     """
