@@ -64,7 +64,8 @@ def _gathers(draw):
 @contextlib.contextmanager
 def _native_at_any_size(threads: int = 1, stream: bool = True):
     """The native loops take every call (no size floor), splitting rows over ``threads`` however few,
-    with streaming stores (``stream``) or plain ones whatever the size."""
+    gathering with streaming stores (``stream``) or plain ones whatever the size (scatters always
+    stream where rows are aligned)."""
     previous = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(native_rows, "MIN_BYTES", 0)
@@ -96,13 +97,13 @@ def test_gather_rows_copies_exactly_the_named_rows(drawn):
 @given(_gathers())
 def test_scatter_rows_writes_exactly_the_named_rows_and_nothing_else(drawn):
     """The twin: distinct ids, so ``pool[ids] = src`` is defined; every other row keeps its bytes."""
-    pool, ids, threads, stream = drawn
+    pool, ids, threads, _ = drawn
     ids = torch.unique(ids.long())[torch.randperm(torch.unique(ids).numel())].to(ids.dtype)
     src = torch.empty((ids.shape[0], *pool.shape[1:]), dtype=pool.dtype)
     src.view(torch.uint8).copy_(torch.randint(0, 256, src.view(torch.uint8).shape, dtype=torch.uint8))
     want = pool.clone()
     want[ids.long()] = src
-    with _native_at_any_size(threads, stream):
+    with _native_at_any_size(threads):
         assert native_rows.scatter_rows(pool, ids, src)
     assert torch.equal(_bits(pool), _bits(want))
 
@@ -174,8 +175,8 @@ def test_a_fragmented_block_size_1_gather_of_its_real_size_takes_the_native_path
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("blocks", [3, 9], ids=["plain-stores", "streaming-stores"])
 def test_large_blocks_of_their_real_size_take_the_native_path_both_ways(blocks, threads):
-    """8 x 128 float32 at block size 256 (1 MiB blocks), whole blocks and a partial one, on either side
-    of ``STREAM_BYTES``: gather, then scatter."""
+    """8 x 128 float32 at block size 256 (1 MiB blocks), whole blocks and a partial one, gathered on
+    either side of ``STREAM_BYTES``, then scattered."""
     assert blocks << 20 < native_rows.STREAM_BYTES if blocks == 3 else blocks << 20 >= native_rows.STREAM_BYTES
     gen = torch.Generator().manual_seed(threads)
     cache = torch.randn(blocks + 3, 256, 8, 128, generator=gen)

@@ -30,10 +30,11 @@ import torch
 #: anyway, so it is written with streaming stores, and the call's fixed cost (about 4 us of Python
 #: and ctypes) is under a tenth of the copy. Below it ``index_select`` is as fast or faster.
 MIN_BYTES = 1 << 20
-#: Calls moving at least this many bytes write their destination with streaming stores (a quarter of
-#: a 32 MiB last-level cache: beyond it a destination written with plain stores does not stay in the
-#: cache for the next op, so its read-for-ownership is wasted; below it plain stores are faster, and
-#: a destination the next op reads is still in the cache). glibc's memcpy makes the same switch.
+#: Gathers moving at least this many bytes write their output with streaming stores (a quarter of a
+#: 32 MiB last-level cache: beyond it an output written with plain stores does not stay in the cache
+#: for the next op, so its read-for-ownership is wasted; below it plain stores are faster, and the
+#: next op finds the output in the cache). glibc's memcpy makes the same switch. Scatters always
+#: stream: their destination rows are spread over the whole pool, and no op reads them next.
 STREAM_BYTES = 8 << 20
 #: Bytes a thread must have to move before another one is started (a thread start costs about as
 #: much as copying this from cache).
@@ -68,7 +69,7 @@ def available() -> bool:
     return _library() is not None
 
 
-def _call(fn_name: str, pool: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> bool:
+def _call(fn_name: str, pool: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, stream_bytes: int) -> bool:
     lib = _library()
     if lib is None or not (pool.is_cpu and ids.is_cpu and rows.is_cpu) or ids.dtype not in _ID_DTYPES \
             or not (pool.is_contiguous() and ids.is_contiguous() and rows.is_contiguous()) \
@@ -82,7 +83,7 @@ def _call(fn_name: str, pool: torch.Tensor, ids: torch.Tensor, rows: torch.Tenso
         return False
     fn = getattr(lib, fn_name)
     args = (pool.data_ptr(), pool.shape[0], row_bytes, ids.data_ptr(), ids.element_size(), n, rows.data_ptr())
-    stream = int(total >= STREAM_BYTES)
+    stream = int(total >= stream_bytes)
     status = fn(*args, max(1, min(torch.get_num_threads(), total // THREAD_BYTES)), stream)
     if status == -2:  # a thread could not be started: redo the whole call on this one
         status = fn(*args, 1, stream)
@@ -106,7 +107,7 @@ def gather_rows(pool: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> boo
 
     Uses up to ``torch.get_num_threads()`` POSIX threads, each a contiguous range of rows.
     """
-    return _call("pagedkv_gather_rows", pool, ids, out)
+    return _call("pagedkv_gather_rows", pool, ids, out, STREAM_BYTES)
 
 
 def scatter_rows(pool: torch.Tensor, ids: torch.Tensor, src: torch.Tensor) -> bool:
@@ -116,4 +117,4 @@ def scatter_rows(pool: torch.Tensor, ids: torch.Tensor, src: torch.Tensor) -> bo
     the same reasons to return False having written nothing. ``ids`` must not repeat (the contract
     refuses a slot written twice before this is reached); a repeated id leaves one of its rows there.
     """
-    return _call("pagedkv_scatter_rows", pool, ids, src)
+    return _call("pagedkv_scatter_rows", pool, ids, src, 0)

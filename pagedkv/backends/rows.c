@@ -10,9 +10,9 @@
  *   - gather: while line j of the output is copied, line j + LINES_AHEAD of the concatenated pool
  *     rows is prefetched (a scatter reads its source in order: the hardware prefetcher has it);
  *   - when the caller asks for it, the destination is written with streaming stores (no
- *     read-for-ownership of memory that would not stay in the cache anyway: the caller asks from
- *     8 MiB), as glibc's memcpy does above its non-temporal threshold; plain stores otherwise and
- *     where rows are not 32-byte aligned.
+ *     read-for-ownership of memory that would not stay in the cache anyway: gathers of 8 MiB and
+ *     more, every scatter), as glibc's memcpy does above its non-temporal threshold; plain stores
+ *     otherwise and where rows are not 32-byte aligned.
  * Rows are split over `num_threads` POSIX threads in contiguous ranges.
  * Called through ctypes by pagedkv/backends/native_rows.py, which documents the arguments.
  */
