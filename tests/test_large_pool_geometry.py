@@ -4,6 +4,9 @@ twins judge the same slot arithmetic, for gather and scatter as for write_kv."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -64,3 +67,31 @@ def test_float32_slot_arithmetic_in_a_head_dim_64_kernel_is_caught_at_its_geomet
     assert not failed and not error, error
     failed, _, _, error = run_property(bug(), properties()[name], "dev")
     assert failed and "float32 or int32 slot arithmetic" in error, error
+
+
+LAZY_POOLS_AFTER_A_DIRTY_HEAP = """
+import sys, torch
+from pagedkv.cli.bench.timing import retain_freed_memory
+from pagedkv.testing.cases.memory import new_lazy_pools, pool_layout
+from pagedkv.testing.properties.large_pools import nonzero_slots
+assert retain_freed_memory()  # glibc serves every block from the heap and reuses what was freed
+for _ in range(3):
+    torch.full(((33 << 20) // 2,), 7.0, dtype=torch.float16)  # written, then freed
+with pool_layout(sys.argv[1]):
+    k_cache, v_cache = new_lazy_pools((1 << 20, 16, 1, 1), torch.float16)  # 32 MiB each
+assert k_cache.shape == v_cache.shape == (1 << 20, 16, 1, 1)
+assert nonzero_slots(k_cache) == [] and nonzero_slots(v_cache) == [], "a lazy pool reads non-zero"
+k_cache[-1, 3] = 1.0
+assert nonzero_slots(k_cache) == [((1 << 20) - 1) * 16 + 3] and nonzero_slots(v_cache) == []
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt sets up the dirty heap")
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_lazy_pools_read_as_zeros_whatever_the_allocator_freed_before(layout):
+    """The declared-geometry properties skip on pools that do not read as zeros. Their pools sit on fresh
+    pages, so even an allocator that hands freed heap blocks back (glibc told to, in a child process)
+    never gives them a block an earlier test wrote."""
+    proc = subprocess.run([sys.executable, "-c", LAZY_POOLS_AFTER_A_DIRTY_HEAP, layout], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

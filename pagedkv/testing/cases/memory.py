@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
+import mmap
 
 import torch
 
@@ -60,6 +62,35 @@ def _logical_pool(layout: PoolLayout, shape, dtype, device, fill: float | None) 
     if fill is not None:
         _fill(storage, fill)
     return logical
+
+
+def _fresh_pages(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous CPU tensor on a private anonymous ``mmap``: fresh pages that read as zeros and take
+    memory only where written, whatever the allocator has freed before (``torch.empty`` may hand back
+    a heap block an earlier test wrote)."""
+    nbytes = max(1, math.prod(shape) * dtype.itemsize)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(memory, dtype=torch.uint8, count=nbytes)[: math.prod(shape) * dtype.itemsize] \
+        .view(dtype).view(shape)
+
+
+def new_lazy_pools(shape, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logical CPU ``(k_cache, v_cache)`` of ``shape`` in the storage of :data:`POOL_LAYOUTS`, on fresh
+    zero pages: a pool of gigabytes costs the pages written. A layout whose ``allocate`` gives no
+    contiguous storage on the ``meta`` device allocates its own (its pages may then be reused ones:
+    the caller checks that they read as zeros)."""
+    pools = []
+    for layout in POOL_LAYOUTS.get():
+        layout = layout if layout.is_view else NHD
+        try:
+            meta = layout.allocate(tuple(shape), dtype, "meta")
+        except Exception:  # noqa: BLE001 - a user's allocate that cannot run on meta: its own memory
+            meta = None
+        if meta is None or not meta.is_contiguous() or meta.dtype != dtype:
+            pools.append(layout.new(shape, dtype, "cpu")[1])
+        else:
+            pools.append(layout.logical(_fresh_pages(tuple(meta.shape), dtype)))
+    return pools[0], pools[1]
 
 
 def new_pools(shape, dtype: torch.dtype, device, fill: float | None, *, interleaved: bool = False,

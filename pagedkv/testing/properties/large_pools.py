@@ -1,8 +1,9 @@
 """Slot and offset arithmetic past 2**24 slots and 2**31 elements at the candidate's declared
 geometry (:class:`~pagedkv.testing.cases.limit.LimitCase`).
 
-The memory trick: on a CPU the pools are ``torch.empty``, fresh pages the operating system maps as
-zeros and backs with memory only where they are written, so a correct backend costs a few pages and
+The memory trick: on a CPU the pools sit on a fresh anonymous mapping
+(:func:`~pagedkv.testing.cases.memory.new_lazy_pools`), pages the operating system maps as zeros
+and backs with memory only where they are written, so a correct backend costs a few pages and
 the whole pool is still checked: the written rows bit for bit, every other row still zero (scanned in
 chunks, no copy). On a GPU the pools are zero-filled (skipped when the device lacks the memory).
 """
@@ -15,7 +16,7 @@ import torch
 
 from pagedkv.attention import reference_attention
 from pagedkv.testing.cases.limit import LimitCase
-from pagedkv.testing.cases.memory import POOL_LAYOUTS, new_pools, storage_of
+from pagedkv.testing.cases.memory import POOL_LAYOUTS, new_lazy_pools, new_pools, storage_of
 from pagedkv.testing.compare import Mismatch, MissingOp, assert_attention_close, bits, require
 
 _CHUNK_ELEMENTS = 1 << 26
@@ -32,8 +33,9 @@ def _pools(case: LimitCase, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     if str(device).startswith("cuda") and 2 * case.pool_bytes > torch.cuda.mem_get_info(device)[0] // 2:
         raise MissingOp(f"two pools past {case.limit} need {2 * case.pool_bytes / 2**30:.1f} GiB: the device does "
                         f"not provide them (half its free memory)")
-    pools = new_pools((g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim), g.torch_dtype, device,
-                      None if str(device) == "cpu" else 0.0)
+    shape = (g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
+    pools = new_lazy_pools(shape, g.torch_dtype) if str(device) == "cpu" else new_pools(shape, g.torch_dtype,
+                                                                                        device, 0.0)
     if str(device) == "cpu" and (nonzero_slots(pools[0]) or nonzero_slots(pools[1])):
         raise MissingOp("this machine's allocator does not provide fresh zero pages for the lazy pools")
     return pools
