@@ -82,20 +82,24 @@ def venv(tmp_path_factory) -> Path:
     return python
 
 
-def _gate(python: Path, work: Path, name: str, fault: str, *options: str) -> subprocess.CompletedProcess:
+def _gate(python: Path, work: Path, name: str, fault: str, *options: str,
+          profile: str = "dev") -> subprocess.CompletedProcess:
     work.mkdir()
     (work / f"{name}.py").write_text(CANDIDATE.format(name=name, fault=fault))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PAGEDKV_", "PYTHONPATH"))}
-    env.update(PYTHONPATH=str(work), PAGEDKV_PROFILE="dev", PAGEDKV_FAILURE_DIR=str(work / "failures"))
+    env.update(PYTHONPATH=str(work), PAGEDKV_PROFILE=profile, PAGEDKV_FAILURE_DIR=str(work / "failures"))
     return _run([str(python), "-m", "pytest", "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", name,
                  "-p", "no:cacheprovider", *options], cwd=work, env=env)
 
 
 def test_the_installed_gate_passes_a_correct_candidate(venv, tmp_path):
-    proc = _gate(venv, tmp_path / "good", "good_kv", "")
+    """Every property of the installed suite runs and passes (the smoke profile: a few examples each;
+    the search itself is this checkout's suite's job)."""
+    proc = _gate(venv, tmp_path / "good", "good_kv", "", profile="smoke")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "implementation under test: good_kv" in out and " passed" in out and "failed" not in out
+    assert "Hypothesis profile: smoke" in out or "Hypothesis profile: pagedkv-smoke" in out, out
     assert str(ROOT) not in _run([str(venv), "-c", "import pagedkv; print(pagedkv.__file__)"], cwd=tmp_path).stdout
 
 

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pagedkv.cli.common import PROFILE_NAMES
+
 #: Parametrized tests shown as one row (their ids are inputs, not properties).
 GROUPED = {"test_every_fault_is_rejected_on_a_fixed_case": "every fault kind rejected on a fixed case",
            "test_regression_case_replays_clean": "regression case files replay clean"}
@@ -38,7 +40,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "non-gating). Peers not installed are listed with the reason. Exit status 1 when a peer fails "
                     "a gating test.")
     parser.add_argument("--peers", metavar="NAMES", help="comma-separated peer names (default: every peer)")
-    parser.add_argument("--profile", default="ci", choices=("dev", "ci", "gpu", "nightly", "repro"),
+    parser.add_argument("--profile", default="ci", choices=PROFILE_NAMES,
                         help="Hypothesis profile (default: ci, derandomized)")
     parser.add_argument("--jobs", "-n", type=int, default=2, metavar="N",
                         help="pytest-xdist workers per peer (default: 2; 0 runs in one process)")

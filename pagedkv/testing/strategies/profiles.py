@@ -3,6 +3,7 @@
 =========  ========  ===========  ==========================================================
 profile    examples  derandomize  use
 =========  ========  ===========  ==========================================================
+smoke      5         yes          a gate is wired up: every property runs a few examples (minutes, not a gate)
 dev        25        no           local runs (the default)
 ci         100       yes          a gate must not flip on a rerun; no example database
 gpu        200       no           GPU runners; the example database (kept between runs) replays past failures
@@ -10,8 +11,8 @@ nightly    2000      no           long random search
 repro      200       no           verbose, with Hypothesis's explain phase, to study a failure
 =========  ========  ===========  ==========================================================
 
-**Example databases** (where a failing example is kept and replayed first on the next run): ``ci`` has
-none; the others use Hypothesis's default, ``.hypothesis/examples`` in the working directory. For the
+**Example databases** (where a failing example is kept and replayed first on the next run): ``ci`` and
+``smoke`` have none; the others use Hypothesis's default, ``.hypothesis/examples`` in the working directory. For the
 ``gpu`` and ``nightly`` profiles, ``$PAGEDKV_DATABASE`` picks another one, read by the pytest plugin
 (:func:`pagedkv.testing.fuzz.databases.load_env_database`) and, as ``--database``'s default, by
 ``python -m pagedkv fuzz``::
@@ -36,6 +37,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, Phase, Verbosity, settings
 
 PROFILES: dict[str, dict] = {
+    "smoke": dict(max_examples=5, derandomize=True, database=None),
     "dev": dict(max_examples=25),
     "ci": dict(max_examples=100, derandomize=True, database=None),
     "gpu": dict(max_examples=200),
