@@ -118,29 +118,8 @@ ROWS_RANGE(gather_plain, , COPY_LINE_PLAIN, 0)
 ROWS_RANGE(scatter_plain, , COPY_LINE_PLAIN, 1)
 #endif
 
-/* Plain-store gathers of rows of MEMCPY_MIN_ROW to MEMCPY_MAX_ROW bytes: one memcpy a row, the next
- * row's first lines prefetched. glibc's memcpy moves such rows with `rep movsb` (between its
- * rep_movsb threshold and, on AMD, the L2 size), which beat the line loop by about 10% at 256 KiB
- * rows and lost to it at 4 KiB and 1 MiB rows (docs/benchmarks.md). */
-#define MEMCPY_MIN_ROW (128 * 1024)
-#define MEMCPY_MAX_ROW (512 * 1024)
-#define NEXT_ROW_LINES 16
-static void gather_memcpy(const Range *r) {
-  for (int64_t i = r->begin; i < r->end; i++) {
-    if (i + 1 < r->end) {
-      const char *next = r->pool + id_at(r->ids, r->id_bytes, i + 1) * r->row_bytes;
-      for (int k = 0; k < NEXT_ROW_LINES; k++) PREFETCH(next + k * LINE);
-    }
-    memcpy(r->rows + i * r->row_bytes, r->pool + id_at(r->ids, r->id_bytes, i) * r->row_bytes, (size_t)r->row_bytes);
-  }
-}
-
 static void *gather_range(void *arg) {
   const Range *r = (const Range *)arg;
-  if (!r->streaming && r->row_bytes >= MEMCPY_MIN_ROW && r->row_bytes <= MEMCPY_MAX_ROW) {
-    gather_memcpy(r);
-    return NULL;
-  }
 #if defined(__x86_64__) || defined(__i386__)
   if (__builtin_cpu_supports("avx2")) gather_avx2(r);
   else gather_sse2(r);
