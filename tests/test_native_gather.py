@@ -60,19 +60,16 @@ def _gathers(draw):
     pool = pool.view(dtype) if dtype.itemsize == 1 else torch.randn(num_rows, *row_shape, generator=gen).to(dtype)
     ids = torch.tensor(draw(st.lists(st.integers(0, num_rows - 1), max_size=40)), dtype=torch.int64)
     ids = ids.to(draw(st.sampled_from([torch.int32, torch.int64])))
-    return pool, ids, draw(st.integers(1, 4)), draw(st.booleans())
+    return pool, ids, draw(st.integers(1, 4))
 
 
 @contextlib.contextmanager
-def _native_at_any_size(threads: int = 1, stream: bool = True):
-    """The native loops take every call (no size floor), splitting rows over ``threads`` however few,
-    gathering with streaming stores (``stream``) or plain ones whatever the size (scatters always
-    stream where rows are aligned)."""
+def _native_at_any_size(threads: int = 1):
+    """The native loops take every call (no size floor), splitting rows over ``threads`` however few."""
     previous = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(native_rows, "MIN_BYTES", 0)
         mp.setattr(native_rows, "THREAD_BYTES", 1)
-        mp.setattr(native_rows, "STREAM_BYTES", 0 if stream else 2**62)
         torch.set_num_threads(threads)
         try:
             yield
@@ -85,11 +82,11 @@ def _native_at_any_size(threads: int = 1, stream: bool = True):
 @given(_gathers())
 def test_gather_rows_copies_exactly_the_named_rows(drawn):
     """Any dtype, row length (odd, under a cache line, unaligned for streaming stores), repeated ids,
-    both id dtypes, one to four threads, streaming or plain stores: bit for bit ``pool[ids]``."""
-    pool, ids, threads, stream = drawn
+    both id dtypes, one to four threads: bit for bit ``pool[ids]``."""
+    pool, ids, threads = drawn
     out = torch.empty((ids.shape[0], *pool.shape[1:]), dtype=pool.dtype)
     out.view(torch.uint8).fill_(7)  # a byte the copy must overwrite everywhere
-    with _native_at_any_size(threads, stream):
+    with _native_at_any_size(threads):
         assert native_rows.gather_rows(pool, ids, out)
     assert torch.equal(_bits(out), _bits(pool[ids.long()]))
 
@@ -99,7 +96,7 @@ def test_gather_rows_copies_exactly_the_named_rows(drawn):
 @given(_gathers())
 def test_scatter_rows_writes_exactly_the_named_rows_and_nothing_else(drawn):
     """The twin: distinct ids, so ``pool[ids] = src`` is defined; every other row keeps its bytes."""
-    pool, ids, threads, _ = drawn
+    pool, ids, threads = drawn
     ids = torch.unique(ids.long())[torch.randperm(torch.unique(ids).numel())].to(ids.dtype)
     src = torch.empty((ids.shape[0], *pool.shape[1:]), dtype=pool.dtype)
     src.view(torch.uint8).copy_(torch.randint(0, 256, src.view(torch.uint8).shape, dtype=torch.uint8))
@@ -175,11 +172,10 @@ def test_a_fragmented_block_size_1_gather_of_its_real_size_takes_the_native_path
 
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("blocks", [3, 9], ids=["plain-stores", "streaming-stores"])
-def test_large_blocks_of_their_real_size_take_the_native_path_both_ways(blocks, threads):
-    """8 x 128 float32 at block size 256 (1 MiB blocks), whole blocks and a partial one, gathered on
-    either side of ``STREAM_BYTES``, then scattered."""
-    assert blocks << 20 < native_rows.STREAM_BYTES if blocks == 3 else blocks << 20 >= native_rows.STREAM_BYTES
+def test_large_blocks_of_their_real_size_take_the_native_path_both_ways(threads):
+    """8 x 128 float32 at block size 256 (1 MiB blocks), whole blocks and a partial one: gathered, then
+    scattered."""
+    blocks = 3
     gen = torch.Generator().manual_seed(threads)
     cache = torch.randn(blocks + 3, 256, 8, 128, generator=gen)
     table = torch.randperm(blocks + 3, generator=gen)[: blocks + 1]

@@ -5,11 +5,10 @@
 for 8 x 128 float32) every pool row is a new page at a random address: each copy waits on DRAM, and
 a gather from a fragmented free list costs 1.6-2x a contiguous copy of the same bytes. ``rows.c``
 keeps the misses in flight (a prefetch stream a fixed number of cache lines ahead, page walks started
-rows ahead) and writes large destinations with streaming stores, which brings the gather to about the
+rows ahead) and writes with streaming stores, which brings the gather to about the
 copy's time (docs/benchmarks.md has the measurements). It follows the approach of the open PyTorch PR
 pytorch/pytorch#192270 for ``index_select``. Large blocks gain too: at block size 256 (1 MiB rows) the
-line loop took 0.57-0.62 of a copy where ``torch.cat`` of the block views took 0.87-0.90, and rows of
-128-512 KiB are copied by ``memcpy`` under plain stores, which is faster there.
+line loop took 0.58-0.59 of a copy where ``torch.cat`` of the block views took 0.86-0.95.
 
 The library is built with the package (an optional extension: without a C compiler the package
 installs without it) and loaded through ``ctypes``; :func:`available` says whether it was.
@@ -31,20 +30,13 @@ import torch
 #: 4 us of Python and ctypes) is under a tenth of the copy. Below it ``index_select`` (and, for
 #: large blocks, ``torch.cat`` of the block views) is as fast or faster.
 MIN_BYTES = 1 << 20
-#: Gathers moving at least this many bytes write their output with streaming stores (a quarter of a
-#: 32 MiB last-level cache: beyond it an output written with plain stores does not stay in the cache
-#: for the next op, so its read-for-ownership is wasted; below it plain stores are faster, and the
-#: next op finds the output in the cache). glibc's memcpy makes the same kind of switch, at its
-#: non-temporal threshold. Scatters always stream: their destination rows are spread over the whole
-#: pool, and no op reads them next.
-STREAM_BYTES = 8 << 20
 #: Bytes a thread must have to move before another one is started (a thread start costs about as
 #: much as copying this from cache).
 THREAD_BYTES = 256 * 1024
 _ID_DTYPES = (torch.int32, torch.int64)
-_ABI = 4  # rows.c's pagedkv_rows_abi()
+_ABI = 3  # rows.c's pagedkv_rows_abi()
 _ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
-         ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+         ctypes.c_void_p, ctypes.c_int]
 
 
 @functools.cache
@@ -71,7 +63,7 @@ def available() -> bool:
     return _library() is not None
 
 
-def _call(fn_name: str, pool: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, stream_bytes: int) -> bool:
+def _call(fn_name: str, pool: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> bool:
     lib = _library()
     if lib is None or not (pool.is_cpu and ids.is_cpu and rows.is_cpu) or ids.dtype not in _ID_DTYPES \
             or not (pool.is_contiguous() and ids.is_contiguous() and rows.is_contiguous()) \
@@ -85,10 +77,9 @@ def _call(fn_name: str, pool: torch.Tensor, ids: torch.Tensor, rows: torch.Tenso
         return False
     fn = getattr(lib, fn_name)
     args = (pool.data_ptr(), pool.shape[0], row_bytes, ids.data_ptr(), ids.element_size(), n, rows.data_ptr())
-    stream = int(total >= stream_bytes)
-    status = fn(*args, max(1, min(torch.get_num_threads(), total // THREAD_BYTES)), stream)
+    status = fn(*args, max(1, min(torch.get_num_threads(), total // THREAD_BYTES)))
     if status == -2:  # a thread could not be started: redo the whole call on this one
-        status = fn(*args, 1, stream)
+        status = fn(*args, 1)
     return status == -1
 
 
@@ -109,7 +100,7 @@ def gather_rows(pool: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> boo
 
     Uses up to ``torch.get_num_threads()`` POSIX threads, each a contiguous range of rows.
     """
-    return _call("pagedkv_gather_rows", pool, ids, out, STREAM_BYTES)
+    return _call("pagedkv_gather_rows", pool, ids, out)
 
 
 def scatter_rows(pool: torch.Tensor, ids: torch.Tensor, src: torch.Tensor) -> bool:
@@ -119,4 +110,4 @@ def scatter_rows(pool: torch.Tensor, ids: torch.Tensor, src: torch.Tensor) -> bo
     the same reasons to return False having written nothing. ``ids`` must not repeat (the contract
     refuses a slot written twice before this is reached); a repeated id leaves one of its rows there.
     """
-    return _call("pagedkv_scatter_rows", pool, ids, src, 0)
+    return _call("pagedkv_scatter_rows", pool, ids, src)

@@ -10,10 +10,10 @@
  *   - gather: while line j of the output is copied, line j + LINES_AHEAD of the concatenated pool
  *     rows is prefetched (a scatter reads its source in order: the hardware prefetcher has it); rows
  *     of more than LINES_AHEAD lines prefetch within the row and then into the next one;
- *   - when the caller asks for it, the destination is written with streaming stores (no
- *     read-for-ownership of memory that would not stay in the cache anyway: gathers of 8 MiB and
- *     more, every scatter), as glibc's memcpy does above its non-temporal threshold; plain stores
- *     otherwise and where rows are not 32-byte aligned.
+ *   - the destination is written with streaming stores (no read-for-ownership of memory that
+ *     would not stay in the cache anyway: the caller uses these loops for 1 MiB and more), as
+ *     glibc's memcpy does above its non-temporal threshold; plain stores where rows are not
+ *     32-byte aligned.
  * Rows are split over `num_threads` POSIX threads in contiguous ranges.
  * Called through ctypes by pagedkv/backends/native_rows.py, which documents the arguments.
  */
@@ -144,7 +144,7 @@ static void *scatter_range(void *arg) {
 
 /* Checks every id, then runs `body` over `num_threads` contiguous ranges of rows. */
 static int64_t run(void *(*body)(void *), char *pool, int64_t num_rows, int64_t row_bytes, const void *ids,
-                   int id_bytes, int64_t n, char *rows, char *dst, int num_threads, int stream) {
+                   int id_bytes, int64_t n, char *rows, char *dst, int num_threads) {
   for (int64_t i = 0; i < n; i++) {
     const int64_t id = id_at(ids, id_bytes, i);
     if (id < 0 || id >= num_rows) return i;
@@ -153,7 +153,7 @@ static int64_t run(void *(*body)(void *), char *pool, int64_t num_rows, int64_t 
   if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
   if (num_threads > n) num_threads = n > 0 ? (int)n : 1;
   /* streaming stores need 32-byte aligned destinations (AVX2): every row start must be one */
-  const int streaming = stream && ((uintptr_t)dst % 32 == 0) && (row_bytes % 32 == 0);
+  const int streaming = ((uintptr_t)dst % 32 == 0) && (row_bytes % 32 == 0);
   Range ranges[MAX_THREADS];
   pthread_t threads[MAX_THREADS];
   int started = 0, failed = 0;
@@ -170,19 +170,18 @@ static int64_t run(void *(*body)(void *), char *pool, int64_t num_rows, int64_t 
 
 /* The version of the calling convention below: native_rows.py refuses a library built from another
  * (a stale in-place build of an editable install). */
-int pagedkv_rows_abi(void) { return 4; }
+int pagedkv_rows_abi(void) { return 3; }
 
-/* `stream`: write the destination with streaming stores where it is 32-byte aligned.
- * Both return -1 on success, or the index of the first id outside [0, num_rows) (nothing written),
+/* Both return -1 on success, or the index of the first id outside [0, num_rows) (nothing written),
  * or -2 when a thread could not be started (some rows are written; the caller redoes the call on
  * one thread, which writes the same bytes). */
 int64_t pagedkv_gather_rows(const char *pool, int64_t num_rows, int64_t row_bytes, const void *ids, int id_bytes,
-                            int64_t n, char *out, int num_threads, int stream) {
-  return run(gather_range, (char *)pool, num_rows, row_bytes, ids, id_bytes, n, out, out, num_threads, stream);
+                            int64_t n, char *out, int num_threads) {
+  return run(gather_range, (char *)pool, num_rows, row_bytes, ids, id_bytes, n, out, out, num_threads);
 }
 
 int64_t pagedkv_scatter_rows(char *pool, int64_t num_rows, int64_t row_bytes, const void *ids, int id_bytes,
-                             int64_t n, const char *src, int num_threads, int stream) {
+                             int64_t n, const char *src, int num_threads) {
   /* a pool row is 32-byte aligned when the pool is and rows are a multiple of 32 bytes */
-  return run(scatter_range, pool, num_rows, row_bytes, ids, id_bytes, n, (char *)src, pool, num_threads, stream);
+  return run(scatter_range, pool, num_rows, row_bytes, ids, id_bytes, n, (char *)src, pool, num_threads);
 }
