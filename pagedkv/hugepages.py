@@ -11,7 +11,8 @@ does.
 :func:`zeros` maps anonymous memory aligned to 2 MiB and asks the kernel for huge pages
 (``madvise(MADV_HUGEPAGE)``, which Linux's default THP mode ``madvise`` honours; the kernel falls
 back to 4 KiB pages silently when it has none). Elsewhere (not Linux, not the CPU, under
-:data:`MIN_BYTES`) it is ``torch.zeros``.
+:data:`MIN_BYTES`) it is ``torch.zeros``. :func:`fresh_pages` maps the same kind of memory without the
+advice, for a pool that must read as zeros and cost only the pages written.
 """
 
 from __future__ import annotations
@@ -49,13 +50,38 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype, device=device)
+    return _on_mapping(shape, dtype, align=HUGE_PAGE_BYTES, huge=True)
+
+
+def fresh_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous CPU tensor on a private anonymous ``mmap``: fresh pages that read as zeros and take
+    memory only where written, whatever the allocator has freed before (``torch.empty`` may hand back
+    a heap block written earlier).
+
+    Args:
+        shape: the tensor's shape (ints).
+        dtype: any torch dtype (fp8 included).
+
+    Returns:
+        A contiguous CPU tensor of ``shape`` and ``dtype``, zero; the mapping is freed with it.
+    """
+    return _on_mapping(shape, dtype, align=1, huge=False)
+
+
+def _on_mapping(shape: tuple[int, ...], dtype: torch.dtype, align: int, huge: bool) -> torch.Tensor:
+    """``shape`` / ``dtype`` on a new private anonymous mapping, starting at an ``align``-byte boundary,
+    advised huge (before any page is touched) when ``huge``."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not nbytes:  # a mapping cannot be empty
+        return torch.zeros(shape, dtype=dtype)
     # private (a shared anonymous map is shmem, whose huge pages are off by default); page aligned,
-    # and one huge page more than asked for, to align the start
-    memory = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = -ctypes.addressof(ctypes.c_char.from_buffer(memory)) % HUGE_PAGE_BYTES
-    try:
-        memory.madvise(mmap.MADV_HUGEPAGE)  # before any page is touched: faults then map 2 MiB at a time
-    except OSError:  # THP compiled out or turned off: plain pages, same tensor
-        pass
+    # and `align` bytes more than asked for, to align the start
+    memory = mmap.mmap(-1, nbytes + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(memory)) % align
+    if huge:
+        try:
+            memory.madvise(mmap.MADV_HUGEPAGE)  # before any page is touched: faults then map 2 MiB at a time
+        except OSError:  # THP compiled out or turned off: plain pages, same tensor
+            pass
     flat = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes, offset=start)
     return flat.view(dtype).view(shape)

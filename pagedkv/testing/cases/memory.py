@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
-import mmap
 
 import torch
 
+from pagedkv.hugepages import fresh_pages
 from pagedkv.layouts import HND, NHD, PoolLayout, pool_layouts
 
 #: ``(key_layout, value_layout)`` of the pools the kit builds (NHD; the declared ones while a backend runs).
@@ -64,16 +63,6 @@ def _logical_pool(layout: PoolLayout, shape, dtype, device, fill: float | None) 
     return logical
 
 
-def _fresh_pages(shape, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous CPU tensor on a private anonymous ``mmap``: fresh pages that read as zeros and take
-    memory only where written, whatever the allocator has freed before (``torch.empty`` may hand back
-    a heap block an earlier test wrote)."""
-    nbytes = max(1, math.prod(shape) * dtype.itemsize)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(memory, dtype=torch.uint8, count=nbytes)[: math.prod(shape) * dtype.itemsize] \
-        .view(dtype).view(shape)
-
-
 def new_lazy_pools(shape, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Logical CPU ``(k_cache, v_cache)`` of ``shape`` in the storage of :data:`POOL_LAYOUTS`, on fresh
     zero pages: a pool of gigabytes costs the pages written. A layout whose ``allocate`` gives no
@@ -89,7 +78,7 @@ def new_lazy_pools(shape, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tenso
         if meta is None or not meta.is_contiguous() or meta.dtype != dtype:
             pools.append(layout.new(shape, dtype, "cpu")[1])
         else:
-            pools.append(layout.logical(_fresh_pages(tuple(meta.shape), dtype)))
+            pools.append(layout.logical(fresh_pages(tuple(meta.shape), dtype)))
     return pools[0], pools[1]
 
 

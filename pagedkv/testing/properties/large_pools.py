@@ -34,8 +34,10 @@ def _pools(case: LimitCase, device: str) -> tuple[torch.Tensor, torch.Tensor]:
         raise MissingOp(f"two pools past {case.limit} need {2 * case.pool_bytes / 2**30:.1f} GiB: the device does "
                         f"not provide them (half its free memory)")
     shape = (g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
-    pools = new_lazy_pools(shape, g.torch_dtype) if str(device) == "cpu" else new_pools(shape, g.torch_dtype,
-                                                                                        device, 0.0)
+    if str(device) == "cpu":
+        pools = new_lazy_pools(shape, g.torch_dtype)
+    else:
+        pools = new_pools(shape, g.torch_dtype, device, 0.0)
     if str(device) == "cpu" and (nonzero_slots(pools[0]) or nonzero_slots(pools[1])):
         raise MissingOp("this machine's allocator does not provide fresh zero pages for the lazy pools")
     return pools
