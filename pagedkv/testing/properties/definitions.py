@@ -186,7 +186,8 @@ def describe_attention(where: dict) -> str:
     """One line for :func:`locate_attention`'s dict (a long context's block list shortened to its ends)."""
     blocks = where["blocks"]
     if len(blocks) > 8:
-        blocks = f"[{', '.join(map(str, blocks[:3]))}, ... {len(blocks) - 6} more ..., {', '.join(map(str, blocks[-3:]))}]"
+        head, tail = ", ".join(map(str, blocks[:3])), ", ".join(map(str, blocks[-3:]))
+        blocks = f"[{head}, ... {len(blocks) - 6} more ..., {tail}]"
     return (f"sequence {where['seq']}, query position {where['position']}, query head {where['query_head']} "
             f"(kv head {where['kv_head']}), dim {where['dim']}, keys from blocks {blocks}: got "
             f"{where['actual'][0]!r}, expected {where['expected'][0]!r}")
