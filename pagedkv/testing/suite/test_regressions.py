@@ -58,6 +58,9 @@ def test_regression_case_replays_clean(pagedkv_run, backend, device, regression_
     if outcome.failed and finding:  # as in test_finding_outside_declared_preconditions: reported, never gating
         pytest.xfail(f"finding (outside the declared precondition 'finite_unused_slots'): "
                      f"{outcome.failures[0].first_line}")
+    not_promised = caps.non_promise(prop.name)
+    if outcome.failed and not_promised:  # a property the backend declares it does not promise: a finding
+        pytest.xfail(f"finding (declared non-promise: {not_promised}): {outcome.failures[0].first_line}")
     if outcome.failed:
         where = f"regression {regression_file.name}" + (f", {how}" if how else "")
         pytest.fail(failure_text(f"{prop.sentence} ({where})", outcome), pytrace=False)
