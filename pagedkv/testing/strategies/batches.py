@@ -26,11 +26,15 @@ LONG_MAX_Q_LEN = 17
 #: short lengths the other cases draw.
 LONG_CONTEXTS = (255, 256, 500, 511, 513, 1000, 1023, 1025, 2047, 2048, 2049, 3000, 4095, 4096)
 #: One attention case in this many is long (a uniform draw; see ``docs/gating.md`` for the measured share).
-LONG_ONE_IN = 5
+LONG_ONE_IN = 4
 #: Long cases stay cheap: one kv head, a GQA group of 1 or 2 and the smallest head dims, where the
 #: declared space allows (else its smallest sizes).
 LONG_HEAD_DIMS = (1, 2, 4, 8)
 LONG_GROUP_SIZES = (1, 2)
+#: Softmax scales of the long cases: the default and small ones, under which attention spreads over
+#: thousands of keys. Far keys must carry weight for a long context to test anything: with peaked
+#: attention a kernel that drops, masks or mis-accumulates keys far from the query is still close.
+LONG_SCALES = (0.01, 0.1, None)
 
 
 @st.composite
@@ -61,14 +65,14 @@ def long_geometry(caps=None, dtypes=DTYPES) -> st.SearchStrategy[Geometry]:
 @st.composite
 def _geometry_and_lengths(draw, caps, dtypes, long_contexts: bool, max_seqs: int, max_len: int, max_q_len: int,
                           geometry_kwargs: dict):
-    """``(geometry, [(seq_len, q_len, start)])``: a long case one time in :data:`LONG_ONE_IN` when
+    """``(geometry, [(seq_len, q_len, start)], long)``: a long case one time in :data:`LONG_ONE_IN` when
     ``long_contexts``, else the short batch of :func:`_lengths`."""
     if long_contexts and draw(st.integers(0, LONG_ONE_IN - 1)) == LONG_ONE_IN - 1:
         geometry = draw(long_geometry(caps, dtypes))
-        return geometry, draw(_long_lengths(geometry.block_size))
+        return geometry, draw(_long_lengths(geometry.block_size)), True
     geometry = draw(geometries(num_blocks=1, dtypes=dtypes, caps=caps, **geometry_kwargs))
     bs = geometry.block_size
-    return geometry, draw(_lengths(bs, *_scaled(bs, max_seqs, max_len), max_q_len))
+    return geometry, draw(_lengths(bs, *_scaled(bs, max_seqs, max_len), max_q_len)), False
 
 
 @st.composite
@@ -157,7 +161,7 @@ def feature_fields(draw, geometry: Geometry, seqs, *, allowed=FEATURE_NAMES, for
 
 @st.composite
 def _extras(draw, geometry: Geometry, seqs, *, read_only: bool, caps=None, poisons=None, features=True,
-            force=()) -> Case:
+            force=(), long: bool = False) -> Case:
     layouts = LAYOUTS if caps is None or caps.strided_pools else ("contiguous",)
     return Case(
         geometry=geometry,
@@ -168,7 +172,7 @@ def _extras(draw, geometry: Geometry, seqs, *, read_only: bool, caps=None, poiso
         pad_columns=draw(st.integers(0, 2)),
         table_dtype=draw(st.sampled_from(("int32", "int64"))),
         layout=draw(st.sampled_from(layouts)),
-        scale=draw(st.one_of(st.none(), st.sampled_from((0.5, 1.0, 0.1)))),
+        scale=draw(st.sampled_from(LONG_SCALES) if long else st.one_of(st.none(), st.sampled_from((0.5, 1.0, 0.1)))),
         seed=draw(st.integers(0, 2**16)),
         **draw(feature_fields(geometry, seqs, allowed=declared_features(caps, features), force=force)),
         num_splits=draw(split_counts(caps)),
@@ -217,8 +221,8 @@ def cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: int = 6, rep
     (:data:`LONG_CONTEXTS`: a context of hundreds to several thousand tokens, decode or chunked
     prefill, at most two sequences, small heads: :func:`long_geometry`).
     """
-    geometry, lengths = draw(_geometry_and_lengths(caps, dtypes, long_contexts, max_seqs, max_len, max_q_len,
-                                                   geometry_kwargs))
+    geometry, lengths, long = draw(_geometry_and_lengths(caps, dtypes, long_contexts, max_seqs, max_len, max_q_len,
+                                                         geometry_kwargs))
     bs = geometry.block_size
     need = [blocks_needed(n, bs) for n, _, _ in lengths]
     if caps is not None and not caps.repeated_blocks:
@@ -238,7 +242,7 @@ def cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: int = 6, rep
                         geometry.dtype)
     seqs = [SeqSpec(t, n, q, s) for t, (n, q, s) in zip(tables, lengths)]
     return draw(_extras(geometry, seqs, read_only=repeats, caps=caps, poisons=poisons, features=features,
-                        force=force))
+                        force=force, long=long))
 
 
 @st.composite
@@ -248,8 +252,8 @@ def fragmented_cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: i
     """A batch whose block tables come from a real :class:`BlockAllocator` after a random alloc/free
     history has scrambled its free list (the layouts a long-running server produces); ``long_contexts``
     as in :func:`cases`."""
-    geometry, lengths = draw(_geometry_and_lengths(caps, dtypes, long_contexts, max_seqs, max_len, max_q_len,
-                                                   geometry_kwargs))
+    geometry, lengths, long = draw(_geometry_and_lengths(caps, dtypes, long_contexts, max_seqs, max_len, max_q_len,
+                                                         geometry_kwargs))
     bs = geometry.block_size
     need = [blocks_needed(n, bs) for n, _, _ in lengths]
     num_blocks = draw(st.integers(max(1, sum(need)), sum(need) + 6))
@@ -265,7 +269,7 @@ def fragmented_cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: i
     geometry = Geometry(num_blocks, bs, geometry.num_kv_heads, geometry.head_dim, geometry.num_queries_per_kv,
                         geometry.dtype)
     return draw(_extras(geometry, [SeqSpec(t, n, q, s) for t, (n, q, s) in zip(tables, lengths)], read_only=False,
-                        caps=caps, poisons=poisons, features=features, force=force))
+                        caps=caps, poisons=poisons, features=features, force=force, long=long))
 
 
 LARGE_POOL_BLOCK_SIZES = (1, 16, 64, 256)
