@@ -140,6 +140,8 @@ def tally(stats: dict) -> dict[str, dict]:
             t["skipped"][_reason_group(r["reason"])] += 1
         else:
             t[r["status"] if r["status"] in ("failed", "finding") else "judged"] += 1
+            if r.get("non_promise"):  # a property the backend does not promise ran: judged, and a finding
+                t["judged"] += 1
     return out
 
 

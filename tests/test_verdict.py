@@ -1,0 +1,112 @@
+"""The machine-readable verdict and declared non-promises, through a nested pytest run of the suite.
+
+A candidate that does not promise a property declares it with the reason; the property still runs,
+its failure is a finding (``XFAIL``) with its case file and the reason, listed in the summary and the
+JSON verdict, and the run passes. A property it promises and fails is a failure in the JSON verdict with
+its case file and replay command. An unknown property name is a usage error naming the known ones.
+"""
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+PROPERTY = "paged_attention_matches_fp64_dense_reference"
+
+#: A plain-torch attention whose outputs are 1% too large: fails the reference property at once.
+CANDIDATE = textwrap.dedent('''
+    import torch
+
+    from pagedkv.backends.capabilities import Capabilities
+
+    name = "scaled_attention"
+    capabilities = Capabilities(dtypes={{"float32"}}, non_promises={non_promises!r})
+
+
+    def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None):
+        bs = k_cache.shape[1]
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
+        out = torch.zeros_like(query)
+        qsl = query_start_loc.tolist()
+        for b, n in enumerate(seq_lens.tolist()):
+            q = query[qsl[b]:qsl[b + 1]]
+            if q.shape[0] == 0:
+                continue
+            pos = torch.arange(n)
+            table = block_tables[b].long()
+            k = k_cache[table[pos // bs], pos % bs].repeat_interleave(q.shape[1] // k_cache.shape[2], 1)
+            v = v_cache[table[pos // bs], pos % bs].repeat_interleave(q.shape[1] // k_cache.shape[2], 1)
+            logits = torch.einsum("qhd,khd->hqk", q, k) * scale
+            rows = torch.arange(q.shape[0]).unsqueeze(1) + (n - q.shape[0])
+            logits = logits.masked_fill(pos.unsqueeze(0) > rows, float("-inf"))
+            out[qsl[b]:qsl[b + 1]] = torch.einsum("hqk,khd->qhd", logits.softmax(-1), v) * 1.01
+        return out
+    ''')
+
+
+def _run(pytester, monkeypatch, non_promises: dict, *extra):
+    pytester.makepyfile(candidate=CANDIDATE.format(non_promises=non_promises))
+    monkeypatch.setenv("PAGEDKV_PROFILE", "smoke")
+    monkeypatch.setenv("PAGEDKV_DEVICE", "cpu")
+    monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(pytester.path / "failures"))
+    monkeypatch.delenv("CI", raising=False)
+    return pytester.runpytest_subprocess(
+        "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", str(pytester.path / "candidate.py"),
+        "-k", f"test_{PROPERTY}", "-p", "no:cacheprovider", "-p", "no:xdist", "-rsx", *extra)
+
+
+def test_a_declared_non_promise_is_a_finding_with_its_case_file_and_reason(pytester, monkeypatch):
+    reason = "outputs are scaled by 1.01 on purpose"
+    result = _run(pytester, monkeypatch, {PROPERTY: reason}, "--pagedkv-report-json", "verdict.json")
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(["*1 properties judged (0 failing) of 1 its ops allow (100%); 1 findings*",
+                                 f"*finding on {PROPERTY} (declared non-promise: {reason})*",
+                                 f"*XFAIL*finding (declared non-promise: {reason})*"])
+    verdict = json.loads((pytester.path / "verdict.json").read_text())
+    assert verdict["schema"] == "pagedkv-verdict/1" and verdict["passed"] is True
+    (candidate,) = verdict["candidates"]
+    assert candidate["declared_space"]["non_promises"] == {PROPERTY: reason}
+    assert candidate["failed"] == []
+    (finding,) = candidate["findings"]
+    assert finding["property"] == PROPERTY and finding["non_promise"] == reason
+    (failure,) = finding["failures"]
+    assert Path(failure["case_file"]).is_file()
+    assert failure["replay"].startswith("python -m pagedkv replay ")
+    assert "reproduced" in failure
+
+
+def test_a_promised_property_that_fails_is_in_the_verdict_with_its_replay(pytester, monkeypatch):
+    pytester.makeini("[pytest]\npagedkv_report_json = out/verdict.json\n")
+    result = _run(pytester, monkeypatch, {})
+    assert result.ret == 1
+    verdict = json.loads((pytester.path / "out" / "verdict.json").read_text())
+    assert verdict["passed"] is False and verdict["exit_status"] == 1
+    (candidate,) = verdict["candidates"]
+    (failed,) = candidate["failed"]
+    assert failed["property"] == PROPERTY and "fp64 reference" in failed["message"]
+    (failure,) = failed["failures"]
+    assert Path(failure["case_file"]).is_file() and failure["case_file"] in failure["replay"]
+    assert candidate["counts"]["failed"] == 1 and candidate["findings"] == []
+
+
+def test_an_unknown_non_promise_names_the_known_properties():
+    from pagedkv.backends.capabilities import Capabilities
+    from pagedkv.testing.non_promises import check_non_promises
+
+    check_non_promises(Capabilities(non_promises={PROPERTY: "by design"}))
+    with pytest.raises(ValueError, match=r"unknown property \['alone_equals_batched'\]; known: .*"
+                                         "a_request_alone_equals_the_same_request_in_a_batch"):
+        check_non_promises(Capabilities(non_promises={"alone_equals_batched": "not batch invariant"}))
+
+
+def test_a_non_promise_needs_a_reason():
+    from pagedkv.backends.capabilities import Capabilities
+
+    with pytest.raises(ValueError, match="give the reason"):
+        Capabilities(non_promises={PROPERTY: ""})
+    caps = Capabilities(non_promises={PROPERTY: "by design"})
+    assert caps.non_promise(PROPERTY) == "by design" and caps.non_promise("other") is None
+    assert hash(caps) == hash(Capabilities(non_promises=[(PROPERTY, "by design")]))
