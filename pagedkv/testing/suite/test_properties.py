@@ -60,7 +60,7 @@ def _judge(prop: Property, pagedkv_run, backends: tuple, device: str, **options)
         pagedkv_run.record(prop.name, candidate, "finding", outcome.first_line, failures=outcome.failures,
                            non_promise=not_promised)
         pytest.xfail(non_promise_finding(not_promised, outcome))
-    pagedkv_run.record(prop.name, candidate, "failed" if outcome.failed else "judged", outcome.reason,
+    pagedkv_run.record(prop.name, candidate, "failed" if outcome.failed else "judged", outcome.first_line,
                        failures=outcome.failures)
     if outcome.failed:
         pytest.fail(failure_text(prop.sentence, outcome), pytrace=False)
