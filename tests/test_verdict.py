@@ -110,3 +110,26 @@ def test_a_non_promise_needs_a_reason():
     caps = Capabilities(non_promises={PROPERTY: "by design"})
     assert caps.non_promise(PROPERTY) == "by design" and caps.non_promise("other") is None
     assert hash(caps) == hash(Capabilities(non_promises=[(PROPERTY, "by design")]))
+
+
+def test_a_profile_the_project_loaded_is_kept_over_pagedkv_profile(monkeypatch):
+    """``$PAGEDKV_PROFILE`` does not replace a profile the project loaded (the name says it was not
+    applied); ``--hypothesis-profile`` does; with no profile of the project's, ``$PAGEDKV_PROFILE`` applies."""
+    from hypothesis import settings
+
+    from pagedkv.testing.strategies.profiles import choose_profile
+
+    before = settings.get_current_profile_name()
+    settings.register_profile("the-projects-own", max_examples=7)
+    try:
+        monkeypatch.setenv("PAGEDKV_PROFILE", "smoke")
+        settings.load_profile("the-projects-own")
+        name = choose_profile()
+        assert name.startswith("the-projects-own (the project's own, left as it is; PAGEDKV_PROFILE=smoke not "
+                               "applied: pass --hypothesis-profile=pagedkv-smoke"), name
+        assert settings.default.max_examples == 7
+        assert choose_profile("pagedkv-smoke") == "pagedkv-smoke"
+        settings.load_profile("default")
+        assert choose_profile() == "pagedkv-smoke" and settings.default.max_examples == 5
+    finally:
+        settings.load_profile(before)
