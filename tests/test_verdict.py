@@ -15,8 +15,10 @@ import pytest
 pytest_plugins = ["pytester"]
 
 PROPERTY = "paged_attention_matches_fp64_dense_reference"
+PROMISED = "a_request_alone_equals_the_same_request_in_a_batch"
 
-#: A plain-torch attention whose outputs are 1% too large: fails the reference property at once.
+#: A plain-torch attention whose outputs are scaled by ``1 + 0.01 * batch size``: it fails the reference
+#: property (declared not promised) and the alone-equals-batched one (promised) at once.
 CANDIDATE = textwrap.dedent('''
     import torch
 
@@ -42,54 +44,40 @@ CANDIDATE = textwrap.dedent('''
             logits = torch.einsum("qhd,khd->hqk", q, k) * scale
             rows = torch.arange(q.shape[0]).unsqueeze(1) + (n - q.shape[0])
             logits = logits.masked_fill(pos.unsqueeze(0) > rows, float("-inf"))
-            out[qsl[b]:qsl[b + 1]] = torch.einsum("hqk,khd->qhd", logits.softmax(-1), v) * 1.01
+            out[qsl[b]:qsl[b + 1]] = torch.einsum("hqk,khd->qhd", logits.softmax(-1), v) * (1 + 0.01 * len(qsl))
         return out
     ''')
 
 
-def _run(pytester, monkeypatch, non_promises: dict, *extra):
-    pytester.makepyfile(candidate=CANDIDATE.format(non_promises=non_promises))
+def test_a_non_promise_is_a_finding_and_a_promise_a_failure_in_the_json_verdict(pytester, monkeypatch):
+    reason = "outputs are scaled by the batch size on purpose"
+    pytester.makepyfile(candidate=CANDIDATE.format(non_promises={PROPERTY: reason}))
+    pytester.makeini("[pytest]\npagedkv_report_json = out/verdict.json\n")
     monkeypatch.setenv("PAGEDKV_PROFILE", "smoke")
     monkeypatch.setenv("PAGEDKV_DEVICE", "cpu")
     monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(pytester.path / "failures"))
     monkeypatch.delenv("CI", raising=False)
-    return pytester.runpytest_subprocess(
+    result = pytester.runpytest_subprocess(
         "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", str(pytester.path / "candidate.py"),
-        "-k", f"test_{PROPERTY}", "-p", "no:cacheprovider", "-p", "no:xdist", "-rsx", *extra)
-
-
-def test_a_declared_non_promise_is_a_finding_with_its_case_file_and_reason(pytester, monkeypatch):
-    reason = "outputs are scaled by 1.01 on purpose"
-    result = _run(pytester, monkeypatch, {PROPERTY: reason}, "--pagedkv-report-json", "verdict.json")
-    assert result.ret == 0, result.stdout.str()
-    result.stdout.fnmatch_lines(["*1 properties judged (0 failing) of 1 its ops allow (100%); 1 findings*",
+        "-k", f"test_{PROPERTY} or test_{PROMISED}", "-p", "no:cacheprovider", "-p", "no:xdist", "-rsx")
+    assert result.ret == 1, result.stdout.str()
+    result.stdout.fnmatch_lines(["*2 properties judged (1 failing) of 2 its ops allow (100%); 1 findings*",
                                  f"*finding on {PROPERTY} (declared non-promise: {reason})*",
                                  f"*XFAIL*finding (declared non-promise: {reason})*"])
-    verdict = json.loads((pytester.path / "verdict.json").read_text())
-    assert verdict["schema"] == "pagedkv-verdict/1" and verdict["passed"] is True
+    verdict = json.loads((pytester.path / "out" / "verdict.json").read_text())
+    assert verdict["schema"] == "pagedkv-verdict/1" and verdict["passed"] is False and verdict["exit_status"] == 1
     (candidate,) = verdict["candidates"]
     assert candidate["declared_space"]["non_promises"] == {PROPERTY: reason}
-    assert candidate["failed"] == []
+    assert candidate["counts"] == {"judged": 2, "failed": 1, "findings": 1, "skipped": 0, "applicable": 2,
+                                   "judged_fraction": 1.0}
     (finding,) = candidate["findings"]
     assert finding["property"] == PROPERTY and finding["non_promise"] == reason
-    (failure,) = finding["failures"]
-    assert Path(failure["case_file"]).is_file()
-    assert failure["replay"].startswith("python -m pagedkv replay ")
-    assert "reproduced" in failure
-
-
-def test_a_promised_property_that_fails_is_in_the_verdict_with_its_replay(pytester, monkeypatch):
-    pytester.makeini("[pytest]\npagedkv_report_json = out/verdict.json\n")
-    result = _run(pytester, monkeypatch, {})
-    assert result.ret == 1
-    verdict = json.loads((pytester.path / "out" / "verdict.json").read_text())
-    assert verdict["passed"] is False and verdict["exit_status"] == 1
-    (candidate,) = verdict["candidates"]
     (failed,) = candidate["failed"]
-    assert failed["property"] == PROPERTY and "fp64 reference" in failed["message"]
-    (failure,) = failed["failures"]
-    assert Path(failure["case_file"]).is_file() and failure["case_file"] in failure["replay"]
-    assert candidate["counts"]["failed"] == 1 and candidate["findings"] == []
+    assert failed["property"] == PROMISED and failed["message"]
+    for entry in (finding, failed):
+        (failure,) = entry["failures"]
+        assert Path(failure["case_file"]).is_file() and failure["case_file"] in failure["replay"]
+        assert failure["replay"].startswith("python -m pagedkv replay ") and "reproduced" in failure
 
 
 def test_an_unknown_non_promise_names_the_known_properties():
