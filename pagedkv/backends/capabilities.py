@@ -126,9 +126,15 @@ class Capabilities:
             where the pools differ (vLLM's packed CPU layout). The suite builds and poisons the pools
             in that storage, hands the backend the storage (no copy when the layout is a view), and
             compares in logical positions as for any backend (:mod:`pagedkv.layouts`).
+        non_promises: properties the backend does not promise, by design, each with the reason
+            (``{"a_request_alone_equals_the_same_request_in_a_batch": "not batch invariant: the split
+            heuristic depends on the batch"}``; names as the suite's ``test_<name>``). They still run; a
+            failure is reported as a finding with its case file and the reason, never failing the run.
+            Stored as sorted ``(name, reason)`` pairs (hashable); :meth:`non_promise` reads one. A name the
+            suite does not know is a usage error (:func:`pagedkv.testing.non_promises.check_non_promises`).
 
     Raises (on construction):
-        ValueError: an unknown dtype, feature, precondition or layout name.
+        ValueError: an unknown dtype, feature, precondition or layout name; a non-promise without a reason.
     """
 
     block_sizes: Sizes = ANY
@@ -145,8 +151,16 @@ class Capabilities:
     split_k: bool = False
     layout: Any = "NHD"
     page_table: str = "padded"
+    non_promises: Any = ()
 
     def __post_init__(self) -> None:
+        pairs = self.non_promises.items() if hasattr(self.non_promises, "items") else self.non_promises
+        pairs = tuple(sorted((str(name), reason) for name, reason in pairs))
+        for name, reason in pairs:
+            if not isinstance(reason, str) or not reason.strip():
+                raise ValueError(f"Capabilities.non_promises[{name!r}]: give the reason the property is not "
+                                 f"promised (a non-empty string), got {reason!r}")
+        object.__setattr__(self, "non_promises", pairs)
         if self.page_table not in PAGE_TABLES:
             raise ValueError(f"Capabilities.page_table: unknown {self.page_table!r}; known: {list(PAGE_TABLES)}")
         try:
@@ -162,6 +176,10 @@ class Capabilities:
             object.__setattr__(self, name, value)
         if not self.dtypes:
             raise ValueError("Capabilities.dtypes must name at least one dtype")
+
+    def non_promise(self, prop: str) -> str | None:
+        """The reason the backend does not promise property ``prop``, or ``None`` (it promises it)."""
+        return dict(self.non_promises).get(prop)
 
     @property
     def pool_layouts(self) -> tuple[PoolLayout, PoolLayout]:
@@ -197,6 +215,8 @@ class Capabilities:
             parts.append(f"layout {describe_layout(self.layout)}")
         if self.preconditions:
             parts.append(f"assumes {sorted(self.preconditions)}")
+        if self.non_promises:
+            parts.append(f"does not promise {[name for name, _ in self.non_promises]}")
         return "; ".join(parts)
 
 

@@ -164,9 +164,13 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
         if not quiet:
             traceback.print_exc(file=out)
         return 1
+    if baseline:  # one verdict line per run: the drift's (DRIFT FAILS, or PASSES once both halves hold)
+        print(f"conformance holds: {check} on {spec} ({device}); now the drift against {baseline}", file=out)
+        status = drift_against(backend, spec, record, baseline, device, out, exact=exact, max_ulp=max_drift_ulp)
+        if status == 0:
+            print(f"PASSES: {check} on {spec} ({device}), drift against {baseline} within the gate", file=out)
+        return status
     print(f"PASSES: {check} on {spec} ({device})", file=out)
-    if baseline:
-        return drift_against(backend, spec, record, baseline, device, out, exact=exact, max_ulp=max_drift_ulp)
     return 0
 
 

@@ -88,5 +88,5 @@ def drift_against(backend: Any, spec: str, record: dict, baseline_spec: str, dev
         return 1
     gate = "bit-exact" if exact else f"at most {max_ulp} ulp" if max_ulp is not None else "no gate: --exact or " \
         "--max-drift-ulp N"
-    print(f"DRIFT WITHIN THE GATE ({gate})", file=out)
+    print(f"  drift within the gate ({gate})", file=out)
     return 0

@@ -8,7 +8,8 @@ any repository::
 Options (each also an environment variable or ini key): ``--pagedkv-impl SPEC`` (``$PAGEDKV_IMPL``),
 ``--pagedkv-device`` (``$PAGEDKV_DEVICE``), ``--pagedkv-regressions DIR`` (ini ``pagedkv_regressions``:
 your own case files, run like the shipped ones), ``--pagedkv-min-judged FRACTION`` (ini
-``pagedkv_min_judged``: fail when fewer of the properties the candidate's ops allow were judged).
+``pagedkv_min_judged``: fail when fewer of the properties the candidate's ops allow were judged),
+``--pagedkv-report-json PATH`` (ini ``pagedkv_report_json``: the verdict as JSON, for CI jobs and agents).
 
 Profiles: pagedkv registers ``pagedkv-dev``, ``pagedkv-ci``, ``pagedkv-gpu``, ``pagedkv-nightly`` and
 ``pagedkv-repro`` (also under the bare names where your project has not registered them). A profile
@@ -47,6 +48,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--pagedkv-regressions", default=None, metavar="DIR",
                     help="a directory of your own case files, replayed like the shipped regressions "
                          "(default: ini pagedkv_regressions)")
+    group.addoption("--pagedkv-report-json", default=None, metavar="PATH",
+                    help="write the verdict as JSON to PATH: per candidate its declared space, the properties "
+                         "judged / skipped by reason / failed / findings, each failure's case file, replay command "
+                         "and whether it reproduced (default: ini pagedkv_report_json)")
     group.addoption("--pagedkv-min-judged", default=None, type=float, metavar="FRACTION",
                     help="fail the run when fewer than FRACTION of the properties the candidate's ops allow were "
                          "judged (default: ini pagedkv_min_judged, else 0)")
@@ -54,6 +59,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   help="activate the pagedkv plugin for this project's own tests (the built-in backends)")
     parser.addini("pagedkv_regressions", default="", help="directory of your own pagedkv case files")
     parser.addini("pagedkv_min_judged", default="", help="minimum judged fraction of the applicable properties")
+    parser.addini("pagedkv_report_json", default="", help="path of the JSON verdict (see --pagedkv-report-json)")
 
 
 def impl_spec(config: pytest.Config) -> str | None:
@@ -98,12 +104,13 @@ def candidates(config: pytest.Config) -> list:
     if _CANDIDATES not in config.stash:
         import pagedkv
         from pagedkv.backends.capabilities import misspelled_capabilities
+        from pagedkv.testing.non_promises import check_non_promises
         from pagedkv.testing.space import capabilities_under_test, load_candidates
 
         try:
             loaded = load_candidates(impl_spec(config))
             for backend in loaded:
-                capabilities_under_test(backend)
+                check_non_promises(capabilities_under_test(backend))
         except (pagedkv.BackendError, TypeError, ValueError) as exc:
             raise pytest.UsageError(f"--pagedkv-impl / PAGEDKV_IMPL: {exc}") from exc
         for message in filter(None, map(misspelled_capabilities, loaded)):  # once, in the warnings summary
@@ -236,8 +243,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """No false green: a named candidate with no conformance property run is a usage error, and so is a
     judged fraction under ``--pagedkv-min-judged``."""
     config = session.config
-    if not is_active(config) or hasattr(config, "workerinput") or exitstatus not in (0, 5) \
-            or config.option.collectonly:
+    if not is_active(config) or hasattr(config, "workerinput") or config.option.collectonly:
+        return
+    try:
+        _gate_judged(session, exitstatus)
+    finally:
+        _write_verdict(session)
+
+
+def _gate_judged(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if exitstatus not in (0, 5):
         return
     from pagedkv.testing.report import judged_problem
 
@@ -251,3 +267,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if reporter:
             reporter.write_line(f"ERROR: {problem}", red=True, bold=True)
         session.exitstatus = pytest.ExitCode.USAGE_ERROR if "no pagedkv conformance property" in problem else 1
+
+
+def _write_verdict(session: pytest.Session) -> None:
+    """``--pagedkv-report-json`` / ini ``pagedkv_report_json``: the verdict as JSON
+    (:func:`pagedkv.testing.report.verdict`)."""
+    config = session.config
+    path = config.getoption("pagedkv_report_json", None) or config.getini("pagedkv_report_json") or ""
+    if not path:
+        return
+    from pagedkv.testing.report import write_verdict
+
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    write_verdict(Path(path), reporter.stats if reporter else {}, candidates(config), impl_spec(config),
+                  profile=config.stash.get(_PROFILE, "?"), exit_status=int(session.exitstatus))

@@ -103,7 +103,9 @@ def _declare() -> list[Property]:
         def build(caps=None, poisons=None):
             import pagedkv.testing.strategies as s
 
-            return s.cases(caps=caps, poisons=poisons, **kw) | s.fragmented_cases(caps=caps, poisons=poisons)
+            long = {k: v for k, v in kw.items() if k == "long_contexts"}  # fragmented tables take no other
+            return (s.cases(caps=caps, poisons=poisons, **kw)
+                    | s.fragmented_cases(caps=caps, poisons=poisons, **long))
         return build
 
     def lazy(name, **kw):
@@ -155,14 +157,16 @@ def _declare() -> list[Property]:
                  "and within tolerance otherwise", (), checks.backends_agree, mixed(), lambda: (kc.C8,), pair=True),
         Property("paged_attention_matches_fp64_dense_reference",
                  "paged_attention equals the fp64 dense reference within the dtype's tolerance; NaN never passes",
-                 attn, checks.attention_matches_reference, mixed(),
+                 attn, checks.attention_matches_reference, mixed(long_contexts=True),
                  lambda: (kc.C5, kc.C6, *kc.C7, kc.C8, kc.F_WINDOW, kc.F_ALL, kc.F_FP8)),
         Property("a_request_alone_equals_the_same_request_in_a_batch",
                  "each request's attention alone equals, bit for bit, its rows in the batch",
-                 attn, invariances.alone_equals_in_batch, lazy("cases", max_seqs=4), lambda: (kc.C5, kc.C8)),
+                 attn, invariances.alone_equals_in_batch, lazy("cases", max_seqs=4, long_contexts=True),
+                 lambda: (kc.C5, kc.C8)),
         Property("decoding_token_by_token_equals_one_prefill_and_chunked_prefill",
                  "one prefill call equals decoding token by token and chunked prefill, within tolerance",
-                 attn, invariances.decode_matches_prefill, lazy("cases", max_seqs=2, max_q_len=6), lambda: (kc.C7[0],)),
+                 attn, invariances.decode_matches_prefill,
+                 lazy("cases", max_seqs=2, max_q_len=6, long_contexts=True), lambda: (kc.C7[0],)),
         Property("every_live_sequence_reads_only_its_own_tokens",
                  "after every fork, append, copy-on-write and prefix hit, each live sequence reads exactly its "
                  "own tokens' K/V and the allocator's counts match the live tables",

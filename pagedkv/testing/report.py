@@ -32,12 +32,26 @@ class TestRun:
         self.node, self.spec = node, spec
         self.case_file = case_file_path(node.nodeid)
 
-    def record(self, prop: str, backend: Any, status: str, reason: str = "", *, kind: str = "property") -> None:
-        """Record that ``prop`` was ``status`` (``judged``, ``failed``, ``skipped``, ``finding``) on ``backend``."""
+    def record(self, prop: str, backend: Any, status: str, reason: str = "", *, kind: str = "property",
+               failures: tuple = (), non_promise: str | None = None) -> None:
+        """Record that ``prop`` was ``status`` (``judged``, ``failed``, ``skipped``, ``finding``) on ``backend``;
+        ``failures`` (:class:`~pagedkv.testing.execute.Failure` s) give their case files and replay commands,
+        ``non_promise`` the declared reason of a finding on a property the backend does not promise."""
         from pagedkv.backends import backend_name
 
-        self.node.user_properties.append((_KEY, json.dumps(
-            {"prop": prop, "backend": backend_name(backend), "status": status, "reason": reason, "kind": kind})))
+        entry = {"prop": prop, "backend": backend_name(backend), "status": status, "reason": reason, "kind": kind}
+        if failures:
+            entry["failures"] = [failure_record(f) for f in failures]
+        if non_promise:
+            entry["non_promise"] = non_promise
+        self.node.user_properties.append((_KEY, json.dumps(entry)))
+
+
+def failure_record(failure: Any) -> dict:
+    """One failure for the JSON verdict: its message, case file, replay command and whether it reproduced
+    (``reproduced``: what the failure carries, ``None`` when nothing checked it)."""
+    return {"message": failure.first_line, "case_file": str(failure.case_file) if failure.case_file else None,
+            "replay": failure.replay or None, "reproduced": getattr(failure, "reproduced", None)}
 
 
 def header_lines(spec: str | None, backends: list, device: str | None, profile: str) -> list[str]:
@@ -126,6 +140,8 @@ def tally(stats: dict) -> dict[str, dict]:
             t["skipped"][_reason_group(r["reason"])] += 1
         else:
             t[r["status"] if r["status"] in ("failed", "finding") else "judged"] += 1
+            if r.get("non_promise"):  # a property the backend does not promise ran: judged, and a finding
+                t["judged"] += 1
     return out
 
 
@@ -156,6 +172,11 @@ def summary_lines(stats: dict, backends: list, spec: str | None) -> list[str]:
         lines.append(f"pagedkv {name}: {judged} properties judged ({t['failed']} failing) of {applicable} its ops allow"
                      f"{f' ({judged / applicable:.0%})' if applicable else ''}; {t['finding']} findings; "
                      f"skipped: {skipped}")
+        for r in _records(stats):
+            if r["backend"] == name and r.get("non_promise") and r["status"] == "finding":
+                files = ", ".join(f["case_file"] for f in r.get("failures", ()) if f.get("case_file")) or "no case file"
+                lines.append(f"pagedkv {name}: finding on {r['prop']} (declared non-promise: {r['non_promise']}): "
+                             f"{files}")
         if t["regressions"] or t["regressions_skipped"]:
             not_run = ", ".join(f"{n} {r}" for r, n in t["regressions_skipped"].most_common()) or "none"
             lines.append(f"pagedkv {name}: regression cases run {t['regressions']}; not expressible: {not_run}")
@@ -192,3 +213,73 @@ def crash_section(report: Any) -> str | None:
     if path.exists():
         return f"crashed while running the case in {path}\nreplay: python -m pagedkv replay {path}"
     return None
+
+
+#: The ``schema`` field of the JSON verdict; bumped when a field changes meaning or goes away.
+VERDICT_SCHEMA = "pagedkv-verdict/1"
+
+
+def declared_space(caps: Any) -> dict:
+    """A backend's declared :class:`~pagedkv.backends.capabilities.Capabilities` as plain JSON data."""
+    from pagedkv.layouts import describe as describe_layout
+
+    return {"summary": caps.summary(), "block_sizes": caps.block_sizes.describe(),
+            "head_dims": caps.head_dims.describe(), "gqa_groups": caps.gqa_groups.describe(),
+            "num_kv_heads": caps.num_kv_heads.describe(), "dtypes": sorted(caps.dtypes),
+            "max_pool_bytes": caps.max_pool_bytes, "layout": describe_layout(caps.layout),
+            "page_table": caps.page_table, "strided_pools": caps.strided_pools,
+            "strided_metadata": caps.strided_metadata, "repeated_blocks": caps.repeated_blocks,
+            "split_k": caps.split_k, "features": sorted(caps.features), "preconditions": sorted(caps.preconditions),
+            "non_promises": dict(caps.non_promises)}
+
+
+def verdict(stats: dict, backends: list, spec: str | None, *, profile: str = "", exit_status: int = 0) -> dict:
+    """The run's verdict as JSON data (schema :data:`VERDICT_SCHEMA`; every field in ``docs/gating.md``).
+
+    Per candidate: its declared space; the properties judged (passed), failed (each failure's message,
+    case file, replay command and ``reproduced``), findings (a failure outside a declared precondition
+    or on a declared non-promise, with the reason), skipped (by property, with the reason, and counted
+    by reason); the counts the terminal summary prints; and the regression cases run."""
+    from pagedkv.backends import backend_name
+    from pagedkv.testing.space import capabilities_under_test
+
+    counts = tally(stats)
+    records = _records(stats)
+    out = {"schema": VERDICT_SCHEMA, "implementation": spec, "profile": profile, "exit_status": exit_status,
+           "passed": exit_status == 0, "candidates": []}
+    for backend in backends:
+        name = backend_name(backend)
+        mine = [r for r in records if r["backend"] == name]
+        props = [r for r in mine if r["kind"] != "regression"]
+        t = counts[name] if name in counts else None
+        judged = (t["judged"] + t["failed"]) if t else 0
+        applicable = (judged + sum(t["skipped"].values()) - t["missing_ops"]) if t else 0
+
+        def entry(r: dict) -> dict:
+            return {"property": r["prop"], "message": r["reason"], "failures": r.get("failures", [])}
+
+        out["candidates"].append({
+            "name": name,
+            "declared_space": declared_space(capabilities_under_test(backend)),
+            "judged": sorted({r["prop"] for r in props if r["status"] == "judged"}),
+            "failed": [entry(r) for r in props if r["status"] == "failed"],
+            "findings": [{**entry(r), "non_promise": r.get("non_promise")} for r in props if r["status"] == "finding"],
+            "skipped": [{"property": r["prop"], "reason": r["reason"]} for r in props if r["status"] == "skipped"],
+            "skipped_by_reason": dict(t["skipped"]) if t else {},
+            "counts": {"judged": judged, "failed": t["failed"] if t else 0, "findings": t["finding"] if t else 0,
+                       "skipped": sum(t["skipped"].values()) if t else 0, "applicable": applicable,
+                       "judged_fraction": round(judged / applicable, 4) if applicable else None},
+            "regressions": {"run": t["regressions"] if t else 0,
+                            "failed": [entry(r) for r in mine if r["kind"] == "regression" and r["status"] == "failed"],
+                            "not_expressible": dict(t["regressions_skipped"]) if t else {}},
+        })
+    return out
+
+
+def write_verdict(path: Any, stats: dict, backends: list, spec: str | None, **kw) -> None:
+    """Write :func:`verdict` as indented JSON to ``path`` (its directory created)."""
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(verdict(stats, backends, spec, **kw), indent=2) + "\n")

@@ -22,7 +22,7 @@ from pagedkv.config import CacheConfig, blocks_needed, dtype_from_name
 from pagedkv.fp8 import quantize
 from pagedkv.testing.cases.memory import POOL_LAYOUT, new_pools
 
-VALUE_PATTERNS = ("normal", "identity", "large")
+VALUE_PATTERNS = ("normal", "identity", "large", "diffuse")
 POISONS = ("nan", "inf", "sentinel", "zero")
 FINITE_POISONS = ("sentinel", "zero")  # for backends that assume finite unused slots
 LAYOUTS = ("contiguous", "kv_interleaved", "head_strided")
@@ -75,7 +75,9 @@ class Case:
 
     Attributes:
         values: ``"normal"`` (standard normal), ``"identity"`` (each token's K is its own id, V its
-            negation: a wrong read names the token it returned) or ``"large"`` (q and k ~ 30x normal).
+            negation: a wrong read names the token it returned), ``"large"`` (q and k ~ 30x normal) or
+            ``"diffuse"`` (k ~ normal / 16, so attention spreads over every key, and v ~ normal + 1, so the
+            output stays near 1: a weight lost or mis-summed anywhere in a long context moves it).
         poison: what every unowned slot holds: ``"nan"``, ``"inf"``, ``"sentinel"`` (the dtype's
             max) or ``"zero"``.
         pad_value: fills block-table entries past each sequence's table.
@@ -281,6 +283,8 @@ class Case:
                 v = torch.randn(shape, generator=gen)
                 if self.values == "large":
                     k = k * _LARGE
+                elif self.values == "diffuse":
+                    k, v = k / 16, v + 1
             uid += s.seq_len
             out.append((k.to(g.torch_dtype).contiguous(), v.to(g.torch_dtype).contiguous()))
         return out

@@ -42,6 +42,19 @@ def _token_pool(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor,
         return sub, where * bs + slots % bs, blocks
 
 
+#: What continuous batching does not promise, by its design (docs/peers.md, "Findings"): it attends a
+#: batch as one SDPA over every request's keys with an additive block-diagonal bias.
+_ONE_SDPA = "continuous batching attends the whole batch as one SDPA with a block-diagonal bias"
+NON_PROMISES = {
+    "a_request_alone_equals_the_same_request_in_a_batch":
+        f"not batch invariant: {_ONE_SDPA}, so a request's reductions depend on its neighbours",
+    "outputs_are_bit_identical_under_batch_order":
+        f"not batch invariant: {_ONE_SDPA}, so reordering the batch reorders each request's reductions",
+    "a_nan_value_shows_exactly_in_the_outputs_that_read_it":
+        f"{_ONE_SDPA}: another request's NaN value enters with weight 0, and 0 * NaN is NaN",
+}
+
+
 class TransformersPaged:
     """transformers' continuous-batching cache write and paged attention on pagedkv's pools.
 
@@ -86,7 +99,8 @@ class TransformersPaged:
         self._attend = sdpa_attention_forward if attention == "sdpa" else eager_paged_attention_forward
         self.attention = attention
         self.name = "transformers_paged" if attention == "sdpa" else "transformers_paged_eager"
-        self.capabilities = Capabilities(features={"window"} if attention == "sdpa" else {"window", "sinks"})
+        self.capabilities = Capabilities(features={"window"} if attention == "sdpa" else {"window", "sinks"},
+                                         non_promises=NON_PROMISES)
 
     def _update(self, k_cache, v_cache, key, value, read_index, write_index):
         """``PagedAttentionCache.update`` on layer 0 of a one-allocator shell over the pools; returns the read

@@ -93,6 +93,11 @@ def _capability_for_cpu_tensors(device: torch.device):
         torch.cuda.get_device_capability = real
 
 
+
+#: What ``unified_attention`` does not promise, by its design (docs/peers.md, "a huge soft-cap").
+HUGE_SOFTCAP = ("apply_softcap computes tanh(y) as 1 - 2 / (exp(2y) + 1) so a large |y| cannot overflow; it "
+                "cancels to 0 for |y| below about 6e-8, so a cap far above every logit flattens them")
+
 class VllmTriton:
     """vLLM's Triton kernels: ``triton_reshape_and_cache_flash`` (``write_kv``) and ``unified_attention``
     (``paged_attention``: varlen, causal, bottom-right aligned, GQA), called as vLLM's Triton attention
@@ -125,7 +130,8 @@ class VllmTriton:
         self.capabilities = Capabilities(dtypes={"float32", "float16"} if interpreted else
                                          {"float32", "float16", "bfloat16"},
                                          features={"window", "softcap", "alibi", "sinks"},
-                                         preconditions=self.preconditions)
+                                         preconditions=self.preconditions,
+                                         non_promises={"a_huge_softcap_equals_no_softcap": HUGE_SOFTCAP})
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping) -> None:
         """``triton_reshape_and_cache_flash(key, value, k_cache, v_cache, slot_mapping, "auto", 1, 1)``."""

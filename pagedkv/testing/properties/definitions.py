@@ -22,6 +22,7 @@ from pagedkv.testing.compare import Mismatch, MissingOp, assert_same_bits, bits,
 from pagedkv.testing.properties.scenarios import (check_live_sequences, prefix_cache_transparent,  # noqa: F401 (moved)
                                        run_scenario, sharing_isolated)
 from pagedkv.testing.compare import assert_attention_close, assert_bitwise_equal, target_attention_error
+from pagedkv.testing.mismatch_kinds import mismatch_kind
 
 GATHERING_BACKENDS = {"loop", "indexed"}  # attention = gather + the same dense op: bitwise equal to each other
 
@@ -161,7 +162,11 @@ def attention_matches_reference(backend: Any, case: Case, device: str = "cpu") -
         assert_attention_close(out.cpu(), expected, max_abs_logit=max_logit, max_abs_value=max_v)
     except AssertionError as exc:
         where = locate_attention(case, out.cpu(), expected)
-        raise Mismatch(f"paged_attention vs fp64 reference at {describe_attention(where)}: {exc}", where) from None
+        kind = mismatch_kind(case, out.cpu(), max_logit, max_v)
+        where.update({"kind": kind} if kind else {})
+        shape = f"; the output equals attention {kind}" if kind else ""
+        raise Mismatch(f"paged_attention vs fp64 reference at {describe_attention(where)}{shape}: {exc}",
+                       where) from None
     target_attention_error(out.cpu(), expected, max_abs_logit=max_logit, max_abs_value=max_v)
 
 
@@ -183,9 +188,13 @@ def locate_attention(case: Case, actual: torch.Tensor, expected: torch.Tensor) -
 
 
 def describe_attention(where: dict) -> str:
-    """One line for :func:`locate_attention`'s dict."""
+    """One line for :func:`locate_attention`'s dict (a long context's block list shortened to its ends)."""
+    blocks = where["blocks"]
+    if len(blocks) > 8:
+        head, tail = ", ".join(map(str, blocks[:3])), ", ".join(map(str, blocks[-3:]))
+        blocks = f"[{head}, ... {len(blocks) - 6} more ..., {tail}]"
     return (f"sequence {where['seq']}, query position {where['position']}, query head {where['query_head']} "
-            f"(kv head {where['kv_head']}), dim {where['dim']}, keys from blocks {where['blocks']}: got "
+            f"(kv head {where['kv_head']}), dim {where['dim']}, keys from blocks {blocks}: got "
             f"{where['actual'][0]!r}, expected {where['expected'][0]!r}")
 
 

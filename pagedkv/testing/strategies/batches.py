@@ -9,7 +9,7 @@ from pagedkv.backends.capabilities import FEATURE_NAMES
 from pagedkv.testing.cases.case import FINITE_POISONS, LAYOUTS, POISONS, VALUE_PATTERNS, Case, Geometry, SeqSpec
 from pagedkv.config import blocks_needed
 
-from .geometry import DTYPES, geometries, positions_in, seq_lens
+from .geometry import BLOCK_SIZES, DTYPES, REALISTIC_BLOCK_SIZES, geometries, positions_in, seq_lens
 
 
 #: Key tiles kernels loop over (vLLM's ``unified_attention``: 16, 32 or 64 keys; pagedkv's Triton
@@ -18,6 +18,61 @@ from .geometry import DTYPES, geometries, positions_in, seq_lens
 TILE_EDGES = tuple(sorted({k * t + d for t in (16, 32, 64) for k in (1, 2) for d in (-1, 0, 1)}))
 #: A long sequence's query may cross a query tile (16 rows) too: a chunked prefill past one tile.
 LONG_MAX_Q_LEN = 17
+
+#: Contexts (keys before the new tokens) of the long-context cases: hundreds to several thousand tokens,
+#: around powers of two (where a float16 accumulator's spacing doubles and split-KV kernels change their
+#: part counts) and between them. Errors that grow with the context (a float16 softmax denominator, a
+#: split merge that drops a part's maximum, a mask wrong only far from the query) show here, not at the
+#: short lengths the other cases draw.
+LONG_CONTEXTS = (255, 256, 500, 511, 513, 1000, 1023, 1025, 2047, 2048, 2049, 3000, 4095, 4096)
+#: One attention case in this many is long (a uniform draw; see ``docs/gating.md`` for the measured share).
+LONG_ONE_IN = 4
+#: Long cases stay cheap: one kv head, a GQA group of 1 or 2 and the smallest head dims, where the
+#: declared space allows (else its smallest sizes).
+LONG_HEAD_DIMS = (1, 2, 4, 8)
+LONG_GROUP_SIZES = (1, 2)
+#: Value patterns of the short cases; a long case draws ``"diffuse"`` in half the cases (attention spread
+#: over thousands of keys with values of mean 1: far keys carry weight, so a kernel that drops, masks or
+#: mis-accumulates them moves the output; with peaked attention it would still be close).
+SHORT_VALUE_PATTERNS = tuple(p for p in VALUE_PATTERNS if p != "diffuse")
+
+
+@st.composite
+def _long_lengths(draw, block_size: int):
+    """``[(seq_len, q_len, start)]`` of a long case: one sequence whose context is drawn from
+    :data:`LONG_CONTEXTS`, as a decode (one new token) or a chunked prefill (up to
+    :data:`LONG_MAX_Q_LEN` new tokens after the context), and in half the cases a short second
+    sequence (decode, prefill or empty) before or after it."""
+    context = draw(st.sampled_from(LONG_CONTEXTS))
+    q_len = draw(st.one_of(st.just(1), st.integers(1, LONG_MAX_Q_LEN)))
+    n = context + q_len
+    out = [(n, q_len, draw(st.sampled_from(sorted({0, context, n - 1}))))]
+    if draw(st.booleans()):
+        m = draw(seq_lens(block_size, 24))
+        out.insert(draw(st.integers(0, 1)), (m, draw(st.integers(0, min(m, 6))), draw(positions_in(m, block_size))))
+    return out
+
+
+def long_geometry(caps=None, dtypes=DTYPES) -> st.SearchStrategy[Geometry]:
+    """The geometry of a long case: any declared block size (small and production ones), one kv head,
+    a GQA group of 1 or 2 and a head_dim of at most 8 (each the smallest the declared space allows
+    when it allows none of these)."""
+    return geometries(num_blocks=1, dtypes=dtypes, caps=caps, realistic=False,
+                      block_sizes=BLOCK_SIZES + REALISTIC_BLOCK_SIZES, head_dims=LONG_HEAD_DIMS,
+                      group_sizes=LONG_GROUP_SIZES, max_kv_heads=1)
+
+
+@st.composite
+def _geometry_and_lengths(draw, caps, dtypes, long_contexts: bool, max_seqs: int, max_len: int, max_q_len: int,
+                          geometry_kwargs: dict):
+    """``(geometry, [(seq_len, q_len, start)], long)``: a long case one time in :data:`LONG_ONE_IN` when
+    ``long_contexts``, else the short batch of :func:`_lengths`."""
+    if long_contexts and draw(st.integers(0, LONG_ONE_IN - 1)) == LONG_ONE_IN - 1:
+        geometry = draw(long_geometry(caps, dtypes))
+        return geometry, draw(_long_lengths(geometry.block_size)), True
+    geometry = draw(geometries(num_blocks=1, dtypes=dtypes, caps=caps, **geometry_kwargs))
+    bs = geometry.block_size
+    return geometry, draw(_lengths(bs, *_scaled(bs, max_seqs, max_len), max_q_len)), False
 
 
 @st.composite
@@ -106,12 +161,13 @@ def feature_fields(draw, geometry: Geometry, seqs, *, allowed=FEATURE_NAMES, for
 
 @st.composite
 def _extras(draw, geometry: Geometry, seqs, *, read_only: bool, caps=None, poisons=None, features=True,
-            force=()) -> Case:
+            force=(), long: bool = False) -> Case:
     layouts = LAYOUTS if caps is None or caps.strided_pools else ("contiguous",)
     return Case(
         geometry=geometry,
         seqs=tuple(seqs),
-        values=draw(st.sampled_from(VALUE_PATTERNS)),
+        values=draw(st.one_of(st.just("diffuse"), st.sampled_from(SHORT_VALUE_PATTERNS)) if long
+                    else st.sampled_from(SHORT_VALUE_PATTERNS)),
         poison=draw(st.sampled_from(poisons or poisons_for(caps))),
         pad_value=draw(st.sampled_from((-1, -1, 0, geometry.num_blocks))) if read_only else -1,
         pad_columns=draw(st.integers(0, 2)),
@@ -153,7 +209,7 @@ def _scaled(block_size: int, max_seqs: int, max_len: int) -> tuple[int, int]:
 @st.composite
 def cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: int = 6, repeats: bool | None = None,
           dtypes=DTYPES, caps=None, poisons=None, features: bool | tuple = True, force=(),
-          **geometry_kwargs) -> Case:
+          long_contexts: bool = False, **geometry_kwargs) -> Case:
     """A batch: geometry, per-sequence block tables, lengths, query lengths, scatter starts, pattern, seed.
 
     Tables are a random permutation of the pool split among the sequences (every block owned once,
@@ -162,11 +218,13 @@ def cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: int = 6, rep
     ``caps`` (:class:`pagedkv.backends.capabilities.Capabilities`) keeps the case inside a backend's
     declared space, its features included (:func:`feature_fields`; ``caps=None``: every feature);
     ``features=False`` draws none, a tuple only those; ``force`` turns features on; ``poisons``
-    overrides the poisons drawn.
+    overrides the poisons drawn. With ``long_contexts``, one case in :data:`LONG_ONE_IN` is long
+    (:data:`LONG_CONTEXTS`: a context of hundreds to several thousand tokens, decode or chunked
+    prefill, at most two sequences, small heads: :func:`long_geometry`).
     """
-    geometry = draw(geometries(num_blocks=1, dtypes=dtypes, caps=caps, **geometry_kwargs))
+    geometry, lengths, long = draw(_geometry_and_lengths(caps, dtypes, long_contexts, max_seqs, max_len, max_q_len,
+                                                         geometry_kwargs))
     bs = geometry.block_size
-    lengths = draw(_lengths(bs, *_scaled(bs, max_seqs, max_len), max_q_len))
     need = [blocks_needed(n, bs) for n, _, _ in lengths]
     if caps is not None and not caps.repeated_blocks:
         repeats = False
@@ -185,17 +243,19 @@ def cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: int = 6, rep
                         geometry.dtype)
     seqs = [SeqSpec(t, n, q, s) for t, (n, q, s) in zip(tables, lengths)]
     return draw(_extras(geometry, seqs, read_only=repeats, caps=caps, poisons=poisons, features=features,
-                        force=force))
+                        force=force, long=long))
 
 
 @st.composite
 def fragmented_cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: int = 6, dtypes=DTYPES,
-                     caps=None, poisons=None, features: bool | tuple = True, force=(), **geometry_kwargs) -> Case:
+                     caps=None, poisons=None, features: bool | tuple = True, force=(), long_contexts: bool = False,
+                     **geometry_kwargs) -> Case:
     """A batch whose block tables come from a real :class:`BlockAllocator` after a random alloc/free
-    history has scrambled its free list (the layouts a long-running server produces)."""
-    geometry = draw(geometries(num_blocks=1, dtypes=dtypes, caps=caps, **geometry_kwargs))
+    history has scrambled its free list (the layouts a long-running server produces); ``long_contexts``
+    as in :func:`cases`."""
+    geometry, lengths, long = draw(_geometry_and_lengths(caps, dtypes, long_contexts, max_seqs, max_len, max_q_len,
+                                                         geometry_kwargs))
     bs = geometry.block_size
-    lengths = draw(_lengths(bs, *_scaled(bs, max_seqs, max_len), max_q_len))
     need = [blocks_needed(n, bs) for n, _, _ in lengths]
     num_blocks = draw(st.integers(max(1, sum(need)), sum(need) + 6))
     allocator = BlockAllocator(num_blocks, bs, enable_prefix_caching=False)
@@ -210,7 +270,7 @@ def fragmented_cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: i
     geometry = Geometry(num_blocks, bs, geometry.num_kv_heads, geometry.head_dim, geometry.num_queries_per_kv,
                         geometry.dtype)
     return draw(_extras(geometry, [SeqSpec(t, n, q, s) for t, (n, q, s) in zip(tables, lengths)], read_only=False,
-                        caps=caps, poisons=poisons, features=features, force=force))
+                        caps=caps, poisons=poisons, features=features, force=force, long=long))
 
 
 LARGE_POOL_BLOCK_SIZES = (1, 16, 64, 256)

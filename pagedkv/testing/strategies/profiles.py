@@ -67,9 +67,11 @@ def register_profiles() -> None:
 def choose_profile(requested: str | None = None) -> str:
     """Register the profiles and load the one this run uses; returns its name as the report header says it.
 
-    ``requested`` (``--hypothesis-profile``, loaded by Hypothesis' own plugin) wins; then
-    ``$PAGEDKV_PROFILE`` (a pagedkv profile name, or any registered one); then a profile the project
-    under test loaded itself (left alone); else ``pagedkv-ci`` when ``$CI`` is set, ``pagedkv-dev`` otherwise.
+    Precedence: ``requested`` (``--hypothesis-profile``, loaded by Hypothesis' own plugin: the one
+    explicit ask on the command line) wins; then a profile the project under test loaded itself (left
+    alone: ``$PAGEDKV_PROFILE`` does not replace it, and the returned name says it was not applied);
+    then ``$PAGEDKV_PROFILE`` (a pagedkv profile name, or any registered one); else ``pagedkv-ci`` when
+    ``$CI`` is set, ``pagedkv-dev`` otherwise.
     A ``$PAGEDKV_DATABASE`` applies to the ``gpu`` and ``nightly`` profiles (:mod:`pagedkv.testing.fuzz.databases`).
 
     Raises:
@@ -80,18 +82,22 @@ def choose_profile(requested: str | None = None) -> str:
     register_profiles()
     known = sorted(settings._profiles)
     env = os.environ.get("PAGEDKV_PROFILE")
+    env_name = (f"pagedkv-{env}" if env in PROFILES else env) if env else None
+    if env_name and env_name not in settings._profiles:
+        raise ValueError(f"PAGEDKV_PROFILE={env!r} names no profile; choose one of {sorted(PROFILES)} "
+                         f"or a registered one ({', '.join(known)})")
+    own = settings.get_current_profile_name()
     if requested:
         if requested not in settings._profiles:
             raise ValueError(f"unknown Hypothesis profile {requested!r}; registered: {', '.join(known)}")
         name = requested
-    elif env:
-        name = f"pagedkv-{env}" if env in PROFILES else env
-        if name not in settings._profiles:
-            raise ValueError(f"PAGEDKV_PROFILE={env!r} names no profile; choose one of {sorted(PROFILES)} "
-                             f"or a registered one ({', '.join(known)})")
+    elif own not in _HYPOTHESIS_OWN:
+        ignored = (f"; PAGEDKV_PROFILE={env} not applied: pass --hypothesis-profile={env_name} to replace it"
+                   if env_name and env_name != own else "")
+        return f"{own} (the project's own, left as it is{ignored})"
+    elif env_name:
+        name = env_name
         settings.load_profile(name)
-    elif settings.get_current_profile_name() not in _HYPOTHESIS_OWN:
-        return f"{settings.get_current_profile_name()} (the project's own, left as it is)"
     else:
         name = "pagedkv-ci" if os.environ.get("CI") else "pagedkv-dev"
         settings.load_profile(name)

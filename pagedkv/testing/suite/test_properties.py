@@ -8,7 +8,8 @@ space. A failure shows the property's sentence, the located mismatch, the case a
 A backend that declares a *precondition* (for example ``finite_unused_slots``) is also run, by
 ``test_finding_outside_declared_preconditions``, on cases that break it: a failure there is reported
 as a finding (an ``xfail`` naming what happened, plus the case file), never hidden and never passed
-off as conformance.
+off as conformance. So is a failure of a property the backend declares it does not promise
+(``Capabilities.non_promises``, :mod:`pagedkv.testing.non_promises`): the finding carries the declared reason.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import os
 import pytest
 
 from pagedkv.backends import backend_name
+from pagedkv.backends.capabilities import capabilities_of
 from pagedkv.testing import execute
 from pagedkv.testing.baseline.gate import after_check
 from pagedkv.testing.fuzz.databases import property_key
+from pagedkv.testing.non_promises import finding_reason as non_promise_finding
 from pagedkv.testing.registry import Property, properties
 from pagedkv.testing.report import failure_text
 
@@ -46,13 +49,19 @@ def _judge(prop: Property, pagedkv_run, backends: tuple, device: str, **options)
                           database_key=property_key(prop.name, *(backend_name(b) for b in backends)),
                           after_pass=after_pass, **options)
     finding = options.get("violating", False)
+    not_promised = capabilities_of(candidate).non_promise(prop.name)
     if outcome.status == "skipped":
         pagedkv_run.record(prop.name, candidate, "skipped", outcome.reason)
         pytest.skip(f"{prop.name}: {outcome.reason}")
     if outcome.status == "failed" and finding:
-        pagedkv_run.record(prop.name, candidate, "finding", outcome.first_line)
+        pagedkv_run.record(prop.name, candidate, "finding", outcome.first_line, failures=outcome.failures)
         return outcome
-    pagedkv_run.record(prop.name, candidate, "failed" if outcome.failed else "judged", outcome.reason)
+    if outcome.status == "failed" and not_promised:  # declared, by design: a finding, never a failure
+        pagedkv_run.record(prop.name, candidate, "finding", outcome.first_line, failures=outcome.failures,
+                           non_promise=not_promised)
+        pytest.xfail(non_promise_finding(not_promised, outcome))
+    pagedkv_run.record(prop.name, candidate, "failed" if outcome.failed else "judged", outcome.first_line,
+                       failures=outcome.failures)
     if outcome.failed:
         pytest.fail(failure_text(prop.sentence, outcome), pytrace=False)
     if outcome.status == "partial":
