@@ -29,7 +29,8 @@ def token_identity(previous: int, token_id: int, extra_key: Hashable = None) -> 
     return hash((previous, token_id, extra)) & _MASK
 
 
-def expected_kv(identities: list[int], layer: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def expected_kv(identities: list[int], layer: int, num_kv_heads: int,
+                head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V, ``float32 [len(identities), num_kv_heads, head_dim]`` each, of tokens with these
     identities in ``layer``: 16-bit fields of a per-layer hash (exact in float32)."""
     n, width = len(identities), num_kv_heads * head_dim

@@ -65,7 +65,12 @@ def _import_vllm():
         raise BackendUnavailableError(f"vllm is not installed or lacks its v1 KVCacheManager "
                                       f"({type(exc).__name__}: {exc}); install: {RECIPE}") from exc
     logging.getLogger("vllm").setLevel(logging.ERROR)  # "Failed to reset prefix cache" on every refused reset
-    return types.SimpleNamespace(**locals())
+    return types.SimpleNamespace(
+        torch=torch, LoRARequest=LoRARequest, MultiModalFeatureSpec=MultiModalFeatureSpec,
+        PlaceholderRange=PlaceholderRange, SamplingParams=SamplingParams, sha256=sha256, KVCacheManager=KVCacheManager,
+        get_request_block_hasher=get_request_block_hasher, init_none_hash=init_none_hash,
+        FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
+        SlidingWindowSpec=SlidingWindowSpec, Request=Request)
 
 
 class VllmCacheManager:
