@@ -10,6 +10,7 @@ oracle and the protocol's invariants can see it).
 from __future__ import annotations
 
 import dataclasses
+import types
 
 from pagedkv.cache import PagedKVCache
 from pagedkv.testing.managers.own import OwnCacheManager
@@ -44,9 +45,7 @@ class FreesSharedBlocksUnchecked(FreesSharedBlocks):
         """Nothing: the manager exposes no state of its own."""
 
 
-def frees_shared_blocks(config: ManagerConfig) -> FreesSharedBlocks:
-    return FreesSharedBlocks(config)
-
-
-def frees_shared_blocks_unchecked(config: ManagerConfig) -> FreesSharedBlocksUnchecked:
-    return FreesSharedBlocksUnchecked(config)
+#: Candidates for ``--pagedkv-impl`` / ``load_manager`` (objects with a ``cache_manager`` factory).
+frees_shared_blocks = types.SimpleNamespace(name="frees_shared_blocks", cache_manager=FreesSharedBlocks)
+frees_shared_blocks_unchecked = types.SimpleNamespace(name="frees_shared_blocks_unchecked",
+                                                      cache_manager=FreesSharedBlocksUnchecked)

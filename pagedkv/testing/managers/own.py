@@ -78,3 +78,7 @@ def cache_manager(config: ManagerConfig) -> OwnCacheManager:
 def with_cache_class(cache_class: type) -> type[OwnCacheManager]:
     """:class:`OwnCacheManager` over another cache class with ``PagedKVCache``'s API (a planted fault)."""
     return type(f"Own{cache_class.__name__}", (OwnCacheManager,), {"cache_class": cache_class})
+
+
+#: The windows the suite draws for this manager (``window_left``; ``None``: full attention).
+cache_manager_windows = (None, 0, 2, 5)

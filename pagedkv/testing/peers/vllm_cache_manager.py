@@ -207,3 +207,7 @@ def cache_manager(config: ManagerConfig) -> VllmCacheManager:
         BackendUnavailableError: vLLM is not installed (the message gives the install command).
     """
     return VllmCacheManager(config)
+
+
+#: The windows the suite draws for this manager: full attention and sliding windows of 1, 2 and 5 tokens.
+cache_manager_windows = (None, 0, 1, 4)
