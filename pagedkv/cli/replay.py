@@ -69,6 +69,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Replay ``args.file``; see the module docstring for the output and exit status."""
+    from pagedkv.testing.managers.casefile import is_program_file  # torch-free
+
+    if is_program_file(args.file):  # a cache-manager program (pagedkv.testing.managers.programs)
+        from pagedkv.testing.managers.programs import replay_file
+        return replay_file(args.file, impl=args.impl, quiet=args.quiet)
     if isolated(args):
         return replay_in_child(args)
     return replay(args.file, device=args.device, impl=args.impl, other=args.other, max_bytes=args.max_bytes,

@@ -1,0 +1,3 @@
+"""Cache managers under one state machine: the engine-agnostic protocol (:mod:`.protocol`), the content
+oracle (:mod:`.oracle`), the machine (:mod:`.machine`), pagedkv's own cache through the protocol
+(:mod:`.own`), a planted fault (:mod:`.faults`) and replayable programs (:mod:`.programs`)."""

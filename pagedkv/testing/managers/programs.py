@@ -1,0 +1,160 @@
+"""Programs of the manager machine as data: record a run's steps, save a failing one as a case file,
+replay it (``python -m pagedkv replay FILE`` dispatches here on the file's ``kind``).
+
+A case file (JSON)::
+
+    {"kind": "pagedkv-manager-program", "version": 1, "manager": "pkg.module[:factory]",
+     "block_sizes": [1, 2, 4], "windows": [null], "steps": [["start", {...}], ["add", {...}], ...],
+     "error": "the failure's first line"}
+
+Each step is a rule of :class:`~.machine.ManagerMachine` and its arguments (request ids are the
+machine's own counters, so the same program reaches the same ids); the checks run after every step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from pagedkv.testing.managers.casefile import KIND, is_program_file  # noqa: F401 - re-exported
+from pagedkv.testing.managers.machine import ManagerMachine, machine_for
+
+MAX_STEPS = 10_000
+
+
+def load_manager(spec: str) -> Callable:
+    """The manager factory ``spec`` names: ``pkg.module`` (its ``cache_manager``), ``pkg.module:attr`` (a
+    factory, or an object with a ``cache_manager``).
+
+    Raises:
+        ValueError: the spec names nothing callable.
+    """
+    module_name, _, attr = spec.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in filter(None, attr.split(".")):
+        obj = getattr(obj, part)
+    factory = getattr(obj, "cache_manager", obj)
+    if not callable(factory):
+        raise ValueError(f"manager spec {spec!r} names no cache_manager factory")
+    return factory
+
+
+def _tuples(value):
+    """JSON lists back to the tuples a namespace or extra key was (system prompts and suffixes stay lists)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _arguments(kwargs: dict) -> dict:
+    return {k: (_tuples(v) if k in ("namespace", "extra") else v) for k, v in kwargs.items()}
+
+
+def run_program(machine_class: type[ManagerMachine], steps: list) -> None:
+    """Run ``steps`` on a fresh machine, the checks after each; raises what the machine raises."""
+    machine = machine_class()
+    machine.record = None
+    try:
+        for name, kwargs in steps:
+            getattr(machine, name)(**_arguments(kwargs))
+            machine.check()
+    finally:
+        machine.teardown()
+
+
+def run_recorded(machine_class: type[ManagerMachine], settings_: settings) -> list | None:
+    """Run the machine under Hypothesis; ``None`` when it passes, else the shrunk program's steps
+    (the last example Hypothesis runs is the shrunk failure) with the error attached as ``.error``."""
+    programs: list[list] = []
+
+    class Recorded(machine_class):
+        def __init__(self):
+            super().__init__()
+            self.record = []
+            programs.append(self.record)
+
+    Recorded.__name__ = machine_class.__name__
+    try:
+        run_state_machine_as_test(Recorded, settings=settings_)
+    except Exception as exc:  # noqa: BLE001 - any failure of the manager is the finding
+        steps = _Program(programs[-1] if programs else [])
+        steps.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return steps
+    return None
+
+
+class _Program(list):
+    error = ""
+
+
+def save(path: Path | str, spec: str, machine_class: type[ManagerMachine], steps: list, error: str = "") -> Path:
+    """Write a case file for ``steps`` on the manager ``spec``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"kind": KIND, "version": 1, "manager": spec, "block_sizes": list(machine_class.block_sizes),
+            "windows": list(machine_class.windows), "steps": [[n, k] for n, k in steps], "error": error}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def as_text(steps: list) -> str:
+    """The program as Python lines, as Hypothesis prints a stateful failure."""
+    lines = ["state = Machine()"]
+    for name, kwargs in steps:
+        args = ", ".join(f"{k}={v!r}" for k, v in _arguments(kwargs).items())
+        lines.append(f"state.{name}({args})")
+    return "\n".join(lines + ["state.teardown()"])
+
+
+def replay_file(path: str, *, impl: str | None = None, quiet: bool = False, out=None) -> int:
+    """Replay a manager program: 0 passes, 1 fails, 2 refused. A manager spec outside the ``pagedkv``
+    package runs only when named with ``impl`` (a case file is untrusted input)."""
+    out = out or sys.stdout
+    try:
+        data = json.loads(Path(path).read_text())
+        if data.get("kind") != KIND or data.get("version") != 1:
+            raise ValueError(f"kind must be {KIND!r} version 1")
+        steps = data["steps"]
+        if not isinstance(steps, list) or len(steps) > MAX_STEPS or not all(
+                isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and isinstance(s[1], dict)
+                and hasattr(ManagerMachine, s[0]) and not s[0].startswith("_") for s in steps):
+            raise ValueError("steps must be [rule name, arguments] pairs of the manager machine")
+        spec = impl or data["manager"]
+        if not impl and not spec.startswith("pagedkv."):
+            raise ValueError(f"manager {spec!r} is not shipped with pagedkv; name it with --impl to run it")
+        machine_class = machine_for(load_manager(spec), block_sizes=data["block_sizes"],
+                                    windows=[w for w in data["windows"]])
+    except Exception as exc:  # noqa: BLE001 - one line, no traceback, for any refusal
+        print(f"refused {path}: {type(exc).__name__}: {exc}", file=out)
+        return 2
+    if not quiet:
+        print(f"manager {spec}, {len(steps)} steps:\n{as_text(steps)}", file=out)
+    try:
+        run_program(machine_class, steps)
+    except Exception as exc:  # noqa: BLE001 - the manager's failure is the verdict
+        print(f"FAIL {path}: {type(exc).__name__}: {exc}", file=out)
+        return 1
+    print(f"PASS {path}", file=out)
+    return 0
+
+
+def main(argv=None) -> int:  # pragma: no cover - python -m pagedkv.testing.managers.programs FILE
+    argv = sys.argv[1:] if argv is None else argv
+    return replay_file(argv[0], impl=argv[1] if len(argv) > 1 else None)
+
+
+def ci_settings(max_examples: int = 50, steps: int = 30) -> settings:
+    """Settings for a manager gate: no deadline (managers import slowly), every health check off
+    (the machine's bundles filter)."""
+    return settings(max_examples=max_examples, stateful_step_count=steps, deadline=None,
+                    suppress_health_check=list(HealthCheck), database=None,
+                    report_multiple_bugs=False)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The cache manager of the candidate, when it provides one (a ``cache_manager`` factory taking a
+:class:`~pagedkv.testing.managers.protocol.ManagerConfig`): the manager state machine
+(:mod:`pagedkv.testing.managers.machine`) judged by the content oracle. A failure prints the shrunk
+program and saves it as a case file under ``.pagedkv-failures/`` (``python -m pagedkv replay FILE``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import hypothesis
+import pytest
+
+from pagedkv.backends import backend_name
+from pagedkv.testing.execute import suite_settings
+from pagedkv.testing.managers.protocol import manager_factory
+
+pytestmark = pytest.mark.pagedkv
+
+#: Rules per run of the machine.
+STEPS = 30
+
+
+def test_cache_manager(pagedkv_run, backend):
+    """Every live request reads back, through its block table, the K/V of its own tokens (namespace,
+    prefix, extra keys, position, layer), and the manager's counts, hits and holds add up."""
+    from pagedkv.testing.managers import programs
+    from pagedkv.testing.managers.machine import machine_for
+
+    factory = manager_factory(backend)
+    if factory is None:
+        pagedkv_run.record("cache_manager", backend, "skipped", "no cache_manager", kind="manager")
+        pytest.skip("cache_manager: the candidate provides no cache_manager factory (kernels only)")
+    spec = pagedkv_run.spec or backend_name(backend)
+    windows = getattr(backend, "cache_manager_windows", (None,))
+    machine = machine_for(factory, windows=windows, name=f"{backend_name(backend)}_manager")
+    base = suite_settings()
+    settings = hypothesis.settings(base, max_examples=min(base.max_examples, 100), stateful_step_count=STEPS,
+                                   database=None, report_multiple_bugs=False,
+                                   suppress_health_check=list(hypothesis.HealthCheck))
+    start = time.perf_counter()
+    steps = programs.run_recorded(machine, settings)
+    seconds = time.perf_counter() - start
+    if steps is None:
+        pagedkv_run.record("cache_manager", backend, "judged",
+                           f"{machine.checks_run} steps in {seconds:.1f} s", kind="manager")
+        return
+    path = programs.save(Path(".pagedkv-failures") / f"manager-{backend_name(backend).replace(':', '_')}.json",
+                         spec, machine, steps, steps.error)
+    pagedkv_run.record("cache_manager", backend, "failed", steps.error, kind="manager")
+    pytest.fail(f"cache manager {spec}: {steps.error}\n{programs.as_text(steps)}\n"
+                f"replay: python -m pagedkv replay {path}", pytrace=False)
