@@ -214,11 +214,11 @@ def current() -> DeviceMemoryBudget | None:
     return _BUDGET
 
 
-def shared_directory(config: Any) -> Path:
-    """The ledger's directory of a pytest run: under the controller's ``basetemp``, which is the parent of
-    every xdist worker's (``popen-gwN``), so all workers of the run share it."""
+def shared_directory(config: Any, name: str = "pagedkv-device-memory") -> Path:
+    """A directory every process of a pytest run shares (the ledger's by default): under the controller's
+    ``basetemp``, which is the parent of every xdist worker's (``popen-gwN``)."""
     base = config._tmp_path_factory.getbasetemp()
-    return (base.parent if hasattr(config, "workerinput") else base) / "pagedkv-device-memory"
+    return (base.parent if hasattr(config, "workerinput") else base) / name
 
 
 def budget_for(directory: Path, declared: str | int | None, device: str, headroom: str | int | None = None

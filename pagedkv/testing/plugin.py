@@ -34,6 +34,7 @@ SUITE_COMMAND = "pytest --pyargs pagedkv.testing.suite --pagedkv-impl {spec} -n 
 _ACTIVE = pytest.StashKey[bool]()
 _PROFILE = pytest.StashKey[str]()
 _CANDIDATES = pytest.StashKey[list]()
+_SPECIALISATIONS = "pagedkv-specialisations"  # per-process tallies, under the run's shared directory
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -91,6 +92,11 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_PROFILE] = choose_profile(config.getoption("hypothesis_profile", None))
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from exc
+    if not hasattr(config, "workerinput"):  # one palette seed for every xdist worker of the run
+        from pagedkv.testing.strategies.palette import palette_seed
+
+        os.environ.setdefault("PAGEDKV_PALETTE_SEED", str(palette_seed(config.stash[_PROFILE].split(" ")[0]
+                                                                       .removeprefix("pagedkv-"))))
     if impl_spec(config):
         candidates(config)  # a candidate that cannot load is a usage error now (exit 4), not at collection
 
@@ -262,9 +268,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         terminalreporter.write_line(line)
     from pagedkv.testing.device_lease import shared_directory, summary_line
 
-    leases = summary_line(shared_directory(config))
-    if leases:
-        terminalreporter.write_line(leases)
+    from pagedkv.testing import specialisations
+
+    for line in (summary_line(shared_directory(config)),
+                 specialisations.summary_line(specialisations.read_all(shared_directory(config, _SPECIALISATIONS)))):
+        if line:
+            terminalreporter.write_line(line)
 
 
 @pytest.hookimpl(trylast=True)
@@ -272,6 +281,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """No false green: a named candidate with no conformance property run is a usage error, and so is a
     judged fraction under ``--pagedkv-min-judged``."""
     config = session.config
+    if is_active(config) and hasattr(config, "workerinput"):  # the controller's summary counts them
+        from pagedkv.testing import specialisations
+        from pagedkv.testing.device_lease import shared_directory
+
+        specialisations.write(shared_directory(config, _SPECIALISATIONS), config.workerinput["workerid"])
     if not is_active(config) or hasattr(config, "workerinput") or exitstatus not in (0, 5) \
             or config.option.collectonly:
         return

@@ -51,22 +51,41 @@ def geometries(draw, *, num_blocks: int | None = None, block_sizes=BLOCK_SIZES, 
 
     With ``realistic`` (the default), block sizes, head dims and GQA groups are drawn about half the
     time from what production kernels run (:data:`REALISTIC_BLOCK_SIZES`, ...). ``caps`` (a
-    :class:`pagedkv.backends.capabilities.Capabilities`) keeps every draw inside a backend's declared space.
+    :class:`pagedkv.backends.capabilities.Capabilities`) keeps every draw inside a backend's declared space;
+    a declared compile budget (``caps.specialize_on``) draws the specialising parameters from the run's
+    palette (:mod:`pagedkv.testing.strategies.palette`).
     """
-    def pick(small, real, allowed):
-        return draw(sized(small, real if realistic else (), allowed))
+    shape = _palette_shape(draw, caps, realistic, block_size=block_sizes, head_dim=head_dims,
+                           gqa_group=group_sizes, dtype=dtypes) or {}  # the run's compile budget, if any
 
-    group = pick(group_sizes, REALISTIC_GROUP_SIZES, caps.gqa_groups if caps else None)
+    def pick(name, small, real, allowed):
+        return shape[name] if name in shape else draw(sized(small, real if realistic else (), allowed))
+
+    group = pick("gqa_group", group_sizes, REALISTIC_GROUP_SIZES, caps.gqa_groups if caps else None)
     kv_heads = draw(sized(tuple(range(1, (1 if group > 7 else max_kv_heads) + 1)), (),
                           caps.num_kv_heads if caps else None))
     return Geometry(
         num_blocks=num_blocks if num_blocks is not None else draw(st.integers(1, 12)),
-        block_size=pick(block_sizes, REALISTIC_BLOCK_SIZES, caps.block_sizes if caps else None),
+        block_size=pick("block_size", block_sizes, REALISTIC_BLOCK_SIZES, caps.block_sizes if caps else None),
         num_kv_heads=kv_heads,
-        head_dim=pick(head_dims, REALISTIC_HEAD_DIMS, caps.head_dims if caps else None),
+        head_dim=pick("head_dim", head_dims, REALISTIC_HEAD_DIMS, caps.head_dims if caps else None),
         num_queries_per_kv=group,
-        dtype=draw(st.sampled_from(allowed_dtypes(dtypes, caps))),
+        dtype=shape["dtype"] if "dtype" in shape else draw(st.sampled_from(allowed_dtypes(dtypes, caps))),
     )
+
+
+def _palette_shape(draw, caps, realistic: bool, **lists) -> dict | None:
+    """A shape of the run's palette (:mod:`pagedkv.testing.strategies.palette`) inside the lists this
+    draw allows, or ``None`` (no palette, or none of its shapes fits: then the parameters are drawn freely)."""
+    from pagedkv.testing.strategies.palette import palette_for, shape_fits
+
+    palette = palette_for(caps)
+    if palette is None:
+        return None
+    extra = {"block_size": REALISTIC_BLOCK_SIZES, "head_dim": REALISTIC_HEAD_DIMS, "gqa_group": REALISTIC_GROUP_SIZES}
+    lists = {n: tuple(v) + (extra.get(n, ()) if realistic else ()) for n, v in lists.items()}
+    fits = [s for s in palette.shapes if shape_fits(s, **lists)]
+    return draw(st.sampled_from(fits)) if fits else None
 
 
 def seq_lens(block_size: int, max_len: int, *, min_len: int = 0) -> st.SearchStrategy[int]:
