@@ -6,7 +6,7 @@ suite draws them: the strategies run, the kernels do not), the peak device memor
 leases it and the lease schedule over the workers (:mod:`pagedkv.testing.device_lease`), and an
 estimated wall time:
 
-    wall = startup + (examples x seconds per example) / workers
+    wall = startup + the tests' makespan over the workers (each test: examples x seconds per example)
            + (specialisations x compile seconds) / min(workers, cores) + the leased tests' schedule
 
 Seconds per example are measured (:data:`EXAMPLE_COSTS`: the host side of each property's examples,
@@ -107,17 +107,13 @@ def _caps_for(backend: Any, device: str):
 
 
 def _leased_bytes(prop: Any, caps: Any) -> int:
-    """Device bytes a limit property leases (two pools, or the aliased pool's buffer); 0 for the others."""
-    if prop.kind != "limit":
+    """Device bytes a property's check leases (:func:`pagedkv.testing.device_lease.leased`); 0 for the others."""
+    bytes_of = getattr(prop.check, "leased_bytes", None)
+    if bytes_of is None:
         return 0
     strategy = prop.strategy(caps)
     case = strategy.value if hasattr(strategy, "value") else strategy.example()  # st.just: one fixed case
-    if case is None:
-        return 0
-    g = case.geometry
-    if case.limit.endswith("aliased"):
-        return 4 * (g.num_blocks + g.block_size - 1)
-    return 2 * case.pool_bytes
+    return 0 if case is None else int(bytes_of(case))
 
 
 def _draw_keys(prop: Any, caps: Any, max_examples: int, derandomize: bool, seed: int) -> dict[str, set]:
@@ -149,6 +145,15 @@ def _draw_keys(prop: Any, caps: Any, max_examples: int, derandomize: bool, seed:
     return keys
 
 
+def _makespan(seconds: list[float], workers: int) -> float:
+    """The wall time of tests of these durations over ``workers`` (longest first, each to the least loaded
+    worker: xdist hands out whole tests, so one long property bounds the run from below)."""
+    load = [0.0] * workers
+    for s in sorted(seconds, reverse=True):
+        load[load.index(min(load))] += s
+    return max(load, default=0.0)
+
+
 def _schedule(leased: list[tuple[str, int, float]], budget: int, workers: int) -> tuple[list, float]:
     """Greedy list schedule of the leased tests (``(test, bytes, seconds)``, largest first) over ``workers``
     with at most ``budget`` bytes leased at once: ``[(test, bytes, start, end, worker)]`` and the makespan."""
@@ -168,6 +173,21 @@ def _schedule(leased: list[tuple[str, int, float]], budget: int, workers: int) -
         free_at[w] = end
         out.append((test, nbytes, start, end, w))
     return out, max((e for _, _, _, e, _ in out if e is not None), default=0.0)
+
+
+#: Specialisations of the fixed geometries (the large-pool and limit cases: head_dim 1, one kv head, block
+#: sizes 1 / 16 / 64 / 256 in two 16-bit dtypes, and the declared-geometry limits) beside the palette's.
+FIXED_GEOMETRIES = {"attention": 2, "copy": 10}
+
+
+def _bound(op: str, palette: Any) -> int:
+    """The most specialisations of ``op`` a run drawing from ``palette`` can need: attention its
+    :attr:`~pagedkv.testing.strategies.palette.Palette.bound`, a copy one per shape and pool format
+    (the dtype's, fp8 e4m3, fp8 e5m2), each with the fixed geometries."""
+    if op in _ATTENTION:
+        return palette.bound + FIXED_GEOMETRIES["attention"]
+    formats = 3 if any("fp8" in s for s in palette.feature_sets) else 1
+    return len(palette.shapes) * formats + FIXED_GEOMETRIES["copy"]
 
 
 def plan_profile(backend: Any, profile: str, *, device: str, workers: int, cores: int, budget: int,
@@ -203,16 +223,16 @@ def plan_profile(backend: Any, profile: str, *, device: str, workers: int, cores
             elif prop.kind != "machine":
                 drawn = False
         plans.append(plan)
+    ops = sorted({op for p in plans if not p.skipped for op in p.ops} | set(union))
     if drawn or palette is None:
-        counts = {op: len(keys) for op, keys in union.items()}
+        counts = {op: len(union.get(op, ())) for op in ops}
     else:  # past the draw limit: the palette's bound (what a run of that many examples reaches)
-        counts = {op: max(len(keys), palette.bound if op in _ATTENTION else len(palette.shapes))
-                  for op, keys in union.items()}
+        counts = {op: max(len(union.get(op, ())), _bound(op, palette)) for op in ops}
     compile_total = sum(counts[op] * compile_s.get(op, 0.0) for op in counts)
     leased = [(f"test_{p.name}", p.leased_bytes, p.seconds + p.leased_bytes / FILL_BYTES_PER_S)
               for p in plans if p.leased_bytes and not p.skipped]
     schedule, makespan = _schedule(leased, budget, workers)
-    examples_s = sum(p.seconds for p in plans if not p.leased_bytes) / workers
+    examples_s = _makespan([p.seconds for p in plans if not p.leased_bytes and not p.skipped], workers)
     return ProfilePlan(profile, plans, counts, drawn, palette.describe() if palette else "no palette (draws freely)",
                        examples_s, compile_total / max(1, min(workers, cores)), schedule, makespan, WORKER_START_S)
 

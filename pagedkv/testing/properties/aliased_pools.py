@@ -133,6 +133,7 @@ def _rejects(call, bound: int, what: str) -> None:
                        {"slot" if "slot" in what else "block": bound})
 
 
+@leased(lambda case: 2 * _buffer_bytes(case))  # a K and a V pool
 def validation_bounds_past_2_31(backend: Any, case: LimitCase, device: str = "cpu") -> None:
     """The last slot and block past 2**32 are accepted; one past them (and one 2**32 further, which
     wraps to a valid slot in 32 bits) is an ``IndexError`` naming the bound, and nothing is written."""
