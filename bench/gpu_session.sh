@@ -71,7 +71,7 @@ step "compile-count check"
 python3 bench/compile_count_check.py "$out/suite.txt" "$out/plan.json" >> "$summary" 2>&1
 echo "compile-count check exit $?" >> "$summary"
 
-# 2. compile report for this device (ahead of time, the same matrix as CI's nightly default level)
+# 3. compile report for this device (ahead of time, the same matrix as CI's nightly default level)
 step "compile report: python -m pagedkv bench --compile-report --arch $cc"
 dev timeout -k 10 "${COMPILE_S:-60}" python3 -m pagedkv bench --compile-report --arch "$cc" \
   --json "$out/compile-report-sm$cc.json" > "$out/compile.txt" 2>&1
@@ -104,7 +104,7 @@ for name in ("_paged_attention_kernel", "_merge_splits_kernel"):
             print(f"driver: {name} warps {c.num_warps} regs {kernel.n_regs} spills {kernel.n_spills} shared {c.shared}")
 EOF
 
-# 3. e2e on CUDA
+# 4. e2e on CUDA
 step "e2e on CUDA"
 for spec in "triton float32" "triton bfloat16" "indexed bfloat16"; do
   set -- $spec
@@ -113,7 +113,7 @@ for spec in "triton float32" "triton bfloat16" "indexed bfloat16"; do
   echo "e2e $1 $2: exit $? $(tail -1 "$out/e2e.txt")" >> "$summary"
 done
 
-# 4. the benchmark with the GPU limit table (split-K vs unsplit decode vs gather-then-SDPA vs a device copy)
+# 5. the benchmark with the GPU limit table (split-K vs unsplit decode vs gather-then-SDPA vs a device copy)
 step "bench: gather, write_kv, decode attention on cuda"
 dev timeout -k 10 "${BENCH_S:-150}" python3 -m pagedkv bench --device cuda --ops gather,write_kv,attention \
   --impls indexed,indexed+sdpa,triton,triton-nosplit --dtypes bfloat16 --presets 8x128 --block-sizes 1,16 \
