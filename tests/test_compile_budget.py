@@ -13,15 +13,16 @@ from pagedkv.backends.capabilities import SPECIALIZATION_NAMES, Capabilities, Si
 from pagedkv.testing import specialisations
 from pagedkv.testing.plan import _schedule
 from pagedkv.testing.strategies.batches import cases
-from pagedkv.testing.strategies.palette import build_palette, palette_for
+from pagedkv.testing.strategies.geometry import UNIVERSE, run_palette
+from pagedkv.testing.strategies.palette import build_palette
 
 TRITON_LIKE = Capabilities(features=frozenset({"window", "softcap", "alibi", "sinks", "fp8"}),
                            specialize_on=SPECIALIZATION_NAMES)
 
 
 def test_the_ci_palette_is_fixed_holds_the_boundaries_and_stays_within_150_attention_specialisations():
-    a = build_palette(SPECIALIZATION_NAMES, TRITON_LIKE, "ci", 0)
-    assert a == build_palette(SPECIALIZATION_NAMES, TRITON_LIKE, "ci", 0)
+    a = build_palette(SPECIALIZATION_NAMES, TRITON_LIKE, "ci", 0, UNIVERSE)
+    assert a == build_palette(SPECIALIZATION_NAMES, TRITON_LIKE, "ci", 0, UNIVERSE)
     assert a.bound <= 150
     smallest, largest = a.shapes[0], a.shapes[1]
     assert (smallest["block_size"], smallest["head_dim"], smallest["gqa_group"]) == (1, 1, 1)
@@ -33,7 +34,7 @@ def test_the_ci_palette_is_fixed_holds_the_boundaries_and_stays_within_150_atten
 
 
 def test_the_nightly_palette_rotates_with_the_seed_and_keeps_the_boundaries():
-    days = [build_palette(SPECIALIZATION_NAMES, TRITON_LIKE, "nightly", seed) for seed in (1, 2)]
+    days = [build_palette(SPECIALIZATION_NAMES, TRITON_LIKE, "nightly", seed, UNIVERSE) for seed in (1, 2)]
     assert days[0].shapes != days[1].shapes
     assert all(p.shapes[0]["block_size"] == 1 and p.shapes[1]["block_size"] == 544 for p in days)
 
@@ -41,12 +42,12 @@ def test_the_nightly_palette_rotates_with_the_seed_and_keeps_the_boundaries():
 def test_the_palette_stays_inside_the_declared_space():
     caps = dataclasses.replace(TRITON_LIKE, block_sizes=Sizes(multiple_of=16), head_dims=Sizes(values={64, 128}),
                                dtypes=frozenset({"float16"}))
-    p = build_palette(SPECIALIZATION_NAMES, caps, "ci", 0)
+    p = build_palette(SPECIALIZATION_NAMES, caps, "ci", 0, UNIVERSE)
     assert all(s["block_size"] % 16 == 0 and s["head_dim"] in (64, 128) and s["dtype"] == "float16" for s in p.shapes)
 
 
 def test_a_backend_declaring_no_specialisation_draws_freely():
-    assert palette_for(Capabilities()) is None
+    assert run_palette(Capabilities()) is None
     assert capabilities_of(__import__("pagedkv").get_backend("indexed")).specialize_on is None
 
 
@@ -58,7 +59,7 @@ def test_an_unknown_specialisation_name_is_rejected():
 @settings(max_examples=60, deadline=None, database=None)
 @given(st.data())
 def test_drawn_cases_use_only_the_palettes_specialisations(data):
-    palette = palette_for(TRITON_LIKE)
+    palette = run_palette(TRITON_LIKE)
     case = data.draw(cases(caps=TRITON_LIKE))
     g = case.geometry
     shape = {"block_size": g.block_size, "head_dim": g.head_dim, "gqa_group": g.num_queries_per_kv, "dtype": g.dtype}
@@ -68,7 +69,7 @@ def test_drawn_cases_use_only_the_palettes_specialisations(data):
 
 def test_the_run_counts_each_ops_distinct_specialisations(tmp_path, monkeypatch):
     monkeypatch.setattr(specialisations, "_SEEN", __import__("collections").defaultdict(set))
-    palette = palette_for(TRITON_LIKE)
+    palette = run_palette(TRITON_LIKE)
     drawn = [cases(caps=TRITON_LIKE).example() for _ in range(5)]
     for case in drawn + drawn:
         specialisations.record(("paged_attention", "gather"), case, TRITON_LIKE)

@@ -198,13 +198,14 @@ def plan_profile(backend: Any, profile: str, *, device: str, workers: int, cores
     from pagedkv.testing.execute import _with_reference
     from pagedkv.testing.registry import properties
     from pagedkv.testing.space import example_cap
-    from pagedkv.testing.strategies.palette import palette_for, palette_seed
+    from pagedkv.testing.strategies.geometry import run_palette
+    from pagedkv.testing.strategies.palette import palette_seed
     from pagedkv.testing.strategies.profiles import PROFILES, register_profiles
 
     register_profiles()
     settings.load_profile(f"pagedkv-{profile}")
     caps = _caps_for(backend, device)
-    palette = palette_for(caps)
+    palette = run_palette(caps)
     count = PROFILES[profile]["max_examples"]
     derandomize = PROFILES[profile].get("derandomize", False)
     cap = None if str(device).startswith("cuda") else example_cap([backend])

@@ -9,8 +9,7 @@ from pagedkv.backends.capabilities import FEATURE_NAMES
 from pagedkv.testing.cases.case import FINITE_POISONS, LAYOUTS, POISONS, VALUE_PATTERNS, Case, Geometry, SeqSpec
 from pagedkv.config import blocks_needed
 
-from .geometry import DTYPES, geometries, positions_in, seq_lens
-from .palette import palette_for
+from .geometry import DTYPES, geometries, positions_in, run_palette, seq_lens
 
 
 #: Key tiles kernels loop over (vLLM's ``unified_attention``: 16, 32 or 64 keys; pagedkv's Triton
@@ -127,7 +126,7 @@ def _extras(draw, geometry: Geometry, seqs, *, read_only: bool, caps=None, poiso
         scale=draw(st.one_of(st.none(), st.sampled_from((0.5, 1.0, 0.1)))),
         seed=draw(st.integers(0, 2**16)),
         **draw(feature_fields(geometry, seqs, allowed=declared_features(caps, features), force=force,
-                              palette=palette_for(caps))),
+                              palette=run_palette(caps))),
         num_splits=draw(split_counts(caps)),
     )
 

@@ -15,6 +15,9 @@ HEAD_DIMS = (1, 2, 3, 4, 5, 7, 8)  # small odd head dims where the ops allow the
 REALISTIC_BLOCK_SIZES = (32, 64, 128, 256, 544)
 REALISTIC_HEAD_DIMS = (32, 40, 64, 72, 80, 96, 112, 128, 192, 256, 576)
 REALISTIC_GROUP_SIZES = (8, 16, 17, 48, 64, 71)
+#: Every value the geometry strategies draw, per specialising parameter (what a palette picks from).
+UNIVERSE = {"block_size": BLOCK_SIZES + REALISTIC_BLOCK_SIZES, "head_dim": HEAD_DIMS + REALISTIC_HEAD_DIMS,
+            "gqa_group": GROUP_SIZES + REALISTIC_GROUP_SIZES, "dtype": DTYPES}
 
 
 def sized(small, realistic, allowed=None) -> st.SearchStrategy[int]:
@@ -74,12 +77,20 @@ def geometries(draw, *, num_blocks: int | None = None, block_sizes=BLOCK_SIZES, 
     )
 
 
+def run_palette(caps):
+    """The run's palette for the declared space ``caps`` (:func:`pagedkv.testing.strategies.palette.palette_for`
+    over :data:`UNIVERSE`), or ``None`` when it declares no specialising parameter."""
+    from pagedkv.testing.strategies.palette import palette_for
+
+    return palette_for(caps, UNIVERSE)
+
+
 def _palette_shape(draw, caps, realistic: bool, **lists) -> dict | None:
     """A shape of the run's palette (:mod:`pagedkv.testing.strategies.palette`) inside the lists this
     draw allows, or ``None`` (no palette, or none of its shapes fits: then the parameters are drawn freely)."""
-    from pagedkv.testing.strategies.palette import palette_for, shape_fits
+    from pagedkv.testing.strategies.palette import shape_fits
 
-    palette = palette_for(caps)
+    palette = run_palette(caps)
     if palette is None:
         return None
     extra = {"block_size": REALISTIC_BLOCK_SIZES, "head_dim": REALISTIC_HEAD_DIMS, "gqa_group": REALISTIC_GROUP_SIZES}
