@@ -53,7 +53,7 @@ step "plan: python -m pagedkv plan --impl triton --profile ci,gpu --device cuda 
 timeout -k 5 "${PLAN_S:-45}" python3 -m pagedkv plan --impl triton --profile ci,gpu --device cuda --workers "$workers" \
   --device-memory "$mem" --draw-limit 0 --json "$out/plan.json" > "$out/plan.txt" 2>&1
 rc=$?
-{ echo "plan exit $rc"; grep -E "^== profile|distinct specialisations|estimated wall time" "$out/plan.txt"; } >> "$summary"
+{ echo "plan exit $rc"; grep -E "^== profile|distinct specialisations|estimated wall time" "$out/plan.txt" | sed 's/^=* */  /'; } >> "$summary"
 
 # 1. the suite under the gpu profile
 step "suite: PAGEDKV_PROFILE=gpu pytest --pyargs pagedkv.testing.suite tests/ -n auto"
