@@ -92,6 +92,8 @@ ANY = Sizes()
 #: Pool layouts a backend may declare by name (``Capabilities.layout``; a
 #: :class:`~pagedkv.layouts.PoolLayout` or a ``(key, value)`` pair of them declares any other).
 LAYOUTS = ("NHD", "HND")
+#: Parameters that may specialise a backend's kernels (``Capabilities.specialize_on``).
+SPECIALIZATION_NAMES = frozenset({"block_size", "head_dim", "gqa_group", "dtype", "features"})
 #: Page-table formats a backend's ``paged_attention`` may declare (``Capabilities.page_table``).
 PAGE_TABLES = ("padded", "csr")
 
@@ -119,6 +121,10 @@ class Capabilities:
             k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, query_start_loc, scale=None,
             **features)``, the suite builds that metadata from every drawn case, and the CSR faults
             replace the padded-table faults of the rejection property.
+        specialize_on: the parameters that specialise its kernels (a compiled variant each:
+            :data:`SPECIALIZATION_NAMES`); the suite draws them from a small per-run palette
+            (:mod:`pagedkv.testing.strategies.palette`). ``None``: all of them for a Triton backend
+            (read from a ``SPECIALIZE_ON`` attribute when the backend has no ``capabilities``), else none.
         layout: the pool layout its ops take: ``"NHD"`` (``[num_blocks, block_size, num_kv_heads,
             head_dim]``, the contract's), ``"HND"`` (``[num_blocks, num_kv_heads, block_size, head_dim]``,
             FlashInfer's and vLLM's head-major layout), a :class:`~pagedkv.layouts.PoolLayout` (its own
@@ -152,6 +158,7 @@ class Capabilities:
     layout: Any = "NHD"
     page_table: str = "padded"
     non_promises: Any = ()
+    specialize_on: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         pairs = self.non_promises.items() if hasattr(self.non_promises, "items") else self.non_promises
@@ -174,6 +181,12 @@ class Capabilities:
             if unknown:
                 raise ValueError(f"Capabilities.{name}: unknown {sorted(unknown)}; known: {sorted(allowed)}")
             object.__setattr__(self, name, value)
+        if self.specialize_on is not None:
+            unknown = frozenset(self.specialize_on) - SPECIALIZATION_NAMES
+            if unknown:
+                raise ValueError(f"Capabilities.specialize_on: unknown {sorted(unknown)}; known: "
+                                 f"{sorted(SPECIALIZATION_NAMES)}")
+            object.__setattr__(self, "specialize_on", frozenset(self.specialize_on))
         if not self.dtypes:
             raise ValueError("Capabilities.dtypes must name at least one dtype")
 
@@ -234,7 +247,8 @@ def capabilities_of(backend: Any) -> Capabilities:
     if caps is None:
         return Capabilities(features=frozenset(getattr(backend, "FEATURES", ())),
                             split_k=bool(getattr(backend, "SPLIT_K", False)),
-                            page_table=getattr(backend, "page_table", None) or "padded")
+                            page_table=getattr(backend, "page_table", None) or "padded",
+                            specialize_on=getattr(backend, "SPECIALIZE_ON", None))
     if not isinstance(caps, Capabilities):
         raise TypeError(f"{getattr(backend, 'name', backend)!r}.capabilities must be a "
                         f"pagedkv.backends.capabilities.Capabilities, got {type(caps).__name__}")

@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "soak": ".soak",
     "fuzz": ".fuzz",
     "peers": ".peers",
+    "plan": ".plan",
 }
 
 

@@ -297,6 +297,7 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
     from hypothesis import given
 
     from pagedkv.backends import backend_name
+    from pagedkv.testing import specialisations
     from pagedkv.testing.space import capabilities_under_test, example_cap
 
     backends = _with_reference(prop, tuple(backends))
@@ -328,6 +329,7 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
         if on_example is not None:
             on_example()
         recorder.before(case)
+        specialisations.record(prop.ops, case, caps)  # what a GPU run compiles for this example
         try:
             call(prop, backends, case, device)
             if after_pass is not None:

@@ -35,6 +35,7 @@ SUITE_COMMAND = "pytest --pyargs pagedkv.testing.suite --pagedkv-impl {spec} -n 
 _ACTIVE = pytest.StashKey[bool]()
 _PROFILE = pytest.StashKey[str]()
 _CANDIDATES = pytest.StashKey[list]()
+_SPECIALISATIONS = "pagedkv-specialisations"  # per-process tallies, under the run's shared directory
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -55,6 +56,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--pagedkv-min-judged", default=None, type=float, metavar="FRACTION",
                     help="fail the run when fewer than FRACTION of the properties the candidate's ops allow were "
                          "judged (default: ini pagedkv_min_judged, else 0)")
+    group.addoption("--pagedkv-device-memory", default=None, metavar="SIZE",
+                    help="device-memory budget shared by every xdist worker for the large-pool tests, e.g. 141GiB "
+                         "(default: ini pagedkv_device_memory, $PAGEDKV_DEVICE_MEMORY, else the device's total "
+                         "less ini pagedkv_device_headroom); on the CPU a declared budget is simulated")
+    parser.addini("pagedkv_device_memory", default="", help="device-memory budget of the large-pool leases")
+    parser.addini("pagedkv_device_headroom", default="", help="device memory kept out of the lease budget (16GiB)")
     parser.addini("pagedkv_builtin", type="bool", default=False,
                   help="activate the pagedkv plugin for this project's own tests (the built-in backends)")
     parser.addini("pagedkv_regressions", default="", help="directory of your own pagedkv case files")
@@ -91,6 +98,11 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_PROFILE] = choose_profile(config.getoption("hypothesis_profile", None))
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from exc
+    if not hasattr(config, "workerinput"):  # one palette seed for every xdist worker of the run
+        from pagedkv.testing.strategies.palette import palette_seed
+
+        os.environ.setdefault("PAGEDKV_PALETTE_SEED", str(palette_seed(config.stash[_PROFILE].split(" ")[0]
+                                                                       .removeprefix("pagedkv-"))))
     if impl_spec(config):
         candidates(config)  # a candidate that cannot load is a usage error now (exit 4), not at collection
 
@@ -209,6 +221,31 @@ def device(request) -> str:
     return pick_device(request.config.getoption("pagedkv_device", None))
 
 
+def _declared_device_memory(config: pytest.Config) -> str | None:
+    return (config.getoption("pagedkv_device_memory", None) or config.getini("pagedkv_device_memory")
+            or os.environ.get("PAGEDKV_DEVICE_MEMORY") or None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pagedkv_device_memory(request):
+    """The run's shared device-memory budget (:mod:`pagedkv.testing.device_lease`; ``None`` on a CPU
+    without a declared budget), configured for the properties that allocate large pools."""
+    from pagedkv.testing import device_lease
+
+    if not is_active(request.config):
+        yield None
+        return
+    config = request.config
+    try:
+        budget = device_lease.budget_for(device_lease.shared_directory(config), _declared_device_memory(config),
+                                         request.getfixturevalue("device"), config.getini("pagedkv_device_headroom"))
+    except ValueError as exc:
+        raise pytest.UsageError(f"--pagedkv-device-memory / pagedkv_device_headroom: {exc}") from exc
+    device_lease.configure(budget)
+    yield budget
+    device_lease.configure(None)
+
+
 @pytest.fixture
 def pagedkv_run(request):
     """The suite's handle on the current test: its spec, case-file name and a place to record what the
@@ -236,6 +273,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
 
     for line in summary_lines(terminalreporter.stats, candidates(config), impl_spec(config)):
         terminalreporter.write_line(line)
+    from pagedkv.testing.device_lease import shared_directory, summary_line
+
+    from pagedkv.testing import specialisations
+
+    for line in (summary_line(shared_directory(config)),
+                 specialisations.summary_line(specialisations.read_all(shared_directory(config, _SPECIALISATIONS)))):
+        if line:
+            terminalreporter.write_line(line)
 
 
 @pytest.hookimpl(trylast=True)
@@ -243,6 +288,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """No false green: a named candidate with no conformance property run is a usage error, and so is a
     judged fraction under ``--pagedkv-min-judged``."""
     config = session.config
+    if is_active(config) and hasattr(config, "workerinput"):  # the controller's summary counts them
+        from pagedkv.testing import specialisations
+        from pagedkv.testing.device_lease import shared_directory
+
+        specialisations.write(shared_directory(config, _SPECIALISATIONS), config.workerinput["workerid"])
     if not is_active(config) or hasattr(config, "workerinput") or config.option.collectonly:
         return
     try:

@@ -85,7 +85,18 @@ def capabilities_under_test(backend: Any, *, for_drawing: bool = False):
         caps = dataclasses.replace(caps, dtypes=caps.dtypes - {"bfloat16"})
     if for_drawing and interpreted(backend) and not runs_triton_in_interpreter(backend):
         caps = dataclasses.replace(caps, block_sizes=Sizes(max=16), head_dims=Sizes(max=8), gqa_groups=Sizes(max=7))
+    if caps.specialize_on is None and launches_triton(backend):  # a Triton kernel specialises on all of them
+        from pagedkv.backends.capabilities import SPECIALIZATION_NAMES
+
+        caps = dataclasses.replace(caps, specialize_on=SPECIALIZATION_NAMES)
     return caps
+
+
+def launches_triton(backend: Any) -> bool:
+    """Whether ``backend``'s module holds Triton objects (its kernels compile one variant per specialisation)."""
+    module = _module_of(backend)
+    return module is not None and any(getattr(v, "__module__", "").startswith("triton")
+                                      or getattr(v, "__name__", "") == "triton" for v in vars(module).values())
 
 
 def example_cap(backends) -> int | None:

@@ -32,6 +32,9 @@ _kernels.check_runnable()  # BackendUnavailableError: no CUDA and triton was imp
 name = "triton"
 #: Optional attention features this backend supports (see ``docs/contract.md``).
 FEATURES = frozenset({"window", "softcap", "alibi", "sinks", "fp8"})
+#: What specialises the kernels (``tl.constexpr``: BLOCK_SIZE, HEAD_DIM, QUERIES_PER_KV, the dtype, the
+#: feature flags): the suite draws them from a per-run palette (``Capabilities.specialize_on``).
+SPECIALIZE_ON = frozenset({"block_size", "head_dim", "gqa_group", "dtype", "features"})
 #: ``paged_attention`` takes ``num_splits`` (split-K decode); the conformance suite draws split counts.
 SPLIT_K = True
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.backends.capabilities import Capabilities, Sizes
+from pagedkv.backends.capabilities import SPECIALIZATION_NAMES, Capabilities, Sizes
 from pagedkv.backends.interpreter import launch_on_fresh_stack_chunks
 from pagedkv.errors import BackendUnavailableError
 from pagedkv.layouts import HND, PoolLayout
@@ -131,7 +131,9 @@ class VllmTriton:
                                          {"float32", "float16", "bfloat16"},
                                          features={"window", "softcap", "alibi", "sinks"},
                                          preconditions=self.preconditions,
-                                         non_promises={"a_huge_softcap_equals_no_softcap": HUGE_SOFTCAP})
+                                         non_promises={"a_huge_softcap_equals_no_softcap": HUGE_SOFTCAP},
+                                         # Triton constexprs: BLOCK_SIZE, HEAD_SIZE, num_queries_per_kv, ...
+                                         specialize_on=SPECIALIZATION_NAMES)
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping) -> None:
         """``triton_reshape_and_cache_flash(key, value, k_cache, v_cache, slot_mapping, "auto", 1, 1)``."""

@@ -18,6 +18,7 @@ import torch
 
 from pagedkv.testing.cases.limit import LimitCase
 from pagedkv.testing.compare import Mismatch, MissingOp, bits, require
+from pagedkv.testing.device_lease import leased
 
 # block ids whose slots lie past 2**31 (and past 2**32), spaced so their buffer elements never alias
 _HIGH = (-1, 2**22 + 7, 2**23 - 3 * 512, 2**22 + 2 * 512 + 5)
@@ -46,6 +47,11 @@ def _inside_declared_space(backend: Any) -> None:
         raise MissingOp(reason)
 
 
+def _buffer_bytes(case: LimitCase) -> int:
+    """Device bytes of the aliased pool's buffer (float32, ``num_blocks + block_size - 1`` elements)."""
+    return 4 * (case.geometry.num_blocks + case.geometry.block_size - 1)
+
+
 def aliased_pool(case: LimitCase, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(pool, buffer)``: ``pool[b, o, 0, 0]`` is ``buffer[b + o]``, which holds ``b + o``."""
     g = case.geometry
@@ -65,6 +71,7 @@ def _first_difference(actual: torch.Tensor, expected: torch.Tensor, what: str, b
                                                        "actual": [actual.flatten()[i].item()]})
 
 
+@leased(lambda case: _buffer_bytes(case))
 def gather_past_2_31(backend: Any, case: LimitCase, device: str = "cpu") -> None:
     """``gather`` over four blocks past 2**31 slots returns each block's slots (``b + o``), bit for bit."""
     gather = require(backend, "gather")
@@ -77,6 +84,7 @@ def gather_past_2_31(backend: Any, case: LimitCase, device: str = "cpu") -> None
     _first_difference(out, expected, f"gather of blocks {list(blocks)} past 2**31 slots", bs)
 
 
+@leased(lambda case: _buffer_bytes(case))
 def write_kv_past_2_31(backend: Any, case: LimitCase, device: str = "cpu") -> None:
     """``write_kv`` to slots past 2**31 and 2**32 (and a padding slot -1) writes exactly those slots."""
     write_kv = require(backend, "write_kv")
@@ -96,6 +104,7 @@ def write_kv_past_2_31(backend: Any, case: LimitCase, device: str = "cpu") -> No
     _first_difference(v_buffer, v_expected, f"v_cache after write_kv to slots {slots}")
 
 
+@leased(lambda case: _buffer_bytes(case))
 def scatter_past_2_31(backend: Any, case: LimitCase, device: str = "cpu") -> None:
     """``scatter`` across the end of one block past 2**31 slots, a whole block and the start of a third
     writes exactly those slots."""
@@ -124,6 +133,7 @@ def _rejects(call, bound: int, what: str) -> None:
                        {"slot" if "slot" in what else "block": bound})
 
 
+@leased(lambda case: 2 * _buffer_bytes(case))  # a K and a V pool
 def validation_bounds_past_2_31(backend: Any, case: LimitCase, device: str = "cpu") -> None:
     """The last slot and block past 2**32 are accepted; one past them (and one 2**32 further, which
     wraps to a valid slot in 32 bits) is an ``IndexError`` naming the bound, and nothing is written."""

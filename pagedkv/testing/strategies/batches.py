@@ -9,7 +9,7 @@ from pagedkv.backends.capabilities import FEATURE_NAMES
 from pagedkv.testing.cases.case import FINITE_POISONS, LAYOUTS, POISONS, VALUE_PATTERNS, Case, Geometry, SeqSpec
 from pagedkv.config import blocks_needed
 
-from .geometry import BLOCK_SIZES, DTYPES, REALISTIC_BLOCK_SIZES, geometries, positions_in, seq_lens
+from .geometry import BLOCK_SIZES, DTYPES, REALISTIC_BLOCK_SIZES, geometries, positions_in, run_palette, seq_lens
 
 
 #: Key tiles kernels loop over (vLLM's ``unified_attention``: 16, 32 or 64 keys; pagedkv's Triton
@@ -128,7 +128,7 @@ def declared_features(caps=None, features: bool | tuple = True) -> frozenset[str
 
 
 @st.composite
-def feature_fields(draw, geometry: Geometry, seqs, *, allowed=FEATURE_NAMES, force=()) -> dict:
+def feature_fields(draw, geometry: Geometry, seqs, *, allowed=FEATURE_NAMES, force=(), palette=None) -> dict:
     """The optional features of a case, each drawn only when ``allowed`` (a backend's declared features)
     names it; ``force`` (feature names) turns those on. Half the cases draw none unless forced, so the
     plain path keeps its share; the other half is swarm-style: each declared feature on with
@@ -137,12 +137,18 @@ def feature_fields(draw, geometry: Geometry, seqs, *, allowed=FEATURE_NAMES, for
     in a case this large on True only about 35% of the time in 25-example runs (measured), so a coin
     gave 35% featured cases; 1 in 3 gives 51%.
     Windows are biased to 0, 1, ``bs - 1``, ``bs``, the whole context and past it; a quarter of the sinks
-    are ``-inf`` (:meth:`Case.sink_values`); fp8 scales are per tensor or per kv head."""
+    are ``-inf`` (:meth:`Case.sink_values`); fp8 scales are per tensor or per kv head. With a ``palette``
+    (:class:`~pagedkv.testing.strategies.palette.Palette` declaring ``features``), the features on are one
+    of its feature sets that holds ``force``."""
     force = frozenset(force) & frozenset(allowed)
     if not allowed or not force and draw(st.integers(0, 2)) == 0:  # none: shrinks toward no feature
         return {}
-    on = {f for f in sorted(allowed) if f in force or draw(st.booleans())}
-    on = on or {draw(st.sampled_from(sorted(allowed)))}
+    sets = [s for s in (palette.feature_sets if palette else ()) if s and force <= s <= frozenset(allowed)]
+    if sets:  # the run's compile budget: a feature set of its palette
+        on = set(draw(st.sampled_from(sets)))
+    else:
+        on = {f for f in sorted(allowed) if f in force or draw(st.booleans())}
+        on = on or {draw(st.sampled_from(sorted(allowed)))}
     out: dict = {}
     if "window" in on:
         bs, context = geometry.block_size, max((s.seq_len for s in seqs), default=0)
@@ -175,7 +181,8 @@ def _extras(draw, geometry: Geometry, seqs, *, read_only: bool, caps=None, poiso
         layout=draw(st.sampled_from(layouts)),
         scale=draw(st.one_of(st.none(), st.sampled_from((0.5, 1.0, 0.1)))),
         seed=draw(st.integers(0, 2**16)),
-        **draw(feature_fields(geometry, seqs, allowed=declared_features(caps, features), force=force)),
+        **draw(feature_fields(geometry, seqs, allowed=declared_features(caps, features), force=force,
+                              palette=run_palette(caps))),
         num_splits=draw(split_counts(caps)),
     )
 

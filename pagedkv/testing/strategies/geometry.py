@@ -15,6 +15,9 @@ HEAD_DIMS = (1, 2, 3, 4, 5, 7, 8)  # small odd head dims where the ops allow the
 REALISTIC_BLOCK_SIZES = (32, 64, 128, 256, 544)
 REALISTIC_HEAD_DIMS = (32, 40, 64, 72, 80, 96, 112, 128, 192, 256, 576)
 REALISTIC_GROUP_SIZES = (8, 16, 17, 48, 64, 71)
+#: Every value the geometry strategies draw, per specialising parameter (what a palette picks from).
+UNIVERSE = {"block_size": BLOCK_SIZES + REALISTIC_BLOCK_SIZES, "head_dim": HEAD_DIMS + REALISTIC_HEAD_DIMS,
+            "gqa_group": GROUP_SIZES + REALISTIC_GROUP_SIZES, "dtype": DTYPES}
 
 
 def sized(small, realistic, allowed=None) -> st.SearchStrategy[int]:
@@ -51,22 +54,49 @@ def geometries(draw, *, num_blocks: int | None = None, block_sizes=BLOCK_SIZES, 
 
     With ``realistic`` (the default), block sizes, head dims and GQA groups are drawn about half the
     time from what production kernels run (:data:`REALISTIC_BLOCK_SIZES`, ...). ``caps`` (a
-    :class:`pagedkv.backends.capabilities.Capabilities`) keeps every draw inside a backend's declared space.
+    :class:`pagedkv.backends.capabilities.Capabilities`) keeps every draw inside a backend's declared space;
+    a declared compile budget (``caps.specialize_on``) draws the specialising parameters from the run's
+    palette (:mod:`pagedkv.testing.strategies.palette`).
     """
-    def pick(small, real, allowed):
-        return draw(sized(small, real if realistic else (), allowed))
+    shape = _palette_shape(draw, caps, realistic, block_size=block_sizes, head_dim=head_dims,
+                           gqa_group=group_sizes, dtype=dtypes) or {}  # the run's compile budget, if any
 
-    group = pick(group_sizes, REALISTIC_GROUP_SIZES, caps.gqa_groups if caps else None)
+    def pick(name, small, real, allowed):
+        return shape[name] if name in shape else draw(sized(small, real if realistic else (), allowed))
+
+    group = pick("gqa_group", group_sizes, REALISTIC_GROUP_SIZES, caps.gqa_groups if caps else None)
     kv_heads = draw(sized(tuple(range(1, (1 if group > 7 else max_kv_heads) + 1)), (),
                           caps.num_kv_heads if caps else None))
     return Geometry(
         num_blocks=num_blocks if num_blocks is not None else draw(st.integers(1, 12)),
-        block_size=pick(block_sizes, REALISTIC_BLOCK_SIZES, caps.block_sizes if caps else None),
+        block_size=pick("block_size", block_sizes, REALISTIC_BLOCK_SIZES, caps.block_sizes if caps else None),
         num_kv_heads=kv_heads,
-        head_dim=pick(head_dims, REALISTIC_HEAD_DIMS, caps.head_dims if caps else None),
+        head_dim=pick("head_dim", head_dims, REALISTIC_HEAD_DIMS, caps.head_dims if caps else None),
         num_queries_per_kv=group,
-        dtype=draw(st.sampled_from(allowed_dtypes(dtypes, caps))),
+        dtype=shape["dtype"] if "dtype" in shape else draw(st.sampled_from(allowed_dtypes(dtypes, caps))),
     )
+
+
+def run_palette(caps):
+    """The run's palette for the declared space ``caps`` (:func:`pagedkv.testing.strategies.palette.palette_for`
+    over :data:`UNIVERSE`), or ``None`` when it declares no specialising parameter."""
+    from pagedkv.testing.strategies.palette import palette_for
+
+    return palette_for(caps, UNIVERSE)
+
+
+def _palette_shape(draw, caps, realistic: bool, **lists) -> dict | None:
+    """A shape of the run's palette (:mod:`pagedkv.testing.strategies.palette`) inside the lists this
+    draw allows, or ``None`` (no palette, or none of its shapes fits: then the parameters are drawn freely)."""
+    from pagedkv.testing.strategies.palette import shape_fits
+
+    palette = run_palette(caps)
+    if palette is None:
+        return None
+    extra = {"block_size": REALISTIC_BLOCK_SIZES, "head_dim": REALISTIC_HEAD_DIMS, "gqa_group": REALISTIC_GROUP_SIZES}
+    lists = {n: tuple(v) + (extra.get(n, ()) if realistic else ()) for n, v in lists.items()}
+    fits = [s for s in palette.shapes if shape_fits(s, **lists)]
+    return draw(st.sampled_from(fits)) if fits else None
 
 
 def seq_lens(block_size: int, max_len: int, *, min_len: int = 0) -> st.SearchStrategy[int]:
