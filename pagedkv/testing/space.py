@@ -212,9 +212,9 @@ def as_declared_layout(backend: Any, caps: Any = None) -> Any:
     from pagedkv.layouts import NHD
 
     caps = caps if caps is not None else capabilities_of(backend)
-    if caps.page_table == "csr":
-        backend = CsrPageTables(backend)
     layouts = caps.pool_layouts
     if layouts != (NHD, NHD):
         backend = DeclaredLayout(backend, layouts)
+    if caps.page_table == "csr":  # outermost: CSR metadata is built from the logical pools' block_size
+        backend = CsrPageTables(backend)
     return backend

@@ -131,7 +131,24 @@ def inexpressible(op: str, fault: str, caps: Any) -> str | None:
     storage, so the overlap would not survive the conversion."""
     if fault == "pools_overlap" and caps is not None and caps.pool_layouts[0] != caps.pool_layouts[1]:
         return f"{op}/{fault}: the key and value pools are declared in different layouts"
+    if fault == "pools_overlap" and caps is not None and not caps.pool_layouts[0].is_view:
+        return (f"{op}/{fault}: the pools' layout is declared as a copy pair, so each pool reaches the backend "
+                f"as a storage of its own and no overlap survives the conversion")
     return None
+
+
+def _overlapping_pools(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logical ``(k_cache, v_cache)`` holding the given pools' contents as views of one buffer of
+    ``num_blocks + 1`` blocks, one block apart, built in the storage of the declared key layout
+    (:func:`pagedkv.testing.cases.memory.new_pools`): the backend is handed two views of one storage
+    (``storage[:-1]`` and ``storage[1:]``), as an engine that mis-slices its arena would."""
+    from pagedkv.testing.cases.memory import new_pools
+
+    shape = (k_cache.shape[0] + 1, *k_cache.shape[1:])
+    buffer, _ = new_pools(shape, k_cache.dtype, k_cache.device, None)
+    buffer[:-1].copy_(k_cache)
+    buffer[-1:].copy_(v_cache[-1:])
+    return buffer[:-1], buffer[1:]
 
 
 # -- what a case offers ------------------------------------------------------------------------------
@@ -349,9 +366,8 @@ class InvalidCall:
             vc = v_cache[:-1]
         elif f == "same_pool":
             vc = k_cache
-        elif f == "pools_overlap":  # two views of one buffer, one block apart
-            buffer = torch.cat([k_cache, v_cache[-1:]])
-            kc, vc = k_cache, v_cache = buffer[:-1], buffer[1:]
+        elif f == "pools_overlap":  # two views of one buffer, one block apart, in the declared storage
+            kc, vc = k_cache, v_cache = _overlapping_pools(k_cache, v_cache)
         elif f == "value_overlaps_pool":
             value = v_cache[0, 0].expand(value.shape)
         return (kc, vc, key, value, sm), {}, (k_cache, v_cache)
