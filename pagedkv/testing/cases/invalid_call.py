@@ -128,12 +128,18 @@ def inexpressible(op: str, fault: str, caps: Any) -> str | None:
     """Why ``fault`` cannot reach a backend with capabilities ``caps`` (``None``: it can). Two overlapping
     views of one buffer exist only in one layout: where the key and value pools are declared in different
     layouts (vLLM's packed CPU keys beside head-major values) the kit hands each pool over in its own
-    storage, so the overlap would not survive the conversion."""
+    storage, so the overlap would not survive the conversion; nor does any overlap with a pool whose
+    layout is a copy pair (the pool reaches the backend as a new tensor)."""
     if fault == "pools_overlap" and caps is not None and caps.pool_layouts[0] != caps.pool_layouts[1]:
         return f"{op}/{fault}: the key and value pools are declared in different layouts"
     if fault == "pools_overlap" and caps is not None and not caps.pool_layouts[0].is_view:
         return (f"{op}/{fault}: the pools' layout is declared as a copy pair, so each pool reaches the backend "
                 f"as a storage of its own and no overlap survives the conversion")
+    # a source that is a view into the pool it writes: the pool reaches a copy-pair backend as a new storage
+    overlapped = {"value_overlaps_pool": 1, "values_overlap_cache": 0}.get(fault)
+    if overlapped is not None and caps is not None and not caps.pool_layouts[overlapped].is_view:
+        return (f"{op}/{fault}: the {'value' if overlapped else 'key'} pool's layout is declared as a copy pair, so "
+                f"the pool reaches the backend as a new storage the source cannot overlap")
     return None
 
 
