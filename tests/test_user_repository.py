@@ -461,7 +461,8 @@ def test_a_head_major_csr_kernel_is_green_and_its_page_size_bug_is_caught(venv, 
     lines = [m for m in SUMMARY.finditer(out) if m["name"] == "tinyserve_hnd_csr"]
     print(f"\nhead-major CSR kernel: gate exit {proc.returncode} in {wall:.1f} s wall\n"
           + "\n".join(m.group(0) for m in lines))
-    assert proc.returncode == 0, out[-6000:]
+    failing = re.findall(r"^property: .*\n.*\n.*", out, re.MULTILINE)
+    assert proc.returncode == 0, "\n".join(failing) + "\n" + out[-3000:]
     assert len(lines) == 1 and lines[0]["failed"] == "0", out[-3000:]
     assert int(lines[0]["judged"]) >= TARGET_FRACTION * int(lines[0]["applicable"]), lines[0].group(0)
     assert "layout HND" in out, out[-3000:]
