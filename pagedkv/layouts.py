@@ -111,10 +111,34 @@ class PoolLayout:
         if not _same_strides(logical, ref_logical):
             if logical.shape[0] < 2 or strides[0] != ref_logical.stride(0) or not _same_strides(
                     logical[:1], ref_logical[:1]):
-                return None
+                return self._permuted_storage(logical, ref, ref_logical)
             strides[0] = logical.stride(0)  # block-strided: storage[0::k] of an arena
         try:
             storage = torch.as_strided(logical, ref.shape, strides, logical.storage_offset())
+            back = self.logical(storage)
+        except RuntimeError:
+            return None
+        if back.data_ptr() != logical.data_ptr() or not _same_strides(back, logical):
+            return None
+        return storage
+
+
+    def _permuted_storage(self, logical: torch.Tensor, ref: torch.Tensor, ref_logical: torch.Tensor
+                          ) -> torch.Tensor | None:
+        """Where the layout's view only reorders dims (HND's permute), the storage of any strided logical
+        view (a sub-view of a wider pool: a head stride that is not ``head_dim``), found by giving each
+        storage dim the stride of the logical dim it is; ``None`` when the dims do not correspond one to
+        one or the result does not view back to ``logical``."""
+        mapping: list[int] = []
+        for j, n in enumerate(ref.shape):
+            match = [i for i in range(ref_logical.dim()) if i not in mapping and ref_logical.shape[i] == n
+                     and (n == 1 or ref_logical.stride(i) == ref.stride(j))]
+            if not match:
+                return None
+            mapping.append(match[0])
+        try:
+            storage = torch.as_strided(logical, ref.shape, [logical.stride(i) for i in mapping],
+                                       logical.storage_offset())
             back = self.logical(storage)
         except RuntimeError:
             return None

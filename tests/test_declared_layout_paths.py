@@ -71,3 +71,24 @@ def test_bench_refuses_a_candidate_it_would_hand_nhd_pools(tmp_path, monkeypatch
     assert "layout HND" in message and "page_table 'csr'" in message
     assert _not_timeable("indexed", indexed) == ""
     json.dumps(message)  # one plain line
+
+
+@pytest.mark.parametrize("layout", ["HND", "slots_last"])
+def test_a_head_strided_sub_view_reaches_a_view_layout_as_its_storage(layout):
+    """K and V as sub-views of one wider pool (head stride ``2 * head_dim + 1``) in a permuting view layout
+    reach the backend as strided views of the kit's storage, not as copies: a ``value`` that is a view into
+    ``v_cache`` still overlaps what the backend is handed, and the honest candidate rejects it."""
+    from declarable import SLOTS_LAST
+
+    from pagedkv.testing import execute
+    from pagedkv.testing.cases.invalid_call import InvalidCall
+    from pagedkv.testing.registry import properties
+
+    caps = Capabilities(layout="HND" if layout == "HND" else SLOTS_LAST)
+    candidate = honest("strided", caps, ("write_kv", "paged_attention"))
+    case = CASE.replace(geometry=Geometry(6, 16, 2, 64, 2, "float32"), layout="head_strided")
+    prop = properties()["write_kv_rejects_bad_arguments_and_writes_nothing"]
+    outcome = execute.run_case(prop, (candidate,), InvalidCall("write_kv", "value_overlaps_pool", case, 0))
+    assert outcome.status == "passed", outcome.first_line
+    attention = properties()["paged_attention_matches_fp64_dense_reference"]
+    assert execute.run_case(attention, (candidate,), case).status == "passed"
