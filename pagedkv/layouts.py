@@ -111,8 +111,37 @@ class PoolLayout:
         if not _same_strides(logical, ref_logical):
             if logical.shape[0] < 2 or strides[0] != ref_logical.stride(0) or not _same_strides(
                     logical[:1], ref_logical[:1]):
-                return None
+                return self._permuted_storage(logical, ref, ref_logical)
             strides[0] = logical.stride(0)  # block-strided: storage[0::k] of an arena
+        try:
+            storage = torch.as_strided(logical, ref.shape, strides, logical.storage_offset())
+            back = self.logical(storage)
+        except RuntimeError:
+            return None
+        if back.data_ptr() != logical.data_ptr() or not _same_strides(back, logical):
+            return None
+        return storage
+
+
+    def _permuted_storage(self, logical: torch.Tensor, ref: torch.Tensor, ref_logical: torch.Tensor
+                          ) -> torch.Tensor | None:
+        """Where the layout's view only reorders dims (HND's permute), the storage of a logical view that
+        keeps the layout's memory order with gaps (a sub-view of a wider pool: a head stride that is not
+        ``head_dim``), found by giving each storage dim the stride of the logical dim it is; ``None`` when
+        the dims do not correspond one to one, the memory order is another, or the result does not view
+        back to ``logical``."""
+        mapping: list[int] = []
+        for j, n in enumerate(ref.shape):
+            match = [i for i in range(ref_logical.dim()) if i not in mapping and ref_logical.shape[i] == n
+                     and (n == 1 or ref_logical.stride(i) == ref.stride(j))]
+            if not match:
+                return None
+            mapping.append(match[0])
+        strides = [logical.stride(i) for i in mapping]
+        dims = [j for j, n in enumerate(ref.shape) if n > 1]
+        by_ref = sorted(dims, key=lambda j: ref.stride(j))
+        if by_ref != sorted(dims, key=lambda j: strides[j]) or (by_ref and strides[by_ref[0]] != ref.stride(by_ref[0])):
+            return None  # not the layout's memory order (with gaps): a copy in that order is what the backend takes
         try:
             storage = torch.as_strided(logical, ref.shape, strides, logical.storage_offset())
             back = self.logical(storage)

@@ -17,6 +17,13 @@ property is a usage error; each planted bug (a read of the unused tail of the la
 ``h % num_kv_heads``, float32 slot arithmetic and int32 element offsets in ``write_kv``) fails the
 gate with a case file that ``python -m pagedkv replay`` fails on again.
 
+Beside it the project keeps a second kernel of its own in plain PyTorch, head-major pools
+``[num_blocks, num_kv_heads, block_size, head_dim]`` with FlashInfer CSR page tables
+(``Capabilities(layout="HND", page_table="csr")``, GQA, causal prefill and decode, float32
+accumulation, block sizes {1, 16}, head dims {64, 128}, float16 and bfloat16 only, ``write_kv``): it
+goes green through the same command, and its copy that reads the page size from the storage's dim 1
+(the kv-head count of an HND pool) fails with a case file that replays to the failure.
+
 The gate runs without ``$PAGEDKV_PROFILE``: the project's own profile (``max_examples=30``) stays
 loaded, the suite runs under it, and the project's own test of it passes in the same session (a
 ``$PAGEDKV_PROFILE`` asks for pagedkv's profile instead, which then governs the project's tests too).
@@ -125,6 +132,86 @@ class TinyServeKV:
 backend = TinyServeKV()
 '''
 
+HND_CSR_KERNEL = '''\
+"""tinyserve's head-major kernel: HND pools ``[num_blocks, num_kv_heads, block_size, head_dim]`` and
+FlashInfer CSR page tables, float16/bfloat16 only, block sizes {1, 16}, head dims {64, 128}.
+
+Arguments are checked with pagedkv's validation on NHD views of the pools (so bad input raises
+before anything is written); the math is plain torch, accumulated in float32, on the HND storage.
+"""
+
+import torch
+
+from pagedkv.backends.capabilities import Capabilities, Sizes
+from pagedkv.csr import csr_to_padded
+from pagedkv.validation import check_paged_attention, check_write_kv
+
+SUPPORTED = (torch.float16, torch.bfloat16)
+
+
+def _nhd(pool):
+    """``[num_blocks, H, block_size, D]`` storage -> the ``[num_blocks, block_size, H, D]`` view pagedkv checks."""
+    return pool.permute(0, 2, 1, 3) if isinstance(pool, torch.Tensor) and pool.dim() == 4 else pool
+
+
+def _supported(pool, what):
+    if isinstance(pool, torch.Tensor) and pool.dtype not in SUPPORTED:
+        raise TypeError(f"{what}: dtype {pool.dtype} is not supported (float16, bfloat16)")
+
+
+class HeadMajorCsr:
+    name = "NAME"
+    capabilities = Capabilities(layout="HND", page_table="csr", block_sizes=Sizes(values={1, 16}),
+                                head_dims=Sizes(values={64, 128}), dtypes={"float16", "bfloat16"})
+
+    def write_kv(self, k_cache, v_cache, key, value, slot_mapping):
+        """Token ``i`` to slot ``slot_mapping[i]`` of both pools (negative slots skipped)."""
+        _supported(k_cache, "k_cache")
+        slots = check_write_kv(_nhd(k_cache), _nhd(v_cache), key, value, slot_mapping)
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+        block_size = k_cache.shape[2]
+        block, offset = slots // block_size, slots % block_size
+        for pool, rows in ((k_cache, key), (v_cache, value)):
+            pool[block, :, offset] = rows
+
+    def paged_attention(self, query, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, query_start_loc,
+                        scale=None):
+        """Causal varlen attention over each sequence's pages, GQA, read head-major."""
+        _supported(k_cache, "k_cache")
+        block_size = k_cache.shape[2]
+        tables, seq_lens = csr_to_padded(kv_indptr, kv_indices, kv_last_page_len, block_size)
+        args = check_paged_attention(query, _nhd(k_cache), _nhd(v_cache), tables, seq_lens, query_start_loc, scale)
+        num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+        num_q_heads = query.shape[1]
+        kv_head = torch.arange(num_q_heads, device=query.device) // (num_q_heads // num_kv_heads)
+        out = torch.empty_like(query)
+        starts = args.q_starts
+        for b, seq_len in enumerate(args.seq_lens):
+            lo, hi = starts[b], starts[b + 1]
+            if hi == lo:
+                continue
+            ids = kv_indices[kv_indptr[b]: kv_indptr[b + 1]].long()
+            k, v = (pool.index_select(0, ids).to(torch.float32).permute(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
+                    for pool in (k_cache, v_cache))
+            k, v = k[:, :seq_len].index_select(0, kv_head), v[:, :seq_len].index_select(0, kv_head)
+            q = query[lo:hi].to(torch.float32).permute(1, 0, 2)
+            logits = torch.matmul(q, k.transpose(1, 2)) * args.scale
+            q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=query.device)
+            k_pos = torch.arange(seq_len, device=query.device)
+            logits = logits.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+            out[lo:hi] = torch.matmul(torch.softmax(logits, dim=-1), v).permute(1, 0, 2).to(query.dtype)
+        return out
+
+
+backend = HeadMajorCsr()
+'''
+
+#: A planted bug of the head-major CSR kernel: its page size read from the storage's dim 1 (num_kv_heads).
+HND_CSR_PLANTED = ("page size read from k_cache.shape[1], the kv-head count of an HND pool",
+                   "        block_size = k_cache.shape[2]\n        tables, seq_lens",
+                   "        block_size = k_cache.shape[1]\n        tables, seq_lens")
+
 #: Planted bugs: module -> (what it does wrong, the line of KERNEL it replaces, its replacement).
 PLANTED = {
     "kv_tail": ("attention reads the unused tail of the last block (whole blocks, no length cut)",
@@ -214,8 +301,8 @@ def _write(path: Path, text: str) -> None:
     path.write_text(text)
 
 
-def _kernel(name: str, old: str = "", new: str = "") -> str:
-    source = KERNEL.replace('name = "NAME"', f'name = "{name}"')
+def _kernel(name: str, old: str = "", new: str = "", kernel: str = KERNEL) -> str:
+    source = kernel.replace('name = "NAME"', f'name = "{name}"')
     if old:
         assert source.count(old) == 1, f"the planted line {old!r} is not in the kernel exactly once"
         source = source.replace(old, new)
@@ -251,6 +338,9 @@ def tinyserve(venv, tmp_path_factory) -> Path:
     _write(repo / "tinyserve" / "kv.py", _kernel("tinyserve"))
     for module, (_, old, new) in PLANTED.items():
         _write(repo / "tinyserve" / f"{module}.py", _kernel(f"tinyserve_{module}", old, new))
+    _write(repo / "tinyserve" / "hnd_csr.py", _kernel("tinyserve_hnd_csr", kernel=HND_CSR_KERNEL))
+    _write(repo / "tinyserve" / "hnd_csr_page_size.py",
+           _kernel("tinyserve_hnd_csr_page_size", *HND_CSR_PLANTED[1:], kernel=HND_CSR_KERNEL))
     done = _run([venv, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "-e", repo])
     assert done.returncode == 0, done.stdout + done.stderr
     return repo
@@ -359,3 +449,30 @@ def test_a_planted_bug_fails_the_gate_with_a_case_file_that_replays_to_it(venv, 
         said = replay.stdout + replay.stderr
         assert replay.returncode == 1 and "FAILS:" in replay.stdout, (
             f"{case_file.name} does not replay to a failure:\n{said[-3000:]}")
+
+
+def test_a_head_major_csr_kernel_is_green_and_its_page_size_bug_is_caught(venv, tinyserve):
+    """The gate of a plain-PyTorch kernel over HND pools taking FlashInfer CSR page tables (GQA, causal
+    prefill and decode, float32 accumulation, block sizes {1, 16}, head dims {64, 128}, float16 and
+    bfloat16 only, ``write_kv``), declared with ``Capabilities(layout="HND", page_table="csr")``: green,
+    every property its ops allow judged; the same kernel reading its page size from the storage's dim 1
+    fails with a case file that replays to the failure."""
+    proc, out, wall = _gate(venv, tinyserve, "tinyserve.hnd_csr:backend", "-n", "2")
+    lines = [m for m in SUMMARY.finditer(out) if m["name"] == "tinyserve_hnd_csr"]
+    print(f"\nhead-major CSR kernel: gate exit {proc.returncode} in {wall:.1f} s wall\n"
+          + "\n".join(m.group(0) for m in lines))
+    failing = re.findall(r"^property: .*\n.*\n.*", out, re.MULTILINE)
+    assert proc.returncode == 0, "\n".join(failing) + "\n" + out[-3000:]
+    assert len(lines) == 1 and lines[0]["failed"] == "0", out[-3000:]
+    assert int(lines[0]["judged"]) >= TARGET_FRACTION * int(lines[0]["applicable"]), lines[0].group(0)
+    assert "layout HND" in out, out[-3000:]
+
+    failures = tinyserve / ".pagedkv-failures" / "hnd_csr_page_size"
+    spec = "tinyserve.hnd_csr_page_size:backend"
+    proc, out, wall = _gate(venv, tinyserve, spec, "-x", "-n", "0", "-k", "paged_attention_matches",
+                            env=_env(tinyserve, PAGEDKV_FAILURE_DIR=str(failures)))
+    print(f"{HND_CSR_PLANTED[0]}: gate exit {proc.returncode} in {wall:.1f} s wall")
+    assert proc.returncode == 1, f"{HND_CSR_PLANTED[0]}: not caught\n" + out[-4000:]
+    (case_file, *_) = sorted(failures.glob("*.json"))
+    replay = _run([venv, "-m", "pagedkv", "replay", case_file, "--impl", spec], cwd=tinyserve, env=_env(tinyserve))
+    assert replay.returncode == 1 and "FAILS:" in replay.stdout, replay.stdout + replay.stderr

@@ -241,17 +241,23 @@ def capabilities_of(backend: Any) -> Capabilities:
 
     Raises:
         TypeError: ``backend.capabilities`` exists but is not a :class:`Capabilities`.
-        ValueError: a ``page_table`` attribute that names no format.
+        ValueError: a ``page_table`` attribute that names no format, or one beside ``capabilities`` that
+            disagrees with ``capabilities.page_table`` (it would be ignored: the field is the declaration).
     """
     caps = getattr(backend, "capabilities", None)
+    attribute = getattr(backend, "page_table", None)
     if caps is None:
         return Capabilities(features=frozenset(getattr(backend, "FEATURES", ())),
                             split_k=bool(getattr(backend, "SPLIT_K", False)),
-                            page_table=getattr(backend, "page_table", None) or "padded",
+                            page_table=attribute or "padded",
                             specialize_on=getattr(backend, "SPECIALIZE_ON", None))
     if not isinstance(caps, Capabilities):
         raise TypeError(f"{getattr(backend, 'name', backend)!r}.capabilities must be a "
                         f"pagedkv.backends.capabilities.Capabilities, got {type(caps).__name__}")
+    if isinstance(attribute, str) and attribute != caps.page_table:
+        raise ValueError(f"{getattr(backend, 'name', backend)!r} has a page_table = {attribute!r} attribute beside "
+                         f"capabilities whose page_table is {caps.page_table!r}: declare it on the capabilities, "
+                         f'Capabilities(page_table="{attribute}")')
     return caps
 
 

@@ -64,8 +64,27 @@ def drift_against(backend: Any, spec: str, record: dict, baseline_spec: str, dev
     except Exception as exc:
         print(f"replay: cannot load baseline {baseline_spec!r}: {exc}", file=out)
         return 2
+    from pagedkv.backends.capabilities import capabilities_of
+
+    try:
+        caps = capabilities_of(baseline)
+        outside = getattr(baseline, "unsendable_layout", None) and \
+            f"its layout {baseline.unsendable_layout} cannot be built in this process"
+        outside = outside or (f"feature {sorted(case.features - caps.features)[0]} not declared"
+                              if case.features - caps.features else caps.rejects(case.geometry))
+    except (TypeError, ValueError) as exc:
+        print(f"replay: baseline {baseline_spec!r} declares malformed capabilities: {exc}", file=out)
+        return 2
+    if outside:
+        print(f"drift against {baseline_spec}: not compared (the case is outside the baseline's declared space: "
+              f"{outside})", file=out)
+        return 0
     ops = property_for_record(record["check"]).ops
-    drift = measure(backend, baseline, case, device, ops)
+    try:
+        drift = measure(backend, baseline, case, device, ops)
+    except Exception as exc:  # noqa: BLE001 - either side raising on a case both declare is the finding
+        print(f"DRIFT FAILS: running the case raised {type(exc).__name__}: {str(exc).splitlines()[0]}", file=out)
+        return 1
     origin = getattr(baseline, "origin", None)
     print(f"drift against baseline {baseline_spec}" + (f" (loaded from {origin})" if origin else "") + ":", file=out)
     print(f"  compared: {', '.join(drift.compared) or 'nothing (no op in common)'}", file=out)

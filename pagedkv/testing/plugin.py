@@ -315,6 +315,8 @@ def _gate_judged(session: pytest.Session, exitstatus: int) -> None:
     problem = judged_problem(stats, impl_spec(config), minimum or 0.0, SUITE_COMMAND)
     if problem:
         if reporter:
+            if reporter.verbosity < 0:  # -q leaves the cursor after the progress line's "[100%]"
+                reporter.line("")
             reporter.write_line(f"ERROR: {problem}", red=True, bold=True)
         session.exitstatus = pytest.ExitCode.USAGE_ERROR if "no pagedkv conformance property" in problem else 1
 

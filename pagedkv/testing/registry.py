@@ -78,14 +78,23 @@ class Property:
         return None if self.kind == "machine" else self.strategy(caps, **overrides)
 
     def examples_in(self, caps: Any, *, violating: bool = False) -> list:
-        """The explicit examples that lie inside ``caps`` (with ``violating``: those that break its
-        declared precondition instead, for findings)."""
-        return [case for case in self.examples() if _fits(case, caps, violating)]
+        """The explicit examples inside ``caps``, each moved into the declared sizes and dtypes first where
+        it lies outside them (:func:`pagedkv.testing.cases.translate.into_space`: an undeclared dtype or
+        block size is no part of what an example is about); with ``violating``: those that break its
+        declared precondition instead, for findings."""
+        from pagedkv.testing.cases.translate import into_space
+
+        moved = [case if caps is None or not caps.rejects(_geometry(case)) else into_space(case, caps)[0]
+                 for case in self.examples()]
+        return [case for case in moved if case is not None and _fits(case, caps, violating)]
+
+
+def _geometry(case: Any) -> Any:
+    return getattr(case, "geometry", None) or case.case.geometry
 
 
 def _fits(case: Any, caps: Any, violating: bool = False) -> bool:
-    geometry = getattr(case, "geometry", None) or case.case.geometry
-    if caps.rejects(geometry):
+    if caps.rejects(_geometry(case)):
         return False
     if getattr(case, "features", frozenset()) - caps.features:  # a feature the backend does not declare
         return False

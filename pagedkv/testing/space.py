@@ -119,6 +119,10 @@ def pick_device(chosen: str | None = None) -> str:
     return "cpu"
 
 
+#: The leading positional parameters of each op up to its last pool (the contract's signatures).
+_CONTRACT_PARAMS = {"gather": ("cache",), "scatter": ("cache",), "write_kv": ("k_cache", "v_cache"),
+                    "paged_attention": ("query", "k_cache", "v_cache"),
+                    "paged_attention_csr": ("query", "k_cache", "v_cache")}
 #: The pool arguments of each op, by name (the contract's signatures).
 _POOL_ARGS = {"gather": ("cache",), "scatter": ("cache",), "write_kv": ("k_cache", "v_cache"),
               "paged_attention": ("k_cache", "v_cache"), "paged_attention_csr": ("k_cache", "v_cache")}
@@ -153,6 +157,12 @@ class DeclaredLayout:
         import torch
 
         signature = inspect.signature(target)
+        if any(arg not in signature.parameters for arg in _POOL_ARGS[name]):
+            # ``(*args, **kwargs)`` (a proxy, a decorator): the pools are found at the contract's positions
+            signature = inspect.Signature([inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                           for p in _CONTRACT_PARAMS[name]] +
+                                          [inspect.Parameter("rest", inspect.Parameter.VAR_POSITIONAL),
+                                           inspect.Parameter("options", inspect.Parameter.VAR_KEYWORD)])
         key_layout, value_layout = self._layouts
 
         def op(*args, **kwargs):
@@ -222,10 +232,12 @@ def as_declared_layout(backend: Any, caps: Any = None) -> Any:
     from pagedkv.backends.capabilities import capabilities_of
     from pagedkv.layouts import NHD
 
+    if isinstance(backend, (DeclaredLayout, CsrPageTables)):
+        return backend  # already seen through the contract's ops
     caps = caps if caps is not None else capabilities_of(backend)
-    if caps.page_table == "csr":
-        backend = CsrPageTables(backend)
     layouts = caps.pool_layouts
     if layouts != (NHD, NHD):
         backend = DeclaredLayout(backend, layouts)
+    if caps.page_table == "csr":  # outermost: CSR metadata is built from the logical pools' block_size
+        backend = CsrPageTables(backend)
     return backend

@@ -171,10 +171,34 @@ def _check_args(args: argparse.Namespace) -> tuple[list[str], list[str], str]:
         if not any(callable(getattr(backend, op, None)) for op in ("gather", "scatter", "write_kv",
                                                                   "paged_attention")):
             return [], [], f"--impls: candidate {name!r} provides none of the ops the bench times"
+        refused = _not_timeable(name, backend)
+        if refused:
+            return [], [], refused
         specs.append(name)
     if not builtin and not specs:
         return [], [], "--impls: nothing to time"
     return builtin, specs, ""
+
+
+def _not_timeable(name: str, backend) -> str:
+    """Why the bench cannot time ``backend`` fairly ("" when it can): it builds NHD pools and padded block
+    tables, so a candidate declaring another pool layout or CSR page tables would be handed memory it
+    misreads, or timed with a conversion in every call."""
+    from pagedkv.backends.capabilities import capabilities_of
+    from pagedkv.layouts import NHD
+    from pagedkv.layouts import describe as describe_layout
+
+    try:
+        caps = capabilities_of(backend)
+    except (TypeError, ValueError) as exc:
+        return f"--impls: candidate {name!r}: {exc}"
+    declared = ([f"layout {describe_layout(caps.layout)}"] if caps.pool_layouts != (NHD, NHD) else []) + \
+        ([f"page_table {caps.page_table!r}"] if caps.page_table != "padded" else [])
+    if not declared:
+        return ""
+    return (f"--impls: candidate {name!r} declares {' and '.join(declared)}; the bench builds NHD pools with padded "
+            f"block tables and times only candidates that take them (the conformance suite gates it in its "
+            f"declared layout)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -240,7 +240,10 @@ class BaselineProxy:
         self.name = f"{label}:{backend_spec}"
         self.origin, self.pagedkv_origin, self.baseline_name = info["origin"], info["pagedkv"], info["name"]
         self.FEATURES = frozenset(info["features"])
-        caps = _capabilities(info.get("capabilities"))
+        #: the baseline's declared layout when it is a PoolLayout of its own (functions cannot cross to
+        #: this process): its pools cannot be built here, so the drift gate does not compare it
+        self.unsendable_layout = (info.get("capabilities") or {}).get("unsendable_layout")
+        caps = None if self.unsendable_layout else _capabilities(info.get("capabilities"))
         if caps is not None:
             self.capabilities = caps
         for op in info["ops"]:

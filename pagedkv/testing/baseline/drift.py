@@ -134,7 +134,20 @@ def attention_drift(case: Any, candidate: torch.Tensor, baseline: torch.Tensor) 
 def run_outputs(backend: Any, case: Any, device: str, ops: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """What ``backend`` computes on fresh tensors of ``case`` for each of ``ops``, as CPU tensors:
     ``gather[i]`` (sequence ``i``), ``scatter.k_cache``, ``write_kv.k_cache`` / ``write_kv.v_cache`` (the pools
-    after the write, as :func:`~pagedkv.testing.properties.definitions.backends_agree` does) and ``paged_attention``."""
+    after the write, as :func:`~pagedkv.testing.properties.definitions.backends_agree` does) and ``paged_attention``.
+    The pools are built in ``backend``'s declared layout and its declared page table is honoured
+    (:func:`pagedkv.testing.space.as_declared_layout`); the outputs are in logical positions, so a
+    head-major candidate compares with an NHD baseline and the other way round."""
+    from pagedkv.backends.capabilities import capabilities_of
+    from pagedkv.testing.cases.memory import pool_layout
+    from pagedkv.testing.space import as_declared_layout
+
+    caps = capabilities_of(backend)
+    with pool_layout(caps.layout):
+        return _run_outputs(as_declared_layout(backend, caps), case, device, ops)
+
+
+def _run_outputs(backend: Any, case: Any, device: str, ops: tuple[str, ...]) -> dict[str, torch.Tensor]:
     from pagedkv.testing.cases.case import writable, write_slot_mapping
     from pagedkv.testing.properties.definitions import run_attention
 

@@ -81,6 +81,14 @@ def _capabilities(backend) -> dict | None:
     caps = getattr(backend, "capabilities", None)
     if caps is None or not dataclasses.is_dataclass(caps):
         return None
+    layout = getattr(caps, "layout", "NHD")
+    if not isinstance(layout, str):  # a PoolLayout (or a pair) holds functions: sent by name when it has one
+        pairs = layout if isinstance(layout, tuple) else (layout, layout)
+        names = {getattr(x, "name", None) for x in pairs}
+        named = len(names) == 1 and names <= {"NHD", "HND"}
+        caps = dataclasses.replace(caps, layout=names.pop() if named else "NHD")
+        if not named:
+            return {"unsendable_layout": " / ".join(str(getattr(x, "name", x)) for x in pairs)}
 
     def plain(value):
         if isinstance(value, (set, frozenset)):

@@ -49,7 +49,10 @@ def call_paged_attention(backend: Any, query: torch.Tensor, k_cache: torch.Tenso
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                          scale: float | None = None, **features: Any) -> torch.Tensor:
     """``backend.paged_attention`` with the contract's padded arguments, converted to CSR
-    (:func:`pagedkv.csr.padded_to_csr`) when the backend declares ``page_table = "csr"``.
+    (:func:`pagedkv.csr.padded_to_csr`) when the backend declares ``page_table = "csr"``. ``k_cache`` and
+    ``v_cache`` are the *logical* pools ``[num_blocks, block_size, num_kv_heads, head_dim]``: ``page_size``
+    is their ``block_size`` whatever the declared storage layout (a head-major pool's storage dim 1 is
+    ``num_kv_heads``), and ``backend`` converts them to its storage (:class:`pagedkv.testing.space.DeclaredLayout`).
 
     Raises:
         What :func:`pagedkv.csr.padded_to_csr` raises for malformed padded metadata (a CSR candidate's

@@ -128,10 +128,33 @@ def inexpressible(op: str, fault: str, caps: Any) -> str | None:
     """Why ``fault`` cannot reach a backend with capabilities ``caps`` (``None``: it can). Two overlapping
     views of one buffer exist only in one layout: where the key and value pools are declared in different
     layouts (vLLM's packed CPU keys beside head-major values) the kit hands each pool over in its own
-    storage, so the overlap would not survive the conversion."""
+    storage, so the overlap would not survive the conversion; nor does any overlap with a pool whose
+    layout is a copy pair (the pool reaches the backend as a new tensor)."""
     if fault == "pools_overlap" and caps is not None and caps.pool_layouts[0] != caps.pool_layouts[1]:
         return f"{op}/{fault}: the key and value pools are declared in different layouts"
+    if fault == "pools_overlap" and caps is not None and not caps.pool_layouts[0].is_view:
+        return (f"{op}/{fault}: the pools' layout is declared as a copy pair, so each pool reaches the backend "
+                f"as a storage of its own and no overlap survives the conversion")
+    # a source that is a view into the pool it writes: the pool reaches a copy-pair backend as a new storage
+    overlapped = {"value_overlaps_pool": 1, "values_overlap_cache": 0}.get(fault)
+    if overlapped is not None and caps is not None and not caps.pool_layouts[overlapped].is_view:
+        return (f"{op}/{fault}: the {'value' if overlapped else 'key'} pool's layout is declared as a copy pair, so "
+                f"the pool reaches the backend as a new storage the source cannot overlap")
     return None
+
+
+def _overlapping_pools(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logical ``(k_cache, v_cache)`` holding the given pools' contents as views of one buffer of
+    ``num_blocks + 1`` blocks, one block apart, built in the storage of the declared key layout
+    (:func:`pagedkv.testing.cases.memory.new_pools`): the backend is handed two views of one storage
+    (``storage[:-1]`` and ``storage[1:]``), as an engine that mis-slices its arena would."""
+    from pagedkv.testing.cases.memory import new_pools
+
+    shape = (k_cache.shape[0] + 1, *k_cache.shape[1:])
+    buffer, _ = new_pools(shape, k_cache.dtype, k_cache.device, None)
+    buffer[:-1].copy_(k_cache)
+    buffer[-1:].copy_(v_cache[-1:])
+    return buffer[:-1], buffer[1:]
 
 
 # -- what a case offers ------------------------------------------------------------------------------
@@ -349,9 +372,8 @@ class InvalidCall:
             vc = v_cache[:-1]
         elif f == "same_pool":
             vc = k_cache
-        elif f == "pools_overlap":  # two views of one buffer, one block apart
-            buffer = torch.cat([k_cache, v_cache[-1:]])
-            kc, vc = k_cache, v_cache = buffer[:-1], buffer[1:]
+        elif f == "pools_overlap":  # two views of one buffer, one block apart, in the declared storage
+            kc, vc = k_cache, v_cache = _overlapping_pools(k_cache, v_cache)
         elif f == "value_overlaps_pool":
             value = v_cache[0, 0].expand(value.shape)
         return (kc, vc, key, value, sm), {}, (k_cache, v_cache)
