@@ -18,7 +18,10 @@ shipped peer; any other spec runs only when you name it yourself with ``--impl``
 second backend of a pair).
 
 Exit status: 0 when the check passes, 1 when it fails, 2 when the file is refused or the backend
-cannot be loaded (one line naming the field, no traceback).
+cannot be loaded (one line naming the field, no traceback), 3 when the file records a failure of its
+backend (``outcome`` ``failed`` or ``raised``, written by a failing run: it holds ``history``) that
+does not happen again, neither alone nor after the earlier cases ``history`` records, rerun in order:
+replay prints ``did not reproduce (depends on earlier calls / nondeterministic)``, never ``PASSES``.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "pagedkv/testing/casefiles/regressions/*.json) and, on failure, print the first mismatch and a "
                     "map of the block tables with the bad slot marked. The file is checked first (size, schema, "
                     "consistency, memory budget) and only a built-in, shipped-mutant or shipped-peer backend is "
-                    "loaded on its word. Exit status: 0 passes, 1 fails, 2 refused or cannot load.")
+                    "loaded on its word. Exit status: 0 passes, 1 fails, 2 refused or cannot load, 3 a recorded "
+                    "failure did not reproduce (depends on earlier calls / nondeterministic).")
     parser.add_argument("file", metavar="FILE",
                         help="case file (JSON) written by the suite or committed as a regression")
     parser.add_argument("--impl", metavar="SPEC", default=None,
@@ -100,7 +104,8 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
         exact, max_drift_ulp: when ``other`` is a baseline (:mod:`pagedkv.cli.replay_drift`): the drift gate.
 
     Returns:
-        0 (passes), 1 (fails) or 2 (the file is refused, or the backend cannot be loaded).
+        0 (passes), 1 (fails), 2 (the file is refused, or the backend cannot be loaded) or
+        :data:`DID_NOT_REPRODUCE` (3: a recorded failure does not happen again).
     """
     choose_interpreter(on_cpu=not str(device).startswith("cuda"))  # before anything imports Triton
     from pagedkv.errors import CaseFileError
@@ -148,6 +153,10 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
             _sharing_with_snapshot(backend, record["case"], device, snapshot, record)
         else:
             _run_record(record, backend, device)
+            if _recorded_failure(record, impl):  # passed alone: rerun the calls that led to it, in order
+                after = _run_after_history(record, backend, device, out, quiet)
+                if after is not None:
+                    return after
     except MissingOp as exc:
         print(f"SKIPPED: {exc}", file=out)
         return 0
@@ -168,6 +177,42 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
     if baseline:
         return drift_against(backend, spec, record, baseline, device, out, exact=exact, max_ulp=max_drift_ulp)
     return 0
+
+
+#: Replay's exit status when a failure recorded by a run of the recorded backend does not happen again.
+DID_NOT_REPRODUCE = 3
+
+
+def _recorded_failure(record: dict, impl: str | None) -> bool:
+    """Whether the file records a failure of the backend replay runs now: written by a failing run (it has
+    a ``history``, possibly empty) and run on the recorded backend (no ``--impl``)."""
+    return "history" in record and record.get("outcome") in ("failed", "raised") and impl is None
+
+
+def _run_after_history(record: dict, backend: Any, device: str, out: TextIO, quiet: bool) -> int | None:
+    """Rerun the recorded earlier cases on ``backend`` in order (their own results do not count), then the
+    failing case. Returns ``None`` when it fails now (the caller reports it), else
+    :data:`DID_NOT_REPRODUCE` after saying so."""
+    from pagedkv.testing.execute import run_record
+
+    history = record.get("history") or []
+    if history:
+        if not quiet:
+            print(f"  the case passes alone; rerunning the {len(history)} earlier case(s) recorded before it, "
+                  f"in order", file=out)
+        for earlier in history:
+            run_record({**record, "case": earlier}, backend, device)
+        outcome = run_record(record, backend, device)
+        if outcome.failed:
+            if not quiet:
+                print(f"  reproduced after the {len(history)} earlier case(s): the failure depends on earlier calls",
+                      file=out)
+            raise outcome.failures[0].error
+    after = f" after its {len(history)} earlier case(s)" if history else " (no earlier cases recorded)"
+    print(f"did not reproduce (depends on earlier calls / nondeterministic): {record['check']} on "
+          f"{record['backend']} ({device}) passes now{after}; recorded failure: "
+          f"{record.get('error') or '(none recorded)'}", file=out)
+    return DID_NOT_REPRODUCE
 
 
 def _run_record(record: dict, backend: Any, device: str) -> None:

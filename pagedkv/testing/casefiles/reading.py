@@ -245,6 +245,8 @@ def load_case_file(path: str | Path, *, max_bytes: int | None = None, impl: str 
     record = validate_record(parse_case_bytes(read_case_bytes(path)), max_bytes=max_bytes)
     record = require_trusted_backends(record, impl=impl, other=other, check_backend=check_backend)
     record["case"] = build_case(record)
+    if "history" in record:
+        record["history"] = [build_case({**record, "case": h}) for h in record["history"]]
     return record
 
 
