@@ -70,6 +70,7 @@ class _Call:
     kwargs: dict
     before: dict  # id(storage) -> (storage copy) of every input storage, taken before the call
     output: Any = None
+    output_bits: Any = None  # the output's bits when it was returned
     after: dict = field(default_factory=dict)  # tensor argument index -> a written pool's bits after the call
 
 
@@ -199,6 +200,8 @@ class GuardedBackend:
         _synchronize(tensors)
         started = [t for t in threading.enumerate() if t not in threads and t.is_alive()]
         if started:
+            for t in started:  # let them end, so the failure leaves no work running behind it
+                t.join(timeout=30)
             raise ContractViolation(f"{op} returned while a thread it started is still running "
                                     f"({', '.join(t.name for t in started)}): its result may not be written yet")
         with torch._C.DisableTorchFunction():
@@ -207,7 +210,8 @@ class GuardedBackend:
         aliased = any(_overlaps(a, b) for i, (_, a) in enumerate(tensors) for _, b in tensors[i + 1:])
         if small and not aliased and len(self._calls) < RERUN_CALLS:  # aliased pools: copies would not alias
             written = {i: bits(tensors[i][1]).clone() for i in WRITES.get(op, ()) if i < len(tensors)}
-            self._calls.append(_Call(op, args, kwargs, before, out if isinstance(out, torch.Tensor) else None,
+            kept = out if isinstance(out, torch.Tensor) else None
+            self._calls.append(_Call(op, args, kwargs, before, kept, bits(kept).clone() if kept is not None else None,
                                      written))
         return out
 
@@ -280,8 +284,19 @@ class GuardedBackend:
         fn_of = {op: getattr(self._backend, op) for op in {c.op for c in calls}}
         for n, c in enumerate(calls):
             other = _fresh(c, seed=seed + 1 + n)
-            fn_of[c.op](*other[0], **other[1])
+            with _fill_fresh_memory():
+                out_other = fn_of[c.op](*other[0], **other[1])
+            _synchronize(_tensors(*other))
             del other
+            if c.output is not None and c.output.numel() and isinstance(out_other, torch.Tensor) and \
+                    out_other.shape == c.output.shape and torch.equal(bits(out_other), c.output_bits):
+                raise ContractViolation(f"{c.op} returned the same bits for other {'/'.join(_randomized(c))} values "
+                                        f"of the same shapes: the result does not depend on them (a result cached "
+                                        f"by shape or data pointer)")
+            del out_other
+            if c.output is not None and not torch.equal(bits(c.output), c.output_bits):
+                raise ContractViolation(f"{c.op}: an output the suite still holds changed when {c.op} ran again on "
+                                        f"other inputs of the same shapes (the output is a reused buffer)")
             args, kwargs = _fresh(c, seed=None)
             with _fill_fresh_memory():
                 out = fn_of[c.op](*args, **kwargs)
@@ -289,8 +304,8 @@ class GuardedBackend:
             with torch._C.DisableTorchFunction():
                 if c.output is not None:
                     if not isinstance(out, torch.Tensor) or out.shape != c.output.shape or \
-                            not torch.equal(bits(out), bits(c.output)):
-                        raise ContractViolation(_again_message(c.op, out, c.output))
+                            not torch.equal(bits(out), c.output_bits):
+                        raise ContractViolation(_again_message(c.op, out, c.output_bits))
                 named = _named(c.op, args, kwargs)
                 for i, first in c.after.items():
                     if not torch.equal(bits(named[i][1]), first):
@@ -301,14 +316,21 @@ class GuardedBackend:
 
 
 def _again_message(op: str, out: Any, first: torch.Tensor) -> str:
+    """``first``: the bits of the first run's output."""
     where = ""
     if isinstance(out, torch.Tensor) and out.shape == first.shape:
-        diff = (bits(out) != bits(first)).nonzero()
+        diff = (bits(out) != first).nonzero()
         if diff.numel():
             where = f" at index {[int(x) for x in diff[0]]} ({diff.shape[0]} elements differ)"
     return (f"{op} judged twice: on fresh copies of the same inputs, after another call of the same shapes, the "
             f"output differs from the first run{where}: the result depends on earlier calls (a cache by shape or "
             f"data pointer, a stale buffer, a call count) or is nondeterministic")
+
+
+def _randomized(c: _Call) -> list[str]:
+    """The arguments :func:`_fresh` gives other values."""
+    return [name for name, t in _named(c.op, c.args, c.kwargs)
+            if name in DATA_ARGS and t.is_floating_point() and t.dtype.itemsize >= 2]
 
 
 def _fresh(c: _Call, seed: int | None) -> tuple[tuple, dict]:

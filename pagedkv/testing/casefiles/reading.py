@@ -45,7 +45,8 @@ from pagedkv.testing.casefiles.schema import (BUILTIN_BACKENDS, FORMAT_VERSION, 
 # -- which backends a file may name -------------------------------------------------------------------------
 #: Modules earlier versions recorded for cache and feature mutants (read as pagedkv.testing.mutants:NAME).
 LEGACY_MUTANT_MODULES = ("pagedkv.testing.cache_mutants", "pagedkv.testing.feature_mutants")
-SHIPPED_MODULES = (MUTANTS_MODULE, PEERS_MODULE)
+CHEATS_MODULE = "pagedkv.testing.mutants.cheats"  # the cheating candidates (pagedkv.testing.mutants.cheats:NAME)
+SHIPPED_MODULES = (MUTANTS_MODULE, PEERS_MODULE, CHEATS_MODULE)
 
 
 def _shipped(module: str) -> set[str]:
@@ -53,6 +54,10 @@ def _shipped(module: str) -> set[str]:
         from pagedkv.testing.mutants import MUTANTS
 
         return set(MUTANTS)
+    if module == CHEATS_MODULE:
+        from pagedkv.testing.mutants.cheats import CHEATS
+
+        return set(CHEATS)
     from pagedkv.testing.peers import PEERS
 
     return set(PEERS)
