@@ -152,11 +152,12 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
         if hasattr(record["case"], "ops"):  # a cache scenario: keep the live tables at the failing step for the map
             _sharing_with_snapshot(backend, record["case"], device, snapshot, record)
         else:
+            recorded = _recorded_failure(record, impl)
+            if recorded:  # the calls that led to the failure, in order, on this fresh backend
+                _run_history(record, backend, device, out, quiet)
             _run_record(record, backend, device)
-            if _recorded_failure(record, impl):  # passed alone: rerun the calls that led to it, in order
-                after = _run_after_history(record, backend, device, out, quiet)
-                if after is not None:
-                    return after
+            if recorded:
+                return _did_not_reproduce(record, device, out)
     except MissingOp as exc:
         print(f"SKIPPED: {exc}", file=out)
         return 0
@@ -189,25 +190,20 @@ def _recorded_failure(record: dict, impl: str | None) -> bool:
     return "history" in record and record.get("outcome") in ("failed", "raised") and impl is None
 
 
-def _run_after_history(record: dict, backend: Any, device: str, out: TextIO, quiet: bool) -> int | None:
-    """Rerun the recorded earlier cases on ``backend`` in order (their own results do not count), then the
-    failing case. Returns ``None`` when it fails now (the caller reports it), else
-    :data:`DID_NOT_REPRODUCE` after saying so."""
+def _run_history(record: dict, backend: Any, device: str, out: TextIO, quiet: bool) -> None:
+    """Rerun the earlier cases the file records on ``backend``, oldest first (their own results do not count)."""
     from pagedkv.testing.execute import run_record
 
     history = record.get("history") or []
-    if history:
-        if not quiet:
-            print(f"  the case passes alone; rerunning the {len(history)} earlier case(s) recorded before it, "
-                  f"in order", file=out)
-        for earlier in history:
-            run_record({**record, "case": earlier}, backend, device)
-        outcome = run_record(record, backend, device)
-        if outcome.failed:
-            if not quiet:
-                print(f"  reproduced after the {len(history)} earlier case(s): the failure depends on earlier calls",
-                      file=out)
-            raise outcome.failures[0].error
+    if history and not quiet:
+        print(f"  rerunning the {len(history)} earlier case(s) the run judged before this one, in order", file=out)
+    for earlier in history:
+        run_record({**record, "case": earlier}, backend, device)
+
+
+def _did_not_reproduce(record: dict, device: str, out: TextIO) -> int:
+    """Say that a recorded failure did not happen again; :data:`DID_NOT_REPRODUCE`."""
+    history = record.get("history") or []
     after = f" after its {len(history)} earlier case(s)" if history else " (no earlier cases recorded)"
     print(f"did not reproduce (depends on earlier calls / nondeterministic): {record['check']} on "
           f"{record['backend']} ({device}) passes now{after}; recorded failure: "

@@ -17,10 +17,11 @@
 - **threads and streams**: no thread the call started is alive when it returns; on CUDA every stream
   is synchronised (:func:`torch.cuda.synchronize`) before anything is read.
 
-:func:`judge_again` reruns the first calls a check made on fresh copies of their inputs, after calls of
-the same shapes on other values (another case of the same shapes), and requires identical bits: a
-candidate that caches by shape or by data pointer, returns a stale buffer, counts its calls, or is
-nondeterministic, answers differently.
+:meth:`GuardedBackend.judge_again` reruns the first calls a check made: on the same tensors holding
+other values of the same shapes (another case), then holding the case's values again, and requires the
+first run's bits; the call on other values must not return the first call's bits either. A candidate
+that caches by shape or by data pointer, returns a stale buffer, skips work it has "seen", counts its
+calls, or is nondeterministic, answers differently.
 
 Calls whose inputs hold more than :data:`MAX_SNAPSHOT_BYTES` (the lazily backed pools of the limit
 cases) are not snapshotted or rerun: copying them would commit memory those cases never touch.
@@ -273,46 +274,63 @@ class GuardedBackend:
                                         f"included)")
 
     def judge_again(self, seed: int = 0) -> None:
-        """Rerun the first calls of the check on fresh copies of their inputs, each after the same call on
-        other values (another case of the same shapes), and require identical bits.
+        """Judge the first calls of the check again: each call once more on the same tensors holding other
+        values of the same shapes (another case), then on the same tensors holding the case's values again,
+        requiring the first run's bits (output and written pools). The same tensors, so a cache keyed by
+        data pointer meets its key again; the tensors keep the first run's state afterwards.
 
         Raises:
-            ContractViolation: an output or a written pool differs from the first run's.
+            ContractViolation: the second run differs from the first, an output the suite holds changed, or
+                a call on other values returned the first call's bits.
         """
         __tracebackhide__ = True
         calls, self._calls = self._calls, []
-        fn_of = {op: getattr(self._backend, op) for op in {c.op for c in calls}}
         for n, c in enumerate(calls):
-            other = _fresh(c, seed=seed + 1 + n)
-            with _fill_fresh_memory():
-                out_other = fn_of[c.op](*other[0], **other[1])
-            _synchronize(_tensors(*other))
-            del other
-            if c.output is not None and c.output.numel() and isinstance(out_other, torch.Tensor) and \
-                    out_other.shape == c.output.shape and torch.equal(bits(out_other), c.output_bits):
-                raise ContractViolation(f"{c.op} returned the same bits for other {'/'.join(_randomized(c))} values "
-                                        f"of the same shapes: the result does not depend on them (a result cached "
-                                        f"by shape or data pointer)")
-            del out_other
+            fn = getattr(self._backend, c.op)
+            named = _named(c.op, c.args, c.kwargs)
+            gen = torch.Generator().manual_seed(seed + 1 + n)
+            changed = []
+            for name, t in named:
+                if name in DATA_ARGS and t.is_floating_point() and t.dtype.itemsize >= 2:
+                    t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype))
+                    changed.append(name)
+                else:
+                    t.copy_(c.before[name])
+            every = bool(changed) and all(name in changed for name, _ in named if name in DATA_ARGS)
+            out_other = self._plain_call(fn, c, named)
             if c.output is not None and not torch.equal(bits(c.output), c.output_bits):
                 raise ContractViolation(f"{c.op}: an output the suite still holds changed when {c.op} ran again on "
                                         f"other inputs of the same shapes (the output is a reused buffer)")
-            args, kwargs = _fresh(c, seed=None)
-            with _fill_fresh_memory():
-                out = fn_of[c.op](*args, **kwargs)
-            _synchronize(_tensors(args, kwargs))
+            if every and c.output is not None and c.output.numel() and isinstance(out_other, torch.Tensor) and \
+                    out_other.shape == c.output.shape and torch.equal(bits(out_other), c.output_bits):
+                raise ContractViolation(f"{c.op} returned the same bits for other {'/'.join(changed)} values of the "
+                                        f"same shapes in the same tensors: the result does not depend on them (a "
+                                        f"result cached by shape or data pointer)")
+            del out_other
+            for name, t in named:
+                t.copy_(c.before[name])
+            out = self._plain_call(fn, c, named)
             with torch._C.DisableTorchFunction():
-                if c.output is not None:
-                    if not isinstance(out, torch.Tensor) or out.shape != c.output.shape or \
-                            not torch.equal(bits(out), c.output_bits):
-                        raise ContractViolation(_again_message(c.op, out, c.output_bits))
-                named = _named(c.op, args, kwargs)
+                if c.output is not None and (not isinstance(out, torch.Tensor) or out.shape != c.output.shape
+                                             or not torch.equal(bits(out), c.output_bits)):
+                    raise ContractViolation(_again_message(c.op, out, c.output_bits))
                 for i, first in c.after.items():
                     if not torch.equal(bits(named[i][1]), first):
                         raise ContractViolation(f"{c.op} judged twice: {named[i][0]} after the second run on the "
                                                 f"same inputs differs from the first (after another call of the same "
-                                                f"shapes in between): the result depends on earlier calls or is "
-                                                f"nondeterministic")
+                                                f"shapes in between): the result depends on earlier calls (a write "
+                                                f"skipped by data pointer, a call count) or is nondeterministic")
+
+    def _plain_call(self, fn: Any, c: _Call, named: list) -> Any:
+        """``fn`` on the recorded arguments, memory filled, streams synchronised, threads ended."""
+        threads = set(threading.enumerate())
+        with _fill_fresh_memory():
+            out = fn(*c.args, **c.kwargs)
+        _synchronize(named)
+        for t in threading.enumerate():
+            if t not in threads and t.is_alive():
+                t.join(timeout=30)
+        return out
 
 
 def _again_message(op: str, out: Any, first: torch.Tensor) -> str:
@@ -322,40 +340,6 @@ def _again_message(op: str, out: Any, first: torch.Tensor) -> str:
         diff = (bits(out) != first).nonzero()
         if diff.numel():
             where = f" at index {[int(x) for x in diff[0]]} ({diff.shape[0]} elements differ)"
-    return (f"{op} judged twice: on fresh copies of the same inputs, after another call of the same shapes, the "
-            f"output differs from the first run{where}: the result depends on earlier calls (a cache by shape or "
+    return (f"{op} judged twice: on the same inputs again, after a call on other values of the same shapes, "
+            f"the output differs from the first run{where}: the result depends on earlier calls (a cache by shape or "
             f"data pointer, a stale buffer, a call count) or is nondeterministic")
-
-
-def _randomized(c: _Call) -> list[str]:
-    """The arguments :func:`_fresh` gives other values."""
-    return [name for name, t in _named(c.op, c.args, c.kwargs)
-            if name in DATA_ARGS and t.is_floating_point() and t.dtype.itemsize >= 2]
-
-
-def _fresh(c: _Call, seed: int | None) -> tuple[tuple, dict]:
-    """The call's arguments on fresh memory: each input storage copied once (views keep their aliasing) from
-    its state before the call; with ``seed``, floating inputs get other values of the same shapes."""
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    made: dict[str, torch.Tensor] = {}
-
-    def fresh(name: str, t: torch.Tensor) -> torch.Tensor:
-        old = c.before[name]
-        if gen is not None and name in DATA_ARGS and t.is_floating_point() and t.dtype.itemsize >= 2:
-            new = torch.randn(old.shape, generator=gen, dtype=torch.float32).to(old.dtype).to(old.device)
-            return new
-        if name not in made:
-            made[name] = old.clone()
-        return made[name]
-
-    names = dict(_named(c.op, c.args, c.kwargs))
-    rename = {id(t): name for name, t in names.items()}
-
-    def convert(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and id(value) in rename:
-            return fresh(rename[id(value)], value)
-        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-            return type(value)(convert(v) for v in value)
-        return value
-
-    return tuple(convert(a) for a in c.args), {k: convert(v) for k, v in c.kwargs.items()}
