@@ -71,3 +71,29 @@ def test_a_cheats_case_file_replays_in_a_fresh_process(name, tmp_path, record_pr
     assert "PASSES" not in proc.stdout, proc.stdout
     assert (proc.returncode, verdict.split(":")[0]) in ((1, "FAILS"), (3, "did not reproduce (depends on earlier "
                                                                           "calls / nondeterministic)")), proc.stdout
+
+
+def test_a_rejected_case_is_no_failure_and_leaves_no_case_file(tmp_path):
+    from hypothesis import assume
+
+    from pagedkv.backends import get_backend
+
+    class RejectsEvenSeeds:  # a property whose check rejects half its cases, as assume() does inside a search
+        def __init__(self, prop):
+            self._prop = prop
+
+        def __getattr__(self, name):
+            return getattr(self._prop, name)
+
+        def check(self, backend, case, device):
+            assume(case.seed % 2)
+            return self._prop.check(backend, case, device)
+
+    prop = RejectsEvenSeeds(properties()["gather_returns_exactly_what_each_slot_holds"])
+    outcome = execute.run(prop, (get_backend("indexed"),), "cpu", hypothesis_settings("smoke"),
+                          case_file=tmp_path / "gather.json")
+    assert outcome.status == "passed", outcome.first_line
+    assert not list(tmp_path.iterdir())
+    nan = execute.run(properties()["a_nan_value_shows_exactly_in_the_outputs_that_read_it"], (get_backend("indexed"),),
+                      "cpu", hypothesis_settings("smoke"), case_file=tmp_path / "nan.json")
+    assert nan.status == "passed" and not list(tmp_path.iterdir()), nan.first_line
