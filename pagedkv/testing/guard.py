@@ -24,11 +24,13 @@ that caches by shape or by data pointer, returns a stale buffer, skips work it h
 calls, or is nondeterministic, answers differently.
 
 Calls whose inputs hold more than :data:`MAX_SNAPSHOT_BYTES` (the lazily backed pools of the limit
-cases) are not snapshotted or rerun: copying them would commit memory those cases never touch.
+cases) are not snapshotted, filled or rerun: copying them would commit memory those cases never touch,
+and deterministic index kernels on them would allocate as much again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import warnings
@@ -123,9 +125,11 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _storage_bytes(tensors) -> int:
+    """Bytes a copy of ``tensors`` would take: their storages, or their elements where more (a view whose
+    strides repeat memory, as the aliased large pools do, copies to far more than its storage)."""
     seen = {}
     for _, t in tensors:
-        seen[_storage_key(t)] = t.untyped_storage().nbytes()
+        seen[_storage_key(t)] = max(t.untyped_storage().nbytes(), t.numel() * t.element_size())
     return sum(seen.values())
 
 
@@ -196,7 +200,7 @@ class GuardedBackend:
         small = _storage_bytes(tensors) <= MAX_SNAPSHOT_BYTES
         before = {name: t.clone() for name, t in tensors} if small else {}
         threads = set(threading.enumerate())
-        with _fill_fresh_memory():
+        with _fill_fresh_memory() if small else contextlib.nullcontext():
             out = fn(*args, **kwargs)
         _synchronize(tensors)
         started = [t for t in threading.enumerate() if t not in threads and t.is_alive()]
