@@ -18,7 +18,10 @@ shipped peer; any other spec runs only when you name it yourself with ``--impl``
 second backend of a pair).
 
 Exit status: 0 when the check passes, 1 when it fails, 2 when the file is refused or the backend
-cannot be loaded (one line naming the field, no traceback).
+cannot be loaded (one line naming the field, no traceback), 3 when the file records a failure of its
+backend (``outcome`` ``failed`` or ``raised``, written by a failing run: it holds ``history``) that
+does not happen again, neither alone nor after the earlier cases ``history`` records, rerun in order:
+replay prints ``did not reproduce (depends on earlier calls / nondeterministic)``, never ``PASSES``.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "pagedkv/testing/casefiles/regressions/*.json) and, on failure, print the first mismatch and a "
                     "map of the block tables with the bad slot marked. The file is checked first (size, schema, "
                     "consistency, memory budget) and only a built-in, shipped-mutant or shipped-peer backend is "
-                    "loaded on its word. Exit status: 0 passes, 1 fails, 2 refused or cannot load.")
+                    "loaded on its word. Exit status: 0 passes, 1 fails, 2 refused or cannot load, 3 a recorded "
+                    "failure did not reproduce (depends on earlier calls / nondeterministic).")
     parser.add_argument("file", metavar="FILE",
                         help="case file (JSON) written by the suite or committed as a regression")
     parser.add_argument("--impl", metavar="SPEC", default=None,
@@ -105,7 +109,8 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
         exact, max_drift_ulp: when ``other`` is a baseline (:mod:`pagedkv.cli.replay_drift`): the drift gate.
 
     Returns:
-        0 (passes), 1 (fails) or 2 (the file is refused, or the backend cannot be loaded).
+        0 (passes), 1 (fails), 2 (the file is refused, or the backend cannot be loaded) or
+        :data:`DID_NOT_REPRODUCE` (3: a recorded failure does not happen again).
     """
     choose_interpreter(on_cpu=not str(device).startswith("cuda"))  # before anything imports Triton
     from pagedkv.errors import CaseFileError
@@ -152,7 +157,12 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
         if hasattr(record["case"], "ops"):  # a cache scenario: keep the live tables at the failing step for the map
             _sharing_with_snapshot(backend, record["case"], device, snapshot, record)
         else:
+            recorded = _recorded_failure(record, impl)
+            if recorded:  # the calls that led to the failure, in order, on this fresh backend
+                _run_history(record, backend, device, out, quiet)
             _run_record(record, backend, device)
+            if recorded:
+                return _did_not_reproduce(record, device, out)
     except MissingOp as exc:
         print(f"SKIPPED: {exc}", file=out)
         return 0
@@ -177,6 +187,37 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
         return status
     print(f"PASSES: {check} on {spec} ({device})", file=out)
     return 0
+
+
+#: Replay's exit status when a failure recorded by a run of the recorded backend does not happen again.
+DID_NOT_REPRODUCE = 3
+
+
+def _recorded_failure(record: dict, impl: str | None) -> bool:
+    """Whether the file records a failure of the backend replay runs now: written by a failing run (it has
+    a ``history``, possibly empty) and run on the recorded backend (no ``--impl``)."""
+    return "history" in record and record.get("outcome") in ("failed", "raised") and impl is None
+
+
+def _run_history(record: dict, backend: Any, device: str, out: TextIO, quiet: bool) -> None:
+    """Rerun the earlier cases the file records on ``backend``, oldest first (their own results do not count)."""
+    from pagedkv.testing.execute import run_record
+
+    history = record.get("history") or []
+    if history and not quiet:
+        print(f"  rerunning the {len(history)} earlier case(s) the run judged before this one, in order", file=out)
+    for earlier in history:
+        run_record({**record, "case": earlier}, backend, device)
+
+
+def _did_not_reproduce(record: dict, device: str, out: TextIO) -> int:
+    """Say that a recorded failure did not happen again; :data:`DID_NOT_REPRODUCE`."""
+    history = record.get("history") or []
+    after = f" after its {len(history)} earlier case(s)" if history else " (no earlier cases recorded)"
+    print(f"did not reproduce (depends on earlier calls / nondeterministic): {record['check']} on "
+          f"{record['backend']} ({device}) passes now{after}; recorded failure: "
+          f"{record.get('error') or '(none recorded)'}", file=out)
+    return DID_NOT_REPRODUCE
 
 
 def _run_record(record: dict, backend: Any, device: str) -> None:

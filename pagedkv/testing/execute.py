@@ -21,6 +21,7 @@ replay line of its own.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.testing.compare import MissingOp
+from pagedkv.testing.guard import GuardedBackend
+
+#: How many cases run before a failing one its case file records (``history``), oldest first: replay
+#: reruns them in order when the failing case alone does not fail.
+HISTORY = 16
 
 
 class BudgetSpent(BaseException):
@@ -47,6 +53,7 @@ class Failure:
     error: BaseException
     case_file: Path | None = None
     replay: str = ""
+    history: list = field(default_factory=list)  # the cases run on the backend before this one, oldest first
 
     @property
     def first_line(self) -> str:
@@ -113,11 +120,14 @@ def call(prop: Any, backends: tuple, case: Any, device: str) -> None:
 
     backends = _with_reference(prop, tuple(backends))
     caps = capabilities_of(backends[-1])
-    candidate = as_declared_layout(backends[-1], caps)
+    guard = GuardedBackend(backends[-1])  # the output and input contract of every op call
+    candidate = as_declared_layout(guard, caps)
     with pool_layout(caps.layout):  # the candidate's memory order; compared as NHD
         if prop.pair:
-            return prop.check(backends[0], candidate, case, device)
-        return prop.check(candidate, case, device)
+            prop.check(backends[0], candidate, case, device)
+        else:
+            prop.check(candidate, case, device)
+    guard.judge_again(seed=getattr(case, "seed", 0) or 0)  # the same bits again, after other values
 
 
 def replay_command(path: Path | str, impl: str | None = None, device: str = "cpu", other: str | None = None) -> str:
@@ -130,6 +140,15 @@ def replay_command(path: Path | str, impl: str | None = None, device: str = "cpu
     if other and not trusted_backend_spec(other):
         cmd += f" --other {other}"
     return cmd + ("" if device == "cpu" else f" --device {device}")
+
+
+def _rejections() -> tuple:
+    """The exceptions that reject a case instead of failing it (Hypothesis' ``assume``)."""
+    try:
+        from hypothesis.errors import UnsatisfiedAssumption
+    except ImportError:  # replays run without Hypothesis
+        return ()
+    return (UnsatisfiedAssumption,)
 
 
 def _origin(exc: BaseException) -> tuple:
@@ -183,14 +202,15 @@ class _Recorder:
         outcome = "failed" if isinstance(exc, AssertionError) else "raised"
         error = str(exc) if outcome == "failed" else f"{type(exc).__name__}: {exc}"
         failure.case_file = save_failure(self.prop.name, self.spec, failure.case, other=self.other, outcome=outcome,
-                                         error=error, path=path)
+                                         error=error, path=path,
+                                         extra={"history": [c.to_dict() for c in failure.history]})
         failure.replay = replay_command(path, self.spec, self.device, self.other)
 
-    def failed(self, case: Any, exc: BaseException) -> Failure:
+    def failed(self, case: Any, exc: BaseException, history: list | None = None) -> Failure:
         origin = _origin(exc)
         running = self.running
         origins = list(self.by_origin)
-        failure = Failure(case, exc)
+        failure = Failure(case, exc, history=list(history or []))
         if self.base is not None:
             path = self._path(origins.index(origin) if origin in origins else len(origins))
             self._save(failure, path)
@@ -206,7 +226,7 @@ class _Recorder:
         final = []
         for i, error in enumerate(errors):
             found = self.by_error.get(id(error)) or self.by_origin.get(_origin(error))
-            failure = Failure(found.case if found else None, error)
+            failure = Failure(found.case if found else None, error, history=found.history if found else [])
             if self.base is not None and failure.case is not None:
                 self._save(failure, self._path(i))
             final.append(failure)
@@ -248,6 +268,9 @@ def run_case(prop: Any, backends: tuple, case: Any, device: str = "cpu", *, spec
     except MissingOp as exc:
         recorder.passed()
         outcome.status, outcome.reason = "skipped", str(exc)
+    except _rejections() as exc:  # the case breaks the property's assumption: nothing was judged
+        recorder.passed()
+        outcome.status, outcome.reason = "skipped", f"the case is rejected by the property ({type(exc).__name__})"
     except Exception as exc:  # noqa: BLE001 - any exception from a backend is a finding, reported with its case
         outcome.status, outcome.examples, outcome.first_failing_example = "failed", 1, 1
         outcome.failures.append(recorder.failed(case, exc))
@@ -320,6 +343,8 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
     recorder = _Recorder(prop, spec or backend_name(backends[-1]), (other or backend_name(backends[0]))
                          if prop.pair else None, case_file, device)
     state = {"calls": 0}
+    history: collections.deque = collections.deque(maxlen=HISTORY)
+    rejections = _rejections()
 
     def body(case):
         __tracebackhide__ = True
@@ -337,11 +362,16 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
         except MissingOp as exc:
             recorder.passed()
             raise _OpMissing(str(exc)) from None
+        except rejections:  # assume() rejected the case: not a failure, no case file
+            recorder.passed()
+            raise
         except Exception as exc:
             outcome.first_failing_example = outcome.first_failing_example or state["calls"]
-            recorder.failed(case, exc)
+            recorder.failed(case, exc, list(history))
+            history.append(case)
             raise
         recorder.passed()
+        history.append(case)
 
     test = given(prop.strategy_in(caps, **(overrides or {})))(body)
     if explicit:

@@ -45,7 +45,8 @@ from pagedkv.testing.casefiles.schema import (BUILTIN_BACKENDS, FORMAT_VERSION, 
 # -- which backends a file may name -------------------------------------------------------------------------
 #: Modules earlier versions recorded for cache and feature mutants (read as pagedkv.testing.mutants:NAME).
 LEGACY_MUTANT_MODULES = ("pagedkv.testing.cache_mutants", "pagedkv.testing.feature_mutants")
-SHIPPED_MODULES = (MUTANTS_MODULE, PEERS_MODULE)
+CHEATS_MODULE = "pagedkv.testing.mutants.cheats"  # the cheating candidates (pagedkv.testing.mutants.cheats:NAME)
+SHIPPED_MODULES = (MUTANTS_MODULE, PEERS_MODULE, CHEATS_MODULE)
 
 
 def _shipped(module: str) -> set[str]:
@@ -53,6 +54,10 @@ def _shipped(module: str) -> set[str]:
         from pagedkv.testing.mutants import MUTANTS
 
         return set(MUTANTS)
+    if module == CHEATS_MODULE:
+        from pagedkv.testing.mutants.cheats import CHEATS
+
+        return set(CHEATS)
     from pagedkv.testing.peers import PEERS
 
     return set(PEERS)
@@ -245,6 +250,8 @@ def load_case_file(path: str | Path, *, max_bytes: int | None = None, impl: str 
     record = validate_record(parse_case_bytes(read_case_bytes(path)), max_bytes=max_bytes)
     record = require_trusted_backends(record, impl=impl, other=other, check_backend=check_backend)
     record["case"] = build_case(record)
+    if "history" in record:
+        record["history"] = [build_case({**record, "case": h}) for h in record["history"]]
     return record
 
 

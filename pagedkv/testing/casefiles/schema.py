@@ -57,7 +57,9 @@ _MAX_SEED = 2**44  # seed * 1_000_003 + stream must fit torch's 64-bit seed
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
 
 _RECORD_KEYS = {"version": False, "id": False, "title": False, "check": True, "backend": False, "other": False,
-                "transform": False, "kind": False, "case": True, "outcome": False, "error": False}
+                "transform": False, "kind": False, "case": True, "outcome": False, "error": False, "history": False}
+#: Most earlier cases a record's ``history`` may hold (the suite writes at most 16).
+MAX_HISTORY = 64
 OUTCOMES = ("running", "failed", "raised", "crashed")  # save_failure's outcome: written before the call, after it
 _GEOMETRY_KEYS = ("num_blocks", "block_size", "num_kv_heads", "head_dim", "num_queries_per_kv", "dtype")
 _SEQ_KEYS = ("block_table", "seq_len", "q_len", "start")
@@ -387,7 +389,8 @@ def validate_record(data: object, *, max_bytes: int | None = None) -> dict:
         A normalized copy of the record, ``case`` still plain data: ``version`` (1 when absent),
         ``kind`` (``"Case"`` when absent), ``backend`` (``"indexed"`` when absent or null),
         ``other`` and ``transform`` (``None`` when absent), ``error`` (``""`` when absent), ``id``,
-        ``title`` and ``outcome`` when present.
+        ``title``, ``outcome`` and ``history`` (the cases run before the failing one, oldest first) when
+        present.
 
     Raises:
         CaseFileError: the first problem found; ``field`` is its path (``case.seqs[0].seq_len``) and
@@ -426,6 +429,16 @@ def validate_record(data: object, *, max_bytes: int | None = None) -> dict:
                    "LimitCase": _limit_case}[kind](r["case"], "case")
     out = upgrade_legacy_check(out)  # the deprecated check names of older files
     budget = default_max_bytes() if max_bytes is None else max_bytes
+    if "history" in r:  # the cases run before the failing one, oldest first (each within the budget too)
+        history = _list(r["history"], "history")
+        if len(history) > MAX_HISTORY:
+            raise CaseFileError("history", f"{len(history)} earlier cases, more than {MAX_HISTORY}")
+        check_case = {"Case": _case, "CacheScenario": _scenario, "InvalidCall": _invalid_call,
+                      "LimitCase": _limit_case}[kind]
+        out["history"] = [check_case(h, f"history[{i}]") for i, h in enumerate(history)]
+        for i, h in enumerate(out["history"]):
+            if estimate_bytes({"kind": kind, "case": h})[1] > budget:
+                raise CaseFileError(f"history[{i}]", f"the case needs more than the memory budget of {_human(budget)}")
     pools, total = estimate_bytes(out)
     if total > budget:
         geometry = "case.case.geometry" if kind == "InvalidCall" else "case.geometry"
