@@ -77,7 +77,9 @@ def test_a_non_promise_is_a_finding_and_a_promise_a_failure_in_the_json_verdict(
     for entry in (finding, failed):
         (failure,) = entry["failures"]
         assert Path(failure["case_file"]).is_file() and failure["case_file"] in failure["replay"]
-        assert failure["replay"].startswith("python -m pagedkv replay ") and "reproduced" in failure
+        assert failure["replay"].startswith("python -m pagedkv replay ")
+        # replayed in a fresh process when the verdict is written: the deterministic fault fails again
+        assert (failure["reproduced"], failure["replay_status"]) == (True, 1), failure
 
 
 def test_an_unknown_non_promise_names_the_known_properties():

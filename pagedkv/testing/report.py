@@ -49,7 +49,7 @@ class TestRun:
 
 def failure_record(failure: Any) -> dict:
     """One failure for the JSON verdict: its message, case file, replay command and whether it reproduced
-    (``reproduced``: what the failure carries, ``None`` when nothing checked it)."""
+    (``reproduced``: what the failure carries; :func:`check_reproduced` replays the rest)."""
     return {"message": failure.first_line, "case_file": str(failure.case_file) if failure.case_file else None,
             "replay": failure.replay or None, "reproduced": getattr(failure, "reproduced", None)}
 
@@ -276,10 +276,54 @@ def verdict(stats: dict, backends: list, spec: str | None, *, profile: str = "",
     return out
 
 
+#: At most this many case files are replayed for ``reproduced`` (each is a fresh process); the rest say ``None``.
+MAX_REPLAYS = 20
+#: Seconds one replay may take before its failure counts as not checked (``None``).
+REPLAY_TIMEOUT_S = 300
+
+
+def replay_status(command: str, timeout_s: float = REPLAY_TIMEOUT_S) -> int | None:
+    """The exit status of a failure's replay command (``python -m pagedkv replay FILE ...``) run in a fresh
+    process of this interpreter: 1 the failure reproduced, 3 it did not (depends on earlier calls or is
+    nondeterministic), 0 the case passes, 2 the file or backend was refused; ``None`` past ``timeout_s``
+    or when ``command`` is not a replay command."""
+    import shlex
+    import subprocess
+    import sys
+
+    words = shlex.split(command)
+    if words[:4] != ["python", "-m", "pagedkv", "replay"]:
+        return None
+    try:
+        done = subprocess.run([sys.executable, *words[1:]], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
+    return done.returncode
+
+
+def check_reproduced(data: dict, limit: int = MAX_REPLAYS) -> None:
+    """Fill each failure's ``reproduced`` in a :func:`verdict` (in place) by replaying its case file in a
+    fresh process (:func:`replay_status`): ``True`` when replay fails again, ``False`` when it does not
+    (``replay_status`` gives its exit status), ``None`` when not checked (no case file, over ``limit``)."""
+    done = 0
+    for candidate in data["candidates"]:
+        for entry in candidate["failed"] + candidate["findings"]:
+            for failure in entry["failures"]:
+                if failure.get("reproduced") is not None or not failure.get("replay") or done >= limit:
+                    continue
+                done += 1
+                status = replay_status(failure["replay"])
+                failure["replay_status"] = status
+                failure["reproduced"] = None if status is None else status == 1
+
+
 def write_verdict(path: Any, stats: dict, backends: list, spec: str | None, **kw) -> None:
-    """Write :func:`verdict` as indented JSON to ``path`` (its directory created)."""
+    """Write :func:`verdict` as indented JSON to ``path`` (its directory created), each failure's
+    ``reproduced`` checked by replaying its case file (:func:`check_reproduced`)."""
     from pathlib import Path
 
+    data = verdict(stats, backends, spec, **kw)
+    check_reproduced(data)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(verdict(stats, backends, spec, **kw), indent=2) + "\n")
+    path.write_text(json.dumps(data, indent=2) + "\n")
