@@ -4,7 +4,7 @@
 # and transformers must already be installed (matplotlib optional). Run from anywhere:
 #
 #   bash bench/gpu_session.sh            # results in $OUT if set (the device runner's folder), else gpu-results/
-#   DRY_RUN=1 bash bench/gpu_session.sh  # any machine: every step but the device calls (tests/test_gpu_session.py)
+#   DRY_RUN=1 bash bench/gpu_session.sh  # any machine: every step but the device calls (tests/repo/test_gpu_session.py)
 #
 # Steps, each under its own time limit (seconds; override by environment) so that one slow step cannot
 # eat the others' time; a step that hits its limit is reported as such and the next one runs:
@@ -17,7 +17,7 @@
 #   2. compile-count check: the specialisations the suite needed per op (its summary line) against the plan
 #                    and the compile budget (at most 150 attention specialisations under ci)
 #   3. COMPILE_S=60  the compile report for the real device's architecture (registers, spills, shared
-#                    memory, occupancy; `python -m pagedkv bench --compile-report --arch <cc>`), plus
+#                    memory, occupancy; `python -m bench.compile_report --arch <cc>`), plus
 #                    registers / spills of the kernels the suite actually loaded, read back from the driver
 #   4. E2E_S=30      e2e on CUDA: a transformers Llama served from the cache, triton float32 / bfloat16 and
 #                    indexed bfloat16 (3 runs)
@@ -72,8 +72,8 @@ python3 bench/compile_count_check.py "$out/suite.txt" "$out/plan.json" >> "$summ
 echo "compile-count check exit $?" >> "$summary"
 
 # 3. compile report for this device (ahead of time, the same matrix as CI's nightly default level)
-step "compile report: python -m pagedkv bench --compile-report --arch $cc"
-dev timeout -k 10 "${COMPILE_S:-60}" python3 -m pagedkv bench --compile-report --arch "$cc" \
+step "compile report: python -m bench.compile_report --arch $cc"
+dev timeout -k 10 "${COMPILE_S:-60}" python3 -m bench.compile_report --arch "$cc" \
   --json "$out/compile-report-sm$cc.json" > "$out/compile.txt" 2>&1
 rc=$?
 { echo "compile report exit $rc"; grep -E "SPILLS|FAILED|SMEM>LIMIT" "$out/compile.txt" | head -20

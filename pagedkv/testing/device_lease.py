@@ -281,6 +281,6 @@ def leased(bytes_of: Callable[[Any], int]):
                 from pagedkv.testing.compare import MissingOp
 
                 raise MissingOp(f"the device cannot hold this check's pools: {exc}") from None
-        run.leased_bytes = bytes_of  # read by the plan (pagedkv.testing.plan)
+        run.leased_bytes = bytes_of  # read by the plan (pagedkv.tools.plan)
         return run
     return decorate

@@ -1,0 +1,99 @@
+"""Cheating candidates (:mod:`pagedkv.tools.mutants.cheats`) are caught by the gate's core, and each
+failure's case file replays in a fresh process to the failure, or says why it cannot.
+
+Each cheat runs the registered properties (attention and ``write_kv`` first) through
+:func:`pagedkv.testing.execute.run` under the ``smoke`` profile without shrinking, and stops at the
+first failure: the property that caught it is recorded (``record_property("caught_by")``). Replay
+then runs in a new interpreter, where the cheat's state (caches, call counts) starts empty (every run
+for the cheats whose failure depends on that state, under ``slow`` for the others).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedkv.testing import execute
+from pagedkv.tools.mutants.cheats import CHEATS
+from pagedkv.tools.mutants.kill_table import hypothesis_settings
+from pagedkv.testing.registry import properties
+
+FIRST = ("paged_attention_matches_fp64_dense_reference", "write_kv_lands_at_slot_mapping_and_skips_negative_slots")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _catch(name: str, folder: Path):
+    """``(property, outcome)`` of the first property that fails the cheat, or ``(None, None)``."""
+    props = properties()
+    backend = CHEATS[name]()
+    for pname in FIRST + tuple(p for p in props if p not in FIRST):
+        prop = props[pname]
+        if prop.kind in ("machine", "limit"):  # a state machine writes no case file; limits are not about cheating
+            continue
+        outcome = execute.run(prop, (backend,), "cpu", hypothesis_settings("smoke", shrink=False),
+                              spec=f"pagedkv.tools.mutants.cheats:{name}", case_file=folder / f"{name}.json")
+        if outcome.failed:
+            return pname, outcome
+    return None, None
+
+
+#: Cheats whose failure depends on state a fresh process starts without (caches, call counts, pointers
+#: seen): their replay in a new interpreter runs on every CI run; the others' under ``slow``.
+STATEFUL = ("cache_by_pointer", "right_first_calls", "ulp_noise_one_in_ten", "write_skipped_by_pointer")
+
+
+@pytest.mark.parametrize("name", sorted(CHEATS))
+def test_a_cheat_is_caught_leaving_one_case_file(name, tmp_path, record_property):
+    caught_by, outcome = _catch(name, tmp_path)
+    assert caught_by is not None, f"{name} passed every property"
+    failure = outcome.failures[0]
+    record_property("caught_by", f"{caught_by}: {failure.first_line}")
+    record = json.loads(failure.case_file.read_text())
+    assert record["outcome"] in ("failed", "raised") and isinstance(record["history"], list)
+    assert [p.name for p in tmp_path.glob("*.json")] == [failure.case_file.name], "a passing example left a case file"
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in STATEFUL else pytest.mark.slow)
+                                  for n in sorted(CHEATS)])
+def test_a_cheats_case_file_replays_in_a_fresh_process(name, tmp_path, record_property):
+    caught_by, outcome = _catch(name, tmp_path)
+    assert caught_by is not None, f"{name} passed every property"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "pagedkv", "replay", str(outcome.failures[0].case_file), "--quiet"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    verdict = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
+    record_property("replay", f"exit {proc.returncode}: {verdict}")
+    assert "PASSES" not in proc.stdout, proc.stdout
+    assert (proc.returncode, verdict.split(":")[0]) in ((1, "FAILS"), (3, "did not reproduce (depends on earlier "
+                                                                          "calls / nondeterministic)")), proc.stdout
+
+
+def test_a_rejected_case_is_no_failure_and_leaves_no_case_file(tmp_path):
+    from hypothesis import assume
+
+    from pagedkv.backends import get_backend
+
+    class RejectsEvenSeeds:  # a property whose check rejects half its cases, as assume() does inside a search
+        def __init__(self, prop):
+            self._prop = prop
+
+        def __getattr__(self, name):
+            return getattr(self._prop, name)
+
+        def check(self, backend, case, device):
+            assume(case.seed % 2)
+            return self._prop.check(backend, case, device)
+
+    prop = RejectsEvenSeeds(properties()["gather_returns_exactly_what_each_slot_holds"])
+    outcome = execute.run(prop, (get_backend("indexed"),), "cpu", hypothesis_settings("smoke"),
+                          case_file=tmp_path / "gather.json")
+    assert outcome.status == "passed", outcome.first_line
+    assert not list(tmp_path.iterdir())
+    nan = execute.run(properties()["a_nan_value_shows_exactly_in_the_outputs_that_read_it"], (get_backend("indexed"),),
+                      "cpu", hypothesis_settings("smoke"), case_file=tmp_path / "nan.json")
+    assert nan.status == "passed" and not list(tmp_path.iterdir()), nan.first_line

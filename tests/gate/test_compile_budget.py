@@ -1,0 +1,90 @@
+"""The compile budget: a seeded palette of kernel specialisations per run (boundaries always in it), the
+strategies drawing only from it, the count of what a run needed, and the plan's lease schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv.backends.capabilities import SPECIALIZATION_NAMES, Capabilities, Sizes, capabilities_of
+from pagedkv.testing import specialisations
+from pagedkv.tools.plan import _schedule
+from pagedkv.testing.strategies.batches import cases
+from pagedkv.testing.strategies.geometry import UNIVERSE, run_palette
+from pagedkv.testing.strategies.palette import build_palette
+
+TRITON_LIKE = Capabilities(features=frozenset({"window", "softcap", "alibi", "sinks", "fp8"}),
+                           specialize_on=SPECIALIZATION_NAMES)
+
+
+def test_the_ci_palette_is_fixed_holds_the_boundaries_and_stays_within_150_attention_specialisations():
+    a = build_palette(SPECIALIZATION_NAMES, TRITON_LIKE, "ci", 0, UNIVERSE)
+    assert a == build_palette(SPECIALIZATION_NAMES, TRITON_LIKE, "ci", 0, UNIVERSE)
+    assert a.bound <= 150
+    smallest, largest = a.shapes[0], a.shapes[1]
+    assert (smallest["block_size"], smallest["head_dim"], smallest["gqa_group"]) == (1, 1, 1)
+    assert (largest["block_size"], largest["head_dim"], largest["gqa_group"]) == (544, 576, 71)
+    assert {s["dtype"] for s in a.shapes} == {"float32", "float16", "bfloat16"}
+    features = sorted(TRITON_LIKE.features)
+    assert frozenset() in a.feature_sets and frozenset(features) in a.feature_sets
+    assert all(frozenset({f}) in a.feature_sets for f in features)
+
+
+def test_the_nightly_palette_rotates_with_the_seed_and_keeps_the_boundaries():
+    days = [build_palette(SPECIALIZATION_NAMES, TRITON_LIKE, "nightly", seed, UNIVERSE) for seed in (1, 2)]
+    assert days[0].shapes != days[1].shapes
+    assert all(p.shapes[0]["block_size"] == 1 and p.shapes[1]["block_size"] == 544 for p in days)
+
+
+def test_the_palette_stays_inside_the_declared_space():
+    caps = dataclasses.replace(TRITON_LIKE, block_sizes=Sizes(multiple_of=16), head_dims=Sizes(values={64, 128}),
+                               dtypes=frozenset({"float16"}))
+    p = build_palette(SPECIALIZATION_NAMES, caps, "ci", 0, UNIVERSE)
+    assert all(s["block_size"] % 16 == 0 and s["head_dim"] in (64, 128) and s["dtype"] == "float16" for s in p.shapes)
+
+
+def test_a_backend_declaring_no_specialisation_draws_freely():
+    assert run_palette(Capabilities()) is None
+    assert capabilities_of(__import__("pagedkv").get_backend("indexed")).specialize_on is None
+
+
+def test_an_unknown_specialisation_name_is_rejected():
+    with pytest.raises(ValueError, match="specialize_on: unknown \\['warp_count'\\]"):
+        Capabilities(specialize_on={"block_size", "warp_count"})
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(st.data())
+def test_drawn_cases_use_only_the_palettes_specialisations(data):
+    palette = run_palette(TRITON_LIKE)
+    case = data.draw(cases(caps=TRITON_LIKE))
+    g = case.geometry
+    shape = {"block_size": g.block_size, "head_dim": g.head_dim, "gqa_group": g.num_queries_per_kv, "dtype": g.dtype}
+    assert shape in list(palette.shapes)
+    assert case.features in palette.feature_sets
+
+
+def test_the_run_counts_each_ops_distinct_specialisations(tmp_path, monkeypatch):
+    monkeypatch.setattr(specialisations, "_SEEN", __import__("collections").defaultdict(set))
+    palette = run_palette(TRITON_LIKE)
+    drawn = [cases(caps=TRITON_LIKE).example() for _ in range(5)]
+    for case in drawn + drawn:
+        specialisations.record(("paged_attention", "gather"), case, TRITON_LIKE)
+    specialisations.write(tmp_path, "gw0")
+    tally = specialisations.read_all(tmp_path)
+    keys = {specialisations.key_of("paged_attention", c, SPECIALIZATION_NAMES) for c in drawn}
+    assert tally["paged_attention"] == keys and len(keys) <= palette.bound
+    assert "paged_attention " in specialisations.summary_line(tally)
+
+
+def test_the_lease_schedule_never_holds_more_than_the_budget():
+    tests = [(f"t{i}", nbytes, 1.0) for i, nbytes in enumerate([8, 8, 8, 4, 4])]
+    schedule, makespan = _schedule(tests, budget=16, workers=4)
+    events = sorted({t for _, _, s, e, _ in schedule for t in (s, e)})
+    for t in events:
+        assert sum(b for _, b, s, e, _ in schedule if s <= t < e) <= 16
+    assert makespan == 2.0
+    assert _schedule([("huge", 32, 1.0)], budget=16, workers=2)[0][0][2] is None  # never: larger than the budget
