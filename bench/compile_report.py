@@ -15,7 +15,8 @@ Compilation runs in worker processes started with ``TRITON_INTERPRET=0`` (the ke
 ``JITFunction`` objects, not the interpreter's), so the report works in a process that runs the
 kernels in the interpreter.
 
-``python -m bench.compile_report [--json PATH] [--arch 80,90] [--full]`` prints the table and
+``python -m bench.compile_report [--json PATH] [--arch 80,90] [--level full]``, from the repository's
+root (the report is a tool of the repository, not of the wheel), prints the table and
 ``compile report: <n> configurations, <s> with spills, <e> failed``.
 """
 

@@ -24,3 +24,12 @@ from .invalid import invalid_calls
 
 __all__ = ["DTYPES", "GROUP_SIZES", "cases", "fragmented_cases", "geometries", "invalid_calls", "large_pool_cases",
            "scenarios", "seq_lens"]
+
+if __name__ != "pagedkv.testing.strategies":  # imported from a checkout's root as plain `strategies`
+    # Be the very package the kit uses (one copy of every class and profile), not a second import.
+    import importlib as _importlib
+    import sys as _sys
+
+    _sys.modules[__name__] = _importlib.import_module("pagedkv.testing.strategies")
+    for _name in ("batches", "geometry", "invalid", "profiles", "sharing"):
+        _sys.modules[f"{__name__}.{_name}"] = _importlib.import_module(f"pagedkv.testing.strategies.{_name}")

@@ -1,9 +1,9 @@
 """The validation levels an op's ``validate`` argument picks, and when the memory-overlap test can run.
 
-Shared by every ``*_args`` function (:mod:`pagedkv.validation.calls`, :mod:`pagedkv.validation.attention_arguments`), so it
-sits below them: ``"full"`` reads the metadata on the host, ``"metadata"`` checks shapes, dtypes,
-devices and overlap without reading tensor data (no host synchronisation), ``"none"`` checks nothing
-(see ``docs/validation.md``).
+Shared by every ``*_args`` function (:mod:`pagedkv.validation.calls`,
+:mod:`pagedkv.validation.attention_arguments`), so it sits below them: ``"full"`` reads the metadata on
+the host, ``"metadata"`` checks shapes, dtypes, devices and overlap without reading tensor data (no
+host synchronisation), ``"none"`` checks nothing (see ``docs/validation.md``).
 """
 
 from __future__ import annotations

@@ -1,30 +1,34 @@
-"""The tree shows three layers, each importing only downward: the library (``pagedkv``), the kit
-(``pagedkv.testing``, with its strategies) and the tools (``pagedkv.cli``). No module imports itself
-back through a cycle, the library runs without Hypothesis or pytest, no module is over ~450 lines,
-one module runs properties (:mod:`pagedkv.testing.execute`) and nothing imports the pytest plugin."""
+"""The tree shows four layers, each importing only downward: the library (``pagedkv`` outside the three
+below), the gate (``pagedkv.testing``, with its strategies), the tools that use the gate
+(``pagedkv.tools``) and the command line (``pagedkv.cli``). No module imports itself back through a
+cycle, the library runs without Hypothesis or pytest, the plugin imports no torch until asked, one
+module runs properties (:mod:`pagedkv.testing.execute`) and nothing imports the pytest plugin."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("pagedkv",)
-MAX_LINES = 450
+#: layer of a module by its name's prefix (the longest matching prefix wins); anything else is the library
+LAYERS = {"pagedkv.testing": 1, "strategies": 1, "pagedkv.tools": 2, "pagedkv.cli": 3, "pagedkv.__main__": 3}
+LAYER_NAMES = ("library", "gate", "tools", "cli")
 #: The modules that may touch check functions: the registry declares them, the core runs them.
 RUNNERS = ("pagedkv.testing.execute", "pagedkv.testing.registry")
 
 
-def _modules() -> dict[str, Path]:
+def _modules(root: Path = ROOT) -> dict[str, Path]:
+    """Every project module by its import name (the strategies' source under the name the wheel gives it)."""
     out = {}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            out[name] = path
+    for folder, package in (("pagedkv", "pagedkv"), ("strategies", "pagedkv.testing.strategies")):
+        for path in (root / folder).rglob("*.py"):
+            parts = path.relative_to(root / folder).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            out[".".join((package, *parts))] = path
     return out
 
 
@@ -50,19 +54,35 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
-def _layer(name: str) -> int:
-    if name.startswith(("pagedkv.cli", "pagedkv.__main__")):
-        return 2
-    if name.startswith(("pagedkv.testing", "strategies")):
-        return 1
-    return 0
+def layer(name: str) -> int:
+    """0 library, 1 gate, 2 tools, 3 cli."""
+    matches = [prefix for prefix in LAYERS if name == prefix or name.startswith(prefix + ".")]
+    return LAYERS[max(matches, key=len)] if matches else 0
+
+
+def wrong_way_imports(root: Path = ROOT) -> list[str]:
+    """``"a (gate) imports b (tools)"`` for every import from a lower layer into a higher one."""
+    modules = _modules(root)
+    return [f"{m} ({LAYER_NAMES[layer(m)]}) imports {t} ({LAYER_NAMES[layer(t)]})"
+            for m, p in sorted(modules.items()) for t in sorted(_imports(m, p, modules))
+            if layer(t) > layer(m) and t != "pagedkv"]
 
 
 def test_no_module_imports_a_higher_layer():
-    modules = _modules()
-    upward = [(m, t) for m, p in modules.items() for t in _imports(m, p, modules)
-              if _layer(t) > _layer(m) and t != "pagedkv"]
-    assert not upward, f"imports from a lower layer into a higher one: {upward}"
+    assert not wrong_way_imports(), "imports against the layers:\n" + "\n".join(wrong_way_imports())
+
+
+def test_a_planted_wrong_way_import_is_found(tmp_path):
+    """The check itself bites: one lazy import of a tool from inside the gate, one of the gate from the library."""
+    for folder in ("pagedkv", "strategies"):
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    execute = tmp_path / "pagedkv" / "testing" / "execute.py"
+    execute.write_text(execute.read_text() + "\n\ndef _planted():\n    from pagedkv.tools.mutants import backends\n")
+    allocator = tmp_path / "pagedkv" / "cache" / "allocator.py"
+    allocator.write_text(allocator.read_text() + "\nimport pagedkv.testing.compare\n")
+    found = wrong_way_imports(tmp_path)
+    assert found == ["pagedkv.cache.allocator (library) imports pagedkv.testing.compare (gate)",
+                     "pagedkv.testing.execute (gate) imports pagedkv.tools.mutants.backends (tools)"], found
 
 
 def test_no_import_cycle_between_modules():
@@ -89,16 +109,21 @@ def test_no_import_cycle_between_modules():
 
 def test_the_library_imports_without_hypothesis_or_pytest():
     code = ("import sys; sys.modules['hypothesis'] = None; sys.modules['pytest'] = None; "
-            "import pagedkv, pagedkv.backends.loop, pagedkv.backends.indexed, pagedkv.cache.paged_cache, pagedkv.attention.dense; "
-            "print('ok')")
+            "import pagedkv, pagedkv.backends.loop, pagedkv.backends.indexed, pagedkv.cache.paged_cache, "
+            "pagedkv.attention.dense; print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
 
 
-def test_no_module_is_over_the_size_budget():
-    big = {str(p.relative_to(ROOT)): n for p in _modules().values()
-           if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not big, f"modules over {MAX_LINES} lines (split by concept): {big}"
+def test_the_plugin_imports_no_torch_until_asked():
+    """What every pytest start pays where pagedkv is installed (``python -X importtime`` lists each import)."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "import pagedkv.testing.plugin"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line]
+    assert "pagedkv.testing.plugin" in imported
+    heavy = [m for m in imported if m.split(".")[0] in ("torch", "numpy", "hypothesis", "triton")]
+    assert not heavy, f"importing the plugin imports {heavy[:5]}"
 
 
 def test_one_runner_calls_check_functions():
@@ -124,19 +149,24 @@ def test_one_runner_calls_check_functions():
 
 def test_nothing_imports_the_plugin():
     modules = _modules()
-    importers = [m for m, p in modules.items() if "pagedkv.testing.plugin" in _imports(m, p, modules)
-                 and m != "pagedkv.tools.baseline.gate"]  # the plugin's own second module (pytest_plugins)
+    importers = [m for m, p in modules.items() if "pagedkv.testing.plugin" in _imports(m, p, modules)]
     assert not importers, f"modules importing the pytest plugin (it is hooks only): {importers}"
 
 
-def test_the_wheel_ships_no_top_level_strategies_and_the_face_is_the_same_modules():
+def test_the_wheel_lists_every_package_and_ships_no_top_level_strategies():
     import tomllib
 
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert config["tool"]["setuptools"]["packages"]["find"]["include"] == ["pagedkv*"]
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {name for name, path in _modules().items() if path.name == "__init__.py"}
+    assert set(config["packages"]) == on_disk, (set(config["packages"]) ^ on_disk)
+    assert not any(p == "strategies" or p.startswith("strategies.") for p in config["packages"])
+    assert config["package-dir"] == {"pagedkv.testing.strategies": "strategies"}
+
+
+def test_plain_strategies_in_a_checkout_is_the_kits_package():
     import strategies
     import strategies.batches
 
     import pagedkv.testing.strategies as source
 
-    assert strategies.batches is source.batches and strategies.cases is source.cases
+    assert strategies is source and strategies.batches is source.batches

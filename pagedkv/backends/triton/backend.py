@@ -55,7 +55,8 @@ def scatter(cache: torch.Tensor, table: torch.Tensor, values: torch.Tensor, star
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              w: WriteArgs) -> None:
     """One copy kernel for both pools (into an fp8 pool it stores ``sat(x / scale)`` rounded to nearest
-    even, :func:`pagedkv.attention.fp8.quantize`); the custom op ``pagedkv::triton_write_kv`` under ``torch.compile``."""
+    even, :func:`pagedkv.attention.fp8.quantize`); the custom op ``pagedkv::triton_write_kv`` under
+    ``torch.compile``."""
     call = torch.ops.pagedkv.triton_write_kv if torch.compiler.is_compiling() else write_kv_eager
     call(k_cache, v_cache, key, value, w.slots, w.k_scale, w.v_scale, w.check_overlap)
 

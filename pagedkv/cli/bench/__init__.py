@@ -115,13 +115,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--validation-cost", action="store_true",
                    help="also time each built-in op at validate='full', 'metadata' and 'none' (one point per op: "
                         "the first seq len, block size, preset and dtype; decode batch 4 for paged_attention)")
-    p.add_argument("--compile-report", action="store_true",
-                   help="instead of timing: compile every Triton kernel ahead of time for --arch (no GPU needed) and "
-                        "print registers, spills, shared memory and occupancy per configuration; exit 1 on a spill, "
-                        "a failure or shared memory over the limit")
-    p.add_argument("--arch", type=_int_list, default=[80, 90], help="--compile-report targets (default 80,90)")
-    p.add_argument("--full", action="store_true", help="--compile-report over the whole matrix (slow)")
-    p.add_argument("--json", default=None, help="--compile-report: also write the rows as JSON to this path")
     p.set_defaults(func=run, _parser=p)
     return p
 
@@ -207,10 +200,6 @@ def run(args: argparse.Namespace) -> int:
     Returns:
         0; 1 with ``--check`` when a limit fails; 2 (through ``parser.error``) on a usage error.
     """
-    if getattr(args, "compile_report", False):
-        from bench.compile_report import main as compile_report
-
-        return compile_report(tuple(args.arch), "full" if args.full else "default", args.json)
     impls, specs, error = _check_args(args)
     if error:
         return _usage_error(args, error)

@@ -247,7 +247,8 @@ class Case:
         return {**out, **self.kv_scales(device)}
 
     def stored(self, x: torch.Tensor, which: str = "k") -> torch.Tensor:
-        """Values as the pool stores them: ``x`` itself, or its fp8 quantization (``pagedkv.attention.fp8.quantize``)."""
+        """Values as the pool stores them: ``x`` itself, or its fp8 quantization
+        (``pagedkv.attention.fp8.quantize``)."""
         if self.kv_cache_dtype == "auto":
             return x
         return quantize(x, self.scale_vectors()[which == "v"].to(x.device), self.pool_dtype)
