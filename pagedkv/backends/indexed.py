@@ -20,8 +20,6 @@ be flattened). Writes reinterpret the rows as 16-byte (or 8-byte) elements when 
 allows it: ``index_copy_`` copies element by element, so wider elements mean fewer of them; the bits
 moved are the same.
 
-The tutorial's literal element-wise formulation is kept as :func:`gather_kv_from_blocks_v2`.
-
 ``write_kv`` and ``paged_attention`` are also the ``torch.library`` custom ops ``pagedkv::write_kv``
 (mutating both pools) and ``pagedkv::paged_attention`` (a new tensor), with fake implementations:
 under ``torch.compile`` the ops are the graph's nodes (no graph break); eagerly the same functions
@@ -38,7 +36,7 @@ from pagedkv.attention.dense import paged_attention_by_gather, paged_attention_s
 from pagedkv.backends import native_rows
 from pagedkv.backends.ops import backend_op
 from pagedkv.attention.fp8 import quantize
-from pagedkv.validation.calls import FP8_DTYPES, AttentionArgs, WriteArgs, check_gather, check_write_overlap
+from pagedkv.validation.calls import FP8_DTYPES, AttentionArgs, WriteArgs, check_write_overlap
 
 name = "indexed"
 #: On the CPU, blocks of at least this many bytes are gathered by one ``torch.cat`` of block views.
@@ -78,17 +76,6 @@ def gather(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tens
             torch.index_select(cache[:, :tail], 0, table[full : full + 1],
                                out=out[full * block_size :].view(1, tail, num_kv_heads, head_dim))
     return out
-
-
-def gather_kv_from_blocks_v2(cache: torch.Tensor, block_table, seq_len: int) -> torch.Tensor:
-    """The tutorial's element-wise gather: ``cache[physical_blocks, slot_indices]``, one index per token.
-
-    Same contract as :func:`gather`; kept for comparison (it indexes token by token, so it moves
-    ``num_kv_heads * head_dim`` elements per index instead of a whole block).
-    """
-    table, seq_len = check_gather(cache, block_table, seq_len)
-    positions = torch.arange(seq_len, device=cache.device)
-    return cache[table[positions // cache.shape[1]], positions % cache.shape[1]]
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor | None:

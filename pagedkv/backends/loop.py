@@ -69,6 +69,3 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     attention in float32 (:func:`pagedkv.attention.dense.attend`; vLLM unified attention's order of operations)."""
     return paged_attention_by_gather(gather, query, k_cache, v_cache, args)
 
-
-#: The tutorial's name for the loop gather.
-gather_kv_from_blocks = gather

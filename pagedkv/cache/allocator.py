@@ -370,11 +370,6 @@ class BlockAllocator:
         return True
 
     @property
-    def num_empty(self) -> int:
-        """Free blocks that cache nothing (the rest of :attr:`num_free` is evictable, still cached)."""
-        return len(self._free)
-
-    @property
     def num_shared(self) -> int:
         """Blocks referenced by two or more block tables (forks, prefix hits)."""
         return sum(1 for r in self._ref if r > 1)

@@ -33,12 +33,3 @@ def profile_option(default: str = "ci") -> argparse.ArgumentParser:
     parent.add_argument("--profile", default=default, choices=PROFILE_NAMES,
                         help=f"Hypothesis profile (default: {default}{', derandomized' if default == 'ci' else ''})")
     return parent
-
-
-def resolve_device(device: str | None) -> str:
-    """``device``, or ``cuda`` when torch sees one, else ``cpu``."""
-    if device:
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"

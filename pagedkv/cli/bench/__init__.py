@@ -4,7 +4,7 @@ For every point of a sweep (sequence length x block size x ``num_kv_heads x head
 dtype) the benchmark times, in one run and on one device:
 
 - ``gather``: the ``loop`` backend, the tutorial's element-wise formulation
-  (:func:`pagedkv.backends.indexed.gather_kv_from_blocks_v2`, impl ``elementwise``), the ``indexed``
+  (:func:`pagedkv.cli.bench.sweep.elementwise_gather`, impl ``elementwise``), the ``indexed``
   backend and the ``triton`` backend;
 - ``scatter`` and ``write_kv`` (a prefill's ``slot_mapping`` over a random block table): the same
   backends;

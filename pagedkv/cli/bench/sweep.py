@@ -174,6 +174,23 @@ def _no_validate(fn: Callable) -> dict:
     return {"validate": False} if "validate" in params else {}
 
 
+def elementwise_gather(cache: Any, block_table: Any, seq_len: int) -> Any:
+    """The bench's ``elementwise`` gather: ``cache[physical_blocks, slot_indices]``, one index per token
+    (the literal advanced-indexing formulation; it moves ``num_kv_heads * head_dim`` elements per index
+    where ``indexed`` moves whole blocks). Same contract as ``gather``.
+
+    Raises:
+        The errors of :func:`pagedkv.validation.calls.check_gather`.
+    """
+    import torch
+
+    from pagedkv.validation.calls import check_gather
+
+    table, seq_len = check_gather(cache, block_table, seq_len)
+    positions = torch.arange(seq_len, device=cache.device)
+    return cache[table[positions // cache.shape[1]], positions % cache.shape[1]]
+
+
 #: the contract op each bench op calls
 CONTRACT_OP = {"gather": "gather", "scatter": "scatter", "write_kv": "write_kv", "attention": "paged_attention"}
 
@@ -181,9 +198,7 @@ CONTRACT_OP = {"gather": "gather", "scatter": "scatter", "write_kv": "write_kv",
 def _op_fn(op: str, impl: str, backends: dict) -> Callable[[dict], Any]:
     """``fn(inputs)`` calling ``impl``'s ``op`` on one input set, with the contract's positional arguments."""
     if op == "gather" and impl == "elementwise":
-        from pagedkv.backends.indexed import gather_kv_from_blocks_v2 as v2
-
-        return lambda s: v2(s["cache"], s["table"], s["seq_len"])
+        return lambda s: elementwise_gather(s["cache"], s["table"], s["seq_len"])
     if op == "attention" and impl == "indexed+sdpa":
         f = _sdpa_attention(backends["indexed"])
         return lambda s: f(s["query"], s["k_cache"], s["v_cache"], s["block_tables"], s["seq_lens"],
