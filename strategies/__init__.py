@@ -31,5 +31,5 @@ if __name__ != "pagedkv.testing.strategies":  # imported from a checkout's root 
     import sys as _sys
 
     _sys.modules[__name__] = _importlib.import_module("pagedkv.testing.strategies")
-    for _name in ("batches", "geometry", "invalid", "profiles", "sharing"):
+    for _name in ("batches", "geometry", "invalid", "sharing"):
         _sys.modules[f"{__name__}.{_name}"] = _importlib.import_module(f"pagedkv.testing.strategies.{_name}")
