@@ -14,7 +14,6 @@ import sys
 SUBCOMMANDS = {
     "demo": ".demo",
     "replay": ".replay",
-    "mutants": ".mutants",
     "mutate": ".mutate",
     "bench": ".bench",
     "e2e": ".e2e",

@@ -1,6 +1,17 @@
-"""``python -m pagedkv mutate``: generated mutants of kernel source, killed in k of N seeded runs.
+"""``python -m pagedkv mutate``: the suite's power, measured on mutants.
+
+Two measures, one command:
+
+- kill rates (the default): generated mutants of kernel source (and shipped or given faulty backends),
+  each killed in k of N seeded runs;
+- ``--kill-table``: every shipped faulty backend (:data:`pagedkv.tools.mutants.MUTANTS`) against the
+  registered properties once, the property that killed it, examples to the first failure and the
+  shrunk case.
 
 Examples::
+
+    python -m pagedkv mutate --kill-table --profile ci -j 2     # the shipped mutants, one table
+    python -m pagedkv mutate --kill-table --only scale_ignored --via-pytest
 
     python -m pagedkv mutate --impl indexed --source pagedkv/backends/indexed.py --max-mutants 30 \\
         --seeds 5 --workers 2 --json mutate.json --markdown mutate.md
@@ -64,7 +75,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
     p.add_argument("--markdown", metavar="FILE", help="write the report as markdown")
     p.add_argument("--title", default="", help="the markdown report's title")
-    p.add_argument("--list", action="store_true", help="list the mutants (id, operator, diff) and exit")
+    p.add_argument("--list", action="store_true",
+                   help="list the mutants (id, operator, diff; with --kill-table the shipped ones) and exit")
+    table = p.add_argument_group("--kill-table", "every shipped faulty backend against the properties, once")
+    table.add_argument("--kill-table", action="store_true",
+                       help="run the shipped faulty backends (or --only NAME ...) and print the kill table; "
+                            "exit 1 when one survives")
+    table.add_argument("--targets-only", action="store_true",
+                       help="only the properties each mutant targets (faster, less thorough)")
+    table.add_argument("--no-shrink", action="store_true",
+                       help="report the first failing example instead of shrinking it (faster)")
+    table.add_argument("--via-pytest", action="store_true",
+                       help="run the pytest suite in a subprocess per mutant instead of the properties in-process")
     p.add_argument("--from-json", metavar="FILE",
                    help="run nothing: re-render an earlier --json report with these --equivalent marks "
                         "(to --json / --markdown, or the markdown to stdout)")
@@ -129,6 +151,46 @@ def _rerender(args, kill_tables) -> int:
     return 1 if c["survived"] or c["error"] else 0
 
 
+def _kill_table_worker(work: tuple):
+    import torch
+
+    from pagedkv.tools.mutants.kill_table import run_mutant, run_mutant_via_pytest
+
+    name, profile, device, only_targets, via_pytest, shrink = work
+    torch.set_num_threads(1)
+    if via_pytest:
+        return run_mutant_via_pytest(name, profile)
+    return run_mutant(name, profile, device, only_targets=only_targets, shrink=shrink)
+
+
+def _kill_table(args: argparse.Namespace) -> int:
+    """``--kill-table``: 0 when every shipped mutant run is killed, 1 otherwise."""
+    from pagedkv.tools.mutants.kill_table import ALL_MUTANTS, _short, format_table
+
+    if args.list:
+        for name, cls in ALL_MUTANTS.items():
+            print(f"{name}: {' '.join(cls.__doc__.split())}")
+        return 0
+    unknown = sorted(set(args.only or ()) - set(ALL_MUTANTS))
+    if unknown:
+        raise SystemExit(f"--only {' '.join(unknown)}: no shipped mutant of that name; known: {', '.join(ALL_MUTANTS)}")
+    work = [(n, args.profile, args.device, args.targets_only, args.via_pytest, not args.no_shrink)
+            for n in (args.only or list(ALL_MUTANTS))]
+    if args.workers > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(_kill_table_worker, work))
+    else:
+        results = [_kill_table_worker(w) for w in work]
+    print(format_table(results))
+    for r in results:
+        if r.killed and r.error:
+            print(f"  {r.mutant}: {_short(r.error, 160)}")
+    return 0 if all(r.killed for r in results) else 1
+
+
 def run(args: argparse.Namespace) -> int:
     """``python -m pagedkv mutate``: 0 when every non-equivalent mutant is killed, 1 otherwise."""
     from pagedkv.backends import load_backend
@@ -137,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.from_json:
         return _rerender(args, kill_tables)
+    if args.kill_table:
+        return _kill_table(args)
     mutants = _mutants(args)
     if args.list:
         for m in mutants:

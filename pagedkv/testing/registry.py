@@ -7,7 +7,7 @@ runs properties is driven from here:
 
 - the pytest conformance suite (:mod:`pagedkv.testing.suite`): one test per property, named
   ``test_<name>``;
-- ``python -m pagedkv mutants`` / ``fuzz`` / ``peers`` / ``replay`` and the mutation command: each runs
+- ``python -m pagedkv mutate`` / ``fuzz`` / ``peers`` / ``replay`` and the mutation command: each runs
   a property through the one execution core, :mod:`pagedkv.testing.execute`;
 - case files: the ``check`` field is a property name (:func:`property_for_record`).
 

@@ -1,4 +1,4 @@
-"""The suite's Hypothesis profiles, in one place for pytest (``conftest.py``) and ``python -m pagedkv mutants``.
+"""The suite's Hypothesis profiles and every settings object the gate and its tools run under.
 
 =========  ========  ===========  ==========================================================
 profile    examples  derandomize  use

@@ -1,6 +1,6 @@
 """The space under test: which backends, on which device, inside which declared input space.
 
-Every entry point (the pytest plugin, ``python -m pagedkv mutants`` / ``fuzz`` / ``peers`` / ``replay``,
+Every entry point (the pytest plugin, ``python -m pagedkv mutate`` / ``fuzz`` / ``peers`` / ``replay``,
 the mutation command) asks this module, so they agree on what a backend is judged on:
 
 - :func:`load_candidates`: the candidate a spec names, else every built-in backend usable here;

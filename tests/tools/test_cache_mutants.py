@@ -4,7 +4,7 @@ profile (derandomized: a gate does not flip on a rerun), stopping at the first f
 Two drivers see each one: the cache state machine (``pagedkv.testing.properties.machine.CacheMachine`` with the
 faulty class as its ``cache_class``) and the sharing property (``checks.sharing_isolated`` over drawn
 scenarios, with the mutant's backend, whose ``cache_class`` is the faulty cache), followed, as
-``python -m pagedkv mutants`` does, by the committed scenario case files. A kill must be an
+``python -m pagedkv mutate --kill-table`` does, by the committed scenario case files. A kill must be an
 ``AssertionError`` (a property's verdict), not a crash of the faulty code.
 """
 

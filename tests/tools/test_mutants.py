@@ -2,7 +2,7 @@
 
 Each mutant runs only the properties it targets, under the ``ci`` profile (derandomized, so a gate
 does not flip on a rerun), stopping at the first failing example without shrinking. The full sweep
-(every property, shrinking, a table) is ``python -m pagedkv mutants``.
+(every property, shrinking, a table) is ``python -m pagedkv mutate --kill-table``.
 """
 
 import pytest
@@ -44,10 +44,10 @@ def test_the_unmutated_base_passes_the_targeted_properties():
 def test_the_cli_prints_a_table_and_exits_0_when_all_are_killed(capsys):
     from pagedkv.cli import main
 
-    assert main(["mutants", "--only", "scale_ignored", "--only", "negative_slot_written", "--targets-only",
-                 "--no-shrink"]) == 0
+    assert main(["mutate", "--kill-table", "--profile", "ci", "--only", "scale_ignored", "negative_slot_written",
+                 "--targets-only", "--no-shrink"]) == 0
     out = capsys.readouterr().out
     assert "scale_ignored" in out and "negative_slot_written" in out and "2/2 mutants killed" in out
-    assert main(["mutants", "--list"]) == 0
+    assert main(["mutate", "--kill-table", "--list"]) == 0
     listing = capsys.readouterr().out
     assert all(name in listing for name in mutants.MUTANTS)

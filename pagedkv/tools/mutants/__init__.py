@@ -3,7 +3,7 @@
 - :mod:`.backends`: faulty backends (an off-by-one at a block boundary, GQA by ``h % num_kv_heads``, ...);
 - :mod:`.features`: faulty optional attention features (a window one key too wide, ...);
 - :mod:`.caches`: faulty cache managers, served by the ``indexed`` backend (blocks cached before written, ...);
-- :mod:`.kill_table`: every property against every mutant (``python -m pagedkv mutants``).
+- :mod:`.kill_table`: every property against every mutant (``python -m pagedkv mutate --kill-table``).
 
 ``pagedkv.tools.mutants:NAME`` loads any shipped mutant (case files and docs name them so).
 """

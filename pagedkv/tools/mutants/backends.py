@@ -1,4 +1,4 @@
-"""Mutation testing: faulty backends the property suite must reject, and ``python -m pagedkv mutants``.
+"""Mutation testing: faulty backends the property suite must reject, and ``python -m pagedkv mutate --kill-table``.
 
 Each mutant is the ``indexed`` backend with exactly one fault that paged-KV engines have shipped:
 a class overriding one method (or one helper), whose docstring names the real fault it models. A
@@ -8,8 +8,8 @@ mutant.
 Load one as the implementation under test like any candidate::
 
     pytest --pagedkv-impl=pagedkv.tools.mutants:gqa_modulo -x
-    python -m pagedkv mutants --profile ci            # every mutant, table of results
-    python -m pagedkv mutants --only scale_ignored --via-pytest
+    python -m pagedkv mutate --kill-table --profile ci   # every mutant, table of results
+    python -m pagedkv mutate --kill-table --only scale_ignored --via-pytest
 
 :mod:`pagedkv.tools.mutants.kill_table` runs every registered property (:mod:`pagedkv.testing.registry`), then
 the shipped regression case files, against a mutant and stops at the first failure: the mutant is

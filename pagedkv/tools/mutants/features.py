@@ -2,7 +2,7 @@
 (:class:`~pagedkv.tools.mutants.backends.IndexedBackend`) with one fault in its window, soft-cap, ALiBi,
 sinks or fp8 path, each a fault that attention kernels have shipped or nearly shipped.
 
-They are shipped mutants like those of :mod:`pagedkv.tools.mutants.backends` (``python -m pagedkv mutants``
+They are shipped mutants like those of :mod:`pagedkv.tools.mutants.backends` (``python -m pagedkv mutate --kill-table``
 runs them, ``tests/tools/test_mutants.py`` keeps every one killed) and load as candidates::
 
     pytest --pagedkv-impl=pagedkv.tools.mutants:softcap_after_mask -x
