@@ -30,12 +30,17 @@ from pathlib import Path
 import pytest
 
 SUITE_PACKAGE = "pagedkv.testing.suite"
-pytest_plugins = ["pagedkv.tools.baseline.gate"]  # --pagedkv-baseline: drift against the code a refactor replaces
 SUITE_COMMAND = "pytest --pyargs pagedkv.testing.suite --pagedkv-impl {spec} -n auto"
 _ACTIVE = pytest.StashKey[bool]()
 _PROFILE = pytest.StashKey[str]()
 _CANDIDATES = pytest.StashKey[list]()
 _SPECIALISATIONS = "pagedkv-specialisations"  # per-process tallies, under the run's shared directory
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from pagedkv.testing import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -105,6 +110,7 @@ def pytest_configure(config: pytest.Config) -> None:
                                                                        .removeprefix("pagedkv-"))))
     if impl_spec(config):
         candidates(config)  # a candidate that cannot load is a usage error now (exit 4), not at collection
+    config.hook.pytest_pagedkv_activated(config=config, spec=impl_spec(config))
 
 
 def candidates(config: pytest.Config) -> list:

@@ -21,7 +21,6 @@ import pytest
 from pagedkv.backends import backend_name
 from pagedkv.backends.capabilities import capabilities_of
 from pagedkv.testing import execute
-from pagedkv.tools.baseline.gate import after_check
 from pagedkv.testing.databases import property_key
 from pagedkv.testing.non_promises import finding_reason as non_promise_finding
 from pagedkv.testing.registry import Property, properties
@@ -39,9 +38,10 @@ def _judge(prop: Property, pagedkv_run, backends: tuple, device: str, **options)
     candidate = backends[-1]
     config = pagedkv_run.node.config
 
-    def after_pass(backends: tuple, case) -> None:  # --pagedkv-baseline: the same case on the replaced code
-        after_check(config, prop, (*backends, case, device), pagedkv_run.spec or backend_name(candidate),
-                    pagedkv_run.case_file)
+    def after_pass(backends: tuple, case) -> None:  # other plugins' turn (--pagedkv-baseline: the replaced code)
+        config.hook.pytest_pagedkv_case_passed(config=config, prop=prop, backends=backends, case=case, device=device,
+                                        spec=pagedkv_run.spec or backend_name(candidate),
+                                        case_file=pagedkv_run.case_file)
 
     outcome = execute.run(prop, backends, device, execute.suite_settings(), spec=pagedkv_run.spec,
                           case_file=pagedkv_run.case_file,

@@ -1,6 +1,7 @@
 """The baseline gate in pytest: every drawn case also runs on the code the refactor replaces.
 
-Options (group ``pagedkv``; loaded by :mod:`pagedkv.testing.plugin`):
+A pytest plugin of its own (entry point ``pagedkv_baseline``) implementing the gate's hooks
+(:mod:`pagedkv.testing.hookspecs`); the suite never imports it. Options (group ``pagedkv``):
 
 - ``--pagedkv-baseline SPEC`` (or ``$PAGEDKV_BASELINE``): the baseline, any form of
   :func:`pagedkv.tools.baseline.load_baseline` (``git:HEAD~1``, ``git:v0.2.0:triton``,
@@ -10,8 +11,8 @@ Options (group ``pagedkv``; loaded by :mod:`pagedkv.testing.plugin`):
   drift fails;
 - ``--pagedkv-max-drift-ulp N``: attention drift past ``N`` ulp fails.
 
-After a property's conformance check passes on a drawn case (the verdict is unchanged), the check
-fixture calls :func:`after_check`: the case runs again on the candidate and on the baseline, each on
+After a property's conformance check passes on a drawn case (the verdict is unchanged), the suite's
+hook reaches :func:`pytest_pagedkv_case_passed`: the case runs again on the candidate and on the baseline, each on
 fresh tensors (:func:`pagedkv.tools.baseline.drift.measure`, over the ops the property uses; all four for pair
 and invariance properties), and the drift is logged. Data movement must be bit-identical (a divergence
 fails), attention fails only past the options above. Cases of the kinds ``scenario``, ``invalid`` and
@@ -36,6 +37,7 @@ import pytest
 
 _LOG = pytest.StashKey[object]()
 _LABEL = pytest.StashKey[str]()
+_SPEC = pytest.StashKey[object]()  # the candidate's --pagedkv-impl (None: the built-in backends)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -73,18 +75,20 @@ def _gate_words(config: pytest.Config) -> str:
             f"fails past {gate['max_ulp']} ulp" if gate["max_ulp"] is not None else "drift reported, not gated")
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    from pagedkv.testing.plugin import impl_spec, is_active
-
+@pytest.hookimpl(optionalhook=True)
+def pytest_pagedkv_activated(config: pytest.Config, spec: str | None) -> None:
+    """The suite acts in this run: resolve ``--pagedkv-baseline`` now (a usage error before any test)."""
+    config.stash[_SPEC] = spec
+    impl = spec
     spec = baseline_spec(config)
-    if not spec or not is_active(config):
+    if not spec:
         return
     from pagedkv.errors import BackendError
     from pagedkv.tools.baseline import resolve
     from pagedkv.tools.baseline.drift import DriftLog
 
     try:  # a bad spec or an unknown revision is a usage error now; git trees are extracted once, here
-        _, tree, backend, label = resolve(spec, impl_spec(config) or "indexed")
+        _, tree, backend, label = resolve(spec, impl or "indexed")
     except BackendError as exc:
         raise pytest.UsageError(f"--pagedkv-baseline / PAGEDKV_BASELINE: {exc}") from exc
     config.stash[_LABEL] = label + (f" (tree {tree})" if tree else "")
@@ -108,14 +112,16 @@ def replay_command(path: Path, spec: str, other: str, config: pytest.Config) -> 
     return f"python -m pagedkv replay {path} --impl {shlex.quote(spec)} --other {shlex.quote(other)}{extra}"
 
 
-def after_check(config: pytest.Config, prop, args: tuple, spec: str, path: Path) -> None:
+@pytest.hookimpl(optionalhook=True)
+def pytest_pagedkv_case_passed(config: pytest.Config, prop, backends: tuple, case, device: str, spec: str,
+                        case_file: Path) -> None:
     """Compare the candidate with the baseline on the case a property just passed (see the module
     docstring); a no-op without ``--pagedkv-baseline``.
 
     Args:
         prop: the registered property (a plain check function is not compared).
-        args: the check's arguments: ``(backend, case, device)`` or ``(first, candidate, case, device)``.
-        spec: the candidate's spec (``--pagedkv-impl`` or its name). path: the test's case file (a
+        backends: ``(candidate,)`` or ``(reference, candidate)``.
+        spec: the candidate's spec (``--pagedkv-impl``) or its name. case_file: the test's case file (a
             failure is written to the file of that name under :func:`drift_dir`).
 
     Raises:
@@ -130,14 +136,12 @@ def after_check(config: pytest.Config, prop, args: tuple, spec: str, path: Path)
     from pagedkv.testing.casefiles.writing import save_failure
     from pagedkv.testing.cases import Case
     from pagedkv.tools.baseline.drift import judge, measure
-    from pagedkv.testing.plugin import impl_spec
 
-    case, device = args[-2], args[-1]
     if not isinstance(case, Case):
         return
-    candidate = args[1] if getattr(prop, "pair", False) else args[0]
+    candidate = backends[-1]
     other = baseline_spec(config)
-    key = prop.name if impl_spec(config) else f"{prop.name}[{spec}]"
+    key = prop.name if config.stash.get(_SPEC, None) else f"{prop.name}[{spec}]"
     try:
         baseline = load_baseline(other, spec)
     except Exception as exc:
@@ -146,7 +150,7 @@ def after_check(config: pytest.Config, prop, args: tuple, spec: str, path: Path)
     if getattr(baseline, "unsendable_layout", None) or case.features - caps.features or caps.rejects(case.geometry):
         log.skip(key)
         return
-    path = drift_dir() / path.name  # not the test's own file: a later passing example removes that one
+    path = drift_dir() / case_file.name  # not the test's own file: a later passing example removes that one
     fields = dict(other=other, path=path)
     try:
         drift = measure(candidate, baseline, case, device, prop.ops)
