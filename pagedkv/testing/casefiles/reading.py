@@ -50,17 +50,17 @@ SHIPPED_MODULES = (MUTANTS_MODULE, PEERS_MODULE, CHEATS_MODULE)
 
 
 def _shipped(module: str) -> set[str]:
-    if module == MUTANTS_MODULE:
-        from pagedkv.tools.mutants import MUTANTS
+    """The backend names ``module`` (a shipped mutant or peer module) exports, as pagedkv's own
+    distribution declares them (entry-point group ``pagedkv.shipped_backends``, each naming a
+    ``{name: backend}`` mapping): the gate trusts them without importing a tool of its own accord, and
+    no other installed distribution can add a name."""
+    from importlib.metadata import entry_points
 
-        return set(MUTANTS)
-    if module == CHEATS_MODULE:
-        from pagedkv.tools.mutants.cheats import CHEATS
-
-        return set(CHEATS)
-    from pagedkv.tools.peers import PEERS
-
-    return set(PEERS)
+    names: set[str] = set()
+    for entry in entry_points(group="pagedkv.shipped_backends"):
+        if entry.module == module and entry.dist is not None and entry.dist.name == "pagedkv":
+            names |= set(entry.load())
+    return names
 
 
 def canonical_backend_spec(spec: object) -> str | None:
