@@ -80,9 +80,9 @@ def test_a_planted_wrong_way_import_is_found(tmp_path):
     execute.write_text(execute.read_text() + "\n\ndef _planted():\n    from pagedkv.tools.mutants import backends\n")
     allocator = tmp_path / "pagedkv" / "cache" / "allocator.py"
     allocator.write_text(allocator.read_text() + "\nimport pagedkv.testing.compare\n")
-    found = wrong_way_imports(tmp_path)
-    assert found == ["pagedkv.cache.allocator (library) imports pagedkv.testing.compare (gate)",
-                     "pagedkv.testing.execute (gate) imports pagedkv.tools.mutants.backends (tools)"], found
+    found = {line.split(" imports ")[0] + " -> " + line.split(" imports ")[1].split(".")[1] for line in
+             wrong_way_imports(tmp_path)}
+    assert found == {"pagedkv.cache.allocator (library) -> testing", "pagedkv.testing.execute (gate) -> tools"}, found
 
 
 def test_no_import_cycle_between_modules():
