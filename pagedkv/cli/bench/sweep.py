@@ -401,6 +401,8 @@ def sweep(plan: Plan, progress: bool = True) -> tuple[list[Row], str]:
         out_bytes = {"gather": payload, "attention": batch * heads * GQA_GROUP * dim * elem}.get(op, 0)
         moved = {"attention": payload}.get(op, 2 * payload)  # decode reads K and V once
         for row in measured:
+            if row.note.startswith("skipped: "):  # outside a candidate's declared space: nothing was moved
+                continue
             row.copy_s, row.clone_s = copy_s, clone_s
             row.bytes = 2 * payload if row.impl in BOUNDS else moved
             row.output_bytes = payload if row.impl == "clone" else (0 if row.impl == "copy" else out_bytes)
