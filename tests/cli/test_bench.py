@@ -155,15 +155,100 @@ def test_a_candidate_is_timed_only_inside_its_declared_space_and_results_stay_ou
                                                                                                 monkeypatch):
     from pagedkv.backends.capabilities import Capabilities, Sizes
     from pagedkv.cli.bench import _default_out_dir
-    from pagedkv.cli.bench.sweep import _outside_declared
+    from pagedkv.cli.bench.declared import outside_declared
 
-    class Kernel:
-        capabilities = Capabilities(block_sizes=Sizes(values={16, 32}), head_dims=Sizes(values={64, 128}),
-                                    dtypes={"float16"})
-
-    assert "block_size 1" in _outside_declared(Kernel(), 1, 8, 128, "float16")
-    assert "dtype float32" in _outside_declared(Kernel(), 16, 8, 128, "float32")
-    assert _outside_declared(Kernel(), 16, 8, 128, "float16") is None
+    caps = Capabilities(block_sizes=Sizes(values={16, 32}), head_dims=Sizes(values={64, 128}), dtypes={"float16"},
+                        gqa_groups=Sizes(values={8}), max_pool_bytes=2 ** 20)
+    point = dict(block_size=16, num_kv_heads=8, head_dim=128, dtype="float16", num_blocks=4)
+    assert "block_size 1" in outside_declared(caps, **{**point, "block_size": 1})
+    assert "dtype float32" in outside_declared(caps, **{**point, "dtype": "float32"})
+    assert "max_pool_bytes" in outside_declared(caps, **{**point, "num_blocks": 64})
+    assert "GQA group 4" in outside_declared(caps, **point, gqa_group=4)  # attention rows
+    assert outside_declared(caps, **point) is None  # the data ops have no query heads
+    assert outside_declared(caps, **point, gqa_group=8) is None
     monkeypatch.chdir(tmp_path)
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "tinyserve"\n')
     assert _default_out_dir() == ".pagedkv-bench"
+
+
+HND_CSR_CANDIDATE = '''"""Head-major pools, FlashInfer CSR page tables, block size 16 and float32 only."""
+from pagedkv.backends import indexed
+from pagedkv.backends.capabilities import Capabilities, Sizes
+from pagedkv.csr import csr_to_padded
+
+name = "hnd_csr"
+capabilities = Capabilities(layout="HND", page_table="csr", block_sizes=Sizes(values={16}), dtypes={"float32"})
+
+
+def _logical(storage):  # HND storage [num_blocks, num_kv_heads, block_size, head_dim]
+    if storage.dim() != 4 or storage.shape[2] != 16:
+        raise ValueError(f"block_size {storage.shape[2]} is not supported (storage {tuple(storage.shape)})")
+    return storage.transpose(1, 2)
+
+
+def gather(cache, block_table, seq_len):
+    return indexed.gather(_logical(cache), block_table, seq_len)
+
+
+def scatter(cache, block_table, values, start):
+    indexed.scatter(_logical(cache), block_table, values, start)
+
+
+def write_kv(k_cache, v_cache, key, value, slot_mapping):
+    indexed.write_kv(_logical(k_cache), _logical(v_cache), key, value, slot_mapping)
+
+
+def paged_attention(query, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, query_start_loc, scale=None):
+    tables, seq_lens = csr_to_padded(kv_indptr, kv_indices, kv_last_page_len, 16)
+    return indexed.paged_attention(query, _logical(k_cache), _logical(v_cache), tables, seq_lens, query_start_loc,
+                                   scale)
+'''
+
+
+def test_a_candidate_is_timed_in_its_declared_layout_and_page_table(tmp_path, capsys):
+    """An HND + CSR candidate that refuses anything else (NHD storage reads as block size 2 here; padded
+    tables are not CSR metadata): every op is timed at block size 16, and block size 1, outside its
+    declared sizes, is a skipped row with the reason, never a failed one."""
+    (tmp_path / "hnd_csr.py").write_text(HND_CSR_CANDIDATE)
+    spec = str(tmp_path / "hnd_csr.py")
+    status = cli.main(["bench", "--device", "cpu", "--seq-lens", "40", "--block-sizes", "1,16", "--presets", "2x32",
+                       "--min-time", "0.001", "--rounds", "1", "--malloc", "system", "--no-plot", "--no-progress",
+                       "--impls", f"indexed,{spec}", "--out-dir", str(tmp_path), "--name", "declared"])
+    assert status == 0
+    out = capsys.readouterr().out
+    rows = load_rows(tmp_path / "declared.json")
+    assert not [r for r in rows if r.note.startswith("failed")], [r.note for r in rows if r.note]
+    mine = [r for r in rows if r.impl == spec]
+    timed = {(r.op, r.block_size, r.seq_len) for r in mine if r.time_s and r.time_s > 0 and not r.note}
+    assert timed == {(op, 16, L) for op in ("gather", "scatter", "write_kv", "attention") for L in (40,)}
+    skipped = [r for r in mine if r.block_size == 1]
+    assert {(r.op, r.seq_len) for r in skipped} == {(op, L) for op in ("gather", "scatter", "write_kv", "attention")
+                                                    for L in (40,)}
+    assert all(r.note.startswith("skipped: block_size 1 is outside the declared {16}") and r.time_s is None
+               for r in skipped)
+    assert "skipped: block_size 1" in out
+    copy_s = {(r.op, r.block_size, r.seq_len): r.time_s for r in rows if r.impl == "copy"}
+    assert all(r.x_copy is not None and r.copy_s == copy_s[(r.op, 16, r.seq_len)] for r in mine if r.time_s)
+
+
+def test_declared_sets_hold_the_same_logical_pools_in_the_declared_storage():
+    import torch
+
+    from pagedkv.backends.capabilities import Capabilities
+    from pagedkv.cli.bench.declared import declared_sets
+    from pagedkv.cli.bench.sweep import _make_set
+    from pagedkv.csr import csr_to_padded
+    from pagedkv.layouts import HND
+
+    gen = torch.Generator().manual_seed(0)
+    logical = [_make_set("attention", 40, 16, 2, 32, torch.float32, torch.device("cpu"), 2, 1.5, gen, "torch")]
+    caps = Capabilities(layout="HND", page_table="csr")
+    (declared,) = declared_sets("attention", logical, caps, "cache")
+    for pool in ("k_cache", "v_cache"):
+        assert declared[pool].shape[1:] == (2, 16, 32)  # [num_blocks, num_kv_heads, block_size, head_dim]
+        assert declared[pool].numel() == logical[0][pool].numel()  # the bytes the copy bound is sized by
+        torch.testing.assert_close(HND.logical(declared[pool]), logical[0][pool], rtol=0, atol=0)
+    tables, seq_lens = csr_to_padded(declared["kv_indptr"], declared["kv_indices"], declared["kv_last_page_len"], 16)
+    assert torch.equal(seq_lens, logical[0]["seq_lens"]) and torch.equal(tables, logical[0]["block_tables"])
+    assert declared["query"] is logical[0]["query"]
+    assert declared_sets("attention", logical, Capabilities(), "cache") is logical  # NHD padded: no copy

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import io
-import json
 import os
 import sys
 
@@ -64,13 +63,26 @@ def test_a_page_table_attribute_beside_capabilities_that_disagrees_is_refused():
     assert capabilities_of(Attribute()).page_table == "csr"
 
 
-def test_bench_refuses_a_candidate_it_would_hand_nhd_pools(tmp_path, monkeypatch, capsys):
-    from pagedkv.cli.bench import _not_timeable
+@pytest.mark.parametrize("layout", ["HND", "PACKED_PAIR"])
+def test_bench_times_a_candidate_in_its_declared_layout_and_page_table(layout, tmp_path, monkeypatch):
+    """The honest candidates refuse storage and tables they did not declare: no failed row, every op timed."""
+    from pagedkv import cli
+    from pagedkv.cli.bench.report import load_rows
 
-    message = _not_timeable("kernel", honest("k", HALF_HND_CSR, ("paged_attention",)))
-    assert "layout HND" in message and "page_table 'csr'" in message
-    assert _not_timeable("indexed", indexed) == ""
-    json.dumps(message)  # one plain line
+    (tmp_path / "declared_bench.py").write_text(
+        "from declarable import PACKED_PAIR, honest\n"
+        "from pagedkv.backends.capabilities import Capabilities, Sizes\n"
+        f"backend = honest('declared', Capabilities(layout={layout if layout == 'PACKED_PAIR' else repr(layout)}, "
+        "page_table='csr', block_sizes=Sizes(values={16}), dtypes={'float16'}), "
+        "('gather', 'scatter', 'write_kv', 'paged_attention'))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))
+    assert cli.main(["bench", "--device", "cpu", "--seq-lens", "40", "--block-sizes", "16", "--presets", "2x64",
+                     "--dtypes", "float16", "--min-time", "0.001", "--rounds", "1", "--malloc", "system", "--no-plot",
+                     "--impls", "declared_bench:backend", "--out-dir", str(tmp_path), "--name", "d"]) == 0
+    rows = [r for r in load_rows(tmp_path / "d.json") if r.impl == "declared_bench:backend"]
+    assert sorted(r.op for r in rows if r.time_s and not r.note) == ["attention", "gather", "scatter", "write_kv"], \
+        [r.note for r in rows]
 
 
 @pytest.mark.parametrize("layout", ["HND", "slots_last"])

@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from pagedkv.backends.capabilities import capabilities_of
+from pagedkv.cli.bench.declared import csr_attention, declared_sets, outside_declared
 from pagedkv.cli.bench.timing import Timer, llc_bytes, peak_extra_bytes
 
 
@@ -195,8 +197,10 @@ def elementwise_gather(cache: Any, block_table: Any, seq_len: int) -> Any:
 CONTRACT_OP = {"gather": "gather", "scatter": "scatter", "write_kv": "write_kv", "attention": "paged_attention"}
 
 
-def _op_fn(op: str, impl: str, backends: dict) -> Callable[[dict], Any]:
-    """``fn(inputs)`` calling ``impl``'s ``op`` on one input set, with the contract's positional arguments."""
+def _op_fn(op: str, impl: str, backends: dict, page_table: str = "padded") -> Callable[[dict], Any]:
+    """``fn(inputs)`` calling ``impl``'s ``op`` on one input set, with the contract's positional arguments
+    (``page_table="csr"``: a CSR candidate's ``paged_attention`` on the metadata of
+    :func:`pagedkv.cli.bench.declared.declared_sets`)."""
     if op == "gather" and impl == "elementwise":
         return lambda s: elementwise_gather(s["cache"], s["table"], s["seq_len"])
     if op == "attention" and impl == "indexed+sdpa":
@@ -221,6 +225,8 @@ def _op_fn(op: str, impl: str, backends: dict) -> Callable[[dict], Any]:
         return lambda s: f(s["cache"], s["table"], s["values"], 0, **kw)
     if op == "write_kv":
         return lambda s: f(s["k_cache"], s["v_cache"], s["key"], s["value"], s["slot_mapping"], **kw)
+    if page_table == "csr":
+        return csr_attention(f, **kw)
     return lambda s: f(s["query"], s["k_cache"], s["v_cache"], s["block_tables"], s["seq_lens"],
                        s["query_start_loc"], None, **kw)
 
@@ -347,15 +353,22 @@ def sweep(plan: Plan, progress: bool = True) -> tuple[list[Row], str]:
                 continue
             if impl in plan.candidates and not callable(getattr(backends[impl], CONTRACT_OP[op], None)):
                 continue
-            if impl in plan.candidates and _outside_declared(backends[impl], bs, heads, dim, dtype_name):
-                plan.skipped[f"{impl} at {dtype_name} {preset} bs={bs}"] = _outside_declared(
-                    backends[impl], bs, heads, dim, dtype_name)  # timed only inside its declared space
-                continue
             if impl == "triton-nosplit" and plan.device.type == "cpu":
                 continue
             if impl == "triton" and plan.device.type == "cpu" and seq_len != min(plan.seq_lens):
                 continue
-            entries.append((Row(op=op, impl=impl, input_sets=len(sets), **base), _op_fn(op, impl, backends), sets,
+            impl_sets, page_table = sets, "padded"
+            if impl in plan.candidates:  # timed only inside its declared space, in its declared storage
+                caps = capabilities_of(backends[impl])
+                reason = _outside_declared(caps, op, bs, heads, dim, dtype_name, sets[0])
+                if reason:
+                    plan.skipped[f"{impl} at {dtype_name} {preset} bs={bs}"] = f"{reason}: not timed"
+                    entries.append((Row(op=op, impl=impl, note=f"skipped: {reason}", **base), None, [], False))
+                    continue
+                impl_sets = declared_sets(op, sets, caps, plan.pool_memory)  # converted before any timing
+                page_table = caps.page_table
+            entries.append((Row(op=op, impl=impl, input_sets=len(impl_sets), **base),
+                            _op_fn(op, impl, backends, page_table), impl_sets,
                             graph and impl not in ("loop", "elementwise")))
         best: dict[int, tuple[float, float, int]] = {}
         for round_ in range(plan.rounds):
@@ -388,6 +401,8 @@ def sweep(plan: Plan, progress: bool = True) -> tuple[list[Row], str]:
         out_bytes = {"gather": payload, "attention": batch * heads * GQA_GROUP * dim * elem}.get(op, 0)
         moved = {"attention": payload}.get(op, 2 * payload)  # decode reads K and V once
         for row in measured:
+            if row.note.startswith("skipped: "):  # outside a candidate's declared space: nothing was moved
+                continue
             row.copy_s, row.clone_s = copy_s, clone_s
             row.bytes = 2 * payload if row.impl in BOUNDS else moved
             row.output_bytes = payload if row.impl == "clone" else (0 if row.impl == "copy" else out_bytes)
@@ -407,13 +422,10 @@ def sweep(plan: Plan, progress: bool = True) -> tuple[list[Row], str]:
     return rows, mem_method
 
 
-def _outside_declared(backend, block_size: int, heads: int, dim: int, dtype: str) -> str | None:
-    """Why a candidate's declared space (its ``capabilities``) excludes this sweep point, or ``None``."""
-    from pagedkv.backends.capabilities import capabilities_of
-
-    caps = capabilities_of(backend)
-    for what, sizes, n in (("block_size", caps.block_sizes, block_size), ("head_dim", caps.head_dims, dim),
-                           ("num_kv_heads", caps.num_kv_heads, heads)):
-        if not sizes.allows(n):
-            return f"{what} {n} is outside its declared {sizes.describe()}: not timed"
-    return None if dtype in caps.dtypes else f"dtype {dtype} is not declared: not timed"
+def _outside_declared(caps, op: str, block_size: int, heads: int, dim: int, dtype: str, inputs: dict) -> str | None:
+    """Why ``caps`` (a candidate's declarations) exclude this sweep point, or ``None``: its sizes, dtype,
+    the attention rows' GQA group and ``max_pool_bytes`` of the set's pools
+    (:func:`pagedkv.cli.bench.declared.outside_declared`)."""
+    pool = inputs["cache" if "cache" in inputs else "k_cache"]
+    return outside_declared(caps, block_size=block_size, num_kv_heads=heads, head_dim=dim, dtype=dtype,
+                            num_blocks=pool.shape[0], gqa_group=GQA_GROUP if op == "attention" else None)
