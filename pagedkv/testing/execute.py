@@ -277,7 +277,8 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
         prop: a registered :class:`~pagedkv.testing.registry.Property`.
         backends: the candidate, or ``(reference, candidate)`` for a pair property.
         device: where tensors live.
-        settings: Hypothesis settings (``None``: the loaded profile); ``max_examples`` is capped by the
+        settings: Hypothesis settings (``None``: the loaded profile as
+            :func:`pagedkv.testing.settings.suite_settings` makes it); ``max_examples`` is capped by the
             property's own cap and by :func:`pagedkv.testing.space.example_cap`.
         caps: the declared space to draw in (``None``: :func:`pagedkv.testing.space.capabilities_under_test`
             of the candidate, drawing space).
@@ -305,6 +306,7 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
 
     from pagedkv.backends import backend_name
     from pagedkv.testing import specialisations
+    from pagedkv.testing.settings import suite_settings
     from pagedkv.testing.space import capabilities_under_test, example_cap
 
     backends = _with_reference(prop, tuple(backends))
@@ -314,7 +316,7 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
     if reason:
         outcome.status, outcome.reason = "skipped", reason
         return outcome
-    chosen = settings if settings is not None else hypothesis.settings()
+    chosen = settings if settings is not None else suite_settings()
     cap = example_cap(backends)
     if cap is not None and prop.kind == "machine":
         cap //= 3  # a run of the state machine is 50 steps: a third of the examples under Triton's interpreter
