@@ -180,3 +180,11 @@ def test_private_hypothesis_api_is_used_in_one_adapter_module():
     users = sorted(name for name, path in _modules().items()
                    if name != "pagedkv.testing.hypothesis_internals" and private.search(path.read_text()))
     assert not users, f"modules using Hypothesis's private API outside the adapter: {users}"
+
+
+def test_one_module_sets_the_health_check_policy():
+    """Every settings object the kit and its tools run under is built by :mod:`pagedkv.testing.settings`,
+    so a property cannot pass one entry point and fail another on a health check."""
+    users = sorted(name for name, path in _modules().items()
+                   if name != "pagedkv.testing.settings" and "suppress_health_check" in path.read_text())
+    assert not users, f"modules choosing health checks of their own: {users}"
