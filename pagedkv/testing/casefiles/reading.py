@@ -69,7 +69,7 @@ def canonical_backend_spec(spec: object) -> str | None:
     ``pagedkv.tools.peers:NAME`` for a shipped peer, also recorded bare as ``NAME`` (what ``backend_name``
     gives), which map to those specs. Anything else (another module, a ``.py`` path,
     an attribute of a shipped module that is not a mutant or peer) is ``None``.
-    Nothing is imported but pagedkv's own mutant and peer modules (for their names).
+    Nothing is imported but pagedkv's own mutant, cheat and peer modules (for their names).
 
     Args:
         spec: the recorded value (any JSON value).
