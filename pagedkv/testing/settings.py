@@ -65,7 +65,10 @@ PROFILES: dict[str, dict] = {
     "repro": dict(max_examples=200, verbosity=Verbosity.verbose,
                   phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink, Phase.explain]),
 }
-COMMON = dict(deadline=None, print_blob=True, suppress_health_check=SUPPRESSED_HEALTH_CHECKS)
+#: What every profile sets. A loaded profile applies to the whole pytest session, a project's own tests
+#: included, so it suppresses only the checks a case trips by its size; the kit's own runs add
+#: :data:`SUPPRESSED_HEALTH_CHECKS` on top (:func:`suite_settings`).
+COMMON = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 #: Profiles Hypothesis itself registers and loads without being asked (``ci`` when ``$CI`` is set).
