@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 import pagedkv.testing
 import pagedkv.tools.mutants.backends  # noqa: F401  (imported before the guards: replay's own modules)
+import pagedkv.testing.managers.casefile  # noqa: F401
 import pagedkv.tools.mutants.cheats  # noqa: F401
 import pagedkv.tools.peers  # noqa: F401
 import pagedkv.testing.strategies as s
