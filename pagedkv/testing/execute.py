@@ -30,6 +30,7 @@ from typing import Any
 
 from pagedkv.testing.compare import MissingOp
 from pagedkv.testing.guard import GuardedBackend
+from pagedkv.testing.hypothesis_internals import failure_origin, set_database_key
 
 #: How many cases run before a failing one its case file records (``history``), oldest first: replay
 #: reruns them in order when the failing case alone does not fail.
@@ -85,17 +86,13 @@ class Outcome:
     def first_line(self) -> str:
         return self.failures[0].first_line if self.failures else self.reason
 
-
-def suite_settings(base: Any = None) -> Any:
-    """``base`` (default: the loaded profile) with what every property needs whatever the profile:
-    no deadline (a first example compiles or warms caches) and no health check about slow or large
-    data (a case builds pools)."""
-    import hypothesis
-    from hypothesis import HealthCheck
-
-    base = base if base is not None else hypothesis.settings()
-    checks = set(base.suppress_health_check) | {HealthCheck.too_slow, HealthCheck.data_too_large}
-    return hypothesis.settings(base, deadline=None, suppress_health_check=sorted(checks, key=lambda c: c.value))
+    @property
+    def examples_judged(self) -> int:
+        """Examples run up to and including the first failing one (all of them when none failed; 0 when
+        skipped): what the mutation tables count."""
+        if self.status == "skipped":
+            return 0
+        return (self.first_failing_example or 1) if self.failed else self.examples
 
 
 def _with_reference(prop: Any, backends: tuple) -> tuple:
@@ -151,19 +148,6 @@ def _rejections() -> tuple:
     return (UnsatisfiedAssumption,)
 
 
-def _origin(exc: BaseException) -> tuple:
-    """Which failure ``exc`` is, the way Hypothesis tells distinct failures apart (type and raising line)."""
-    try:
-        from hypothesis.internal.escalation import InterestingOrigin
-
-        return InterestingOrigin.from_exception(exc)
-    except Exception:  # noqa: BLE001 - an older Hypothesis: the innermost frame is a fair key
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next
-        return (type(exc), tb.tb_frame.f_code.co_filename if tb else "", tb.tb_lineno if tb else 0)
-
-
 class _Recorder:
     """Writes the case file of each example before it runs and keeps one file per distinct failure
     (``NAME.json``, ``NAME-2.json``, ...); once a failure is on disk, later examples run under
@@ -207,7 +191,7 @@ class _Recorder:
         failure.replay = replay_command(path, self.spec, self.device, self.other)
 
     def failed(self, case: Any, exc: BaseException, history: list | None = None) -> Failure:
-        origin = _origin(exc)
+        origin = failure_origin(exc)
         running = self.running
         origins = list(self.by_origin)
         failure = Failure(case, exc, history=list(history or []))
@@ -225,7 +209,7 @@ class _Recorder:
         (``NAME.json``, ``NAME-2.json``, ...); files of failures seen only while shrinking are removed."""
         final = []
         for i, error in enumerate(errors):
-            found = self.by_error.get(id(error)) or self.by_origin.get(_origin(error))
+            found = self.by_error.get(id(error)) or self.by_origin.get(failure_origin(error))
             failure = Failure(found.case if found else None, error, history=found.history if found else [])
             if self.base is not None and failure.case is not None:
                 self._save(failure, self._path(i))
@@ -293,7 +277,8 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
         prop: a registered :class:`~pagedkv.testing.registry.Property`.
         backends: the candidate, or ``(reference, candidate)`` for a pair property.
         device: where tensors live.
-        settings: Hypothesis settings (``None``: the loaded profile); ``max_examples`` is capped by the
+        settings: Hypothesis settings (``None``: the loaded profile as
+            :func:`pagedkv.testing.settings.suite_settings` makes it); ``max_examples`` is capped by the
             property's own cap and by :func:`pagedkv.testing.space.example_cap`.
         caps: the declared space to draw in (``None``: :func:`pagedkv.testing.space.capabilities_under_test`
             of the candidate, drawing space).
@@ -321,6 +306,7 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
 
     from pagedkv.backends import backend_name
     from pagedkv.testing import specialisations
+    from pagedkv.testing.settings import suite_settings
     from pagedkv.testing.space import capabilities_under_test, example_cap
 
     backends = _with_reference(prop, tuple(backends))
@@ -330,7 +316,7 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
     if reason:
         outcome.status, outcome.reason = "skipped", reason
         return outcome
-    chosen = settings if settings is not None else hypothesis.settings()
+    chosen = settings if settings is not None else suite_settings()
     cap = example_cap(backends)
     if cap is not None and prop.kind == "machine":
         cap //= 3  # a run of the state machine is 50 steps: a third of the examples under Triton's interpreter
@@ -380,7 +366,7 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
     test = chosen(test)
     if seed is not None:
         test = hypothesis.seed(seed)(test)
-    test._hypothesis_internal_database_key = database_key or f"{prop.name}/{violating}".encode()
+    set_database_key(test, database_key or f"{prop.name}/{violating}".encode())
     try:
         test()
     except _OpMissing as exc:

@@ -323,8 +323,7 @@ def properties() -> dict[str, Property]:
 
 
 def property_for_record(check: str) -> Property:
-    """The property a case file's ``check`` field names (older check-function names are upgraded when
-    the file is read: :func:`pagedkv.testing.casefiles.schema.upgrade_legacy_check`).
+    """The property a case file's ``check`` field names.
 
     Raises:
         KeyError: no registered property has that name.

@@ -26,7 +26,13 @@ repro      200       no           verbose, with Hypothesis's explain phase, to s
 at scale: ``docs/scale.md``.) Examples are keyed per property and backend, so the fuzz workers and
 the suite replay each other's finds, and a mutant's never reach another backend.
 
-Each is registered as ``pagedkv-<name>`` and, where the project under test has not registered that
+Every other settings object the kit and its tools run under is built here too, from one
+health-check policy (:data:`SUPPRESSED_HEALTH_CHECKS`): :func:`suite_settings` (the pytest suite),
+:func:`mutant_settings` (the kill table), :func:`kill_rate_settings`, :func:`fuzz_settings`,
+:func:`machine_settings` (the cache state machine), :func:`manager_settings` (cache-manager programs) and
+:func:`drawing_settings` (the specialisation plan, which draws without running).
+
+Each profile is registered as ``pagedkv-<name>`` and, where the project under test has not registered that
 name itself, also as ``<name>``: a user's own profiles are never replaced. Hypothesis ships a ``ci``
 profile of its own (loaded silently when ``CI`` is set), which :func:`choose_profile` treats like no
 choice at all.
@@ -34,7 +40,21 @@ choice at all.
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import HealthCheck, Phase, Verbosity, settings
+from hypothesis.errors import InvalidArgument
+
+from pagedkv.testing.hypothesis_internals import registered_profiles
+
+#: The one health-check policy of every settings object built here: none is run. Each check judges the
+#: run, never the backend's outputs, and each depends on what a gate must not turn on: ``too_slow`` on
+#: the backend's speed (Triton's interpreter), ``data_too_large`` and ``large_base_example`` on the pools
+#: a case builds, ``filter_too_much`` on the space the backend declares (a narrow one rejects most
+#: draws) and on the state machines' bundles; the others do not apply to a test the kit builds itself.
+#: With one policy a property cannot pass one entry point and fail another on a health check; the
+#: strategies' own health is the kit's tests' business (tests/gate).
+SUPPRESSED_HEALTH_CHECKS: tuple[HealthCheck, ...] = tuple(HealthCheck)
 
 PROFILES: dict[str, dict] = {
     "smoke": dict(max_examples=5, derandomize=True, database=None),
@@ -45,6 +65,9 @@ PROFILES: dict[str, dict] = {
     "repro": dict(max_examples=200, verbosity=Verbosity.verbose,
                   phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink, Phase.explain]),
 }
+#: What every profile sets. A loaded profile applies to the whole pytest session, a project's own tests
+#: included, so it suppresses only the checks a case trips by its size; the kit's own runs add
+#: :data:`SUPPRESSED_HEALTH_CHECKS` on top (:func:`suite_settings`).
 COMMON = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -53,13 +76,21 @@ _HYPOTHESIS_OWN = (None, "default", "ci")
 _BARE: set[str] = set()  # bare names pagedkv registered (free when it did)
 
 
+def _registered(name: str) -> bool:
+    try:
+        settings.get_profile(name)
+    except InvalidArgument:
+        return False
+    return True
+
+
 def register_profiles() -> None:
     """Register every profile of :data:`PROFILES` as ``pagedkv-<name>``, and as ``<name>`` where that
     name is free (idempotent)."""
     for name, values in PROFILES.items():
         chosen = {**COMMON, **values}
         settings.register_profile(f"pagedkv-{name}", **chosen)
-        if name not in settings._profiles or name in _BARE:
+        if not _registered(name) or name in _BARE:
             settings.register_profile(name, **chosen)
             _BARE.add(name)
 
@@ -80,15 +111,15 @@ def choose_profile(requested: str | None = None) -> str:
     import os
 
     register_profiles()
-    known = sorted(settings._profiles)
+    known = registered_profiles()
     env = os.environ.get("PAGEDKV_PROFILE")
     env_name = (f"pagedkv-{env}" if env in PROFILES else env) if env else None
-    if env_name and env_name not in settings._profiles:
+    if env_name and not _registered(env_name):
         raise ValueError(f"PAGEDKV_PROFILE={env!r} names no profile; choose one of {sorted(PROFILES)} "
                          f"or a registered one ({', '.join(known)})")
     own = settings.get_current_profile_name()
     if requested:
-        if requested not in settings._profiles:
+        if not _registered(requested):
             raise ValueError(f"unknown Hypothesis profile {requested!r}; registered: {', '.join(known)}")
         name = requested
     elif own not in _HYPOTHESIS_OWN:
@@ -108,3 +139,71 @@ def choose_profile(requested: str | None = None) -> str:
     except DatabaseError as exc:
         raise ValueError(f"PAGEDKV_DATABASE: {exc}") from exc
     return name + (f" (example database: {shared})" if shared else "")
+
+
+# -- the settings each entry point runs under -----------------------------------------------------------
+def suite_settings(base: Any = None) -> settings:
+    """``base`` (default: the loaded profile) with what every property needs whatever the profile: no
+    deadline (a first example compiles or warms caches) and the kit's health-check policy."""
+    return settings(base if base is not None else settings(), deadline=None,
+                    suppress_health_check=SUPPRESSED_HEALTH_CHECKS)
+
+
+def mutant_settings(profile: str, *, shrink: bool = True) -> settings:
+    """Settings for running a property against a mutant under the suite's profile ``profile``.
+
+    Example databases are off (a mutant's failures must not be replayed against the real backends),
+    and only the first distinct failure is reported. ``shrink=False`` stops at the first failing example.
+
+    Raises:
+        ValueError: unknown profile.
+    """
+    if profile not in PROFILES:
+        raise ValueError(f"unknown Hypothesis profile {profile!r}; choose one of {sorted(PROFILES)}")
+    phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
+    values = {k: v for k, v in PROFILES[profile].items() if k not in ("database", "phases", "verbosity")}
+    return settings(**values, deadline=None, database=None, print_blob=False, phases=phases,
+                    report_multiple_bugs=False, suppress_health_check=SUPPRESSED_HEALTH_CHECKS)
+
+
+def kill_rate_settings(max_examples: int, explicit: bool) -> settings:
+    """One kill-rate run of a property: ``max_examples`` generated examples (after the explicit ones when
+    ``explicit``), random (the run is seeded), no database, no shrinking, the first failure only."""
+    return settings(max_examples=max_examples, derandomize=False, database=None, deadline=None,
+                    phases=[Phase.explicit, Phase.generate] if explicit else [Phase.generate],
+                    report_multiple_bugs=False, print_blob=False, suppress_health_check=SUPPRESSED_HEALTH_CHECKS)
+
+
+def fuzz_settings(database: Any, max_examples: int) -> settings:
+    """One fuzz batch: replay ``database``'s examples, search ``max_examples`` new random ones, target and
+    shrink, quietly (a worker reports through its own events), the first failure only."""
+    return settings(database=database, max_examples=max_examples, deadline=None, derandomize=False,
+                    verbosity=Verbosity.quiet, phases=[Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+                    report_multiple_bugs=False, print_blob=False, suppress_health_check=SUPPRESSED_HEALTH_CHECKS)
+
+
+def machine_settings(base: Any, steps: int) -> settings:
+    """A state machine's run: ``base`` (``None``: the loaded profile) as :func:`suite_settings` makes it,
+    ``steps`` rules per run."""
+    return settings(suite_settings(base), stateful_step_count=steps)
+
+
+def manager_settings(max_examples: int = 50, steps: int = 30, base: Any = None) -> settings:
+    """A cache-manager program run: ``max_examples`` runs of ``steps`` steps (capped by ``base``'s example
+    count when given: the suite's profile), no example database, the first failure only."""
+    if base is not None:
+        max_examples = min(base.max_examples, max_examples)
+    return settings(machine_settings(base, steps), max_examples=max_examples, database=None,
+                    report_multiple_bugs=False)
+
+
+def timing_settings(max_examples: int) -> settings:
+    """Timing a property's examples (the specialisation plan's cost estimate): the loaded profile as
+    :func:`suite_settings` makes it, ``max_examples`` examples, no database."""
+    return settings(suite_settings(), max_examples=max_examples, database=None)
+
+
+def drawing_settings(max_examples: int, derandomize: bool) -> settings:
+    """Drawing cases without running them (the specialisation plan): explicit and generated, no database."""
+    return settings(max_examples=max_examples, derandomize=derandomize, database=None, deadline=None,
+                    phases=[Phase.explicit, Phase.generate], suppress_health_check=SUPPRESSED_HEALTH_CHECKS)

@@ -119,9 +119,10 @@ def _leased_bytes(prop: Any, caps: Any) -> int:
 def _draw_keys(prop: Any, caps: Any, max_examples: int, derandomize: bool, seed: int) -> dict[str, set]:
     """The specialisation keys of ``max_examples`` cases drawn as the suite draws them (no kernel runs)."""
     import hypothesis
-    from hypothesis import HealthCheck, Phase, given
+    from hypothesis import given
 
     from pagedkv.backends.capabilities import SPECIALIZATION_NAMES
+    from pagedkv.testing.settings import drawing_settings
     from pagedkv.testing.specialisations import key_of
 
     names = caps.specialize_on or SPECIALIZATION_NAMES
@@ -136,9 +137,7 @@ def _draw_keys(prop: Any, caps: Any, max_examples: int, derandomize: bool, seed:
     test = given(prop.strategy_in(caps))(body)
     for case in prop.examples_in(caps):
         test = hypothesis.example(case)(test)
-    test = hypothesis.settings(max_examples=max_examples, derandomize=derandomize, database=None, deadline=None,
-                               phases=[Phase.explicit, Phase.generate],
-                               suppress_health_check=list(HealthCheck))(test)
+    test = drawing_settings(max_examples, derandomize)(test)
     if not derandomize:
         test = hypothesis.seed(seed)(test)
     test()
@@ -240,18 +239,16 @@ def plan_profile(backend: Any, profile: str, *, device: str, workers: int, cores
 
 def measure_example_costs(examples: int = 3, device: str = "cpu") -> dict:
     """Seconds per example of every property, timed on the ``indexed`` backend (``examples`` each)."""
-    import hypothesis
-
     import pagedkv
     from pagedkv.testing import execute
     from pagedkv.testing.registry import properties
+    from pagedkv.testing.settings import timing_settings
 
     backend = pagedkv.get_backend("indexed")
     costs = {}
     for prop in properties().values():
         start = time.perf_counter()
-        outcome = execute.run(prop, (backend,), device, hypothesis.settings(max_examples=examples, database=None,
-                                                                           deadline=None), explicit=False)
+        outcome = execute.run(prop, (backend,), device, timing_settings(examples), explicit=False)
         if outcome.examples:
             costs[prop.name] = round((time.perf_counter() - start) / outcome.examples, 4)
     return costs

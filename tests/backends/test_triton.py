@@ -557,16 +557,15 @@ def test_suite_attention_properties_hold_for_a_fixed_split(prop):
     import dataclasses
 
     from pagedkv.testing.registry import properties
-    from pagedkv.tools.mutants.kill_table import run_property
+    from pagedkv.tools.mutants.kill_table import case_summary, run_property
 
     chosen = properties()[prop]
     if SPLIT_EXAMPLES is not None:
         chosen = dataclasses.replace(chosen, max_examples=min(chosen.max_examples or SPLIT_EXAMPLES, SPLIT_EXAMPLES))
     profile = os.environ.get("PAGEDKV_PROFILE", "dev")
-    failed, examples, case, error = run_property(SplitBackend(3), chosen, profile if profile in ("gpu", "nightly")
-                                                 else "dev", DEVICE)
-    assert not failed, f"{prop} with 3 splits: {error}\n{case}"
-    assert examples > 0 and not error.startswith("skipped"), error
+    outcome = run_property(SplitBackend(3), chosen, profile if profile in ("gpu", "nightly") else "dev", DEVICE)
+    assert not outcome.failed, f"{prop} with 3 splits: {outcome.first_line}\n{case_summary(outcome)}"
+    assert outcome.examples_judged > 0 and outcome.status != "skipped", outcome.first_line
 
 
 @pytest.mark.parametrize("name", ["decode_mha_bs16", "q_len0_in_batch", "mixed_gqa6_bs5_d5", "multi_tile_q_and_kv"])

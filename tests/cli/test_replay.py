@@ -13,6 +13,15 @@ from pagedkv.testing.casefiles import reading as casefile, writing
 from pagedkv.testing.cases.case import CacheScenario, Case, Geometry, SeqSpec
 from pagedkv.cli.replay import block_table_map, replay
 
+# the properties these tests' case files name
+GATHER = "gather_returns_exactly_what_each_slot_holds"
+SCATTER = "scatter_then_gather_round_trips_and_touches_no_other_slot"
+WRITE_KV = "write_kv_lands_at_slot_mapping_and_skips_negative_slots"
+ATTENTION = "paged_attention_matches_fp64_dense_reference"
+SHARING = "every_live_sequence_reads_only_its_own_tokens"
+PREFIX_CACHING = "prefix_caching_changes_no_output"
+GATHER_REJECTS = "gather_rejects_bad_arguments_and_writes_nothing"
+
 ROOT = Path(__file__).resolve().parents[2]
 CASE = Case(Geometry(8, 4, 1, 2), (SeqSpec((2, 3, 6), 9, 1, 5), SeqSpec((0, 1), 8, 1, 0)), values="identity",
             poison="inf", pad_columns=1, table_dtype="int64", layout="kv_interleaved", scale=0.5, seed=7)
@@ -27,7 +36,7 @@ def _failures_in_tmp(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("case", [CASE, SCENARIO], ids=["case", "scenario"])
 def test_a_case_file_round_trips(case):
-    check = "sharing_isolated" if isinstance(case, CacheScenario) else "gather_matches_definition"
+    check = SHARING if isinstance(case, CacheScenario) else GATHER
     path = writing.save_failure(check, "pagedkv.tools.mutants:gqa_modulo", case,
                                test_id="tests/x.py::test_y[z]", error="boom\nsecond line")
     record = casefile.load_case_file(path)
@@ -44,13 +53,13 @@ def _run(path, *args):
 
 
 def test_a_passing_case_exits_0_and_says_so():
-    path = writing.save_failure("scatter_round_trip", "indexed", CASE)
+    path = writing.save_failure(SCATTER, "indexed", CASE)
     code, out = _run(path)
     assert code == 0 and "PASSES: scatter_then_gather_round_trips_and_touches_no_other_slot on indexed (cpu)" in out
 
 
 def test_a_planted_fault_exits_1_with_the_slot_and_a_marked_map():
-    path = writing.save_failure("scatter_round_trip", "pagedkv.tools.mutants:scatter_drops_start_offset",
+    path = writing.save_failure(SCATTER, "pagedkv.tools.mutants:scatter_drops_start_offset",
                                CASE.replace(poison="nan", layout="contiguous"))
     code, out = _run(path)
     assert code == 1 and "FAILS: scatter_then_gather_round_trips_and_touches_no_other_slot" in out
@@ -62,14 +71,14 @@ def test_a_planted_fault_exits_1_with_the_slot_and_a_marked_map():
 
 
 def test_impl_overrides_the_recorded_backend():
-    path = writing.save_failure("scatter_round_trip", "pagedkv.tools.mutants:scatter_drops_start_offset", CASE)
+    path = writing.save_failure(SCATTER, "pagedkv.tools.mutants:scatter_drops_start_offset", CASE)
     assert _run(path, ("impl", "loop"))[0] == 0
     code, out = _run(path, ("impl", "pagedkv.tools.mutants:scatter_clobbers_block"))
     assert code == 1 and "pagedkv.tools.mutants:scatter_clobbers_block" in out
 
 
 def test_a_sharing_failure_maps_the_live_tables_at_the_failing_step():
-    path = writing.save_failure("sharing_isolated", "pagedkv.tools.mutants:no_copy_on_write", SCENARIO)
+    path = writing.save_failure(SHARING, "pagedkv.tools.mutants:no_copy_on_write", SCENARIO)
     code, out = _run(path)
     assert code == 1 and "hands out slot 6 (position 6) in block 1" in out
     # the tables as they were when the append failed (block 2 already added to sequence 0); both still
@@ -81,7 +90,7 @@ def test_a_sharing_failure_maps_the_live_tables_at_the_failing_step():
 def test_a_missing_op_is_reported_as_skipped(tmp_path):
     (tmp_path / "gather_only.py").write_text(
         "from pagedkv.backends import indexed\nname = 'gather_only'\ngather = indexed.gather\n")
-    path = writing.save_failure("write_kv_matches_definition", str(tmp_path / "gather_only.py"), CASE)
+    path = writing.save_failure(WRITE_KV, str(tmp_path / "gather_only.py"), CASE)
     code, out = _run(path, ("impl", str(tmp_path / "gather_only.py")))  # a file's own spec runs only when named
     assert code == 0 and "SKIPPED" in out and "write_kv" in out
 
@@ -100,7 +109,7 @@ def test_the_map_marks_an_unowned_slot_and_cuts_long_rows():
 
 
 def test_the_cli_runs_as_a_module(tmp_path):
-    path = writing.save_failure("gather_matches_definition", "pagedkv.tools.mutants:off_by_one_last_block", CASE)
+    path = writing.save_failure(GATHER, "pagedkv.tools.mutants:off_by_one_last_block", CASE)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "pagedkv", "replay", str(path), "--device", "cpu"], cwd=tmp_path,
                           env=env, capture_output=True, text=True)
@@ -122,7 +131,7 @@ def test_an_invalid_call_accepted_without_checks_replays_as_a_failure(tmp_path, 
 
     monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(tmp_path))
     call = InvalidCall("gather", "block_id_negative", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 5),)))
-    path = writing.save_failure("check_rejected", "unchecked_backend", call, test_id="invalid", error="")
+    path = writing.save_failure(GATHER_REJECTS, "unchecked_backend", call, test_id="invalid", error="")
     assert path.parent == tmp_path
     out = io.StringIO()
     assert replay(path, out=out) == 2 and "--impl unchecked_backend" in out.getvalue()  # not on the file's word
@@ -145,7 +154,7 @@ SLOPPY_GATHER = ("from pagedkv.backends import indexed\n"
 
 def test_a_scenario_read_that_differs_prints_expected_and_actual_kv(tmp_path):
     (tmp_path / "sloppy_gather.py").write_text(SLOPPY_GATHER)
-    path = writing.save_failure("sharing_isolated", "indexed", SCENARIO)
+    path = writing.save_failure(SHARING, "indexed", SCENARIO)
     code, out = _run(path, ("impl", str(tmp_path / "sloppy_gather.py")))
     assert code == 1
     assert "sequence:         0" in out and "logical position: 6" in out
@@ -157,7 +166,7 @@ def test_a_scenario_read_that_differs_prints_expected_and_actual_kv(tmp_path):
 
 def test_an_attention_failure_prints_the_first_differing_rows_and_no_false_marker():
     case = Case(Geometry(8, 4, 2, 4, 2), (SeqSpec((2, 3, 6), 9, 3, 0), SeqSpec((0, 1), 8, 1, 0)), seed=7)
-    path = writing.save_failure("attention_matches_reference", "pagedkv.tools.mutants:gqa_modulo", case)
+    path = writing.save_failure(ATTENTION, "pagedkv.tools.mutants:gqa_modulo", case)
     code, out = _run(path)
     assert code == 1 and "compare the outputs above" not in out
     rows = [line for line in out.splitlines() if line.startswith("  attention of sequence")]
@@ -174,7 +183,7 @@ def test_the_legend_names_only_markers_it_draws():
 
 
 def test_a_scenario_failure_shows_the_tables_live_when_it_failed():
-    path = writing.save_failure("prefix_cache_transparent", "pagedkv.tools.mutants:no_copy_on_write", SCENARIO)
+    path = writing.save_failure(PREFIX_CACHING, "pagedkv.tools.mutants:no_copy_on_write", SCENARIO)
     code, out = _run(path)
     assert code == 1 and "(none live)" not in out
     assert "seq 0 | [0 ] [1" in out and "seq 1 | [0 ] [1" in out
@@ -203,7 +212,7 @@ def test_a_case_whose_run_crashed_replays_in_a_child_and_reports_the_crash(tmp_p
 
     (tmp_path / "segv_kv.py").write_text("import ctypes\nname = 'segv_kv'\n\n"
                                          "def gather(cache, block_table, seq_len):\n    ctypes.string_at(0)\n")
-    path = writing.save_failure("gather_returns_exactly_what_each_slot_holds", "segv_kv", CASE, outcome="running",
+    path = writing.save_failure(GATHER, "segv_kv", CASE, outcome="running",
                                 path=tmp_path / "crashed.json")
     proc = subprocess.run([sys.executable, "-m", "pagedkv", "replay", str(path), "--impl", "segv_kv"], cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, timeout=300)
@@ -215,7 +224,7 @@ def test_a_tail_read_marks_the_unused_slots_it_read_not_the_querys_slot():
     (block 3, offsets 2 and 3): the map marks those slots ``r`` (refilling them changes the output), the
     query's own slot ``q``; sequence 1 fills its blocks and has no tail to read."""
     case = Case(Geometry(8, 4, 1, 4), (SeqSpec((2, 3), 6, 1), SeqSpec((0, 1), 8, 1)), poison="nan")
-    path = writing.save_failure("attention_matches_reference", "pagedkv.tools.mutants:tail_unmasked", case)
+    path = writing.save_failure(ATTENTION, "pagedkv.tools.mutants:tail_unmasked", case)
     code, out = _run(path)
     assert code == 1, out
     assert "unused slots read: block 3 offsets 2..3" in out, out

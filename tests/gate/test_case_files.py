@@ -30,15 +30,22 @@ from hypothesis import strategies as st
 
 import pagedkv.testing
 import pagedkv.tools.mutants.backends  # noqa: F401  (imported before the guards: replay's own modules)
+import pagedkv.testing.managers.casefile  # noqa: F401
+import pagedkv.tools.mutants.cheats  # noqa: F401
 import pagedkv.tools.peers  # noqa: F401
 import pagedkv.testing.strategies as s
 from pagedkv import cli
 from pagedkv.cli import replay as replay_cli  # noqa: F401
 from pagedkv.errors import CaseFileError, PagedKVError
 from pagedkv.testing.casefiles import reading as casefile, schema, writing
-from pagedkv.testing.properties import invariances
 from pagedkv.testing.cases.case import CacheScenario, Case, Geometry, SeqSpec
 from pagedkv.testing.cases.invalid_call import InvalidCall
+
+# the properties these tests' case files name
+GATHER = "gather_returns_exactly_what_each_slot_holds"
+ATTENTION = "paged_attention_matches_fp64_dense_reference"
+SHARING = "every_live_sequence_reads_only_its_own_tokens"
+AGREE = "backends_agree_on_every_op_both_provide"
 
 ROOT = Path(__file__).resolve().parents[2]
 REGRESSIONS = casefile.shipped_regressions()
@@ -57,7 +64,7 @@ REQUIRED = {"record": ("check", "case"),
             "InvalidCall": ("op", "fault", "case", "seq", "amount")}
 OPTIONAL_CASE = ("window_left", "softcap", "alibi", "sinks", "kv_cache_dtype", "k_scale", "v_scale",
                  "num_splits")  # off when absent
-NULLABLE = {"backend", "other", "transform", "error", "case.scale", "case.case.scale", "case.num_splits",
+NULLABLE = {"backend", "other", "error", "case.scale", "case.case.scale", "case.num_splits",
             "case.case.num_splits"}
 SIZE_FIELDS = ("num_blocks", "block_size", "num_kv_heads", "head_dim", "num_queries_per_kv", "seq_len", "q_len",
                "start", "pad_columns", "seed", "num_layers")
@@ -146,15 +153,15 @@ def replay_refuses(root: Path, data: bytes, fields, *extra: str) -> str:
 # -- valid records ----------------------------------------------------------------------------------------
 def record_of(case, check: str) -> dict:
     return json.loads(json.dumps({"version": 1, "check": check, "backend": "indexed", "other": None,
-                                  "transform": None, "kind": type(case).__name__, "case": case.to_dict(),
+                                  "kind": type(case).__name__, "case": case.to_dict(),
                                   "error": ""}))
 
 
 drawn_records = st.one_of(
-    s.cases(max_seqs=3, max_len=12).map(lambda c: record_of(c, "gather_matches_definition")),
-    s.fragmented_cases(max_seqs=3, max_len=12).map(lambda c: record_of(c, "attention_matches_reference")),
-    s.scenarios(max_ops=6).map(lambda c: record_of(c, "sharing_isolated")),
-    s.invalid_calls().map(lambda c: record_of(c, "check_rejected")),
+    s.cases(max_seqs=3, max_len=12).map(lambda c: record_of(c, GATHER)),
+    s.fragmented_cases(max_seqs=3, max_len=12).map(lambda c: record_of(c, ATTENTION)),
+    s.scenarios(max_ops=6).map(lambda c: record_of(c, SHARING)),
+    s.invalid_calls().map(lambda c: record_of(c, f"{c.op}_rejects_bad_arguments_and_writes_nothing")),
 )
 valid_records = st.one_of(st.sampled_from(BASES), drawn_records)
 
@@ -328,7 +335,7 @@ def test_corrupted_case_files_are_refused_cleanly(sandbox, how, data):
 def issue_files(root: Path) -> dict[str, tuple[dict, str]]:
     base = record_of(
         Case(Geometry(8, 4, 1, 2), (SeqSpec((2, 3, 6), 9, 1, 5), SeqSpec((0, 1), 8, 1, 0))),
-        "gather_matches_definition")
+        GATHER)
     huge = json.loads(json.dumps(base))
     huge["case"]["geometry"].update(num_blocks=2**22, block_size=64, head_dim=4096)  # float32: 8 TiB of pools
     huge["case"]["seqs"] = [{"block_table": [0], "seq_len": 1, "q_len": 1, "start": 0}]
@@ -369,7 +376,7 @@ def test_an_explicit_impl_runs_what_the_file_could_not_name(sandbox):
     record, _ = issue_files(sandbox)["foreign_backend"]
     path = sandbox / "named.json"
     path.write_text(json.dumps({**record, "backend": "indexed", "other": f"{MARKER}:backend",
-                                "check": "backends_agree"}))
+                                "check": AGREE}))
     assert replay_refuses(sandbox, path.read_bytes(), {"other"}).endswith(f"--other {MARKER}:backend explicitly")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -405,7 +412,7 @@ def test_a_file_without_version_is_version_1_and_a_newer_one_is_refused(tmp_path
 
 def test_save_failure_writes_version_1_and_load_failure_checks_the_file(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(tmp_path))
-    path = writing.save_failure("gather_matches_definition", "pagedkv.tools.mutants:gqa_modulo",
+    path = writing.save_failure(GATHER, "pagedkv.tools.mutants:gqa_modulo",
                                Case(Geometry(4, 2), (SeqSpec((0, 1), 3),)))
     assert json.loads(path.read_text())["version"] == 1
     assert casefile.load_case_file(path)["backend"] == "pagedkv.tools.mutants:gqa_modulo"
@@ -473,4 +480,4 @@ def test_the_schema_matches_the_dataclasses_and_the_librarys_names():
     assert all(torch.empty(0, dtype=DTYPES[n]).element_size() == b for n, b in schema.DTYPE_BYTES.items())
     assert cases.VALUE_PATTERNS == schema.VALUE_PATTERNS and cases.POISONS == schema.POISONS
     assert cases.LAYOUTS == schema.LAYOUTS and tuple(BUILTIN) == casefile.BUILTIN_BACKENDS
-    assert tuple(sorted(invariances.TRANSFORMS)) == schema.TRANSFORMS and invalid.OPS == schema.INVALID_OPS
+    assert invalid.OPS == schema.INVALID_OPS

@@ -20,7 +20,7 @@ import pytest
 
 from pagedkv.testing import execute
 from pagedkv.tools.mutants.cheats import CHEATS
-from pagedkv.tools.mutants.kill_table import hypothesis_settings
+from pagedkv.testing.settings import mutant_settings as hypothesis_settings
 from pagedkv.testing.registry import properties
 
 FIRST = ("paged_attention_matches_fp64_dense_reference", "write_kv_lands_at_slot_mapping_and_skips_negative_slots")

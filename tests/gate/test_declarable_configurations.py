@@ -20,11 +20,12 @@ import os
 import sys
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 
 from pagedkv.backends.capabilities import Capabilities, Sizes
 from pagedkv.testing import execute
 from pagedkv.testing.registry import properties
+from pagedkv.testing.settings import suite_settings
 
 sys.path.insert(0, os.path.dirname(__file__))
 from declarable import PACKED_KEYS, PACKED_PAIR, REVERSED_SLOTS, SLOTS_LAST, honest, with_fault  # noqa: E402
@@ -71,8 +72,7 @@ CATCHES = {"drops_last_token": "paged_attention_matches_fp64_dense_reference",
            "ignores_last_page_len": "paged_attention_matches_fp64_dense_reference",
            "reads_storage_as_nhd": "paged_attention_matches_fp64_dense_reference",
            "write_kv_swaps_pools": "write_kv_lands_at_slot_mapping_and_skips_negative_slots"}
-FEW = settings(max_examples=1, deadline=None, database=None, derandomize=True,
-               suppress_health_check=list(HealthCheck))
+FEW = suite_settings(settings(max_examples=1, database=None, derandomize=True))
 
 
 def _gated(prop) -> bool:

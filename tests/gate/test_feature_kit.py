@@ -50,7 +50,7 @@ def test_an_old_case_without_feature_fields_loads_and_brief_shows_non_default_fe
     old = json.loads(kc.C8.to_json())
     for key in ("window_left", "softcap", "alibi", "sinks", "kv_cache_dtype", "k_scale", "v_scale"):
         del old[key]
-    assert validate_record({"check": "attention_matches_reference", "case": old})
+    assert validate_record({"check": "paged_attention_matches_fp64_dense_reference", "case": old})
     assert Case.from_dict(old) == kc.C8 and "window_left" not in runner.brief(kc.C8)
     text = runner.brief(kc.F_ALL) + " " + runner.brief(kc.F_FP8)
     for part in ("window_left=4", "softcap=5.0", "alibi=True", "sinks=True", "kv_cache_dtype='fp8_e4m3'",
@@ -65,5 +65,5 @@ def test_the_schema_refuses_bad_feature_fields_naming_them(field, value):
     case = json.loads(Case(Geometry(4, 2, 2, 2), (SeqSpec((0, 1), 3, 1),)).to_json())
     case[field] = value
     with pytest.raises(CaseFileError) as info:
-        validate_record({"check": "attention_matches_reference", "case": case})
+        validate_record({"check": "paged_attention_matches_fp64_dense_reference", "case": case})
     assert info.value.field.startswith(f"case.{field}")

@@ -63,10 +63,10 @@ def test_the_head_dim_1_property_is_not_applicable_where_its_twin_runs(op):
 @pytest.mark.parametrize("op,bug", [("gather", Float32SlotGather), ("scatter", Float32SlotScatter)])
 def test_float32_slot_arithmetic_in_a_head_dim_64_kernel_is_caught_at_its_geometry(op, bug):
     name = f"{op}_is_exact_past_2_24_slots_at_a_declared_geometry"
-    failed, _, _, error = run_property(Limited(), properties()[name], "dev")
-    assert not failed and not error, error
-    failed, _, _, error = run_property(bug(), properties()[name], "dev")
-    assert failed and "float32 or int32 slot arithmetic" in error, error
+    outcome = run_property(Limited(), properties()[name], "dev")
+    assert outcome.status == "passed", outcome.first_line
+    outcome = run_property(bug(), properties()[name], "dev")
+    assert outcome.failed and "float32 or int32 slot arithmetic" in outcome.first_line, outcome.first_line
 
 
 LAZY_POOLS_AFTER_A_DIRTY_HEAP = """

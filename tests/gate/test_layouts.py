@@ -176,20 +176,21 @@ def test_a_layout_declared_as_a_view_hands_its_storage_and_a_copy_pair_converts(
                                   "outputs_are_bit_identical_under_poison",
                                   "write_kv_is_exact_past_2_24_slots_at_a_declared_geometry"])
 def test_mapped_layouts_pass_the_properties(name):
-    from pagedkv.tools.mutants.kill_table import run_property
+    from pagedkv.tools.mutants.kill_table import case_summary, run_property
     from pagedkv.testing.registry import properties
 
-    failed, _, case, error = run_property(MappedLayouts(), properties()[name], "dev", shrink=False)
-    assert not failed and not error.startswith("skipped") or "copy pair" in error, f"{name}: {error} on {case}"
+    outcome = run_property(MappedLayouts(), properties()[name], "dev", shrink=False)
+    assert outcome.status == "passed" or "copy pair" in outcome.first_line, \
+        f"{name}: {outcome.first_line} on {case_summary(outcome)}"
 
 
 def test_a_layout_bug_behind_a_copy_pair_fails():
     from pagedkv.tools.mutants.kill_table import run_property
     from pagedkv.testing.registry import properties
 
-    failed, _, _, error = run_property(ValuesUnreversed(), properties()["paged_attention_matches_fp64_dense_reference"],
-                                       "dev", shrink=False)
-    assert failed, error
+    outcome = run_property(ValuesUnreversed(), properties()["paged_attention_matches_fp64_dense_reference"],
+                           "dev", shrink=False)
+    assert outcome.failed, outcome.first_line
 
 
 def test_a_layout_must_be_declared_in_one_whole_form():

@@ -8,7 +8,7 @@ from pagedkv.backends.capabilities import Capabilities, Sizes
 from pagedkv.testing import execute
 from pagedkv.testing.registry import properties
 from pagedkv.testing.strategies.batches import LONG_CONTEXTS, LONG_MAX_Q_LEN
-from pagedkv.testing.settings import register_profiles
+from pagedkv.testing.settings import register_profiles, suite_settings
 
 LONG_PROPERTIES = ("paged_attention_matches_fp64_dense_reference", "a_request_alone_equals_the_same_request_in_a_batch",
                    "decoding_token_by_token_equals_one_prefill_and_chunked_prefill")
@@ -60,7 +60,7 @@ def test_a_float16_softmax_denominator_is_found_under_the_ci_profile():
     register_profiles()
     chosen = settings(settings.get_profile("pagedkv-ci"), phases=[Phase.explicit, Phase.generate])
     outcome = execute.run(properties()["paged_attention_matches_fp64_dense_reference"], (narrow_denominator,),
-                          "cpu", execute.suite_settings(chosen))
+                          "cpu", suite_settings(chosen))
     assert outcome.failed, outcome
     assert outcome.failures[0].case is not None
     assert max(s.seq_len for s in outcome.failures[0].case.seqs) >= min(LONG_CONTEXTS), outcome.failures[0].case

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from pagedkv.testing.managers import programs
@@ -20,6 +20,7 @@ from pagedkv.tools.mutants.managers import FreesSharedBlocks, FreesSharedBlocksU
 from pagedkv.testing.managers.machine import machine_for
 from pagedkv.testing.managers.own import OwnCacheManager, cache_manager_windows
 from pagedkv.testing.managers.protocol import CacheManager, ManagerConfig
+from pagedkv.testing.settings import manager_settings
 
 CASES = Path(programs.__file__).parent / "cases"
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -27,8 +28,7 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 def _settings(n: int, *, shrink: bool = True) -> settings:
     phases = tuple(Phase) if shrink else (Phase.explicit, Phase.generate)
-    return settings(max_examples=n, stateful_step_count=30, deadline=None, database=None, phases=phases,
-                    suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+    return settings(manager_settings(n, 30), phases=phases)
 
 
 def test_own_cache_passes_the_manager_machine():

@@ -1,10 +1,11 @@
-"""Every entry point runs a property through the one execution core, so they agree: the same skip,
-with the same reason, for a backend that lacks an op; the same verdict on a faulty and a correct
-backend (the suite's test, the mutants' kill table, a fuzz batch, the kill-rate runner, a case file)."""
+"""Every entry point runs a property through the one execution core and gets its one ``Outcome``, so
+they agree: the same skip, with the same reason, for a backend that lacks an op; the same verdict on a
+faulty and a correct backend (the suite's test, the mutants' kill table, a fuzz batch, the kill-rate
+runner, a case file)."""
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import Phase, settings
 
 from pagedkv import get_backend
 from pagedkv.testing import execute
@@ -14,6 +15,7 @@ from pagedkv.tools.mutants import MUTANTS
 from pagedkv.tools.mutants.kill_rates import _run_one
 from pagedkv.tools.mutants.kill_table import run_property
 from pagedkv.testing.registry import properties
+from pagedkv.testing.settings import suite_settings
 from pagedkv.testing.space import capabilities_under_test
 
 PROP = "paged_attention_matches_fp64_dense_reference"
@@ -29,14 +31,13 @@ class AttentionOnly:
 def _entry_points(backend, tmp_path):
     prop = properties()[PROP]
     caps = capabilities_under_test(backend, for_drawing=True)
-    quick = settings(max_examples=20, derandomize=True, database=None, deadline=None, phases=list(Phase),
-                     suppress_health_check=list(HealthCheck))
+    quick = suite_settings(settings(max_examples=20, derandomize=True, database=None, phases=list(Phase)))
     core = execute.run(prop, (backend,), "cpu", quick, case_file=tmp_path / "core.json")
-    killed, _, _, first = run_property(backend, prop, "dev", "cpu", shrink=False)
+    table = run_property(backend, prop, "dev", "cpu", shrink=False)
     # a fuzz batch draws unseeded: 100 examples, where 20 missed the GQA fault in 4 of 15 batches
-    _, fuzz_failure, fuzz_skip = run_batch(prop, backend, None, "spec", "cpu", None, 100, tmp_path)
+    fuzz = run_batch(prop, backend, None, "spec", "cpu", None, 100, tmp_path)
     rate = _run_one(prop, backend, "cpu", 1234, 20, True, caps=caps)
-    return core, (killed, first), (fuzz_failure, fuzz_skip), rate
+    return core, table, fuzz, rate
 
 
 def test_a_missing_op_is_the_same_skip_everywhere(tmp_path):
@@ -44,21 +45,22 @@ def test_a_missing_op_is_the_same_skip_everywhere(tmp_path):
     backend = AttentionOnly()
     reason = execute.run(prop, (backend,)).reason
     assert reason == "attention_only does not provide 'gather'"
-    assert run_property(backend, prop, "dev")[3] == f"skipped: {reason}"
-    assert run_batch(prop, backend, None, "spec", "cpu", None, 5, tmp_path)[2] == reason
-    assert _run_one(prop, backend, "cpu", 1, 5, True, caps=capabilities_under_test(backend))["error"] == \
-        f"skipped: {reason}"
+    outcomes = [run_property(backend, prop, "dev"), run_batch(prop, backend, None, "spec", "cpu", None, 5, tmp_path),
+                _run_one(prop, backend, "cpu", 1, 5, True, caps=capabilities_under_test(backend))]
+    assert all(isinstance(o, execute.Outcome) for o in outcomes)
+    assert [(o.status, o.reason, o.examples_judged) for o in outcomes] == [("skipped", reason, 0)] * 3
 
 
 def test_a_faulty_backend_fails_and_a_correct_one_passes_at_every_entry_point(tmp_path):
     faulty = MUTANTS["gqa_modulo"]()
-    core, (killed, first), (fuzz_failure, _), rate = _entry_points(faulty, tmp_path)
-    assert core.failed and killed and fuzz_failure is not None and rate["failed"], (core.first_line, first, rate)
+    outcomes = _entry_points(faulty, tmp_path)
+    core = outcomes[0]
+    assert all(o.failed for o in outcomes), [o.first_line for o in outcomes]
     record = load_case_file(core.failures[0].case_file, check_backend=False)
     assert execute.run_record(record, faulty).failed  # the case file replays to the failure
     assert execute.run_record(record, get_backend("indexed")).status == "passed"
-    core, (killed, _), (fuzz_failure, _), rate = _entry_points(get_backend("indexed"), tmp_path)
-    assert core.status == "passed" and not killed and fuzz_failure is None and not rate["failed"]
+    outcomes = _entry_points(get_backend("indexed"), tmp_path)
+    assert [o.status for o in outcomes] == ["passed"] * 4, [o.first_line for o in outcomes]
 
 
 def test_properties_sharing_a_strategy_draw_their_own_cases_in_one_kill_rate_run(monkeypatch):
@@ -85,5 +87,5 @@ def test_properties_sharing_a_strategy_draw_their_own_cases_in_one_kill_rate_run
     backend = get_backend("indexed")
     caps = capabilities_under_test(backend, for_drawing=True)
     for name in names:
-        assert not _run_one(properties()[name], backend, "cpu", 7, 3, False, caps=caps)["failed"]
+        assert not _run_one(properties()[name], backend, "cpu", 7, 3, False, caps=caps).failed
     assert len(drawn[names[0]]) == 3 and drawn[names[0]] != drawn[names[1]]

@@ -48,24 +48,17 @@ def test_every_registered_property_is_collected_by_pytest():
     assert not missing, f"registered properties pytest does not collect: {sorted(missing)}"
 
 
-def test_property_names_are_unique_and_every_legacy_check_name_maps_to_one():
+def test_property_names_are_unique_and_each_finds_its_property():
     props = registry.properties()
     for p in props.values():
         assert registry.property_for_record(p.name) is p
         assert p.sentence and p.name.isidentifier()
-    from pagedkv.testing.casefiles.schema import LEGACY_CHECKS, TRANSFORMS
-    from pagedkv.testing.cases.invalid_call import OPS
-
-    for old, (_, new) in LEGACY_CHECKS.items():
-        names = {new.format(transform=t, op=op) for t in TRANSFORMS for op in OPS}
-        assert names <= set(props), f"{old} maps to unregistered {sorted(names - set(props))}"
 
 
 @pytest.mark.parametrize("path", FILES, ids=[f.stem for f in FILES])
 def test_every_shipped_case_file_names_a_registered_property(path):
     record = load_case_file(path)
     registry.property_for_record(record["check"])
-    assert "legacy_check" not in record, f"{path.name} still names the check function {record['legacy_check']!r}"
 
 
 def test_an_unknown_check_is_a_key_error_naming_it():

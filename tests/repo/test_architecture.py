@@ -7,6 +7,7 @@ module runs properties (:mod:`pagedkv.testing.execute`) and nothing imports the 
 from __future__ import annotations
 
 import ast
+import re
 import importlib
 import shutil
 import subprocess
@@ -170,3 +171,20 @@ def test_plain_strategies_in_a_checkout_is_the_kits_package():
     import pagedkv.testing.strategies as source
 
     assert strategies is source and strategies.batches is source.batches
+
+
+def test_private_hypothesis_api_is_used_in_one_adapter_module():
+    """Hypothesis's private names (``hypothesis.internal``, ``_hypothesis_internal_*``, underscored
+    attributes of its public objects) stand in :mod:`pagedkv.testing.hypothesis_internals` only."""
+    private = re.compile(r"hypothesis\.internal|_hypothesis_internal|\b(?:settings|hypothesis)\._[a-z]")
+    users = sorted(name for name, path in _modules().items()
+                   if name != "pagedkv.testing.hypothesis_internals" and private.search(path.read_text()))
+    assert not users, f"modules using Hypothesis's private API outside the adapter: {users}"
+
+
+def test_one_module_sets_the_health_check_policy():
+    """Every settings object the kit and its tools run under is built by :mod:`pagedkv.testing.settings`,
+    so a property cannot pass one entry point and fail another on a health check."""
+    users = sorted(name for name, path in _modules().items()
+                   if name != "pagedkv.testing.settings" and "suppress_health_check" in path.read_text())
+    assert not users, f"modules choosing health checks of their own: {users}"

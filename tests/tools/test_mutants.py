@@ -37,8 +37,8 @@ def test_the_unmutated_base_passes_the_targeted_properties():
     props = properties()
     targeted = sorted({p for m in BACKEND_MUTANTS for p in runner.ALL_TARGETS[m] if "2_24" not in p})
     for name in targeted:
-        failed, _, case, error = runner.run_property(mutants.IndexedBackend(), props[name], "dev", shrink=False)
-        assert not failed, f"{name}: {error} on {case}"
+        outcome = runner.run_property(mutants.IndexedBackend(), props[name], "dev", shrink=False)
+        assert not outcome.failed, f"{name}: {outcome.first_line} on {runner.case_summary(outcome)}"
 
 
 def test_the_cli_prints_a_table_and_exits_0_when_all_are_killed(capsys):

@@ -9,7 +9,7 @@ import pytest
 from pagedkv.tools import peers
 from pagedkv.errors import BackendUnavailableError
 from pagedkv.testing.registry import properties
-from pagedkv.tools.mutants.kill_table import run_property
+from pagedkv.tools.mutants.kill_table import case_summary, run_property
 
 
 def _peer(name):
@@ -38,8 +38,8 @@ WRITE_KV = "write_kv_lands_at_slot_mapping_and_skips_negative_slots"
                                        ("vllm_cache_ops", "write_kv_lands_at_slot_mapping_and_skips_negative_slots"),
                                        ("flash_attn_kvcache", "paged_attention_matches_fp64_dense_reference")])
 def test_peer_passes_the_property(name, prop, device):
-    failed, _, case, error = run_property(_peer(name), properties()[prop], "dev", device)
-    assert not failed, f"{name} fails {prop}: {error} on {case}"
+    outcome = run_property(_peer(name), properties()[prop], "dev", device)
+    assert not outcome.failed, f"{name} fails {prop}: {outcome.first_line} on {case_summary(outcome)}"
 
 
 def test_torch_paged_attention_cannot_map_one_block_twice_in_a_sequence(device):

@@ -335,29 +335,21 @@ def _fmt(values) -> str:
 def _first_differences(backend: Any, case, device: str, out: TextIO, limit: int = 3) -> dict:
     """Print where the backend's own outputs on ``case`` first differ from the definition: each
     sequence's gather (bit for bit) and the attention output (fp64 reference, tolerance policy), with
-    expected and actual values. Returns ``{"seq", "position"}`` of the first bad gathered row, if any."""
-
-    from pagedkv.backends.capabilities import capabilities_of
-    from pagedkv.testing.cases.memory import pool_layout
-    from pagedkv.testing.space import as_declared_layout
-
-    caps = capabilities_of(backend)
-    with pool_layout(caps.layout):  # called as the suite calls it: pools in the declared layout
-        return _first_differences_as_declared(as_declared_layout(backend, caps), case, device, out, limit)
-
-
-def _first_differences_as_declared(backend: Any, case, device: str, out: TextIO, limit: int) -> dict:
-    from pagedkv.testing.properties.definitions import reference_output, run_attention
+    expected and actual values. The backend runs as the suite calls it, its pools in its declared layout
+    (:func:`pagedkv.testing.cases.ops.run_ops`). Returns ``{"seq", "position"}`` of the first bad
+    gathered row, if any."""
+    from pagedkv.testing.cases.case import reference_gather
+    from pagedkv.testing.cases.ops import run_ops
     from pagedkv.testing.compare import attention_tolerance, bits
+    from pagedkv.testing.properties.definitions import reference_output
 
     found, printed = {}, 0
     if callable(getattr(backend, "gather", None)):
-        from pagedkv.testing.cases.case import reference_gather
-
-        k_cache, _ = case.caches(device)
+        gathered = run_ops(backend, case, device, ("gather",), declared=True)
+        k_cache, _ = case.caches("cpu")
         for i, s in enumerate(case.seqs):
-            got = backend.gather(k_cache, case.block_tables(device)[i], s.seq_len).cpu()
-            want = reference_gather(k_cache.cpu(), case.used_table(i), s.seq_len)
+            got = gathered[f"gather[{i}]"]
+            want = reference_gather(k_cache, case.used_table(i), s.seq_len)
             if got.shape != want.shape:
                 print(f"  gather of sequence {i}: shape {tuple(got.shape)}, expected {tuple(want.shape)}", file=out)
                 continue
@@ -368,7 +360,7 @@ def _first_differences_as_declared(backend: Any, case, device: str, out: TextIO,
                 printed += 1
                 found = found or {"seq": i, "position": p}
     if callable(getattr(backend, "paged_attention", None)) and printed < limit:
-        got = run_attention(backend, case, device).cpu()
+        got = run_ops(backend, case, device, ("paged_attention",), declared=True)["paged_attention"]
         want, max_logit, max_v = reference_output(case)
         if got.shape == want.shape:
             rtol, atol = attention_tolerance(got.dtype, max_logit, max_v)

@@ -43,8 +43,6 @@ from pagedkv.testing.casefiles.schema import (BUILTIN_BACKENDS, FORMAT_VERSION, 
                                     MUTANTS_MODULE, PEERS_MODULE, _human, validate_record)
 
 # -- which backends a file may name -------------------------------------------------------------------------
-#: Modules earlier versions recorded for cache and feature mutants (read as pagedkv.tools.mutants:NAME).
-LEGACY_MUTANT_MODULES = ("pagedkv.testing.cache_mutants", "pagedkv.testing.feature_mutants")
 CHEATS_MODULE = "pagedkv.tools.mutants.cheats"  # the cheating candidates (pagedkv.tools.mutants.cheats:NAME)
 SHIPPED_MODULES = (MUTANTS_MODULE, PEERS_MODULE, CHEATS_MODULE)
 
@@ -66,12 +64,12 @@ def _shipped(module: str) -> set[str]:
 def canonical_backend_spec(spec: object) -> str | None:
     """The spec to load for a backend a case file records, or ``None`` when a file may not name it.
 
-    Accepted: a built-in name (``loop``, ``indexed``, ``triton``); ``pagedkv.tools.mutants:NAME``,
-    ``pagedkv.tools.mutants:NAME`` or ``pagedkv.tools.mutants:NAME`` for a shipped
-    mutant and ``pagedkv.tools.peers:NAME`` for a shipped peer, also recorded bare as ``NAME`` (what
-    ``backend_name`` gives), which map to those specs. Anything else (another module, a ``.py`` path,
+    Accepted: a built-in name (``loop``, ``indexed``, ``triton``); ``pagedkv.tools.mutants:NAME`` for a
+    shipped mutant, ``pagedkv.tools.mutants.cheats:NAME`` for a shipped cheat and
+    ``pagedkv.tools.peers:NAME`` for a shipped peer, also recorded bare as ``NAME`` (what ``backend_name``
+    gives), which map to those specs. Anything else (another module, a ``.py`` path,
     an attribute of a shipped module that is not a mutant or peer) is ``None``.
-    Nothing is imported but pagedkv's own mutant and peer modules (for their names).
+    Nothing is imported but pagedkv's own mutant, cheat and peer modules (for their names).
 
     Args:
         spec: the recorded value (any JSON value).
@@ -81,8 +79,6 @@ def canonical_backend_spec(spec: object) -> str | None:
     if spec in BUILTIN_BACKENDS:
         return spec
     module, sep, name = spec.partition(":")
-    if module in LEGACY_MUTANT_MODULES:
-        module, spec = MUTANTS_MODULE, f"{MUTANTS_MODULE}:{name}"
     if sep:
         return spec if module in SHIPPED_MODULES and name in _shipped(module) else None
     for module in SHIPPED_MODULES:

@@ -20,8 +20,6 @@ from pagedkv.cache.config import dtype_from_name
 from pagedkv.errors import CaseFileError
 from pagedkv.testing.cases.case import KV_CACHE_DTYPES as _KV_CACHE_DTYPES, LAYOUTS, POISONS, VALUE_PATTERNS
 from pagedkv.testing.cases.invalid_call import OPS as _INVALID_OPS
-from pagedkv.testing.properties.invariances import TRANSFORMS as _TRANSFORMS
-from pagedkv.testing.casefiles.legacy import LEGACY_CHECKS, upgrade_legacy_check
 
 #: The format version :func:`pagedkv.testing.casefiles.reading.save_failure` writes; files without one are version 1.
 FORMAT_VERSION = 1
@@ -43,7 +41,6 @@ MAX_POSITIONS = 1 << 20
 DTYPE_BYTES = {name: dtype_from_name(name).itemsize for name in sorted(DTYPE_NAMES)}
 KINDS = ("Case", "CacheScenario", "InvalidCall", "LimitCase")
 TABLE_DTYPES = {"int32": 2**31, "int64": 2**63}  # name -> bound of |pad_value|
-TRANSFORMS = tuple(sorted(_TRANSFORMS))
 INVALID_OPS = _INVALID_OPS
 KV_CACHE_DTYPES = tuple(_KV_CACHE_DTYPES)
 SCENARIO_OPS = {"add": (3, 4), "append": (3, 3), "reserve": (3, 4), "write": (2, 3), "fork": (3, 3), "free": (2, 2)}
@@ -57,7 +54,7 @@ _MAX_SEED = 2**44  # seed * 1_000_003 + stream must fit torch's 64-bit seed
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
 
 _RECORD_KEYS = {"version": False, "id": False, "title": False, "check": True, "backend": False, "other": False,
-                "transform": False, "kind": False, "case": True, "outcome": False, "error": False, "history": False}
+                "kind": False, "case": True, "outcome": False, "error": False, "history": False}
 #: Most earlier cases a record's ``history`` may hold (the suite writes at most 16).
 MAX_HISTORY = 64
 OUTCOMES = ("running", "failed", "raised", "crashed")  # save_failure's outcome: written before the call, after it
@@ -388,7 +385,7 @@ def validate_record(data: object, *, max_bytes: int | None = None) -> dict:
     Returns:
         A normalized copy of the record, ``case`` still plain data: ``version`` (1 when absent),
         ``kind`` (``"Case"`` when absent), ``backend`` (``"indexed"`` when absent or null),
-        ``other`` and ``transform`` (``None`` when absent), ``error`` (``""`` when absent), ``id``,
+        ``other`` (``None`` when absent), ``error`` (``""`` when absent), ``id``,
         ``title``, ``outcome`` and ``history`` (the cases run before the failing one, oldest first) when
         present.
 
@@ -411,23 +408,14 @@ def validate_record(data: object, *, max_bytes: int | None = None) -> dict:
     out["error"] = _text(r.get("error", ""), "error", 10_000, nullable=True) or ""
     check = _text(r["check"], "check", 200)
     if not _IDENT.fullmatch(check):
-        raise CaseFileError("check", f"not a property or check name: {check!r}")
+        raise CaseFileError("check", f"not a property name: {check!r}")
     out["check"] = check
     kind = _choice(r.get("kind", "Case"), "kind", KINDS)
-    if check in LEGACY_CHECKS and LEGACY_CHECKS[check][0] != kind:
-        raise CaseFileError("kind", f"check {check!r} runs on a {LEGACY_CHECKS[check][0]}, but the file holds a {kind}")
     out["kind"] = kind
     out["backend"] = _text(r.get("backend"), "backend", 500, nullable=True) or "indexed"
     out["other"] = _text(r.get("other"), "other", 500, nullable=True)
-    transform = _text(r.get("transform"), "transform", 100, nullable=True)
-    if transform is not None:
-        _choice(transform, "transform", TRANSFORMS)
-    elif check == "invariant_under":
-        raise CaseFileError("transform", f"check 'invariant_under' needs a transform, one of {', '.join(TRANSFORMS)}")
-    out["transform"] = transform
     out["case"] = {"Case": _case, "CacheScenario": _scenario, "InvalidCall": _invalid_call,
                    "LimitCase": _limit_case}[kind](r["case"], "case")
-    out = upgrade_legacy_check(out)  # the deprecated check names of older files
     budget = default_max_bytes() if max_bytes is None else max_bytes
     if "history" in r:  # the cases run before the failing one, oldest first (each within the budget too)
         history = _list(r["history"], "history")

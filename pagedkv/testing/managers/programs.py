@@ -20,7 +20,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from pagedkv.testing.managers.casefile import KIND, is_program_file  # noqa: F401 - re-exported
@@ -149,11 +149,11 @@ def main(argv=None) -> int:  # pragma: no cover - python -m pagedkv.testing.mana
 
 
 def ci_settings(max_examples: int = 50, steps: int = 30) -> settings:
-    """Settings for a manager gate: no deadline (managers import slowly), every health check off
-    (the machine's bundles filter)."""
-    return settings(max_examples=max_examples, stateful_step_count=steps, deadline=None,
-                    suppress_health_check=list(HealthCheck), database=None,
-                    report_multiple_bugs=False)
+    """Settings for a manager gate: :func:`pagedkv.testing.settings.manager_settings` (no deadline:
+    managers import slowly; the kit's health-check policy: the machine's bundles filter)."""
+    from pagedkv.testing.settings import manager_settings
+
+    return manager_settings(max_examples, steps)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,6 +18,7 @@ import torch
 from pagedkv.attention.dense import reference_attention
 from pagedkv.backends import backend_name
 from pagedkv.testing.cases.case import Case, reference_gather, reference_write, writable, write_slot_mapping
+from pagedkv.testing.cases.ops import call_attention, inputs, run_ops
 from pagedkv.testing.compare import Mismatch, MissingOp, assert_same_bits, bits, require  # noqa: F401 (re-exported)
 from pagedkv.testing.properties.scenarios import (check_live_sequences, prefix_cache_transparent,  # noqa: F401 (moved)
                                        run_scenario, sharing_isolated)
@@ -115,11 +116,14 @@ def write_kv_matches_definition(backend: Any, case: Case, device: str = "cpu") -
 
 # -- attention -----------------------------------------------------------------------------------------
 def run_attention(backend: Any, case: Case, device: str = "cpu") -> torch.Tensor:
-    """The backend's ``paged_attention`` on the case's caches, tables, lengths, queries and features."""
-    attn = require(backend, "paged_attention")
-    k_cache, v_cache = case.caches(device)
-    return attn(case.query(device), k_cache, v_cache, case.block_tables(device), case.seq_lens(device),
-                case.query_start_loc(device), case.scale, **case.attention_features(device))
+    """The backend's ``paged_attention`` on the case's caches, tables, lengths, queries and features:
+    ``[total_q, num_heads, head_dim]`` on ``device``.
+
+    Raises:
+        MissingOp: the backend has no ``paged_attention``.
+    """
+    require(backend, "paged_attention")
+    return call_attention(backend, inputs(case, device))
 
 
 def reference_output(case: Case, **features) -> tuple[torch.Tensor, float, float]:
@@ -199,33 +203,6 @@ def describe_attention(where: dict) -> str:
 
 
 # -- agreement and invariances -----------------------------------------------------------------------
-def inputs(case: Case, device: str = "cpu") -> dict[str, Any]:
-    """The case as backend inputs: ``query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale``
-    and ``features`` (the keyword arguments of the features in use)."""
-    k_cache, v_cache = case.caches(device)
-    return {"query": case.query(device), "k_cache": k_cache, "v_cache": v_cache,
-            "block_tables": case.block_tables(device), "seq_lens": case.seq_lens(device),
-            "query_start_loc": case.query_start_loc(device), "scale": case.scale,
-            "features": case.attention_features(device)}
-
-
-def outputs(backend: Any, args: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Everything a backend computes on ``args`` (see :func:`inputs`), as CPU tensors keyed by op and
-    sequence (``gather[i]``, ``paged_attention[i]``); ops it lacks are left out."""
-    out: dict[str, torch.Tensor] = {}
-    if callable(getattr(backend, "gather", None)):
-        for i, n in enumerate(args["seq_lens"].tolist()):
-            out[f"gather[{i}]"] = backend.gather(args["k_cache"], args["block_tables"][i], n).cpu()
-    if callable(getattr(backend, "paged_attention", None)):
-        attn = backend.paged_attention(args["query"], args["k_cache"], args["v_cache"], args["block_tables"],
-                                       args["seq_lens"], args["query_start_loc"], args["scale"],
-                                       **args.get("features", {})).cpu()
-        qsl = args["query_start_loc"].tolist()
-        for i in range(len(qsl) - 1):
-            out[f"paged_attention[{i}]"] = attn[qsl[i]:qsl[i + 1]]
-    return out
-
-
 def backends_agree(backend: Any, other: Any, case: Case, device: str = "cpu") -> None:
     """Two backends agree on every op both provide: data movement bit for bit (gather, scatter, write_kv
     pools), attention bit for bit between gathering backends and within tolerance otherwise."""
@@ -234,40 +211,31 @@ def backends_agree(backend: Any, other: Any, case: Case, device: str = "cpu") ->
     if not common:
         raise MissingOp(f"{backend_name(backend)} and {backend_name(other)} share no op to compare")
     pair = f"{backend_name(backend)} vs {backend_name(other)}"
-    a, b = outputs(backend, inputs(case, device)), outputs(other, inputs(case, device))
+    a, b = run_ops(backend, case, device, tuple(common)), run_ops(other, case, device, tuple(common))
     _, max_logit, max_v = reference_output(case)
-    for key in [k for k in a if k in b]:
-        i = int(key[key.index("[") + 1:-1])
+    for key in sorted(a, key=lambda k: "." in k):  # the outputs first, then the pools after the writes
         if key.startswith("gather"):
+            i = int(key[key.index("[") + 1:-1])
             _compare_rows(a[key], b[key], case, i, f"{pair} gather")
-        elif {backend_name(backend), backend_name(other)} <= GATHERING_BACKENDS:
-            try:
-                assert_bitwise_equal(a[key], b[key], f"{pair} {key}: ")
-            except AssertionError as exc:
-                raise Mismatch(str(exc), {"seq": i}) from None
+        elif key == "paged_attention":
+            qsl = case.query_start_loc_list
+            for i in range(len(case.seqs)):
+                _attention_agrees(a[key][qsl[i]:qsl[i + 1]], b[key][qsl[i]:qsl[i + 1]], backend, other,
+                                  f"{pair} paged_attention[{i}]", i, max_logit, max_v)
         else:
-            try:
-                assert_attention_close(a[key], b[key].double(), max_abs_logit=max_logit, max_abs_value=max_v)
-            except AssertionError as exc:
-                raise Mismatch(f"{pair} {key}: {exc}", {"seq": i}) from None
-    for op in ("scatter", "write_kv"):
-        if op not in common:
-            continue
-        pools = []
-        for impl in (backend, other):
-            k_cache, v_cache = case.caches(device)
-            tables = case.block_tables(device)
-            if op == "scatter":
-                new = case.stored_kv(1)
-                for i in writable(case):
-                    impl.scatter(k_cache, tables[i], new[i][0][case.seqs[i].start:].to(device), case.seqs[i].start)
-            else:
-                slots, _ = write_slot_mapping(case)
-                g = case.geometry
-                key = torch.randn((len(slots), g.num_kv_heads, g.head_dim),
-                                  generator=case._generator(3)).to(g.torch_dtype)
-                impl.write_kv(k_cache, v_cache, key.to(device), (-key).to(device),
-                              torch.tensor(slots, dtype=torch.int64, device=device), **case.kv_scales(device))
-            pools.append((k_cache.cpu(), v_cache.cpu()))
-        _compare_pool(pools[0][0], pools[1][0], case, f"{pair} {op} k_cache")
-        _compare_pool(pools[0][1], pools[1][1], case, f"{pair} {op} v_cache")
+            op, pool = key.split(".")
+            _compare_pool(a[key], b[key], case, f"{pair} {op} {pool}")
+
+
+def _attention_agrees(a: torch.Tensor, b: torch.Tensor, backend: Any, other: Any, what: str, seq: int,
+                      max_logit: float, max_v: float) -> None:
+    """One sequence's attention rows of two backends: bit for bit between gathering backends, else within
+    the attention tolerance."""
+    gathering = {backend_name(backend), backend_name(other)} <= GATHERING_BACKENDS
+    try:
+        if gathering:
+            assert_bitwise_equal(a, b, f"{what}: ")
+        else:
+            assert_attention_close(a, b.double(), max_abs_logit=max_logit, max_abs_value=max_v)
+    except AssertionError as exc:
+        raise Mismatch(str(exc) if gathering else f"{what}: {exc}", {"seq": seq}) from None

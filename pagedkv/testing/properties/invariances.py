@@ -19,7 +19,8 @@ import torch
 from pagedkv.backends import backend_name
 from pagedkv.backends.capabilities import capabilities_of
 from pagedkv.testing.cases.case import FINITE_POISONS, Case
-from pagedkv.testing.properties.definitions import inputs, outputs, reference_output, run_attention
+from pagedkv.testing.cases.ops import inputs, outputs
+from pagedkv.testing.properties.definitions import reference_output, run_attention
 from pagedkv.testing.compare import Mismatch, MissingOp, require
 from pagedkv.testing.compare import assert_attention_close, assert_bitwise_equal
 

@@ -443,5 +443,6 @@ def cache_state_machine(backend: Any, device: str = "cpu", chosen: settings | No
     Raises:
         AssertionError: a rule or invariant failed (Hypothesis prints the shrunk steps).
     """
-    run_state_machine_as_test(machine_for(backend, device, caps=caps), settings=settings(chosen or settings(),
-                                                                                stateful_step_count=STEPS))
+    from pagedkv.testing.settings import machine_settings
+
+    run_state_machine_as_test(machine_for(backend, device, caps=caps), settings=machine_settings(chosen, STEPS))

@@ -9,11 +9,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import hypothesis
 import pytest
 
 from pagedkv.backends import backend_name
-from pagedkv.testing.execute import suite_settings
+from pagedkv.testing.settings import manager_settings, suite_settings
 from pagedkv.testing.managers.protocol import manager_factory
 
 pytestmark = pytest.mark.pagedkv
@@ -35,10 +34,7 @@ def test_cache_manager(pagedkv_run, backend):
     spec = pagedkv_run.spec or backend_name(backend)
     windows = getattr(backend, "cache_manager_windows", (None,))
     machine = machine_for(factory, windows=windows, name=f"{backend_name(backend)}_manager")
-    base = suite_settings()
-    settings = hypothesis.settings(base, max_examples=min(base.max_examples, 100), stateful_step_count=STEPS,
-                                   database=None, report_multiple_bugs=False,
-                                   suppress_health_check=list(hypothesis.HealthCheck))
+    settings = manager_settings(100, STEPS, base=suite_settings())
     start = time.perf_counter()
     steps = programs.run_recorded(machine, settings)
     seconds = time.perf_counter() - start

@@ -25,6 +25,7 @@ from pagedkv.testing.databases import property_key
 from pagedkv.testing.non_promises import finding_reason as non_promise_finding
 from pagedkv.testing.registry import Property, properties
 from pagedkv.testing.report import failure_text
+from pagedkv.testing.settings import suite_settings
 
 pytestmark = pytest.mark.pagedkv
 
@@ -43,7 +44,7 @@ def _judge(prop: Property, pagedkv_run, backends: tuple, device: str, **options)
                                         spec=pagedkv_run.spec or backend_name(candidate),
                                         case_file=pagedkv_run.case_file)
 
-    outcome = execute.run(prop, backends, device, execute.suite_settings(), spec=pagedkv_run.spec,
+    outcome = execute.run(prop, backends, device, suite_settings(), spec=pagedkv_run.spec,
                           case_file=pagedkv_run.case_file,
                           budget_s=float(os.environ.get("PAGEDKV_TEST_BUDGET_S") or 0),
                           database_key=property_key(prop.name, *(backend_name(b) for b in backends)),

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.testing.cases.ops import run_ops
 from pagedkv.testing.compare import bits, first_difference
 
 #: The ulp distance reported for NaN against a number (or a shape / dtype difference).
@@ -131,55 +132,9 @@ def attention_drift(case: Any, candidate: torch.Tensor, baseline: torch.Tensor) 
     return int(ulp.max()), float(rel.max()), where
 
 
-def run_outputs(backend: Any, case: Any, device: str, ops: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """What ``backend`` computes on fresh tensors of ``case`` for each of ``ops``, as CPU tensors:
-    ``gather[i]`` (sequence ``i``), ``scatter.k_cache``, ``write_kv.k_cache`` / ``write_kv.v_cache`` (the pools
-    after the write, as :func:`~pagedkv.testing.properties.definitions.backends_agree` does) and ``paged_attention``.
-    The pools are built in ``backend``'s declared layout and its declared page table is honoured
-    (:func:`pagedkv.testing.space.as_declared_layout`); the outputs are in logical positions, so a
-    head-major candidate compares with an NHD baseline and the other way round."""
-    from pagedkv.backends.capabilities import capabilities_of
-    from pagedkv.testing.cases.memory import pool_layout
-    from pagedkv.testing.space import as_declared_layout
-
-    caps = capabilities_of(backend)
-    with pool_layout(caps.layout):
-        return _run_outputs(as_declared_layout(backend, caps), case, device, ops)
-
-
-def _run_outputs(backend: Any, case: Any, device: str, ops: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    from pagedkv.testing.cases.case import writable, write_slot_mapping
-    from pagedkv.testing.properties.definitions import run_attention
-
-    out: dict[str, torch.Tensor] = {}
-    if "gather" in ops:
-        k_cache, _ = case.caches(device)
-        tables = case.block_tables(device)
-        for i, s in enumerate(case.seqs):
-            out[f"gather[{i}]"] = backend.gather(k_cache, tables[i], s.seq_len).cpu()
-    if "scatter" in ops:
-        k_cache, _ = case.caches(device)
-        tables, new = case.block_tables(device), case.stored_kv(1)
-        for i in writable(case):
-            start = case.seqs[i].start
-            backend.scatter(k_cache, tables[i], new[i][0][start:].to(device), start)
-        out["scatter.k_cache"] = k_cache.cpu()
-    if "write_kv" in ops:
-        k_cache, v_cache = case.caches(device)
-        slots, _ = write_slot_mapping(case)
-        g = case.geometry
-        key = torch.randn((len(slots), g.num_kv_heads, g.head_dim), generator=case._generator(3)).to(g.torch_dtype)
-        backend.write_kv(k_cache, v_cache, key.to(device), (-key).to(device),
-                         torch.tensor(slots, dtype=torch.int64, device=device), **case.kv_scales(device))
-        out["write_kv.k_cache"], out["write_kv.v_cache"] = k_cache.cpu(), v_cache.cpu()
-    if "paged_attention" in ops:
-        out["paged_attention"] = run_attention(backend, case, device).cpu()
-    return out
-
-
 def measure(candidate: Any, baseline: Any, case: Any, device: str = "cpu", ops: tuple[str, ...] = ()) -> Drift:
-    """Run ``case`` on both backends (fresh copies of the same inputs each) and compare every output of
-    ``ops`` (default: all four) that both provide.
+    """Run ``case`` on both backends (fresh copies of the same inputs each, :func:`pagedkv.testing.cases.ops.run_ops`)
+    and compare every output of ``ops`` (default: all four) that both provide.
 
     Raises:
         whatever either backend raises (the caller reports it: a baseline that raises where the
@@ -187,7 +142,9 @@ def measure(candidate: Any, baseline: Any, case: Any, device: str = "cpu", ops: 
     """
     ops = tuple(op for op in (ops or ("gather", "scatter", "write_kv", "paged_attention"))
                 if callable(getattr(candidate, op, None)) and callable(getattr(baseline, op, None)))
-    c, b = run_outputs(candidate, case, device, ops), run_outputs(baseline, case, device, ops)
+    # each side's pools in its own declared layout; the outputs in logical positions, so a head-major
+    # candidate compares with an NHD baseline and the other way round
+    c, b = (run_ops(impl, case, device, ops, declared=True) for impl in (candidate, baseline))
     drift = Drift(compared=list(ops))
     for key in c:
         if key == "paged_attention":

@@ -27,9 +27,12 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.testing.casefiles.writing import DEFAULT_FAILURE_DIR
+
+if TYPE_CHECKING:
+    from pagedkv.testing.execute import Outcome
 
 #: Examples per batch (one Hypothesis run of one property, with a fresh seed) by default.
 DEFAULT_BATCH = 100
@@ -166,52 +169,48 @@ def worker_device(index: int, chosen: str | None) -> str:
 
 
 def run_batch(prop: Any, backend: Any, reference: Any | None, impl: str, device: str, db: Any, examples: int,
-              failure_dir: Path, worker: int = 0, on_example: Any = None,
-              caps: Any = None) -> tuple[int, Failure | None, str]:
+              failure_dir: Path, worker: int = 0, on_example: Any = None, caps: Any = None) -> Outcome:
     """One Hypothesis run of ``prop`` against ``backend`` through :func:`pagedkv.testing.execute.run`:
     replay the database's examples, search ``examples`` new ones, shrink a failure. ``on_example()``
     is called before each example runs; ``caps`` (:func:`declared_capabilities`) limits the cases to
     the backend's declared space.
 
     Returns:
-        ``(examples_run, failure_or_None, skipped_reason)``; the reason is non-empty when the property
-        cannot be judged on the backend.
+        The run's :class:`~pagedkv.testing.execute.Outcome`; a failure's case file is moved to the
+        property's one file in ``failure_dir`` (whichever worker found it), its replay line with it.
 
     Raises:
         Exception: a harness error (no example failed, yet Hypothesis raised: e.g. an unsatisfiable strategy).
     """
-    from hypothesis import HealthCheck, Phase, Verbosity, settings
-
     from pagedkv.backends import backend_name
-    from pagedkv.testing.execute import run
-    from pagedkv.testing.databases import property_key, saved_examples
+    from pagedkv.testing.databases import property_key
+    from pagedkv.testing.execute import replay_command, run
+    from pagedkv.testing.settings import fuzz_settings
 
     backends = (reference, backend) if prop.pair else (backend,)
     names = tuple(backend_name(b) for b in backends)
-    key = property_key(prop.name, *names)
-    saved = saved_examples(db, key)
-    chosen = settings(database=db, max_examples=examples, deadline=None, derandomize=False,
-                      verbosity=Verbosity.quiet, phases=[Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-                      report_multiple_bugs=False, print_blob=False, suppress_health_check=list(HealthCheck))
     path = failure_dir / case_file_name(names[-1], prop.name, f".w{worker}")
-    outcome = run(prop, backends, device, chosen, caps=caps, spec=impl, other=names[0] if prop.pair else None,
-                  case_file=path, on_example=on_example, explicit=False, database_key=key)
-    if outcome.status == "skipped":
-        return 0, None, outcome.reason
-    if not outcome.failed:
-        return outcome.examples, None, ""
-    failure = outcome.failures[0]
-    kind = "failed" if isinstance(failure.error, AssertionError) else "raised"
-    if failure.case is None:  # the state machine: no case file; its steps are in the worker's output
-        return 0, Failure(prop.name, worker, 0, 0, kind, failure.first_line[:300], "",
-                          f"PAGEDKV_PROFILE=gpu PAGEDKV_DATABASE=<this run's database> pytest --pyargs "
-                          f"pagedkv.testing.suite --pagedkv-impl {impl} -k test_{prop.name}"), ""
-    final = failure_dir / case_file_name(names[-1], prop.name)
-    failure.case_file.replace(final)  # one file per property, whichever worker found it
-    from pagedkv.testing.execute import replay_command
+    outcome = run(prop, backends, device, fuzz_settings(db, examples), caps=caps, spec=impl,
+                  other=names[0] if prop.pair else None, case_file=path, on_example=on_example, explicit=False,
+                  database_key=property_key(prop.name, *names))
+    found = outcome.failures[0] if outcome.failed else None
+    if found is not None and found.case_file is not None:
+        final = failure_dir / case_file_name(names[-1], prop.name)
+        found.case_file.replace(final)  # one file per property, whichever worker found it
+        found.case_file, found.replay = final, replay_command(final, impl, device)
+    return outcome
 
-    return outcome.examples, Failure(prop.name, worker, outcome.first_failing_example, saved, kind,
-                                     failure.first_line[:300], str(final), replay_command(final, impl, device)), ""
+
+def reported_failure(outcome: Outcome, worker: int, saved: int, impl: str) -> Failure:
+    """The worker's report of a failed batch (``saved``: the examples the database held when it started)."""
+    found = outcome.failures[0]
+    kind = "failed" if isinstance(found.error, AssertionError) else "raised"
+    if found.case is None:  # the state machine: no case file; its steps are in the worker's output
+        return Failure(outcome.prop, worker, 0, 0, kind, found.first_line[:300], "",
+                       f"PAGEDKV_PROFILE=gpu PAGEDKV_DATABASE=<this run's database> pytest --pyargs "
+                       f"pagedkv.testing.suite --pagedkv-impl {impl} -k test_{outcome.prop}")
+    return Failure(outcome.prop, worker, outcome.first_failing_example, saved, kind, found.first_line[:300],
+                   str(found.case_file), found.replay)
 
 
 def worker_main(index: int, config: FuzzConfig, deadline: float, events: Any, control: Any) -> None:
@@ -224,7 +223,7 @@ def worker_main(index: int, config: FuzzConfig, deadline: float, events: Any, co
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.workers))
         import pagedkv
         from pagedkv.backends import backend_name
-        from pagedkv.testing.databases import open_database
+        from pagedkv.testing.databases import open_database, property_key, saved_examples
         from pagedkv.testing.registry import properties
 
         backend = pagedkv.load_backend(config.impl)
@@ -266,17 +265,20 @@ def worker_main(index: int, config: FuzzConfig, deadline: float, events: Any, co
                     tick["n"], tick["at"] = 0, time.time()
 
             try:
-                _, failure, skipped = run_batch(prop, backend, reference, config.impl, device, db, count,
-                                                config.failure_dir, index, on_example, caps)
+                pair = (reference, backend) if prop.pair else (backend,)
+                saved = saved_examples(db, property_key(name, *map(backend_name, pair)))
+                outcome = run_batch(prop, backend, reference, config.impl, device, db, count,
+                                    config.failure_dir, index, on_example, caps)
             except Exception:  # the harness, not the backend: report it, fuzz the other properties
                 pending.remove(name)
                 events.put(("batch", index, name, tick["n"]))
                 events.put(("error", index, name, traceback.format_exc()))
                 continue
             events.put(("batch", index, name, tick["n"]))
-            if failure or skipped:
+            if outcome.failed or outcome.status == "skipped":
                 pending.remove(name)
-                events.put(("failure", index, name, failure) if failure else ("skip", index, name, skipped))
+                events.put(("failure", index, name, reported_failure(outcome, index, saved, config.impl))
+                           if outcome.failed else ("skip", index, name, outcome.reason))
     except BaseException:
         events.put(("error", index, "", traceback.format_exc()))
     finally:

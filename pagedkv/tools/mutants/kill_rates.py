@@ -43,7 +43,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedkv.testing.execute import Outcome
 
 #: Seconds a child may run past its budget (imports, the run in progress) before it is stopped.
 GRACE_S = 90.0
@@ -98,7 +101,7 @@ def property_seed(seed: int, name: str) -> int:
 
 
 def _run_one(prop: Any, backend: Any, device: str, seed: int, max_examples: int, explicit: bool, *,
-             caps: Any, deadline: float | None = None, case_file: Path | None = None) -> dict:
+             caps: Any, deadline: float | None = None, case_file: Path | None = None) -> Outcome:
     """Run property ``prop`` on ``backend`` once: Hypothesis seeded with :func:`property_seed` of ``seed``,
     ``max_examples`` generated examples (after the explicit ones that fit ``caps`` when ``explicit``), no database, no
     shrinking, stopping at the first failure; each example is written to ``case_file`` before it runs.
@@ -106,32 +109,23 @@ def _run_one(prop: Any, backend: Any, device: str, seed: int, max_examples: int,
     It runs through the execution core (:func:`pagedkv.testing.execute.run`), like every other entry point.
 
     Returns:
-        ``{"failed", "examples" (1-based index of the first failing example, else the count run),
-        "case" (the failing case or None), "error" (its first line, or ``"skipped: ..."``)}``.
+        The run's :class:`~pagedkv.testing.execute.Outcome` (its ``examples_judged``: the 1-based index of
+        the first failing example, else the count run).
 
     Raises:
         _OverBudget: ``time.monotonic()`` passed ``deadline`` between two examples.
     """
-    from hypothesis import HealthCheck, Phase, settings
-
     from pagedkv.testing.execute import BudgetSpent, run
+    from pagedkv.testing.settings import kill_rate_settings
 
     def before():
         if deadline is not None and time.monotonic() > deadline:
             raise BudgetSpent
-    chosen = settings(max_examples=max_examples, derandomize=False, database=None, deadline=None,
-                      phases=[Phase.explicit, Phase.generate] if explicit else [Phase.generate],
-                      report_multiple_bugs=False, print_blob=False, suppress_health_check=list(HealthCheck))
-    outcome = run(prop, (backend,), device, chosen, caps=caps, explicit=explicit, seed=property_seed(seed, prop.name),
-                  on_example=before, case_file=case_file)
+    outcome = run(prop, (backend,), device, kill_rate_settings(max_examples, explicit), caps=caps, explicit=explicit,
+                  seed=property_seed(seed, prop.name), on_example=before, case_file=case_file)
     if outcome.status == "partial":
         raise _OverBudget
-    if outcome.status == "skipped":
-        return {"failed": False, "examples": 0, "case": None, "error": f"skipped: {outcome.reason}"}
-    if outcome.failed:
-        return {"failed": True, "examples": outcome.first_failing_example or outcome.examples,
-                "case": outcome.failures[0].case, "error": outcome.first_line}
-    return {"failed": False, "examples": outcome.examples, "case": None, "error": ""}
+    return outcome
 
 
 # -- the child ---------------------------------------------------------------------------------------------
@@ -180,19 +174,20 @@ def _one_run(job: dict, seed: int, explicit: bool, ctx: dict, on_property) -> di
         n = min(x for x in (ctx["limit"], prop.max_examples, ctx["cap"]) if x is not None)
         on_property(name)
         try:
-            res = _run_one(prop, ctx["backend"], job["device"], seed, n, explicit, caps=ctx["caps"],
-                           deadline=ctx["deadline"], case_file=ctx["running"])
+            outcome = _run_one(prop, ctx["backend"], job["device"], seed, n, explicit, caps=ctx["caps"],
+                               deadline=ctx["deadline"], case_file=ctx["running"])
         except _OverBudget:  # the run so far is kept, marked partial
             run.update(partial=True, seconds=round(time.monotonic() - t0, 3))
             return run
         run["properties_run"] += 1
-        run["examples"] += res["examples"]
-        if res["failed"]:
-            run.update(killed=True, property=name, error=res["error"], examples=res["examples"])
-            if res["case"] is not None and not ctx["saved"][explicit]:
+        run["examples"] += outcome.examples_judged
+        if outcome.failed:
+            run.update(killed=True, property=name, error=outcome.first_line, examples=outcome.examples_judged)
+            case = outcome.failures[0].case
+            if case is not None and not ctx["saved"][explicit]:
                 path = _case_path(ctx, job, seed, explicit)
-                save_failure(name, job["impl"], res["case"], path=path,
-                             error=f"[mutant {job['id']}] {res['error']}")
+                save_failure(name, job["impl"], case, path=path,
+                             error=f"[mutant {job['id']}] {outcome.first_line}")
                 run["case_file"] = str(path)
             break
     run["seconds"] = round(time.monotonic() - t0, 3)

@@ -2,7 +2,7 @@
 conformance table, anything that needs "does this backend pass property P, and on what case not".
 
 Each property runs with Hypothesis under one of the suite's profiles, its explicit examples first;
-the result is ``(failed, examples, shrunk case, first error line)``.
+the result is the execution core's :class:`~pagedkv.testing.execute.Outcome`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.testing.cases.notation import brief
 from pagedkv.tools.mutants import MUTANTS as ALL_MUTANTS, TARGETS as ALL_TARGETS
 from pagedkv.testing.registry import properties
+
+if TYPE_CHECKING:
+    from pagedkv.testing.execute import Outcome
 
 
 @dataclass
@@ -33,48 +36,31 @@ class Result:
     ran: list[str] = field(default_factory=list)
 
 
-def hypothesis_settings(profile: str, *, shrink: bool = True):
-    """Settings for running a property against a mutant under the suite's profile ``profile``.
+def run_property(backend: Any, prop: Any, profile: str = "ci", device: str = "cpu", *,
+                 shrink: bool = True) -> Outcome:
+    """Run one property against ``backend`` through :func:`pagedkv.testing.execute.run` under ``profile``
+    (:func:`pagedkv.testing.settings.mutant_settings`; ``shrink=False``: stop at the first failing
+    example), inside the backend's declared space.
 
-    Example databases are off (a mutant's failures must not be replayed against the real backends),
-    and only the first distinct failure is reported. ``shrink=False`` stops at the first failing example.
+    Returns:
+        The run's :class:`~pagedkv.testing.execute.Outcome`: a property that cannot be judged on the
+        backend is ``skipped`` (as the suite skips it), never failed.
 
     Raises:
         ValueError: unknown profile.
     """
-    from hypothesis import HealthCheck, Phase, settings
-
-    from pagedkv.testing.settings import PROFILES
-
-    if profile not in PROFILES:
-        raise ValueError(f"unknown Hypothesis profile {profile!r}; choose one of {sorted(PROFILES)}")
-    phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
-    values = {k: v for k, v in PROFILES[profile].items() if k not in ("database", "phases", "verbosity")}
-    return settings(**values, deadline=None, database=None, print_blob=False, phases=phases,
-                    report_multiple_bugs=False,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-def run_property(backend: Any, prop: Any, profile: str = "ci", device: str = "cpu", *,
-                 shrink: bool = True) -> tuple[bool, int, str, str]:
-    """Run one property against ``backend`` through :func:`pagedkv.testing.execute.run` under ``profile``
-    (``shrink=False``: stop at the first failing example), inside the backend's declared space.
-
-    Returns:
-        ``(failed, examples_until_first_failure_or_total, shrunk_case_summary, error_first_line)``.
-        A property that cannot be judged on the backend does not fail (the suite skips): the last
-        item is then ``"skipped: <reason>"``.
-    """
     from pagedkv.testing.execute import run
+    from pagedkv.testing.settings import mutant_settings
 
-    outcome = run(prop, (backend,), device, hypothesis_settings(profile, shrink=shrink))
-    if outcome.status == "skipped":
-        return False, 0, "", f"skipped: {outcome.reason}"
-    if outcome.failed:
-        case = outcome.failures[0].case
-        summary = brief(case) if case is not None else "state machine (the steps are printed above)"
-        return True, outcome.first_failing_example or 1, summary, outcome.first_line
-    return False, outcome.examples, "", ""
+    return run(prop, (backend,), device, mutant_settings(profile, shrink=shrink))
+
+
+def case_summary(outcome: Outcome) -> str:
+    """The failing case of ``outcome`` in the kit's short notation ("" when nothing failed)."""
+    if not outcome.failed:
+        return ""
+    case = outcome.failures[0].case
+    return brief(case) if case is not None else "state machine (the steps are printed above)"
 
 
 def run_mutant(name: str, profile: str = "ci", device: str = "cpu", *, only_targets: bool = False,
@@ -98,10 +84,11 @@ def run_mutant(name: str, profile: str = "ci", device: str = "cpu", *, only_targ
     t0 = time.perf_counter()
     for pname in order:
         result.ran.append(pname)
-        failed, n, case, error = run_property(backend, props[pname], profile, device, shrink=shrink)
-        result.examples += n
-        if failed:
-            result.killed, result.killed_by, result.case, result.error = True, pname, case, error
+        outcome = run_property(backend, props[pname], profile, device, shrink=shrink)
+        result.examples += outcome.examples_judged
+        if outcome.failed:
+            result.killed, result.killed_by = True, pname
+            result.case, result.error = case_summary(outcome), outcome.first_line
             break
     if not result.killed and regressions:
         for path in shipped_regressions():

@@ -1,0 +1,36 @@
+"""The kit's one door to Hypothesis's private API: what Hypothesis does not offer publicly yet the kit
+needs. Every other module uses Hypothesis's public API only, so a Hypothesis release that moves one of
+these names breaks this module alone (each function falls back where a fallback is fair).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def registered_profiles() -> list[str]:
+    """The names of every registered settings profile, sorted (Hypothesis has a public lookup,
+    ``settings.get_profile``, but no public listing)."""
+    from hypothesis import settings
+
+    return sorted(getattr(settings, "_profiles", {}))
+
+
+def failure_origin(exc: BaseException) -> Any:
+    """Which failure ``exc`` is, the way Hypothesis tells distinct failures apart (the exception's type
+    and raising line, ``InterestingOrigin``); a hashable key."""
+    try:
+        from hypothesis.internal.escalation import InterestingOrigin
+
+        return InterestingOrigin.from_exception(exc)
+    except Exception:  # noqa: BLE001 - another Hypothesis: the innermost frame is a fair key
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        return (type(exc), tb.tb_frame.f_code.co_filename if tb else "", tb.tb_lineno if tb else 0)
+
+
+def set_database_key(test: Any, key: bytes) -> None:
+    """Key ``test``'s examples in the example database by ``key`` instead of the test function's name
+    (the kit builds one test function per run, so the name would be the same for every property)."""
+    test._hypothesis_internal_database_key = key
