@@ -51,7 +51,8 @@ def markdown(table: list[dict], t: dict, title: str, mutate: dict, engine: dict)
              f"Sources: `{cfg['sources']}`; sample: {cfg['sample']}; state machine: profile `{cfg['profile']}` "
              f"({cfg['seeds']} seeds, generated examples), budget {cfg['budget_s']} s a mutant, "
              f"{cfg['workers']} worker. vLLM's tests: {len(engine['passing_tests'])} tests of a CPU-runnable copy of "
-             f"`tests/v1/core` that pass on the unmutated wheel ({len(engine['left_out_tests'])} that fail or error there left out).", "",
+             f"`tests/v1/core` that pass on the unmutated wheel ({len(engine['left_out_tests'])} that fail or error "
+             f"there left out).", "",
              f"**Totals:** {t['mutants']} mutants; the state machine kills {t['machine_killed']} "
              f"({t['machine_all_runs']} in every seed); vLLM's tests kill {t['tests_killed']} of the "
              f"{t['tests_ran_on']} they ran on; both {t['both']}, the machine only {t['machine_only']}, "
