@@ -149,3 +149,19 @@ def test_sglang_tree_without_lock_refs_is_caught(monkeypatch):
     steps = programs.run_recorded(machine_for(cache_manager, name="SglangNoLocks"), _settings(200, shrink=False))
     assert steps is not None, "a tree without lock references passed the machine"
     assert "AssertionError" in steps.error, steps.error
+
+
+@pytest.mark.parametrize("kinds, said", [({"property"}, "kernels"), ({"manager"}, "a cache manager"),
+                                          ({"property", "manager"}, "kernels and a cache manager"), (set(), "nothing")])
+def test_the_summary_says_whether_kernels_or_a_manager_were_judged(kinds, said):
+    from pagedkv.testing.report import _KEY, what_was_judged
+
+    class Report:
+        when = "call"
+
+        def __init__(self, kind, status="judged"):
+            self.user_properties = [(_KEY, json.dumps({"prop": kind, "backend": "b", "status": status, "reason": "",
+                                                       "kind": kind}))]
+
+    reports = [Report(k) for k in sorted(kinds)] + [Report("manager", "skipped"), Report("regression")]
+    assert what_was_judged({"passed": reports}, "b") == said

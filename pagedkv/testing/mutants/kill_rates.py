@@ -158,7 +158,8 @@ def runnable_properties(backend: Any, names: list[str] | None = None) -> tuple[l
     from pagedkv.testing.managers.protocol import manager_factory
 
     if manager_factory(backend) is not None and (not names or any(fnmatch(MANAGER_MACHINE, p) for p in names)):
-        return [MANAGER_MACHINE], {n: "the candidate is judged as a cache manager" for n in chosen}
+        return [MANAGER_MACHINE], ({f"{len(chosen)} kernel properties": "the candidate is judged as a cache manager"}
+                                   if chosen else {})
     caps = capabilities_under_test(backend, for_drawing=True)
     keep, left_out = [], {}
     for name in chosen:
