@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,15 @@ def test_the_summary_says_whether_kernels_or_a_manager_were_judged(kinds, said):
 
     reports = [Report(k) for k in sorted(kinds)] + [Report("manager", "skipped"), Report("regression")]
     assert what_was_judged({"passed": reports}, "b") == said
+
+
+def test_mutate_runs_the_manager_machine_for_a_manager_candidate():
+    import pagedkv.testing.managers.own as own
+    from pagedkv.testing.mutants.kill_rates import MANAGER_MACHINE, _run_manager_machine, runnable_properties
+
+    names, left_out = runnable_properties(own)
+    assert names == [MANAGER_MACHINE] and left_out
+    assert not _run_manager_machine(own, seed=3, max_examples=5)["failed"]
+    planted = types.SimpleNamespace(cache_manager=FreesSharedBlocksUnchecked)
+    first, again = (_run_manager_machine(planted, seed=3, max_examples=100) for _ in range(2))
+    assert first["failed"] and first == again  # the seed fixes the run
