@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedkv.testing.mutants.generate import BOOTSTRAP, generate, module_name_for, write_mutant
+from pagedkv.tools.mutants.generate import BOOTSTRAP, generate, module_name_for, write_mutant
 
 _CHILD = r'''
 import sys, pytest

@@ -10,7 +10,7 @@
 #   1. SUITE_S=210   the conformance suite and tests/ under the `gpu` Hypothesis profile, -n auto
 #                    (SIGINT at the limit: pytest still prints its summary line)
 #   2. COMPILE_S=90  the compile report for the real device's architecture (registers, spills, shared
-#                    memory, occupancy; `python -m pagedkv bench --compile-report --arch <cc>`), plus
+#                    memory, occupancy; `python -m bench.compile_report --arch <cc>`), plus
 #                    registers / spills of the kernels the suite actually loaded, read back from the driver
 #   3. E2E_S=40      e2e on CUDA: a transformers Llama served from the cache, triton float32 / bfloat16 and
 #                    indexed bfloat16 (3 runs)
@@ -47,8 +47,8 @@ rc=$?
   grep -E "[0-9]+ (passed|failed|error)" "$out/suite.txt" | tail -1; } >> "$summary"
 
 # 2. compile report for this device (ahead of time, the same matrix as CI's nightly default level)
-step "compile report: python -m pagedkv bench --compile-report --arch $cc"
-timeout -k 10 "${COMPILE_S:-90}" python3 -m pagedkv bench --compile-report --arch "$cc" \
+step "compile report: python -m bench.compile_report --arch $cc"
+timeout -k 10 "${COMPILE_S:-90}" python3 -m bench.compile_report --arch "$cc" \
   --json "$out/compile-report-sm$cc.json" > "$out/compile.txt" 2>&1
 rc=$?
 { echo "compile report exit $rc"; grep -E "SPILLS|FAILED|SMEM>LIMIT" "$out/compile.txt" | head -20

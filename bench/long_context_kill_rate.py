@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     import pagedkv.testing.strategies.batches as batches
     from pagedkv.testing import execute
     from pagedkv.testing.registry import properties
-    from pagedkv.testing.strategies.profiles import register_profiles
+    from pagedkv.testing.settings import register_profiles
     from tests.kernels import narrow_denominator as kernel
 
     if args.no_long:

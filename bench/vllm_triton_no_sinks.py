@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from pagedkv.testing.peers.vllm import VllmTriton
+from pagedkv.tools.peers.vllm import VllmTriton
 
 
 class VllmTritonNoSinks(VllmTriton):
-    """:class:`~pagedkv.testing.peers.vllm.VllmTriton` declaring window, soft-cap and ALiBi, not sinks."""
+    """:class:`~pagedkv.tools.peers.vllm.VllmTriton` declaring window, soft-cap and ALiBi, not sinks."""
 
     name = "vllm_triton_no_sinks"
 

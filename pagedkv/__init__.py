@@ -2,12 +2,12 @@
 
 Architecture (one concept a module):
 
-- :mod:`pagedkv.config`: cache geometry and 64-bit slot arithmetic.
+- :mod:`pagedkv.cache.config`: cache geometry and 64-bit slot arithmetic.
 - :mod:`pagedkv.errors`: the exception hierarchy.
-- :mod:`pagedkv.validation`: argument checks every op runs before touching memory.
-- :mod:`pagedkv.allocator`: free list, reference counts, prefix caching, LRU eviction.
-- :mod:`pagedkv.cache`: K/V pools plus per-sequence block tables, fork, copy-on-write, slot mapping.
-- :mod:`pagedkv.attention`: dense attention and the fp64 reference.
+- :mod:`pagedkv.validation.calls`: argument checks every op runs before touching memory.
+- :mod:`pagedkv.cache.allocator`: free list, reference counts, prefix caching, LRU eviction.
+- :mod:`pagedkv.cache.paged_cache`: K/V pools plus per-sequence block tables, fork, copy-on-write, slot mapping.
+- :mod:`pagedkv.attention.dense`: dense attention and the fp64 reference.
 - :mod:`pagedkv.backends`: ``loop``, ``indexed``, ``triton`` and the loader for candidates.
 - :mod:`pagedkv.testing.cases.case`: plain-data test cases (JSON round trip), their tensors, the property checks.
 - :mod:`pagedkv.cli`: ``python -m pagedkv ...``.
@@ -15,10 +15,10 @@ Architecture (one concept a module):
 
 from importlib import metadata as _metadata
 
-from pagedkv.allocator import BlockAllocator
+from pagedkv.cache.allocator import BlockAllocator
 from pagedkv.backends import available_backends, get_backend, load_backend
-from pagedkv.cache import PagedKVCache
-from pagedkv.config import CacheConfig
+from pagedkv.cache.paged_cache import PagedKVCache
+from pagedkv.cache.config import CacheConfig
 from pagedkv.errors import (AllocatorError, ArgumentTypeError, ArgumentValueError, BackendError,
                             BackendUnavailableError, BlockIndexError, DeviceMismatchError, DoubleFreeError,
                             DTypeMismatchError, InvariantError, OutOfBlocksError, PagedKVError, ShapeError,

@@ -18,7 +18,7 @@ its ``req_to_token`` pool): every ``kv_last_page_len`` is 1 (0 for an empty sequ
 ``kv_indices`` lists token slots. A page here is a pagedkv block: ``page_size == block_size``.
 
 :func:`padded_to_csr` and :func:`csr_to_padded` convert (a round trip keeps every read entry and
-every length); :func:`check_csr` validates CSR metadata the way :mod:`pagedkv.validation` validates
+every length); :func:`check_csr` validates CSR metadata the way :mod:`pagedkv.validation.calls` validates
 padded tables, raising pagedkv's errors with the offending argument named, before anything is read
 by a kernel.
 """
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.arguments import check_ids_in_range, check_int_tensor, check_tensor
-from pagedkv.config import blocks_needed
+from pagedkv.validation.arguments import check_ids_in_range, check_int_tensor, check_tensor
+from pagedkv.cache.config import blocks_needed
 from pagedkv.errors import ArgumentTypeError, DeviceMismatchError, ShapeError
 
 __all__ = ["CsrPageTable", "check_csr", "csr_seq_lens", "csr_to_padded", "padded_to_csr"]

@@ -1,16 +1,26 @@
-"""This repository's face over :mod:`pagedkv.testing.strategies`, where the strategies' source lives.
+"""Hypothesis strategies for paged KV caches: draw structure, not tensors.
 
-The wheel ships the strategies inside the ``pagedkv`` package only, so it never installs a
-top-level ``strategies`` that would collide with a user's own. Here, ``import strategies`` and
-``from strategies.batches import ...`` give the very same module objects (no second copy of the
-classes), for this repository's own tests and examples. Not packaged (``pyproject.toml``).
+Every strategy draws small plain-data cases from :mod:`pagedkv.testing.cases.case` (a readable ``repr`` that is
+valid Python, a JSON round trip); tensors are built from the drawn seed, so a shrunk failure is
+short and replays on any device. Import them in your own suite::
+
+    from hypothesis import given
+    from pagedkv.testing.strategies import cases
+
+    @given(cases())
+    def test_my_gather(case): ...
+
+Families: cache geometries; sequence lengths biased to block boundaries; block tables (unique and
+permuted, or with repeated ids for reads); fragmented allocations (tables taken from a real
+allocator after a random alloc/free history); batches of requests; sharing scenarios (forks,
+forks mid-block, prefix-cache hits); value patterns and poison; invalid calls (one argument broken,
+tagged with the error the contract requires).
 """
 
-import sys
+from .geometry import DTYPES, GROUP_SIZES, geometries, seq_lens
+from .batches import cases, fragmented_cases, large_pool_cases
+from .sharing import scenarios
+from .invalid import invalid_calls
 
-from pagedkv.testing.strategies import *  # noqa: F403
-from pagedkv.testing.strategies import __all__  # noqa: F401
-from pagedkv.testing.strategies import batches, geometry, invalid, profiles, sharing
-
-for _module in (batches, geometry, invalid, profiles, sharing):
-    sys.modules[f"{__name__}.{_module.__name__.rsplit('.', 1)[-1]}"] = _module
+__all__ = ["DTYPES", "GROUP_SIZES", "cases", "fragmented_cases", "geometries", "invalid_calls", "large_pool_cases",
+           "scenarios", "seq_lens"]

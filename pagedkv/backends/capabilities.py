@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.arguments import ALL_FEATURES
+from pagedkv.validation.arguments import ALL_FEATURES
 from pagedkv.layouts import NHD, PoolLayout, pool_layouts
 from pagedkv.layouts import describe as describe_layout
 

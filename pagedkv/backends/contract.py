@@ -55,7 +55,7 @@ class PagedKVBackend(Protocol):
 
         Raises:
             ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError: as
-            :func:`pagedkv.validation.check_scatter`; nothing is written then.
+            :func:`pagedkv.validation.calls.check_scatter`; nothing is written then.
         """
 
     def gather(self, cache: torch.Tensor, block_table: TableLike, seq_len: int) -> torch.Tensor:
@@ -72,7 +72,7 @@ class PagedKVBackend(Protocol):
             ``p`` bit for bit ``cache[block_table[p // block_size], p % block_size]``. Writes nothing.
 
         Raises:
-            ShapeError, BlockIndexError: as :func:`pagedkv.validation.check_gather`.
+            ShapeError, BlockIndexError: as :func:`pagedkv.validation.calls.check_gather`.
         """
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -88,11 +88,11 @@ class PagedKVBackend(Protocol):
 
         Keyword-only (optional feature ``"fp8"``): ``k_scale``, ``v_scale``, required for (and only for) a
         ``float8_e4m3fn`` / ``float8_e5m2`` pool: a float or ``float32 [num_kv_heads]``; the stored byte
-        is ``sat(x / scale)`` rounded to nearest even (:func:`pagedkv.fp8.quantize`).
+        is ``sat(x / scale)`` rounded to nearest even (:func:`pagedkv.attention.fp8.quantize`).
 
         Raises:
             ShapeError, BlockIndexError, DTypeMismatchError, DeviceMismatchError, ArgumentTypeError: as
-            :func:`pagedkv.validation.check_write_kv`; nothing is written then.
+            :func:`pagedkv.validation.calls.check_write_kv`; nothing is written then.
         """
 
     def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -126,7 +126,7 @@ class PagedKVBackend(Protocol):
             a query's window) never influence the result, even when they hold NaN or inf.
 
         Raises:
-            as :func:`pagedkv.validation.check_paged_attention`.
+            as :func:`pagedkv.validation.calls.check_paged_attention`.
         """
 
 

@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.attention import paged_attention_by_gather, paged_attention_sync_free
+from pagedkv.attention.dense import paged_attention_by_gather, paged_attention_sync_free
 from pagedkv.backends import native_rows
 from pagedkv.backends.ops import backend_op
-from pagedkv.fp8 import quantize
-from pagedkv.validation import FP8_DTYPES, AttentionArgs, WriteArgs, check_gather, check_write_overlap
+from pagedkv.attention.fp8 import quantize
+from pagedkv.validation.calls import FP8_DTYPES, AttentionArgs, WriteArgs, check_gather, check_write_overlap
 
 name = "indexed"
 #: On the CPU, blocks of at least this many bytes are gathered by one ``torch.cat`` of block views.
@@ -181,7 +181,7 @@ def write_kv_eager(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tens
     """
     if check_overlap:
         check_write_overlap(k_cache, v_cache, key, value)
-    if k_scale is not None:  # fp8 pools: stored = sat(x / scale) (pagedkv.fp8.quantize)
+    if k_scale is not None:  # fp8 pools: stored = sat(x / scale) (pagedkv.attention.fp8.quantize)
         key, value = quantize(key, k_scale, k_cache.dtype), quantize(value, v_scale, v_cache.dtype)
     if slots.device.type != "cpu":
         write_slots_sync_free(k_cache, v_cache, key, value, slots)
@@ -245,7 +245,7 @@ def paged_attention_eager(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """``paged_attention`` on normalised arguments, without a device-to-host synchronisation.
 
     On the CPU the lengths are read (host memory) and each sequence is gathered, as at level ``"full"``;
-    elsewhere :func:`pagedkv.attention.paged_attention_sync_free` attends over each row's padded table.
+    elsewhere :func:`pagedkv.attention.dense.paged_attention_sync_free` attends over each row's padded table.
     """
     features = dict(window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                     k_scale=k_scale, v_scale=v_scale)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.attention import paged_attention_by_gather
+from pagedkv.attention.dense import paged_attention_by_gather
 from pagedkv.backends.ops import backend_op
-from pagedkv.config import blocks_needed
-from pagedkv.fp8 import quantize
-from pagedkv.validation import AttentionArgs, WriteArgs
+from pagedkv.cache.config import blocks_needed
+from pagedkv.attention.fp8 import quantize
+from pagedkv.validation.calls import AttentionArgs, WriteArgs
 
 name = "loop"
 #: Optional attention features this backend supports (see ``docs/contract.md``).
@@ -51,9 +51,9 @@ def scatter(cache: torch.Tensor, table: torch.Tensor, values: torch.Tensor, star
 @backend_op(FEATURES)
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              w: WriteArgs) -> None:
-    """Token by token (fp8 pools: :func:`pagedkv.fp8.quantize` first, as vLLM's ``kv_cache_dtype="fp8"``)."""
+    """Token by token (fp8 pools: :func:`pagedkv.attention.fp8.quantize` first, as vLLM's ``kv_cache_dtype="fp8"``)."""
     slots = w.slots
-    if w.k_scale is not None:  # fp8 pools: stored = sat(x / scale) (pagedkv.fp8.quantize)
+    if w.k_scale is not None:  # fp8 pools: stored = sat(x / scale) (pagedkv.attention.fp8.quantize)
         key, value = quantize(key, w.k_scale, k_cache.dtype), quantize(value, w.v_scale, v_cache.dtype)
     block_size = k_cache.shape[1]
     for i, slot in enumerate(slots.tolist()):
@@ -66,7 +66,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     args: AttentionArgs) -> torch.Tensor:
     """Loop-gather each sequence (blocks before every row's window are not gathered), then dense
-    attention in float32 (:func:`pagedkv.attention.attend`; vLLM unified attention's order of operations)."""
+    attention in float32 (:func:`pagedkv.attention.dense.attend`; vLLM unified attention's order of operations)."""
     return paged_attention_by_gather(gather, query, k_cache, v_cache, args)
 
 

@@ -7,7 +7,7 @@ A backend module writes each op on *normalised* arguments and decorates it with 
 
 The decorator returns the public op with the contract's signature (plus ``validate`` and the
 keyword-only features): it resolves the validation level, calls the matching ``*_args`` function of
-:mod:`pagedkv.validation` (the only place arguments are checked and normalised) and passes the
+:mod:`pagedkv.validation.calls` (the only place arguments are checked and normalised) and passes the
 result on. The op's documentation is the implementation's own note followed by the contract's text
 from :class:`pagedkv.backends.contract.PagedKVBackend`, so neither is repeated in the backends.
 
@@ -15,8 +15,8 @@ The implementations receive:
 
 - ``gather(cache, table, seq_len)``, ``scatter(cache, table, values, start)``: ``table`` an ``int32`` /
   ``int64`` tensor on the cache's device (``int64`` unless the level is ``"none"``), ints for lengths;
-- ``write_kv(k_cache, v_cache, key, value, w)``: ``w`` a :class:`pagedkv.validation.WriteArgs`;
-- ``paged_attention(query, k_cache, v_cache, args)``: ``args`` a :class:`pagedkv.validation.AttentionArgs`
+- ``write_kv(k_cache, v_cache, key, value, w)``: ``w`` a :class:`pagedkv.validation.calls.WriteArgs`;
+- ``paged_attention(query, k_cache, v_cache, args)``: ``args`` a :class:`pagedkv.validation.calls.AttentionArgs`
   (``args.num_splits``: the validated split-K count; a backend without split-K ignores it).
 """
 
@@ -26,7 +26,7 @@ import inspect
 from collections.abc import Callable
 
 from pagedkv.backends.contract import EXTRAS, OPS, PagedKVBackend
-from pagedkv.validation import attention_args, gather_args, scatter_args, write_kv_args
+from pagedkv.validation.calls import attention_args, gather_args, scatter_args, write_kv_args
 
 
 def _gather(impl: Callable, features: frozenset) -> Callable:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-PROFILE_NAMES = ("smoke", "dev", "ci", "gpu", "nightly", "repro")  # pagedkv.testing.strategies.profiles.PROFILES
+PROFILE_NAMES = ("smoke", "dev", "ci", "gpu", "nightly", "repro")  # pagedkv.testing.settings.PROFILES
 
 
 def device_option(default: str | None, what: str = "tensors") -> argparse.ArgumentParser:

@@ -141,10 +141,10 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
 
     import torch
 
-    from pagedkv.attention import reference_attention
+    from pagedkv.attention.dense import reference_attention
     from pagedkv.backends import backend_name, load_backend
-    from pagedkv.engine import Step
-    from pagedkv.cache import PagedKVCache
+    from pagedkv.cache.engine import Step
+    from pagedkv.cache.paged_cache import PagedKVCache
     from pagedkv.errors import OutOfBlocksError
     from pagedkv.testing.cases.case import Geometry, token_kv
     from pagedkv.testing.compare import assert_attention_close, bits

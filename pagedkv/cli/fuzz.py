@@ -1,5 +1,5 @@
 """``python -m pagedkv fuzz``: fuzz every registered property of a candidate across N processes for a
-time budget, sharing one Hypothesis example database (see :mod:`pagedkv.testing.fuzz.workers`).
+time budget, sharing one Hypothesis example database (see :mod:`pagedkv.tools.fuzz.workers`).
 
     python -m pagedkv fuzz --impl my_engine.kv:backend --workers 8 --minutes 60 --database redis://fuzz:6379/0
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pagedkv.cli.common import device_option
 
-from pagedkv.testing.fuzz.workers import Failure, Quiet
+from pagedkv.tools.fuzz.workers import Failure, Quiet
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -131,7 +131,7 @@ def _positive_float(text: str) -> float:
 def run(args: argparse.Namespace) -> int:
     """``python -m pagedkv fuzz``: see the module docstring for the exit status."""
     from pagedkv.testing.casefiles.writing import failure_dir
-    from pagedkv.testing.fuzz.workers import DEFAULT_BATCH, FuzzConfig, fuzz
+    from pagedkv.tools.fuzz.workers import DEFAULT_BATCH, FuzzConfig, fuzz
 
     if args.list:
         from pagedkv.testing.registry import properties
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         print("pagedkv fuzz: name the implementation under test with --impl SPEC (or $PAGEDKV_IMPL)", file=sys.stderr)
         return 2
     import pagedkv
-    from pagedkv.testing.fuzz.databases import DatabaseError
+    from pagedkv.testing.databases import DatabaseError
 
     config = FuzzConfig(
         impl=args.impl, workers=args.workers, seconds=args.minutes * 60, database=args.database,

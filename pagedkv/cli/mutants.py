@@ -7,7 +7,7 @@ import argparse
 import torch
 
 from pagedkv.cli.common import device_option, profile_option
-from pagedkv.testing.mutants.kill_table import (ALL_MUTANTS as MUTANTS, Result, _short, format_table, run_mutant,
+from pagedkv.tools.mutants.kill_table import (ALL_MUTANTS as MUTANTS, Result, _short, format_table, run_mutant,
                                     run_mutant_via_pytest)
 
 
@@ -24,8 +24,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "mutants", parents=[profile_option("ci"), device_option("cpu")],
         help="run the property suite against faulty backends and report which it kills",
-        description="Run the property suite against each shipped faulty backend (pagedkv.testing.mutants.backends, "
-                    "pagedkv.testing.mutants.caches) and print, per "
+        description="Run the property suite against each shipped faulty backend (pagedkv.tools.mutants.backends, "
+                    "pagedkv.tools.mutants.caches) and print, per "
                     "mutant: killed or survived, the property that killed it, examples until the first failure, "
                     "time and the shrunk case. Exit status 1 when a mutant survives.")
     parser.add_argument("--only", action="append", metavar="NAME", choices=sorted(MUTANTS),

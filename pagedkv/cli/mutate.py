@@ -8,8 +8,8 @@ Examples::
     python -m pagedkv mutate --shipped --seeds 8          # the shipped faulty backends
     python -m pagedkv mutate --variants my_pkg.bugs:A,my_pkg.bugs:B
 
-Engine and operators: :mod:`pagedkv.testing.mutants.generate`; runs: :mod:`pagedkv.testing.mutants.kill_rates`;
-tables: :mod:`pagedkv.testing.mutants.kill_rate_tables`; how to read them: ``docs/mutation.md``.
+Engine and operators: :mod:`pagedkv.tools.mutants.generate`; runs: :mod:`pagedkv.tools.mutants.kill_rates`;
+tables: :mod:`pagedkv.tools.mutants.kill_rate_tables`; how to read them: ``docs/mutation.md``.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _equivalents(args) -> dict[str, str]:
 def _mutants(args) -> list:
     import importlib.util
 
-    from pagedkv.testing.mutants.generate import generate, module_name_for, sample
+    from pagedkv.tools.mutants.generate import generate, module_name_for, sample
 
     per_file = []
     for path in args.source:
@@ -132,8 +132,8 @@ def _rerender(args, kill_tables) -> int:
 def run(args: argparse.Namespace) -> int:
     """``python -m pagedkv mutate``: 0 when every non-equivalent mutant is killed, 1 otherwise."""
     from pagedkv.backends import load_backend
-    from pagedkv.testing.mutants import kill_rate_tables as kill_tables
-    from pagedkv.testing.mutants.kill_rates import Job, runnable_properties, run_jobs, source_job
+    from pagedkv.tools.mutants import kill_rate_tables as kill_tables
+    from pagedkv.tools.mutants.kill_rates import Job, runnable_properties, run_jobs, source_job
 
     if args.from_json:
         return _rerender(args, kill_tables)
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"baseline: {baseline['status']}: {baseline['note']}", file=sys.stderr)
                 return 2
         jobs = [source_job(m, workdir, **common) for m in mutants]
-        from pagedkv.testing.mutants.kill_table import ALL_MUTANTS, mutant_spec
+        from pagedkv.tools.mutants.kill_table import ALL_MUTANTS, mutant_spec
 
         if args.shipped is not None:
             for name in args.shipped or list(ALL_MUTANTS):

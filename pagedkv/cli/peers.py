@@ -1,7 +1,7 @@
 """``python -m pagedkv peers``: the conformance suite against each peer, printed as a property x peer table.
 
-Each available peer (:data:`pagedkv.testing.peers.PEERS`) runs the whole conformance suite
-(``pytest --pyargs pagedkv.testing.suite --pagedkv-impl pagedkv.testing.peers:NAME``: every registered
+Each available peer (:data:`pagedkv.tools.peers.PEERS`) runs the whole conformance suite
+(``pytest --pyargs pagedkv.testing.suite --pagedkv-impl pagedkv.tools.peers:NAME``: every registered
 property, the findings outside declared preconditions, the regression case files and the limits) in its
 own pytest process, which logs each test's outcome as it ends (this module is also its pytest plugin);
 each run becomes one column. A test that spends ``--budget`` seconds without failing stops drawing
@@ -34,7 +34,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``peers``."""
     parser = subparsers.add_parser(
         "peers", help="run the conformance suite against other projects' kernels and print a conformance table",
-        description="Run the conformance suite against each peer (pagedkv.testing.peers: PyTorch, flash-attn, "
+        description="Run the conformance suite against each peer (pagedkv.tools.peers: PyTorch, flash-attn, "
                     "vLLM, SGLang, transformers) usable here and print a property x peer table: pass, FAIL with "
                     "the shrunk case, skipped with the reason, or finding (outside a declared precondition, "
                     "non-gating). Peers not installed are listed with the reason. Exit status 1 when a peer fails "
@@ -163,7 +163,7 @@ def run_suite(peer: str, profile: str, jobs: int, device: str | None, timeout: f
         log = Path(tmp) / "log.jsonl"
         log.touch()
         cmd = [sys.executable, "-m", "pytest", "--pyargs", "pagedkv.testing.suite", "-p", "pagedkv.cli.peers",
-               "--pagedkv-impl", f"pagedkv.testing.peers:{peer}", "--hypothesis-profile", profile,
+               "--pagedkv-impl", f"pagedkv.tools.peers:{peer}", "--hypothesis-profile", profile,
                "-p", "no:cacheprovider", "-q"]
         if jobs > 0:
             cmd += ["-n", str(jobs)]
@@ -190,7 +190,7 @@ def run_suite(peer: str, profile: str, jobs: int, device: str | None, timeout: f
 def _declared(peer: str) -> str:
     """The peer's declared space in one line (``""`` when it declares none)."""
     from pagedkv.backends.capabilities import capabilities_of
-    from pagedkv.testing.peers import PEERS
+    from pagedkv.tools.peers import PEERS
 
     backend = PEERS[peer]()
     caps = getattr(backend, "capabilities", None)
@@ -286,7 +286,7 @@ def reused_results(paths: list[str], profile: str) -> dict[str, dict]:
 
 def run(args: argparse.Namespace) -> int:
     """``python -m pagedkv peers``: 0 when no peer run fails a gating test, 1 otherwise, 2 on a bad name."""
-    from pagedkv.testing.peers import PEERS, available
+    from pagedkv.tools.peers import PEERS, available
 
     names = [n.strip() for n in args.peers.split(",") if n.strip()] if args.peers else list(PEERS)
     unknown = [n for n in names if n not in PEERS]

@@ -103,10 +103,10 @@ def run_soak(steps: int = 10_000, seed: int = 0, *, num_blocks: int = 32, block_
         ValueError: ``steps < 1``, ``check_every < 1`` or a pool too small for one request.
     """
     from pagedkv.backends import load_backend
-    from pagedkv.cache import PagedKVCache
-    from pagedkv.engine import Step, admit
+    from pagedkv.cache.paged_cache import PagedKVCache
+    from pagedkv.cache.engine import Step, admit
     from pagedkv.testing.cases.case import Geometry, token_kv
-    from pagedkv.config import blocks_needed
+    from pagedkv.cache.config import blocks_needed
     from pagedkv.errors import OutOfBlocksError
     from pagedkv.testing.compare import bits
 

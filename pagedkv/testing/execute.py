@@ -279,11 +279,11 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
         on_example: called before each example runs (fuzz workers count with it).
         explicit: run the property's explicit examples that fit ``caps``.
         budget_s: stop after this many seconds without a failure (``status`` ``"partial"``); 0: no budget.
-        database_key: the example database key (see :func:`pagedkv.testing.fuzz.databases.property_key`).
+        database_key: the example database key (see :func:`pagedkv.testing.databases.property_key`).
         overrides: strategy keyword arguments (a finding draws cases that break a precondition).
         violating: the explicit examples that break the declared precondition instead of those that keep it.
         after_pass: ``after_pass(backends, case)`` after each passing example (the baseline comparison of
-            :mod:`pagedkv.testing.baseline.gate`); what it raises fails that example, and is shrunk.
+            :mod:`pagedkv.tools.baseline.gate`); what it raises fails that example, and is shrunk.
         seed: Hypothesis' random seed (independent runs of the kill-rate table); ``None``: the settings decide.
 
     Returns:

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 SUITE_PACKAGE = "pagedkv.testing.suite"
-pytest_plugins = ["pagedkv.testing.baseline.gate"]  # --pagedkv-baseline: drift against the code a refactor replaces
+pytest_plugins = ["pagedkv.tools.baseline.gate"]  # --pagedkv-baseline: drift against the code a refactor replaces
 SUITE_COMMAND = "pytest --pyargs pagedkv.testing.suite --pagedkv-impl {spec} -n auto"
 _ACTIVE = pytest.StashKey[bool]()
 _PROFILE = pytest.StashKey[str]()
@@ -85,7 +85,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_ACTIVE] = active
     if not active:
         return
-    from pagedkv.testing.strategies.profiles import choose_profile
+    from pagedkv.testing.settings import choose_profile
 
     try:
         config.stash[_PROFILE] = choose_profile(config.getoption("hypothesis_profile", None))

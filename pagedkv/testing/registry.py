@@ -11,7 +11,7 @@ runs properties is driven from here:
   a property through the one execution core, :mod:`pagedkv.testing.execute`;
 - case files: the ``check`` field is a property name (:func:`property_for_record`).
 
-Adding a property is one entry in :func:`_declare`. ``tests/test_registry.py`` fails when a check
+Adding a property is one entry in :func:`_declare`. ``tests/gate/test_registry.py`` fails when a check
 function is not registered or a registered property is not collected by pytest.
 
 Strategies are built lazily (``strategy(caps)``): importing the registry needs neither Hypothesis nor

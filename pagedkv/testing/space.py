@@ -73,7 +73,7 @@ def capabilities_under_test(backend: Any, *, for_drawing: bool = False):
     patterns as integers, a Triton bug; pagedkv's own kernel upcasts first). With ``for_drawing``,
     pagedkv's own Triton backend under the interpreter draws from the small geometries (block_size
     <= 16, head_dim <= 8, GQA group <= 7): its production sizes run compiled on a GPU, and here in
-    ``tests/test_triton.py``'s shapes, the fixed limits and the regression files.
+    ``tests/backends/test_triton.py``'s shapes, the fixed limits and the regression files.
 
     Raises:
         TypeError: the backend's ``capabilities`` attribute is not a Capabilities.

@@ -249,7 +249,7 @@ def _merge_splits_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, num_spli
 
 def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype, max_q_len: int,
                      fp8: bool = False) -> dict:
-    """Tile sizes and launch options of :func:`paged_attention` (``bench --compile-report`` checks them).
+    """Tile sizes and launch options of :func:`paged_attention` (``python -m bench.compile_report`` checks them).
 
     Decode (``max_q_len == 1``) tiles one token x the whole GQA group (16 rows at least, the smallest
     tensor-core tile) with 4 warps; prefill tiles 64 rows (32 with float32 dots or head dims over
@@ -257,7 +257,7 @@ def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype,
     of at most 4096 elements, 2048 in float32), so a row rounds the same whichever tiles its batch
     gets. ``dtype`` is the query's; with an fp8 pool (``fp8``) K/V are dequantized to float32 and the
     dots run in float32. Tile sizes and warps were chosen with the compile report
-    (:mod:`pagedkv.cli.bench.compile_report`) so that no configuration spills registers on sm_80 or
+    (:mod:`bench.compile_report`) so that no configuration spills registers on sm_80 or
     sm_90.
     """
     group = triton.next_power_of_2(num_queries_per_kv)

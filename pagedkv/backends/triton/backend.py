@@ -4,7 +4,7 @@
 softmax, as vLLM's paged attention does (no gather); one kernel serves decode and prefill over a
 cached prefix. ``gather``, ``scatter`` and ``write_kv`` (vLLM ``reshape_and_cache``) are copy kernels.
 The kernels live in :mod:`pagedkv.backends.triton.kernels`; the readable torch version of the attention
-algorithm is :mod:`pagedkv.blockwise`.
+algorithm is :mod:`pagedkv.attention.blockwise`.
 
 Without a CUDA device the kernels run on the CPU in Triton's interpreter: importing this module sets
 ``TRITON_INTERPRET=1`` (unless already set) before Triton defines any kernel. Importing it raises
@@ -25,7 +25,7 @@ import triton  # noqa: E402,F401  (ImportError here: the registry reports the ba
 
 from pagedkv.backends.triton import kernels as _kernels  # noqa: E402
 from pagedkv.backends.ops import backend_op  # noqa: E402
-from pagedkv.validation import AttentionArgs, WriteArgs, check_write_overlap  # noqa: E402
+from pagedkv.validation.calls import AttentionArgs, WriteArgs, check_write_overlap  # noqa: E402
 
 _kernels.check_runnable()  # BackendUnavailableError: no CUDA and triton was imported without the interpreter
 
@@ -52,7 +52,7 @@ def scatter(cache: torch.Tensor, table: torch.Tensor, values: torch.Tensor, star
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              w: WriteArgs) -> None:
     """One copy kernel for both pools (into an fp8 pool it stores ``sat(x / scale)`` rounded to nearest
-    even, :func:`pagedkv.fp8.quantize`); the custom op ``pagedkv::triton_write_kv`` under ``torch.compile``."""
+    even, :func:`pagedkv.attention.fp8.quantize`); the custom op ``pagedkv::triton_write_kv`` under ``torch.compile``."""
     call = torch.ops.pagedkv.triton_write_kv if torch.compiler.is_compiling() else write_kv_eager
     call(k_cache, v_cache, key, value, w.slots, w.k_scale, w.v_scale, w.check_overlap)
 

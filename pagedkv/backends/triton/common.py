@@ -22,7 +22,7 @@ import triton.language as tl  # noqa: E402
 launch_on_fresh_stack_chunks()
 
 LOG2E = 1.4426950408889634
-from pagedkv.arguments import FP8_DTYPES  # noqa: E402  (one source: the fp8 pool dtypes)
+from pagedkv.validation.arguments import FP8_DTYPES  # noqa: E402  (one source: the fp8 pool dtypes)
 
 
 def as_bytes(x: torch.Tensor) -> torch.Tensor:

@@ -150,7 +150,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
     """vLLM ``reshape_and_cache``: ``key[i]``/``value[i]`` to ``slot_mapping[i]``, negatives skipped (no checks).
 
     Into an fp8 pool (``k_scale``, ``v_scale``: contiguous ``float32 [num_kv_heads]``) the stored byte
-    is ``sat(x / scale)`` rounded to nearest even, bit for bit :func:`pagedkv.fp8.quantize`.
+    is ``sat(x / scale)`` rounded to nearest even, bit for bit :func:`pagedkv.attention.fp8.quantize`.
     """
     num_tokens = key.shape[0]
     if num_tokens == 0:

@@ -7,8 +7,8 @@
   ``reshape_and_cache``), token-tiled copies.
 - :mod:`pagedkv.backends.triton.common`: the interpreter switch, :func:`check_runnable`, fp8 helpers.
 - :mod:`pagedkv.backends.triton.launch_grid`: launch grids within CUDA's limits and the split-K count (pure).
-- :mod:`pagedkv.cli.bench.compile_report`: every kernel compiled ahead of time for sm_80 / sm_90 with
-  registers, spills, shared memory and occupancy (``python -m pagedkv bench --compile-report``).
+- :mod:`bench.compile_report`: every kernel compiled ahead of time for sm_80 / sm_90 with
+  registers, spills, shared memory and occupancy (``python -m bench.compile_report``).
 
 The launchers do no argument checking (``pagedkv.backends.triton.backend`` validates first) and launch
 nothing for empty work. Without a CUDA device the kernels run on the CPU in Triton's interpreter

@@ -97,7 +97,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "default 1.5)")
     p.add_argument("--pool-memory", choices=("cache", "torch"), default="cache",
                    help="how the pools (and the copy bound's source) are allocated: 'cache' as PagedKVCache "
-                        "allocates them (transparent huge pages on a Linux CPU, pagedkv.hugepages), 'torch' by "
+                        "allocates them (transparent huge pages on a Linux CPU, pagedkv.cache.hugepages), 'torch' by "
                         "torch.empty, as a caller's own pools (4 KiB pages unless THP_MEM_ALLOC_ENABLE=1); "
                         "default cache")
     p.add_argument("--triton-on-cpu", action="store_true",
@@ -145,7 +145,7 @@ def _usage_error(args: argparse.Namespace, message: str) -> int:
 def _check_args(args: argparse.Namespace) -> tuple[list[str], list[str], str]:
     """``(built-in impls, candidate specs, error)``: unknown names and specs that do not load are errors."""
     from pagedkv.backends import load_backend
-    from pagedkv.config import dtype_from_name
+    from pagedkv.cache.config import dtype_from_name
 
     for op in args.ops:
         if op not in OPS:
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         0; 1 with ``--check`` when a limit fails; 2 (through ``parser.error``) on a usage error.
     """
     if getattr(args, "compile_report", False):
-        from pagedkv.cli.bench.compile_report import main as compile_report
+        from bench.compile_report import main as compile_report
 
         return compile_report(tuple(args.arch), "full" if args.full else "default", args.json)
     impls, specs, error = _check_args(args)

@@ -85,7 +85,7 @@ def _preset(name: str) -> tuple[int, int]:
 
 
 def _dtype(name: str) -> torch.dtype:
-    from pagedkv.config import dtype_from_name
+    from pagedkv.cache.config import dtype_from_name
 
     return dtype_from_name(name)
 
@@ -96,11 +96,11 @@ def _randn(shape, dtype, device, gen) -> torch.Tensor:
 
 def _pool_randn(shape, dtype, device, gen, pool_memory: str) -> torch.Tensor:
     """Random pool contents in memory allocated as ``pool_memory`` says: ``cache`` as
-    :class:`pagedkv.PagedKVCache` allocates its pools (:func:`pagedkv.hugepages.zeros`), ``torch``
+    :class:`pagedkv.PagedKVCache` allocates its pools (:func:`pagedkv.cache.hugepages.zeros`), ``torch``
     by ``torch.empty`` (a caller's own pool)."""
     if pool_memory == "torch":
         return _randn(shape, dtype, device, gen)
-    from pagedkv import hugepages
+    from pagedkv.cache import hugepages
 
     return hugepages.zeros(shape, dtype, device).copy_(_randn(shape, dtype, device, gen))
 

@@ -16,7 +16,7 @@ import torch
 import torch.utils.benchmark as benchmark
 
 from pagedkv.backends.contract import OPS
-from pagedkv.validation import LEVELS
+from pagedkv.validation.calls import LEVELS
 
 COLUMNS = ("impl", "op", *(f"{level}_us" for level in LEVELS), "saved_us")
 

@@ -72,7 +72,7 @@ def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float3
         DTypeMismatchError: unsupported dtype. ValueError: bad scenario sizes or CUDA unavailable.
     """
     from pagedkv.backends import backend_name, get_backend, load_backend
-    from pagedkv.config import dtype_from_name
+    from pagedkv.cache.config import dtype_from_name
 
     dtype = dtype_from_name(dtype)
     kv_dtype = kv_cache_dtype_from_name(kv_cache_dtype)

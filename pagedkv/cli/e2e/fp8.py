@@ -3,7 +3,7 @@
 With ``kv_cache_dtype="fp8_e4m3"`` (or ``"fp8_e5m2"``; ``"fp8"`` is e4m3, as in vLLM) every layer's
 K and V pools are ``float8_e4m3fn`` (``float8_e5m2``); the backend's ``write_kv`` quantizes the
 step's K/V with per-tensor scales and ``paged_attention`` dequantizes them
-(:mod:`pagedkv.fp8` defines both).
+(:mod:`pagedkv.attention.fp8` defines both).
 
 **Scales** (:func:`calculate_kv_scales`): vLLM's ``calculate_kv_scales``: on a layer's first call (the
 first prefill step) ``k_scale = max|K| / 200`` and ``v_scale = max|V| / 100`` (vLLM's
@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.config import KV_CACHE_DTYPES as CONFIG_KV_CACHE_DTYPES
+from pagedkv.cache.config import KV_CACHE_DTYPES as CONFIG_KV_CACHE_DTYPES
 
-#: ``--kv-cache-dtype`` names (vLLM's) to pool dtypes: :data:`pagedkv.config.KV_CACHE_DTYPES` plus vLLM's
+#: ``--kv-cache-dtype`` names (vLLM's) to pool dtypes: :data:`pagedkv.cache.config.KV_CACHE_DTYPES` plus vLLM's
 #: ``"fp8"`` alias of ``fp8_e4m3``; ``"auto"`` keeps the model's dtype.
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "fp8": torch.float8_e4m3fn, **{name: dtype for name, dtype in CONFIG_KV_CACHE_DTYPES.items() if dtype is not None}}

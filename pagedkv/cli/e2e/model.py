@@ -57,7 +57,7 @@ class StepContext:
     """What the attention function of every layer needs for one packed step.
 
     Attributes:
-        cache: the :class:`pagedkv.cache.PagedKVCache`; layer ``l`` uses ``cache.k_cache(l)``/``v_cache(l)``.
+        cache: the :class:`pagedkv.cache.paged_cache.PagedKVCache`; layer ``l`` uses ``cache.k_cache(l)``/``v_cache(l)``.
         backend: any object with the contract's ``write_kv`` and ``paged_attention``.
         slot_mapping: ``int64 [total_q]``, where each new token's K/V goes.
         block_tables: ``int32 [batch, max_blocks]``, ``-1``-padded, *after* this step's ``append``.

@@ -223,8 +223,8 @@ class PagedEngine:
         return bound
 
     def _make_cache(self, requests: Sequence[Request]):
-        from pagedkv.cache import PagedKVCache
-        from pagedkv.config import CacheConfig, blocks_needed
+        from pagedkv.cache.paged_cache import PagedKVCache
+        from pagedkv.cache.config import CacheConfig, blocks_needed
 
         param = next(self.model.parameters())
         num_layers, num_kv_heads, head_dim = model_geometry(self.model)

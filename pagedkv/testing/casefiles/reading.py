@@ -43,17 +43,17 @@ from pagedkv.testing.casefiles.schema import (BUILTIN_BACKENDS, FORMAT_VERSION, 
                                     MUTANTS_MODULE, PEERS_MODULE, _human, validate_record)
 
 # -- which backends a file may name -------------------------------------------------------------------------
-#: Modules earlier versions recorded for cache and feature mutants (read as pagedkv.testing.mutants:NAME).
+#: Modules earlier versions recorded for cache and feature mutants (read as pagedkv.tools.mutants:NAME).
 LEGACY_MUTANT_MODULES = ("pagedkv.testing.cache_mutants", "pagedkv.testing.feature_mutants")
 SHIPPED_MODULES = (MUTANTS_MODULE, PEERS_MODULE)
 
 
 def _shipped(module: str) -> set[str]:
     if module == MUTANTS_MODULE:
-        from pagedkv.testing.mutants import MUTANTS
+        from pagedkv.tools.mutants import MUTANTS
 
         return set(MUTANTS)
-    from pagedkv.testing.peers import PEERS
+    from pagedkv.tools.peers import PEERS
 
     return set(PEERS)
 
@@ -61,9 +61,9 @@ def _shipped(module: str) -> set[str]:
 def canonical_backend_spec(spec: object) -> str | None:
     """The spec to load for a backend a case file records, or ``None`` when a file may not name it.
 
-    Accepted: a built-in name (``loop``, ``indexed``, ``triton``); ``pagedkv.testing.mutants:NAME``,
-    ``pagedkv.testing.mutants:NAME`` or ``pagedkv.testing.mutants:NAME`` for a shipped
-    mutant and ``pagedkv.testing.peers:NAME`` for a shipped peer, also recorded bare as ``NAME`` (what
+    Accepted: a built-in name (``loop``, ``indexed``, ``triton``); ``pagedkv.tools.mutants:NAME``,
+    ``pagedkv.tools.mutants:NAME`` or ``pagedkv.tools.mutants:NAME`` for a shipped
+    mutant and ``pagedkv.tools.peers:NAME`` for a shipped peer, also recorded bare as ``NAME`` (what
     ``backend_name`` gives), which map to those specs. Anything else (another module, a ``.py`` path,
     an attribute of a shipped module that is not a mutant or peer) is ``None``.
     Nothing is imported but pagedkv's own mutant and peer modules (for their names).

@@ -16,7 +16,7 @@ from typing import Any
 
 from pagedkv.backends import BUILTIN
 from pagedkv.backends.capabilities import DTYPE_NAMES
-from pagedkv.config import dtype_from_name
+from pagedkv.cache.config import dtype_from_name
 from pagedkv.errors import CaseFileError
 from pagedkv.testing.cases.case import KV_CACHE_DTYPES as _KV_CACHE_DTYPES, LAYOUTS, POISONS, VALUE_PATTERNS
 from pagedkv.testing.cases.invalid_call import OPS as _INVALID_OPS
@@ -48,8 +48,8 @@ INVALID_OPS = _INVALID_OPS
 KV_CACHE_DTYPES = tuple(_KV_CACHE_DTYPES)
 SCENARIO_OPS = {"add": (3, 4), "append": (3, 3), "reserve": (3, 4), "write": (2, 3), "fork": (3, 3), "free": (2, 2)}
 BUILTIN_BACKENDS = BUILTIN
-MUTANTS_MODULE = "pagedkv.testing.mutants"  # any shipped mutant: pagedkv.testing.mutants:NAME
-PEERS_MODULE = "pagedkv.testing.peers"
+MUTANTS_MODULE = "pagedkv.tools.mutants"  # any shipped mutant: pagedkv.tools.mutants:NAME
+PEERS_MODULE = "pagedkv.tools.peers"
 
 _MAX_ID = 2**31  # sequence ids and token ids in scenarios
 _MAX_SIZE = 2**40  # any size or length before the budget has its say

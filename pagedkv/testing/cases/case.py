@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.config import CacheConfig, blocks_needed, dtype_from_name
-from pagedkv.fp8 import quantize
+from pagedkv.cache.config import CacheConfig, blocks_needed, dtype_from_name
+from pagedkv.attention.fp8 import quantize
 from pagedkv.testing.cases.memory import POOL_LAYOUT, new_pools
 
 VALUE_PATTERNS = ("normal", "identity", "large", "diffuse")
@@ -48,7 +48,7 @@ class Geometry:
         return self.num_kv_heads * self.num_queries_per_kv
 
     def cache_config(self, device: str = "cpu", num_layers: int = 1) -> CacheConfig:
-        """The library's :class:`~pagedkv.config.CacheConfig` of this geometry (the one place the kit
+        """The library's :class:`~pagedkv.cache.config.CacheConfig` of this geometry (the one place the kit
         builds a cache's configuration from a geometry), in the pool layout of :func:`pool_layout`."""
         return CacheConfig(self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.torch_dtype,
                            device, num_layers=num_layers, kv_layout=POOL_LAYOUT.get())
@@ -247,7 +247,7 @@ class Case:
         return {**out, **self.kv_scales(device)}
 
     def stored(self, x: torch.Tensor, which: str = "k") -> torch.Tensor:
-        """Values as the pool stores them: ``x`` itself, or its fp8 quantization (``pagedkv.fp8.quantize``)."""
+        """Values as the pool stores them: ``x`` itself, or its fp8 quantization (``pagedkv.attention.fp8.quantize``)."""
         if self.kv_cache_dtype == "auto":
             return x
         return quantize(x, self.scale_vectors()[which == "v"].to(x.device), self.pool_dtype)

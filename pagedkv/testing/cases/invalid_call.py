@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pagedkv.testing.cases.case import Case, Geometry, write_slot_mapping
-from pagedkv.config import blocks_needed
+from pagedkv.cache.config import blocks_needed
 
 OPS = ("gather", "scatter", "write_kv", "paged_attention")
 _BUILTINS = {"IndexError": IndexError, "ValueError": ValueError, "TypeError": TypeError}

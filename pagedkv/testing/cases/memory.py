@@ -19,7 +19,7 @@ import contextvars
 
 import torch
 
-from pagedkv.hugepages import fresh_pages
+from pagedkv.cache.hugepages import fresh_pages
 from pagedkv.layouts import HND, NHD, PoolLayout, pool_layouts
 
 #: ``(key_layout, value_layout)`` of the pools the kit builds (NHD; the declared ones while a backend runs).

@@ -1,4 +1,4 @@
-"""pagedkv's own :class:`~pagedkv.cache.PagedKVCache` through the cache-manager protocol.
+"""pagedkv's own :class:`~pagedkv.cache.paged_cache.PagedKVCache` through the cache-manager protocol.
 
 ``add_sequence`` is admit, ``append`` reserve, ``mark_written`` commit; the namespace and the extra keys
 together are the sequence's ``cache_key`` (a coarser identity than per-position extra keys: requests
@@ -12,8 +12,8 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from pagedkv.cache import PagedKVCache
-from pagedkv.config import CacheConfig
+from pagedkv.cache.paged_cache import PagedKVCache
+from pagedkv.cache.config import CacheConfig
 from pagedkv.errors import OutOfBlocksError
 from pagedkv.testing.managers.protocol import ExtraKey, ManagerCapabilities, ManagerConfig
 

@@ -1,6 +1,6 @@
 """The check functions behind the registered properties (:mod:`pagedkv.testing.registry`); each
 raises :class:`~pagedkv.testing.compare.Mismatch` when its property fails. Run them through
-:mod:`pagedkv.testing.execute`, never directly (``tests/test_layout.py`` keeps it so).
+:mod:`pagedkv.testing.execute`, never directly (``tests/repo/test_architecture.py`` keeps it so).
 
 - :mod:`.definitions`: gather, scatter, ``write_kv`` and attention against their definitions, pairs of backends;
 - :mod:`.features`: the identities of the optional attention features (window, soft-cap, ALiBi, sinks, fp8);

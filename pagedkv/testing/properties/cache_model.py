@@ -1,6 +1,6 @@
 """A shadow model of the paged KV cache: drive a real cache through it and check it after every op.
 
-:class:`CacheModel` wraps a :class:`~pagedkv.cache.PagedKVCache` (or a class with its methods) and
+:class:`CacheModel` wraps a :class:`~pagedkv.cache.paged_cache.PagedKVCache` (or a class with its methods) and
 replays an engine's calls on it (add with a prefix lookup, reserve, write + commit, a partial or
 failed write, fork, free) while keeping its own account of what must be true:
 
@@ -18,7 +18,7 @@ failed write, fork, free) while keeping its own account of what must be true:
 - eviction order: released cached blocks queue least recently released first and, among blocks
   released together, deepest first; allocation evicts from the head of that queue only;
 - with a sliding window (``config.window_left``): an append releases only leading entries no later
-  query reads (``-1`` in the table, no more than :func:`pagedkv.window.releasable_blocks` of the
+  query reads (``-1`` in the table, no more than :func:`pagedkv.cache.window.releasable_blocks` of the
   committed count), changes no other entry, and queues the released blocks it held alone that cache
   a prefix (last first, as a ``free`` does); a prefix hit takes no reference on the blocks before its
   window (they keep their place in the queue); reads start at the first held position.
@@ -38,7 +38,7 @@ import torch
 
 from pagedkv.testing.cases.case import Geometry, token_kv
 from pagedkv.testing.compare import bits
-from pagedkv.window import NULL_BLOCK, releasable_blocks
+from pagedkv.cache.window import NULL_BLOCK, releasable_blocks
 
 
 class ModelMismatch(AssertionError):
@@ -263,7 +263,7 @@ class CacheModel:
     def _check_attention(self, seq_id: int, seq: SeqModel, what: str) -> None:
         """The backend's ``paged_attention`` over the sequence's table (a prefill of every written
         token, causal) equals the fp64 reference over the K/V the model expects, in every layer."""
-        from pagedkv.attention import reference_attention
+        from pagedkv.attention.dense import reference_attention
         from pagedkv.testing.compare import assert_attention_close
 
         g, end = self.geometry, seq.written

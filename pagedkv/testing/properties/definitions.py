@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.attention import reference_attention
+from pagedkv.attention.dense import reference_attention
 from pagedkv.backends import backend_name
 from pagedkv.testing.cases.case import Case, reference_gather, reference_write, writable, write_slot_mapping
 from pagedkv.testing.compare import Mismatch, MissingOp, assert_same_bits, bits, require  # noqa: F401 (re-exported)
@@ -90,7 +90,7 @@ def scatter_round_trip(backend: Any, case: Case, device: str = "cpu") -> None:
 
 def write_kv_matches_definition(backend: Any, case: Case, device: str = "cpu") -> None:
     """``write_kv`` puts token ``t`` at ``slot_mapping[t]`` in both pools, skips negative slots and
-    leaves every other slot bit-identical (fp8 pools: exactly ``pagedkv.fp8.quantize`` of the token)."""
+    leaves every other slot bit-identical (fp8 pools: exactly ``pagedkv.attention.fp8.quantize`` of the token)."""
     write_kv = require(backend, "write_kv")
     slots, owners = write_slot_mapping(case)
     new = case.logical_kv(1)

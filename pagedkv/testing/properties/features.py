@@ -9,7 +9,7 @@ covered*, for a backend whose ``FEATURES`` does not declare it.
   none; zero ALiBi slopes equal none; sinks of ``-inf`` equal none (within the dtype's tolerance);
 - blocks wholly outside every query's window may hold NaN: the output is bit-identical;
 - one NaN in V (an fp8 pool's NaN byte too) shows exactly in the outputs that read it;
-- ``write_kv`` into an fp8 pool then ``gather`` returns exactly ``pagedkv.fp8.quantize`` of what was
+- ``write_kv`` into an fp8 pool then ``gather`` returns exactly ``pagedkv.attention.fp8.quantize`` of what was
   written (bit for bit);
 - scaling the stored K by a power of two ``c`` (exactly) and ``k_scale`` by ``1 / c`` changes nothing
   beyond rounding.
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from pagedkv.backends.capabilities import capabilities_of
-from pagedkv.fp8 import quantize
+from pagedkv.attention.fp8 import quantize
 from pagedkv.testing.cases.case import Case, reference_gather, writable, write_slot_mapping
 from pagedkv.testing.properties.definitions import _compare_rows, reference_output
 from pagedkv.testing.compare import Mismatch, require
@@ -207,7 +207,7 @@ def _magnitudes(case: Case) -> list[torch.Tensor]:
 
 
 def fp8_write_then_gather_is_exact(backend: Any, case: Case, device: str = "cpu") -> None:
-    """``write_kv`` into an fp8 pool then ``gather`` returns, bit for bit, ``pagedkv.fp8.quantize`` of the
+    """``write_kv`` into an fp8 pool then ``gather`` returns, bit for bit, ``pagedkv.attention.fp8.quantize`` of the
     keys and values written (``sat(x / scale)``, round to nearest even), each token's K/V scaled by a
     power of two (:func:`_magnitudes`) so that every fp8 rounding path is written."""
     write_kv, gather = require(backend, "write_kv"), require(backend, "gather")

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.attention import reference_attention
+from pagedkv.attention.dense import reference_attention
 from pagedkv.testing.cases.limit import LimitCase
 from pagedkv.testing.cases.memory import POOL_LAYOUTS, new_lazy_pools, new_pools, storage_of
 from pagedkv.testing.compare import Mismatch, MissingOp, assert_attention_close, bits, require

