@@ -153,6 +153,15 @@ def _reason_group(reason: str) -> str:
     return reason
 
 
+def what_was_judged(stats: dict, name: str) -> str:
+    """``"kernels"``, ``"a cache manager"``, ``"kernels and a cache manager"`` or ``"nothing"``: what of backend
+    ``name`` ran (a backend may provide kernels, a manager, or both)."""
+    ran = {r["kind"] == "manager" for r in _records(stats)
+           if r["backend"] == name and r["status"] != "skipped" and r["kind"] != "regression"}
+    return {frozenset({False}): "kernels", frozenset({True}): "a cache manager",
+            frozenset({False, True}): "kernels and a cache manager"}.get(frozenset(ran), "nothing")
+
+
 def summary_lines(stats: dict, backends: list, spec: str | None) -> list[str]:
     """The terminal summary: per backend, judged / skipped by reason / findings, regressions, declared space."""
     from pagedkv.backends import backend_name
@@ -169,6 +178,7 @@ def summary_lines(stats: dict, backends: list, spec: str | None) -> list[str]:
         judged = t["judged"] + t["failed"]
         applicable = judged + sum(t["skipped"].values()) - t["missing_ops"]
         skipped = ", ".join(f"{n} {reason}" for reason, n in t["skipped"].most_common()) or "none"
+        lines.append(f"pagedkv {name}: judged {what_was_judged(stats, name)}")
         lines.append(f"pagedkv {name}: {judged} properties judged ({t['failed']} failing) of {applicable} its ops allow"
                      f"{f' ({judged / applicable:.0%})' if applicable else ''}; {t['finding']} findings; "
                      f"skipped: {skipped}")

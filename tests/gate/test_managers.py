@@ -1,5 +1,5 @@
 """The cache-manager state machine (pagedkv.testing.managers) on pagedkv's own cache, on a planted fault
-and, where vLLM is installed, on vLLM v1's KVCacheManager."""
+and, where the engines are installed, on vLLM v1's KVCacheManager and SGLang's RadixCache."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,9 @@ from pagedkv.testing.settings import manager_settings
 
 CASES = Path(programs.__file__).parent / "cases"
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+NO_SGLANG = ("sglang is not installed (pip install --no-deps sglang==0.5.23 and the modules docs/peers.md "
+             "lists)")
 
 
 def _settings(n: int, *, shrink: bool = True) -> settings:
@@ -107,3 +111,70 @@ def test_vllm_block_hash_without_extra_keys_is_caught(monkeypatch):
     steps = programs.run_recorded(machine_for(cache_manager, name="VllmNoExtraKeys"), _settings(200, shrink=False))
     assert steps is not None, "a hash without extra keys passed the machine"
     assert "AssertionError" in steps.error, steps.error
+
+
+@pytest.mark.skipif(not HAS_SGLANG, reason=NO_SGLANG)
+def test_sglang_radix_cache_passes_the_manager_machine():
+    from pagedkv.tools.peers.sglang_radix_cache import _import_sglang, cache_manager
+
+    _import_sglang()  # outside the measured steps
+    machine = machine_for(cache_manager, name="SglangMachine")  # page size 1 (token allocator) and paged 2, 4
+    start = time.perf_counter()
+    run_state_machine_as_test(machine, settings=_settings(60))
+    seconds = time.perf_counter() - start
+    print(f"SGLang RadixCache: {machine.checks_run} steps in {seconds:.2f} s, "
+          f"{machine.checks_run / seconds:.0f} steps/s")
+    assert machine.checks_run > 60
+
+
+@pytest.mark.skipif(not HAS_SGLANG, reason=NO_SGLANG)
+def test_sglang_radix_cache_is_registered_and_satisfies_the_protocol():
+    from pagedkv.tools.peers import PEERS
+    from pagedkv.tools.peers.sglang_radix_cache import cache_manager
+
+    assert isinstance(cache_manager(ManagerConfig(4, 2)), CacheManager)
+    assert callable(PEERS["sglang_radix_cache"]().cache_manager)
+
+
+@pytest.mark.skipif(not HAS_SGLANG, reason=NO_SGLANG)
+def test_sglang_tree_without_lock_refs_is_caught(monkeypatch):
+    """SGLang's RadixCache with ``inc_lock_ref`` a no-op: a live request's matched prefix is evictable, so an
+    allocation evicts it and hands its slots to another request, which the machine sees."""
+    from pagedkv.tools.peers.sglang_radix_cache import _import_sglang, cache_manager
+
+    s = _import_sglang()
+    from sglang.srt.mem_cache.base_prefix_cache import IncLockRefResult
+
+    monkeypatch.setattr(s.RadixCache, "inc_lock_ref", lambda self, node: IncLockRefResult(delta=0))
+    monkeypatch.setattr(s.RadixCache, "dec_lock_ref", lambda self, node, params=None: None)
+    steps = programs.run_recorded(machine_for(cache_manager, name="SglangNoLocks"), _settings(200, shrink=False))
+    assert steps is not None, "a tree without lock references passed the machine"
+    assert "AssertionError" in steps.error, steps.error
+
+
+@pytest.mark.parametrize("kinds, said", [({"property"}, "kernels"), ({"manager"}, "a cache manager"),
+                                          ({"property", "manager"}, "kernels and a cache manager"), (set(), "nothing")])
+def test_the_summary_says_whether_kernels_or_a_manager_were_judged(kinds, said):
+    from pagedkv.testing.report import _KEY, what_was_judged
+
+    class Report:
+        when = "call"
+
+        def __init__(self, kind, status="judged"):
+            self.user_properties = [(_KEY, json.dumps({"prop": kind, "backend": "b", "status": status, "reason": "",
+                                                       "kind": kind}))]
+
+    reports = [Report(k) for k in sorted(kinds)] + [Report("manager", "skipped"), Report("regression")]
+    assert what_was_judged({"passed": reports}, "b") == said
+
+
+def test_mutate_runs_the_manager_machine_for_a_manager_candidate():
+    import pagedkv.testing.managers.own as own
+    from pagedkv.tools.mutants.kill_rates import MANAGER_MACHINE, _run_manager_machine, runnable_properties
+
+    names, left_out = runnable_properties(own)
+    assert names == [MANAGER_MACHINE] and left_out
+    assert not _run_manager_machine(own, seed=3, max_examples=5)["failed"]
+    planted = types.SimpleNamespace(cache_manager=FreesSharedBlocksUnchecked)
+    first, again = (_run_manager_machine(planted, seed=3, max_examples=100) for _ in range(2))
+    assert first["failed"] and first == again  # the seed fixes the run

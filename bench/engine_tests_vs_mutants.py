@@ -1,0 +1,86 @@
+"""An engine's own tests against the mutants ``python -m pagedkv mutate`` generates, for the side-by-side table.
+
+    python bench/engine_tests_vs_mutants.py --tests DIR --source FILE... --only ID... --json OUT.json
+
+Each mutant is loaded in a child process with pagedkv's mutant finder (the installed package is never
+edited), then ``pytest DIR`` runs there with only the tests that pass on the unmutated package (a test
+that already fails cannot kill anything). A mutant is killed when any of them fails or errors. Mutant ids
+are the ones ``mutate --list`` prints for the same ``--source`` files (same generator, same order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pagedkv.tools.mutants.generate import BOOTSTRAP, generate, module_name_for, write_mutant
+
+_CHILD = r'''
+import sys, pytest
+if sys.argv[1] != "-":
+    install_mutant(sys.argv[1], sys.argv[2], sys.argv[3])
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-x", "--rootdir", sys.argv[4], *sys.argv[5:]]))
+'''
+
+
+def _pytest(tests: Path, node_ids: list[str], mutant=None, path=None, timeout=300) -> tuple[int, float, str]:
+    args = [mutant.module, str(path), mutant.file] if mutant is not None else ["-", "-", "-"]
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-c", BOOTSTRAP + _CHILD, *args, str(tests), *node_ids],
+                              cwd=tests, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, out = done.returncode, done.stdout
+    except subprocess.TimeoutExpired:
+        rc, out = -9, "timed out"
+    return rc, time.monotonic() - t0, out
+
+
+def passing_tests(tests: Path) -> tuple[list[str], list[str]]:
+    """``(passing, failing)`` node ids of ``tests`` on the unmutated package."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", str(tests)],
+                          cwd=tests, env=env, capture_output=True, text=True, timeout=600)
+    passed, failed = [], []
+    for line in done.stdout.splitlines():
+        word, _, rest = line.partition(" ")
+        if word == "PASSED":
+            passed.append(rest.split(" ")[0])
+        elif word in ("FAILED", "ERROR"):
+            failed.append(rest.split(" ")[0])
+    return passed, failed
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tests", required=True, type=Path, help="directory of the engine's tests (a scratch copy)")
+    parser.add_argument("--source", nargs="+", required=True, help="the mutated source files, as for mutate")
+    parser.add_argument("--only", nargs="+", required=True, help="mutant ids (as mutate --list prints them)")
+    parser.add_argument("--json", required=True, help="where to write the per-mutant results")
+    args = parser.parse_args(argv)
+    mutants = [m for path in args.source for m in generate(path, module=module_name_for(path)) if m.id in args.only]
+    passed, failed = passing_tests(args.tests.resolve())
+    print(f"baseline: {len(passed)} tests pass, {len(failed)} fail or error on the unmutated package (left out)")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="engine-tests-") as work:
+        for m in mutants:
+            path = write_mutant(m, Path(work) / "src")
+            rc, seconds, out = _pytest(args.tests.resolve(), passed, m, path)
+            killed = rc != 0
+            first = next((ln for ln in out.splitlines() if ln.startswith(("FAILED", "ERROR"))), "")
+            rows.append({"id": m.id, "killed": killed, "seconds": round(seconds, 2), "returncode": rc,
+                         "first_failure": first[:200]})
+            print(f"{m.id:34} {'killed' if killed else 'survived':8} {seconds:6.1f}s {first[:100]}", flush=True)
+    Path(args.json).write_text(json.dumps({"tests": str(args.tests), "passing_tests": passed,
+                                           "left_out_tests": failed, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
