@@ -1,21 +1,27 @@
-"""The conformance kit: cases, properties, the one execution core, and the tools around it.
+"""The gate: cases, strategies, properties, the one execution core, and the pytest plugin.
 
-A map (each folder is one concept; arrows point the way imports go)::
+It imports the library and nothing above it: the tools that use it (:mod:`pagedkv.tools`: mutants,
+peers, fuzzing, the refactor baseline, the run plan) and the command line import it, never the
+reverse. A map (each folder is one concept; arrows point the way imports go)::
 
-    cases/        plain-data cases: Case, CacheScenario, InvalidCall, known cases, the one-line notation
-    strategies/   Hypothesis strategies drawing those cases inside a declared space, and the profiles
+    cases/        plain-data cases: Case, CacheScenario, InvalidCall, known cases, the one-line notation,
+                  ops (a case's ops run on a backend, for every caller)
+    strategies/   Hypothesis strategies drawing those cases inside a declared space (source: the
+                  repository's top-level strategies/), the run's palette of specialising parameters
     properties/   the check functions: data movement, attention, features, invariances, cache scenarios,
                   rejection of bad input, the cache state machine and its shadow model
+    managers/     the cache-manager protocol, its content oracle and state machine, replayable programs
     compare.py    bits, Mismatch, MissingOp, bit-for-bit assertions and the tolerance policy
+    guard.py      the output and input contract enforced on every op call; cases judged twice
     registry.py   Property (one entry per property: sentence, ops, check, strategy, examples, skip rules)
     space.py      what is under test: candidates, declared capabilities, device, Triton's interpreter
-    execute.py    the one runner: every entry point below runs a property through it
+    settings.py   the profiles and every Hypothesis settings object (hypothesis_internals.py: the one
+                  place Hypothesis's private API is used)
+    execute.py    the one runner: every entry point runs a property through it
     casefiles/    the case-file schema, reading untrusted files, writing, names, shipped regressions
+    report.py     failure text, the judged / skipped summary, the JSON verdict
+    hookspecs.py  the plugin's own hooks (the refactor baseline implements them)
     plugin.py     the pytest hooks and fixtures (glue only), suite/ the generated pytest modules
-    mutants/      shipped faulty backends and caches, their kill table; generated source mutants, kill rates
-    peers/        other projects' kernels adapted to the contract (PyTorch, vLLM, ...)
-    fuzz/         long-running search workers sharing an example database
-    baseline/     the code a refactor replaces as a second oracle: loaded in a worker, drift measured
 
 Public names, imported lazily (importing :mod:`pagedkv.testing` needs neither Hypothesis nor pytest):
 ``Case``, ``CacheScenario``, ``InvalidCall``, ``Geometry``, ``SeqSpec``, ``Property``, ``properties``,
