@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 
 CSR_KERNEL = """
 from pagedkv.backends import indexed
@@ -29,27 +28,26 @@ def paged_attention(query, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page
 """
 
 
-def _suite(tmp_path, module: str, bug: bool):
-    (tmp_path / f"{module}.py").write_text(textwrap.dedent(CSR_KERNEL).replace("BUG", str(bug)))
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PAGEDKV_PROFILE": "dev",
-           "PAGEDKV_FAILURE_DIR": str(tmp_path / f"failures-{module}")}
-    return subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl",
-                           module, "-p", "no:cacheprovider", "-p", "no:xdist", "-q", "-k",
-                           "paged_attention_matches or csr_page_metadata or paged_attention_rejects or alone_equals"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+def _suite(pytester, write_candidate, monkeypatch, module: str, bug: bool):
+    spec = write_candidate(module, CSR_KERNEL.replace("BUG", str(bug))).spec
+    monkeypatch.setenv("PAGEDKV_PROFILE", "dev")
+    monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(pytester.path / f"failures-{module}"))
+    result = pytester.runpytest_subprocess(
+        "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", spec, "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
+        "-k", "paged_attention_matches or csr_page_metadata or paged_attention_rejects or alone_equals", timeout=600)
+    return str(result.stdout), str(result.stderr), result.ret
 
 
-def test_a_csr_candidate_passes_and_one_that_ignores_the_last_page_length_fails(tmp_path):
-    good = _suite(tmp_path, "csr_good", bug=False)
-    assert good.returncode == 0, good.stdout[-3000:]
-    assert "3 properties judged (0 failing)" in good.stdout, good.stdout[-2000:]
-    assert "not applicable: the backend takes CSR page tables" in good.stdout + good.stderr or "1 skipped" in \
-        good.stdout, good.stdout[-2000:]
-    bad = _suite(tmp_path, "csr_bad", bug=True)
-    assert bad.returncode == 1, bad.stdout[-3000:]
-    files = sorted((tmp_path / "failures-csr_bad").glob("*paged_attention_matches*.json"))
-    assert files, bad.stdout[-3000:]
+def test_a_csr_candidate_passes_and_one_that_ignores_the_last_page_length_fails(pytester, write_candidate,
+                                                                              monkeypatch):
+    out, err, status = _suite(pytester, write_candidate, monkeypatch, "csr_good", bug=False)
+    assert status == 0, out[-3000:]
+    assert "3 properties judged (0 failing)" in out, out[-2000:]
+    assert "not applicable: the backend takes CSR page tables" in out + err or "1 skipped" in out, out[-2000:]
+    out, _, status = _suite(pytester, write_candidate, monkeypatch, "csr_bad", bug=True)
+    assert status == 1, out[-3000:]
+    files = sorted((pytester.path / "failures-csr_bad").glob("*paged_attention_matches*.json"))
+    assert files, out[-3000:]
     replay = subprocess.run([sys.executable, "-m", "pagedkv", "replay", str(files[0]), "--impl", "csr_bad"],
-                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True,
-                            text=True, timeout=300)
+                            env=os.environ, capture_output=True, text=True, timeout=300)
     assert replay.returncode == 1 and "FAILS" in replay.stdout, replay.stdout + replay.stderr

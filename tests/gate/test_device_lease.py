@@ -36,23 +36,25 @@ _TESTS = textwrap.dedent("""
 """)
 
 
-def _nested_run(tmp_path: Path, budget: str, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
-    (tmp_path / "test_pools.py").write_text(_TESTS)
-    (tmp_path / "pytest.ini").write_text("[pytest]\npagedkv_builtin = true\n")
-    basetemp = tmp_path / "basetemp"
-    env = {**os.environ, "PAGEDKV_DEVICE": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-m", "pytest", "test_pools.py", "-p", "no:cacheprovider", "-q",
-                          f"--basetemp={basetemp}", f"--pagedkv-device-memory={budget}", "-rs", *args],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    return run, basetemp / "pagedkv-device-memory" / "ledger.jsonl"
+def _nested_run(pytester, monkeypatch, budget: str, *args: str):
+    """``pytest test_pools.py`` under a simulated budget: ``(result, the lease ledger's path)``."""
+    pytester.makepyfile(test_pools=_TESTS)
+    pytester.makeini("[pytest]\npagedkv_builtin = true\n")
+    basetemp = pytester.path / "basetemp"
+    monkeypatch.setenv("PAGEDKV_DEVICE", "cpu")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    result = pytester.runpytest_subprocess("test_pools.py", "-p", "no:cacheprovider", "-q", f"--basetemp={basetemp}",
+                                           f"--pagedkv-device-memory={budget}", "-rs", *args, timeout=300)
+    return result, basetemp / "pagedkv-device-memory" / "ledger.jsonl"
 
 
 @pytest.mark.slow  # four workers start on two cores: about a minute
-def test_workers_wait_for_a_budget_smaller_than_their_sum_and_never_exceed_it(tmp_path):
-    run, ledger = _nested_run(tmp_path, "7GiB", "-n", "4")
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "8 passed" in run.stdout and "skipped" not in run.stdout, run.stdout
+def test_workers_wait_for_a_budget_smaller_than_their_sum_and_never_exceed_it(pytester, monkeypatch):
+    run, ledger = _nested_run(pytester, monkeypatch, "7GiB", "-n", "4")
+    out = str(run.stdout)
+    assert run.ret == 0, out + str(run.stderr)
+    assert "8 passed" in out and "skipped" not in out, out
     entries = read_ledger(ledger)
     grants = [e for e in entries if e["event"] == "grant"]
     assert len(grants) == 8 and len({e["pid"] for e in grants}) > 1  # several workers shared one ledger
@@ -63,13 +65,14 @@ def test_workers_wait_for_a_budget_smaller_than_their_sum_and_never_exceed_it(tm
         assert in_use == e["in_use"] <= 7 * GiB
     summary = ledger_summary(entries)
     assert summary["waiting"] > 0 and summary["peak_bytes"] == 6 * GiB
-    assert "pagedkv device memory: 8 leases of a 7.00 GiB budget" in run.stdout
+    assert "pagedkv device memory: 8 leases of a 7.00 GiB budget" in out
 
 
-def test_a_lease_larger_than_the_whole_budget_is_a_usage_error_not_a_hang(tmp_path):
-    run, _ = _nested_run(tmp_path, "2GiB")
-    assert run.returncode == 1, run.stdout + run.stderr
-    assert "LeaseTooLarge" in run.stdout and "more than the whole of the declared budget" in run.stdout
+def test_a_lease_larger_than_the_whole_budget_is_a_usage_error_not_a_hang(pytester, monkeypatch):
+    run, _ = _nested_run(pytester, monkeypatch, "2GiB")
+    out = str(run.stdout)
+    assert run.ret == 1, out + str(run.stderr)
+    assert "LeaseTooLarge" in out and "more than the whole of the declared budget" in out
 
 
 def test_a_crashed_holder_is_reclaimed(tmp_path):

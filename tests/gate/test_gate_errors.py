@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -32,38 +31,39 @@ backend = Backend()
 """
 
 
-def _pytest(tmp_path, *args, env=None):
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(tmp_path), **(env or {})})
+def _pytest(pytester, *args):
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", *args, timeout=300)
+    return result, str(result.stdout), str(result.stderr)
 
 
-def test_a_wrong_capabilities_field_is_a_one_line_usage_error(tmp_path):
-    (tmp_path / "bad_field.py").write_text(textwrap.dedent(BAD_FIELD))
-    proc = _pytest(tmp_path, "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", "bad_field:backend", "--co")
-    assert proc.returncode == 4, proc.stdout + proc.stderr
-    assert "INTERNALERROR" not in proc.stdout + proc.stderr
-    assert "did you mean 'head_dims'?" in proc.stderr and "block_sizes" in proc.stderr, proc.stderr
+def test_a_wrong_capabilities_field_is_a_one_line_usage_error(pytester, write_candidate):
+    spec = write_candidate("bad_field", BAD_FIELD, attr="backend").spec
+    result, out, err = _pytest(pytester, "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", spec, "--co")
+    assert result.ret == 4, out + err
+    assert "INTERNALERROR" not in out + err
+    assert "did you mean 'head_dims'?" in err and "block_sizes" in err, err
 
 
-def test_a_misspelled_capabilities_attribute_is_warned_about(tmp_path):
-    (tmp_path / "misspelled.py").write_text(textwrap.dedent(MISSPELLED))
-    proc = _pytest(tmp_path, "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", "misspelled:backend", "--co",
-                   "-q")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "has 'capabilites': a misspelling?" in proc.stdout, proc.stdout
+def test_a_misspelled_capabilities_attribute_is_warned_about(pytester, write_candidate):
+    spec = write_candidate("misspelled", MISSPELLED, attr="backend").spec
+    result, out, err = _pytest(pytester, "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", spec, "--co", "-q")
+    assert result.ret == 0, out + err
+    assert "has 'capabilites': a misspelling?" in out, out
 
 
 @pytest.mark.parametrize("how", ["env", "option"])
-def test_a_named_candidate_with_no_property_judged_is_a_usage_error(tmp_path, how):
-    (tmp_path / "tests").mkdir()
-    (tmp_path / "tests" / "test_own.py").write_text("def test_own():\n    assert True\n")
-    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\ntestpaths = ["tests"]\n')
-    args, env = ((), {"PAGEDKV_IMPL": "indexed"}) if how == "env" else (("--pagedkv-impl", "indexed"), {})
-    proc = _pytest(tmp_path, *args, env=env)
-    assert proc.returncode == 4, proc.stdout + proc.stderr
-    assert "1 passed" in proc.stdout
-    assert "pytest --pyargs pagedkv.testing.suite --pagedkv-impl indexed" in proc.stdout, proc.stdout
+def test_a_named_candidate_with_no_property_judged_is_a_usage_error(pytester, monkeypatch, how):
+    pytester.makepyfile(**{"tests/test_own": "def test_own():\n    assert True\n"})
+    pytester.makepyprojecttoml('[tool.pytest.ini_options]\ntestpaths = ["tests"]\n')
+    args = ()
+    if how == "env":
+        monkeypatch.setenv("PAGEDKV_IMPL", "indexed")
+    else:
+        args = ("--pagedkv-impl", "indexed")
+    result, out, err = _pytest(pytester, *args)
+    assert result.ret == 4, out + err
+    assert "1 passed" in out
+    assert "pytest --pyargs pagedkv.testing.suite --pagedkv-impl indexed" in out, out
 
 
 def test_the_console_script_names_itself_and_finds_candidates_in_the_working_directory(tmp_path):
@@ -104,20 +104,22 @@ def gather(cache, block_table, seq_len):  # two bugs the explicit examples (bloc
 """
 
 
-def test_two_distinct_failures_get_two_case_files_that_each_replay_to_their_own(tmp_path):
-    (tmp_path / "two_bugs.py").write_text(textwrap.dedent(TWO_BUGS))
-    proc = _pytest(tmp_path, "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", "two_bugs", "-k",
-                   "gather_returns_exactly", env={"PAGEDKV_PROFILE": "ci", "PAGEDKV_FAILURE_DIR": str(tmp_path / "f")})
-    assert proc.returncode == 1, proc.stdout[-3000:]
-    files = sorted((tmp_path / "f").glob("*.json"))
-    assert len(files) == 2, (files, proc.stdout[-3000:])
-    replays = set(re.findall(r"replay: python -m pagedkv replay \S+", proc.stdout))  # CI repeats them in the summary
-    assert len(replays) == 2, proc.stdout[-3000:]
+def test_two_distinct_failures_get_two_case_files_that_each_replay_to_their_own(pytester, write_candidate,
+                                                                                 monkeypatch):
+    spec = write_candidate("two_bugs", TWO_BUGS).spec
+    monkeypatch.setenv("PAGEDKV_PROFILE", "ci")
+    monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(pytester.path / "f"))
+    result, out, _ = _pytest(pytester, "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", spec, "-k",
+                             "gather_returns_exactly")
+    assert result.ret == 1, out[-3000:]
+    files = sorted((pytester.path / "f").glob("*.json"))
+    assert len(files) == 2, (files, out[-3000:])
+    replays = set(re.findall(r"replay: python -m pagedkv replay \S+", out))  # CI repeats them in the summary
+    assert len(replays) == 2, out[-3000:]
     verdicts = set()
     for path in files:
-        replay = subprocess.run([sys.executable, "-m", "pagedkv", "replay", str(path), "--impl", "two_bugs"],
-                                cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True,
-                                text=True, timeout=300)
+        replay = subprocess.run([sys.executable, "-m", "pagedkv", "replay", str(path), "--impl", spec],
+                                env=os.environ, capture_output=True, text=True, timeout=300)
         assert replay.returncode == 1, replay.stdout
         verdicts.add("RuntimeError" in replay.stdout)
     assert verdicts == {True, False}  # one replays to the exception, the other to the wrong value

@@ -3,13 +3,10 @@ with ``PAGEDKV_IMPL``, runs under the same properties from another directory
 (``pytest --pyargs pagedkv.testing.suite``); one missing an op gets those tests skipped with a reason
 naming the op; a broken signature is a usage error."""
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+import pytest
+
 SELECT = ["--pyargs", "pagedkv.testing.suite", "-k",
           "test_gather_returns_exactly_what_each_slot_holds or test_paged_attention_matches_fp64_dense_reference"]
 
@@ -49,35 +46,39 @@ ATTENTION = textwrap.dedent('''
     ''')
 
 
-def _pytest(tmp_path, module, source):
-    outside = tmp_path / "candidates"
-    outside.mkdir(exist_ok=True)
-    (outside / f"{module}.py").write_text(source)
-    env = {**os.environ, "PAGEDKV_IMPL": module, "PAGEDKV_PROFILE": "ci", "PAGEDKV_DEVICE": "cpu",
-           "PAGEDKV_FAILURE_DIR": str(tmp_path / "failures"),
-           "PYTHONPATH": os.pathsep.join([str(outside), str(ROOT)])}
-    proc = subprocess.run([sys.executable, "-m", "pytest", *SELECT, "-q", "-rs", "-p", "no:cacheprovider",
-                           "-p", "no:xdist", "-W", "ignore::pytest.PytestAssertRewriteWarning"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    return proc, proc.stdout + proc.stderr
+@pytest.fixture
+def gate(pytester, write_candidate, monkeypatch):
+    """``gate(module, source) -> (exit status, output)``: the suite's gather and attention properties over
+    a module written outside the project and named with ``$PAGEDKV_IMPL``, run from another directory."""
+    monkeypatch.setenv("PAGEDKV_PROFILE", "ci")
+    monkeypatch.setenv("PAGEDKV_DEVICE", "cpu")
+    monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(pytester.path / "failures"))
+
+    def run(module: str, source: str):
+        monkeypatch.setenv("PAGEDKV_IMPL", write_candidate(module, source).spec)
+        result = pytester.runpytest_subprocess(*SELECT, "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:xdist",
+                                               "-W", "ignore::pytest.PytestAssertRewriteWarning", timeout=600)
+        return result.ret, str(result.stdout) + str(result.stderr)
+
+    return run
 
 
-def test_a_candidate_outside_the_project_runs_and_passes(tmp_path):
-    proc, out = _pytest(tmp_path, "outside_candidate", CANDIDATE.format(name="outside_candidate") + ATTENTION)
-    assert proc.returncode == 0, out
+def test_a_candidate_outside_the_project_runs_and_passes(gate):
+    status, out = gate("outside_candidate", CANDIDATE.format(name="outside_candidate") + ATTENTION)
+    assert status == 0, out
     assert "2 passed" in out and "[outside_candidate" not in out.split("passed")[-1]
 
 
-def test_a_candidate_missing_paged_attention_has_those_tests_skipped_naming_the_op(tmp_path):
-    proc, out = _pytest(tmp_path, "gather_only_candidate", CANDIDATE.format(name="gather_only_candidate"))
-    assert proc.returncode == 0, out
+def test_a_candidate_missing_paged_attention_has_those_tests_skipped_naming_the_op(gate):
+    status, out = gate("gather_only_candidate", CANDIDATE.format(name="gather_only_candidate"))
+    assert status == 0, out
     assert "1 passed, 1 skipped" in out, out
     skip_lines = [line for line in out.splitlines() if line.startswith("SKIPPED")]
     assert len(skip_lines) == 1 and "'paged_attention'" in skip_lines[0], out
 
 
-def test_a_broken_signature_is_a_usage_error_naming_the_op(tmp_path):
+def test_a_broken_signature_is_a_usage_error_naming_the_op(gate):
     source = CANDIDATE.format(name="bad_signature") + "\n\ndef write_kv(k_cache, v_cache, key, value):\n    pass\n"
-    proc, out = _pytest(tmp_path, "bad_signature", source)
-    assert proc.returncode == 4, out  # pytest's usage-error status
+    status, out = gate("bad_signature", source)
+    assert status == 4, out  # pytest's usage-error status
     assert "write_kv" in out and "slot_mapping" in out, out

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -55,18 +54,19 @@ backend, wrong = HeadMajor(), ReadsAsNHD()
 '''
 
 
-def _path(tmp_path) -> str:
-    """``tmp_path`` first on the import path, then whatever the caller's path already held."""
-    return os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+@pytest.fixture
+def suite(pytester, write_candidate, monkeypatch):
+    """``suite(spec, *selected) -> RunResult``: the named properties over ``head_major`` under ``dev``."""
+    write_candidate("head_major", HEAD_MAJOR)
+    monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(pytester.path / "failures"))
+    monkeypatch.setenv("PAGEDKV_PROFILE", "dev")
 
+    def run(spec, *select):
+        return pytester.runpytest_subprocess("--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", spec, "-p",
+                                             "no:cacheprovider", "-p", "no:xdist", "-q", "-k", " or ".join(select),
+                                             timeout=600)
 
-def _suite(tmp_path, spec, *select):
-    (tmp_path / "head_major.py").write_text(textwrap.dedent(HEAD_MAJOR))
-    env = {**os.environ, "PYTHONPATH": _path(tmp_path), "PAGEDKV_FAILURE_DIR": str(tmp_path / "failures"),
-           "PAGEDKV_PROFILE": "dev"}
-    return subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", spec,
-                           "-p", "no:cacheprovider", "-p", "no:xdist", "-q", "-k", " or ".join(select)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    return run
 
 
 def test_the_cache_allocates_head_major_memory_under_nhd_shaped_pools():
@@ -76,18 +76,17 @@ def test_the_cache_allocates_head_major_memory_under_nhd_shaped_pools():
     assert k.permute(0, 2, 1, 3).is_contiguous()
 
 
-def test_a_head_major_backend_passes_and_a_layout_bug_fails_with_a_case_file(tmp_path):
+def test_a_head_major_backend_passes_and_a_layout_bug_fails_with_a_case_file(suite, pytester):
     select = ("gather_returns", "write_kv_lands", "paged_attention_matches", "live_sequence")
-    good = _suite(tmp_path, "head_major:backend", *select)
-    assert good.returncode == 0, good.stdout[-3000:]
-    assert "4 properties judged (0 failing)" in good.stdout, good.stdout[-2000:]
-    bad = _suite(tmp_path, "head_major:wrong", "gather_returns")
-    assert bad.returncode == 1, bad.stdout[-3000:]
-    files = sorted((tmp_path / "failures").glob("*.json"))
-    assert files, bad.stdout[-2000:]
+    good = suite("head_major:backend", *select)
+    assert good.ret == 0, str(good.stdout)[-3000:]
+    assert "4 properties judged (0 failing)" in str(good.stdout), str(good.stdout)[-2000:]
+    bad = suite("head_major:wrong", "gather_returns")
+    assert bad.ret == 1, str(bad.stdout)[-3000:]
+    files = sorted((pytester.path / "failures").glob("*.json"))
+    assert files, str(bad.stdout)[-2000:]
     replay = subprocess.run([sys.executable, "-m", "pagedkv", "replay", str(files[0]), "--impl", "head_major:wrong"],
-                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": _path(tmp_path)}, capture_output=True,
-                            text=True, timeout=300)
+                            env=os.environ, capture_output=True, text=True, timeout=300)
     assert replay.returncode == 1 and "FAILS" in replay.stdout, replay.stdout + replay.stderr
 
 

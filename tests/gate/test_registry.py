@@ -4,8 +4,6 @@ property is collected by pytest, and every case file names a registered property
 from __future__ import annotations
 
 import inspect
-import subprocess
-import sys
 
 import pytest
 
@@ -38,12 +36,12 @@ def test_every_check_function_is_registered():
     assert not unregistered, f"check functions no property registers: {sorted(f.__name__ for f in unregistered)}"
 
 
-def test_every_registered_property_is_collected_by_pytest():
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           "-p", "no:xdist", "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", "indexed"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    collected = {line.split("::")[1].split("[")[0] for line in proc.stdout.splitlines() if "::" in line}
+def test_every_registered_property_is_collected_by_pytest(pytester):
+    result = pytester.runpytest_subprocess("--collect-only", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                                           "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", "indexed",
+                                           timeout=300)
+    assert result.ret == 0, str(result.stdout) + str(result.stderr)
+    collected = {line.split("::")[1].split("[")[0] for line in result.outlines if "::" in line}
     missing = {f"test_{name}" for name in registry.properties()} - collected
     assert not missing, f"registered properties pytest does not collect: {sorted(missing)}"
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["pytester"]
 
 PROPERTY = "paged_attention_matches_fp64_dense_reference"
 PROMISED = "a_request_alone_equals_the_same_request_in_a_batch"

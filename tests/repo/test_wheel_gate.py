@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -62,40 +61,33 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory) -> Path:
-    """A fresh virtual environment with the built wheel and its ``testing`` extra installed."""
-    base = tmp_path_factory.mktemp("wheel-gate")
-    wheels = base / "dist"
-    built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels),
-                  str(ROOT)])
-    assert built.returncode == 0, built.stdout + built.stderr
-    (wheel,) = wheels.glob("pagedkv-*.whl")
-    env_dir = base / "venv"
-    assert _run([sys.executable, "-m", "venv", str(env_dir)]).returncode == 0
-    python = env_dir / "bin" / "python"
-    torch_version = torch.__version__.split("+")[0]
-    for spec in (f"torch=={torch_version}", f"{wheel}[testing]"):
-        done = _run([str(python), "-m", "pip", "install", "--quiet", spec])
-        if done.returncode != 0 and spec.startswith("torch"):
-            pytest.skip(f"cannot install {spec} into a fresh environment here: {done.stderr[-300:]}")
-        assert done.returncode == 0, done.stdout + done.stderr
-    return python
+def venv(venv_with_wheel) -> Path:
+    """A fresh virtual environment with this one's torch version, then the wheel and its ``testing`` extra."""
+    return venv_with_wheel("wheel-gate", first=(f"torch=={torch.__version__.split('+')[0]}",), extra="testing")
 
 
-def _gate(python: Path, work: Path, name: str, fault: str, *options: str,
-          profile: str = "dev") -> subprocess.CompletedProcess:
-    work.mkdir()
-    (work / f"{name}.py").write_text(CANDIDATE.format(name=name, fault=fault))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PAGEDKV_", "PYTHONPATH"))}
-    env.update(PYTHONPATH=str(work), PAGEDKV_PROFILE=profile, PAGEDKV_FAILURE_DIR=str(work / "failures"))
-    return _run([str(python), "-m", "pytest", "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", name,
-                 "-p", "no:cacheprovider", *options], cwd=work, env=env)
+@pytest.fixture
+def gate(venv, write_candidate):
+    """``gate(work, name, fault, *options, profile="dev") -> (process, env)``: the documented command in the
+    environment, run from ``work`` with the candidate's folder as its only import path beside the
+    environment's own (``env``, for the replay)."""
+
+    def run(work: Path, name: str, fault: str, *options: str, profile: str = "dev") -> tuple:
+        work.mkdir()
+        candidate = write_candidate(name, CANDIDATE.format(name=name, fault=fault))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PAGEDKV_", "PYTHONPATH"))}
+        env.update(PYTHONPATH=str(candidate.path.parent), PAGEDKV_PROFILE=profile,
+                   PAGEDKV_FAILURE_DIR=str(work / "failures"))
+        return _run([str(venv), "-m", "pytest", "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", candidate.spec,
+                     "-p", "no:cacheprovider", *options], cwd=work, env=env), env
+
+    return run
 
 
-def test_the_installed_gate_passes_a_correct_candidate(venv, tmp_path):
+def test_the_installed_gate_passes_a_correct_candidate(venv, gate, tmp_path):
     """Every property of the installed suite runs and passes (the smoke profile: a few examples each;
     the search itself is this checkout's suite's job)."""
-    proc = _gate(venv, tmp_path / "good", "good_kv", "", profile="smoke")
+    proc, _ = gate(tmp_path / "good", "good_kv", "", profile="smoke")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "implementation under test: good_kv" in out and " passed" in out and "failed" not in out
@@ -103,9 +95,9 @@ def test_the_installed_gate_passes_a_correct_candidate(venv, tmp_path):
     assert str(ROOT) not in _run([str(venv), "-c", "import pagedkv; print(pagedkv.__file__)"], cwd=tmp_path).stdout
 
 
-def test_the_installed_gate_fails_a_planted_tail_bug_with_a_replayable_case_file(venv, tmp_path):
+def test_the_installed_gate_fails_a_planted_tail_bug_with_a_replayable_case_file(venv, gate, tmp_path):
     work = tmp_path / "bad"
-    proc = _gate(venv, work, "tail_bug_kv", TAIL_BUG, "-x")  # stops at the first failure, as a user iterating would
+    proc, env = gate(work, "tail_bug_kv", TAIL_BUG, "-x")  # stops at the first failure, as a user iterating would
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     files = sorted((work / "failures").glob("*test_gather_returns_exactly_what_each_slot_holds*.json"))
@@ -114,7 +106,7 @@ def test_the_installed_gate_fails_a_planted_tail_bug_with_a_replayable_case_file
     assert record["backend"] == "tail_bug_kv" and record["outcome"] == "failed"
     assert record["check"] == "gather_returns_exactly_what_each_slot_holds"
     replay = _run([str(venv), "-m", "pagedkv", "replay", str(files[0]), "--impl", "tail_bug_kv"], cwd=work,
-                  env={**os.environ, "PYTHONPATH": str(work)})
+                  env=env)
     assert replay.returncode == 1 and "FAILS" in replay.stdout, replay.stdout + replay.stderr
 
 

@@ -99,12 +99,20 @@ def cache_home(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PAGEDKV_BASELINE_REPO", str(ROOT))
 
 
-def _suite(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PAGEDKV_FAILURE_DIR": str(tmp_path / "failures"),
-           "PAGEDKV_PROFILE": "dev"}
-    cmd = [sys.executable, "-m", "pytest", "--pyargs", "pagedkv.testing.suite", "-k", "attention_matches", "-n", "0",
-           "-p", "no:cacheprovider", "-q", *options]
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def suite(pytester, monkeypatch):
+    """``suite(*options) -> (exit status, stdout)``: the suite's attention properties under ``dev``, with
+    case files under ``failures/`` of the run's directory (``pytester.path``)."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(pytester.path / "failures"))
+    monkeypatch.setenv("PAGEDKV_PROFILE", "dev")
+
+    def run(*options: str) -> tuple[int, str]:
+        result = pytester.runpytest_subprocess("--pyargs", "pagedkv.testing.suite", "-k", "attention_matches", "-n",
+                                               "0", "-p", "no:cacheprovider", "-q", *options, timeout=300)
+        return result.ret, str(result.stdout)
+
+    return run
 
 
 def _table_row(output: str, prop: str = "paged_attention_matches_fp64_dense_reference") -> tuple[str, str, int]:
@@ -232,29 +240,29 @@ def test_path_baseline_shadows_a_module_of_the_same_name(plants, tmp_path, monke
 
 
 # -- the suite, end to end ---------------------------------------------------------------------------------
-def test_suite_reports_drift_of_a_conforming_refactor(plants, tmp_path):
-    run = _suite(tmp_path, "--pagedkv-impl", str(plants / "refactored_indexed.py"), "--pagedkv-baseline", "indexed")
-    assert run.returncode == 0, run.stdout[-3000:]
-    assert "pagedkv drift against baseline indexed" in run.stdout
-    ulp, rel, examples = _table_row(run.stdout)
+def test_suite_reports_drift_of_a_conforming_refactor(plants, suite, pytester):
+    status, out = suite("--pagedkv-impl", str(plants / "refactored_indexed.py"), "--pagedkv-baseline", "indexed")
+    assert status == 0, out[-3000:]
+    assert "pagedkv drift against baseline indexed" in out
+    ulp, rel, examples = _table_row(out)
     assert int(ulp) > 0 and 0 < float(rel) < 1e-2 and examples >= 10
-    worst = json.loads((tmp_path / "failures" / "drift" / "paged_attention_matches_fp64_dense_reference.json")
+    worst = json.loads((pytester.path / "failures" / "drift" / "paged_attention_matches_fp64_dense_reference.json")
                        .read_text())
     assert (worst["other"], worst["check"]) == ("indexed", "paged_attention_matches_fp64_dense_reference")
     assert f"attention {ulp} ulp" in worst["error"]
 
 
-def test_declared_exact_run_fails_with_a_case_file_that_replays(plants, tmp_path):
+def test_declared_exact_run_fails_with_a_case_file_that_replays(plants, suite, pytester):
     impl = str(plants / "refactored_indexed.py")
-    run = _suite(tmp_path, "--pagedkv-impl", impl, "--pagedkv-baseline", "indexed", "--pagedkv-baseline-exact")
-    assert run.returncode == 1, run.stdout[-3000:]
-    assert "declared bit-exact with the baseline, but attention" in run.stdout
-    command = re.search(r"replay: (python -m pagedkv replay \S+ --impl \S+ --other indexed --exact)", run.stdout)
-    assert command, run.stdout[-3000:]
+    status, out = suite("--pagedkv-impl", impl, "--pagedkv-baseline", "indexed", "--pagedkv-baseline-exact")
+    assert status == 1, out[-3000:]
+    assert "declared bit-exact with the baseline, but attention" in out
+    command = re.search(r"replay: (python -m pagedkv replay \S+ --impl \S+ --other indexed --exact)", out)
+    assert command, out[-3000:]
     path = command.group(1).split()[4]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     replayed = subprocess.run([sys.executable, "-m", "pagedkv", "replay", path, "--impl", impl, "--other", "indexed",
-                               "--exact"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+                               "--exact"], cwd=pytester.path, env=env, capture_output=True, text=True, timeout=120)
     assert replayed.returncode == 1, replayed.stdout
     assert "conformance holds: paged_attention_matches_fp64_dense_reference" in replayed.stdout
     assert "DRIFT FAILS: declared bit-exact" in replayed.stdout and "PASSES" not in replayed.stdout  # one verdict
@@ -262,16 +270,16 @@ def test_declared_exact_run_fails_with_a_case_file_that_replays(plants, tmp_path
     base = re.search(r"baseline   indexed: \[([^\]]+)\]", replayed.stdout).group(1)
     assert cand != base
     unrated = subprocess.run([sys.executable, "-m", "pagedkv", "replay", path, "--impl", impl, "--other", "indexed"],
-                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+                             cwd=pytester.path, env=env, capture_output=True, text=True, timeout=120)
     assert unrated.returncode == 0 and "drift within the gate" in unrated.stdout
     assert "PASSES: paged_attention_matches_fp64_dense_reference" in unrated.stdout and "FAILS" not in unrated.stdout
 
 
 @pytest.mark.parametrize("impl, baseline", [("COPY", "indexed"), ("indexed", "git:HEAD:indexed")],
                          ids=["copy-under-another-name", "git-head"])
-def test_a_bit_identical_baseline_reports_zero_drift(plants, tmp_path, impl, baseline):
+def test_a_bit_identical_baseline_reports_zero_drift(plants, suite, impl, baseline):
     impl = str(plants / "indexed_copy.py") if impl == "COPY" else impl
-    run = _suite(tmp_path, "--pagedkv-impl", impl, "--pagedkv-baseline", baseline, "--pagedkv-baseline-exact")
-    assert run.returncode == 0, run.stdout[-3000:]
-    ulp, rel, examples = _table_row(run.stdout)
+    status, out = suite("--pagedkv-impl", impl, "--pagedkv-baseline", baseline, "--pagedkv-baseline-exact")
+    assert status == 0, out[-3000:]
+    ulp, rel, examples = _table_row(out)
     assert (ulp, rel) == ("0", "0") and examples >= 10

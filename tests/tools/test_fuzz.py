@@ -84,7 +84,7 @@ def _fuzz(url: str, cwd: Path, failures: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=120)
 
 
-def test_a_failure_found_by_one_worker_is_replayed_by_the_next_from_redis(redis_url, tmp_path):
+def test_a_failure_found_by_one_worker_is_replayed_by_the_next_from_redis(redis_url, tmp_path, pytester, monkeypatch):
     import redis
 
     from pagedkv.cli.replay import replay
@@ -112,12 +112,15 @@ def test_a_failure_found_by_one_worker_is_replayed_by_the_next_from_redis(redis_
     assert replay(a, quiet=True, out=io.StringIO()) == 1  # the case file reproduces the failure
 
     # the pytest suite under the gpu profile with $PAGEDKV_DATABASE replays the same case
-    env = {**_env(), "PAGEDKV_PROFILE": "gpu", "PAGEDKV_DATABASE": redis_url,
-           "PAGEDKV_FAILURE_DIR": str(tmp_path / "pytest")}
-    suite = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                            "--pyargs", "pagedkv.testing.suite", f"--pagedkv-impl={MUTANT}", "-k", f"test_{PROPERTY}"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert suite.returncode == 1, suite.stdout[-2000:] + suite.stderr[-2000:]
+    for key in [k for k in os.environ if k.startswith(("PAGEDKV_", "HYPOTHESIS"))]:
+        monkeypatch.delenv(key)
+    for key, value in {"PYTHONPATH": _env()["PYTHONPATH"], "PAGEDKV_PROFILE": "gpu", "PAGEDKV_DATABASE": redis_url,
+                       "PAGEDKV_FAILURE_DIR": str(tmp_path / "pytest")}.items():
+        monkeypatch.setenv(key, value)
+    suite = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-p", "no:xdist", "--pyargs",
+                                          "pagedkv.testing.suite", f"--pagedkv-impl={MUTANT}", "-k", f"test_{PROPERTY}",
+                                          timeout=120)
+    assert suite.ret == 1, str(suite.stdout)[-2000:] + str(suite.stderr)[-2000:]
     (c,) = sorted((tmp_path / "pytest").glob("*.json"))
     assert json.loads(c.read_text())["case"] == record["case"]
 
