@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     import pagedkv
     from pagedkv.backends import backend_name
-    from pagedkv.testing import plan as planning
+    from pagedkv.tools import plan as planning
     from pagedkv.testing.device_lease import parse_bytes
     from pagedkv.testing.space import capabilities_under_test, load_candidates
 
