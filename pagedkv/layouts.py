@@ -113,15 +113,19 @@ class PoolLayout:
                     logical[:1], ref_logical[:1]):
                 return self._permuted_storage(logical, ref, ref_logical)
             strides[0] = logical.stride(0)  # block-strided: storage[0::k] of an arena
+        return self._viewing_back(logical, ref.shape, strides)
+
+    def _viewing_back(self, logical: torch.Tensor, shape, strides: list[int]) -> torch.Tensor | None:
+        """The storage ``shape`` / ``strides`` over ``logical``'s memory when the layout views it back to
+        exactly ``logical`` (same start, same strides), else ``None``."""
         try:
-            storage = torch.as_strided(logical, ref.shape, strides, logical.storage_offset())
+            storage = torch.as_strided(logical, shape, strides, logical.storage_offset())
             back = self.logical(storage)
         except RuntimeError:
             return None
         if back.data_ptr() != logical.data_ptr() or not _same_strides(back, logical):
             return None
         return storage
-
 
     def _permuted_storage(self, logical: torch.Tensor, ref: torch.Tensor, ref_logical: torch.Tensor
                           ) -> torch.Tensor | None:
@@ -142,14 +146,7 @@ class PoolLayout:
         by_ref = sorted(dims, key=lambda j: ref.stride(j))
         if by_ref != sorted(dims, key=lambda j: strides[j]) or (by_ref and strides[by_ref[0]] != ref.stride(by_ref[0])):
             return None  # not the layout's memory order (with gaps): a copy in that order is what the backend takes
-        try:
-            storage = torch.as_strided(logical, ref.shape, strides, logical.storage_offset())
-            back = self.logical(storage)
-        except RuntimeError:
-            return None
-        if back.data_ptr() != logical.data_ptr() or not _same_strides(back, logical):
-            return None
-        return storage
+        return self._viewing_back(logical, ref.shape, strides)
 
 
 def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
