@@ -27,7 +27,7 @@ def test_the_gpu_session_dry_run_plans_first_and_skips_only_the_device_calls(tmp
                                                 "== e2e on CUDA", "== bench"]
     assert "DRY RUN" in summary.splitlines()[0] and "plan exit 0" in summary
     assert "estimated wall time" in summary and "compile-count check exit 0" in summary
-    for device_call in ("pytest --pyargs pagedkv.testing.suite", "--compile-report --arch",
+    for device_call in ("pytest --pyargs pagedkv.testing.suite", "bench.compile_report --arch",
                         "e2e --backend triton --device cuda", "bench --device cuda"):
         logged = "\n".join(p.read_text() for p in tmp_path.glob("*.txt"))
         assert "[dry run] " in logged and device_call in logged, device_call
