@@ -28,8 +28,9 @@ __all__ = ["DTYPES", "GROUP_SIZES", "cases", "fragmented_cases", "geometries", "
 if __name__ != "pagedkv.testing.strategies":  # imported from a checkout's root as plain `strategies`
     # Be the very package the kit uses (one copy of every class and profile), not a second import.
     import importlib as _importlib
+    import pkgutil as _pkgutil
     import sys as _sys
 
-    _sys.modules[__name__] = _importlib.import_module("pagedkv.testing.strategies")
-    for _name in ("batches", "geometry", "invalid", "sharing"):
-        _sys.modules[f"{__name__}.{_name}"] = _importlib.import_module(f"pagedkv.testing.strategies.{_name}")
+    _package = _sys.modules[__name__] = _importlib.import_module("pagedkv.testing.strategies")
+    for _module in _pkgutil.iter_modules(_package.__path__):  # every module, the palette included
+        _sys.modules[f"{__name__}.{_module.name}"] = _importlib.import_module(f"{_package.__name__}.{_module.name}")
