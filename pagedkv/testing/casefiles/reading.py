@@ -33,6 +33,7 @@ with its ``case`` rebuilt as a :class:`~pagedkv.testing.cases.case.Case`,
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 from pathlib import Path
@@ -47,7 +48,8 @@ CHEATS_MODULE = "pagedkv.tools.mutants.cheats"  # the cheating candidates (paged
 SHIPPED_MODULES = (MUTANTS_MODULE, PEERS_MODULE, CHEATS_MODULE)
 
 
-def _shipped(module: str) -> set[str]:
+@functools.cache  # an installed distribution's entry points do not change within a process
+def _shipped(module: str) -> frozenset[str]:
     """The backend names ``module`` (a shipped mutant or peer module) exports, as pagedkv's own
     distribution declares them (entry-point group ``pagedkv.shipped_backends``, each naming a
     ``{name: backend}`` mapping): the gate trusts them without importing a tool of its own accord, and
@@ -58,7 +60,7 @@ def _shipped(module: str) -> set[str]:
     for entry in entry_points(group="pagedkv.shipped_backends"):
         if entry.module == module and entry.dist is not None and entry.dist.name == "pagedkv":
             names |= set(entry.load())
-    return names
+    return frozenset(names)
 
 
 def canonical_backend_spec(spec: object) -> str | None:
