@@ -261,7 +261,11 @@ def corrupted(draw, root: Path, how: str):
         if how == "huge_pool":  # under every per-field cap, over any machine's budget
             choices = [p for p in choices if p.rsplit(".", 1)[-1] in POOL_FIELDS and ".geometry." in p]
             path = draw(st.sampled_from(choices))
-            return enc(set_at(record, path, draw(st.integers(2**36, 2**40 - 1)))), {path, path.rsplit(".", 1)[0]}
+            fields = {path, path.rsplit(".", 1)[0]}
+            if path.endswith(".num_kv_heads"):  # per-head scales no longer match the head count: also a refusal
+                owner = path.rsplit(".geometry.", 1)[0]
+                fields |= {f"{owner}.{k}" for k in ("k_scale", "v_scale")}
+            return enc(set_at(record, path, draw(st.integers(2**36, 2**40 - 1)))), fields
         path = draw(st.sampled_from(choices))
         value = draw(st.integers(-2**70, -1) if how == "negative" else st.integers(2**44, 2**70) | st.just(10**30))
         return enc(set_at(record, path, value)), {path}

@@ -169,11 +169,13 @@ def worker_device(index: int, chosen: str | None) -> str:
 
 
 def run_batch(prop: Any, backend: Any, reference: Any | None, impl: str, device: str, db: Any, examples: int,
-              failure_dir: Path, worker: int = 0, on_example: Any = None, caps: Any = None) -> Outcome:
+              failure_dir: Path, worker: int = 0, on_example: Any = None, caps: Any = None,
+              seed: int | None = None) -> Outcome:
     """One Hypothesis run of ``prop`` against ``backend`` through :func:`pagedkv.testing.execute.run`:
     replay the database's examples, search ``examples`` new ones, shrink a failure. ``on_example()``
     is called before each example runs; ``caps`` (:func:`declared_capabilities`) limits the cases to
-    the backend's declared space.
+    the backend's declared space; ``seed`` fixes the batch's draws (``None``: a fresh random batch, as a
+    fuzz worker wants).
 
     Returns:
         The run's :class:`~pagedkv.testing.execute.Outcome`; a failure's case file is moved to the
@@ -192,7 +194,7 @@ def run_batch(prop: Any, backend: Any, reference: Any | None, impl: str, device:
     path = failure_dir / case_file_name(names[-1], prop.name, f".w{worker}")
     outcome = run(prop, backends, device, fuzz_settings(db, examples), caps=caps, spec=impl,
                   other=names[0] if prop.pair else None, case_file=path, on_example=on_example, explicit=False,
-                  database_key=property_key(prop.name, *names))
+                  database_key=property_key(prop.name, *names), seed=seed)
     found = outcome.failures[0] if outcome.failed else None
     if found is not None and found.case_file is not None:
         final = failure_dir / case_file_name(names[-1], prop.name)
