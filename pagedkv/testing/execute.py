@@ -317,7 +317,7 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
         outcome.status, outcome.reason = "skipped", reason
         return outcome
     chosen = settings if settings is not None else suite_settings()
-    cap = example_cap(backends)
+    cap = example_cap(backends, chosen.max_examples)
     if cap is not None and prop.kind == "machine":
         cap //= 3  # a run of the state machine is 50 steps: a third of the examples under Triton's interpreter
     limit = min(x for x in (prop.max_examples, cap, chosen.max_examples) if x is not None)

@@ -8,8 +8,8 @@ the mutation command) asks this module, so they agree on what a backend is judge
   :class:`~pagedkv.backends.capabilities.Capabilities`, trimmed where this machine cannot judge a
   part of it (Triton's interpreter and bfloat16 ``tl.dot``), and the drawing space of a backend
   whose kernels are interpreted here;
-- :func:`interpreted` and :data:`INTERPRETED_MAX_EXAMPLES`: Triton kernels run by the interpreter
-  (100-1000x slower) draw fewer examples;
+- :func:`interpreted` and :func:`example_cap`: Triton kernels run by the interpreter (100-1000x
+  slower) draw a tenth of the profile's examples;
 - :func:`pick_device`: the device the suite's tensors live on.
 
 Nothing here imports Hypothesis or pytest.
@@ -24,8 +24,11 @@ import re
 import sys
 from typing import Any
 
-#: Examples a property draws for a backend whose kernels Triton interprets on the CPU (100-1000x slower
-#: than the other backends): enough to reach the edges of the small geometries, not the profile's count.
+#: The fewest and the most examples a property draws for a backend whose kernels Triton interprets on the
+#: CPU (100-1000x slower than the other backends): a tenth of the profile's count, within these bounds
+#: (``ci`` 10, ``gpu`` 20, ``nightly`` 25). The interpreter stands in for a GPU here; the search proper
+#: runs compiled, at the profile's full count, on a GPU runner (docs/gpu.md).
+INTERPRETED_MIN_EXAMPLES = 5
 INTERPRETED_MAX_EXAMPLES = 25
 _OWN_TRITON = "pagedkv.backends.triton.backend"
 
@@ -99,10 +102,13 @@ def launches_triton(backend: Any) -> bool:
                                       or getattr(v, "__name__", "") == "triton" for v in vars(module).values())
 
 
-def example_cap(backends) -> int | None:
-    """At most this many examples a property, or ``None``: :data:`INTERPRETED_MAX_EXAMPLES` when any
-    of ``backends`` is interpreted here."""
-    return INTERPRETED_MAX_EXAMPLES if any(interpreted(b) for b in backends) else None
+def example_cap(backends, max_examples: int) -> int | None:
+    """At most this many examples a property, or ``None`` (no cap): when any of ``backends`` is interpreted
+    here, a tenth of ``max_examples`` (the profile's count) within :data:`INTERPRETED_MIN_EXAMPLES` and
+    :data:`INTERPRETED_MAX_EXAMPLES`."""
+    if not any(interpreted(b) for b in backends):
+        return None
+    return min(INTERPRETED_MAX_EXAMPLES, max(INTERPRETED_MIN_EXAMPLES, max_examples // 10))
 
 
 def pick_device(chosen: str | None = None) -> str:

@@ -207,7 +207,7 @@ def plan_profile(backend: Any, profile: str, *, device: str, workers: int, cores
     palette = run_palette(caps)
     count = PROFILES[profile]["max_examples"]
     derandomize = PROFILES[profile].get("derandomize", False)
-    cap = None if str(device).startswith("cuda") else example_cap([backend])
+    cap = None if str(device).startswith("cuda") else example_cap([backend], count)
     plans, union, drawn = [], {}, True
     for prop in properties().values():
         backends = _with_reference(prop, (backend,))

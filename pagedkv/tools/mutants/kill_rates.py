@@ -27,8 +27,8 @@ first failure.
 The one call that runs a property on a backend with a seed is :func:`_run_one`; it follows the
 suite's own test (:mod:`pagedkv.testing.suite.test_properties`): cases drawn inside
 ``capabilities_under_test(backend, for_drawing=True)``, the explicit examples that fit it, at most
-``INTERPRETED_MAX_EXAMPLES`` for a backend Triton interprets. State machines (``kind == "machine"``)
-are not seeded by Hypothesis's ``seed`` and are left out.
+:func:`~pagedkv.testing.space.example_cap` examples for a backend Triton interprets (as the suite under the
+same profile). State machines (``kind == "machine"``) are not seeded by Hypothesis's ``seed`` and are left out.
 """
 
 from __future__ import annotations
@@ -302,7 +302,7 @@ def child_main(job: dict, out_path: str) -> None:
     from pagedkv.backends import load_backend
     from pagedkv.tools.mutants.generate import loaded_from
     from pagedkv.testing.registry import properties
-    from pagedkv.testing.space import INTERPRETED_MAX_EXAMPLES, capabilities_under_test, interpreted
+    from pagedkv.testing.space import capabilities_under_test, example_cap
     from pagedkv.testing.settings import PROFILES
 
     out: dict = {"id": job["id"], "status": "ran", "runs": [], "current": None, "error": ""}
@@ -328,7 +328,7 @@ def child_main(job: dict, out_path: str) -> None:
     case_dir = Path(job["case_dir"])
     ctx = {"backend": backend, "caps": capabilities_under_test(backend, for_drawing=True), "props": properties(),
            "limit": PROFILES[job["profile"]]["max_examples"],
-           "cap": INTERPRETED_MAX_EXAMPLES if interpreted(backend) else None,
+           "cap": example_cap([backend], PROFILES[job["profile"]]["max_examples"]),
            "case_dir": case_dir, "running": case_dir / f"{job['id']}.running.json",
            "workdir": Path(out_path).parent, "deadline": time.monotonic() + job["budget_s"],
            "saved": {True: False, False: False}}
