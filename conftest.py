@@ -17,6 +17,11 @@ Shared fixtures:
 
 A test that uses ``pytester``, the wheel or a virtual environment is marked ``integration``
 (``-m "not integration"`` deselects them all).
+
+Two tiers: a test marked ``slow`` (the wheel in a fresh environment, a user's repository, the long
+soak, the tools' own end-to-end runs: each says why it can wait) is skipped, saying how to run it,
+unless ``PAGEDKV_SLOW=1`` or ``PAGEDKV_PROFILE=nightly`` asks for the nightly tier
+(``.github/workflows/nightly.yml``).
 """
 
 from __future__ import annotations
@@ -44,10 +49,27 @@ NOT_SOURCE = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__py
                                     ".pagedkv-failures", ".pytest_cache", ".ruff_cache", "results", "gpu-results")
 
 
+#: The nightly tier: every test, the ``slow`` ones included.
+NIGHTLY_TIER = bool(os.environ.get("PAGEDKV_SLOW")) or os.environ.get("PAGEDKV_PROFILE") == "nightly"
+_WAITS = pytest.mark.skip(reason="slow: runs in the nightly tier (PAGEDKV_SLOW=1 or PAGEDKV_PROFILE=nightly)")
+
+
+def pytest_configure(config):
+    # an xdist worker is one process per core: torch's own threads on top (here and in the subprocesses a
+    # test starts) would oversubscribe the cores
+    if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
+        if not NIGHTLY_TIER and item.get_closest_marker("slow"):
+            item.add_marker(_WAITS)
 
 
 def _run(cmd: list, **kw) -> subprocess.CompletedProcess:

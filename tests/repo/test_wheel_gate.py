@@ -18,6 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+#: The nightly tier: installing torch and the wheel into a fresh environment is most of a minute and a half.
+#: Every run pins what the wheel is built from (tests/repo/test_architecture.py: the package list, no top-level
+#: ``strategies``) and runs the same gate from the checkout (tests/gate/test_impl_gate.py).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 CANDIDATE = textwrap.dedent('''

@@ -84,6 +84,7 @@ def _fuzz(url: str, cwd: Path, failures: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # two time-budgeted fleet runs (18 s each); one batch's verdict is pinned by test_one_runner
 def test_a_failure_found_by_one_worker_is_replayed_by_the_next_from_redis(redis_url, tmp_path, pytester, monkeypatch):
     import redis
 

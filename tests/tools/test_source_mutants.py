@@ -110,6 +110,7 @@ def gather(cache, block_table, seq_len, validate=True):
 '''
 
 
+@pytest.mark.slow  # the kill-rate runner end to end in child processes; .github/workflows/mutation.yml runs it nightly
 def test_kill_rates_kill_a_planted_mutant_in_k_of_n_and_report_an_equivalent_survivor(tmp_path, monkeypatch):
     from pagedkv.cli import main
 
