@@ -68,8 +68,22 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
+        if _is_loop_backend_run(item):
+            item.add_marker(pytest.mark.slow)
         if not NIGHTLY_TIER and item.get_closest_marker("slow"):
             item.add_marker(_WAITS)
+
+
+def _is_loop_backend_run(item) -> bool:
+    """A property of the conformance suite run on the ``loop`` backend alone. The loop backend (a Python
+    loop over blocks and ``torch.cat``) is the simplest read path: every push judges it through
+    ``backends_agree_on_every_op_both_provide[loop-indexed]`` and ``[loop-triton]`` (each of its ops equal
+    to the indexed and Triton backends' on 100 cases) and ``tests/backends``; each property on it alone
+    waits for the nightly tier."""
+    callspec = getattr(item, "callspec", None)
+    return (callspec is not None and item.nodeid.startswith("pagedkv/testing/suite/test_properties.py")
+            and callspec.params.get("backend") is not None and callspec.id.split("-")[0] == "loop"
+            and "backend_pair" not in callspec.params)
 
 
 def _run(cmd: list, **kw) -> subprocess.CompletedProcess:
