@@ -194,3 +194,21 @@ def test_a_mutant_of_a_file_that_changed_since_generation_is_refused(tmp_path):
     src.write_text('def f(x):\n    """A docstring line shifts every offset."""\n    return x + 1\n')
     with pytest.raises(ValueError, match="changed since mutant"):
         mutant.mutated_source()
+
+
+def test_a_kill_rate_run_draws_what_the_suite_draws_under_the_same_profile(tmp_path, monkeypatch):
+    """The runner hands the execution core the profile's count; the property's cap and the interpreter's
+    (a tenth of the profile's count: 10 under ``ci``) are applied there, once, as in the suite."""
+    from pagedkv.backends import get_backend
+    from pagedkv.testing import space
+    from pagedkv.testing.registry import properties
+    from pagedkv.tools.mutants.kill_rates import _one_run
+
+    monkeypatch.setattr(space, "interpreted", lambda backend: True)  # as if Triton interpreted the backend
+    backend, name = get_backend("indexed"), "gather_returns_exactly_what_each_slot_holds"
+    ctx = {"backend": backend, "caps": space.capabilities_under_test(backend, for_drawing=True),
+           "props": properties(), "limit": 100, "case_dir": tmp_path, "running": tmp_path / "running.json",
+           "workdir": tmp_path, "deadline": None, "saved": {True: False, False: False}}
+    job = {"id": "baseline", "impl": "indexed", "device": "cpu", "properties": [name]}
+    run = _one_run(job, 0, False, ctx, on_property=lambda name: None)
+    assert not run["killed"] and run["examples"] == space.example_cap([backend], 100) == 10

@@ -103,7 +103,9 @@ def property_seed(seed: int, name: str) -> int:
 def _run_one(prop: Any, backend: Any, device: str, seed: int, max_examples: int, explicit: bool, *,
              caps: Any, deadline: float | None = None, case_file: Path | None = None) -> Outcome:
     """Run property ``prop`` on ``backend`` once: Hypothesis seeded with :func:`property_seed` of ``seed``,
-    ``max_examples`` generated examples (after the explicit ones that fit ``caps`` when ``explicit``), no database, no
+    ``max_examples`` generated examples (the profile's count: the property's own cap and an interpreted
+    backend's, :func:`pagedkv.testing.space.example_cap`, apply inside the execution core, as in the suite;
+    after the explicit ones that fit ``caps`` when ``explicit``), no database, no
     shrinking, stopping at the first failure; each example is written to ``case_file`` before it runs.
 
     It runs through the execution core (:func:`pagedkv.testing.execute.run`), like every other entry point.
@@ -210,9 +212,8 @@ def _one_run(job: dict, seed: int, explicit: bool, ctx: dict, on_property) -> di
                 break
             continue
         prop = ctx["props"][name]
-        n = min(x for x in (ctx["limit"], prop.max_examples, ctx["cap"]) if x is not None)
-        try:
-            outcome = _run_one(prop, ctx["backend"], job["device"], seed, n, explicit, caps=ctx["caps"],
+        try:  # the profile's count: execute.run applies the property's cap and the interpreter's, once
+            outcome = _run_one(prop, ctx["backend"], job["device"], seed, ctx["limit"], explicit, caps=ctx["caps"],
                                deadline=ctx["deadline"], case_file=ctx["running"])
         except _OverBudget:  # the run so far is kept, marked partial
             run.update(partial=True, seconds=round(time.monotonic() - t0, 3))
@@ -302,7 +303,7 @@ def child_main(job: dict, out_path: str) -> None:
     from pagedkv.backends import load_backend
     from pagedkv.tools.mutants.generate import loaded_from
     from pagedkv.testing.registry import properties
-    from pagedkv.testing.space import capabilities_under_test, example_cap
+    from pagedkv.testing.space import capabilities_under_test
     from pagedkv.testing.settings import PROFILES
 
     out: dict = {"id": job["id"], "status": "ran", "runs": [], "current": None, "error": ""}
@@ -328,7 +329,6 @@ def child_main(job: dict, out_path: str) -> None:
     case_dir = Path(job["case_dir"])
     ctx = {"backend": backend, "caps": capabilities_under_test(backend, for_drawing=True), "props": properties(),
            "limit": PROFILES[job["profile"]]["max_examples"],
-           "cap": example_cap([backend], PROFILES[job["profile"]]["max_examples"]),
            "case_dir": case_dir, "running": case_dir / f"{job['id']}.running.json",
            "workdir": Path(out_path).parent, "deadline": time.monotonic() + job["budget_s"],
            "saved": {True: False, False: False}}
