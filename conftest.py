@@ -80,10 +80,12 @@ def _is_loop_backend_run(item) -> bool:
     ``backends_agree_on_every_op_both_provide[loop-indexed]`` and ``[loop-triton]`` (each of its ops equal
     to the indexed and Triton backends' on 100 cases) and ``tests/backends``; each property on it alone
     waits for the nightly tier."""
+    from pagedkv.backends import backend_name
+
     callspec = getattr(item, "callspec", None)
-    return (callspec is not None and item.nodeid.startswith("pagedkv/testing/suite/test_properties.py")
-            and callspec.params.get("backend") is not None and callspec.id.split("-")[0] == "loop"
-            and "backend_pair" not in callspec.params)
+    backend = callspec.params.get("backend") if callspec is not None else None  # pair tests take backend_pair
+    return (backend is not None and item.nodeid.startswith("pagedkv/testing/suite/test_properties.py")
+            and backend_name(backend) == "loop")
 
 
 def _run(cmd: list, **kw) -> subprocess.CompletedProcess:

@@ -104,8 +104,9 @@ def launches_triton(backend: Any) -> bool:
 
 def example_cap(backends, max_examples: int) -> int | None:
     """At most this many examples a property, or ``None`` (no cap): when any of ``backends`` is interpreted
-    here, a tenth of ``max_examples`` (the profile's count) within :data:`INTERPRETED_MIN_EXAMPLES` and
-    :data:`INTERPRETED_MAX_EXAMPLES`."""
+    here, a tenth of ``max_examples`` within :data:`INTERPRETED_MIN_EXAMPLES` and
+    :data:`INTERPRETED_MAX_EXAMPLES`. ``max_examples`` is the run's count: the profile's in the suite, the
+    kill table and the kill rates; a batch's in ``python -m pagedkv fuzz``."""
     if not any(interpreted(b) for b in backends):
         return None
     return min(INTERPRETED_MAX_EXAMPLES, max(INTERPRETED_MIN_EXAMPLES, max_examples // 10))

@@ -10,7 +10,6 @@ with a progress bar.
 
 from __future__ import annotations
 
-
 import pytest
 
 from pagedkv.cli import main
