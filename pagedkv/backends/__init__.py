@@ -184,9 +184,9 @@ def load_backend(spec: str, *, required: tuple[str, ...] | list[str] = ()) -> An
         except (AttributeError, TypeError):
             pass
     if "triton" in sys.modules:  # a candidate's own interpreted kernels too (pagedkv.backends.interpreter)
-        from pagedkv.backends.interpreter import launch_on_fresh_stack_chunks
+        from pagedkv.backends.interpreter import wrap_interpreted_launches
 
-        launch_on_fresh_stack_chunks()
+        wrap_interpreted_launches()
     return obj
 
 

@@ -50,29 +50,62 @@ def on_fresh_stack_chunk(fn, *args, **kwargs):
     return _reserve(fn, args, kwargs)
 
 
-def launch_on_fresh_stack_chunks() -> bool:
-    """Make every launch of Triton's interpreter (pagedkv's kernels and a peer's alike) run on a fresh
-    data-stack chunk: wraps ``triton.runtime.interpreter.GridExecutor.__call__`` once. Call it after
-    ``triton`` is imported; it does nothing when Triton compiles kernels or its interpreter has no such
-    class.
+# -- triton.language patched once per launch -----------------------------------------------------------------
+# The interpreter patches ``triton.language`` (about 400 attributes) at every launch and again at every call of
+# a ``@triton.jit`` function inside a kernel: a helper of one's own and ``tl.max``, ``tl.sum`` or ``tl.cdiv``
+# alike (they are ``@triton.jit`` functions). A call repeated within one launch sets the same attributes to
+# the same functions again; it took about a fifth of the suite's interpreted attention time. Within a launch
+# each function patches once; every launch still patches afresh and restores as Triton does.
+_patched_in_launch: set | None = None
+
+
+def _patch_once_per_launch(patch_lang, empty_scope):
+    def patch(fn):
+        if _patched_in_launch is None:
+            return patch_lang(fn)
+        if fn in _patched_in_launch:
+            return empty_scope()
+        _patched_in_launch.add(fn)
+        return patch_lang(fn)
+
+    patch.__wrapped__ = patch_lang
+    return patch
+
+
+def wrap_interpreted_launches() -> bool:
+    """Wrap Triton's interpreted launches (pagedkv's kernels and a peer's alike) once: every launch runs on
+    a fresh CPython data-stack chunk, and patches ``triton.language`` once per function it calls (both
+    above). Call it after ``triton`` is imported; it does nothing when Triton compiles kernels, and the
+    patching stays Triton's own where its interpreter lacks the internals named above.
 
     Returns:
         Whether interpreted launches are wrapped.
     """
+    global _patched_in_launch
     if not interpreting():
         return False
     try:
+        from triton.runtime import interpreter as triton_interpreter
         from triton.runtime.interpreter import GridExecutor
     except ImportError:
         return False
     launch = GridExecutor.__call__
-    if getattr(launch, "_pagedkv_fresh_chunk", False):
+    if getattr(launch, "_pagedkv_wrapped", False):
         return True
 
     def __call__(self, *args, **kwargs):
-        return _reserve(launch, (self, *args), kwargs)
+        global _patched_in_launch
+        outer, _patched_in_launch = _patched_in_launch, set()
+        try:
+            return _reserve(launch, (self, *args), kwargs)
+        finally:
+            _patched_in_launch = outer
 
-    __call__._pagedkv_fresh_chunk = True
+    __call__._pagedkv_wrapped = True
     __call__.__wrapped__ = launch
     GridExecutor.__call__ = __call__
+    patch_lang = getattr(triton_interpreter, "_patch_lang", None)
+    empty_scope = getattr(triton_interpreter, "_LangPatchScope", None)
+    if callable(patch_lang) and empty_scope is not None:
+        triton_interpreter._patch_lang = _patch_once_per_launch(patch_lang, empty_scope)
     return True

@@ -12,14 +12,14 @@ import os
 
 import torch
 
-from pagedkv.backends.interpreter import choose_interpreter, launch_on_fresh_stack_chunks
+from pagedkv.backends.interpreter import choose_interpreter, wrap_interpreted_launches
 
 choose_interpreter()
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-launch_on_fresh_stack_chunks()
+wrap_interpreted_launches()
 
 LOG2E = 1.4426950408889634
 from pagedkv.validation.arguments import FP8_DTYPES  # noqa: E402  (one source: the fp8 pool dtypes)

@@ -18,7 +18,7 @@ import torch
 
 from pagedkv.validation.arguments import check_num_splits
 from pagedkv.backends.capabilities import Capabilities
-from pagedkv.backends.interpreter import launch_on_fresh_stack_chunks
+from pagedkv.backends.interpreter import wrap_interpreted_launches
 from pagedkv.csr import check_csr
 from pagedkv.errors import BackendUnavailableError
 from pagedkv.validation.calls import check_paged_attention, check_write_kv
@@ -123,7 +123,7 @@ class SglangTriton:
             raise BackendUnavailableError(f"sglang is not installed or has no Triton attention kernels "
                                           f"({type(exc).__name__}: {exc}); install: {RECIPE}") from exc
         self._decode, self._extend = decode_attention_fwd, extend_attention_fwd
-        launch_on_fresh_stack_chunks()  # interpreted launches off CPython's stack-chunk boundaries
+        wrap_interpreted_launches()  # interpreted launches: a fresh stack chunk, triton.language patched once
         self._unified = extend_attention_fwd_unified
         self._build_unified, self._align = build_unified_kv_indices, align_window_kv_to_tiles
         self._indices, self._write = create_flashinfer_kv_indices_triton, launch_reshape_and_cache_flash

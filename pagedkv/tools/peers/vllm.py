@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from pagedkv.backends.capabilities import SPECIALIZATION_NAMES, Capabilities, Sizes
-from pagedkv.backends.interpreter import launch_on_fresh_stack_chunks
+from pagedkv.backends.interpreter import wrap_interpreted_launches
 from pagedkv.errors import BackendUnavailableError
 from pagedkv.layouts import HND, PoolLayout
 from pagedkv.validation.calls import check_paged_attention, check_write_kv
@@ -124,7 +124,7 @@ class VllmTriton:
         except ImportError as exc:
             raise _unavailable("Triton attention ops", exc) from exc
         self._write, self._attend = triton_reshape_and_cache_flash, unified_attention
-        launch_on_fresh_stack_chunks()  # interpreted launches off CPython's stack-chunk boundaries
+        wrap_interpreted_launches()  # interpreted launches: a fresh stack chunk, triton.language patched once
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         # unified_attention takes a left window, a soft-cap, ALiBi slopes and sinks: declared, so drawn
         self.capabilities = Capabilities(dtypes={"float32", "float16"} if interpreted else
