@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -145,11 +146,22 @@ def _fill_fresh_memory():
     return _FreshMemoryFilled()
 
 
+def _use_deterministic_algorithms(mode: bool, *, warn_only: bool) -> None:
+    """:func:`torch.use_deterministic_algorithms`, without importing inductor to get there: the public call
+    imports ``torch._inductor`` (and with it ``torch._dynamo``, about 1.8 s in a fresh process: every replay
+    and every gate run paid it) only to set inductor's ``deterministic`` flag, which nothing reads until
+    inductor is loaded. Once it is, the public call."""
+    if "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    else:
+        torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
+
+
 class _FreshMemoryFilled:
     def __enter__(self):
         self.was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
         self.fill = torch.utils.deterministic.fill_uninitialized_memory
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        _use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = True
         self.warnings = warnings.catch_warnings()
         self.warnings.__enter__()
@@ -159,7 +171,7 @@ class _FreshMemoryFilled:
     def __exit__(self, *exc):
         self.warnings.__exit__(*exc)
         torch.utils.deterministic.fill_uninitialized_memory = self.fill
-        torch.use_deterministic_algorithms(self.was[0], warn_only=self.was[1])
+        _use_deterministic_algorithms(self.was[0], warn_only=self.was[1])
         return False
 
 
