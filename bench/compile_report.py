@@ -6,10 +6,10 @@ every kernel replaced by a recorder, so the report compiles exactly what a launc
 constexprs, ``num_warps`` / ``num_stages`` and Triton's own argument specialisation (an int equal to 1
 becomes a constant, multiples of 16 and 16-byte-aligned pointers get the divisibility hint). Each
 recorded launch is compiled with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))``
-and its PTX assembled again by the ``ptxas`` shipped in the Triton wheel (``ptxas-blackwell`` for
-sm_90a, as Triton itself does) with ``-v``, whose log gives registers, spill stores / loads and stack;
-Triton's metadata gives the shared memory. Occupancy is estimated from registers, shared memory and
-warps with each architecture's per-SM limits.
+and always compiled afresh (``knobs.compilation.always_compile``), so Triton's own run of the ``ptxas``
+shipped in its wheel (with ``-v``) writes its log, which gives registers, spill stores / loads and
+stack (``knobs.nvidia.dump_ptxas_log``: Triton prints it); Triton's metadata gives the shared memory.
+Occupancy is estimated from registers, shared memory and warps with each architecture's per-SM limits.
 
 Compilation runs in worker processes started with ``TRITON_INTERPRET=0`` (the kernels must be
 ``JITFunction`` objects, not the interpreter's), so the report works in a process that runs the
@@ -22,6 +22,8 @@ root (the report is a tool of the repository, not of the wheel), prints the tabl
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -290,7 +292,6 @@ def compile_case(case: Case, archs: tuple[int, ...]) -> list[Row]:
     """Compile every launch of ``case`` for each target (worker side)."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
     try:
@@ -308,18 +309,15 @@ def compile_case(case: Case, archs: tuple[int, ...]) -> list[Row]:
             row = Row(case.name, fn.__name__, a, options.get("num_warps", 4), options.get("num_stages", 3), tile)
             t0 = time.perf_counter()
             try:
-                compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
-                                          target=GPUTarget("cuda", a, 32), options=options)
+                ptxas_log = io.StringIO()
+                with triton.knobs.compilation.scope(), triton.knobs.nvidia.scope(), \
+                        contextlib.redirect_stdout(ptxas_log):
+                    triton.knobs.compilation.always_compile = True  # a cached kernel runs no ptxas: no log
+                    triton.knobs.nvidia.dump_ptxas_log = True
+                    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                                              target=GPUTarget("cuda", a, 32), options=options)
                 row.shared = int(compiled.metadata.shared)
-                with tempfile.TemporaryDirectory() as tmp:
-                    ptx = Path(tmp) / "k.ptx"
-                    ptx.write_text(compiled.asm["ptx"])
-                    cmd = [get_ptxas(a).path, "-v", "--regAllocOptLevel=2", f"--gpu-name={arch.gpu_name}", str(ptx),
-                           "-o", str(ptx.with_suffix(".o"))]  # the options Triton's own ptxas run uses
-                    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-                if res.returncode:
-                    raise RuntimeError(f"ptxas exit {res.returncode}: {res.stderr[-300:]}")
-                for key, value in parse_ptxas(res.stderr).items():
+                for key, value in parse_ptxas(ptxas_log.getvalue()).items():
                     setattr(row, key, value)
                 row.smem_ok = row.shared <= arch.smem_per_block
                 row.occupancy = occupancy(arch, row.registers, row.shared, row.num_warps)
