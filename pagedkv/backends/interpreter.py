@@ -81,7 +81,6 @@ def wrap_interpreted_launches() -> bool:
     Returns:
         Whether interpreted launches are wrapped.
     """
-    global _patched_in_launch
     if not interpreting():
         return False
     try:
