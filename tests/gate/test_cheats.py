@@ -97,3 +97,17 @@ def test_a_rejected_case_is_no_failure_and_leaves_no_case_file(tmp_path):
     nan = execute.run(properties()["a_nan_value_shows_exactly_in_the_outputs_that_read_it"], (get_backend("indexed"),),
                       "cpu", hypothesis_settings("smoke"), case_file=tmp_path / "nan.json")
     assert nan.status == "passed" and not list(tmp_path.iterdir()), nan.first_line
+
+
+def test_fresh_memory_is_filled_in_a_judged_call_without_loading_inductor():
+    # a stale-buffer cheat is caught because torch.empty is NaN-filled inside the call; getting there must
+    # not import inductor (1.8 s in every fresh process: each replay and each gate run)
+    probe = ("import sys, torch\n"
+             "from pagedkv.testing.guard import _fill_fresh_memory\n"
+             "with _fill_fresh_memory():\n"
+             "    fresh, on = torch.empty(64), torch.are_deterministic_algorithms_enabled()\n"
+             "print(bool(fresh.isnan().all()), on, torch.are_deterministic_algorithms_enabled(), "
+             "'torch._inductor' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True", "False", "False"], done.stdout
