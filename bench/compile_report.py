@@ -50,7 +50,6 @@ class Arch:
     """Per-SM limits of one target (CUDA occupancy calculator values)."""
 
     cc: int
-    gpu_name: str  # ptxas --gpu-name
     smem_per_block: int  # opt-in maximum of one block, bytes
     smem_per_sm: int
     regs_per_sm: int = 65536
@@ -59,11 +58,10 @@ class Arch:
     reserved_smem_per_block: int = 1024
 
 
-ARCHS = {80: Arch(80, "sm_80", 166912, 167936), 86: Arch(86, "sm_86", 101376, 102400, max_warps_per_sm=48,
-                                                           max_blocks_per_sm=16),
-         89: Arch(89, "sm_89", 101376, 102400, max_warps_per_sm=48, max_blocks_per_sm=24),
-         90: Arch(90, "sm_90a", 232448, 233472), 100: Arch(100, "sm_100a", 232448, 233472),
-         120: Arch(120, "sm_120a", 101376, 102400, max_warps_per_sm=48, max_blocks_per_sm=24)}
+ARCHS = {80: Arch(80, 166912, 167936), 86: Arch(86, 101376, 102400, max_warps_per_sm=48, max_blocks_per_sm=16),
+         89: Arch(89, 101376, 102400, max_warps_per_sm=48, max_blocks_per_sm=24),
+         90: Arch(90, 232448, 233472), 100: Arch(100, 232448, 233472),
+         120: Arch(120, 101376, 102400, max_warps_per_sm=48, max_blocks_per_sm=24)}
 
 
 @dataclass(frozen=True)
