@@ -99,6 +99,54 @@ PAGE_TABLES = ("padded", "csr")
 
 
 @dataclass(frozen=True)
+class NonPromise:
+    """A declared non-promise: why a property is not promised exactly, and the bound it still keeps.
+
+    On a bit-identical invariance (``a_request_alone_equals_the_same_request_in_a_batch``,
+    ``outputs_are_bit_identical_under_*``, ...) it means "not bit-identical": the attention outputs may
+    differ, within the attention tolerance of :mod:`pagedkv.testing.compare` widened by the bound
+    given here. On a property judged within a tolerance (the fp64 reference, the feature identities,
+    ...) it widens that tolerance and a bound is required: ``ulps`` (units in the last place of the
+    output dtype, as an absolute and a relative error), ``rtol`` and / or ``atol``. Which properties take
+    one and the limits on the reference property: :mod:`pagedkv.testing.non_promises`.
+
+    Raises (on construction):
+        ValueError: an empty reason, or a bound that is not a positive finite number.
+    """
+
+    reason: str
+    ulps: float | None = None
+    rtol: float | None = None
+    atol: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reason, str) or not self.reason.strip():
+            raise ValueError(f"NonPromise.reason: give the reason the property is not promised (a non-empty "
+                             f"string), got {self.reason!r}")
+        for name in ("ulps", "rtol", "atol"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise ValueError(f"NonPromise.{name}: a positive finite number or None, got {value!r}")
+
+    @property
+    def widens(self) -> bool:
+        """Whether it names a tolerance (``ulps``, ``rtol`` or ``atol``) beyond the attention tolerance."""
+        return any(v is not None for v in (self.ulps, self.rtol, self.atol))
+
+    def describe(self) -> str:
+        """The bound in words: ``"within 4 ulps"``, ``"within rtol 1e-3, atol 1e-3"``, ``"within the attention
+        tolerance"``."""
+        parts = [f"{self.ulps:g} ulps" if self.ulps else "", f"rtol {self.rtol:g}" if self.rtol else "",
+                 f"atol {self.atol:g}" if self.atol else ""]
+        return "within " + (", ".join(p for p in parts if p) or "the attention tolerance")
+
+    def as_dict(self) -> dict:
+        """The declaration as JSON data."""
+        return {"reason": self.reason, "bound": self.describe(), "ulps": self.ulps, "rtol": self.rtol,
+                "atol": self.atol}
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """The input space a backend supports (see the module docstring).
 
@@ -132,15 +180,16 @@ class Capabilities:
             where the pools differ (vLLM's packed CPU layout). The suite builds and poisons the pools
             in that storage, hands the backend the storage (no copy when the layout is a view), and
             compares in logical positions as for any backend (:mod:`pagedkv.layouts`).
-        non_promises: properties the backend does not promise, by design, each with the reason
-            (``{"a_request_alone_equals_the_same_request_in_a_batch": "not batch invariant: the split
-            heuristic depends on the batch"}``; names as the suite's ``test_<name>``). They still run; a
-            failure is reported as a finding with its case file and the reason, never failing the run.
-            Stored as sorted ``(name, reason)`` pairs (hashable); :meth:`non_promise` reads one. A name the
-            suite does not know is a usage error (:func:`pagedkv.testing.non_promises.check_non_promises`).
-
+        non_promises: properties the backend does not promise exactly, by design, each with the reason and
+            a bound the suite checks (:class:`NonPromise`; ``{name: "reason"}`` is ``NonPromise("reason")``,
+            "not bit-identical, within the attention tolerance", allowed on the bit-identical invariances
+            only). They still run; within the bound a difference is a finding with its case file, beyond
+            it, and for any exception, guard violation or non-finite output, the property fails
+            (:mod:`pagedkv.testing.non_promises`; docs/gating.md, "Non-promises and their bounds").
+            Stored as sorted ``(name, NonPromise)`` pairs (hashable); :meth:`non_promise` reads one.
     Raises (on construction):
-        ValueError: an unknown dtype, feature, precondition or layout name; a non-promise without a reason.
+        ValueError: an unknown dtype, feature, precondition or layout name; a non-promise without a reason
+            or with a malformed bound.
     """
 
     block_sizes: Sizes = ANY
@@ -162,12 +211,15 @@ class Capabilities:
 
     def __post_init__(self) -> None:
         pairs = self.non_promises.items() if hasattr(self.non_promises, "items") else self.non_promises
-        pairs = tuple(sorted((str(name), reason) for name, reason in pairs))
-        for name, reason in pairs:
-            if not isinstance(reason, str) or not reason.strip():
+        bounded = []
+        for name, value in pairs:
+            if isinstance(value, str):
+                value = NonPromise(value) if value.strip() else None
+            if not isinstance(value, NonPromise):
                 raise ValueError(f"Capabilities.non_promises[{name!r}]: give the reason the property is not "
-                                 f"promised (a non-empty string), got {reason!r}")
-        object.__setattr__(self, "non_promises", pairs)
+                                 f"promised and its bound, NonPromise(reason, ulps=...), got {value!r}")
+            bounded.append((str(name), value))
+        object.__setattr__(self, "non_promises", tuple(sorted(bounded, key=lambda pair: pair[0])))
         if self.page_table not in PAGE_TABLES:
             raise ValueError(f"Capabilities.page_table: unknown {self.page_table!r}; known: {list(PAGE_TABLES)}")
         try:
@@ -190,8 +242,8 @@ class Capabilities:
         if not self.dtypes:
             raise ValueError("Capabilities.dtypes must name at least one dtype")
 
-    def non_promise(self, prop: str) -> str | None:
-        """The reason the backend does not promise property ``prop``, or ``None`` (it promises it)."""
+    def non_promise(self, prop: str) -> NonPromise | None:
+        """What the backend declares it does not promise of property ``prop`` and its bound, or ``None``."""
         return dict(self.non_promises).get(prop)
 
     @property
@@ -229,7 +281,8 @@ class Capabilities:
         if self.preconditions:
             parts.append(f"assumes {sorted(self.preconditions)}")
         if self.non_promises:
-            parts.append(f"does not promise {[name for name, _ in self.non_promises]}")
+            parts.append("does not promise " + ", ".join(f"{name} ({bound.describe()})"
+                                                           for name, bound in self.non_promises))
         return "; ".join(parts)
 
 

@@ -28,9 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedkv.testing.candidate import Candidate, OpCalls, candidate as candidate_of
 from pagedkv.testing.compare import MissingOp
-from pagedkv.testing.guard import GuardedBackend
 from pagedkv.testing.hypothesis_internals import failure_origin, set_database_key
+from pagedkv.testing.non_promises import bounded
+from pagedkv.testing.verdict import Skip, SkipReason, skip_reason
 
 #: How many cases run before a failing one its case file records (``history``), oldest first: replay
 #: reruns them in order when the failing case alone does not fail.
@@ -43,7 +45,13 @@ class BudgetSpent(BaseException):
 
 
 class _OpMissing(BaseException):
-    """Stops a search whose case needs an op the backend lacks: the property is skipped, not passed."""
+    """Stops a search whose case needs an op the backend lacks (the gate's :func:`~pagedkv.testing.compare.
+    require`, before any failure was found): the property is skipped, not passed."""
+
+
+def _gate_skip(exc: MissingOp) -> Skip:
+    """A ``MissingOp`` the gate raised looking an op up: a skip with its reason."""
+    return Skip(str(exc), SkipReason.MISSING_OP)
 
 
 @dataclass
@@ -66,8 +74,11 @@ class Failure:
 class Outcome:
     """What one run of a property found.
 
-    ``status`` is ``"passed"``, ``"failed"``, ``"skipped"`` (``reason`` says why it could not be judged)
-    or ``"partial"`` (the time budget ran out after ``examples`` passing examples).
+    ``status`` is ``"passed"``, ``"failed"``, ``"skipped"`` (``reason`` says why it could not be judged,
+    ``skip`` as a :class:`~pagedkv.testing.verdict.SkipReason`) or ``"partial"`` (the time budget ran out
+    after ``examples`` passing examples). ``examples`` counts the examples that ran (the state machine:
+    its runs); ``findings`` are differences within a declared non-promise's bound (the first case's,
+    with its case file), ``bound`` that bound in words.
     """
 
     prop: str
@@ -77,6 +88,14 @@ class Outcome:
     first_failing_example: int = 0
     seconds: float = 0.0
     failures: list[Failure] = field(default_factory=list)
+    findings: list[Failure] = field(default_factory=list)
+    skip: SkipReason | None = None
+    bound: str = ""
+
+    def skipped(self, reason: str) -> Outcome:
+        """Mark skipped with ``reason`` (a :class:`~pagedkv.testing.verdict.Skip` or text)."""
+        self.status, self.reason, self.skip = "skipped", str(reason), skip_reason(reason)
+        return self
 
     @property
     def failed(self) -> bool:
@@ -104,26 +123,33 @@ def _with_reference(prop: Any, backends: tuple) -> tuple:
     return backends
 
 
-def call(prop: Any, backends: tuple, case: Any, device: str) -> None:
-    """Check ``case`` on ``backends`` (``(reference, candidate)`` for a pair property, else one backend).
+def call(prop: Any, backends: tuple, case: Any, device: str, candidate: Candidate | None = None,
+         bound: Any = None) -> None:
+    """Check ``case`` on ``backends`` (``(reference, candidate)`` for a pair property, else one backend),
+    the candidate's ops under a fresh guard, and under the bound of its declared non-promise of ``prop``.
+
+    Args:
+        candidate: the run's :class:`~pagedkv.testing.candidate.Candidate` of ``backends[-1]`` (``None``:
+            built here).
+        bound: the :class:`~pagedkv.testing.non_promises.Bound` of the candidate's non-promise of ``prop``
+            (``None``: the strict bar); each difference it lets through is appended to its ``seen``.
 
     Raises:
-        Mismatch (an ``AssertionError``): the property fails. MissingOp: a backend lacks an op.
+        Mismatch (an ``AssertionError``): the property fails. MissingOp: the gate found an op missing.
+        Exception: whatever the candidate raised (``MissingOp`` from inside an op call as
+        :class:`~pagedkv.testing.candidate.OpRaisedMissingOp`).
     """
     __tracebackhide__ = True
-    from pagedkv.backends.capabilities import capabilities_of
     from pagedkv.testing.cases.memory import pool_layout
-    from pagedkv.testing.space import as_declared_layout
 
     backends = _with_reference(prop, tuple(backends))
-    caps = capabilities_of(backends[-1])
-    guard = GuardedBackend(backends[-1])  # the output and input contract of every op call
-    candidate = as_declared_layout(guard, caps)
-    with pool_layout(caps.layout):  # the candidate's memory order; compared as NHD
+    candidate = candidate if candidate is not None else candidate_of(backends[-1])
+    guard, ops = candidate.view()  # the output and input contract of every op call
+    with pool_layout(candidate.declared.layout), bounded(bound):  # memory order; compared as NHD
         if prop.pair:
-            prop.check(backends[0], candidate, case, device)
+            prop.check(backends[0], ops, case, device)
         else:
-            prop.check(candidate, case, device)
+            prop.check(ops, case, device)
     guard.judge_again(seed=getattr(case, "seed", 0) or 0)  # the same bits again, after other values
 
 
@@ -190,6 +216,21 @@ class _Recorder:
                                          extra={"history": [c.to_dict() for c in failure.history]})
         failure.replay = replay_command(path, self.spec, self.device, self.other)
 
+    def finding(self, case: Any, message: str, history: list) -> Failure:
+        """A difference within a declared non-promise's bound: its case file, ``NAME-finding.json``
+        (replayed at the strict bar, it fails), in place of the running one."""
+        from pagedkv.testing.casefiles.writing import save_failure
+
+        finding = Failure(case, AssertionError(message), history=list(history))
+        if self.base is not None:
+            path = self.base.with_name(f"{self.base.stem}-finding{self.base.suffix}")
+            finding.case_file = save_failure(self.prop.name, self.spec, case, other=self.other, outcome="failed",
+                                             error=message, path=path,
+                                             extra={"history": [c.to_dict() for c in finding.history]})
+            finding.replay = replay_command(path, self.spec, self.device, self.other)
+        self.passed()
+        return finding
+
     def failed(self, case: Any, exc: BaseException, history: list | None = None) -> Failure:
         origin = failure_origin(exc)
         running = self.running
@@ -224,7 +265,7 @@ class _Recorder:
 
 
 def run_case(prop: Any, backends: tuple, case: Any, device: str = "cpu", *, spec: str | None = None,
-             other: str | None = None, case_file: Path | None = None) -> Outcome:
+             other: str | None = None, case_file: Path | None = None, bounded: bool = True) -> Outcome:
     """Run one fixed ``case`` of ``prop`` (a case file, a regression, a limit test).
 
     Args:
@@ -235,32 +276,40 @@ def run_case(prop: Any, backends: tuple, case: Any, device: str = "cpu", *, spec
         spec: the candidate's spec, recorded in the case file (default: its name).
         other: the reference's spec of a pair property (recorded).
         case_file: where the case is written before it runs (removed when it passes; ``None``: nowhere).
+        bounded: judge under the bound of the candidate's declared non-promise of ``prop`` (a difference
+            within it is a finding, ``outcome.findings``); ``False``: at the strict bar (a replay).
 
     Returns:
         An :class:`Outcome` with ``status`` ``passed``, ``failed`` (one :class:`Failure`) or ``skipped``
-        (the backend lacks an op the property needs).
+        (the gate found an op the property needs missing, or the property rejects the case).
     """
     from pagedkv.backends import backend_name
 
     backends = _with_reference(prop, tuple(backends))
     outcome = Outcome(prop.name)
+    chosen = candidate_of(backends[-1])
     recorder = _Recorder(prop, spec or backend_name(backends[-1]), other if prop.pair else None, case_file, device)
     start = time.perf_counter()
     recorder.before(case)
+    bound = chosen.bound(prop.name) if bounded else None
+    outcome.bound = bound.describe() if bound is not None else ""
     try:
-        call(prop, backends, case, device)
-    except MissingOp as exc:
+        call(prop, backends, case, device, chosen, bound)
+    except MissingOp as exc:  # the gate's own look-up (a candidate's is OpRaisedMissingOp): nothing ran
         recorder.passed()
-        outcome.status, outcome.reason = "skipped", str(exc)
+        outcome.skipped(_gate_skip(exc))
     except _rejections() as exc:  # the case breaks the property's assumption: nothing was judged
         recorder.passed()
-        outcome.status, outcome.reason = "skipped", f"the case is rejected by the property ({type(exc).__name__})"
-    except Exception as exc:  # noqa: BLE001 - any exception from a backend is a finding, reported with its case
+        outcome.skipped(Skip(f"the case is rejected by the property ({type(exc).__name__})", SkipReason.CASE_REJECTED))
+    except Exception as exc:  # noqa: BLE001 - any exception from a backend is a failure, reported with its case
         outcome.status, outcome.examples, outcome.first_failing_example = "failed", 1, 1
         outcome.failures.append(recorder.failed(case, exc))
     else:
-        recorder.passed()
         outcome.examples = 1
+        if bound is not None and bound.seen:  # within the declared bound: a finding, its case file kept
+            outcome.findings.append(recorder.finding(case, bound.seen[0], []))
+        else:
+            recorder.passed()
     outcome.seconds = time.perf_counter() - start
     return outcome
 
@@ -307,15 +356,17 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
     from pagedkv.backends import backend_name
     from pagedkv.testing import specialisations
     from pagedkv.testing.settings import suite_settings
-    from pagedkv.testing.space import capabilities_under_test, example_cap
+    from pagedkv.testing.space import example_cap
 
     backends = _with_reference(prop, tuple(backends))
     outcome = Outcome(prop.name)
-    caps = caps if caps is not None else capabilities_under_test(backends[-1], for_drawing=True)
+    chosen_candidate = candidate_of(backends[-1], caps)
+    caps = chosen_candidate.space
     reason = prop.cannot_run(backends, caps)
     if reason:
-        outcome.status, outcome.reason = "skipped", reason
-        return outcome
+        return outcome.skipped(reason)
+    bound = chosen_candidate.bound(prop.name)
+    outcome.bound = bound.describe() if bound is not None else ""
     chosen = settings if settings is not None else suite_settings()
     cap = example_cap(backends, chosen.max_examples)
     if cap is not None and prop.kind == "machine":
@@ -325,7 +376,7 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
         chosen = hypothesis.settings(chosen, max_examples=limit)
     start = time.perf_counter()
     if prop.kind == "machine":  # a Hypothesis state machine: it prints its own shrunk steps, no case file
-        return _run_machine(prop, backends[-1], device, chosen, outcome, start, caps)
+        return _run_machine(prop, chosen_candidate, device, chosen, outcome, start)
     recorder = _Recorder(prop, spec or backend_name(backends[-1]), (other or backend_name(backends[0]))
                          if prop.pair else None, case_file, device)
     state = {"calls": 0}
@@ -341,13 +392,19 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
             on_example()
         recorder.before(case)
         specialisations.record(prop.ops, case, caps)  # what a GPU run compiles for this example
+        seen = len(bound.seen) if bound is not None else 0
         try:
-            call(prop, backends, case, device)
+            call(prop, backends, case, device, chosen_candidate, bound)
             if after_pass is not None:
                 after_pass(backends, case)
         except MissingOp as exc:
-            recorder.passed()
-            raise _OpMissing(str(exc)) from None
+            if not recorder.by_origin:  # the gate's look-up before anything failed: the property is skipped
+                recorder.passed()
+                raise _OpMissing(str(exc)) from None
+            outcome.first_failing_example = outcome.first_failing_example or state["calls"]
+            recorder.failed(case, exc, list(history))  # a search that failed is never downgraded to a skip
+            history.append(case)
+            raise
         except rejections:  # assume() rejected the case: not a failure, no case file
             recorder.passed()
             raise
@@ -356,7 +413,10 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
             recorder.failed(case, exc, list(history))
             history.append(case)
             raise
-        recorder.passed()
+        if bound is not None and len(bound.seen) > seen and not outcome.findings:
+            outcome.findings.append(recorder.finding(case, bound.seen[seen], list(history)))
+        else:
+            recorder.passed()
         history.append(case)
 
     test = given(prop.strategy_in(caps, **(overrides or {})))(body)
@@ -370,7 +430,7 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
     try:
         test()
     except _OpMissing as exc:
-        outcome.status, outcome.reason = "skipped", str(exc)
+        outcome.skipped(Skip(str(exc), SkipReason.MISSING_OP))
     except BudgetSpent:
         outcome.status = "partial"
         outcome.reason = (f"time budget of {budget_s:g} s spent: {state['calls']} examples passed, "
@@ -386,29 +446,33 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
     return outcome
 
 
-def _run_machine(prop: Any, backend: Any, device: str, chosen: Any, outcome: Outcome, start: float,
-                 caps: Any) -> Outcome:
+def _run_machine(prop: Any, candidate: Candidate, device: str, chosen: Any, outcome: Outcome,
+                 start: float) -> Outcome:
+    """Run a state-machine property; ``outcome.examples`` is the number of runs of the machine that started."""
     from pagedkv.testing.cases.memory import pool_layout
+    from pagedkv.testing.properties.machine import RUNS_STARTED
     from pagedkv.testing.space import as_declared_layout
 
+    started = RUNS_STARTED[0]
     try:
-        with pool_layout(caps.layout):
-            prop.check(as_declared_layout(backend), device, chosen, caps)
+        with pool_layout(candidate.space.layout):
+            prop.check(as_declared_layout(OpCalls(candidate.backend), candidate.declared), device, chosen,
+                       candidate.space)
     except MissingOp as exc:
-        outcome.status, outcome.reason = "skipped", str(exc)
+        outcome.skipped(_gate_skip(exc))
     except Exception as exc:  # noqa: BLE001 - the state machine's failure, steps printed by Hypothesis
         outcome.status = "failed"
         outcome.failures.append(Failure(None, exc))
-    outcome.examples = chosen.max_examples
+    outcome.examples = RUNS_STARTED[0] - started
     outcome.seconds = time.perf_counter() - start
     return outcome
 
 
 def run_record(record: dict, backend: Any | None = None, device: str = "cpu", *, other: Any | None = None,
-               case_file: Path | None = None) -> Outcome:
+               case_file: Path | None = None, bounded: bool = False) -> Outcome:
     """Rerun a case file's record (:func:`pagedkv.testing.casefiles.reading.load_case_file`): its property
     on ``backend`` (default: the recorded one) and, for a pair property, ``other`` (default: the recorded
-    ``other``, else ``indexed``).
+    ``other``, else ``indexed``); at the strict bar unless ``bounded`` (:func:`run_case`).
 
     Raises:
         KeyError: the record names no registered property.
@@ -428,4 +492,4 @@ def run_record(record: dict, backend: Any | None = None, device: str = "cpu", *,
     if prop.pair:
         backends = (other if other is not None else load_backend(record.get("other") or "indexed"), impl)
     return run_case(prop, backends, record["case"], device, spec=record.get("backend"), other=record.get("other"),
-                    case_file=case_file)
+                    case_file=case_file, bounded=bounded)

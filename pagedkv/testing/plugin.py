@@ -8,7 +8,9 @@ any repository::
 Options (each also an environment variable or ini key): ``--pagedkv-impl SPEC`` (``$PAGEDKV_IMPL``),
 ``--pagedkv-device`` (``$PAGEDKV_DEVICE``), ``--pagedkv-regressions DIR`` (ini ``pagedkv_regressions``:
 your own case files, run like the shipped ones), ``--pagedkv-min-judged FRACTION`` (ini
-``pagedkv_min_judged``: fail when fewer of the properties the candidate's ops allow were judged),
+``pagedkv_min_judged``: fail when fewer of the properties the candidate's ops allow were judged; default
+:data:`pagedkv.testing.verdict.DEFAULT_MIN_JUDGED` when a candidate is named or under the ``ci``
+profile, else 0),
 ``--pagedkv-report-json PATH`` (ini ``pagedkv_report_json``: the verdict as JSON, for CI jobs and agents).
 
 Profiles: pagedkv registers ``pagedkv-dev``, ``pagedkv-ci``, ``pagedkv-gpu``, ``pagedkv-nightly`` and
@@ -60,7 +62,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "and whether it reproduced (default: ini pagedkv_report_json)")
     group.addoption("--pagedkv-min-judged", default=None, type=float, metavar="FRACTION",
                     help="fail the run when fewer than FRACTION of the properties the candidate's ops allow were "
-                         "judged (default: ini pagedkv_min_judged, else 0)")
+                         "judged (default: ini pagedkv_min_judged, else 2/3 when a candidate is named or under the "
+                         "ci profile, else 0; 0 turns it off)")
     group.addoption("--pagedkv-device-memory", default=None, metavar="SIZE",
                     help="device-memory budget shared by every xdist worker for the large-pool tests, e.g. 141GiB "
                          "(default: ini pagedkv_device_memory, $PAGEDKV_DEVICE_MEMORY, else the device's total "
@@ -208,13 +211,14 @@ def _parametrize_findings(metafunc: pytest.Metafunc, impls: list) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function):
-    """A fixed suite test that needs an op the backend lacks is skipped with the reason, never failed."""
-    from pagedkv.testing.compare import MissingOp
+    """A fixed suite test that needs an op the backend lacks (the gate's :func:`~pagedkv.testing.compare.
+    require`) is skipped with the reason; a ``MissingOp`` the candidate raised from inside an op call fails."""
+    from pagedkv.testing.compare import MissingOp, raised_by_gate
 
     try:
         return (yield)
     except MissingOp as exc:
-        if pyfuncitem.module.__name__.startswith(SUITE_PACKAGE):
+        if pyfuncitem.module.__name__.startswith(SUITE_PACKAGE) and raised_by_gate(exc):
             pytest.skip(str(exc))
         raise
 
@@ -315,16 +319,28 @@ def _gate_judged(session: pytest.Session, exitstatus: int) -> None:
 
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     stats = reporter.stats if reporter else {}
-    minimum = config.getoption("pagedkv_min_judged", None)
-    if minimum is None and config.getini("pagedkv_min_judged"):
-        minimum = float(config.getini("pagedkv_min_judged"))
-    problem = judged_problem(stats, impl_spec(config), minimum or 0.0, SUITE_COMMAND)
+    problem = judged_problem(stats, impl_spec(config), min_judged(config), SUITE_COMMAND)
     if problem:
         if reporter:
             if reporter.verbosity < 0:  # -q leaves the cursor after the progress line's "[100%]"
                 reporter.line("")
             reporter.write_line(f"ERROR: {problem}", red=True, bold=True)
         session.exitstatus = pytest.ExitCode.USAGE_ERROR if "no pagedkv conformance property" in problem else 1
+
+
+def min_judged(config: pytest.Config) -> float:
+    """The judged share the run must reach: ``--pagedkv-min-judged``, else ini ``pagedkv_min_judged``, else
+    :data:`~pagedkv.testing.verdict.DEFAULT_MIN_JUDGED` when a candidate is named (the quick start) or the
+    profile is ``ci``, else 0."""
+    from pagedkv.testing.verdict import DEFAULT_MIN_JUDGED
+
+    minimum = config.getoption("pagedkv_min_judged", None)
+    if minimum is None and config.getini("pagedkv_min_judged"):
+        minimum = float(config.getini("pagedkv_min_judged"))
+    if minimum is not None:
+        return minimum
+    profile = config.stash.get(_PROFILE, "").split(" ")[0]
+    return DEFAULT_MIN_JUDGED if impl_spec(config) or profile in ("pagedkv-ci", "ci") else 0.0
 
 
 def _write_verdict(session: pytest.Session) -> None:

@@ -66,11 +66,15 @@ class Property:
 
     def cannot_run(self, backends: tuple, caps: Any) -> str | None:
         """Why this property cannot be judged on ``backends`` (the candidate last) inside the declared
-        space ``caps``, or ``None`` when it can: an op a backend lacks, or a space the property needs."""
+        space ``caps``, or ``None`` when it can: an op a backend lacks, or a space the property needs (a
+        :class:`~pagedkv.testing.verdict.Skip` carrying its reason; plain text: outside the declared space)."""
+        from pagedkv.testing.verdict import Skip, SkipReason
+
         for b in backends:
             missing = [op for op in self.ops if not callable(getattr(b, op, None))]
             if missing:
-                return f"{getattr(b, 'name', None) or type(b).__name__} does not provide {missing[0]!r}"
+                return Skip(f"{getattr(b, 'name', None) or type(b).__name__} does not provide {missing[0]!r}",
+                            SkipReason.MISSING_OP)
         return self.requires(caps)
 
     def strategy_in(self, caps: Any, **overrides):
@@ -140,8 +144,8 @@ def _declare() -> list[Property]:
 
         reason = large_pool_unsupported(caps)
         if reason and _limit_space("2_24_slots", caps) is None:
-            return (f"not applicable: {reason}; {op}_is_exact_past_2_24_slots_at_a_declared_geometry judges the "
-                    f"same slot arithmetic at the declared geometry")
+            return _not_applicable(f"not applicable: {reason}; {op}_is_exact_past_2_24_slots_at_a_declared_geometry "
+                                   f"judges the same slot arithmetic at the declared geometry")
         return reason
 
     transform_needs = {
@@ -275,11 +279,19 @@ def _declare() -> list[Property]:
 def _padded_tables(caps) -> str | None:
     """The padded-table faults apply to a backend that takes padded tables (a CSR one has its own)."""
     return None if caps.page_table == "padded" else \
-        "not applicable: the backend takes CSR page tables (paged_attention_rejects_bad_csr_page_metadata)"
+        _not_applicable("not applicable: the backend takes CSR page tables (paged_attention_rejects_bad_csr_page_"
+                        "metadata)")
 
 
 def _csr_tables(caps) -> str | None:
-    return None if caps.page_table == "csr" else "not applicable: the backend takes padded block tables"
+    return None if caps.page_table == "csr" else _not_applicable("not applicable: the backend takes padded block "
+                                                                 "tables")
+
+
+def _not_applicable(text: str) -> str:
+    from pagedkv.testing.verdict import Skip, SkipReason
+
+    return Skip(text, SkipReason.NOT_APPLICABLE)
 
 
 def _limit_case(limit: str, caps=None, **_):
@@ -309,7 +321,10 @@ def _limit_space(limit: str, caps) -> str | None:
 
 def _feature_declared(feature: str, caps) -> str | None:
     """A feature property runs only on a backend that declares the feature (else: not covered)."""
-    return None if feature in caps.features else f"feature {feature!r} not declared: not covered"
+    from pagedkv.testing.verdict import Skip, SkipReason
+
+    return None if feature in caps.features else Skip(f"feature {feature!r} not declared: not covered",
+                                                      SkipReason.FEATURE_NOT_DECLARED)
 
 
 @cache

@@ -1,21 +1,17 @@
 """What a run of the suite says: the header, a failure's short text, and the judged / skipped summary.
 
-Each suite test records what it judged on its pytest item (``user_properties``, so the records
-cross xdist workers); the terminal summary and the no-false-green rule read them back:
-
-- *judged*: the property ran on the candidate (passed, failed, or ran partly under a time budget);
-- *skipped*: it could not be judged, with the reason (an op the candidate lacks, a declared space
-  the property cannot be drawn in, an optional feature not declared: not covered). An op it lacks
-  and a feature it does not declare make a property not applicable (outside the judged fraction's
-  denominator); a declared space the property cannot be drawn in counts against it;
-- *finding*: a case breaking a declared precondition failed (non-gating, reported as ``xfail``).
+Each suite test records its :class:`~pagedkv.testing.verdict.Verdict` on its pytest item
+(``user_properties``, so the records cross xdist workers); the terminal summary, the no-false-green
+rule and the JSON verdict read them back and add them up with :func:`pagedkv.testing.verdict.count`,
+the one policy: passed and failed are judged, findings are counted apart, skips by their
+:class:`~pagedkv.testing.verdict.SkipReason`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import Any
 
 _KEY = "pagedkv"
@@ -32,18 +28,20 @@ class TestRun:
         self.node, self.spec = node, spec
         self.case_file = case_file_path(node.nodeid)
 
-    def record(self, prop: str, backend: Any, status: str, reason: str = "", *, kind: str = "property",
-               failures: tuple = (), non_promise: str | None = None) -> None:
-        """Record that ``prop`` was ``status`` (``judged``, ``failed``, ``skipped``, ``finding``) on ``backend``;
-        ``failures`` (:class:`~pagedkv.testing.execute.Failure` s) give their case files and replay commands,
-        ``non_promise`` the declared reason of a finding on a property the backend does not promise."""
+    def record(self, prop: str, backend: Any, verdict: Any) -> None:
+        """Record ``verdict`` (:class:`~pagedkv.testing.verdict.Verdict`) of ``prop`` on ``backend``: its
+        status, kind, message, skip reason, failures or findings (case files, replay commands) and the
+        declared non-promise."""
         from pagedkv.backends import backend_name
 
-        entry = {"prop": prop, "backend": backend_name(backend), "status": status, "reason": reason, "kind": kind}
-        if failures:
-            entry["failures"] = [failure_record(f) for f in failures]
-        if non_promise:
-            entry["non_promise"] = non_promise
+        entry = {"prop": prop, "backend": backend_name(backend), "status": verdict.status,
+                 "reason": verdict.message, "kind": verdict.kind}
+        if verdict.skip is not None:
+            entry["skip"] = verdict.skip.value
+        if verdict.failures:
+            entry["failures"] = [failure_record(f) for f in verdict.failures]
+        if verdict.non_promise:
+            entry["non_promise"] = verdict.non_promise
         self.node.user_properties.append((_KEY, json.dumps(entry)))
 
 
@@ -123,41 +121,20 @@ def _records(stats: dict) -> list[dict]:
 
 
 def tally(stats: dict) -> dict[str, dict]:
-    """Per backend: counts of judged / failed / finding / skipped properties and skip reasons, and regressions."""
-    out: dict[str, dict] = defaultdict(lambda: {"judged": 0, "failed": 0, "finding": 0, "skipped": Counter(),
-                                                "missing_ops": 0, "regressions": 0, "regressions_skipped": Counter()})
+    """Per backend: :func:`pagedkv.testing.verdict.count` of its recorded verdicts."""
+    from pagedkv.testing.verdict import count
+
+    by_backend: dict[str, list] = defaultdict(list)
     for r in _records(stats):
-        t = out[r["backend"]]
-        if r["kind"] == "regression":
-            if r["status"] == "skipped":
-                t["regressions_skipped"][r["reason"]] += 1
-            else:
-                t["regressions"] += 1
-            continue
-        if r["status"] == "skipped":
-            if any(w in r["reason"] for w in (" does not provide ", "not covered", "not applicable")):
-                t["missing_ops"] += 1  # not applicable: an op it lacks, an optional feature it does not declare
-            t["skipped"][_reason_group(r["reason"])] += 1
-        else:
-            t[r["status"] if r["status"] in ("failed", "finding") else "judged"] += 1
-            if r.get("non_promise"):  # a property the backend does not promise ran: judged, and a finding
-                t["judged"] += 1
-    return out
-
-
-def _reason_group(reason: str) -> str:
-    """A skip reason without its per-test details (so reasons group)."""
-    for marker in (": needed by", " (", "; "):
-        if marker in reason:
-            reason = reason.split(marker)[0]
-    return reason
+        by_backend[r["backend"]].append(r)
+    return {name: count(records) for name, records in by_backend.items()}
 
 
 def what_was_judged(stats: dict, name: str) -> str:
     """``"kernels"``, ``"a cache manager"``, ``"kernels and a cache manager"`` or ``"nothing"``: what of backend
     ``name`` ran (a backend may provide kernels, a manager, or both)."""
     ran = {r["kind"] == "manager" for r in _records(stats)
-           if r["backend"] == name and r["status"] != "skipped" and r["kind"] != "regression"}
+           if r["backend"] == name and r["status"] != "skipped" and r["kind"] in ("property", "manager")}
     return {frozenset({False}): "kernels", frozenset({True}): "a cache manager",
             frozenset({False, True}): "kernels and a cache manager"}.get(frozenset(ran), "nothing")
 
@@ -166,6 +143,7 @@ def summary_lines(stats: dict, backends: list, spec: str | None) -> list[str]:
     """The terminal summary: per backend, judged / skipped by reason / findings, regressions, declared space."""
     from pagedkv.backends import backend_name
     from pagedkv.backends.capabilities import FEATURE_NAMES
+    from pagedkv.testing.non_promises import REFERENCE
     from pagedkv.testing.space import capabilities_under_test
 
     counts = tally(stats)
@@ -174,42 +152,48 @@ def summary_lines(stats: dict, backends: list, spec: str | None) -> list[str]:
         name = backend_name(backend)
         if name not in counts:
             continue
-        t = counts[name]
-        judged = t["judged"] + t["failed"]
-        applicable = judged + sum(t["skipped"].values()) - t["missing_ops"]
-        skipped = ", ".join(f"{n} {reason}" for reason, n in t["skipped"].most_common()) or "none"
+        t, reg = counts[name]["properties"], counts[name]["regressions"]
+        skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(t["skipped_by_reason"].items(),
+                                                                     key=lambda kv: -kv[1])) or "none"
+        share = f" ({t['judged_fraction']:.0%})" if t["judged_fraction"] is not None else ""
         lines.append(f"pagedkv {name}: judged {what_was_judged(stats, name)}")
-        lines.append(f"pagedkv {name}: {judged} properties judged ({t['failed']} failing) of {applicable} its ops allow"
-                     f"{f' ({judged / applicable:.0%})' if applicable else ''}; {t['finding']} findings; "
-                     f"skipped: {skipped}")
+        lines.append(f"pagedkv {name}: {t['judged']} properties judged ({t['passed']} passed, {t['failed']} failing) "
+                     f"of {t['applicable']} its ops allow{share}; {t['findings']} findings; skipped: {skipped}")
         for r in _records(stats):
             if r["backend"] == name and r.get("non_promise") and r["status"] == "finding":
                 files = ", ".join(f["case_file"] for f in r.get("failures", ()) if f.get("case_file")) or "no case file"
-                lines.append(f"pagedkv {name}: finding on {r['prop']} (declared non-promise: {r['non_promise']}): "
-                             f"{files}")
-        if t["regressions"] or t["regressions_skipped"]:
-            not_run = ", ".join(f"{n} {r}" for r, n in t["regressions_skipped"].most_common()) or "none"
-            lines.append(f"pagedkv {name}: regression cases run {t['regressions']}; not expressible: {not_run}")
+                promise = r["non_promise"]
+                lines.append(f"pagedkv {name}: finding on {r['prop']} (declared non-promise: {promise['reason']}; "
+                             f"{promise['bound']}): {files}")
+        if reg["judged"] or reg["findings"] or reg["skipped"]:
+            not_run = ", ".join(f"{n} {r}" for r, n in reg["skipped_by_reason"].items()) or "none"
+            lines.append(f"pagedkv {name}: regression cases run {reg['judged'] + reg['findings']} ({reg['failed']} "
+                         f"failing, {reg['findings']} findings); not run: {not_run}")
         caps = capabilities_under_test(backend)
         missing = ", ".join(sorted(FEATURE_NAMES - caps.features)) or "none"
         lines.append(f"pagedkv {name}: declared space {caps.summary()}; optional features declared (checked): "
                      f"{', '.join(sorted(caps.features)) or 'none'}; not declared (not covered): {missing}")
+        bound = caps.non_promise(REFERENCE)
+        if bound is not None:
+            lines.append(f"pagedkv {name}: fp64 reference judged at the declared tolerance {bound.describe()} "
+                         f"({bound.reason})")
     return lines
 
 
 def judged_problem(stats: dict, spec: str | None, minimum: float, command: str) -> str | None:
     """Why the run must fail although no test failed, or ``None``: a candidate named and no conformance
-    property run, or a judged fraction under ``minimum``."""
+    property run, or a judged share under ``minimum`` (:data:`pagedkv.testing.verdict.DEFAULT_MIN_JUDGED`
+    unless lowered)."""
     counts = tally(stats)
-    if spec and not any(t["judged"] + t["failed"] for t in counts.values()):
+    if spec and not any(t["properties"]["judged"] + t["properties"]["findings"] for t in counts.values()):
         return (f"PAGEDKV_IMPL / --pagedkv-impl names {spec!r}, but no pagedkv conformance property was "
                 f"judged (were its tests collected?); run the suite with: {command.format(spec=spec)}")
-    for name, t in counts.items():
-        judged = t["judged"] + t["failed"]
-        applicable = judged + sum(t["skipped"].values()) - t["missing_ops"]
-        if minimum and applicable and judged / applicable < minimum:
-            return (f"{name}: {judged} of {applicable} applicable properties judged ({judged / applicable:.0%}), "
-                    f"under --pagedkv-min-judged {minimum:g}")
+    for name, c in counts.items():
+        t = c["properties"]
+        if minimum and t["applicable"] and t["judged"] / t["applicable"] < minimum:
+            return (f"{name}: {t['judged']} of {t['applicable']} applicable properties judged "
+                    f"({t['judged'] / t['applicable']:.0%}), under the required share {minimum:g} "
+                    f"(--pagedkv-min-judged / ini pagedkv_min_judged lowers it explicitly)")
     return None
 
 
@@ -226,7 +210,7 @@ def crash_section(report: Any) -> str | None:
 
 
 #: The ``schema`` field of the JSON verdict; bumped when a field changes meaning or goes away.
-VERDICT_SCHEMA = "pagedkv-verdict/1"
+VERDICT_SCHEMA = "pagedkv-verdict/2"
 
 
 def declared_space(caps: Any) -> dict:
@@ -240,48 +224,53 @@ def declared_space(caps: Any) -> dict:
             "page_table": caps.page_table, "strided_pools": caps.strided_pools,
             "strided_metadata": caps.strided_metadata, "repeated_blocks": caps.repeated_blocks,
             "split_k": caps.split_k, "features": sorted(caps.features), "preconditions": sorted(caps.preconditions),
-            "non_promises": dict(caps.non_promises)}
+            "non_promises": {name: bound.as_dict() for name, bound in caps.non_promises}}
 
 
 def verdict(stats: dict, backends: list, spec: str | None, *, profile: str = "", exit_status: int = 0) -> dict:
     """The run's verdict as JSON data (schema :data:`VERDICT_SCHEMA`; every field in ``docs/gating.md``).
 
-    Per candidate: its declared space; the properties judged (passed), failed (each failure's message,
-    case file, replay command and ``reproduced``), findings (a failure outside a declared precondition
-    or on a declared non-promise, with the reason), skipped (by property, with the reason, and counted
-    by reason); the counts the terminal summary prints; and the regression cases run."""
+    Per candidate: its declared space; the properties passed, judged (passed and failed), failed (each
+    failure's message, case file, replay command and ``reproduced``), findings (within a declared
+    non-promise's bound, or outside a declared precondition, with the declaration), skipped (by property,
+    with the reason and its :class:`~pagedkv.testing.verdict.SkipReason`); the counts of
+    :func:`pagedkv.testing.verdict.count`, which the terminal summary prints; and the regression cases."""
     from pagedkv.backends import backend_name
     from pagedkv.testing.space import capabilities_under_test
+    from pagedkv.testing.verdict import count
 
-    counts = tally(stats)
     records = _records(stats)
     out = {"schema": VERDICT_SCHEMA, "implementation": spec, "profile": profile, "exit_status": exit_status,
            "passed": exit_status == 0, "candidates": []}
     for backend in backends:
         name = backend_name(backend)
         mine = [r for r in records if r["backend"] == name]
-        props = [r for r in mine if r["kind"] != "regression"]
-        t = counts[name] if name in counts else None
-        judged = (t["judged"] + t["failed"]) if t else 0
-        applicable = (judged + sum(t["skipped"].values()) - t["missing_ops"]) if t else 0
+        props = [r for r in mine if r["kind"] in ("property", "manager", "precondition")]
+        regs = [r for r in mine if r["kind"] == "regression"]
+        counts = count(mine)
 
         def entry(r: dict) -> dict:
-            return {"property": r["prop"], "message": r["reason"], "failures": r.get("failures", [])}
+            return {"property": r["prop"], "kind": r["kind"], "message": r["reason"],
+                    "failures": r.get("failures", [])}
+
+        def by_status(rows: list, status: str) -> list:
+            return [{**entry(r), "non_promise": r.get("non_promise")} if status == "finding" else entry(r)
+                    for r in rows if r["status"] == status]
 
         out["candidates"].append({
             "name": name,
             "declared_space": declared_space(capabilities_under_test(backend)),
-            "judged": sorted({r["prop"] for r in props if r["status"] == "judged"}),
-            "failed": [entry(r) for r in props if r["status"] == "failed"],
-            "findings": [{**entry(r), "non_promise": r.get("non_promise")} for r in props if r["status"] == "finding"],
-            "skipped": [{"property": r["prop"], "reason": r["reason"]} for r in props if r["status"] == "skipped"],
-            "skipped_by_reason": dict(t["skipped"]) if t else {},
-            "counts": {"judged": judged, "failed": t["failed"] if t else 0, "findings": t["finding"] if t else 0,
-                       "skipped": sum(t["skipped"].values()) if t else 0, "applicable": applicable,
-                       "judged_fraction": round(judged / applicable, 4) if applicable else None},
-            "regressions": {"run": t["regressions"] if t else 0,
-                            "failed": [entry(r) for r in mine if r["kind"] == "regression" and r["status"] == "failed"],
-                            "not_expressible": dict(t["regressions_skipped"]) if t else {}},
+            "passed": sorted({r["prop"] for r in props if r["status"] == "passed" and r["kind"] != "precondition"}),
+            "judged": sorted({r["prop"] for r in props if r["status"] in ("passed", "failed")
+                              and r["kind"] != "precondition"}),
+            "failed": by_status(props, "failed"),
+            "findings": by_status(props, "finding"),
+            "skipped": [{"property": r["prop"], "reason": r["reason"], "skip": r.get("skip")}
+                        for r in props if r["status"] == "skipped"],
+            "skipped_by_reason": counts["properties"]["skipped_by_reason"],
+            "counts": counts["properties"],
+            "regressions": {**counts["regressions"], "failed_cases": by_status(regs, "failed"),
+                            "finding_cases": by_status(regs, "finding")},
         })
     return out
 
@@ -290,6 +279,11 @@ def verdict(stats: dict, backends: list, spec: str | None, *, profile: str = "",
 MAX_REPLAYS = 20
 #: Seconds one replay may take before its failure counts as not checked (``None``).
 REPLAY_TIMEOUT_S = 300
+
+
+#: ``reproduced`` by a replay's exit status: 1 failed again; 0 passes and 3 did not reproduce: ``False``;
+#: anything else (2: the file or backend was refused) and a timeout: ``None``, not checked.
+REPRODUCED_BY_STATUS = {1: True, 0: False, 3: False}
 
 
 def replay_status(command: str, timeout_s: float = REPLAY_TIMEOUT_S) -> int | None:
@@ -313,18 +307,20 @@ def replay_status(command: str, timeout_s: float = REPLAY_TIMEOUT_S) -> int | No
 
 def check_reproduced(data: dict, limit: int = MAX_REPLAYS) -> None:
     """Fill each failure's ``reproduced`` in a :func:`verdict` (in place) by replaying its case file in a
-    fresh process (:func:`replay_status`): ``True`` when replay fails again, ``False`` when it does not
-    (``replay_status`` gives its exit status), ``None`` when not checked (no case file, over ``limit``)."""
+    fresh process (:func:`replay_status`): ``True`` when replay fails again, ``False`` when it passes or
+    does not reproduce (exit 0 or 3; ``replay_status`` gives the exit status), ``None`` when not checked
+    (no case file, over ``limit``, a timeout, or the replay refused the file or could not load the backend)."""
     done = 0
     for candidate in data["candidates"]:
-        for entry in candidate["failed"] + candidate["findings"]:
+        regs = candidate["regressions"]
+        for entry in candidate["failed"] + candidate["findings"] + regs["failed_cases"] + regs["finding_cases"]:
             for failure in entry["failures"]:
                 if failure.get("reproduced") is not None or not failure.get("replay") or done >= limit:
                     continue
                 done += 1
                 status = replay_status(failure["replay"])
                 failure["replay_status"] = status
-                failure["reproduced"] = None if status is None else status == 1
+                failure["reproduced"] = REPRODUCED_BY_STATUS.get(status)
 
 
 def write_verdict(path: Any, stats: dict, backends: list, spec: str | None, **kw) -> None:

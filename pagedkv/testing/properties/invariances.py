@@ -22,7 +22,7 @@ from pagedkv.testing.cases.case import FINITE_POISONS, Case
 from pagedkv.testing.cases.ops import inputs, outputs
 from pagedkv.testing.properties.definitions import reference_output, run_attention
 from pagedkv.testing.compare import Mismatch, MissingOp, require
-from pagedkv.testing.compare import assert_attention_close, assert_bitwise_equal
+from pagedkv.testing.compare import assert_attention_close, assert_attention_identical, assert_bitwise_equal
 
 
 def _owned_mask(case: Case, device) -> torch.Tensor:
@@ -128,8 +128,9 @@ def invariant_under(backend: Any, case: Case, device: str = "cpu", *, transform:
     if transform == "batch_order":
         b = {re.sub(r"\[(\d+)\]", lambda m: f"[{n - 1 - int(m.group(1))}]", k): v for k, v in b.items()}
     for key in a:
+        same = assert_attention_identical if key.startswith("paged_attention") else assert_bitwise_equal
         try:
-            assert_bitwise_equal(b[key], a[key], f"{key} changed under {transform}: ")
+            same(b[key], a[key], f"{key} changed under {transform}: ")
         except AssertionError as exc:
             raise Mismatch(str(exc)) from None
 
@@ -146,7 +147,7 @@ def alone_equals_in_batch(backend: Any, case: Case, device: str = "cpu") -> None
                      args["seq_lens"][i:i + 1], torch.tensor([0, s.q_len], dtype=torch.int32, device=device),
                      case.scale, **args["features"]).cpu()
         try:
-            assert_bitwise_equal(alone, full[f"paged_attention[{i}]"], f"sequence {i} alone vs in batch: ")
+            assert_attention_identical(alone, full[f"paged_attention[{i}]"], f"sequence {i} alone vs in batch: ")
         except AssertionError as exc:
             raise Mismatch(str(exc), {"seq": i}) from None
 

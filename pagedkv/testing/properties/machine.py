@@ -56,6 +56,10 @@ POOL = dict(num_blocks=st.integers(3, 10), block_size=st.integers(0, 3), num_lay
             constant_hash=st.booleans(), seed=st.integers(0, 100))
 
 
+#: How many runs of a cache machine have started in this process (read before and after a run).
+RUNS_STARTED = [0]
+
+
 class CacheMachine(RuleBasedStateMachine):
     """A :class:`PagedKVCache` over a small pool, driven like a scheduler drives it.
 
@@ -73,6 +77,10 @@ class CacheMachine(RuleBasedStateMachine):
     seqs = Bundle("seqs")
     freed = Bundle("freed")
     systems = Bundle("systems")
+
+    def __init__(self) -> None:
+        super().__init__()
+        RUNS_STARTED[0] += 1  # Hypothesis builds one machine per run: execute.run reports the runs that ran
 
     @initialize(**POOL, window_left=st.none() | st.integers(0, 9))
     def start(self, num_blocks, block_size, num_layers, constant_hash, seed, window_left):

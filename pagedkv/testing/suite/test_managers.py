@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from pagedkv.backends import backend_name
+from pagedkv.testing.execute import Failure
+from pagedkv.testing.verdict import SkipReason, decide
 from pagedkv.testing.settings import manager_settings, suite_settings
 from pagedkv.testing.managers.protocol import manager_factory
 
@@ -29,7 +32,9 @@ def test_cache_manager(pagedkv_run, backend):
 
     factory = manager_factory(backend)
     if factory is None:
-        pagedkv_run.record("cache_manager", backend, "skipped", "no cache_manager", kind="manager")
+        pagedkv_run.record("cache_manager", backend, decide(
+            SimpleNamespace(status="skipped", reason="no cache_manager", skip=SkipReason.NO_CACHE_MANAGER),
+            kind="manager"))
         pytest.skip("cache_manager: the candidate provides no cache_manager factory (kernels only)")
     spec = pagedkv_run.spec or backend_name(backend)
     windows = getattr(backend, "cache_manager_windows", (None,))
@@ -39,11 +44,13 @@ def test_cache_manager(pagedkv_run, backend):
     steps = programs.run_recorded(machine, settings)
     seconds = time.perf_counter() - start
     if steps is None:
-        pagedkv_run.record("cache_manager", backend, "judged",
-                           f"{machine.checks_run} steps in {seconds:.1f} s", kind="manager")
+        pagedkv_run.record("cache_manager", backend, decide(
+            SimpleNamespace(status="passed", reason=f"{machine.checks_run} steps in {seconds:.1f} s"), kind="manager"))
         return
     path = programs.save(Path(".pagedkv-failures") / f"manager-{backend_name(backend).replace(':', '_')}.json",
                          spec, machine, steps, steps.error)
-    pagedkv_run.record("cache_manager", backend, "failed", steps.error, kind="manager")
+    failure = Failure(None, AssertionError(steps.error), case_file=path, replay=f"python -m pagedkv replay {path}")
+    pagedkv_run.record("cache_manager", backend, decide(SimpleNamespace(status="failed", failures=[failure]),
+                                                        kind="manager"))
     pytest.fail(f"cache manager {spec}: {steps.error}\n{programs.as_text(steps)}\n"
                 f"replay: python -m pagedkv replay {path}", pytrace=False)

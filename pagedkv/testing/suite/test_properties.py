@@ -8,8 +8,10 @@ space. A failure shows the property's sentence, the located mismatch, the case a
 A backend that declares a *precondition* (for example ``finite_unused_slots``) is also run, by
 ``test_finding_outside_declared_preconditions``, on cases that break it: a failure there is reported
 as a finding (an ``xfail`` naming what happened, plus the case file), never hidden and never passed
-off as conformance. So is a failure of a property the backend declares it does not promise
-(``Capabilities.non_promises``, :mod:`pagedkv.testing.non_promises`): the finding carries the declared reason.
+off as conformance; its passes count nowhere. A property the backend declares it does not promise
+exactly (``Capabilities.non_promises``, :mod:`pagedkv.testing.non_promises`) runs under the declared
+bound: a difference within it is a finding with the declared reason and bound, anything else fails.
+The verdict is :func:`pagedkv.testing.verdict.decide`'s.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pagedkv.testing.non_promises import finding_reason as non_promise_finding
 from pagedkv.testing.registry import Property, properties
 from pagedkv.testing.report import failure_text
 from pagedkv.testing.settings import suite_settings
+from pagedkv.testing.verdict import decide
 
 pytestmark = pytest.mark.pagedkv
 
@@ -49,21 +52,17 @@ def _judge(prop: Property, pagedkv_run, backends: tuple, device: str, **options)
                           budget_s=float(os.environ.get("PAGEDKV_TEST_BUDGET_S") or 0),
                           database_key=property_key(prop.name, *(backend_name(b) for b in backends)),
                           after_pass=after_pass, **options)
-    finding = options.get("violating", False)
-    not_promised = capabilities_of(candidate).non_promise(prop.name)
-    if outcome.status == "skipped":
-        pagedkv_run.record(prop.name, candidate, "skipped", outcome.reason)
+    violating = options.get("violating", False)
+    declared = capabilities_of(candidate).non_promise(prop.name)
+    verdict = decide(outcome, violating=violating, declared=declared)
+    pagedkv_run.record(prop.name, candidate, verdict)
+    if verdict.status == "skipped":
         pytest.skip(f"{prop.name}: {outcome.reason}")
-    if outcome.status == "failed" and finding:
-        pagedkv_run.record(prop.name, candidate, "finding", outcome.first_line, failures=outcome.failures)
-        return outcome
-    if outcome.status == "failed" and not_promised:  # declared, by design: a finding, never a failure
-        pagedkv_run.record(prop.name, candidate, "finding", outcome.first_line, failures=outcome.failures,
-                           non_promise=not_promised)
-        pytest.xfail(non_promise_finding(not_promised, outcome))
-    pagedkv_run.record(prop.name, candidate, "failed" if outcome.failed else "judged", outcome.first_line,
-                       failures=outcome.failures)
-    if outcome.failed:
+    if verdict.status == "finding" and violating:
+        return outcome  # the caller's xfail names the precondition
+    if verdict.status == "finding":  # within the declared non-promise's bound: reported, never gating
+        pytest.xfail(non_promise_finding(declared, outcome))
+    if verdict.status == "failed":
         pytest.fail(failure_text(prop.sentence, outcome), pytrace=False)
     if outcome.status == "partial":
         pytest.skip(f"{prop.name}: {outcome.reason}")

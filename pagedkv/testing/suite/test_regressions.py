@@ -3,17 +3,22 @@
 implementation under test. A case outside the backend's declared space is re-expressed inside it
 (:mod:`pagedkv.testing.cases.translate`: the same tables, lengths at the same places in their
 blocks, declared head dims and dtypes); one with no faithful translation is skipped, saying why; one
-that breaks a declared precondition runs as a non-gating finding (as the properties do)."""
+that breaks a declared precondition runs as a non-gating finding (as the properties do), and one of a
+property the backend does not promise exactly runs under the declared bound. The verdict is
+:func:`pagedkv.testing.verdict.decide`'s."""
 
 from __future__ import annotations
 
 import pytest
+
+from types import SimpleNamespace
 
 from pagedkv.testing import execute
 from pagedkv.testing.casefiles.reading import load_case_file
 from pagedkv.testing.registry import property_for_record
 from pagedkv.testing.report import failure_text
 from pagedkv.testing.space import capabilities_under_test
+from pagedkv.testing.verdict import Skip, SkipReason, decide, skip_reason
 
 pytestmark = pytest.mark.pagedkv
 
@@ -46,23 +51,24 @@ def test_regression_case_replays_clean(pagedkv_run, backend, device, regression_
     caps = capabilities_under_test(backend)
     case, how = _inside(record, prop, caps)
     if case is None:
-        pagedkv_run.record(regression_file.stem, backend, "skipped", how, kind="regression")
+        skipped = SimpleNamespace(status="skipped", reason=how, skip=skip_reason(how) if isinstance(how, Skip)
+                                  else SkipReason.NOT_EXPRESSIBLE)
+        pagedkv_run.record(regression_file.stem, backend, decide(skipped, kind="regression"))
         pytest.skip(f"{regression_file.stem}: {how}")
-    outcome = execute.run_record({**record, "case": case}, backend, device, case_file=pagedkv_run.case_file)
+    outcome = execute.run_record({**record, "case": case}, backend, device, case_file=pagedkv_run.case_file,
+                                 bounded=True)
     poison = getattr(case, "poison", None) or getattr(getattr(case, "case", None), "poison", None)
-    finding = "finite_unused_slots" in caps.preconditions and poison in ("nan", "inf")
-    if outcome.status == "skipped":
-        pagedkv_run.record(regression_file.stem, backend, "skipped", outcome.reason, kind="regression")
+    violating = "finite_unused_slots" in caps.preconditions and poison in ("nan", "inf")
+    declared = caps.non_promise(prop.name)
+    verdict = decide(outcome, kind="regression", violating=violating, declared=declared)
+    verdict.kind = "regression"  # a regression breaking a precondition is still a regression case
+    pagedkv_run.record(regression_file.stem, backend, verdict)
+    if verdict.status == "skipped":
         pytest.skip(f"{regression_file.stem}: {outcome.reason}")
-    failed = outcome.failed and not finding and not caps.non_promise(prop.name)
-    pagedkv_run.record(regression_file.stem, backend, "failed" if failed else "judged",
-                       outcome.first_line if outcome.failed else "", kind="regression", failures=outcome.failures)
-    if outcome.failed and finding:  # as in test_finding_outside_declared_preconditions: reported, never gating
-        pytest.xfail(f"finding (outside the declared precondition 'finite_unused_slots'): "
-                     f"{outcome.failures[0].first_line}")
-    not_promised = caps.non_promise(prop.name)
-    if outcome.failed and not_promised:  # a property the backend declares it does not promise: a finding
-        pytest.xfail(f"finding (declared non-promise: {not_promised}): {outcome.failures[0].first_line}")
-    if outcome.failed:
+    if verdict.status == "finding" and violating:  # as test_finding_outside_declared_preconditions: never gating
+        pytest.xfail(f"finding (outside the declared precondition 'finite_unused_slots'): {verdict.message}")
+    if verdict.status == "finding":  # within the declared non-promise's bound
+        pytest.xfail(f"finding (declared non-promise: {declared.reason}; {declared.describe()}): {verdict.message}")
+    if verdict.status == "failed":
         where = f"regression {regression_file.name}" + (f", {how}" if how else "")
         pytest.fail(failure_text(f"{prop.sentence} ({where})", outcome), pytrace=False)

@@ -1,0 +1,106 @@
+"""The candidate of one run, built once and passed down: the backend, its declarations and how its ops
+are called.
+
+:func:`candidate` reads a backend's declarations once (:func:`pagedkv.backends.capabilities.capabilities_of`
+for what it declares, :func:`pagedkv.testing.space.capabilities_under_test` for the space drawn in here);
+:meth:`Candidate.view` gives, per case, the backend under a fresh guard
+(:class:`pagedkv.testing.guard.GuardedBackend`) seen through its declared layout and page table
+(:func:`pagedkv.testing.space.as_declared_layout`), and :meth:`Candidate.bound` the bound of a declared
+non-promise (:mod:`pagedkv.testing.non_promises`).
+
+Between the guard and the backend, :class:`OpCalls` turns a :class:`~pagedkv.testing.compare.MissingOp`
+raised from inside an op call into :class:`OpRaisedMissingOp`: the gate decides what is skipped
+(:func:`pagedkv.testing.compare.require`, :meth:`pagedkv.testing.registry.Property.cannot_run`), and a
+candidate raising the gate's own signal for an input in its declared space fails.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from pagedkv.testing.compare import MissingOp
+
+#: The contract's ops: an exception raised from inside one of them is the candidate's.
+OPS = ("paged_attention", "paged_attention_csr", "write_kv", "gather", "scatter")
+
+
+class OpRaisedMissingOp(RuntimeError):
+    """The candidate raised ``MissingOp`` from inside an op call: a failure, not a skip."""
+
+
+class OpCalls:
+    """``backend`` whose op calls re-raise a ``MissingOp`` as :class:`OpRaisedMissingOp` (the op's
+    signature is kept: ``functools.wraps``); every other attribute is the backend's own."""
+
+    def __init__(self, backend: Any):
+        self._backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._backend, name)
+        if name not in OPS or not callable(value):
+            return value
+
+        @functools.wraps(value)
+        def op(*args, **kwargs):
+            __tracebackhide__ = True
+            try:
+                return value(*args, **kwargs)
+            except MissingOp as exc:
+                raise OpRaisedMissingOp(f"{name} raised MissingOp from inside the call ({exc}): an input in the "
+                                        f"declared space must be judged, and only the gate skips") from exc
+
+        object.__setattr__(self, name, op)
+        return op
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One backend under test and what it declares, read once.
+
+    Attributes:
+        backend: the object the user named (or a built-in backend).
+        declared: its :class:`~pagedkv.backends.capabilities.Capabilities` as declared.
+        space: the space drawn in here (:func:`pagedkv.testing.space.capabilities_under_test`, drawing).
+    """
+
+    backend: Any
+    declared: Any
+    space: Any
+
+    def view(self) -> tuple[Any, Any]:
+        """``(guard, ops)`` for one case: a fresh guard over the backend, and the ops a property calls (the
+        guard seen through the declared layout and page table)."""
+        from pagedkv.testing.guard import GuardedBackend
+        from pagedkv.testing.space import as_declared_layout
+
+        guard = GuardedBackend(OpCalls(self.backend))
+        return guard, as_declared_layout(guard, self.declared)
+
+    def bound(self, prop: str) -> Any:
+        """The :class:`~pagedkv.testing.non_promises.Bound` of ``prop`` (``None``: promised)."""
+        from pagedkv.testing.non_promises import bound_for
+
+        return bound_for(self.declared, prop)
+
+    def non_promise(self, prop: str) -> Any:
+        """The declared :class:`~pagedkv.backends.capabilities.NonPromise` of ``prop``, or ``None``."""
+        return self.declared.non_promise(prop)
+
+
+def candidate(backend: Any, space: Any = None) -> Candidate:
+    """The :class:`Candidate` of ``backend`` (``space``: the drawing space when the caller has one).
+
+    Raises:
+        TypeError: the backend's ``capabilities`` is not a Capabilities.
+        ValueError: a malformed declaration (see :func:`pagedkv.backends.capabilities.capabilities_of`).
+    """
+    if isinstance(backend, Candidate):
+        return backend
+    from pagedkv.backends.capabilities import capabilities_of
+    from pagedkv.testing.space import capabilities_under_test
+
+    declared = capabilities_of(backend)
+    return Candidate(backend, declared, space if space is not None else capabilities_under_test(backend,
+                                                                                                 for_drawing=True))
