@@ -156,7 +156,7 @@ class Bound:
             raise Mismatch(f"{msg}beyond the declared non-promise bound ({self.describe()}): the worst element "
                            f"is {worst:.3g} times the bound (max abs error {float(err.max()):.3g})")
         self.seen.append(f"{msg}differs within the declared bound ({self.describe()}): max abs error "
-                         f"{float(err.max()):.3g}, {worst:.2f} of the bound")
+                         f"{float(err.max()):.3g}, {worst:.2g} of the bound")
 
 
 @contextlib.contextmanager

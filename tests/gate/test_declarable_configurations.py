@@ -10,8 +10,9 @@ product. Each runs every registered property through the gate's core
 (:func:`pagedkv.testing.execute.run`, the function the pytest plugin runs per property) with one drawn
 example beside the explicit ones; the properties past 2**24 slots and 2**31 elements (tens of seconds
 each, independent of the layout's code path beyond what the other properties cover) are left to the
-full gate. The judged share is computed as the plugin's summary computes it (judged of those its ops
-allow, :func:`pagedkv.testing.report.tally`) and must reach :data:`TARGET_SHARE`. About 25 s on two cores with ``-n 2``.
+full gate. Each outcome goes through the gate's verdict policy (:func:`pagedkv.testing.verdict.decide`)
+and the judged share is the policy's count (:func:`pagedkv.testing.verdict.count`, what the plugin's
+summary prints); it must reach :data:`TARGET_SHARE`. About 25 s on two cores with ``-n 2``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pagedkv.backends.capabilities import Capabilities, Sizes
 from pagedkv.testing import execute
 from pagedkv.testing.registry import properties
 from pagedkv.testing.settings import suite_settings
+from pagedkv.testing.verdict import count, decide
 
 sys.path.insert(0, os.path.dirname(__file__))
 from declarable import PACKED_KEYS, PACKED_PAIR, REVERSED_SLOTS, SLOTS_LAST, honest, with_fault  # noqa: E402
@@ -62,9 +64,6 @@ CONFIGURATIONS = {
                      preconditions={"finite_unused_slots"}, **SMALL), WRITE_AND_ATTEND, "ignores_last_page_len"),
 }
 
-#: Skips the plugin's summary does not count against the judged share (report.tally): an op not provided,
-#: a feature not declared, a property not applicable to the declaration.
-NOT_COUNTED = (" does not provide ", "not covered", "not applicable")
 #: The share of what its ops allow that the gate must judge (the target of the user-repository test).
 TARGET_SHARE = 0.9
 #: The properties a planted fault must fail (one of them suffices).
@@ -83,24 +82,16 @@ def _gated(prop) -> bool:
 def test_an_honest_candidate_is_green_and_a_planted_fault_is_caught(config):
     caps, ops, fault = CONFIGURATIONS[config]
     backend = honest(config.replace("-", "_"), caps, ops)
-    judged, failed, skipped = [], [], {}
-    for name, prop in properties().items():
-        if not _gated(prop):
-            continue
-        outcome = execute.run(prop, (backend,), "cpu", FEW)
-        if outcome.failed:
-            failed.append(f"{name}: {outcome.first_line}")
-        elif outcome.status == "skipped":
-            skipped[name] = outcome.reason
-        else:
-            judged.append(name)
+    verdicts = {name: decide(execute.run(prop, (backend,), "cpu", FEW))
+                for name, prop in properties().items() if _gated(prop)}
+    failed = [f"{name}: {v.message}" for name, v in verdicts.items() if v.status != "passed" and v.status != "skipped"]
     assert not failed, "\n".join(failed)
-    counted = {n: r for n, r in skipped.items() if not any(word in r for word in NOT_COUNTED)}
-    allowed = len(judged) + len(counted)
-    share = len(judged) / allowed
-    print(f"{config}: {len(judged)} properties judged (0 failing) of {allowed} its ops allow ({share:.0%}); "
-          f"skipped and counted: {counted or 'none'}")
-    assert share >= TARGET_SHARE, counted
+    counts = count([{"kind": v.kind, "status": v.status, "skip": v.skip and v.skip.value} for v in verdicts.values()])
+    c = counts["properties"]
+    judged = [name for name, v in verdicts.items() if v.status == "passed"]
+    print(f"{config}: {c['judged']} properties judged (0 failing) of {c['applicable']} its ops allow "
+          f"({c['judged_fraction']:.0%}); skipped by reason: {c['skipped_by_reason'] or 'none'}")
+    assert c["judged"] == len(judged) and c["judged_fraction"] >= TARGET_SHARE, c
     assert "paged_attention_matches_fp64_dense_reference" in judged
     if "write_kv" in ops:
         assert "write_kv_lands_at_slot_mapping_and_skips_negative_slots" in judged
@@ -136,10 +127,10 @@ def _fixed_invalid_calls(backend, caps) -> dict:
             tally["skipped"] += 1
             continue
         prop = properties()[f"{op}_rejects_bad_arguments_and_writes_nothing"]
-        outcome = execute.run_case(prop, (backend,), InvalidCall(op, fault, case, fault_sites(op, fault, case)[-1]),
-                                   "cpu")
-        if outcome.failed:
-            tally["failed"].append(f"{op}/{fault}: {outcome.first_line}")
-        else:
-            tally["judged"] += 1
+        verdict = decide(execute.run_case(prop, (backend,), InvalidCall(op, fault, case,
+                                                                          fault_sites(op, fault, case)[-1]), "cpu"))
+        if verdict.status == "failed":
+            tally["failed"].append(f"{op}/{fault}: {verdict.message}")
+        else:  # a call the gate could not run (the case rejected, an op missing) is not judged
+            tally["judged" if verdict.status == "passed" else "skipped"] += 1
     return tally

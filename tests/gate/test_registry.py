@@ -3,12 +3,14 @@ property is collected by pytest, and every case file names a registered property
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 
 import pytest
 
 from pagedkv.testing import registry
-from pagedkv.testing.properties import definitions as checks, invariances, rejection, scenarios
+
 from pagedkv.testing.casefiles.reading import load_case_file
 from pagedkv.testing.casefiles.reading import shipped_regressions
 
@@ -16,7 +18,7 @@ FILES = shipped_regressions()
 
 # Functions of the check modules that take a backend and a case but are helpers, not properties.
 HELPERS = {"run_attention", "run_scenario", "check_live_sequences", "outputs", "inputs", "reference_output",
-           "write_slot_mapping", "locate_attention", "describe_attention"}
+           "write_slot_mapping", "locate_attention", "describe_attention", "machine_for"}
 
 
 def _check_functions(module) -> set:
@@ -30,9 +32,15 @@ def _check_functions(module) -> set:
     return out
 
 
+#: Every module of :mod:`pagedkv.testing.properties` (a new one is scanned without being listed here).
+CHECK_PACKAGE = importlib.import_module("pagedkv.testing.properties")
+CHECK_MODULES = [importlib.import_module(f"{CHECK_PACKAGE.__name__}.{m.name}")
+                 for m in pkgutil.iter_modules(CHECK_PACKAGE.__path__)]
+
+
 def test_every_check_function_is_registered():
-    unregistered = set().union(*map(_check_functions, (checks, rejection, invariances, scenarios))) - \
-        registry.check_functions()
+    assert len(CHECK_MODULES) >= 10, [m.__name__ for m in CHECK_MODULES]
+    unregistered = set().union(*map(_check_functions, CHECK_MODULES)) - registry.check_functions()
     assert not unregistered, f"check functions no property registers: {sorted(f.__name__ for f in unregistered)}"
 
 

@@ -97,6 +97,10 @@ def _capability_for_cpu_tensors(device: torch.device):
 #: What ``unified_attention`` does not promise, by its design (docs/peers.md, "a huge soft-cap").
 HUGE_SOFTCAP = ("apply_softcap computes tanh(y) as 1 - 2 / (exp(2y) + 1) so a large |y| cannot overflow; it "
                 "cancels to 0 for |y| below about 6e-8, so a cap far above every logit flattens them")
+# No tolerance bounds it, so it is not declared: each logit moves by about cap * 6e-8, so under the property's
+# cap of 1e4 times the largest logit the outputs move by 0.016 at a largest logit of 23 (the explicit example)
+# and by up to 3.2 at a cap of 4e6 (25 drawn examples). a_huge_softcap_equals_no_softcap fails on this peer
+# (it was a finding); at the soft-caps models use (30 to 50) the error is about 3e-6.
 
 class VllmTriton:
     """vLLM's Triton kernels: ``triton_reshape_and_cache_flash`` (``write_kv``) and ``unified_attention``
@@ -131,7 +135,6 @@ class VllmTriton:
                                          {"float32", "float16", "bfloat16"},
                                          features={"window", "softcap", "alibi", "sinks"},
                                          preconditions=self.preconditions,
-                                         non_promises={"a_huge_softcap_equals_no_softcap": HUGE_SOFTCAP},
                                          # Triton constexprs: BLOCK_SIZE, HEAD_SIZE, num_queries_per_kv, ...
                                          specialize_on=SPECIALIZATION_NAMES)
 
