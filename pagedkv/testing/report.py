@@ -157,8 +157,8 @@ def summary_lines(stats: dict, backends: list, spec: str | None) -> list[str]:
                                                                      key=lambda kv: -kv[1])) or "none"
         share = f" ({t['judged_fraction']:.0%})" if t["judged_fraction"] is not None else ""
         lines.append(f"pagedkv {name}: judged {what_was_judged(stats, name)}")
-        lines.append(f"pagedkv {name}: {t['judged']} properties judged ({t['passed']} passed, {t['failed']} failing) "
-                     f"of {t['applicable']} its ops allow{share}; {t['findings']} findings; skipped: {skipped}")
+        lines.append(f"pagedkv {name}: {t['judged']} properties judged ({t['failed']} failing) of {t['applicable']} "
+                     f"its ops allow{share}; {t['findings']} findings; skipped: {skipped}")
         for r in _records(stats):
             if r["backend"] == name and r.get("non_promise") and r["status"] == "finding":
                 files = ", ".join(f["case_file"] for f in r.get("failures", ()) if f.get("case_file")) or "no case file"
