@@ -54,9 +54,14 @@ class Mismatch(AssertionError):
 
 
 class MissingOp(Exception):
-    """The backend under test does not provide an op a property needs. Raised by :func:`require` when the
-    gate looks an op up; raised from inside an op call for an input in the declared space it is a failure
-    like any exception (:mod:`pagedkv.testing.verdict`)."""
+    """The gate cannot judge a property: the backend does not provide an op it needs (raised by
+    :func:`require` when the gate looks an op up), or a check's own cannot-run path, with ``reason`` a
+    :class:`pagedkv.testing.verdict.SkipReason` value. Raised from inside an op call for an input in the
+    declared space it is a failure like any exception (:mod:`pagedkv.testing.verdict`)."""
+
+    def __init__(self, message: str = "", reason: str = "missing_op"):
+        super().__init__(message)
+        self.reason = reason
 
 
 #: The bound a declared non-promise puts on the attention comparisons of the property running now

@@ -280,7 +280,7 @@ def leased(bytes_of: Callable[[Any], int]):
                     raise
                 from pagedkv.testing.compare import MissingOp
 
-                raise MissingOp(f"the device cannot hold this check's pools: {exc}") from None
+                raise MissingOp(f"the device cannot hold this check's pools: {exc}", "machine_limit") from None
         run.leased_bytes = bytes_of  # read by the plan (pagedkv.tools.plan)
         return run
     return decorate

@@ -50,8 +50,8 @@ class _OpMissing(BaseException):
 
 
 def _gate_skip(exc: MissingOp) -> Skip:
-    """A ``MissingOp`` the gate raised looking an op up: a skip with its reason."""
-    return Skip(str(exc), SkipReason.MISSING_OP)
+    """A ``MissingOp`` the gate raised (an op looked up, a check's cannot-run path): a skip with its reason."""
+    return Skip(str(exc), SkipReason(getattr(exc, "reason", SkipReason.MISSING_OP.value)))
 
 
 @dataclass
@@ -400,7 +400,7 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
         except MissingOp as exc:
             if not recorder.by_origin:  # the gate's look-up before anything failed: the property is skipped
                 recorder.passed()
-                raise _OpMissing(str(exc)) from None
+                raise _OpMissing(_gate_skip(exc)) from None
             outcome.first_failing_example = outcome.first_failing_example or state["calls"]
             recorder.failed(case, exc, list(history))  # a search that failed is never downgraded to a skip
             history.append(case)
@@ -430,7 +430,7 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
     try:
         test()
     except _OpMissing as exc:
-        outcome.skipped(Skip(str(exc), SkipReason.MISSING_OP))
+        outcome.skipped(exc.args[0])
     except BudgetSpent:
         outcome.status = "partial"
         outcome.reason = (f"time budget of {budget_s:g} s spent: {state['calls']} examples passed, "

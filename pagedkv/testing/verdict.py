@@ -32,6 +32,7 @@ class SkipReason(str, enum.Enum):
     OUTSIDE_DECLARED_SPACE = "outside_declared_space"  # the property cannot be drawn in the declared space
     NOT_EXPRESSIBLE = "not_expressible"  # a regression case with no faithful form in the declared space
     CASE_REJECTED = "case_rejected"  # a fixed case the property's own assumption rejects
+    MACHINE_LIMIT = "machine_limit"  # this machine cannot run it (device memory, lazily backed pools)
 
 
 #: Skips that leave the judged share's denominator: nothing the candidate declares could be judged there.

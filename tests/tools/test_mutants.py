@@ -32,6 +32,7 @@ def test_every_mutant_has_targets_a_docstring_and_loads_as_a_candidate(name):
     assert backend.name == name and missing_ops(backend) == {}
 
 
+@pytest.mark.slow  # every targeted property at ci's 100 examples: about 30 s of CPU (the kills stop at a failure)
 def test_the_unmutated_base_passes_the_targeted_properties():
     """Kills come from the planted faults: the base class the mutants derive from passes, on the profile the
     kills run on (``ci``)."""

@@ -42,9 +42,9 @@ def _inside_declared_space(backend: Any) -> None:
         # at a declared geometry 2**31 slots are at least 2**31 elements: the declared-geometry twin past
         # 2**31 elements judges the int32 arithmetic such a kernel can reach
         raise MissingOp(f"not applicable: {reason}; the *_past_2_31_elements_at_a_declared_geometry "
-                        "properties judge int32 slot and offset arithmetic at the declared geometry")
+                        "properties judge int32 slot and offset arithmetic at the declared geometry", "not_applicable")
     if reason:
-        raise MissingOp(reason)
+        raise MissingOp(reason, "outside_declared_space")
 
 
 def _buffer_bytes(case: LimitCase) -> int:

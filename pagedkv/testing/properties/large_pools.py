@@ -32,14 +32,15 @@ def _pools(case: LimitCase, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     copy_form = [layout.name for layout in POOL_LAYOUTS.get() if not layout.is_view]
     if copy_form:
         raise MissingOp(f"layout {copy_form[0]} is declared as a copy pair: pools past {case.limit} cannot be "
-                        f"converted on every call (declare it as a view: allocate + logical)")
+                        f"converted on every call (declare it as a view: allocate + logical)", "outside_declared_space")
     shape = (g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
     if str(device) == "cpu":
         pools = new_lazy_pools(shape, g.torch_dtype)
     else:
         pools = new_pools(shape, g.torch_dtype, device, 0.0)
     if str(device) == "cpu" and (nonzero_slots(pools[0]) or nonzero_slots(pools[1])):
-        raise MissingOp("this machine's allocator does not provide fresh zero pages for the lazy pools")
+        raise MissingOp("this machine's allocator does not provide fresh zero pages for the lazy pools",
+                        "machine_limit")
     return pools
 
 
