@@ -31,7 +31,7 @@ from typing import Any
 from pagedkv.testing.candidate import Candidate, OpCalls, candidate as candidate_of
 from pagedkv.testing.compare import MissingOp
 from pagedkv.testing.hypothesis_internals import failure_origin, set_database_key
-from pagedkv.testing.non_promises import bounded
+from pagedkv.testing.non_promises import bounded as bound_in_force
 from pagedkv.testing.verdict import Skip, SkipReason, skip_reason
 
 #: How many cases run before a failing one its case file records (``history``), oldest first: replay
@@ -145,7 +145,7 @@ def call(prop: Any, backends: tuple, case: Any, device: str, candidate: Candidat
     backends = _with_reference(prop, tuple(backends))
     candidate = candidate if candidate is not None else candidate_of(backends[-1])
     guard, ops = candidate.view()  # the output and input contract of every op call
-    with pool_layout(candidate.declared.layout), bounded(bound):  # memory order; compared as NHD
+    with pool_layout(candidate.declared.layout), bound_in_force(bound):  # memory order; compared as NHD
         if prop.pair:
             prop.check(backends[0], ops, case, device)
         else:
