@@ -306,3 +306,27 @@ def test_a_profile_the_project_loaded_is_kept_over_pagedkv_profile(monkeypatch):
         assert choose_profile() == "pagedkv-smoke" and settings.default.max_examples == 5
     finally:
         settings.load_profile(before)
+
+
+def test_the_state_machine_reports_the_runs_that_ran():
+    """``examples`` is what ran: a machine whose write_kv raises fails in its first run, not after the
+    settings' ``max_examples`` (what was reported before)."""
+    from hypothesis import Phase, settings
+
+    from pagedkv import get_backend
+    from pagedkv.testing import execute
+    from pagedkv.testing.registry import properties
+
+    indexed = get_backend("indexed")
+
+    class RaisingWrites:
+        name = "raising_writes"
+        gather = staticmethod(indexed.gather)
+
+        @staticmethod
+        def write_kv(k_cache, v_cache, key, value, slot_mapping, **kwargs):
+            raise RuntimeError("write_kv is not implemented yet")
+
+    chosen = settings(max_examples=40, database=None, derandomize=True, phases=[Phase.generate], deadline=None)
+    outcome = execute.run(properties()["cache_state_machine_holds_its_invariants"], (RaisingWrites(),), "cpu", chosen)
+    assert outcome.failed and 1 <= outcome.examples < 40, outcome
