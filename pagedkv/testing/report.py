@@ -192,7 +192,7 @@ def judged_problem(stats: dict, spec: str | None, minimum: float, command: str) 
         t = c["properties"]
         if minimum and t["applicable"] and t["judged"] / t["applicable"] < minimum:
             return (f"{name}: {t['judged']} of {t['applicable']} applicable properties judged "
-                    f"({t['judged'] / t['applicable']:.0%}), under the required share {minimum:g} "
+                    f"({t['judged'] / t['applicable']:.0%}), under the required share {minimum:.3g} "
                     f"(--pagedkv-min-judged / ini pagedkv_min_judged lowers it explicitly)")
     return None
 

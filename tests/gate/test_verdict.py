@@ -29,7 +29,7 @@ CANDIDATE = textwrap.dedent('''
 
     name = "plain_attention"
     FACTOR, DROP_LAST_BLOCK = {factor!r}, {drop!r}
-    capabilities = Capabilities(dtypes={{"float32"}}, non_promises={non_promises})
+    capabilities = Capabilities(dtypes={{"float32"}}, non_promises={non_promises}{extra})
 
 
     def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None):
@@ -55,8 +55,9 @@ CANDIDATE = textwrap.dedent('''
     ''')
 
 
-def _suite(pytester, monkeypatch, *, factor: float, drop: bool, non_promises: str, properties: list[str]):
-    pytester.makepyfile(candidate=CANDIDATE.format(factor=factor, drop=drop, non_promises=non_promises))
+def _suite(pytester, monkeypatch, *, factor: float, drop: bool, non_promises: str, properties: list[str],
+           extra: str = "", options: tuple = ()):
+    pytester.makepyfile(candidate=CANDIDATE.format(factor=factor, drop=drop, non_promises=non_promises, extra=extra))
     pytester.makeini("[pytest]\npagedkv_report_json = out/verdict.json\n")
     monkeypatch.setenv("PAGEDKV_PROFILE", "smoke")
     monkeypatch.setenv("PAGEDKV_DEVICE", "cpu")
@@ -64,7 +65,8 @@ def _suite(pytester, monkeypatch, *, factor: float, drop: bool, non_promises: st
     monkeypatch.delenv("CI", raising=False)
     result = pytester.runpytest_subprocess(
         "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", str(pytester.path / "candidate.py"),
-        "-k", " or ".join(f"test_{p}" for p in properties), "-p", "no:cacheprovider", "-p", "no:xdist", "-rsx")
+        "-k", " or ".join(f"test_{p}" for p in properties), "-p", "no:cacheprovider", "-p", "no:xdist", "-rsx",
+        *options)
     verdict = json.loads((pytester.path / "out" / "verdict.json").read_text())
     (candidate,) = verdict["candidates"]
     return result, verdict, candidate
@@ -116,6 +118,20 @@ def test_a_kernel_dropping_the_last_block_fails_whatever_it_declares(pytester, m
     assert "beyond the declared non-promise bound" in failed[REFERENCE]["message"], failed[REFERENCE]
     assert candidate["counts"]["failed"] == len(candidate["failed"]) >= 1
     assert candidate["counts"]["judged"] == candidate["counts"]["passed"] + candidate["counts"]["failed"]
+
+
+def test_a_named_candidate_judged_on_less_than_two_thirds_is_refused_unless_lowered(pytester, monkeypatch):
+    """Pools capped at 1 MiB put attention's limit properties outside the declared space: the reference
+    passes, the two limits are skipped against the share (1 of 3 judged), and the quick start refuses the
+    green run; ``--pagedkv-min-judged 0`` lowers the floor explicitly."""
+    run = dict(factor=0.0, drop=False, non_promises="{}", extra=", max_pool_bytes=1 << 20",
+               properties=[REFERENCE, "paged_attention_is_exact_past"])
+    result, verdict, candidate = _suite(pytester, monkeypatch, **run)
+    assert result.ret == 1, result.stdout.str()
+    result.stdout.fnmatch_lines(["*1 of 3 applicable properties judged (33%), under the required share 0.667*"])
+    assert candidate["counts"]["skipped_by_reason"] == {"outside_declared_space": 2}
+    result, verdict, _ = _suite(pytester, monkeypatch, **run, options=("--pagedkv-min-judged", "0"))
+    assert result.ret == 0 and verdict["passed"] is True, result.stdout.str()
 
 
 # -- the execution core, in process ---------------------------------------------------------------------
