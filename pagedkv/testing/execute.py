@@ -441,6 +441,10 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
         errors = list(getattr(exc, "exceptions", None) or [exc])  # an exception group: several failures
         outcome.status = "failed"
         outcome.failures = recorder.finish(errors)
+        for finding in outcome.findings:  # the failure is the verdict: no finding's file beside its own
+            if finding.case_file is not None:
+                finding.case_file.unlink(missing_ok=True)
+        outcome.findings = []
     outcome.examples = state["calls"]
     outcome.seconds = time.perf_counter() - start
     return outcome
