@@ -346,3 +346,24 @@ def test_the_state_machine_reports_the_runs_that_ran():
     chosen = settings(max_examples=40, database=None, derandomize=True, phases=[Phase.generate], deadline=None)
     outcome = execute.run(properties()["cache_state_machine_holds_its_invariants"], (RaisingWrites(),), "cpu", chosen)
     assert outcome.failed and 1 <= outcome.examples < 40, outcome
+
+
+def test_a_fixed_suite_test_skips_only_on_the_gates_own_missing_op():
+    """The plugin skips a fixed suite test on ``MissingOp`` only when the gate's ``require`` raised it looking
+    an op up, never when an op raised it (itself, or through ``require`` inside the op)."""
+    from pagedkv.testing.compare import MissingOp, raised_by_gate, require
+
+    with pytest.raises(MissingOp) as looked_up:
+        require(object(), "gather")
+    assert raised_by_gate(looked_up.value)
+
+    def gather(*args):
+        raise MissingOp("gather does not provide this input")
+
+    def scatter(*args):
+        require(object(), "scatter")
+
+    for op in (gather, scatter):
+        with pytest.raises(MissingOp) as raised:
+            op()
+        assert not raised_by_gate(raised.value), op
