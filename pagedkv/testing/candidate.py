@@ -8,8 +8,8 @@ for what it declares, :func:`pagedkv.testing.space.capabilities_under_test` for 
 (:func:`pagedkv.testing.space.as_declared_layout`), and :meth:`Candidate.bound` the bound of a declared
 non-promise (:mod:`pagedkv.testing.non_promises`).
 
-Between the guard and the backend, :class:`OpCalls` turns a :class:`~pagedkv.testing.compare.MissingOp`
-raised from inside an op call into :class:`OpRaisedMissingOp`: the gate decides what is skipped
+Around the guard, :class:`OpCalls` turns a :class:`~pagedkv.testing.compare.MissingOp` raised from inside
+an op call into :class:`OpRaisedMissingOp`: the gate decides what is skipped
 (:func:`pagedkv.testing.compare.require`, :meth:`pagedkv.testing.registry.Property.cannot_run`), and a
 candidate raising the gate's own signal for an input in its declared space fails.
 """
@@ -75,8 +75,8 @@ class Candidate:
         from pagedkv.testing.guard import GuardedBackend
         from pagedkv.testing.space import as_declared_layout
 
-        guard = GuardedBackend(OpCalls(self.backend))
-        return guard, as_declared_layout(guard, self.declared)
+        guard = GuardedBackend(self.backend)  # on the backend itself: what it counts is the backend's
+        return guard, as_declared_layout(OpCalls(guard), self.declared)
 
     def bound(self, prop: str) -> Any:
         """The :class:`~pagedkv.testing.non_promises.Bound` of ``prop`` (``None``: promised)."""
