@@ -1,0 +1,52 @@
+"""The names a backend adapter imports live in :mod:`pagedkv.adapter` and do not move; names from before a
+reorganisation keep working for a release, with a ``DeprecationWarning``."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+#: The pinned surface: changing it breaks adapters, so a change here needs a deprecation period.
+ADAPTER_SURFACE = [
+    "ArgumentTypeError", "ArgumentValueError", "BackendError", "BlockIndexError", "Capabilities", "CsrPageTable",
+    "DTypeMismatchError", "DeviceMismatchError", "PRECONDITIONS", "PagedKVError", "ShapeError", "Sizes",
+    "check_csr", "check_gather", "check_paged_attention", "check_scatter", "check_write_kv",
+]
+
+
+def test_the_adapter_surface_is_pinned_and_each_name_is_the_librarys_own():
+    import pagedkv.adapter as adapter
+    from pagedkv.backends.capabilities import Capabilities
+    from pagedkv.errors import ShapeError
+    from pagedkv.validation.attention_arguments import check_paged_attention
+
+    assert sorted(adapter.__all__) == sorted(ADAPTER_SURFACE)
+    assert all(hasattr(adapter, name) for name in ADAPTER_SURFACE)
+    assert adapter.Capabilities is Capabilities and adapter.ShapeError is ShapeError
+    assert adapter.check_paged_attention is check_paged_attention
+
+
+def test_every_adapter_error_is_a_builtin_type_the_contract_names():
+    import pagedkv.adapter as adapter
+
+    for name in ADAPTER_SURFACE:
+        value = getattr(adapter, name)
+        if isinstance(value, type) and issubclass(value, Exception):
+            assert issubclass(value, (ValueError, IndexError, TypeError)), name
+
+
+@pytest.mark.parametrize("name", ["check_paged_attention", "check_write_kv", "check_gather", "check_scatter",
+                                  "attention_args", "validation_level"])
+def test_an_old_import_path_still_works_with_a_deprecation_warning(name):
+    import importlib
+
+    import pagedkv.validation
+
+    with pytest.warns(DeprecationWarning, match=f"pagedkv.validation.{name} moved"):
+        old = getattr(pagedkv.validation, name)
+    assert old is getattr(importlib.import_module("pagedkv.validation.calls"), name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(AttributeError):
+            pagedkv.validation.no_such_check  # noqa: B018
