@@ -209,11 +209,11 @@ _WEIGHTS: dict = {}
 def _weights(device: torch.device) -> torch.Tensor:
     """Odd int64 weights, one per word of a chunk: a change of one word by ``d != 0`` changes the chunk's
     wrapped sum by ``d * w``, which is never 0 mod 2**64 for an odd ``w``."""
-    if device not in _WEIGHTS:
+    if (device, DIGEST_CHUNK) not in _WEIGHTS:
         gen = torch.Generator().manual_seed(0x9E3779B97F4A7C15 & (2**63 - 1))
         w = torch.randint(-(2**62), 2**62, (DIGEST_CHUNK,), generator=gen, dtype=torch.int64) | 1
-        _WEIGHTS[device] = w.to(device)
-    return _WEIGHTS[device]
+        _WEIGHTS[device, DIGEST_CHUNK] = w.to(device)
+    return _WEIGHTS[device, DIGEST_CHUNK]
 
 
 def storage_digest(t: torch.Tensor) -> torch.Tensor | None:
@@ -253,7 +253,7 @@ class _Snapshot:
     def __init__(self, tensors: list, small: bool):
         self.copies, self.digests = {}, {}
         for name, t in tensors:
-            if small or t.numel() * t.element_size() <= (1 << 20):
+            if small or t.numel() * t.element_size() <= MAX_SNAPSHOT_BYTES >> 6:  # small ones: copied (1 MiB)
                 self.copies[name] = t.clone()
             else:
                 self.digests[name] = storage_digest(t)
