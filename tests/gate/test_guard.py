@@ -212,3 +212,31 @@ def test_a_storage_digest_sees_one_changed_word_and_reads_the_whole_storage_of_a
     after = storage_digest(view)
     assert before.shape == after.shape and not torch.equal(before, after)
     assert torch.equal(storage_digest(pool), after)
+
+
+def test_each_xdist_worker_makes_its_own_cuda_device_current(monkeypatch):
+    from pagedkv.testing import space
+
+    chosen = []
+    monkeypatch.delenv("PAGEDKV_DEVICE", raising=False)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: chosen.append(torch.device(device)))
+    assert space.select_device() == "cuda:1" and chosen == [torch.device("cuda:1")]
+    assert space.select_device("cpu") == "cpu" and len(chosen) == 1
+
+
+def test_the_guard_synchronises_every_cuda_device_its_tensors_are_on(monkeypatch):
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    meta = [("a", torch.empty(1, device="meta")), ("b", torch.empty(1, device="meta"))]
+    guard_module._synchronize(meta)
+    assert synced == []
+
+    class OnDevice:  # stands in for CUDA tensors on two devices (no CUDA here)
+        def __init__(self, index):
+            self.device = torch.device("cuda", index)
+
+    guard_module._synchronize([("a", OnDevice(1)), ("b", OnDevice(0))], OnDevice(1))
+    assert sorted(d.index for d in synced) == [0, 1]
