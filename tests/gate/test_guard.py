@@ -240,3 +240,17 @@ def test_the_guard_synchronises_every_cuda_device_its_tensors_are_on(monkeypatch
 
     guard_module._synchronize([("a", OnDevice(1)), ("b", OnDevice(0))], OnDevice(1))
     assert sorted(d.index for d in synced) == [0, 1]
+
+
+def test_the_state_machine_property_runs_its_calls_under_the_guard():
+    # a write_kv that zeroes its key input once written: the pools hold the right values, so only the guard sees it
+    from pagedkv.testing import execute
+    from pagedkv.testing.registry import properties
+    from pagedkv.testing.settings import mutant_settings
+    from pagedkv.tools.mutants.cheats import CHEATS
+
+    prop = properties()["cache_state_machine_holds_its_invariants"]
+    outcome = execute.run(prop, (CHEATS["scribbles_key"](),), "cpu", mutant_settings("smoke", shrink=False))
+    assert outcome.failed, outcome.status
+    assert isinstance(outcome.failures[0].error, ContractViolation), outcome.first_line
+    assert "wrote its input key" in outcome.first_line
