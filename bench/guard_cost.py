@@ -59,9 +59,9 @@ def main() -> None:
         seq_lens = torch.tensor([block_size + 1], dtype=torch.int32, device=args.device)
         qsl = torch.tensor([0, 1], dtype=torch.int32, device=args.device)
         call = (query, k_cache, v_cache, tables, seq_lens, qsl)
-        digest = _time(lambda: storage_digest(k_cache), args.device, args.repeat)
-        plain = _time(lambda: _Decode().paged_attention(*call), args.device, args.repeat)
-        guarded = _time(lambda: GuardedBackend(_Decode()).paged_attention(*call), args.device, args.repeat)
+        digest = _time(lambda pool=k_cache: storage_digest(pool), args.device, args.repeat)
+        plain = _time(lambda c=call: _Decode().paged_attention(*c), args.device, args.repeat)
+        guarded = _time(lambda c=call: GuardedBackend(_Decode()).paged_attention(*c), args.device, args.repeat)
         print(f"{args.device} pools 2 x {mib} MiB: digest of one pool {digest * 1e3:.1f} ms "
               f"({mib / 1024 / digest:.2f} GiB/s); call plain {plain * 1e3:.1f} ms, guarded {guarded * 1e3:.1f} ms "
               f"(+{(guarded - plain) * 1e3:.1f} ms)", flush=True)

@@ -264,7 +264,9 @@ def corrupted(draw, root: Path, how: str):
             fields = {path, path.rsplit(".", 1)[0]}
             if path.endswith(".num_kv_heads"):  # per-head scales no longer match the head count: also a refusal
                 owner = path.rsplit(".geometry.", 1)[0]
-                fields |= {f"{owner}.{k}" for k in ("k_scale", "v_scale")}
+                case = record["case"]["case"] if owner == "case.case" else record["case"]
+                if sum(isinstance(case.get(k), list) for k in ("k_scale", "v_scale")) < 2:  # two agree: the count
+                    fields |= {f"{owner}.{k}" for k in ("k_scale", "v_scale")}
             return enc(set_at(record, path, draw(st.integers(2**36, 2**40 - 1)))), fields
         path = draw(st.sampled_from(choices))
         value = draw(st.integers(-2**70, -1) if how == "negative" else st.integers(2**44, 2**70) | st.just(10**30))

@@ -28,7 +28,8 @@ from pagedkv.tools.mutants.cheats import CHEATS
 from pagedkv.testing.settings import mutant_settings as hypothesis_settings
 from pagedkv.testing.registry import properties
 
-ATTENTION, WRITE = "paged_attention_matches_fp64_dense_reference", "write_kv_lands_at_slot_mapping_and_skips_negative_slots"
+ATTENTION = "paged_attention_matches_fp64_dense_reference"
+WRITE = "write_kv_lands_at_slot_mapping_and_skips_negative_slots"
 FIRST = (ATTENTION, WRITE)
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -50,3 +50,12 @@ def test_an_old_import_path_still_works_with_a_deprecation_warning(name):
         warnings.simplefilter("error")
         with pytest.raises(AttributeError):
             pagedkv.validation.no_such_check  # noqa: B018
+
+
+@pytest.mark.parametrize("text, expected", [("512M", 512 << 20), ("8GiB", 8 << 30), ("8g", 8 << 30),
+                                            ("80GB", 80 * 10**9), ("1.5K", 1536), ("1048576", 1 << 20)])
+def test_one_rule_for_byte_counts_wherever_a_size_is_read(text, expected):
+    from pagedkv.testing.casefiles.schema import parse_bytes as max_bytes
+    from pagedkv.testing.device_lease import parse_bytes as device_memory
+
+    assert device_memory(text) == max_bytes(text) == expected

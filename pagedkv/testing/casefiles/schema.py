@@ -87,15 +87,15 @@ def default_max_bytes() -> int:
 
 
 def parse_bytes(text: str) -> int:
-    """A byte count from the command line: ``"1073741824"``, ``"512M"``, ``"8GiB"``, ``"1.5T"`` (binary units).
+    """A positive byte count from the command line (``--max-bytes``): :func:`pagedkv.units.parse_bytes`'s rule
+    (``512M`` and ``8GiB`` binary, ``80GB`` decimal).
 
     Raises:
         ValueError: not a positive size.
     """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"not a byte count: {text!r} (examples: 1073741824, 512M, 8GiB)")
-    value = int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+    from pagedkv.units import parse_bytes as parse
+
+    value = parse(text, "byte count")
     if value < 1:
         raise ValueError(f"a byte count must be positive, got {text!r}")
     return value
@@ -242,6 +242,10 @@ def _features(c: dict, path: str, num_kv_heads: int) -> None:
         _choice(c["kv_cache_dtype"], f"{path}.kv_cache_dtype", KV_CACHE_DTYPES)
     if c.get("num_splits") is not None:
         _int(c["num_splits"], f"{path}.num_splits", 1, 65536)
+    per_head = [len(c[key]) for key in ("k_scale", "v_scale") if isinstance(c.get(key), list)]
+    if len(per_head) == 2 and per_head[0] == per_head[1] != num_kv_heads:  # two witnesses against the geometry
+        raise CaseFileError(f"{path}.geometry.num_kv_heads", f"{num_kv_heads}, but k_scale and v_scale both hold "
+                                                             f"{per_head[0]} per-head scales")
     for key in ("k_scale", "v_scale"):
         if key not in c:
             continue
