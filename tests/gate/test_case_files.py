@@ -487,3 +487,23 @@ def test_the_schema_matches_the_dataclasses_and_the_librarys_names():
     assert cases.VALUE_PATTERNS == schema.VALUE_PATTERNS and cases.POISONS == schema.POISONS
     assert cases.LAYOUTS == schema.LAYOUTS and tuple(BUILTIN) == casefile.BUILTIN_BACKENDS
     assert invalid.OPS == schema.INVALID_OPS
+
+
+def test_a_corrupted_head_count_is_refused_at_the_geometry_when_both_scale_lists_disagree_with_it():
+    from pagedkv.errors import CaseFileError
+    from pagedkv.testing.casefiles.schema import validate_record
+
+    record = json.loads(next(p for p in REGRESSIONS if json.loads(p.read_text()).get("kind", "Case") == "Case")
+                        .read_text())
+    case = record["case"]
+    heads = case["geometry"]["num_kv_heads"]
+    case.update(kv_cache_dtype="fp8_e4m3", k_scale=[0.5] * heads, v_scale=[0.25] * heads)
+    validate_record(record)
+    case["geometry"]["num_kv_heads"] = heads + 1
+    with pytest.raises(CaseFileError) as refused:
+        validate_record(record)
+    assert refused.value.field == "case.geometry.num_kv_heads", str(refused.value)
+    case["v_scale"] = 0.25  # one list left: it is the scales that do not fit
+    with pytest.raises(CaseFileError) as refused:
+        validate_record(record)
+    assert refused.value.field == "case.k_scale", str(refused.value)
