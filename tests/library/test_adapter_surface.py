@@ -59,3 +59,13 @@ def test_one_rule_for_byte_counts_wherever_a_size_is_read(text, expected):
     from pagedkv.testing.device_lease import parse_bytes as device_memory
 
     assert device_memory(text) == max_bytes(text) == expected
+
+
+def test_every_fault_the_gate_injects_expects_a_builtin_type_and_names_an_argument():
+    # a third-party kernel is judged on the builtin type and the argument, for padded tables and CSR metadata
+    from pagedkv.testing.cases.csr import CSR_FAULTS
+    from pagedkv.testing.cases.invalid_call import FAULTS, InvalidCall  # noqa: F401
+
+    builtins = (ValueError, IndexError, TypeError)
+    assert all(f.expected in {b.__name__ for b in builtins} and f.argument for f in FAULTS.values())
+    assert all(f.error in builtins and f.argument.startswith("kv_") for f in CSR_FAULTS)
