@@ -254,13 +254,16 @@ def _changed_bytes(t: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> str
 class _Snapshot:
     """Every input's state before a call: a copy (small calls, small tensors) or a storage digest."""
 
-    def __init__(self, tensors: list, small: bool):
+    def __init__(self, tensors: list, small: bool, writable: frozenset = frozenset()):
         self.copies, self.digests = {}, {}
         for name, t in tensors:
+            if not small and name in writable:
+                continue  # a pool the op writes: not judged unchanged, and a large one is not rerun either
             if small or t.numel() * t.element_size() <= MAX_SNAPSHOT_BYTES >> 6:  # small ones: copied (1 MiB)
                 self.copies[name] = t.clone()
-            else:
-                self.digests[name] = storage_digest(t)
+            else:  # views of one storage (K and V of one arena) share a digest
+                same = next((n for n, u in tensors if n in self.digests and _storage_key(u) == _storage_key(t)), None)
+                self.digests[name] = self.digests[same] if same else storage_digest(t)
 
     def __bool__(self) -> bool:
         return bool(self.copies or self.digests)
@@ -329,7 +332,7 @@ class GuardedBackend:
         process_history.count_call(self._backend)
         tensors = _named(op, args, kwargs)
         small = _storage_bytes(tensors) <= MAX_SNAPSHOT_BYTES
-        before = _Snapshot(tensors, small)
+        before = _Snapshot(tensors, small, frozenset(tensors[i][0] for i in WRITES.get(op, ()) if i < len(tensors)))
         threads = set(threading.enumerate())
         with _fill_fresh_memory() if small else contextlib.nullcontext():
             out = fn(*args, **kwargs)
