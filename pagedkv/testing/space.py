@@ -133,7 +133,8 @@ def select_device(chosen: str | None = None) -> str:
     if device.startswith("cuda"):
         import torch
 
-        torch.cuda.set_device(torch.device(device))
+        if torch.device(device).index is not None:  # plain "cuda": the current device already
+            torch.cuda.set_device(torch.device(device))
     return device
 
 
