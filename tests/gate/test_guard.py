@@ -254,3 +254,28 @@ def test_the_state_machine_property_runs_its_calls_under_the_guard():
     assert outcome.failed, outcome.status
     assert isinstance(outcome.failures[0].error, ContractViolation), outcome.first_line
     assert "wrote its input key" in outcome.first_line
+
+
+def test_a_kernel_that_scribbles_only_on_large_pools_is_caught_at_the_limit_case():
+    # over 64 MiB of inputs the call is not copied: the storage digest sees the write (it was never checked)
+    from pagedkv.testing import execute
+    from pagedkv.testing.registry import properties
+    from pagedkv.testing.settings import mutant_settings
+    from pagedkv.tools.mutants.backends import IndexedBackend
+
+    class ScribblesLargePools(IndexedBackend):
+        name = "scribbles_large_pools"
+
+        def paged_attention(self, query, k_cache, v_cache, *args, **kwargs):
+            out = IndexedBackend.paged_attention(self, query, k_cache, v_cache, *args, **kwargs)
+            if k_cache.untyped_storage().nbytes() > (16 << 20):  # only where no copy is taken
+                k_cache[1].fill_(1)  # a block no sequence of the limit case owns
+            return out
+
+    prop = properties()["paged_attention_is_exact_past_2_24_slots_at_a_declared_geometry"]
+    outcome = execute.run(prop, (ScribblesLargePools(),), "cpu", mutant_settings("smoke", shrink=False))
+    assert outcome.failed, outcome.status
+    assert isinstance(outcome.failures[0].error, ContractViolation), outcome.first_line
+    assert "wrote its input k_cache" in outcome.first_line
+    honest = execute.run(prop, (IndexedBackend(),), "cpu", mutant_settings("smoke", shrink=False))
+    assert honest.status == "passed", honest.first_line
