@@ -38,6 +38,10 @@ would allocate as much again): their inputs are checked unchanged by a digest of
 chunk says where), small ones copied as usual. Storages above :data:`MAX_DIGEST_BYTES` (the lazily
 backed pools of the limit cases, gigabytes of zero pages whose own properties scan them for writes)
 and ``meta`` tensors are not read.
+
+Every call the guard sees is counted per candidate for the process's history
+(:mod:`pagedkv.testing.history`: what a case file records, so replay can bring back a failure that
+depends on earlier calls).
 """
 
 from __future__ import annotations
