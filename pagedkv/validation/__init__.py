@@ -14,8 +14,7 @@ for one release.
 
 from __future__ import annotations
 
-import importlib
-import warnings
+from pagedkv._moved import moved
 
 #: Names importable from ``pagedkv.validation`` itself until the next release: old name -> its module now.
 _MOVED = {name: "pagedkv.validation.calls" for name in (
@@ -23,13 +22,4 @@ _MOVED = {name: "pagedkv.validation.calls" for name in (
     "check_cache", "check_cache_pair", "check_features", "check_gather", "check_kv_scale", "check_paged_attention",
     "check_scatter", "check_write_kv", "check_write_overlap", "gather_args", "normalize_block_table",
     "scatter_args", "shares_memory", "validation_level", "write_kv_args")}
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        hint = "pagedkv.adapter" if name.startswith("check_") and hasattr(
-            importlib.import_module("pagedkv.adapter"), name) else _MOVED[name]
-        warnings.warn(f"pagedkv.validation.{name} moved: import it from {hint} (the old path goes in the next "
-                      f"release)", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module 'pagedkv.validation' has no attribute {name!r}")
+__getattr__ = moved("pagedkv.validation", _MOVED)

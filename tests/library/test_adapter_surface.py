@@ -69,3 +69,17 @@ def test_every_fault_the_gate_injects_expects_a_builtin_type_and_names_an_argume
     builtins = (ValueError, IndexError, TypeError)
     assert all(f.expected in {b.__name__ for b in builtins} and f.argument for f in FAULTS.values())
     assert all(f.error in builtins and f.argument.startswith("kv_") for f in CSR_FAULTS)
+
+
+@pytest.mark.parametrize("old, name, new", [
+    ("pagedkv.attention", "reference_attention", "pagedkv.attention.dense"),
+    ("pagedkv.attention", "paged_attention_by_gather", "pagedkv.attention.dense"),
+    ("pagedkv.arguments", "check_int_tensor", "pagedkv.validation.arguments"),
+    ("pagedkv.arguments", "normalize_block_table", "pagedkv.validation.arguments"),
+])
+def test_modules_that_became_packages_keep_their_old_names_for_a_release(old, name, new):
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match=f"{old}.{name} moved"):
+        value = getattr(importlib.import_module(old), name)
+    assert value is getattr(importlib.import_module(new), name)
