@@ -133,11 +133,13 @@ def test_a_cheat_is_caught_by_its_check_leaving_one_case_file(name, tmp_path, re
     assert [p.name for p in tmp_path.glob("*.json")] == [failure.case_file.name], "a passing example left a case file"
 
 
-@pytest.mark.parametrize("name", sorted(HONEST))
-@pytest.mark.parametrize("only", [
-    pytest.param(tuple(sorted({prop for prop, _, _ in CAUGHT_BY.values()})), id="the-catching-properties"),
-    pytest.param(None, id="every-property", marks=pytest.mark.slow),  # 50 s on one core
-])
+CATCHING = tuple(sorted({prop for prop, _, _ in CAUGHT_BY.values()}))
+
+
+# every property for the deterministic controls (50 s each on one core); a kernel nondeterministic by design
+# declares the self-comparing invariance properties as bounded non-promises, not through the guard's tolerance
+@pytest.mark.parametrize("name, only", [(n, CATCHING) for n in sorted(HONEST)] + [
+    pytest.param(n, None, id=f"{n}-every-property", marks=pytest.mark.slow) for n in ("honest", "kept_thread_pool")])
 def test_an_honest_control_through_the_same_loop_fails_nothing(name, only, tmp_path):
     caught_by, outcome = _catch(name, tmp_path, only)
     assert caught_by is None, f"{caught_by}: {outcome.failures[0].first_line}"
