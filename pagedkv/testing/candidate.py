@@ -75,7 +75,7 @@ class Candidate:
         from pagedkv.testing.guard import GuardedBackend
         from pagedkv.testing.space import as_declared_layout
 
-        guard = GuardedBackend(self.backend)  # on the backend itself: what it counts is the backend's
+        guard = GuardedBackend(self.backend, self.declared)  # on the backend itself: it counts the backend's calls
         return guard, as_declared_layout(OpCalls(guard), self.declared)
 
     def bound(self, prop: str) -> Any:

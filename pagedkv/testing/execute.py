@@ -21,22 +21,22 @@ replay line of its own.
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedkv.testing import history as process_history
 from pagedkv.testing.candidate import Candidate, OpCalls, candidate as candidate_of
 from pagedkv.testing.compare import MissingOp
 from pagedkv.testing.hypothesis_internals import failure_origin, set_database_key
 from pagedkv.testing.non_promises import bounded as bound_in_force
 from pagedkv.testing.verdict import Skip, SkipReason, skip_reason
 
-#: How many cases run before a failing one its case file records (``history``), oldest first: replay
-#: reruns them in order when the failing case alone does not fail.
-HISTORY = 16
+#: How many cases run before a failing one its case file records (``history``, process-wide: any property's),
+#: oldest first: replay reruns them in order (:mod:`pagedkv.testing.history`).
+HISTORY = process_history.KEEP
 
 
 class BudgetSpent(BaseException):
@@ -62,7 +62,7 @@ class Failure:
     error: BaseException
     case_file: Path | None = None
     replay: str = ""
-    history: list = field(default_factory=list)  # the cases run on the backend before this one, oldest first
+    history: Any = None  # the process's earlier calls to the backend (pagedkv.testing.history.Earlier)
 
     @property
     def first_line(self) -> str:
@@ -145,12 +145,16 @@ def call(prop: Any, backends: tuple, case: Any, device: str, candidate: Candidat
     backends = _with_reference(prop, tuple(backends))
     candidate = candidate if candidate is not None else candidate_of(backends[-1])
     guard, ops = candidate.view()  # the output and input contract of every op call
-    with pool_layout(candidate.declared.layout), bound_in_force(bound):  # memory order; compared as NHD
-        if prop.pair:
-            prop.check(backends[0], ops, case, device)
-        else:
-            prop.check(ops, case, device)
-    guard.judge_again(seed=getattr(case, "seed", 0) or 0)  # the same bits again, after other values
+    calls_before = process_history.calls(backends[-1])
+    try:
+        with pool_layout(candidate.declared.layout), bound_in_force(bound):  # memory order; compared as NHD
+            if prop.pair:
+                prop.check(backends[0], ops, case, device)
+            else:
+                prop.check(ops, case, device)
+        guard.judge_again(seed=getattr(case, "seed", 0) or 0)  # the same bits again, after other values
+    finally:  # passed or not, the calls happened: a later failure's case file records them
+        process_history.judged(backends[-1], prop.name, case, calls_before)
 
 
 def replay_command(path: Path | str, impl: str | None = None, device: str = "cpu", other: str | None = None) -> str:
@@ -211,31 +215,31 @@ class _Recorder:
         exc = failure.error
         outcome = "failed" if isinstance(exc, AssertionError) else "raised"
         error = str(exc) if outcome == "failed" else f"{type(exc).__name__}: {exc}"
+        earlier = failure.history or process_history.Earlier()
         failure.case_file = save_failure(self.prop.name, self.spec, failure.case, other=self.other, outcome=outcome,
-                                         error=error, path=path,
-                                         extra={"history": [c.to_dict() for c in failure.history]})
+                                         error=error, path=path, extra=earlier.to_record())
         failure.replay = replay_command(path, self.spec, self.device, self.other)
 
-    def finding(self, case: Any, message: str, history: list) -> Failure:
+    def finding(self, case: Any, message: str, history: Any = None) -> Failure:
         """A difference within a declared non-promise's bound: its case file, ``NAME-finding.json``
         (replayed at the strict bar, it fails), in place of the running one."""
         from pagedkv.testing.casefiles.writing import save_failure
 
-        finding = Failure(case, AssertionError(message), history=list(history))
+        finding = Failure(case, AssertionError(message), history=history)
         if self.base is not None:
             path = self.base.with_name(f"{self.base.stem}-finding{self.base.suffix}")
             finding.case_file = save_failure(self.prop.name, self.spec, case, other=self.other, outcome="failed",
                                              error=message, path=path,
-                                             extra={"history": [c.to_dict() for c in finding.history]})
+                                             extra=(history or process_history.Earlier()).to_record())
             finding.replay = replay_command(path, self.spec, self.device, self.other)
         self.passed()
         return finding
 
-    def failed(self, case: Any, exc: BaseException, history: list | None = None) -> Failure:
+    def failed(self, case: Any, exc: BaseException, history: Any = None) -> Failure:
         origin = failure_origin(exc)
         running = self.running
         origins = list(self.by_origin)
-        failure = Failure(case, exc, history=list(history or []))
+        failure = Failure(case, exc, history=history)
         if self.base is not None:
             path = self._path(origins.index(origin) if origin in origins else len(origins))
             self._save(failure, path)
@@ -251,7 +255,7 @@ class _Recorder:
         final = []
         for i, error in enumerate(errors):
             found = self.by_error.get(id(error)) or self.by_origin.get(failure_origin(error))
-            failure = Failure(found.case if found else None, error, history=found.history if found else [])
+            failure = Failure(found.case if found else None, error, history=found.history if found else None)
             if self.base is not None and failure.case is not None:
                 self._save(failure, self._path(i))
             final.append(failure)
@@ -293,6 +297,7 @@ def run_case(prop: Any, backends: tuple, case: Any, device: str = "cpu", *, spec
     recorder.before(case)
     bound = chosen.bound(prop.name) if bounded else None
     outcome.bound = bound.describe() if bound is not None else ""
+    earlier = process_history.earlier(backends[-1])
     try:
         call(prop, backends, case, device, chosen, bound)
     except MissingOp as exc:  # the gate's own look-up (a candidate's is OpRaisedMissingOp): nothing ran
@@ -303,11 +308,11 @@ def run_case(prop: Any, backends: tuple, case: Any, device: str = "cpu", *, spec
         outcome.skipped(Skip(f"the case is rejected by the property ({type(exc).__name__})", SkipReason.CASE_REJECTED))
     except Exception as exc:  # noqa: BLE001 - any exception from a backend is a failure, reported with its case
         outcome.status, outcome.examples, outcome.first_failing_example = "failed", 1, 1
-        outcome.failures.append(recorder.failed(case, exc))
+        outcome.failures.append(recorder.failed(case, exc, earlier))
     else:
         outcome.examples = 1
         if bound is not None and bound.seen:  # within the declared bound: a finding, its case file kept
-            outcome.findings.append(recorder.finding(case, bound.seen[0], []))
+            outcome.findings.append(recorder.finding(case, bound.seen[0], earlier))
         else:
             recorder.passed()
     outcome.seconds = time.perf_counter() - start
@@ -380,7 +385,6 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
     recorder = _Recorder(prop, spec or backend_name(backends[-1]), (other or backend_name(backends[0]))
                          if prop.pair else None, case_file, device)
     state = {"calls": 0}
-    history: collections.deque = collections.deque(maxlen=HISTORY)
     rejections = _rejections()
 
     def body(case):
@@ -393,6 +397,7 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
         recorder.before(case)
         specialisations.record(prop.ops, case, caps)  # what a GPU run compiles for this example
         seen = len(bound.seen) if bound is not None else 0
+        earlier = process_history.earlier(backends[-1])
         try:
             call(prop, backends, case, device, chosen_candidate, bound)
             if after_pass is not None:
@@ -402,22 +407,19 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
                 recorder.passed()
                 raise _OpMissing(_gate_skip(exc)) from None
             outcome.first_failing_example = outcome.first_failing_example or state["calls"]
-            recorder.failed(case, exc, list(history))  # a search that failed is never downgraded to a skip
-            history.append(case)
+            recorder.failed(case, exc, earlier)  # a search that failed is never downgraded to a skip
             raise
         except rejections:  # assume() rejected the case: not a failure, no case file
             recorder.passed()
             raise
         except Exception as exc:
             outcome.first_failing_example = outcome.first_failing_example or state["calls"]
-            recorder.failed(case, exc, list(history))
-            history.append(case)
+            recorder.failed(case, exc, earlier)
             raise
         if bound is not None and len(bound.seen) > seen and not outcome.findings:
-            outcome.findings.append(recorder.finding(case, bound.seen[seen], list(history)))
+            outcome.findings.append(recorder.finding(case, bound.seen[seen], earlier))
         else:
             recorder.passed()
-        history.append(case)
 
     test = given(prop.strategy_in(caps, **(overrides or {})))(body)
     if explicit:
@@ -454,14 +456,15 @@ def _run_machine(prop: Any, candidate: Candidate, device: str, chosen: Any, outc
                  start: float) -> Outcome:
     """Run a state-machine property; ``outcome.examples`` is the number of runs of the machine that started."""
     from pagedkv.testing.cases.memory import pool_layout
+    from pagedkv.testing.guard import GuardedBackend
     from pagedkv.testing.properties.machine import RUNS_STARTED
     from pagedkv.testing.space import as_declared_layout
 
     started = RUNS_STARTED[0]
     try:
         with pool_layout(candidate.space.layout):
-            prop.check(as_declared_layout(OpCalls(candidate.backend), candidate.declared), device, chosen,
-                       candidate.space)
+            guard = GuardedBackend(candidate.backend, candidate.declared)
+            prop.check(as_declared_layout(OpCalls(guard), candidate.declared), device, chosen, candidate.space)
     except MissingOp as exc:
         outcome.skipped(_gate_skip(exc))
     except Exception as exc:  # noqa: BLE001 - the state machine's failure, steps printed by Hypothesis
