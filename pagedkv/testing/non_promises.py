@@ -5,7 +5,7 @@ batch-invariant mode differs by an ulp between a request alone and the same requ
 kernel computing tanh another way is a few ulps off under a huge soft-cap. It says so on its
 capabilities, with the bound the difference stays within::
 
-    from pagedkv.backends.capabilities import Capabilities, NonPromise
+    from pagedkv.adapter import Capabilities, NonPromise
 
     Capabilities(non_promises={
         "a_request_alone_equals_the_same_request_in_a_batch":
