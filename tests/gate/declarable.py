@@ -20,7 +20,7 @@ import torch
 
 from pagedkv.backends import indexed
 from pagedkv.backends.capabilities import Capabilities
-from pagedkv.csr import csr_to_padded
+from pagedkv.csr import check_csr, csr_to_padded
 from pagedkv.layouts import HND, PoolLayout, pool_layouts
 from pagedkv.validation.overlap import shares_memory
 
@@ -120,7 +120,9 @@ class _Csr(_Honest):
     def paged_attention(self, query, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, query_start_loc,
                         scale=None, **features):
         self._declared(k_cache, "k_cache")
-        block_size = self._logical(k_cache, 0).shape[1]
+        logical = self._logical(k_cache, 0)
+        block_size = logical.shape[1]
+        check_csr(kv_indptr, kv_indices, kv_last_page_len, block_size, num_pages=logical.shape[0])  # names them
         if self.fault == "ignores_last_page_len" and isinstance(kv_last_page_len, torch.Tensor):
             kv_last_page_len = torch.where(kv_indptr[1:] > kv_indptr[:-1], block_size, kv_last_page_len)
         tables, seq_lens = csr_to_padded(kv_indptr, kv_indices, kv_last_page_len, block_size)
