@@ -157,7 +157,8 @@ def namespace_parts(namespace: Hashable) -> tuple[str | None, tuple[str, str] | 
         return None, None
     if isinstance(namespace, str):
         return namespace, None
-    if isinstance(namespace, tuple) and len(namespace) == 2 and namespace[0] == "lora" and isinstance(namespace[1], int):
+    if (isinstance(namespace, tuple) and len(namespace) == 2 and namespace[0] == "lora"
+            and isinstance(namespace[1], int)):
         return None, (f"lora{namespace[1]}", "/lora")
     salt = lora = None
     for part in namespace if isinstance(namespace, tuple) else ():
