@@ -27,6 +27,7 @@ placeholder runs, so one image at two offsets in one block differs only in its o
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Hashable
 
 import torch
@@ -43,6 +44,10 @@ VOCAB = st.integers(0, 3)  # small: equal blocks, hits and near-misses are commo
 NAMESPACES = (None, (("salt", "a"),), (("salt", "lora-a"),), (("lora", "lora-a", "/adapters/1"),),
               (("lora", "lora-a", "/adapters/2"),), (("salt", "a"), ("lora", "lora-a", "/adapters/1")))
 EXTRA_KEYS = (None, "image-0", "image-1")
+#: A namespace and one whose encoding is near it (a salt spelled like a LoRA name, the LoRA name at another path).
+SIBLINGS = {NAMESPACES[0]: NAMESPACES[2], NAMESPACES[1]: NAMESPACES[5], NAMESPACES[2]: NAMESPACES[3],
+            NAMESPACES[3]: NAMESPACES[4], NAMESPACES[4]: NAMESPACES[2], NAMESPACES[5]: NAMESPACES[1]}
+IMAGE_LENGTHS = {"image-0": 2, "image-1": 3}  # one input, one length (its placeholder run)
 PLACEHOLDER = 0  # the token id of a multimodal input's placeholder run (what an engine's processor writes)
 NUM_KV_HEADS, HEAD_DIM = 1, 2
 
@@ -351,23 +356,52 @@ class ManagerMachine(RuleBasedStateMachine):
     # -- rules ---------------------------------------------------------------------------------------
     @rule(target=reqs, system=systems, suffix=st.lists(VOCAB, max_size=6), namespace=st.sampled_from(NAMESPACES),
           extra=st.sampled_from(EXTRA_KEYS), chunk=st.integers(1, 12), write_now=st.booleans(),
-          image_at=st.integers(0, 3), image_len=st.integers(1, 4))
-    def add(self, system, suffix, namespace, extra, chunk, write_now, image_at=0, image_len=1):
+          image_at=st.integers(0, 3))
+    def add(self, system, suffix, namespace, extra, chunk, write_now, image_at=0):
         """A request: a system prompt and its own suffix, under a namespace, with a multimodal input
-        ``extra`` (a placeholder run of ``image_len`` tokens ``image_at`` into the suffix); the first
-        prefill chunk reserved (written now or later)."""
+        ``extra`` (its placeholder run, as long as :data:`IMAGE_LENGTHS` says, ``image_at`` into the suffix);
+        the first prefill chunk reserved (written now or later)."""
         self.log("add", system=system, suffix=suffix, namespace=namespace, extra=extra, chunk=chunk,
-                 write_now=write_now, image_at=image_at, image_len=image_len)
+                 write_now=write_now, image_at=image_at)
         namespace = namespace if self.caps.namespaces else None
         tokens = list(system) + list(suffix)
         extras = {}
         if extra is not None and suffix and self.caps.extra_keys:
             first = len(system) + min(image_at, len(suffix) - 1)
-            for i in range(min(image_len, len(tokens) - first)):
+            for i in range(min(IMAGE_LENGTHS[extra], len(tokens) - first)):
                 extras[first + i] = ("mm", extra, i)
                 tokens[first + i] = PLACEHOLDER
         rid = self.new_id()
         return rid if self.admit(rid, tokens, namespace, extras, chunk, write_now) else multiple()
+
+    @rule(target=reqs, rid=reqs, change=st.sampled_from(("image+1", "image-1", "namespace")),
+          chunk=st.integers(1, 12), write_now=st.booleans())
+    def variant(self, rid, change, chunk, write_now):
+        """A request whose prompt is a live one's with one identity part moved so that encodings may
+        collide: its multimodal input one token later or earlier over the same token ids (where the text
+        token it moves over is the placeholder id), or its namespace swapped for a sibling."""
+        self.log("variant", rid=rid, change=change, chunk=chunk, write_now=write_now)
+        req = self.live[rid]
+        tokens, extras, namespace = list(req.tokens[:req.num_prompt]), dict(req.extras), req.namespace
+        starts = sorted(p for p, key in extras.items() if isinstance(key, tuple) and key[2] == 0)
+        if change == "namespace":
+            if not self.caps.namespaces:
+                return multiple()
+            namespace = SIBLINGS.get(namespace, None)
+        elif starts:
+            first = starts[0]
+            extras_first = extras[first][1]
+            run = sorted(p for p, key in extras.items() if key[1] == extras_first)
+            shift = 1 if change == "image+1" else -1
+            moved = [p + shift for p in run]
+            if min(moved) < 0 or max(moved) >= len(tokens) or any(tokens[p] != PLACEHOLDER for p in moved):
+                return multiple()
+            extras = {p: key for p, key in extras.items() if p not in run}
+            extras.update({p: ("mm", extras_first, i) for i, p in enumerate(moved)})
+        else:
+            return multiple()
+        new = self.new_id()
+        return new if self.admit(new, tokens, namespace, extras, chunk, write_now) else multiple()
 
     @rule(rid=reqs, n=st.integers(1, 6), token=VOCAB, write_now=st.booleans())
     def step(self, rid, n, token, write_now):
@@ -433,7 +467,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.account(before, f"fork of request {rid}")
         return child
 
-    @precondition(lambda self: self.caps.evict)
+    @precondition(lambda self: self.caps.evict and self.next_id > 0)  # nothing is cached before a request
     @rule(n=st.integers(1, 4))
     def evict(self, n):
         """Evict up to ``n`` unreferenced cached blocks (what the manager evicted is no longer promised)."""
@@ -445,7 +479,7 @@ class ManagerMachine(RuleBasedStateMachine):
             for b in evicted:
                 self.cached.pop(b, None)
 
-    @precondition(lambda self: self.caps.reset)
+    @precondition(lambda self: self.caps.reset and self.next_id > 0)
     @rule()
     def reset(self):
         """Reset the prefix cache: a success forgets every committed prefix not held by a live request."""
@@ -500,6 +534,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.self_check()
 
     def teardown(self):
+        if sys.exc_info()[0] is not None:  # a step failed: that failure is the verdict, not a cleanup's
+            return
         if hasattr(self, "m"):
             for rid in list(self.live):
                 self.release(rid)
