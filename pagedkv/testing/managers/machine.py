@@ -367,39 +367,43 @@ class ManagerMachine(RuleBasedStateMachine):
         tokens = list(system) + list(suffix)
         extras = {}
         if extra is not None and suffix and self.caps.extra_keys:
-            first = len(system) + min(image_at, len(suffix) - 1)
-            for i in range(min(IMAGE_LENGTHS[extra], len(tokens) - first)):
+            length = IMAGE_LENGTHS[extra]
+            first = len(system) + image_at % max(1, len(suffix) - length + 1)  # inside the suffix where it fits
+            for i in range(min(length, len(tokens) - first)):
                 extras[first + i] = ("mm", extra, i)
                 tokens[first + i] = PLACEHOLDER
         rid = self.new_id()
         return rid if self.admit(rid, tokens, namespace, extras, chunk, write_now) else multiple()
 
-    @rule(target=reqs, rid=reqs, change=st.sampled_from(("image+1", "image-1", "namespace")),
-          chunk=st.integers(1, 12), write_now=st.booleans())
+    @rule(target=reqs, rid=reqs, change=st.sampled_from(("image", "namespace")), chunk=st.integers(1, 12),
+          write_now=st.booleans())
     def variant(self, rid, change, chunk, write_now):
         """A request whose prompt is a live one's with one identity part moved so that encodings may
-        collide: its multimodal input one token later or earlier over the same token ids (where the text
-        token it moves over is the placeholder id), or its namespace swapped for a sibling."""
+        collide: its multimodal input one token later (or else earlier), the token it moves over now a
+        placeholder (so every block before that token keeps its token ids and differs from the live one's
+        only in the input's offset), or its namespace swapped for a sibling."""
         self.log("variant", rid=rid, change=change, chunk=chunk, write_now=write_now)
         req = self.live[rid]
         tokens, extras, namespace = list(req.tokens[:req.num_prompt]), dict(req.extras), req.namespace
-        starts = sorted(p for p, key in extras.items() if isinstance(key, tuple) and key[2] == 0)
         if change == "namespace":
             if not self.caps.namespaces:
                 return multiple()
             namespace = SIBLINGS.get(namespace, None)
-        elif starts:
-            first = starts[0]
-            extras_first = extras[first][1]
-            run = sorted(p for p, key in extras.items() if key[1] == extras_first)
-            shift = 1 if change == "image+1" else -1
-            moved = [p + shift for p in run]
-            if min(moved) < 0 or max(moved) >= len(tokens) or any(tokens[p] != PLACEHOLDER for p in moved):
+        else:
+            starts = sorted(p for p, key in extras.items() if key[2] == 0)
+            if not starts:
+                return multiple()
+            ident = extras[starts[0]][1]
+            run = sorted(p for p, key in extras.items() if key[1] == ident)
+            for moved in ([p + 1 for p in run], [p - 1 for p in run]):
+                if min(moved) >= 0 and max(moved) < len(tokens):
+                    break
+            else:
                 return multiple()
             extras = {p: key for p, key in extras.items() if p not in run}
-            extras.update({p: ("mm", extras_first, i) for i, p in enumerate(moved)})
-        else:
-            return multiple()
+            extras.update({p: ("mm", ident, i) for i, p in enumerate(moved)})
+            for p in moved:  # the blocks before the one token it moves over keep their token ids
+                tokens[p] = PLACEHOLDER
         new = self.new_id()
         return new if self.admit(new, tokens, namespace, extras, chunk, write_now) else multiple()
 
