@@ -40,10 +40,12 @@ def test_cache_manager(pagedkv_run, backend):
     seconds = time.perf_counter() - start
     if steps is None:
         pagedkv_run.record("cache_manager", backend, "judged",
-                           f"{machine.checks_run} steps in {seconds:.1f} s", kind="manager")
+                           f"{machine.checks_run} steps, {machine.examples_run} examples in {seconds:.1f} s",
+                           kind="manager")
         return
     path = programs.save(Path(".pagedkv-failures") / f"manager-{backend_name(backend).replace(':', '_')}.json",
                          spec, machine, steps, steps.error)
-    pagedkv_run.record("cache_manager", backend, "failed", steps.error, kind="manager")
+    pagedkv_run.record("cache_manager", backend, "failed",
+                       f"{steps.error} (example {steps.first_failing_example})", kind="manager")
     pytest.fail(f"cache manager {spec}: {steps.error}\n{programs.as_text(steps)}\n"
                 f"replay: python -m pagedkv replay {path}", pytrace=False)
