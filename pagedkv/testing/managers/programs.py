@@ -77,7 +77,7 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings) -> li
     failed_at: list[int] = []
 
     class Recorded(machine_class):
-        checks_run = 0
+        checks_run = tokens_read = prefix_hits = 0
 
         def __init__(self):
             super().__init__()
@@ -108,7 +108,8 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings) -> li
         steps.first_failing_example = failed_at[0] if failed_at else len(programs)
         return steps
     finally:
-        machine_class.checks_run += Recorded.checks_run
+        for counter in ("checks_run", "tokens_read", "prefix_hits"):
+            setattr(machine_class, counter, getattr(machine_class, counter) + getattr(Recorded, counter))
         machine_class.examples_run = len(programs)
     return None
 
@@ -172,14 +173,6 @@ def replay_file(path: str, *, impl: str | None = None, quiet: bool = False, out=
 def main(argv=None) -> int:  # pragma: no cover - python -m pagedkv.testing.managers.programs FILE
     argv = sys.argv[1:] if argv is None else argv
     return replay_file(argv[0], impl=argv[1] if len(argv) > 1 else None)
-
-
-def ci_settings(max_examples: int = 50, steps: int = 30) -> settings:
-    """Settings for a manager gate: :func:`pagedkv.testing.settings.manager_settings` (no deadline:
-    managers import slowly; the kit's health-check policy: the machine's bundles filter)."""
-    from pagedkv.testing.settings import manager_settings
-
-    return manager_settings(max_examples, steps)
 
 
 if __name__ == "__main__":  # pragma: no cover
