@@ -14,11 +14,20 @@ invariants the protocol shows: a reserved slot lies in the request's own block a
 block another live request holds; free + used = total, and used = 0 with no live request; a hit is a
 prefix some request committed (same namespace and extra keys) and leaves the tokens the manager promises
 to compute; a freed request is not held; the manager's own ``self_check``.
+
+What a manager declares is judged too (:class:`~.protocol.ManagerCapabilities`): the ``"lru"`` eviction
+order (every block handed out afresh is the front of the machine's model of the free queue), the hit
+promise (an admit hits every committed leading block not evicted since), and asynchronous steps (a next
+step reserved while the previous one's writes are in flight; no block an in-flight step reads or writes
+handed to anyone, a free deferred until its steps complete). Namespaces are drawn so that their encodings
+collide (a cache salt spelled like a LoRA name, one LoRA name at two paths) and multimodal inputs as
+placeholder runs, so one image at two offsets in one block differs only in its offset.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Hashable
 
 import torch
@@ -31,9 +40,28 @@ from pagedkv.testing.managers.oracle import expected_kv, stable_hash, token_iden
 from pagedkv.testing.managers.protocol import ManagerConfig
 
 VOCAB = st.integers(0, 3)  # small: equal blocks, hits and near-misses are common
-NAMESPACES = (None, "salt-a", ("lora", 1))
+#: Namespaces whose encodings collide where an engine flattens them (protocol.namespace_parts).
+NAMESPACES = (None, (("salt", "a"),), (("salt", "lora-a"),), (("lora", "lora-a", "/adapters/1"),),
+              (("lora", "lora-a", "/adapters/2"),), (("salt", "a"), ("lora", "lora-a", "/adapters/1")))
 EXTRA_KEYS = (None, "image-0", "image-1")
+#: A namespace and one whose encoding is near it (a salt spelled like a LoRA name, the LoRA name at another path).
+SIBLINGS = {NAMESPACES[0]: NAMESPACES[2], NAMESPACES[1]: NAMESPACES[5], NAMESPACES[2]: NAMESPACES[3],
+            NAMESPACES[3]: NAMESPACES[4], NAMESPACES[4]: NAMESPACES[2], NAMESPACES[5]: NAMESPACES[1]}
+IMAGE_LENGTHS = {"image-0": 2, "image-1": 3}  # one input, one length (its placeholder run)
+PLACEHOLDER = 0  # the token id of a multimodal input's placeholder run (what an engine's processor writes)
 NUM_KV_HEADS, HEAD_DIM = 1, 2
+
+
+@dataclasses.dataclass
+class Step:
+    """A reservation whose K/V is not written yet: tokens ``start..end`` at ``slots``; ``reads``: the
+    blocks it reads or writes (its tokens and the attention window behind them) in the table it was
+    reserved with."""
+
+    start: int
+    end: int
+    slots: list[int]
+    reads: frozenset
 
 
 @dataclasses.dataclass
@@ -48,6 +76,9 @@ class Request:
     reserved: int = 0  # tokens with slots
     written: int = 0  # tokens whose K/V is written
     committed: int = 0
+    in_flight: list = dataclasses.field(default_factory=list)  # Steps, oldest first
+    table: list = dataclasses.field(default_factory=list)  # its block table when last reserved or freed
+    adopted: bool = False  # its first reservation succeeded (until then an admitted hit is only shown)
 
     def extend(self, token_ids) -> None:
         for t in token_ids:
@@ -88,8 +119,17 @@ class ManagerMachine(RuleBasedStateMachine):
             self.pools = [(torch.full(shape, float("nan")), torch.full(shape, float("nan"))) for _ in range(num_layers)]
         self.write_kv = get_backend("indexed").write_kv
         self.live: dict[int, Request] = {}
+        self.zombies: dict[int, Request] = {}  # freed with steps in flight (their free deferred)
         self.committed_prefixes: set[int] = set()  # identities of the last token of committed full blocks
         self.next_id = 0
+        # the model of what the manager declares: block -> identity its cached full block holds (hit
+        # promise), the free queue as tiers, front first (eviction order), blocks ever handed out
+        self.cached: dict[int, int] = {}
+        self.queue: list[tuple[str, set]] = [("initial", set())]
+        self.ever_used: set[int] = set()
+        self.model_known = True  # False after an eviction the manager does not itemize
+        counts = self.m.counts()
+        self.total = counts[2] if counts is not None else None
 
     @initialize(target=systems, prompts=st.lists(st.lists(VOCAB, min_size=1, max_size=9), min_size=1, max_size=2))
     def system_prompts(self, prompts):
@@ -112,24 +152,140 @@ class ManagerMachine(RuleBasedStateMachine):
             self.write_kv(k_pool, v_pool, k, v, mapping)
         req.written = start + len(slots)
 
+    def register(self, rid: int, req: Request, upto: int) -> None:
+        """Tokens below ``upto`` are cached by the manager: their full blocks are hittable."""
+        table = self.m.block_table(rid)
+        for end in range(self.bs, upto + 1, self.bs):
+            self.committed_prefixes.add(req.identities[end - 1])
+            block = table[end // self.bs - 1] if end // self.bs - 1 < len(table) else -1
+            if block >= 0:
+                self.cached[block] = req.identities[end - 1]
+
     def commit(self, rid: int, req: Request) -> None:
+        before = self.holdings()
         self.m.commit(rid, req.written)
         req.committed = req.written
-        for end in range(self.bs, req.committed + 1, self.bs):
-            self.committed_prefixes.add(req.identities[end - 1])
+        if self.caps.defers_commit and rid in self.live:
+            self.register(rid, req, req.committed)
+        if rid in self.zombies and not req.in_flight:
+            del self.zombies[rid]  # its deferred free happens now
+        self.account(before, "commit")
 
-    def reserve(self, rid: int, req: Request, token_ids: list[int], write_now: bool) -> bool:
+    # -- the model of the free queue, the hit promise and in-flight reads ------------------------------
+    def holdings(self) -> dict[int, int]:
+        """Every block a live request (or a deferred free) holds -> its position in that table."""
+        held: dict[int, int] = {}
+        for rid in (r for r, q in self.live.items() if q.adopted):
+            for i, b in enumerate(self.m.block_table(rid)):
+                if b >= 0:
+                    held.setdefault(b, i)
+        for req in self.zombies.values():
+            for i, b in enumerate(req.table):
+                if b >= 0:
+                    held.setdefault(b, i)
+        return held
+
+    def in_flight_reads(self) -> set[int]:
+        return {b for req in (*self.live.values(), *self.zombies.values()) for step in req.in_flight
+                for b in step.reads}
+
+    def account(self, before: dict[int, int], call: str, hits=()) -> None:
+        """Judge what ``call`` changed in the holdings: released blocks join the free-queue model (tail
+        first; uncached ones to the front), blocks handed out afresh must be its front (eviction order
+        ``"lru"``) and outside every in-flight step's reads, and lose what they cached."""
+        after = self.holdings()
+        released = sorted((b for b in before if b not in after), key=lambda b: -before[b])
+        fresh = set(after) - set(before) - set(hits)
+        judged = self.caps.eviction_order == "lru" and self.model_known and self.total is not None
+        if released:
+            uncached = {b for b in released if b not in self.cached}
+            if uncached:
+                self.queue.insert(0, ("blocks", uncached))
+            self.queue.extend(("blocks", {b}) for b in released if b in self.cached)
+        for b in hits:  # adopted hits leave the free queue wherever they are
+            for _, tier in self.queue:
+                tier.discard(b)
+        reads = self.in_flight_reads() & fresh
+        assert not reads, \
+            f"{call}: blocks {sorted(reads)} handed out while an in-flight step still reads or writes them"
+        if judged and fresh:
+            self.judge_lru(call, set(fresh))
+        for b in fresh:
+            for _, tier in self.queue:
+                tier.discard(b)
+        self.queue = [(k, t) for k, t in self.queue if t or k == "initial"]
+        self.ever_used |= set(after)
+        for b in fresh:
+            self.cached.pop(b, None)  # handed out again: what it cached is evicted
+
+    def judge_lru(self, call: str, need: set) -> None:
+        """``need`` (blocks handed out afresh) must be the front of the free-queue model."""
+        queue = self.queue
+        while need:
+            kind, tier = queue[0] if queue else ("empty", set())
+            if kind == "empty":
+                raise AssertionError(f"{call}: blocks {sorted(need)} handed out, which are not free")
+            if kind == "initial":
+                left = self.total - len(self.ever_used)
+                never = {b for b in need if b not in self.ever_used}
+                if len(never) < left:
+                    assert need <= never, (
+                        f"{call}: blocks {sorted(need - never)} (released before) handed out while "
+                        f"{left - len(never)} never-used blocks are still free ahead of them (eviction order lru)")
+                    self.ever_used |= never
+                    return
+                need -= never
+                self.ever_used |= never
+                queue.pop(0)
+                continue
+            front = sorted(tier)
+            if tier <= need:
+                need -= tier
+                queue.pop(0)
+            elif need <= tier:
+                tier -= need
+                return
+            else:
+                held_back = sorted(b for b in need if b not in tier)
+                raise AssertionError(
+                    f"{call}: blocks {held_back} handed out while {front} (released earlier, or uncached) are "
+                    f"at the front of the free queue (eviction order lru: least recently released first, a "
+                    f"request's blocks tail first, uncached blocks before cached ones)")
+
+    def promised_hit(self, req: Request) -> int:
+        """The hit the promise guarantees: leading full blocks still cached, up to the computed minimum."""
+        if not (self.caps.hit_promise and self.model_known):
+            return 0
+        cap = len(req.tokens) - self.caps.min_computed_on_full_hit
+        still = set(self.cached.values())
+        hit = 0
+        while hit + self.bs <= cap and req.identities[hit + self.bs - 1] in still:
+            hit += self.bs
+        return hit
+
+    def read_blocks(self, table: list[int], start: int, end: int) -> frozenset:
+        """Blocks that tokens ``start..end`` write and whose attention window they read."""
+        first = 0 if self.window is None else max(0, start - self.window)
+        return frozenset(table[p // self.bs] for p in range(first, end)
+                         if p // self.bs < len(table) and table[p // self.bs] >= 0)
+
+    def reserve(self, rid: int, req: Request, token_ids: list[int], write_now: bool, hits=()) -> bool:
         """Reserve slots for ``token_ids`` (decode tokens past the prompt extend the request), check them,
-        write them (now when the manager caches at reserve time). False: refused."""
+        write them (now when the manager caches at reserve time and steps are synchronous). False: refused.
+        ``hits``: the blocks the admission hit (first reserve only): adopted now, not handed out afresh."""
         start = req.reserved
+        before = self.holdings()
         slots = self.m.reserve(rid, token_ids)
         if slots is None:
+            self.account(before, f"reserve (refused) of request {rid}")
             return False
+        req.adopted = True
+        self.account(before, f"reserve of request {rid}", hits=hits)
         if start + len(token_ids) > len(req.tokens):
             req.extend(token_ids[len(req.tokens) - start:])
         assert len(slots) == len(token_ids), f"request {rid}: {len(slots)} slots for {len(token_ids)} tokens"
         table = self.m.block_table(rid)
-        others = {b for r in self.live if r != rid for b in self.m.block_table(r) if b >= 0}
+        others = self.others(rid)
         for i, slot in enumerate(slots):
             p = start + i
             block, offset = divmod(slot, self.bs)
@@ -138,10 +294,19 @@ class ManagerMachine(RuleBasedStateMachine):
             assert block not in others, \
                 f"request {rid}: token {p} is to be written into block {block}, which another live request holds"
         req.reserved = start + len(token_ids)
-        if write_now or not self.caps.defers_commit:
+        if not self.caps.defers_commit:
+            self.register(rid, req, req.reserved)  # cached at reserve time, K/V written in the same step
+        if write_now and not req.in_flight or not (self.caps.defers_commit or self.caps.async_steps):
             self.write(rid, req, slots, start)
             self.commit(rid, req)
+        else:
+            req.table = table
+            req.in_flight.append(Step(start, req.reserved, list(slots), self.read_blocks(table, start, req.reserved)))
         return True
+
+    def others(self, rid: int) -> set[int]:
+        held = {b for r in self.live if r != rid for b in self.m.block_table(r) if b >= 0}
+        return held | {b for z in self.zombies.values() for b in z.table if b >= 0}
 
     def admit(self, rid: int, tokens: list[int], namespace, extras: dict, chunk: int, write_now: bool) -> bool:
         req = Request(namespace, [], dict(extras), [], len(tokens))
@@ -159,16 +324,33 @@ class ManagerMachine(RuleBasedStateMachine):
             assert req.identities[cached - 1] in self.committed_prefixes, \
                 f"request {rid}: a hit on its first {cached} tokens, which no request committed under namespace " \
                 f"{namespace!r} with these extra keys"
+        promised = self.promised_hit(req)
+        assert cached >= promised, \
+            f"request {rid}: a hit of {cached} tokens, but its first {promised} were committed and not evicted " \
+            f"since (the hit promise: what is cached hits)"
         table = self.m.block_table(rid)
         assert list(block_ids) == table[:len(block_ids)], \
             f"request {rid}: admit returned blocks {block_ids}, its block table is {table}"
         req.reserved = req.written = req.committed = cached
+        req.table = table
         self.live[rid] = req
-        if chunk and not self.reserve(rid, req, tokens[cached:cached + chunk], write_now):
-            self.m.free(rid)  # refused: the scheduler drops the request
-            del self.live[rid]
+        hits = [b for b in block_ids if b >= 0]  # the first reserve adopts them
+        if chunk and not self.reserve(rid, req, tokens[cached:cached + chunk], write_now, hits=hits):
+            self.release(rid)  # refused: the scheduler drops the request
             return False
         return True
+
+    def release(self, rid: int) -> None:
+        """Free ``rid``: its steps in flight still complete (the free deferred) where steps are
+        asynchronous; otherwise a pending reservation is dropped unwritten."""
+        before = self.holdings()
+        req = self.live.pop(rid)
+        if req.in_flight and self.caps.async_steps:
+            req.table = self.m.block_table(rid)
+            self.zombies[rid] = req
+        self.m.free(rid)
+        assert not self.m.holds(rid), f"request {rid} is still held after free"
+        self.account(before, f"free of request {rid}")
 
     def new_id(self) -> int:
         self.next_id += 1
@@ -176,65 +358,103 @@ class ManagerMachine(RuleBasedStateMachine):
 
     # -- rules ---------------------------------------------------------------------------------------
     @rule(target=reqs, system=systems, suffix=st.lists(VOCAB, max_size=6), namespace=st.sampled_from(NAMESPACES),
-          extra=st.sampled_from(EXTRA_KEYS), chunk=st.integers(1, 12), write_now=st.booleans())
-    def add(self, system, suffix, namespace, extra, chunk, write_now):
-        """A request: a system prompt and its own suffix, under a namespace, with an extra key on its
-        first suffix token (a multimodal input); the first prefill chunk reserved (written now or later)."""
+          extra=st.sampled_from(EXTRA_KEYS), chunk=st.integers(1, 12), write_now=st.booleans(),
+          image_at=st.integers(0, 3))
+    def add(self, system, suffix, namespace, extra, chunk, write_now, image_at=0):
+        """A request: a system prompt and its own suffix, under a namespace, with a multimodal input
+        ``extra`` (its placeholder run, as long as :data:`IMAGE_LENGTHS` says, ``image_at`` into the suffix);
+        the first prefill chunk reserved (written now or later)."""
         self.log("add", system=system, suffix=suffix, namespace=namespace, extra=extra, chunk=chunk,
-                 write_now=write_now)
+                 write_now=write_now, image_at=image_at)
         namespace = namespace if self.caps.namespaces else None
-        extras = {len(system): extra} if extra is not None and suffix and self.caps.extra_keys else {}
+        tokens = list(system) + list(suffix)
+        extras = {}
+        if extra is not None and suffix and self.caps.extra_keys:
+            length = IMAGE_LENGTHS[extra]
+            first = len(system) + image_at % max(1, len(suffix) - length + 1)  # inside the suffix where it fits
+            for i in range(min(length, len(tokens) - first)):
+                extras[first + i] = ("mm", extra, i)
+                tokens[first + i] = PLACEHOLDER
         rid = self.new_id()
-        return rid if self.admit(rid, list(system) + list(suffix), namespace, extras, chunk, write_now) else multiple()
+        return rid if self.admit(rid, tokens, namespace, extras, chunk, write_now) else multiple()
+
+    @rule(target=reqs, rid=reqs, change=st.sampled_from(("image", "namespace")), chunk=st.integers(1, 12),
+          write_now=st.booleans())
+    def variant(self, rid, change, chunk, write_now):
+        """A request whose prompt is a live one's with one identity part moved so that encodings may
+        collide: its multimodal input one token later (or else earlier), the token it moves over now a
+        placeholder (so every block before that token keeps its token ids and differs from the live one's
+        only in the input's offset), or its namespace swapped for a sibling."""
+        self.log("variant", rid=rid, change=change, chunk=chunk, write_now=write_now)
+        req = self.live[rid]
+        tokens, extras, namespace = list(req.tokens[:req.num_prompt]), dict(req.extras), req.namespace
+        if change == "namespace":
+            if not self.caps.namespaces:
+                return multiple()
+            namespace = SIBLINGS.get(namespace, None)
+        else:
+            starts = sorted(p for p, key in extras.items() if key[2] == 0)
+            if not starts:
+                return multiple()
+            ident = extras[starts[0]][1]
+            run = sorted(p for p, key in extras.items() if key[1] == ident)
+            for moved in ([p + 1 for p in run], [p - 1 for p in run]):
+                if min(moved) >= 0 and max(moved) < len(tokens):
+                    break
+            else:
+                return multiple()
+            extras = {p: key for p, key in extras.items() if p not in run}
+            extras.update({p: ("mm", ident, i) for i, p in enumerate(moved)})
+            for p in moved:  # the blocks before the one token it moves over keep their token ids
+                tokens[p] = PLACEHOLDER
+        new = self.new_id()
+        return new if self.admit(new, tokens, namespace, extras, chunk, write_now) else multiple()
 
     @rule(rid=reqs, n=st.integers(1, 6), token=VOCAB, write_now=st.booleans())
     def step(self, rid, n, token, write_now):
-        """The next chunk: up to ``n`` prompt tokens, or one decode token once the prompt is reserved."""
+        """The next chunk: up to ``n`` prompt tokens, or one decode token once the prompt is reserved; with
+        asynchronous steps, reserved while the previous step is still in flight."""
         self.log("step", rid=rid, n=n, token=token, write_now=write_now)
         req = self.live[rid]
-        if req.written < req.reserved:  # a pending reservation is written first (one step at a time)
-            return
+        if req.in_flight and not (self.caps.async_steps and len(req.in_flight) < 2):
+            return  # a pending reservation is written first
         if req.reserved < req.num_prompt:
             tokens = req.tokens[req.reserved:min(req.reserved + n, req.num_prompt)]
         else:
             tokens = [token]
         self.reserve(rid, req, tokens, write_now)
 
-    @precondition(lambda self: any(r.written < r.reserved for r in self.live.values()))
+    @precondition(lambda self: any(q.in_flight for q in (*self.live.values(), *self.zombies.values())))
     @rule(data=st.data())
     def write_pending(self, data):
-        """Write and commit a reservation left pending."""
-        pending = sorted(r for r, q in self.live.items() if q.written < q.reserved)
+        """Write and commit the oldest reservation left pending (a step completing)."""
+        pending = sorted(r for r, q in (*self.live.items(), *self.zombies.items()) if q.in_flight)
         rid = data.draw(st.sampled_from(pending), label="rid")
         self.log("write_pending_rid", rid=rid)
         self.write_pending_rid(rid)
 
     def write_pending_rid(self, rid):
-        req = self.live[rid]
-        table = self.m.block_table(rid)
-        slots = [table[p // self.bs] * self.bs + p % self.bs for p in range(req.written, req.reserved)]
-        self.write(rid, req, slots, req.written)
+        req = self.live.get(rid) or self.zombies[rid]
+        step = req.in_flight.pop(0)
+        self.write(rid, req, step.slots, step.start)
         self.commit(rid, req)
 
     @rule(rid=consumes(reqs))
     def free(self, rid):
-        """Finish or abort (a pending reservation is dropped unwritten)."""
+        """Finish or abort (a pending reservation is dropped unwritten, or completes later where steps
+        are asynchronous)."""
         self.log("free", rid=rid)
-        self.m.free(rid)
-        del self.live[rid]
-        assert not self.m.holds(rid), f"request {rid} is still held after free"
+        self.release(rid)
 
     @precondition(lambda self: self.caps.preempt)
     @rule(target=reqs, rid=consumes(reqs))
     def preempt(self, rid):
         """Preempt (free) and resume by recompute: re-admit every token so far under a new id."""
         self.log("preempt", rid=rid)
-        req = self.live.pop(rid)
-        self.m.free(rid)
-        assert not self.m.holds(rid), f"request {rid} is still held after preemption"
+        req = self.live[rid]
+        self.release(rid)
         new = self.new_id()
-        extras = req.extras
-        ok = self.admit(new, req.tokens[:max(req.written, 1)] if req.tokens else [0], req.namespace, extras,
+        ok = self.admit(new, req.tokens[:max(req.written, 1)] if req.tokens else [0], req.namespace, req.extras,
                         len(req.tokens), True)
         return new if ok else multiple()
 
@@ -244,22 +464,29 @@ class ManagerMachine(RuleBasedStateMachine):
         """Fork (beam search, parallel sampling): the child shares the parent's blocks."""
         self.log("fork", rid=rid)
         parent = self.live[rid]
-        if parent.written < parent.reserved:
+        if parent.in_flight:
             return multiple()
         child = self.new_id()
+        before = self.holdings()
         self.m.fork(rid, child)
         self.live[child] = dataclasses.replace(parent, tokens=list(parent.tokens), identities=list(parent.identities),
-                                               extras=dict(parent.extras))
+                                               extras=dict(parent.extras), in_flight=[], adopted=True)
+        self.account(before, f"fork of request {rid}")
         return child
 
-    @precondition(lambda self: self.caps.evict)
+    @precondition(lambda self: self.caps.evict and self.next_id > 0)  # nothing is cached before a request
     @rule(n=st.integers(1, 4))
     def evict(self, n):
-        """Evict up to ``n`` unreferenced cached blocks."""
+        """Evict up to ``n`` unreferenced cached blocks (what the manager evicted is no longer promised)."""
         self.log("evict", n=n)
-        self.m.evict(n)
+        evicted = self.m.evict(n)
+        if evicted is None:
+            self.model_known = False
+        else:
+            for b in evicted:
+                self.cached.pop(b, None)
 
-    @precondition(lambda self: self.caps.reset)
+    @precondition(lambda self: self.caps.reset and self.next_id > 0)
     @rule()
     def reset(self):
         """Reset the prefix cache: a success forgets every committed prefix not held by a live request."""
@@ -267,6 +494,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.m.reset():
             self.committed_prefixes = {r.identities[e - 1] for r in self.live.values()
                                        for e in range(self.bs, r.committed + 1, self.bs)}
+            self.cached.clear()
 
     # -- checks --------------------------------------------------------------------------------------
     @invariant()
@@ -275,21 +503,25 @@ class ManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "m"):
             return
         type(self).checks_run += 1
+        pending = {s for q in (*self.live.values(), *self.zombies.values()) for step in q.in_flight
+                   for s in step.slots}
         for rid, req in self.live.items():
             table = self.m.block_table(rid)
             first = 0 if self.window is None else max(0, req.written - self.window)
-            positions = range(first, req.written)
-            slots = []
-            for p in positions:
+            positions, slots = [], []
+            for p in range(first, req.written):
                 assert p // self.bs < len(table) and table[p // self.bs] >= 0, \
                     f"request {rid}: token {p} (written) has no block in its table {table}"
-                slots.append(table[p // self.bs] * self.bs + p % self.bs)
+                slot = table[p // self.bs] * self.bs + p % self.bs
+                if slot not in pending:  # a hit on a block an in-flight step still writes: read later
+                    positions.append(p)
+                    slots.append(slot)
             if not slots:
                 continue
             type(self).tokens_read += len(slots)
             index = torch.tensor(slots, dtype=torch.int64)
             for layer, (k_pool, v_pool) in enumerate(self.pools):
-                k, v = expected_kv(req.identities[first:req.written], layer, NUM_KV_HEADS, HEAD_DIM)
+                k, v = expected_kv([req.identities[p] for p in positions], layer, NUM_KV_HEADS, HEAD_DIM)
                 got_k = k_pool.reshape(-1, NUM_KV_HEADS, HEAD_DIM)[index]
                 got_v = v_pool.reshape(-1, NUM_KV_HEADS, HEAD_DIM)[index]
                 for name, want, got in (("K", k, got_k), ("V", v, got_v)):
@@ -297,20 +529,27 @@ class ManagerMachine(RuleBasedStateMachine):
                     if bool(bad.any()):
                         i = int(bad.nonzero()[0])
                         raise AssertionError(
-                            f"request {rid} (namespace {req.namespace!r}) reads wrong {name} at token {first + i} "
+                            f"request {rid} (namespace {req.namespace!r}) reads wrong {name} at token {positions[i]} "
                             f"(layer {layer}, slot {slots[i]}, block table {table}): expected "
                             f"{want[i].flatten().tolist()}, got {got[i].flatten().tolist()}")
         counts = self.m.counts()
         if counts is not None:
             free, used, total = counts
+            held = self.holdings()
             assert free + used == total, f"free {free} + used {used} != total {total}"
-            assert self.live or used == 0, f"{used} blocks used with no live request"
+            assert used == len(held), \
+                f"{used} blocks used, but live requests (and deferred frees) hold {len(held)}: {sorted(held)}"
         self.m.self_check()
 
     def teardown(self):
+        if sys.exc_info()[0] is not None:  # a step failed: that failure is the verdict, not a cleanup's
+            return
         if hasattr(self, "m"):
             for rid in list(self.live):
-                self.m.free(rid)
+                self.release(rid)
+            for rid in list(self.zombies):
+                while rid in self.zombies:
+                    self.write_pending_rid(rid)
             counts = self.m.counts()
             if counts is not None:
                 assert counts[1] == 0, f"{counts[1]} blocks still used after every request was freed"

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hypothesis import settings
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis.stateful import invariant, run_state_machine_as_test
 
 from pagedkv.testing.managers.casefile import KIND, is_program_file  # noqa: F401 - re-exported
 from pagedkv.testing.managers.machine import ManagerMachine, machine_for
@@ -69,14 +69,35 @@ def run_program(machine_class: type[ManagerMachine], steps: list) -> None:
 
 def run_recorded(machine_class: type[ManagerMachine], settings_: settings) -> list | None:
     """Run the machine under Hypothesis; ``None`` when it passes, else the shrunk program's steps
-    (the last example Hypothesis runs is the shrunk failure) with the error attached as ``.error``."""
+    (the last example Hypothesis runs is the shrunk failure) with the error attached as ``.error`` and
+    the example at which the search first failed as ``.first_failing_example`` (1-based). Either way
+    ``machine_class.checks_run`` grows by the steps judged and ``machine_class.examples_run`` is the
+    number of examples this call ran."""
     programs: list[list] = []
+    failed_at: list[int] = []
 
     class Recorded(machine_class):
+        checks_run = tokens_read = prefix_hits = 0
+
         def __init__(self):
             super().__init__()
             self.record = []
             programs.append(self.record)
+
+        @invariant()
+        def check(self):
+            try:
+                super().check()
+            except Exception:
+                failed_at.append(len(programs))
+                raise
+
+        def teardown(self):
+            try:
+                super().teardown()
+            except Exception:
+                failed_at.append(len(programs))
+                raise
 
     Recorded.__name__ = machine_class.__name__
     try:
@@ -84,12 +105,18 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings) -> li
     except Exception as exc:  # noqa: BLE001 - any failure of the manager is the finding
         steps = _Program(programs[-1] if programs else [])
         steps.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        steps.first_failing_example = failed_at[0] if failed_at else len(programs)
         return steps
+    finally:
+        for counter in ("checks_run", "tokens_read", "prefix_hits"):
+            setattr(machine_class, counter, getattr(machine_class, counter) + getattr(Recorded, counter))
+        machine_class.examples_run = len(programs)
     return None
 
 
 class _Program(list):
     error = ""
+    first_failing_example = 0
 
 
 def save(path: Path | str, spec: str, machine_class: type[ManagerMachine], steps: list, error: str = "") -> Path:

@@ -38,8 +38,18 @@ class ManagerCapabilities:
         preempt: ``preempt(rid)`` frees a request that is later re-admitted (recompute).
         evict: ``evict(num_blocks)`` drops unreferenced cached blocks on request.
         reset: ``reset()`` empties the prefix cache (no live request may read a dropped entry).
-        eviction_order: the eviction order the manager promises (``"lru"``), or ``None`` (not promised,
-            not judged).
+        eviction_order: the eviction order the manager promises, or ``None`` (not promised). ``"lru"`` is
+            judged: a block handed out afresh is the front of a free queue where released blocks with no
+            cached content are reused first and cached ones last, in release order, a request's blocks
+            released tail first (vLLM's ``FreeKVCacheBlockQueue``). Other values are printed, not judged.
+        hit_promise: what was committed and not evicted hits: a cached full block stays cached until its
+            block is handed out again (or ``evict`` names it, or ``reset`` drops everything), so an admit
+            must hit at least every such leading block, up to ``len(prompt) - min_computed_on_full_hit``.
+        async_steps: the next step may be reserved before the previous one's writes complete (vLLM's
+            async scheduling): ``commit(rid, n)`` says the step writing tokens below ``n`` completed, and
+            blocks those in-flight steps read or write (the attention window behind each in-flight
+            token) must not be handed to anyone meanwhile, not even after ``free(rid)``: a free with steps
+            in flight is deferred until their ``commit`` (which the machine still calls after ``free``).
         min_computed_on_full_hit: tokens a hit on the whole prompt still leaves to compute (1 in vLLM and
             SGLang: the last token's logits are needed).
         defers_commit: a reservation may stay unwritten (the request aborted between reserve and write)
@@ -59,13 +69,16 @@ class ManagerCapabilities:
     evict: bool = False
     reset: bool = False
     eviction_order: str | None = None
+    hit_promise: bool = False
+    async_steps: bool = False
     min_computed_on_full_hit: int = 1
     defers_commit: bool = False
     owns_pools: bool = False
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""
-        have = [n for n in ("fork", "namespaces", "extra_keys", "preempt", "evict", "reset", "defers_commit")
+        have = [n for n in ("fork", "namespaces", "extra_keys", "preempt", "evict", "reset", "defers_commit",
+                            "hit_promise", "async_steps")
                 if getattr(self, n)]
         return (f"block_size {self.block_size}, window {self.window}, {' '.join(have) or 'no options'}, "
                 f"eviction order {self.eviction_order or 'not promised'}, a full hit computes "
@@ -91,7 +104,9 @@ class ManagerConfig:
 class CacheManager(Protocol):
     """The calls every manager answers; optional ones are listed in :class:`ManagerCapabilities`.
 
-    Request ids are ints, token ids ints, namespaces ``None``/str/int/tuple. Slots are
+    Request ids are ints, token ids ints, namespaces ``None``, a str (a cache salt) or tagged parts
+    (:func:`namespace_parts`); an extra key ``(position, ("mm", identifier, index))`` is token ``index`` of
+    a multimodal input (its placeholder run starts where ``index`` is 0). Slots are
     ``block_id * block_size + offset``. Refusal (out of blocks) is ``None`` and changes nothing.
     """
 
@@ -125,6 +140,51 @@ class CacheManager(Protocol):
     def self_check(self) -> None:
         """Check the manager's own exposed state (reference counts, free queue, hash index) against what
         it reports; raise ``AssertionError`` naming the inconsistency. A no-op where nothing is exposed."""
+
+
+def namespace_parts(namespace: Hashable) -> tuple[str | None, tuple[str, str] | None]:
+    """``(cache_salt, lora)`` of a namespace, ``lora`` as ``(name, path)``: ``None``; a str (a cache salt);
+    ``("lora", n)`` (adapter ``lora{n}`` at ``/lora``); or a tuple of tagged parts ``(("salt", s),)``,
+    ``(("lora", name, path),)`` or both. Two namespaces are one only when equal: a salt spelled like a
+    LoRA name, or one LoRA name at two paths, are different namespaces.
+
+    Raises:
+        ValueError: a namespace of another shape.
+    """
+    if namespace is None:
+        return None, None
+    if isinstance(namespace, str):
+        return namespace, None
+    if (isinstance(namespace, tuple) and len(namespace) == 2 and namespace[0] == "lora"
+            and isinstance(namespace[1], int)):
+        return None, (f"lora{namespace[1]}", "/lora")
+    salt = lora = None
+    for part in namespace if isinstance(namespace, tuple) else ():
+        if isinstance(part, tuple) and len(part) == 2 and part[0] == "salt":
+            salt = str(part[1])
+        elif isinstance(part, tuple) and len(part) == 3 and part[0] == "lora":
+            lora = (str(part[1]), str(part[2]))
+        else:
+            raise ValueError(f"namespace {namespace!r}: parts must be ('salt', s) or ('lora', name, path)")
+    if salt is None and lora is None:
+        raise ValueError(f"namespace {namespace!r}: no salt and no LoRA adapter")
+    return salt, lora
+
+
+def multimodal_spans(extra_keys: Sequence[ExtraKey]) -> list[tuple[str, int, int]]:
+    """``(identifier, offset, length)`` of each multimodal input in ``extra_keys`` (``(position, ("mm",
+    identifier, index))`` entries, index 0 at its offset); other keys are one-token inputs at their
+    position (``str(key)`` their identifier)."""
+    spans: list[list] = []
+    for pos, key in sorted(extra_keys, key=lambda e: e[0]):
+        if isinstance(key, tuple) and len(key) == 3 and key[0] == "mm":
+            if key[2] > 0 and spans and spans[-1][0] == str(key[1]) and spans[-1][1] + spans[-1][2] == pos:
+                spans[-1][2] += 1
+                continue
+            spans.append([str(key[1]), pos, 1])
+        else:
+            spans.append([str(key), pos, 1])
+    return [tuple(s) for s in spans]
 
 
 def manager_factory(candidate) -> object | None:

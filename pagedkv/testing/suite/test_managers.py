@@ -44,12 +44,14 @@ def test_cache_manager(pagedkv_run, backend):
     steps = programs.run_recorded(machine, settings)
     seconds = time.perf_counter() - start
     if steps is None:
-        pagedkv_run.record("cache_manager", backend, decide(
-            SimpleNamespace(status="passed", reason=f"{machine.checks_run} steps in {seconds:.1f} s"), kind="manager"))
+        pagedkv_run.record("cache_manager", backend, decide(SimpleNamespace(
+            status="passed",
+            reason=f"{machine.checks_run} steps, {machine.examples_run} examples in {seconds:.1f} s"), kind="manager"))
         return
     path = programs.save(Path(".pagedkv-failures") / f"manager-{backend_name(backend).replace(':', '_')}.json",
                          spec, machine, steps, steps.error)
-    failure = Failure(None, AssertionError(steps.error), case_file=path, replay=f"python -m pagedkv replay {path}")
+    failure = Failure(None, AssertionError(f"{steps.error} (example {steps.first_failing_example})"),
+                      case_file=path, replay=f"python -m pagedkv replay {path}")
     pagedkv_run.record("cache_manager", backend, decide(SimpleNamespace(status="failed", failures=[failure]),
                                                         kind="manager"))
     pytest.fail(f"cache manager {spec}: {steps.error}\n{programs.as_text(steps)}\n"

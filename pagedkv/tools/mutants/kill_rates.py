@@ -186,9 +186,9 @@ def _run_manager_machine(backend: Any, seed: int, max_examples: int) -> Outcome:
     machine = machine_for(manager_factory(backend), windows=getattr(backend, "cache_manager_windows", (None,)))
     with forced_seed(property_seed(seed, MANAGER_MACHINE)):
         steps = programs.run_recorded(machine, manager_kill_rate_settings(max_examples))
-    outcome = Outcome(MANAGER_MACHINE, examples=max_examples)
+    outcome = Outcome(MANAGER_MACHINE, examples=machine.examples_run)
     if steps is not None:
-        outcome.status, outcome.first_failing_example = "failed", max_examples
+        outcome.status, outcome.first_failing_example = "failed", steps.first_failing_example
         outcome.failures.append(Failure(None, AssertionError(steps.error[:300])))
     return outcome
 

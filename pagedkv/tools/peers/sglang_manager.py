@@ -146,7 +146,7 @@ class SglangRadixCache:
         self.reserved_blocks = 1
         self.rows: dict[int, _Row] = {}
         self.capabilities = ManagerCapabilities(block_size=ps, extra_keys=True, evict=True, reset=True,
-                                                eviction_order="lru", defers_commit=True)
+                                                eviction_order="lru-leaves", defers_commit=True)
 
     # -- helpers --------------------------------------------------------------------------------------
     def _key(self, tokens, extra_key, cache_salt):

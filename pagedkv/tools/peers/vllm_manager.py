@@ -3,15 +3,20 @@
 Spec: ``pagedkv.tools.peers:vllm_cache_manager`` (``cache_manager`` is the factory the suite looks for).
 Each protocol call is what vLLM's scheduler does (``vllm/v1/core/sched/scheduler.py``):
 
-- ``admit``: build a ``Request`` (namespace: a str is its ``cache_salt``, ``("lora", n)`` its
-  ``LoRARequest``; extra keys are one-token multimodal features at their offsets, ``MultiModalFeatureSpec``)
+- ``admit``: build a ``Request`` (namespace: its ``cache_salt`` and ``LoRARequest`` (name, path) as
+  :func:`~pagedkv.testing.managers.protocol.namespace_parts` reads it; extra keys are multimodal features,
+  ``MultiModalFeatureSpec`` over each placeholder run, :func:`~pagedkv.testing.managers.protocol.multimodal_spans`)
   and ``get_computed_blocks``; the hit is adopted by the first ``reserve`` (``allocate_slots(...,
   num_new_computed_tokens, new_computed_blocks)``), as the scheduler does in one step.
 - ``reserve``: decode tokens are appended as output tokens, then ``allocate_slots(request, n)``
   (``None``: refused); ``num_computed_tokens`` advances. vLLM caches full blocks here, so the machine
   writes every reservation at once (``defers_commit=False``); ``commit`` has nothing to do.
-- ``free``: ``free(request)``; ``preempt`` is a free and a re-admission (recompute).
-- ``evict``: ``evict_blocks`` of unreferenced cached blocks; ``reset``: ``reset_prefix_cache``.
+- ``free``: ``free(request)``; ``preempt`` is a free and a re-admission (recompute). With steps in flight
+  (asynchronous scheduling: ``request.num_in_flight_tokens`` counts the tokens reserved but not committed,
+  so a window frees on the processed-token basis) the free is deferred as vLLM's scheduler defers it
+  (``pop_blocks_for_free``, then ``block_pool.free_blocks(reversed(blocks))`` once the steps complete).
+- ``evict``: ``evict_blocks`` of unreferenced cached blocks (returns their ids); ``reset``:
+  ``reset_prefix_cache``.
 - ``block_table``: ``get_block_ids(request_id)[0]``, the null block (a window's skipped block) as ``-1``.
 - ``counts``: ``block_pool.get_num_free_blocks()`` of ``num_blocks - 1`` (block 0 is the null block).
 - ``self_check``: each block's ``ref_cnt`` equals the live tables holding it, the free queue is
@@ -30,7 +35,8 @@ import types
 from collections.abc import Hashable, Sequence
 
 from pagedkv.errors import BackendUnavailableError
-from pagedkv.testing.managers.protocol import ExtraKey, ManagerCapabilities, ManagerConfig
+from pagedkv.testing.managers.protocol import (ExtraKey, ManagerCapabilities, ManagerConfig, multimodal_spans,
+                                               namespace_parts)
 
 #: The peer's name (what the summary and the peers table call it).
 name = "vllm_cache_manager"
@@ -98,19 +104,25 @@ class VllmCacheManager:
         self.reserved_blocks = 1
         self.requests: dict[int, object] = {}
         self.pending: dict[int, tuple] = {}  # admitted, hit not yet adopted: (blocks, num_cached)
+        self.settled: dict[int, int] = {}  # request -> tokens whose step completed (commit)
+        self.deferred: dict[int, list] = {}  # freed with steps in flight -> blocks popped for the free
+        # a 1-token window (sliding_window 1) caches no block (no hit needs one): nothing to promise there
+        caches = config.window_left is None or config.window_left >= 1
         self.capabilities = ManagerCapabilities(block_size=bs, window=config.window_left, extra_keys=True,
-                                                evict=True, reset=True, eviction_order="lru")
+                                                evict=True, reset=True, eviction_order="lru" if caches else None,
+                                                hit_promise=caches, async_steps=True)
 
     def _request(self, request_id, token_ids, namespace, extra_keys):
         v = self.v
-        salt = lora = None
-        if isinstance(namespace, tuple) and namespace[:1] == ("lora",):
-            lora = v.LoRARequest(lora_name=f"lora{namespace[1]}", lora_int_id=int(namespace[1]), lora_path="/lora")
-        elif namespace is not None:
-            salt = str(namespace)
-        features = [v.MultiModalFeatureSpec(data=None, modality="image", identifier=str(key),
-                                            mm_position=v.PlaceholderRange(offset=pos, length=1))
-                    for pos, key in extra_keys] or None
+        salt, adapter = namespace_parts(namespace)
+        lora = None
+        if adapter is not None:  # one int id per (name, path): an engine loads each adapter once
+            ids = self.__dict__.setdefault("lora_ids", {})
+            lora = v.LoRARequest(lora_name=adapter[0], lora_int_id=ids.setdefault(adapter, len(ids) + 1),
+                                 lora_path=adapter[1])
+        features = [v.MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+                                            mm_position=v.PlaceholderRange(offset=offset, length=length))
+                    for ident, offset, length in multimodal_spans(extra_keys)] or None
         return v.Request(request_id=str(request_id), prompt_token_ids=list(token_ids),
                          sampling_params=v.SamplingParams(max_tokens=MAX_MODEL_LEN // 2), pooling_params=None,
                          mm_features=features, lora_request=lora, cache_salt=salt, block_hasher=self.block_hasher)
@@ -121,6 +133,7 @@ class VllmCacheManager:
         blocks, num_cached, _ = self.manager.get_computed_blocks(request)
         self.requests[request_id] = request
         self.pending[request_id] = (blocks, num_cached)
+        self.settled[request_id] = num_cached
         request.num_computed_tokens = 0
         return [b if b >= 0 else -1 for b in self._ids(blocks.get_block_ids()[0])], num_cached
 
@@ -135,6 +148,7 @@ class VllmCacheManager:
         extra = start + len(token_ids) - request.num_tokens
         if extra > 0:
             request.append_output_token_ids(list(token_ids[len(token_ids) - extra:]))
+        request.num_in_flight_tokens = max(0, start - self.settled[request_id])
         got = self.manager.allocate_slots(request, len(token_ids), num_new_computed_tokens=num_cached,
                                           new_computed_blocks=blocks)
         if got is None:
@@ -149,12 +163,25 @@ class VllmCacheManager:
                 for p in range(start, start + len(token_ids))]
 
     def commit(self, request_id: int, num_tokens: int) -> None:
-        """Nothing: vLLM caches full blocks in ``allocate_slots``."""
+        """The steps writing tokens below ``num_tokens`` completed (vLLM caches full blocks in
+        ``allocate_slots`` already): in-flight tokens settle, a deferred free happens."""
+        self.settled[request_id] = num_tokens
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.num_in_flight_tokens = max(0, request.num_computed_tokens - num_tokens)
+        elif request_id in self.deferred and num_tokens >= self.deferred[request_id][1]:
+            blocks, _ = self.deferred.pop(request_id)
+            self.pool.free_blocks(reversed(blocks))  # tail first, as the scheduler's deferred free
+            del self.settled[request_id]
 
     def free(self, request_id: int) -> None:
         request = self.requests.pop(request_id)
         self.pending.pop(request_id, None)
-        self.manager.free(request)
+        if request.num_computed_tokens > self.settled[request_id]:  # a step in flight still writes them
+            self.deferred[request_id] = (self.manager.pop_blocks_for_free(request), request.num_computed_tokens)
+        else:
+            self.settled.pop(request_id, None)
+            self.manager.free(request)
 
     def block_table(self, request_id: int) -> list[int]:
         if request_id in self.pending:
@@ -171,10 +198,11 @@ class VllmCacheManager:
         free = self.pool.get_num_free_blocks()
         return free, total - free, total
 
-    def evict(self, num_blocks: int) -> None:
+    def evict(self, num_blocks: int) -> list[int]:
         cached = [b.block_id for b in self.pool.blocks if b.ref_cnt == 0 and b.block_hash is not None
                   and not b.is_null]
         self.manager.evict_blocks(set(cached[:num_blocks]))
+        return cached[:num_blocks]
 
     def reset(self) -> bool:
         return self.manager.reset_prefix_cache()
@@ -185,6 +213,9 @@ class VllmCacheManager:
             if request_id in self.pending:
                 continue
             for b in set(self.block_table(request_id)) - {-1}:
+                refs[b] = refs.get(b, 0) + 1
+        for blocks, _ in self.deferred.values():
+            for b in {b.block_id for b in blocks if not b.is_null}:
                 refs[b] = refs.get(b, 0) + 1
         free_ids = {b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()}
         for block in self.pool.blocks:
