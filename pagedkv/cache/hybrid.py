@@ -88,6 +88,8 @@ class HybridKVCache:
         ArgumentTypeError: ``config`` is not a :class:`CacheConfig`.
     """
 
+    group_class = PagedKVCache  # each group's cache (a subclass plants a fault in one group's rules)
+
     def __init__(self, config: CacheConfig, *, enable_prefix_caching: bool = True,
                  hash_fn: HashFn = default_block_hash) -> None:
         if not isinstance(config, CacheConfig):
@@ -99,7 +101,7 @@ class HybridKVCache:
                                         enable_prefix_caching=enable_prefix_caching, hash_fn=hash_fn)
         # pool i: the i-th layer of every group (vLLM shares one tensor among the groups' layers likewise)
         self.kv = allocate_pools(config, max(len(g.layers) for g in self.specs))
-        self.groups = [PagedKVCache.group(config, self.allocator, self.kv[:len(spec.layers)], spec.window_left, g)
+        self.groups = [self.group_class.group(config, self.allocator, self.kv[:len(spec.layers)], spec.window_left, g)
                        for g, spec in enumerate(self.specs)]
         self._layer = {layer: (g, i) for g, spec in enumerate(self.specs) for i, layer in enumerate(spec.layers)}
 

@@ -16,7 +16,8 @@ After every rule, computed here from the tables and the shadow model (not from t
   cache (full groups: every block; sliding groups: the window) (hits are found);
 - every layer reads, through its group's table, the K/V written for the sequence's committed tokens:
   a full layer from position 0, a sliding layer from its group's first held position, which is never
-  inside the window of the next query (``num_written - window_left``);
+  inside the window of the next query (``num_written - window_left``; checked right after each append
+  too, before the step's write, when the step's own queries read from there);
 - every cached block (walked through the prefix trie, even when its parent block was evicted) holds,
   in every layer of its group, the K/V of a prefix that was written under its namespace;
 - a call that raised changed nothing; at the end, every block is free.
@@ -125,7 +126,18 @@ class HybridCacheMachine(RuleBasedStateMachine):
             self.release(seq)
             return None
         self.model[seq]["tokens"] = list(prompt)
+        self.check_windows(seq, f"the prefill of {seq}")
         return seq
+
+    def check_windows(self, seq, what):
+        """Right after an append, before its write: the step's queries (from ``num_written`` on) read keys
+        from ``num_written - window_left``: no group released a block holding one of them."""
+        written = self.model[seq]["written"]
+        for g, spec in enumerate(self.cache.specs):
+            first = self.cache.first_held_position(seq, group=g)
+            limit = 0 if spec.window_left is None else max(0, written - spec.window_left)
+            assert first <= limit, (f"{what}: group {g} (window {spec.window_left}) of sequence {seq} released the "
+                                    f"blocks before position {first}; this step's first query reads from {limit}")
 
     def release(self, seq):
         self.cache.free(seq)
@@ -166,6 +178,12 @@ class HybridCacheMachine(RuleBasedStateMachine):
             self.write(seq)
         return seq
 
+    @rule(target=seqs, seq=seqs, cut=st.integers(0, 16), suffix=st.lists(VOCAB, max_size=4), write=st.booleans())
+    def add_sharing_a_prefix(self, seq, cut, suffix, write):
+        """A request whose prompt starts with the first ``cut`` tokens of a live sequence (a shared system
+        prompt, a conversation continued): the hits a live sequence's windows moved past are drawn here."""
+        return self.add(self.model[seq]["tokens"][:cut] + suffix, self.model[seq]["key"], write)
+
     @rule(seq=seqs, tokens=st.lists(VOCAB, min_size=1, max_size=5), write=st.booleans())
     def append(self, seq, tokens, write):
         fits = self.cache.can_append(seq, len(tokens))
@@ -178,6 +196,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
             return
         assert fits, "can_append said no, append succeeded"
         self.model[seq]["tokens"] += tokens
+        self.check_windows(seq, f"an append to {seq}")
         if write:
             self.write(seq)
 
@@ -197,6 +216,24 @@ class HybridCacheMachine(RuleBasedStateMachine):
     def finish(self, seq):
         self.release(seq)
         return seq
+
+    @rule(n=st.integers(1, 8))
+    def other_traffic(self, n):
+        """Another request takes up to ``n`` tokens' blocks in every group (evicting the least recently
+        released cached blocks once the free list is empty) and is aborted before its write."""
+        seq = self.next_id
+        self.next_id += 1
+        self.cache.add_sequence(seq, [], cache_key="other")
+        self.model[seq] = {"tokens": [], "written": 0, "key": "other"}
+        n = next((k for k in range(n * self.bs, 0, -1) if self.cache.can_append(seq, k)), 0)
+        before = self.snapshot()
+        try:
+            self.cache.append(seq, [5] * n)  # token 5 is outside VOCAB: never a hit
+        except OutOfBlocksError:
+            self.assert_unchanged(before, f"a refused append to {seq}")
+            raise AssertionError(f"can_append({seq}, {n}) said yes, append refused") from None
+        finally:
+            self.release(seq)
 
     @rule(seq=seqs)
     def same_prompt_hits_again(self, seq):
