@@ -1,4 +1,4 @@
-"""The hybrid cache state machine against the planted faults of :data:`pagedkv.tools.mutants.caches.HYBRID_CACHE_MUTANTS`
+"""The hybrid cache state machine against the planted faults of ``caches.HYBRID_CACHE_MUTANTS``
 (derandomized, the ``ci`` profile's settings, 400 runs, no shrinking), and the real cache passes the same runs.
 
 Nightly tier (``slow``): about 3 minutes on 2 cores. ``full_group_untruncated`` survives 400 runs: a full
