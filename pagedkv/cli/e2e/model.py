@@ -76,6 +76,8 @@ class StepContext:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     kv_scales: dict[int, tuple[float, float]] | None = None
+    layer_group: list[int] | None = None  # a hybrid cache: each layer's KV-cache group; slot_mapping and
+    # block_tables are then lists indexed by group
 
 
 def pagedkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -133,8 +135,11 @@ def pagedkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         if layer not in step.kv_scales:
             step.kv_scales[layer] = calculate_kv_scales(k, v)
         scales = dict(zip(("k_scale", "v_scale"), step.kv_scales[layer]))
-    step.backend.write_kv(k_cache, v_cache, k, v, step.slot_mapping, **scales)
-    out = step.backend.paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens,
+    slots, tables = step.slot_mapping, step.block_tables
+    if step.layer_group is not None:  # a hybrid cache: the layer's own group's slots and tables
+        slots, tables = slots[step.layer_group[layer]], tables[step.layer_group[layer]]
+    step.backend.write_kv(k_cache, v_cache, k, v, slots, **scales)
+    out = step.backend.paged_attention(q, k_cache, v_cache, tables, step.seq_lens,
                                        step.query_start_loc, scaling, **features, **scales)
     return out.unsqueeze(0), None
 
@@ -272,6 +277,16 @@ def every_layer_window_left(model: torch.nn.Module) -> int | None:
     if kinds is not None and any(kind != "sliding_attention" for kind in kinds):
         return None
     return int(window) - 1
+
+
+def hybrid_layer_types(model: torch.nn.Module) -> tuple[tuple[str, ...], int] | None:
+    """``(layer_types, window_left)`` when ``model`` mixes sliding-window and full-attention layers (Gemma 2
+    and 3: ``config.layer_types``), for a :class:`~pagedkv.cache.hybrid.HybridKVCache`; ``None`` otherwise."""
+    cfg = model.config
+    kinds, window = getattr(cfg, "layer_types", None), getattr(cfg, "sliding_window", None)
+    if not kinds or window is None or set(kinds) != {"full_attention", "sliding_attention"}:
+        return None
+    return tuple(kinds), int(window) - 1
 
 
 def model_geometry(model: torch.nn.Module) -> tuple[int, int, int]:
