@@ -200,12 +200,13 @@ class PagedKVCache:
         if seq_id in self.sequences:
             raise ValueError(f"sequence {seq_id} already exists")
         cacheable = (max(len(prompt_token_ids) - 1, 0) // self.block_size) * self.block_size
-        blocks = self.allocator.find_cached_prefix(list(prompt_token_ids[:cacheable]), cache_key)
+        if self.window_left is None:
+            skip, blocks = 0, self.allocator.find_cached_prefix(list(prompt_token_ids[:cacheable]), cache_key)
+        else:  # only the window of the hit's end is needed, the head may be evicted (a sliding-window group's hit)
+            skip, blocks = self.allocator.find_cached_window(prompt_token_ids[:cacheable], cache_key, self.window_left)
         # a hit's blocks before the first query's window are not taken at all (the last one is: the parent
         # of the next block to cache); the table holds -1 there, as if the window had released them
-        skip = releasable_blocks(len(blocks) * self.block_size, self.window_left, self.block_size,
-                                 keep_last_full=True)
-        return self.start_sequence(seq_id, prompt_token_ids, skip, blocks[skip:], cache_key)
+        return self.start_sequence(seq_id, prompt_token_ids, skip, blocks, cache_key)
 
     def start_sequence(self, seq_id: int, prompt_token_ids: list[int], skip: int, blocks: list[int],
                        cache_key: Hashable) -> int:

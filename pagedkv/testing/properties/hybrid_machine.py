@@ -10,7 +10,8 @@ After every rule, computed here from the tables and the shadow model (not from t
 
 - no physical block is held by two groups; each block's reference count equals the tables holding
   it, over every group; free + used = total with ``used`` counted from the tables;
-- every group's hit is the agreed length: right after an add, every group's table covers exactly the
+- every group's hit is the agreed length (bursts of other traffic evict what the windows released, so
+  the groups hold unequal runs of a prefix): right after an add, every group's table covers exactly the
   cached tokens, full groups with real blocks throughout, sliding groups with ``-1`` only before the
   window of the hit's end; a re-add of a committed prompt hits at least what the live tables still
   cache (full groups: every block; sliding groups: the window) (hits are found);
@@ -234,6 +235,14 @@ class HybridCacheMachine(RuleBasedStateMachine):
             raise AssertionError(f"can_append({seq}, {n}) said yes, append refused") from None
         finally:
             self.release(seq)
+
+    @rule(target=seqs, seq=seqs, n=st.integers(1, 8), cut=st.integers(1, 16))
+    def prefix_after_a_burst(self, seq, n, cut):
+        """A burst of other traffic (evicting what the live sequences' windows released, least recently
+        released first), then a request starting with a live sequence's first ``cut`` tokens: the groups
+        then hold unequal runs of that prefix (vllm#44409 and #50457 live here)."""
+        self.other_traffic(n)
+        return self.add(self.model[seq]["tokens"][:cut], self.model[seq]["key"], True)
 
     @rule(seq=seqs)
     def same_prompt_hits_again(self, seq):
