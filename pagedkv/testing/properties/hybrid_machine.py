@@ -355,3 +355,95 @@ def hybrid_machine_for(cache_class: type) -> type:
     """The machine over another cache class with :class:`HybridKVCache`'s API (a planted fault)."""
     return type(f"HybridCacheMachine_{cache_class.__name__}", (HybridCacheMachine,), {"cache_class": cache_class})
 
+
+
+# -- programs: a failing history as plain lines, replayed without Hypothesis ---------------------------------
+def _call(line: str) -> tuple[list[str], str, dict]:
+    """``"x = state.rule(a=1, seq=seqs_0)"`` -> ``(["x"], "rule", {"a": 1, "seq": Name("seqs_0")})`` (literals
+    and bundle names only: nothing is evaluated)."""
+    import ast
+
+    node = ast.parse(line.strip()).body[0]
+    targets: list[str] = []
+    if isinstance(node, ast.Assign):
+        target = node.targets[0]
+        targets = [e.id for e in target.elts] if isinstance(target, ast.Tuple) else [target.id]
+    call = node.value
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and not call.args):
+        raise ValueError(f"not a step of a program: {line!r}")
+    kwargs = {kw.arg: (_Name(kw.value.id) if isinstance(kw.value, ast.Name) else ast.literal_eval(kw.value))
+              for kw in call.keywords}
+    return targets, call.func.attr, kwargs
+
+
+class _Name(str):
+    """A bundle variable in a program (``seqs_0``)."""
+
+
+def replay_program(lines: list[str], cache_class: type = HybridKVCache) -> None:
+    """Run a program (the lines Hypothesis prints for a failing run of :class:`HybridCacheMachine`: ``state.start(
+    ...)``, ``seqs_0 = state.add(...)``, ``state.groups_hold()``, ...) on ``cache_class``; the first line (the
+    machine's constructor) is replaced by the machine over ``cache_class``. The invariant runs after every step
+    and the teardown (no leak) at the end, as Hypothesis runs them; the program's own ``groups_hold`` and
+    ``teardown`` lines are skipped. A step naming a variable an earlier step did not bind (a request the cache
+    refused) is skipped.
+
+    Raises:
+        AssertionError: the machine's verdict, as in the run that printed the program.
+    """
+    machine = hybrid_machine_for(cache_class)()
+    names: dict[str, object] = {}
+    for line in lines:
+        if line.startswith("state = ") or not line.strip():
+            continue
+        targets, method, kwargs = _call(line)
+        if method in ("groups_hold", "teardown") or \
+                any(isinstance(v, _Name) and v not in names for v in kwargs.values()):
+            continue
+        result = getattr(machine, method)(**{k: names[v] if isinstance(v, _Name) else v for k, v in kwargs.items()})
+        values = list(getattr(result, "values", (result,)))
+        names.update(zip(targets, values))
+        machine.groups_hold()
+    machine.teardown()
+
+
+def record_program(cache_class: type, max_examples: int = 400) -> list[str]:
+    """The first failing program the machine finds over ``cache_class`` (derandomized), cut down by removing
+    steps while the replay still fails. ``[]`` when no run fails."""
+    from hypothesis import HealthCheck, Phase, settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    try:
+        run_state_machine_as_test(hybrid_machine_for(cache_class), settings=settings(
+            max_examples=max_examples, derandomize=True, stateful_step_count=STEPS, deadline=None, database=None,
+            suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate],
+            report_multiple_bugs=False))
+        return []
+    except AssertionError as exc:
+        notes = "\n".join(getattr(exc, "__notes__", []))
+    lines = notes.split("Falsifying example:\n", 1)[1]
+    steps, current = [], ""
+    for line in lines.splitlines():  # a call may span lines (a long list printed over several)
+        current = f"{current} {line.strip()}" if current else line
+        try:
+            _call(current) if not current.startswith("state = ") else None
+        except SyntaxError:
+            continue
+        steps.append(current)
+        current = ""
+
+    def fails(program):
+        try:
+            replay_program(program, cache_class)
+        except AssertionError:
+            return True
+        return False
+
+    assert fails(steps), "the printed program does not fail when replayed"
+    i = len(steps) - 1
+    while i > 0:  # drop each step (and its invariant check) whose absence keeps the failure
+        trial = steps[:i] + steps[i + 1:]
+        if ".start(" not in steps[i] and (".groups_hold(" in steps[i] or ".teardown(" in steps[i] or fails(trial)):
+            steps = trial
+        i -= 1
+    return steps
