@@ -273,6 +273,7 @@ class HybridKVCache:
 
     # -- metadata for the ops -----------------------------------------------------------------------
     def seq_len(self, seq_id: int) -> int:
+        """Tokens stored for ``seq_id`` (the same in every group). Raises as :meth:`PagedKVCache.seq_len`."""
         return self.groups[0].seq_len(seq_id)
 
     def seq_lens(self, seq_ids: Iterable[int]) -> torch.Tensor:
@@ -280,9 +281,11 @@ class HybridKVCache:
         return self.groups[0].seq_lens(seq_ids)
 
     def num_written(self, seq_id: int) -> int:
+        """Leading tokens of ``seq_id`` committed (or served by the prefix cache), in every group."""
         return self.groups[0].num_written(seq_id)
 
     def cache_key(self, seq_id: int) -> Hashable:
+        """The namespace ``seq_id`` was added under (``None``: the default one; not a group's own)."""
         return self.groups[0].cache_key(seq_id)
 
     def block_table(self, seq_id: int, group: int = 0) -> torch.Tensor:
@@ -305,6 +308,7 @@ class HybridKVCache:
     # -- reports and checks -------------------------------------------------------------------------
     @property
     def num_cow_copies(self) -> int:
+        """Copy-on-write copies over every group (each copies only its own layers' K/V)."""
         return sum(g.num_cow_copies for g in self.groups)
 
     def stats(self) -> dict[str, float]:

@@ -80,3 +80,22 @@ def test_one_kind_of_layer_is_one_group_as_the_plain_cache():
     config = CacheConfig(**{**GEMMA, "layer_types": ("sliding_attention",) * 4})
     assert len(kv_cache_groups(config)) == 1
     assert PagedKVCache(config).window_left == 2
+
+
+def test_the_single_group_window_cache_hits_without_its_evicted_head_too():
+    """``CacheConfig(window_left=W)`` (every layer slides) looks up as a sliding-window group does: a prompt
+    whose released head blocks were evicted still hits the window of its end. (Before the prefix trie, the
+    lookup needed the chain from the first block and found nothing here.)"""
+    cache = PagedKVCache(CacheConfig(num_blocks=8, block_size=2, num_kv_heads=1, head_dim=2, window_left=2))
+    p = list(range(10))
+    cache.add_sequence(0, p)
+    cache.append(0, p)
+    cache.mark_written(0)
+    cache.append(0, [7])  # releases blocks 0-3 (evictable, the deepest first)
+    cache.free(0)
+    cache.add_sequence(1, [])
+    cache.append(1, [9] * 8)  # 3 free blocks, then 1 evicted: the deepest released head block (depth 3)
+    assert cache.allocator.num_evictions == 1
+    assert cache.add_sequence(2, p + [3]) == 10
+    assert cache.block_table(2).tolist()[:4] == [-1] * 4
+    cache.check_invariants()
