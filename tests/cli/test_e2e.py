@@ -109,6 +109,14 @@ def test_gemma2_is_served_through_kv_cache_groups_with_tokens_identical_to_dense
     assert [c.max_logit_diff for c in kept.checks] == [c.max_logit_diff for c in report.checks]
 
 
+def test_gemma3_cli_serves_two_sliding_layers_to_one_full_through_kv_cache_groups(capsys):
+    assert cli.main(["e2e", "--arch", "gemma3", "--requests", "7", "--decode-steps", "6", "--block-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "model gemma3_text, sliding window 10 (window_left 9) on layers [0, 1]" in out
+    assert "kv-cache groups: 2 (full_attention layers [2], sliding_attention layers [0, 1]) on one pool" in out
+    assert out.rstrip().endswith("tokens identical: yes")
+
+
 @pytest.mark.parametrize("fault", ["window_off_by_one", "no_window", "no_softcap", "default_scale"])
 def test_window_softcap_and_scale_are_what_the_model_computes(fault):
     # The paged run is sensitive to each feature the hook passes: dropping or skewing one fails.

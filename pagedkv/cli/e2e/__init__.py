@@ -12,7 +12,7 @@ One concept a module:
 - this module: :func:`run_e2e`, which ties them together, and the command line.
 
 Command line: ``python -m pagedkv e2e [--backend NAME | --impl module:attr] [--device cpu|cuda]
-[--dtype float32|bfloat16|float16] [--arch llama|mistral|gemma2] [--sliding-window N]
+[--dtype float32|bfloat16|float16] [--arch llama|mistral|gemma2|gemma3] [--sliding-window N]
 [--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_e5m2] [--model DIR] [--seed N] [--requests N]
 [--decode-steps N] [--block-size N] [--allow-near-ties]``; exit status 0 when the logits are within tolerance and the
 greedy tokens are identical (or differ only at near ties, with ``--allow-near-ties``), 1 otherwise, 2 for
@@ -55,7 +55,8 @@ def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float3
         model_kwargs: extra :func:`build_model` arguments (``num_layers``, ``hidden_size``,
             ``sliding_window``, ...).
         arch: the random model's architecture (:data:`ARCHS`: ``llama``; ``mistral``, sliding window;
-            ``gemma2``, sliding window and soft-capping); ignored for a given or loaded ``model``.
+            ``gemma2``, sliding window and soft-capping; ``gemma3``, two sliding layers to one full with
+            ``model_kwargs={"num_layers": 3}``); ignored for a given or loaded ``model``.
         kv_cache_dtype: ``None`` / ``"auto"`` (pools in ``dtype``), ``"fp8_e4m3"`` (or ``"fp8"``) or
             ``"fp8_e5m2"``: fp8 pools with scales from the first prefill, judged against the dense run
             with the same quantize -> dequantize round trip (see :mod:`pagedkv.cli.e2e.fp8`); the max
@@ -180,7 +181,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="random model's architecture: llama (full causal), mistral (sliding window on every "
                         "layer), gemma2 (alternating sliding/full layers, attention and final logit soft-capping, "
                         "query_pre_attn_scalar; served from a cache with one KV-cache group per layer kind on one "
-                        "block pool, the sliding group releasing blocks); default llama; ignored with --model")
+                        "block pool, the sliding group releasing blocks), gemma3 (3 layers: two sliding, one full, "
+                        "q/k norms; served likewise); default llama; ignored with --model")
     p.add_argument("--sliding-window", type=int, default=DEFAULT_SLIDING_WINDOW, metavar="N",
                    help=f"sliding window of mistral / gemma2 in tokens, the query included (default "
                         f"{DEFAULT_SLIDING_WINDOW}; passed to the backend as window_left = N - 1)")
@@ -217,7 +219,9 @@ def run(args: argparse.Namespace) -> int:
                          decode_steps=args.decode_steps, block_size=args.block_size,
                          strict_tokens=not args.allow_near_ties, arch=args.arch,
                          kv_cache_dtype=args.kv_cache_dtype,
-                         model_kwargs={"sliding_window": args.sliding_window} if args.model is None else None)
+                         model_kwargs={"sliding_window": args.sliding_window,
+                                       **({"num_layers": 3} if args.arch == "gemma3" else {})}
+                         if args.model is None else None)
     except ImportError as exc:
         print(f"e2e: error: {exc}", file=sys.stderr)
         return 2

@@ -162,7 +162,7 @@ def register_attention() -> str:
 
 # -- models -------------------------------------------------------------------------------------------
 #: ``--arch`` choices: transformers architectures built with seeded random weights.
-ARCHS = ("llama", "mistral", "gemma2")
+ARCHS = ("llama", "mistral", "gemma2", "gemma3")
 
 #: sliding window of the ``mistral`` and ``gemma2`` configs (tokens a query sees, itself included):
 #: small, so the scenario's contexts exceed it, and not a multiple of the usual block sizes.
@@ -189,6 +189,13 @@ def _config(arch: str, sliding_window: int, **common: Any):
                                          sliding_window=sliding_window, attn_logit_softcapping=GEMMA2_ATTN_SOFTCAP,
                                          final_logit_softcapping=GEMMA2_FINAL_SOFTCAP,
                                          query_pre_attn_scalar=GEMMA2_QUERY_PRE_ATTN_SCALAR)
+    if arch == "gemma3":  # two sliding layers to one full (Gemma 3's 5:1, shortened), q/k norms, local RoPE
+        layers = common["num_hidden_layers"]
+        return transformers.Gemma3TextConfig(**common, head_dim=common["hidden_size"] // common["num_attention_heads"],
+                                             sliding_window=sliding_window,
+                                             layer_types=["full_attention" if i % 3 == 2 else "sliding_attention"
+                                                          for i in range(layers)],
+                                             query_pre_attn_scalar=GEMMA2_QUERY_PRE_ATTN_SCALAR)
     raise ValueError(f"arch must be one of {list(ARCHS)}, got {arch!r}")
 
 
@@ -202,7 +209,9 @@ def build_model(*, arch: str = "llama", seed: int = 0, vocab_size: int = 256, hi
     - ``mistral``: ``MistralForCausalLM`` with ``sliding_window`` on every layer;
     - ``gemma2``: ``Gemma2ForCausalLM``: sliding-window and full layers alternating, attention logit
       soft-capping, ``query_pre_attn_scalar``, final logit soft-capping (embeddings untied, as in
-      every config here: tied ones make a random model echo its input token, whatever attention does).
+      every config here: tied ones make a random model echo its input token, whatever attention does);
+    - ``gemma3``: ``Gemma3ForCausalLM`` (``Gemma3TextConfig``): two sliding-window layers to one full
+      (``layer_types``; give ``num_layers=3`` or more for a full layer), q/k norms, local RoPE.
 
     ``initializer_range`` is larger than a trained model's init (0.02) so that attention is sharp
     (far from uniform): a wrong key or a missing causal offset then changes the output visibly.
