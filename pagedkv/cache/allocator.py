@@ -373,9 +373,12 @@ class BlockAllocator:
             if node is None:
                 break
             nodes.append(node)
+        run = [0] * (len(nodes) + 1)  # run[e]: cached nodes in a row ending at depth e - 1 (one pass: O(n))
+        for d, node in enumerate(nodes):
+            run[d + 1] = run[d] + 1 if node.blocks else 0
         for end in range(len(nodes), 0, -1):
             skip = releasable_blocks(end * bs, window_left, bs, keep_last_full=True)
-            if all(nodes[d].blocks for d in range(skip, end)):
+            if run[end] >= end - skip:
                 return skip, [min(nodes[d].blocks) for d in range(skip, end)]
         return 0, []
 

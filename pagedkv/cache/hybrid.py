@@ -221,6 +221,8 @@ class HybridKVCache:
         if need > free:
             raise OutOfBlocksError(f"the KV-cache groups need {need} blocks, only {free} can be freed of "
                                    f"{self.allocator.num_blocks}")  # before any group changes
+        for group in self.groups:  # every window first: a group that releases may serve another's allocation
+            group._release_outside_window(group._seq(seq_id))
         return tuple(group.append(seq_id, token_ids) for group in self.groups)
 
     def _need(self, seq_id: int, n: int) -> tuple[int, int]:

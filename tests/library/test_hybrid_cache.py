@@ -99,3 +99,19 @@ def test_the_single_group_window_cache_hits_without_its_evicted_head_too():
     assert cache.add_sequence(2, p + [3]) == 10
     assert cache.block_table(2).tolist()[:4] == [-1] * 4
     cache.check_invariants()
+
+
+def test_a_full_group_may_allocate_what_the_sliding_group_releases_in_the_same_append():
+    """The pool is full; the next token needs a block in each group, and the sliding group's window
+    releases four: the append fits (every group's window is released before any group allocates).
+    Found by the machine: with the full group served first, its allocation was refused after
+    ``can_append`` said yes."""
+    cache = HybridKVCache(CacheConfig(num_blocks=12, block_size=2, num_kv_heads=1, head_dim=2, num_layers=2,
+                                      window_left=0, layer_types=("full_attention", "sliding_attention")))
+    cache.add_sequence(0, [])
+    cache.append(0, [0] * 11)
+    cache.mark_written(0)
+    assert cache.allocator.num_free == 0 and cache.can_append(0, 2)
+    cache.append(0, [0, 0])
+    assert cache.block_table(0, group=1).tolist()[:4] == [-1] * 4 and -1 not in cache.block_table(0, group=0).tolist()
+    cache.check_invariants()
