@@ -336,7 +336,7 @@ class BlockAllocator:
         return min(chains.values())  # deterministic among equally long chains
 
     def find_cached_window(self, token_ids: Sequence[int], cache_key: Hashable = None,
-                           window_left: int | None = None) -> tuple[int, list[int]]:
+                           window_left: int | None = None, *, record_stats: bool = True) -> tuple[int, list[int]]:
         """The longest prefix of ``token_ids``'s full blocks whose window is cached (no references taken).
 
         A query after a hit of ``E`` blocks sits at position ``E * block_size`` and reads keys from
@@ -352,6 +352,8 @@ class BlockAllocator:
             token_ids: the prompt's tokens to look up (whole blocks only).
             cache_key: the namespace.
             window_left: the window (``None``: full attention).
+            record_stats: count the full blocks looked up in ``prefix_queries`` and the hit's in
+                ``prefix_hits`` (checks pass False).
 
         Returns:
             ``(skip, blocks)``: the hit is ``skip + len(blocks)`` blocks, of which the first ``skip``
@@ -376,9 +378,11 @@ class BlockAllocator:
         run = [0] * (len(nodes) + 1)  # run[e]: cached nodes in a row ending at depth e - 1 (one pass: O(n))
         for d, node in enumerate(nodes):
             run[d + 1] = run[d] + 1 if node.blocks else 0
+        self.prefix_queries += record_stats * (len(tokens) // bs)
         for end in range(len(nodes), 0, -1):
             skip = releasable_blocks(end * bs, window_left, bs, keep_last_full=True)
             if run[end] >= end - skip:
+                self.prefix_hits += record_stats * end
                 return skip, [min(nodes[d].blocks) for d in range(skip, end)]
         return 0, []
 

@@ -158,20 +158,23 @@ class HybridKVCache:
         cache_key = check_cache_key("cache_key", cache_key)
         bs = self.block_size
         length = max(len(tokens) - 1, 0) // bs  # in blocks
+        self.allocator.prefix_queries += length  # counted once, for the agreed hit (not per group)
         hits: dict[int, tuple[int, list[int]]] = {}
         for g, group in enumerate(self.groups):
             if group.window_left is None:
-                blocks = self.allocator.find_cached_prefix(tokens[:length * bs], group.group_key(cache_key))
+                blocks = self.allocator.find_cached_prefix(tokens[:length * bs], group.group_key(cache_key),
+                                                           record_stats=False)
                 hits[g], length = (0, blocks), min(length, len(blocks))
         while True:
             before = length
             for g, group in enumerate(self.groups):
                 if group.window_left is not None:
                     skip, blocks = self.allocator.find_cached_window(tokens[:length * bs], group.group_key(cache_key),
-                                                                     group.window_left)
+                                                                     group.window_left, record_stats=False)
                     hits[g], length = (skip, blocks), min(length, skip + len(blocks))
             if length == before:
                 break
+        self.allocator.prefix_hits += length
         agreed = []
         for g, group in enumerate(self.groups):  # every group truncated to the agreed length
             skip, blocks = hits[g]
