@@ -247,7 +247,7 @@ class WindowLookupNeedsChainCache(HybridKVCache):
     def find_hit(self, prompt_token_ids, cache_key=None):
         alloc = self.allocator
         real = alloc.find_cached_window
-        alloc.find_cached_window = lambda tokens, key, window: (  # FAULT: the whole chain needed
+        alloc.find_cached_window = lambda tokens, key, window, **_: (  # FAULT: the whole chain needed
             lambda blocks: (min(len(blocks), releasable_blocks(len(blocks) * self.block_size, window,
                                                                self.block_size, keep_last_full=True)),
                             blocks[releasable_blocks(len(blocks) * self.block_size, window, self.block_size,
