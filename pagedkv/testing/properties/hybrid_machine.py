@@ -3,7 +3,7 @@ Hypothesis state machine, driven like a scheduler drives it and checked per grou
 
 Histories: adds under namespaces (the agreed prefix hit), appends written at once, in part or never,
 forks, finishes and aborts, refused oversized appends, double frees and bad arguments, over pools of
-3-14 blocks, block sizes 1-4, 1-4 layers of drawn kinds (``full_attention`` / ``sliding_attention``,
+3-24 blocks, block sizes 1-4, 1-4 layers of drawn kinds (``full_attention`` / ``sliding_attention``,
 at least one group) and windows 0-6, with a hash that may collide always.
 
 After every rule, computed here from the tables and the shadow model (not from the cache's own counts):
@@ -56,7 +56,7 @@ class HybridCacheMachine(RuleBasedStateMachine):
     seqs = Bundle("seqs")
     freed = Bundle("freed")
 
-    @initialize(num_blocks=st.integers(3, 14), block_size=st.integers(1, 4), layer_types=st.lists(KINDS, min_size=1,
+    @initialize(num_blocks=st.integers(3, 24), block_size=st.integers(1, 4), layer_types=st.lists(KINDS, min_size=1,
                 max_size=4), window_left=st.integers(0, 6), constant_hash=st.booleans(), seed=st.integers(0, 50))
     def start(self, num_blocks, block_size, layer_types, window_left, constant_hash, seed):
         self.geometry = Geometry(num_blocks, block_size, 1, 2, 1, "float32")
@@ -144,13 +144,14 @@ class HybridCacheMachine(RuleBasedStateMachine):
         self.cache.free(seq)
         del self.model[seq]
 
-    def promised_hit(self, seq) -> int:
-        """Blocks a re-add of ``seq``'s committed prompt must hit at least: the longest run its own tables
-        still cache (a full group's every block with its prefix, a sliding group's window)."""
+    def promised_hit(self, seq, num_tokens=None) -> int:
+        """Blocks a prompt starting with ``seq``'s first ``num_tokens`` committed tokens (all) must hit at
+        least: the longest run its own tables still cache (a full group's every block with its prefix, a
+        sliding group's window), at most ``num_tokens - 1`` tokens (the last one is computed)."""
         m, bs = self.model[seq], self.bs
         tokens = m["tokens"][:m["written"]]
         entries = self.alloc.cached_entries()
-        length = len(tokens) // bs
+        length = len(tokens) // bs if num_tokens is None else min(len(tokens), max(num_tokens - 1, 0)) // bs
         for g in range(len(self.cache.groups)):
             if self.group_window(g) is None:
                 table, run = self.cache.block_table(seq, group=g).tolist(), 0
@@ -218,15 +219,17 @@ class HybridCacheMachine(RuleBasedStateMachine):
         self.release(seq)
         return seq
 
-    @rule(n=st.integers(1, 8))
+    @rule(n=st.integers(0, 6))
     def other_traffic(self, n):
-        """Another request takes up to ``n`` tokens' blocks in every group (evicting the least recently
-        released cached blocks once the free list is empty) and is aborted before its write."""
+        """Another request fills the free list and takes about ``n`` blocks more (evicting the least
+        recently released cached blocks), then is aborted before its write."""
         seq = self.next_id
         self.next_id += 1
         self.cache.add_sequence(seq, [], cache_key="other")
         self.model[seq] = {"tokens": [], "written": 0, "key": "other"}
-        n = next((k for k in range(n * self.bs, 0, -1) if self.cache.can_append(seq, k)), 0)
+        empty = self.alloc.num_free - len(self.alloc.evictable_blocks())
+        cap = (empty // len(self.cache.groups) + n) * self.bs  # tokens: each takes a slot in every group
+        n = next((k for k in range(cap, 0, -1) if self.cache.can_append(seq, k)), 0)
         before = self.snapshot()
         try:
             self.cache.append(seq, [5] * n)  # token 5 is outside VOCAB: never a hit
@@ -236,13 +239,23 @@ class HybridCacheMachine(RuleBasedStateMachine):
         finally:
             self.release(seq)
 
-    @rule(target=seqs, seq=seqs, n=st.integers(1, 8), cut=st.integers(1, 16))
+    @rule(target=seqs, seq=seqs, n=st.integers(0, 6), cut=st.integers(1, 16))
     def prefix_after_a_burst(self, seq, n, cut):
         """A burst of other traffic (evicting what the live sequences' windows released, least recently
         released first), then a request starting with a live sequence's first ``cut`` tokens: the groups
         then hold unequal runs of that prefix (vllm#44409 and #50457 live here)."""
         self.other_traffic(n)
-        return self.add(self.model[seq]["tokens"][:cut], self.model[seq]["key"], True)
+        m = self.model[seq]
+        prompt = m["tokens"][:cut]
+        promised = self.promised_hit(seq, len(prompt))
+        new = self.add_request(prompt, m["key"])
+        if new is None:
+            return multiple()
+        cached = self.model[new]["written"]
+        assert cached >= promised * self.bs, (f"sequence {seq}'s tables still cache {promised} blocks of the first "
+                                              f"{cut} tokens, a request starting with them hits {cached} tokens")
+        self.write(new)
+        return new
 
     @rule(seq=seqs)
     def same_prompt_hits_again(self, seq):
