@@ -96,6 +96,8 @@ LAYOUTS = ("NHD", "HND")
 SPECIALIZATION_NAMES = frozenset({"block_size", "head_dim", "gqa_group", "dtype", "features"})
 #: Page-table formats a backend's ``paged_attention`` may declare (``Capabilities.page_table``).
 PAGE_TABLES = ("padded", "csr")
+#: Largest ``Capabilities.nondeterminism_ulp`` (a reduction's order moves a result by a few ulps, not more).
+MAX_NONDETERMINISM_ULP = 64
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,11 @@ class Capabilities:
             failure is reported as a finding with its case file and the reason, never failing the run.
             Stored as sorted ``(name, reason)`` pairs (hashable); :meth:`non_promise` reads one. A name the
             suite does not know is a usage error (:func:`pagedkv.testing.non_promises.check_non_promises`).
+        nondeterminism_ulp: the kernel is nondeterministic by design (atomics in a split reduction): two
+            runs of one call may differ by up to this many ulps per output element. The guard's rerun of a
+            call (:meth:`pagedkv.testing.guard.GuardedBackend.judge_again`) compares within it; every
+            comparison with the reference keeps its usual bar. ``0`` (the default): bit-deterministic.
+            At most :data:`MAX_NONDETERMINISM_ULP`.
 
     Raises (on construction):
         ValueError: an unknown dtype, feature, precondition or layout name; a non-promise without a reason.
@@ -159,8 +166,13 @@ class Capabilities:
     page_table: str = "padded"
     non_promises: Any = ()
     specialize_on: frozenset[str] | None = None
+    nondeterminism_ulp: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.nondeterminism_ulp, bool) or not isinstance(self.nondeterminism_ulp, int) or \
+                not 0 <= self.nondeterminism_ulp <= MAX_NONDETERMINISM_ULP:
+            raise ValueError(f"Capabilities.nondeterminism_ulp must be an int in [0, {MAX_NONDETERMINISM_ULP}], got "
+                             f"{self.nondeterminism_ulp!r}")
         pairs = self.non_promises.items() if hasattr(self.non_promises, "items") else self.non_promises
         pairs = tuple(sorted((str(name), reason) for name, reason in pairs))
         for name, reason in pairs:
