@@ -6,6 +6,7 @@
 - ``sequence``: what the cache records per sequence;
 - ``window``: sliding-window block release;
 - ``paged_cache``: :class:`PagedKVCache`: pools, block tables, fork, copy-on-write, slot mapping;
+- ``hybrid``: :class:`HybridKVCache`: KV-cache groups (full attention, sliding window) on one block pool;
 - ``engine``: one engine step (admit, reserve, write, commit);
 - ``hugepages``: CPU pools on transparent huge pages.
 
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 import importlib
 
-_PUBLIC = {"CacheConfig": "config", "BlockAllocator": "allocator", "PagedKVCache": "paged_cache"}
+_PUBLIC = {"CacheConfig": "config", "BlockAllocator": "allocator", "PagedKVCache": "paged_cache",
+           "HybridKVCache": "hybrid"}
 __all__ = sorted(_PUBLIC)
 
 

@@ -23,11 +23,19 @@ Design (after vLLM's block manager and its v1 prefix cache):
   a later lookup stops at the first evicted block (its children's parent generation no longer matches).
 - The allocator registers what it is told: the cache registers a full block only once its K/V is
   written (:meth:`pagedkv.cache.paged_cache.PagedKVCache.mark_written`).
+- Besides the hash chain, every entry points at an interned *prefix node* (a trie of exact token
+  prefixes under a namespace, SGLang's radix tree): a node lives while an entry caches it or a child
+  node hangs from it, so it outlives an evicted parent block. :meth:`find_cached_window` walks the
+  nodes and needs cached blocks only inside the window of the hit's end (vLLM v1's
+  ``SlidingWindowManager.find_longest_cache_hit``): a sliding-window KV-cache group is served although
+  its head blocks were released and evicted. Node keys compare exactly (the parent node by identity,
+  the tokens and namespace by value), so a hash collision is never a hit there either.
 - Every method either succeeds or raises before changing anything.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -38,6 +46,7 @@ import torch
 from pagedkv.errors import (ArgumentTypeError, DoubleFreeError, InvariantError, OutOfBlocksError, ShapeError,
                             UnknownBlockError)
 from pagedkv.cache.prefix_hash import HashFn, check_cache_key, default_block_hash, root_hash
+from pagedkv.cache.window import releasable_blocks
 
 
 def as_int(name: str, value: object) -> int:
@@ -92,6 +101,18 @@ class CacheEntry:
     parent: int | None
     parent_generation: int
     cache_key: Hashable = None
+    node: "PrefixNode | None" = dataclasses.field(default=None, compare=False, repr=False)
+
+
+class PrefixNode:
+    """One exact token prefix (a node of the prefix trie): ``key`` is ``(parent node or None, cache_key
+    for a first block else None, the block's tokens)``; ``blocks`` cache it now; ``refs`` counts those
+    blocks plus the child nodes (at zero the node is dropped)."""
+
+    __slots__ = ("key", "parent", "refs", "blocks")
+
+    def __init__(self, key: tuple, parent: "PrefixNode | None") -> None:
+        self.key, self.parent, self.refs, self.blocks = key, parent, 0, []
 
 
 class BlockAllocator:
@@ -131,6 +152,7 @@ class BlockAllocator:
         self._entries: dict[int, CacheEntry] = {}  # cached block -> what it caches
         self._generation = [0] * num_blocks  # bumped when a block's cache entry is dropped
         self._by_hash: dict[Hashable, list[int]] = {}
+        self._nodes: dict[tuple, PrefixNode] = {}  # the prefix trie (find_cached_window)
         self.num_evictions = 0
         self.prefix_queries = 0  # full blocks looked up
         self.prefix_hits = 0  # full blocks found
@@ -252,6 +274,25 @@ class BlockAllocator:
         owners.remove(block)
         if not owners:
             del self._by_hash[entry.hash]
+        entry.node.blocks.remove(block)
+        self._unref_node(entry.node)
+
+    def _node_for(self, parent: PrefixNode | None, cache_key: Hashable, tokens: tuple[int, ...]) -> PrefixNode:
+        key = (parent, cache_key if parent is None else None, tokens)
+        node = self._nodes.get(key)
+        if node is None:
+            node = self._nodes[key] = PrefixNode(key, parent)
+            if parent is not None:
+                parent.refs += 1
+        return node
+
+    def _unref_node(self, node: PrefixNode | None) -> None:
+        while node is not None:
+            node.refs -= 1
+            if node.refs:
+                return
+            del self._nodes[node.key]
+            node = node.parent
 
     def _matches(self, block: int, tokens: tuple[int, ...], parent: int | None, cache_key: Hashable = None) -> bool:
         e = self._entries[block]
@@ -293,6 +334,57 @@ class BlockAllocator:
             self.prefix_hits += record_stats
             chains, parent_hash = longer, h
         return min(chains.values())  # deterministic among equally long chains
+
+    def find_cached_window(self, token_ids: Sequence[int], cache_key: Hashable = None,
+                           window_left: int | None = None, *, record_stats: bool = True) -> tuple[int, list[int]]:
+        """The longest prefix of ``token_ids``'s full blocks whose window is cached (no references taken).
+
+        A query after a hit of ``E`` blocks sits at position ``E * block_size`` and reads keys from
+        ``E * block_size - window_left``: only blocks ``skip .. E - 1`` are needed, with ``skip =
+        releasable_blocks(E * block_size, window_left, block_size, keep_last_full=True)`` (the last
+        full block always: the next block cached chains to it). The prefix trie says which prefixes
+        some block caches, however many of their ancestors were evicted; the search runs from the
+        longest prefix down (vLLM v1's ``SlidingWindowManager.find_longest_cache_hit``). With
+        ``window_left=None`` every block is needed (then it finds what :meth:`find_cached_prefix` finds,
+        or more: a chain whose blocks were cached under different parents).
+
+        Args:
+            token_ids: the prompt's tokens to look up (whole blocks only).
+            cache_key: the namespace.
+            window_left: the window (``None``: full attention).
+            record_stats: count the full blocks looked up in ``prefix_queries`` and the hit's in
+                ``prefix_hits`` (checks pass False).
+
+        Returns:
+            ``(skip, blocks)``: the hit is ``skip + len(blocks)`` blocks, of which the first ``skip``
+            need not be held (``-1`` in the table) and ``blocks`` cache the rest; ``(0, [])`` for no hit.
+
+        Raises:
+            ArgumentTypeError: a token id or ``window_left`` that is not an int, an unhashable ``cache_key``.
+        """
+        tokens = tuple(as_token_ids("token_ids", token_ids))
+        cache_key = check_cache_key("cache_key", cache_key)
+        if window_left is not None:
+            window_left = as_int("window_left", window_left)
+        if not self.enable_prefix_caching:
+            return 0, []
+        nodes: list[PrefixNode] = []
+        bs = self.block_size
+        for end in range(bs, len(tokens) + 1, bs):
+            node = self._nodes.get((nodes[-1] if nodes else None, None if nodes else cache_key, tokens[end - bs:end]))
+            if node is None:
+                break
+            nodes.append(node)
+        run = [0] * (len(nodes) + 1)  # run[e]: cached nodes in a row ending at depth e - 1 (one pass: O(n))
+        for d, node in enumerate(nodes):
+            run[d + 1] = run[d] + 1 if node.blocks else 0
+        self.prefix_queries += record_stats * (len(tokens) // bs)
+        for end in range(len(nodes), 0, -1):
+            skip = releasable_blocks(end * bs, window_left, bs, keep_last_full=True)
+            if run[end] >= end - skip:
+                self.prefix_hits += record_stats * end
+                return skip, [min(nodes[d].blocks) for d in range(skip, end)]
+        return 0, []
 
     def cached_entries(self) -> dict[int, CacheEntry]:
         """``{block: CacheEntry}`` for every block holding a prefix-cache entry (a copy)."""
@@ -364,8 +456,11 @@ class BlockAllocator:
             return False
         parent_entry = self._entries.get(parent) if parent is not None else None
         h = self.hash_fn(parent_entry.hash if parent_entry else root_hash(cache_key), tokens)
+        node = self._node_for(parent_entry.node if parent_entry else None, cache_key, tokens)
+        node.refs += 1
+        node.blocks.append(block)
         self._entries[block] = CacheEntry(h, tokens, parent_entry.depth + 1 if parent_entry else 0, parent,
-                                          self._generation[parent] if parent is not None else 0, cache_key)
+                                          self._generation[parent] if parent is not None else 0, cache_key, node)
         self._by_hash.setdefault(h, []).append(block)
         return True
 
@@ -405,6 +500,9 @@ class BlockAllocator:
         require(all(b in self._entries for b in evictable), "an evictable block caches nothing")
         require(not free & set(self._entries), "a free block still caches a prefix")
         require(all(r >= 0 for r in self._ref), "negative reference count")
+        require(all(b in e.node.blocks for b, e in self._entries.items()) and
+                sum(len(n.blocks) for n in self._nodes.values()) == len(self._entries),
+                "the prefix trie disagrees with the cache entries")
         if expected_refs is not None:
             for b in range(self.num_blocks):
                 require(self._ref[b] == expected_refs.get(b, 0),

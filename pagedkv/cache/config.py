@@ -16,6 +16,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 #: ``CacheConfig.kv_layout`` names: the memory order of each pool (the tensors handed out are NHD-shaped).
 KV_LAYOUTS = ("NHD", "HND")
+#: ``CacheConfig.layer_types`` names (transformers' ``config.layer_types``, Gemma 2/3, GPT-OSS).
+LAYER_TYPES = ("full_attention", "sliding_attention")
 #: ``CacheConfig.debug_poison`` names -> the value unwritten slots hold (``"max"``: the pools' dtype's
 #: largest finite value, filled in per dtype by ``CacheConfig.poison_value``).
 POISONS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "max": None}
@@ -81,6 +83,10 @@ class CacheConfig:
             scores afterwards, so they need those slots finite (vLLM's CPU attention), while a read that
             reaches the output still shows as a huge value. For running an engine under test; off
             (``None``) in production: it costs one fill per allocated and released block.
+        layer_types: ``None`` (every layer alike, as ``window_left`` says), or one name per layer,
+            ``"full_attention"`` or ``"sliding_attention"`` (transformers' ``config.layer_types``): a
+            hybrid model, served by :class:`~pagedkv.cache.hybrid.HybridKVCache` with one KV-cache group
+            per kind; the sliding layers attend through ``window_left`` (required then).
 
     Raises (also):
         ArgumentValueError (``ValueError``): ``window_left`` below ``-1``; ``debug_poison`` not one of
@@ -99,6 +105,7 @@ class CacheConfig:
     window_left: int | None = None
     debug_poison: str | None = None
     kv_layout: str = "NHD"
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         from pagedkv.cache.allocator import as_int
@@ -120,6 +127,7 @@ class CacheConfig:
             raise DTypeMismatchError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, "
                                      f"got {self.kv_cache_dtype!r}")
         self._check_window_and_poison()
+        self._check_layer_types()
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
@@ -144,6 +152,32 @@ class CacheConfig:
             if self.debug_poison in ("inf", "-inf") and self.cache_dtype == torch.float8_e4m3fn:  # no infinity
                 raise DTypeMismatchError(f"debug_poison {self.debug_poison!r} cannot be stored in {self.cache_dtype} "
                                          "pools (no infinity): use \"nan\" or \"max\"")
+
+    def _check_layer_types(self) -> None:
+        from pagedkv.errors import ArgumentTypeError, ArgumentValueError
+
+        if self.layer_types is None:
+            return
+        if isinstance(self.layer_types, (str, bytes)) or not hasattr(self.layer_types, "__iter__"):
+            raise ArgumentTypeError(f"layer_types must be a sequence of {LAYER_TYPES} names, got "
+                                    f"{type(self.layer_types).__name__} {self.layer_types!r}")
+        kinds = tuple(self.layer_types)
+        if len(kinds) != self.num_layers:
+            raise ArgumentValueError(f"layer_types names {len(kinds)} layers, num_layers is {self.num_layers}")
+        bad = [k for k in kinds if k not in LAYER_TYPES]
+        if bad:
+            raise ArgumentValueError(f"layer_types entries must be one of {LAYER_TYPES}, got {bad[0]!r}")
+        if "sliding_attention" in kinds and self.window_left is None:
+            raise ArgumentValueError("layer_types has sliding_attention layers but window_left is None: "
+                                     "set the sliding layers' window_left")
+        object.__setattr__(self, "layer_types", kinds)
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's ``window_left`` (``None``: full attention)."""
+        if self.layer_types is None:
+            return (self.window_left,) * self.num_layers
+        return tuple(self.window_left if k == "sliding_attention" else None for k in self.layer_types)
 
     @property
     def poison_value(self) -> float | None:

@@ -73,7 +73,8 @@ class Step:
         """Reserve slots for ``tokens`` after ``seq_id``'s current ones (:meth:`PagedKVCache.append`).
 
         Returns:
-            ``int64 [len(tokens)]`` slot_mapping.
+            ``int64 [len(tokens)]`` slot_mapping (a tuple of them, one per KV-cache group, for a
+            :class:`~pagedkv.cache.hybrid.HybridKVCache`; :meth:`write` writes each layer at its group's).
 
         Raises:
             ValueError: ``seq_id`` was reserved in this step already. OutOfBlocksError and the rest:
@@ -112,11 +113,16 @@ class Step:
         if not self.reserved:
             return []
         device = self.cache.config.device
-        slots = torch.cat([s for s, _, _ in self.reserved.values()]).to(device)
+        group_of = getattr(self.cache, "group_of", None)  # a hybrid cache: one slot_mapping per KV-cache group
+        if group_of is None:
+            slots = [torch.cat([s for s, _, _ in self.reserved.values()]).to(device)]
+        else:
+            slots = [torch.cat([s[g] for s, _, _ in self.reserved.values()]).to(device)
+                     for g in range(len(self.cache.groups))]
         for layer in range(self.cache.config.num_layers if num_layers is None else num_layers):
             kvs = [kv_of(seq_id, start, tokens, layer) for seq_id, (_, start, tokens) in self.reserved.items()]
             write_kv(self.cache.k_cache(layer), self.cache.v_cache(layer), torch.cat([k for k, _ in kvs]).to(device),
-                     torch.cat([v for _, v in kvs]).to(device), slots)
+                     torch.cat([v for _, v in kvs]).to(device), slots[0 if group_of is None else group_of(layer)])
         committed = [s for s in self.reserved if s in self.cache.sequences] if commit else []
         for seq_id in committed:
             self.cache.mark_written(seq_id)

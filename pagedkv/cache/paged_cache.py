@@ -45,6 +45,21 @@ from pagedkv.cache.sequence import SequenceState, check_seq_id
 from pagedkv.cache.window import NULL_BLOCK, releasable_blocks, releasable_held_blocks
 
 
+def allocate_pools(config: CacheConfig, num_pools: int) -> torch.Tensor:
+    """``[num_pools, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]`` in ``config.cache_dtype``
+    on ``config.device``, zero-filled or poisoned (``config.debug_poison``), one allocation; with
+    ``kv_layout="HND"`` a view of head-major memory under the same NHD shape."""
+    shape, poison = (num_pools, 2, config.num_blocks, *config.block_shape), config.poison_value
+    hnd = config.kv_layout == "HND"
+    memory = (*shape[:3], shape[4], shape[3], shape[5]) if hnd else shape
+    # on a Linux CPU the pools sit on transparent huge pages: a fragmented table at small block sizes
+    # reads a new 4 KiB page a row otherwise (pagedkv/cache/hugepages.py)
+    kv = hugepages.zeros(memory, config.cache_dtype, config.device)
+    if poison is not None:
+        kv.fill_(poison)
+    return kv.transpose(3, 4) if hnd else kv
+
+
 class PagedKVCache:
     """K/V pools for ``config.num_layers`` layers and the sequences stored in them.
 
@@ -68,27 +83,49 @@ class PagedKVCache:
                  hash_fn: HashFn = default_block_hash) -> None:
         if not isinstance(config, CacheConfig):
             raise ArgumentTypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+        windows = set(config.layer_windows)
+        if len(windows) > 1:
+            from pagedkv.errors import ArgumentValueError
+
+            raise ArgumentValueError(f"config.layer_types {config.layer_types} mixes full and sliding layers: "
+                                     "serve it with pagedkv.cache.hybrid.HybridKVCache (one KV-cache group per kind)")
+        allocator = BlockAllocator(config.num_blocks, config.block_size,
+                                   enable_prefix_caching=enable_prefix_caching, hash_fn=hash_fn)
+        self._setup(config, allocator, allocate_pools(config, config.num_layers), windows.pop())
+
+    @classmethod
+    def group(cls, config: CacheConfig, allocator: BlockAllocator, kv: torch.Tensor, window_left: int | None,
+              group_id: int) -> "PagedKVCache":
+        """One KV-cache group of a hybrid cache (:class:`~pagedkv.cache.hybrid.HybridKVCache`): its block
+        tables over a shared ``allocator`` and ``kv`` (``[group's layers, 2, num_blocks, *block_shape]``, a
+        view of the shared pools), its layers attending through ``window_left``. Its prefix-cache entries
+        live under namespaces of their own (:meth:`group_key`): a group's
+        block never serves another group's lookup."""
+        obj = cls.__new__(cls)
+        obj._setup(config, allocator, kv, window_left)
+        obj.group_id = group_id
+        return obj
+
+    def _setup(self, config: CacheConfig, allocator: BlockAllocator, kv: torch.Tensor,
+               window_left: int | None) -> None:
         self.config = config
         self.block_size = config.block_size
-        self.allocator = BlockAllocator(config.num_blocks, config.block_size,
-                                        enable_prefix_caching=enable_prefix_caching, hash_fn=hash_fn)
-        # [layers, K/V, num_blocks, block_size, num_kv_heads, head_dim]: one allocation; k_cache(l) is a view.
-        # HND: the memory is head-major ([..., num_kv_heads, block_size, head_dim]) under the same NHD shape.
-        shape, poison = (config.num_layers, 2, config.num_blocks, *config.block_shape), config.poison_value
-        hnd = config.kv_layout == "HND"
-        memory = (*shape[:3], shape[4], shape[3], shape[5]) if hnd else shape
-        # on a Linux CPU the pools sit on transparent huge pages: a fragmented table at small block sizes
-        # reads a new 4 KiB page a row otherwise (pagedkv/cache/hugepages.py)
-        kv = hugepages.zeros(memory, config.cache_dtype, config.device)
-        if poison is not None:
-            kv.fill_(poison)
-        self.kv = kv.transpose(3, 4) if hnd else kv
-        self.window_left = config.window_left  # None: full attention, no block is released early
+        self.allocator = allocator
+        self.kv = kv
+        self.group_id = None  # a KV-cache group of a hybrid cache: its index (group)
+        self.window_left = window_left  # None: full attention, no block is released early
         self.num_window_released = 0  # table entries released by the sliding window, over the cache's life
         self.sequences: dict[int, SequenceState] = {}
         self._finished: set[int] = set()
         self.num_cow_copies = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+
+    def group_key(self, cache_key: Hashable) -> Hashable:
+        """The namespace this cache registers ``cache_key``'s blocks under: ``cache_key``, or in a group
+        ``("pagedkv.kv_cache_group", group_id)`` followed by ``cache_key`` unless it is ``None``."""
+        if self.group_id is None:
+            return cache_key
+        return ("pagedkv.kv_cache_group", self.group_id) + (() if cache_key is None else (cache_key,))
 
     # -- pools ------------------------------------------------------------------------------------
     def _layer(self, layer: int) -> int:
@@ -163,14 +200,24 @@ class PagedKVCache:
         if seq_id in self.sequences:
             raise ValueError(f"sequence {seq_id} already exists")
         cacheable = (max(len(prompt_token_ids) - 1, 0) // self.block_size) * self.block_size
-        blocks = self.allocator.find_cached_prefix(list(prompt_token_ids[:cacheable]), cache_key)
-        cached = len(blocks) * self.block_size
+        if self.window_left is None:
+            skip, blocks = 0, self.allocator.find_cached_prefix(list(prompt_token_ids[:cacheable]), cache_key)
+        else:  # only the window of the hit's end is needed, the head may be evicted (a sliding-window group's hit)
+            skip, blocks = self.allocator.find_cached_window(prompt_token_ids[:cacheable], cache_key, self.window_left)
         # a hit's blocks before the first query's window are not taken at all (the last one is: the parent
         # of the next block to cache); the table holds -1 there, as if the window had released them
-        skip = releasable_blocks(cached, self.window_left, self.block_size, keep_last_full=True)
-        self.allocator.acquire(blocks[skip:])
-        table = [NULL_BLOCK] * skip + list(blocks[skip:])
-        self.sequences[seq_id] = SequenceState(table, prompt_token_ids[:cached], cached, cache_key, skip)
+        return self.start_sequence(seq_id, prompt_token_ids, skip, blocks, cache_key)
+
+    def start_sequence(self, seq_id: int, prompt_token_ids: list[int], skip: int, blocks: list[int],
+                       cache_key: Hashable) -> int:
+        """Start ``seq_id`` on a prefix hit found already: ``skip`` leading entries released (``-1``) and
+        ``blocks`` (cached, a reference taken on each) after them; the hit is ``skip + len(blocks)``
+        blocks. Arguments are checked by the caller (:meth:`add_sequence`, a hybrid cache's)."""
+        cached = (skip + len(blocks)) * self.block_size
+        self.allocator.acquire(blocks)
+        table = [NULL_BLOCK] * skip + list(blocks)
+        self.sequences[seq_id] = SequenceState(table, prompt_token_ids[:cached], cached, self.group_key(cache_key),
+                                               skip)
         self.num_window_released += skip
         self._finished.discard(seq_id)
         self.num_cached_tokens += cached
@@ -282,7 +329,8 @@ class PagedKVCache:
 
     def cache_key(self, seq_id: int) -> Hashable:
         """The prefix-cache namespace of ``seq_id`` (``None``: the default one)."""
-        return self._seq(seq_id).cache_key
+        key = self._seq(seq_id).cache_key
+        return key if self.group_id is None else (key[2] if len(key) == 3 else None)
 
     def slot_mapping(self, seq_id: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         """``int64 [end - start]`` slots of positions ``start .. end - 1`` of ``seq_id``, on the cache's device.
@@ -426,6 +474,12 @@ class PagedKVCache:
         the live tables, every table fits its tokens, no sequence commits more tokens than it holds, and
         the ``-1`` entries are exactly the released leading ones, none of them a later query can read."""
         self.allocator.check_invariants(self.reference_counts())
+        self.check_tables()
+
+    def check_tables(self) -> None:
+        """The per-sequence half of :meth:`check_invariants` (a hybrid cache checks the shared allocator
+        against every group's tables once): tables fit their tokens, commits their tables, ``-1`` entries
+        exactly the released leading ones, none a later query reads."""
         for seq_id, seq in self.sequences.items():
             if len(seq.block_table) != blocks_needed(seq.num_tokens, self.block_size):
                 raise InvariantError(f"sequence {seq_id}: {len(seq.block_table)} blocks for {seq.num_tokens} tokens")

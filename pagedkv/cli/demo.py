@@ -22,6 +22,14 @@ through a sliding window (``window_left=N``) and the cache runs with ``CacheConf
 it releases the blocks no later query reads (their table entries become ``-1``), the gathers read
 from each sequence's first held block, and the report counts the blocks released.
 
+With ``--layer-types`` (transformers' ``layer_types``: e.g. ``sliding_attention,full_attention`` for
+Gemma 2's alternating layers; one name per layer) the model has that many layers and the cache is a
+:class:`~pagedkv.cache.hybrid.HybridKVCache`: one KV-cache group per kind on one block pool, the sliding
+group releasing what its window leaves behind, the full group keeping every block, one agreed prefix
+hit. Every layer is written at its group's slots and read through its group's block table: each
+``paged_attention`` with the layer's window (``--window-left`` for the sliding layers), each gather of
+a sliding layer from its group's first held block.
+
 The first read that differs stops the run with exit status 1.
 """
 
@@ -61,6 +69,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--window-left", type=int, default=None, metavar="N",
                    help="attend through a sliding window (a query at p reads p - N .. p) and let the cache "
                         "release the blocks no later query reads (default: full attention, every block kept)")
+    p.add_argument("--layer-types", default=None, metavar="KINDS",
+                   help="a hybrid model (transformers' layer_types): one comma-separated name per layer, "
+                        "full_attention or sliding_attention (e.g. sliding_attention,full_attention as Gemma 2); "
+                        "the sliding layers attend through --window-left; the cache keeps one KV-cache group per "
+                        "kind on one block pool (default: one layer, as --window-left says)")
     p.set_defaults(func=run, _parser=p)
 
 
@@ -127,12 +140,13 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
              num_kv_heads: int = 2, queries_per_kv: int = 2, head_dim: int = 32, dtype: str = "float32",
              device: str = "cpu", prefill_chunk: int = 64, check_every: int = 16,
              interpreted_every: int = 4, on_step: Callable[[int, Any], None] | None = None,
-             window_left: int | None = None) -> DemoReport:
+             window_left: int | None = None, layer_types: tuple[str, ...] | None = None) -> DemoReport:
     """Serve the workload through every backend in ``impls`` (objects or specs); see the module doc.
 
     ``on_step(step, cache)`` is called after every step with the first backend's cache.
     ``window_left``: attend through this sliding window and let the caches release what it never reads
-    (``CacheConfig.window_left``); ``None``: full attention.
+    (``CacheConfig.window_left``); ``None``: full attention. ``layer_types``: one kind per layer
+    (``CacheConfig.layer_types``), served by a :class:`~pagedkv.cache.hybrid.HybridKVCache`.
 
     Returns:
         The report; ``failure`` is set (and the run stopped) at the first read that differs.
@@ -153,12 +167,22 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
     names = [backend_name(b) for b in backends]
     geometry = Geometry(num_blocks, block_size, num_kv_heads, head_dim, queries_per_kv, dtype)
     # unwritten slots read as NaN (new, allocated and emptied blocks): a read of one poisons the output
-    config = dataclasses.replace(geometry.cache_config(device), debug_poison="nan", window_left=window_left)
-    caches = [(getattr(b, "cache_class", None) or PagedKVCache)(config) for b in backends]
-    window = {} if window_left is None else {"window_left": window_left}
+    from pagedkv.cache.hybrid import HybridKVCache
+
+    hybrid = layer_types is not None
+    num_layers = len(layer_types) if hybrid else 1
+    config = dataclasses.replace(geometry.cache_config(device, num_layers), debug_poison="nan",
+                                 window_left=window_left, layer_types=tuple(layer_types) if hybrid else None)
+    caches = [HybridKVCache(config) if hybrid else (getattr(b, "cache_class", None) or PagedKVCache)(config)
+              for b in backends]
+    windows = [{} if w is None else {"window_left": w} for w in config.layer_windows]  # per layer
+
+    def group(cache, layer: int) -> dict:
+        return {"group": cache.group_of(layer)} if hybrid else {}
     report = DemoReport(names, dict(requests=requests, block_size=block_size, num_blocks=num_blocks,
                                     num_kv_heads=num_kv_heads, queries_per_kv=queries_per_kv, head_dim=head_dim,
-                                    dtype=dtype, device=str(device), check_every=check_every),
+                                    dtype=dtype, device=str(device), check_every=check_every,
+                                    layer_types=",".join(layer_types) if hybrid else None),
                         reads={n: Reads(interpreted_every if _interpreted(b, device) else 1)
                                for n, b in zip(names, backends)}, caches=caches, window_left=window_left)
     rng = random.Random(seed)
@@ -171,7 +195,7 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
         waiting.append({"id": rid, "prompt": rng.choice(systems) + [rng.randrange(32000) for _ in range(tail)],
                         "max_new": rng.randrange(4, 48), "arrive": rid // 3})
     tokens: dict[int, list[int]] = {}  # each live sequence's tokens whose K/V is written
-    shadow: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # their K/V, kept apart from the cache
+    shadow: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (seq, layer): their K/V, apart
     todo: dict[int, list[int]] = {}  # prompt tokens still to prefill
     budget: dict[int, int] = {}  # decode tokens left
     next_id = 10_000
@@ -182,66 +206,75 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
 
     def release(seq_id: int) -> None:
         on_all("free", seq_id)
-        for table in (tokens, shadow, todo, budget):
+        for table in (tokens, todo, budget):
             table.pop(seq_id, None)
+        for layer in range(num_layers):
+            shadow.pop((seq_id, layer), None)
 
     def verify_gathers() -> None:
         report.gather_checks += 1
         for name, backend, cache in zip(names, backends, caches):
             reads = report.reads[name]
             cache.check_invariants()
-            for seq_id, toks in tokens.items():
+            for (seq_id, layer), (k_written, v_written) in shadow.items():
+                toks = tokens[seq_id]
                 # a sliding window released the blocks before this position: read from the first held one
-                p = cache.first_held_position(seq_id) if window_left is not None else 0
-                for pool, expected, which in ((cache.k_cache(), shadow[seq_id][0][p:], "K"),
-                                              (cache.v_cache(), shadow[seq_id][1][p:], "V")):
+                p = cache.first_held_position(seq_id, **group(cache, layer)) if window_left is not None else 0
+                for pool, expected, which in ((cache.k_cache(layer), k_written[p:], "K"),
+                                              (cache.v_cache(layer), v_written[p:], "V")):
                     t0 = time.perf_counter()
-                    got = backend.gather(pool, cache.block_table(seq_id)[p // bs:], len(toks) - p)
+                    got = backend.gather(pool, cache.block_table(seq_id, **group(cache, layer))[p // bs:],
+                                         len(toks) - p)
                     reads.seconds += time.perf_counter() - t0
                     reads.gathers += 1
                     reads.gathered_tokens += len(toks) - p
                     if got.shape != expected.shape or not torch.equal(bits(got.cpu()), bits(expected)):
                         raise DemoFailure(f"step {report.steps}: {name} gather of {which} of sequence {seq_id} "
-                                          f"({len(toks)} tokens) differs from what was written")
+                                          f"({len(toks)} tokens, layer {layer}) differs from what was written")
 
     def serve(batch: list[tuple[int, list[int]]], steps: list[Step]) -> None:
         """Write the step's new K/V, commit it, then read the packed batch's attention on every backend."""
         new_kv, qsl = {}, [0]
         for seq_id, new in batch:
-            k, v = token_kv(geometry, new, len(tokens[seq_id]), seed, prefix=tokens[seq_id])
-            new_kv[seq_id] = (k, v)
+            for layer in range(num_layers):
+                k, v = token_kv(geometry, new, len(tokens[seq_id]), seed, prefix=tokens[seq_id], layer=layer)
+                new_kv[seq_id, layer] = (k, v)
+                old = shadow.get((seq_id, layer))
+                shadow[seq_id, layer] = (k, v) if old is None else (torch.cat([old[0], k]), torch.cat([old[1], v]))
             tokens[seq_id] += new
-            old = shadow.get(seq_id)
-            shadow[seq_id] = (k, v) if old is None else (torch.cat([old[0], k]), torch.cat([old[1], v]))
             qsl.append(qsl[-1] + len(new))
         ids = [seq_id for seq_id, _ in batch]
         query = torch.randn((qsl[-1], geometry.num_q_heads, head_dim), generator=qgen).to(geometry.torch_dtype)
-        keys, values = [shadow[i][0] for i in ids], [shadow[i][1] for i in ids]
-        expected = reference_attention(query, keys, values, qsl, **window)
-        max_logit = head_dim ** -0.5 * float(query.double().abs().max()) * head_dim * \
-            max(float(k.double().abs().max()) for k in keys)
-        max_v = max(float(v.double().abs().max()) for v in values)
         qsl_t = torch.tensor(qsl, dtype=torch.int32, device=device)
-        for name, backend, cache, step in zip(names, backends, caches, steps):
-            # one write_kv for the step, then commit: full blocks enter the prefix cache
-            step.write(backend.write_kv, lambda seq_id, start, new, layer: new_kv[seq_id], num_layers=1,
-                       commit=hasattr(cache, "mark_written"))
-            reads = report.reads[name]
-            if report.steps % reads.attention_every:
-                continue
-            t0 = time.perf_counter()
-            out = backend.paged_attention(query.to(device), cache.k_cache(), cache.v_cache(), cache.block_tables(ids),
-                                          cache.seq_lens(ids), qsl_t, None, **window)
-            reads.seconds += time.perf_counter() - t0
-            reads.attention_calls += 1
-            reads.query_rows += qsl[-1]
-            try:
-                assert_attention_close(out.cpu(), expected, max_abs_logit=max_logit, max_abs_value=max_v)
-            except AssertionError as exc:
-                raise DemoFailure(f"step {report.steps}: {name} paged_attention of sequences {ids} differs from "
-                                  f"the fp64 reference: {exc}") from None
-            err = float((out.cpu().double() - expected).abs().max()) if out.numel() else 0.0
-            reads.max_attention_error = max(reads.max_attention_error, err)
+        for backend, cache, step in zip(backends, caches, steps):
+            # one write_kv per layer for the step (at its group's slots), then commit: full blocks enter the
+            # prefix cache
+            step.write(backend.write_kv, lambda seq_id, start, new, layer: new_kv[seq_id, layer],
+                       num_layers=num_layers, commit=hasattr(cache, "mark_written"))
+        for layer in range(num_layers):
+            keys, values = [shadow[i, layer][0] for i in ids], [shadow[i, layer][1] for i in ids]
+            expected = reference_attention(query, keys, values, qsl, **windows[layer])
+            max_logit = head_dim ** -0.5 * float(query.double().abs().max()) * head_dim * \
+                max(float(k.double().abs().max()) for k in keys)
+            max_v = max(float(v.double().abs().max()) for v in values)
+            for name, backend, cache in zip(names, backends, caches):
+                reads = report.reads[name]
+                if report.steps % reads.attention_every:
+                    continue
+                t0 = time.perf_counter()
+                out = backend.paged_attention(query.to(device), cache.k_cache(layer), cache.v_cache(layer),
+                                              cache.block_tables(ids, **group(cache, layer)), cache.seq_lens(ids),
+                                              qsl_t, None, **windows[layer])
+                reads.seconds += time.perf_counter() - t0
+                reads.attention_calls += 1
+                reads.query_rows += qsl[-1]
+                try:
+                    assert_attention_close(out.cpu(), expected, max_abs_logit=max_logit, max_abs_value=max_v)
+                except AssertionError as exc:
+                    raise DemoFailure(f"step {report.steps}: {name} paged_attention of sequences {ids} (layer "
+                                      f"{layer}) differs from the fp64 reference: {exc}") from None
+                err = float((out.cpu().double() - expected).abs().max()) if out.numel() else 0.0
+                reads.max_attention_error = max(reads.max_attention_error, err)
 
     try:
         while waiting or tokens:
@@ -252,8 +285,8 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
                 cached = on_all("add_sequence", req["id"], req["prompt"])[0]
                 tokens[req["id"]] = list(req["prompt"][:cached])
                 if cached:
-                    k, v = token_kv(geometry, tokens[req["id"]], 0, seed)
-                    shadow[req["id"]] = (k, v)
+                    for layer in range(num_layers):
+                        shadow[req["id"], layer] = token_kv(geometry, tokens[req["id"]], 0, seed, layer=layer)
                 todo[req["id"]], budget[req["id"]] = list(req["prompt"][cached:]), req["max_new"]
             batch, steps = [], [Step(cache) for cache in caches]
             for seq_id in list(tokens):
@@ -262,7 +295,10 @@ def run_demo(impls: list[Any], *, seed: int = 0, requests: int = 24, block_size:
                 elif budget[seq_id] > 0:  # decode one token; sometimes fork (parallel sampling)
                     if rng.random() < 0.02 and len(tokens) < 64:
                         on_all("fork", seq_id, next_id)
-                        tokens[next_id], shadow[next_id] = list(tokens[seq_id]), shadow[seq_id]
+                        tokens[next_id] = list(tokens[seq_id])
+                        for layer in range(num_layers):
+                            if (seq_id, layer) in shadow:
+                                shadow[next_id, layer] = shadow[seq_id, layer]
                         todo[next_id], budget[next_id] = [], budget[seq_id] // 2 + 1
                         next_id, report.forks = next_id + 1, report.forks + 1
                     new = [rng.randrange(32000)]
@@ -340,6 +376,10 @@ def report_lines(r: DemoReport) -> list[str]:
            f"  prefix cache          {s.get('prefix_hit_rate', 0.0):.1%} of the full prompt blocks looked up were "
            f"found; {s.get('cached_tokens')} prompt tokens not recomputed; {s.get('evictions')} entries evicted",
            f"  copy-on-write         {s.get('cow_copies')} shared partial blocks copied before an append"]
+    if c.get("layer_types"):
+        out.append(f"  kv-cache groups       layers {c['layer_types']}: one block table per kind on one pool of "
+                   f"{c['num_blocks']} blocks; every prefix hit agreed by both (the sliding group needs only the "
+                   "window of the hit's end); each layer reads through its group's table")
     if r.window_left is not None:
         out.append(f"  sliding window        window_left {r.window_left}: {s.get('window_released')} blocks released "
                    "early (table entries set to -1: no later query reads them); at most "
@@ -372,6 +412,20 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.errors import BackendError
 
     parser = getattr(args, "_parser", None)
+    layer_types = None
+    if args.layer_types:
+        from pagedkv.cache.config import LAYER_TYPES
+
+        layer_types = tuple(t.strip() for t in args.layer_types.split(",") if t.strip())
+        bad = [t for t in layer_types if t not in LAYER_TYPES]
+        message = (f"--layer-types entries must be one of {', '.join(LAYER_TYPES)}, got {bad[0]!r}" if bad else
+                   "--layer-types with sliding_attention layers needs --window-left N"
+                   if "sliding_attention" in layer_types and args.window_left is None else "")
+        if message:
+            if parser is not None:
+                parser.error(message)
+            print(f"demo: error: {message}", file=sys.stderr)
+            return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not device.startswith("cuda"):
         torch.set_num_threads(1)  # small tensors: more threads only spin against each other on a shared machine
@@ -390,7 +444,7 @@ def run(args: argparse.Namespace) -> int:
                       num_blocks=args.num_blocks, num_kv_heads=args.num_kv_heads, queries_per_kv=args.queries_per_kv,
                       head_dim=args.head_dim, dtype=args.dtype, device=device, prefill_chunk=args.prefill_chunk,
                       check_every=args.check_every, interpreted_every=args.interpreted_every,
-                      window_left=args.window_left)
+                      window_left=args.window_left, layer_types=layer_types)
     for line in report_lines(report):
         print(line)
     if report.failure:

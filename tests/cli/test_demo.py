@@ -136,3 +136,25 @@ def test_a_gather_that_differs_is_caught_bit_for_bit():
                                    paged_attention=indexed.paged_attention, gather=gather)
     report = demo.run_demo([sloppy], **SMALL)
     assert "sloppy_gather gather of K of sequence" in report.failure
+
+
+def test_a_hybrid_demo_serves_alternating_layers_through_kv_cache_groups(capsys):
+    """Gemma 2's alternating layers: every read of both kinds verified; the sliding group releases, the
+    full group keeps every block (a full layer reads its whole context through its own table)."""
+    seen = []
+
+    def full_tables_hold_every_block(step, cache):
+        full = cache.specs.index(next(g for g in cache.specs if g.window_left is None))
+        seen.append(all(-1 not in cache.block_table(s, group=full).tolist() for s in cache.sequences))
+
+    report = demo.run_demo(["indexed"], window_left=6, layer_types=("sliding_attention", "full_attention"),
+                           on_step=full_tables_hold_every_block, **SMALL)
+    assert not report.failure, report.failure
+    assert report.stats["kv_cache_groups"] == 2 and report.stats["window_released"] > 0 and all(seen)
+    assert report.reads["indexed"].attention_calls == 2 * report.served_steps  # each layer attends every step
+    assert report.end["used"] == 0
+    assert cli.main(["demo", "--impl", "indexed", "--requests", "4", "--layer-types",
+                     "sliding_attention,full_attention", "--window-left", "5"]) == 0
+    assert "kv-cache groups" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--layer-types", "sliding_attention,full_attention"])  # no --window-left

@@ -92,9 +92,29 @@ def test_mistral_releases_window_blocks_and_matches_dense(name):
     assert [c.max_logit_diff for c in kept.checks] == [c.max_logit_diff for c in report.checks]
 
 
-def test_gemma2_keeps_every_block_for_its_full_layers():
-    report = e2e.run_e2e("indexed", arch="gemma2", **FAULT)
-    assert report.ok and report.cache_stats["window_released"] == 0
+def test_gemma2_is_served_through_kv_cache_groups_with_tokens_identical_to_dense():
+    """Gemma 2's alternating layers: a KV-cache group per kind on one block pool; the sliding group
+    releases what its window leaves behind, the full group keeps every block, and the tokens equal the
+    dense model's. With one table (release_window_blocks=False) nothing is released, the logits equal."""
+    scenario = dict(SMALL, num_requests=9)
+    report = e2e.run_e2e("indexed", arch="gemma2", **scenario)
+    text = _assert_passes(report)
+    released = report.cache_stats["window_released"]
+    assert report.cache_stats["kv_cache_groups"] == 2 and released > 0, text
+    assert f"kv-cache groups: 2 (full_attention layers [1], sliding_attention layers [0]) on one pool; the sliding " \
+           f"group released {released} blocks early" in text
+    assert report.cache_stats["cached_tokens"] > 0 and report.cache_stats["cow_copies"] >= 1, text
+    kept = e2e.run_e2e("indexed", arch="gemma2", release_window_blocks=False, **scenario)
+    assert kept.ok and kept.cache_stats["window_released"] == 0 and "kv_cache_groups" not in kept.cache_stats
+    assert [c.max_logit_diff for c in kept.checks] == [c.max_logit_diff for c in report.checks]
+
+
+def test_gemma3_cli_serves_two_sliding_layers_to_one_full_through_kv_cache_groups(capsys):
+    assert cli.main(["e2e", "--arch", "gemma3", "--requests", "7", "--decode-steps", "6", "--block-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "model gemma3_text, sliding window 10 (window_left 9) on layers [0, 1]" in out
+    assert "kv-cache groups: 2 (full_attention layers [2], sliding_attention layers [0, 1]) on one pool" in out
+    assert out.rstrip().endswith("tokens identical: yes")
 
 
 @pytest.mark.parametrize("fault", ["window_off_by_one", "no_window", "no_softcap", "default_scale"])

@@ -12,7 +12,7 @@ One concept a module:
 - this module: :func:`run_e2e`, which ties them together, and the command line.
 
 Command line: ``python -m pagedkv e2e [--backend NAME | --impl module:attr] [--device cpu|cuda]
-[--dtype float32|bfloat16|float16] [--arch llama|mistral|gemma2] [--sliding-window N]
+[--dtype float32|bfloat16|float16] [--arch llama|mistral|gemma2|gemma3] [--sliding-window N]
 [--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_e5m2] [--model DIR] [--seed N] [--requests N]
 [--decode-steps N] [--block-size N] [--allow-near-ties]``; exit status 0 when the logits are within tolerance and the
 greedy tokens are identical (or differ only at near ties, with ``--allow-near-ties``), 1 otherwise, 2 for
@@ -31,7 +31,8 @@ import torch
 from pagedkv.cli.e2e.fp8 import (KV_CACHE_DTYPES, Fp8OracleStep, kv_cache_dtype_from_name,  # noqa: F401
                                  kv_cache_dtype_name)
 from pagedkv.cli.e2e.model import (ARCHS, ATTN_IMPLEMENTATION, DEFAULT_SLIDING_WINDOW, STEP_KWARG,  # noqa: F401
-                                   StepContext, build_model, every_layer_window_left, load_model, model_geometry,
+                                   StepContext, build_model, every_layer_window_left, hybrid_layer_types, load_model,
+                                   model_geometry,
                                    pagedkv_attention_forward, register_attention)
 from pagedkv.cli.e2e.oracle import (E2E_LOGIT_TOLERANCE, E2EReport, RequestCheck, TokenMismatch,  # noqa: F401
                                     dense_model, dense_oracle)
@@ -54,7 +55,8 @@ def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float3
         model_kwargs: extra :func:`build_model` arguments (``num_layers``, ``hidden_size``,
             ``sliding_window``, ...).
         arch: the random model's architecture (:data:`ARCHS`: ``llama``; ``mistral``, sliding window;
-            ``gemma2``, sliding window and soft-capping); ignored for a given or loaded ``model``.
+            ``gemma2``, sliding window and soft-capping; ``gemma3``, two sliding layers to one full with
+            ``model_kwargs={"num_layers": 3}``); ignored for a given or loaded ``model``.
         kv_cache_dtype: ``None`` / ``"auto"`` (pools in ``dtype``), ``"fp8_e4m3"`` (or ``"fp8"``) or
             ``"fp8_e5m2"``: fp8 pools with scales from the first prefill, judged against the dense run
             with the same quantize -> dequantize round trip (see :mod:`pagedkv.cli.e2e.fp8`); the max
@@ -62,7 +64,11 @@ def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float3
         strict_tokens: reject near-tie token differences too (see :class:`E2EReport`).
         release_window_blocks: when every layer slides (Mistral; :func:`every_layer_window_left`) and
             the pools are not fp8, run the cache with ``CacheConfig.window_left``: it releases the
-            blocks no later query reads, and the report says how many.
+            blocks no later query reads, and the report says how many. When the layers alternate
+            (Gemma 2: ``config.layer_types``), serve them from a
+            :class:`~pagedkv.cache.hybrid.HybridKVCache`: a KV-cache group per kind on one block pool,
+            the sliding group releasing what its window leaves behind (``False``: one table, every
+            block kept).
 
     Returns:
         An :class:`E2EReport`.
@@ -95,9 +101,12 @@ def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float3
     requests = make_scenario(seed=seed, num_requests=num_requests, decode_steps=decode_steps,
                              block_size=block_size, vocab_size=vocab)
     window = every_layer_window_left(model) if release_window_blocks and kv_dtype is None else None
+    hybrid = hybrid_layer_types(model) if release_window_blocks and kv_dtype is None else None
+    if hybrid is not None:
+        window = hybrid[1]
     t0 = time.perf_counter()
     engine = PagedEngine(model, backend, block_size=block_size, chunk_size=chunk_size, seed=seed,
-                         kv_cache_dtype=kv_dtype, window_left=window)
+                         kv_cache_dtype=kv_dtype, window_left=window, layer_types=hybrid and hybrid[0])
     try:
         results = engine.run(requests)
     except Exception as exc:  # the backend (or its cache manager) failed mid-run: a failed check
@@ -107,7 +116,13 @@ def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float3
                          time.perf_counter() - t0, strict_tokens, error)
     seconds = time.perf_counter() - t0
     notes = [_model_note(model)]
-    if window is not None:
+    if hybrid is not None:
+        stats, (full, sliding) = engine.cache.stats(), engine.cache.specs
+        notes.append(f"kv-cache groups: {len(engine.cache.groups)} (full_attention layers {list(full.layers)}, "
+                     f"sliding_attention layers {list(sliding.layers)}) "
+                     f"on one pool; the sliding group released {stats['window_released']} blocks early (window_left "
+                     f"{window}), at most {engine.window_released_peak} at once; the full group kept every block")
+    elif window is not None:
         notes.append(f"sliding window on every layer: the cache ran with window_left {window} and released "
                      f"{engine.cache.stats()['window_released']} blocks early (no later query read them; "
                      f"their table entries became -1), at most {engine.window_released_peak} at once")
@@ -165,7 +180,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--arch", default="llama", choices=list(ARCHS),
                    help="random model's architecture: llama (full causal), mistral (sliding window on every "
                         "layer), gemma2 (alternating sliding/full layers, attention and final logit soft-capping, "
-                        "query_pre_attn_scalar); default llama; ignored with --model")
+                        "query_pre_attn_scalar; served from a cache with one KV-cache group per layer kind on one "
+                        "block pool, the sliding group releasing blocks), gemma3 (3 layers: two sliding, one full, "
+                        "q/k norms; served likewise); default llama; ignored with --model")
     p.add_argument("--sliding-window", type=int, default=DEFAULT_SLIDING_WINDOW, metavar="N",
                    help=f"sliding window of mistral / gemma2 in tokens, the query included (default "
                         f"{DEFAULT_SLIDING_WINDOW}; passed to the backend as window_left = N - 1)")
@@ -202,7 +219,9 @@ def run(args: argparse.Namespace) -> int:
                          decode_steps=args.decode_steps, block_size=args.block_size,
                          strict_tokens=not args.allow_near_ties, arch=args.arch,
                          kv_cache_dtype=args.kv_cache_dtype,
-                         model_kwargs={"sliding_window": args.sliding_window} if args.model is None else None)
+                         model_kwargs={"sliding_window": args.sliding_window,
+                                       **({"num_layers": 3} if args.arch == "gemma3" else {})}
+                         if args.model is None else None)
     except ImportError as exc:
         print(f"e2e: error: {exc}", file=sys.stderr)
         return 2

@@ -76,6 +76,8 @@ class StepContext:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     kv_scales: dict[int, tuple[float, float]] | None = None
+    layer_group: list[int] | None = None  # a hybrid cache: each layer's KV-cache group; slot_mapping and
+    # block_tables are then lists indexed by group
 
 
 def pagedkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -133,8 +135,11 @@ def pagedkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         if layer not in step.kv_scales:
             step.kv_scales[layer] = calculate_kv_scales(k, v)
         scales = dict(zip(("k_scale", "v_scale"), step.kv_scales[layer]))
-    step.backend.write_kv(k_cache, v_cache, k, v, step.slot_mapping, **scales)
-    out = step.backend.paged_attention(q, k_cache, v_cache, step.block_tables, step.seq_lens,
+    slots, tables = step.slot_mapping, step.block_tables
+    if step.layer_group is not None:  # a hybrid cache: the layer's own group's slots and tables
+        slots, tables = slots[step.layer_group[layer]], tables[step.layer_group[layer]]
+    step.backend.write_kv(k_cache, v_cache, k, v, slots, **scales)
+    out = step.backend.paged_attention(q, k_cache, v_cache, tables, step.seq_lens,
                                        step.query_start_loc, scaling, **features, **scales)
     return out.unsqueeze(0), None
 
@@ -157,7 +162,7 @@ def register_attention() -> str:
 
 # -- models -------------------------------------------------------------------------------------------
 #: ``--arch`` choices: transformers architectures built with seeded random weights.
-ARCHS = ("llama", "mistral", "gemma2")
+ARCHS = ("llama", "mistral", "gemma2", "gemma3")
 
 #: sliding window of the ``mistral`` and ``gemma2`` configs (tokens a query sees, itself included):
 #: small, so the scenario's contexts exceed it, and not a multiple of the usual block sizes.
@@ -184,6 +189,13 @@ def _config(arch: str, sliding_window: int, **common: Any):
                                          sliding_window=sliding_window, attn_logit_softcapping=GEMMA2_ATTN_SOFTCAP,
                                          final_logit_softcapping=GEMMA2_FINAL_SOFTCAP,
                                          query_pre_attn_scalar=GEMMA2_QUERY_PRE_ATTN_SCALAR)
+    if arch == "gemma3":  # two sliding layers to one full (Gemma 3's 5:1, shortened), q/k norms, local RoPE
+        layers = common["num_hidden_layers"]
+        return transformers.Gemma3TextConfig(**common, head_dim=common["hidden_size"] // common["num_attention_heads"],
+                                             sliding_window=sliding_window,
+                                             layer_types=["full_attention" if i % 3 == 2 else "sliding_attention"
+                                                          for i in range(layers)],
+                                             query_pre_attn_scalar=GEMMA2_QUERY_PRE_ATTN_SCALAR)
     raise ValueError(f"arch must be one of {list(ARCHS)}, got {arch!r}")
 
 
@@ -197,7 +209,9 @@ def build_model(*, arch: str = "llama", seed: int = 0, vocab_size: int = 256, hi
     - ``mistral``: ``MistralForCausalLM`` with ``sliding_window`` on every layer;
     - ``gemma2``: ``Gemma2ForCausalLM``: sliding-window and full layers alternating, attention logit
       soft-capping, ``query_pre_attn_scalar``, final logit soft-capping (embeddings untied, as in
-      every config here: tied ones make a random model echo its input token, whatever attention does).
+      every config here: tied ones make a random model echo its input token, whatever attention does);
+    - ``gemma3``: ``Gemma3ForCausalLM`` (``Gemma3TextConfig``): two sliding-window layers to one full
+      (``layer_types``; give ``num_layers=3`` or more for a full layer), q/k norms, local RoPE.
 
     ``initializer_range`` is larger than a trained model's init (0.02) so that attention is sharp
     (far from uniform): a wrong key or a missing causal offset then changes the output visibly.
@@ -272,6 +286,16 @@ def every_layer_window_left(model: torch.nn.Module) -> int | None:
     if kinds is not None and any(kind != "sliding_attention" for kind in kinds):
         return None
     return int(window) - 1
+
+
+def hybrid_layer_types(model: torch.nn.Module) -> tuple[tuple[str, ...], int] | None:
+    """``(layer_types, window_left)`` when ``model`` mixes sliding-window and full-attention layers (Gemma 2
+    and 3: ``config.layer_types``), for a :class:`~pagedkv.cache.hybrid.HybridKVCache`; ``None`` otherwise."""
+    cfg = model.config
+    kinds, window = getattr(cfg, "layer_types", None), getattr(cfg, "sliding_window", None)
+    if not kinds or window is None or set(kinds) != {"full_attention", "sliding_attention"}:
+        return None
+    return tuple(kinds), int(window) - 1
 
 
 def model_geometry(model: torch.nn.Module) -> tuple[int, int, int]:

@@ -174,13 +174,17 @@ class PagedEngine:
 
     def __init__(self, model: torch.nn.Module, backend: Any, *, block_size: int = 8, num_blocks: int | None = None,
                  chunk_size: int | None = None, fragment: bool = True, poison: bool = True, seed: int = 0,
-                 kv_cache_dtype: torch.dtype | None = None, window_left: int | None = None) -> None:
+                 kv_cache_dtype: torch.dtype | None = None, window_left: int | None = None,
+                 layer_types: tuple[str, ...] | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if window_left is not None and kv_cache_dtype is not None:
             raise ValueError("window_left (released blocks) and an fp8 cache (whose oracle reads every position's "
                              "stored code at the end) do not go together")
+        if layer_types is not None and (window_left is None or kv_cache_dtype is not None):
+            raise ValueError("layer_types (KV-cache groups) needs the sliding layers' window_left and no fp8 cache")
         self.window_left = window_left
+        self.layer_types = layer_types  # a hybrid model: one KV-cache group per kind (HybridKVCache)
         self.window_released_peak = 0  # most table entries released by the window at once, over the run
         self.model = model
         self.backend = backend
@@ -242,8 +246,13 @@ class PagedEngine:
         config = CacheConfig(num_blocks=num_blocks, block_size=bs, num_kv_heads=num_kv_heads, head_dim=head_dim,
                              dtype=param.dtype, device=str(param.device), num_layers=num_layers,
                              kv_cache_dtype=kv_cache_dtype_name(self.kv_cache_dtype) if self.kv_cache_dtype else "auto",
-                             window_left=self.window_left, debug_poison="nan" if self.poison else None)
+                             window_left=self.window_left, debug_poison="nan" if self.poison else None,
+                             layer_types=self.layer_types)
         cache_class = getattr(self.backend, "cache_class", None) or PagedKVCache  # a backend's own cache manager
+        if self.layer_types is not None:
+            from pagedkv.cache.hybrid import HybridKVCache
+
+            cache_class = HybridKVCache
         cache = cache_class(config)
         # Earlier traffic: dummies allocated in turn, every other one freed, the rest live throughout.
         # Nothing is written for them, so nothing is committed: their blocks cache nothing (a freed
@@ -338,8 +347,15 @@ class PagedEngine:
             qsl = [0]
             for n in q_lens:
                 qsl.append(qsl[-1] + n)
-            ctx = StepContext(cache=cache, backend=self.backend, slot_mapping=torch.cat(slots).to(torch.int64),
-                              block_tables=cache.block_tables(batch_ids, width=self.table_width),
+            hybrid = self.layer_types is not None
+            ctx = StepContext(cache=cache, backend=self.backend,
+                              slot_mapping=[torch.cat([s[g] for s in slots]) for g in range(len(cache.groups))]
+                              if hybrid else torch.cat(slots).to(torch.int64),
+                              block_tables=[cache.block_tables(batch_ids, width=self.table_width, group=g)
+                                            for g in range(len(cache.groups))] if hybrid else
+                              cache.block_tables(batch_ids, width=self.table_width),
+                              layer_group=[cache.group_of(layer) for layer in range(cache.config.num_layers)]
+                              if hybrid else None,
                               seq_lens=cache.seq_lens(batch_ids),
                               query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
                               kv_scales=self.kv_scales)
@@ -366,8 +382,7 @@ class PagedEngine:
                         running.remove(sid)
                         finished.add(sid)
                         res.finish_step = step
-            self.window_released_peak = max(self.window_released_peak,
-                                            sum(q.num_released for q in cache.sequences.values()))
+            self.window_released_peak = max(self.window_released_peak, cache.stats()["window_released_live"])
             step += 1
             self.steps_done = step
         self.steps = step

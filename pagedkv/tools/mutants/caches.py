@@ -18,7 +18,9 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from pagedkv.cache.allocator import BlockAllocator, check_cache_key
+from pagedkv.cache.hybrid import HybridKVCache
 from pagedkv.cache.paged_cache import PagedKVCache
+from pagedkv.cache.window import releasable_blocks
 from pagedkv.tools.mutants.backends import IndexedBackend
 
 
@@ -196,6 +198,93 @@ CACHE_TARGETS: dict[str, tuple[str, ...]] = {
     name: ("cache_state_machine_holds_its_invariants", "every_live_sequence_reads_only_its_own_tokens",
            "prefix_caching_changes_no_output")
     for name in CACHE_MUTANTS}
+
+
+# -- faults of the hybrid cache (KV-cache groups), killed by the hybrid state machine ----------------------
+class FullGroupUntruncatedCache(HybridKVCache):
+    """A full-attention group keeps its own longest hit instead of the length every group agreed on
+    (vllm#50457: only the first full group was truncated): its table and reference counts run past the
+    tokens the sequence holds."""
+
+    def find_hit(self, prompt_token_ids, cache_key=None):
+        agreed = super().find_hit(prompt_token_ids, cache_key)
+        bs, tokens = self.block_size, list(prompt_token_ids)
+        cacheable = tokens[:max(len(tokens) - 1, 0) // bs * bs]
+        return [(0, self.allocator.find_cached_prefix(cacheable, group.group_key(cache_key), record_stats=False))
+                if group.window_left is None else hit for group, hit in zip(self.groups, agreed)]  # FAULT
+
+    def add_sequence(self, seq_id, prompt_token_ids=(), *, cache_key=None):
+        super().add_sequence(seq_id, prompt_token_ids, cache_key=cache_key)
+        return self.groups[-1].num_written(seq_id)
+
+
+class WindowOnFullLayersCache(HybridKVCache):
+    """The sliding window is applied to every group, the full-attention layers included (vllm#51756): a
+    full layer's early blocks are released while its queries still read them."""
+
+    def __init__(self, config, **kw):
+        super().__init__(config, **kw)
+        for group in self.groups:
+            group.window_left = config.window_left  # FAULT: full groups release too
+
+
+class OneGroupCapacityCache(HybridKVCache):
+    """An append checks the free blocks against the first group's need only: when the others do not fit,
+    the first group has already released, copied and allocated (a half-done append)."""
+
+    def _need(self, seq_id, n):
+        group = self.groups[0]
+        seq = group._seq(seq_id)
+        new_blocks, cow = group._blocks_for_append(seq, n)  # FAULT: the other groups' blocks not counted
+        return new_blocks + cow, self.allocator.num_free + sum(self.allocator.ref_count(b) == 1
+                                                               for b in group._releasable(seq))
+
+
+class WindowLookupNeedsChainCache(HybridKVCache):
+    """A sliding-window group's hit needs every block from the first, as a full group's does: once its
+    released head blocks are evicted, the prompt never hits again although its window is cached."""
+
+    def find_hit(self, prompt_token_ids, cache_key=None):
+        alloc = self.allocator
+        real = alloc.find_cached_window
+        alloc.find_cached_window = lambda tokens, key, window, **_: (  # FAULT: the whole chain needed
+            lambda blocks: (min(len(blocks), releasable_blocks(len(blocks) * self.block_size, window,
+                                                               self.block_size, keep_last_full=True)),
+                            blocks[releasable_blocks(len(blocks) * self.block_size, window, self.block_size,
+                                                     keep_last_full=True):]))(
+            alloc.find_cached_prefix(tokens, key, record_stats=False))
+        try:
+            return super().find_hit(prompt_token_ids, cache_key)
+        finally:
+            alloc.find_cached_window = real
+
+
+class _WindowSizeGroup(PagedKVCache):
+    def _releasable(self, seq):
+        if self.window_left is None:
+            return []
+        bs, n = self.block_size, releasable_blocks(seq.num_written, self.window_left - 1, self.block_size)  # FAULT
+        last_full = seq.num_written // bs - 1
+        if last_full >= 0 and seq.block_table[last_full] != -1 and self.allocator.is_cached(seq.block_table[last_full]):
+            n = min(n, max(last_full, 0))
+        return seq.block_table[seq.num_released:max(n, seq.num_released)]
+
+
+class WindowOffByOneCache(HybridKVCache):
+    """A sliding-window group releases with ``sliding_window`` where ``window_left = sliding_window - 1``
+    was meant: at a block boundary it releases the block holding the oldest key the next query reads."""
+
+    group_class = _WindowSizeGroup
+
+
+#: ``{name: faulty hybrid cache class}`` (:class:`~pagedkv.testing.properties.hybrid_machine.HybridCacheMachine`).
+HYBRID_CACHE_MUTANTS: dict[str, type] = {
+    "full_group_untruncated": FullGroupUntruncatedCache,
+    "window_on_full_layers": WindowOnFullLayersCache,
+    "one_group_capacity": OneGroupCapacityCache,
+    "window_lookup_needs_chain": WindowLookupNeedsChainCache,
+    "window_off_by_one": WindowOffByOneCache,
+}
 
 
 def _backend_class(name: str, cache_class: type) -> type:
