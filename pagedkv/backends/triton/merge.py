@@ -31,10 +31,11 @@ def _merge_states_kernel(out_ptr, lse_ptr, p_out_ptr, p_lse_ptr, s_out_ptr, s_ls
     total = wp + ws
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < HEAD_DIM
-    # an empty part (weight 0) is not loaded: whatever its output holds never reaches the merge
-    po = tl.load(p_out_ptr + tok * stride_pt + head * stride_ph + d * stride_pd, mask=d_ok & (wp > 0), other=0.0)
-    so = tl.load(s_out_ptr + tok * stride_st + head * stride_sh + d * stride_sd, mask=d_ok & (ws > 0), other=0.0)
-    out = (po.to(tl.float32) * wp + so.to(tl.float32) * ws) / tl.where(total == 0.0, 1.0, total)
+    po = tl.load(p_out_ptr + tok * stride_pt + head * stride_ph + d * stride_pd, mask=d_ok, other=0.0)
+    so = tl.load(s_out_ptr + tok * stride_st + head * stride_sh + d * stride_sd, mask=d_ok, other=0.0)
+    # a part of weight 0 (no keys) adds nothing: whatever its output holds (NaN included) never reaches the merge
+    acc = tl.where(wp > 0, po.to(tl.float32) * wp, 0.0) + tl.where(ws > 0, so.to(tl.float32) * ws, 0.0)
+    out = acc / tl.where(total == 0.0, 1.0, total)
     lse = tl.where(total == 0.0, float("-inf"), shift + tl.log2(tl.where(total == 0.0, 1.0, total)))
     lse = tl.where((p_lse != p_lse) | (s_lse != s_lse), float("nan"), lse)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + d * stride_od, out.to(out_ptr.dtype.element_ty),
