@@ -40,9 +40,14 @@ def partial_cases(draw, *, caps=None, poisons=None, parts: tuple[int, ...] = (2,
     widths = caps.head_dims_v if caps is not None else None
     head_dim_v = None
     if widths is not None or caps is None:
-        # a backend that compiles a variant per head_dim gets one V width more per head_dim, not three
+        # A backend compiled per head_dim gets a V width of its own only where it adds few kernels to the
+        # run's palette: MLA's 576 -> 512, and the tiny head dims (the interpreter's, the palette's smallest).
         compiled = caps is not None and "head_dim" in (caps.specialize_on or ())
-        candidates = {g.head_dim, max(1, g.head_dim // 2)} | (set() if compiled else {g.head_dim - 1, g.head_dim + 3})
+        if compiled:
+            candidates = {g.head_dim} | ({512} if g.head_dim == 576 else set()) \
+                | ({max(1, g.head_dim // 2), g.head_dim + 3} if g.head_dim <= 8 else set())
+        else:
+            candidates = {g.head_dim, max(1, g.head_dim // 2), g.head_dim - 1, g.head_dim + 3}
         options = [w for w in candidates
                    if w >= 1 and (widths is None or widths.allows(w) or w == g.head_dim)
                    and (not latent or w <= g.head_dim)]

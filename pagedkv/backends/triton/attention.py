@@ -313,7 +313,8 @@ def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype,
     # Key tiles of at most 4096 elements (2048 in float32), the same for decode and prefill: a row sums
     # its keys in BLOCK_N steps, so a decode next to a prefill (prefill tiles) rounds as it does alone
     # (decode tiles): a request's output does not depend on its batch.
-    block_n = max(16, min(64, (2048 if upcast else 4096) // widest))
+    fit = (2048 if upcast else 4096) // widest
+    block_n = max(16, min(64, 1 << (fit.bit_length() - 1) if fit else 0))  # a power of two (K 32 + 8 rope: 48)
     if max_q_len <= 1:  # decode: one token x the GQA group, 16 rows at least, 4 warps
         block_m = max(16, group)
         num_warps = 4
