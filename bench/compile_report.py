@@ -162,14 +162,12 @@ MLA_GROUPS = (16, 32, 64, 128)
 def mla_matrix(level: str = "default") -> list[Case]:
     """MLA's latent cache (576 = 512 latent + 64 rope, V its first 512 columns, one kv head, the LSE
     returned), 16 to 128 query heads, decode, prefill and split-K decode, and the merge of two states."""
-    dtypes = ("bfloat16",) if level == "ci" else DTYPES
-    groups = (16, 128) if level == "ci" else MLA_GROUPS
-    modes = ("decode", "split") if level == "ci" else ("decode", "prefill", "split")
-    cases = [Case(m, dt, 576, g, 64, (), 512) for dt in dtypes for g in groups for m in modes]
-    if level == "ci":
-        cases.append(Case("prefill", "bfloat16", 576, 16, 64, (), 512))
-    cases += [Case("merge", dt, 512) for dt in dtypes] + [Case("merge", "float32", 128)]
-    return cases
+    if level == "ci":  # the widest tile (128 heads in tiles of 16), split-K, prefill, the merge
+        return [Case("decode", "bfloat16", 576, 128, 64, (), 512), Case("split", "bfloat16", 576, 128, 64, (), 512),
+                Case("prefill", "bfloat16", 576, 16, 64, (), 512), Case("merge", "bfloat16", 512)]
+    cases = [Case(m, dt, 576, g, 64, (), 512) for dt in DTYPES for g in MLA_GROUPS
+             for m in ("decode", "prefill", "split")]
+    return cases + [Case("merge", dt, 512) for dt in DTYPES] + [Case("merge", "float32", 128)]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -322,6 +322,8 @@ def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype,
         # is 32 registers a thread)
         block_m = max(32 if upcast or widest > 128 else 64, group)
         num_warps = 8
+        if upcast and widest >= 512:  # float32 MLA: a 32-row tile of 512-wide rows spills on sm_90, 16 does not
+            block_m, num_warps = max(16, group), 4
     return dict(
         QUERIES_PER_KV=num_queries_per_kv, GROUP_TILE=group_tile, HEAD_DIM=head_dim - rope_dim,
         HEAD_DIM_PAD=head_dim_pad,
