@@ -231,8 +231,9 @@ class Capabilities:
         head_dim_v = getattr(geometry, "head_dim_v", None)
         if head_dim_v is not None and head_dim_v != geometry.head_dim and not (
                 self.head_dims_v is not None and self.head_dims_v.allows(head_dim_v)):
-            return f"head_dim_v {head_dim_v} != head_dim {geometry.head_dim} is outside the declared " \
-                   f"{self.head_dims_v.describe() if self.head_dims_v is not None else 'head_dims_v (None: equal only)'}"
+            declared = self.head_dims_v.describe() if self.head_dims_v is not None else "None (equal widths only)"
+            return f"head_dim_v {head_dim_v} != head_dim {geometry.head_dim} is outside the declared head_dims_v " \
+                   f"{declared}"
         checks = (("block_size", self.block_sizes, geometry.block_size),
                   ("head_dim", self.head_dims, geometry.head_dim),
                   ("num_kv_heads", self.num_kv_heads, geometry.num_kv_heads),

@@ -180,7 +180,7 @@ def _candidate_part(backend: Any, case: Case, j: int, sink_part: list[int], devi
             total += need
         part_case = case.replace(geometry=dataclasses.replace(g, num_blocks=total), seqs=tuple(seqs), cuts=())
         k_cache, v_cache = part_case.empty_caches(device)
-        for (r, b, lo, end), spec in zip(members, seqs):
+        for (_, b, lo, end), spec in zip(members, seqs):
             k, v = logical[b]
             reference_write(k_cache, spec.block_table, k[lo:end].to(device), 0)
             if case.layout != "latent":
@@ -195,7 +195,7 @@ def _candidate_part(backend: Any, case: Case, j: int, sink_part: list[int], devi
         qsl = torch.arange(len(members) + 1, dtype=torch.int32, device=device)
         o, l_ = _call_lse(backend, q, k_cache, v_cache, part_case.block_tables(device), part_case.seq_lens(device),
                           qsl, case.scale, features, len(members))
-        for i, (r, b, lo, end) in enumerate(members):
+        for i, (r, _, _, end) in enumerate(members):
             out[r] = o[i].cpu().double()
             lse[r] = l_[i]
             if slopes is not None:  # the call's query sat d positions early: its bias was slope * d higher
