@@ -265,7 +265,9 @@ def corrupted(draw, root: Path, how: str):
             fields = {path, path.rsplit(".", 1)[0]}
             if path.endswith(".num_kv_heads"):  # per-head scales no longer match the head count: also a refusal
                 owner = path.rsplit(".geometry.", 1)[0]
-                fields |= {f"{owner}.{k}" for k in ("k_scale", "v_scale")}
+                case = record["case"]["case"] if owner == "case.case" else record["case"]
+                if sum(isinstance(case.get(k), list) for k in ("k_scale", "v_scale")) < 2:  # two agree: the count
+                    fields |= {f"{owner}.{k}" for k in ("k_scale", "v_scale")}
             return enc(set_at(record, path, draw(st.integers(2**36, 2**40 - 1)))), fields
         path = draw(st.sampled_from(choices))
         value = draw(st.integers(-2**70, -1) if how == "negative" else st.integers(2**44, 2**70) | st.just(10**30))
@@ -486,3 +488,23 @@ def test_the_schema_matches_the_dataclasses_and_the_librarys_names():
     assert cases.VALUE_PATTERNS == schema.VALUE_PATTERNS and cases.POISONS == schema.POISONS
     assert cases.ALL_LAYOUTS == schema.ALL_LAYOUTS and tuple(BUILTIN) == casefile.BUILTIN_BACKENDS
     assert invalid.OPS == schema.INVALID_OPS
+
+
+def test_a_corrupted_head_count_is_refused_at_the_geometry_when_both_scale_lists_disagree_with_it():
+    from pagedkv.errors import CaseFileError
+    from pagedkv.testing.casefiles.schema import validate_record
+
+    record = json.loads(next(p for p in REGRESSIONS if json.loads(p.read_text()).get("kind", "Case") == "Case")
+                        .read_text())
+    case = record["case"]
+    heads = case["geometry"]["num_kv_heads"]
+    case.update(kv_cache_dtype="fp8_e4m3", k_scale=[0.5] * heads, v_scale=[0.25] * heads)
+    validate_record(record)
+    case["geometry"]["num_kv_heads"] = heads + 1
+    with pytest.raises(CaseFileError) as refused:
+        validate_record(record)
+    assert refused.value.field == "case.geometry.num_kv_heads", str(refused.value)
+    case["v_scale"] = 0.25  # one list left: it is the scales that do not fit
+    with pytest.raises(CaseFileError) as refused:
+        validate_record(record)
+    assert refused.value.field == "case.k_scale", str(refused.value)
