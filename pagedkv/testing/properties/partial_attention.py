@@ -321,7 +321,7 @@ def merge_with_no_keys_is_exact(backend: Any, case: Case, device: str = "cpu") -
 def lse_requires(caps: Any) -> str | None:
     """Why the LSE properties cannot run in ``caps``: no declared LSE."""
     if caps is not None and caps.lse is None:
-        return "the backend declares no LSE (Capabilities.lse / an LSE attribute)"
+        return "not applicable: the backend declares no LSE (Capabilities.lse / an LSE attribute)"
     return None
 
 
