@@ -148,6 +148,15 @@ def _declare() -> list[Property]:
                                    f"judges the same slot arithmetic at the declared geometry")
         return reason
 
+    def with_v_widths(build):  # also V of its own width and MLA's latent view, where the space declares them
+        def both(caps=None, poisons=None):
+            from pagedkv.testing.strategies.partial import partial_cases
+
+            if caps is None or caps.head_dims_v is None and not caps.shared_kv_storage:
+                return build(caps, poisons)
+            return build(caps, poisons) | partial_cases(caps=caps, poisons=poisons, parts=())
+        return both
+
     transform_needs = {
         "layout": lambda caps: None if caps.strided_pools else "the backend declares contiguous pools only",
         "strided_metadata": lambda caps: None if caps.strided_metadata else "the backend declares contiguous "
@@ -170,7 +179,7 @@ def _declare() -> list[Property]:
                  "and within tolerance otherwise", (), checks.backends_agree, mixed(), lambda: (kc.C8,), pair=True),
         Property("paged_attention_matches_fp64_dense_reference",
                  "paged_attention equals the fp64 dense reference within the dtype's tolerance; NaN never passes",
-                 attn, checks.attention_matches_reference, mixed(long_contexts=True),
+                 attn, checks.attention_matches_reference, with_v_widths(mixed(long_contexts=True)),
                  lambda: (kc.C5, kc.C6, *kc.C7, kc.C8, kc.F_WINDOW, kc.F_ALL, kc.F_FP8)),
         Property("a_request_alone_equals_the_same_request_in_a_batch",
                  "each request's attention alone equals, bit for bit, its rows in the batch",
@@ -261,6 +270,34 @@ def _declare() -> list[Property]:
         attn, fc.nan_value_shows_exactly_where_it_is_read,
         lambda caps=None, poisons=None: featured("fp8")(caps, poisons) | mixed()(caps, poisons),
         lambda: (kc.C8, kc.F_ALL, kc.F_FP8), max_examples=FEATURE_EXAMPLES))
+    from pagedkv.testing.properties import partial_attention as pa
+
+    def cut(parts):
+        def build(caps=None, poisons=None):
+            from pagedkv.testing.strategies.partial import partial_cases
+
+            return partial_cases(caps=caps, poisons=poisons, parts=parts)
+        return build
+
+    for name, sentence, ops, check, strategy in (
+            ("paged_attention_returns_the_log_sum_exp_of_the_reference",
+             "paged_attention(..., return_lse=True) returns the output and the fp64 reference's log-sum-exp of "
+             "each row's visible logits in the declared layout and base, at any drawn split count; poison in "
+             "unused slots reaches neither", attn, pa.lse_matches_reference, cut((1,))),
+            ("merged_parts_of_any_cut_equal_attention_over_the_whole",
+             "paged_attention over each part of a cut of the context (empty parts, parts a window or causality "
+             "masks), merged by the fp64 merge, equals attention over the whole, output and LSE", attn,
+             pa.merged_parts_equal_attention_over_the_whole, cut((2, 3))),
+            ("merge_attn_states_of_any_cut_equals_attention_over_the_whole",
+             "merge_attn_states of the fp64 parts of a cut equals attention over the whole, output and LSE, and "
+             "three parts merge the same either way round", ("merge_attn_states",),
+             pa.merge_attn_states_of_parts_equals_the_whole, cut((2, 3))),
+            ("merge_attn_states_with_no_keys_is_exact_and_never_nan",
+             "merging with a part of no keys (out 0, lse -inf) returns the other part exactly; two empty parts "
+             "give out 0 and lse -inf, never NaN", ("merge_attn_states",), pa.merge_with_no_keys_is_exact,
+             cut((2,)))):
+        props.append(Property(name, sentence, ops, check, strategy, lambda: (), max_examples=FEATURE_EXAMPLES,
+                              requires=pa.lse_requires))
     for op in invalid.OPS:
         props.append(Property(
             f"{op}_rejects_bad_arguments_and_writes_nothing",

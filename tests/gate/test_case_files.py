@@ -63,7 +63,8 @@ REQUIRED = {"record": ("check", "case"),
             "CacheScenario": ("geometry", "ops", "enable_prefix_caching", "constant_hash", "seed"),
             "InvalidCall": ("op", "fault", "case", "seq", "amount")}
 OPTIONAL_CASE = ("window_left", "softcap", "alibi", "sinks", "kv_cache_dtype", "k_scale", "v_scale",
-                 "num_splits")  # off when absent
+                 "num_splits", "cuts")  # off when absent
+OPTIONAL_GEOMETRY = ("head_dim_v",)  # V as wide as K when absent
 NULLABLE = {"backend", "other", "error", "case.scale", "case.case.scale", "case.num_splits",
             "case.case.num_splits"}
 SIZE_FIELDS = ("num_blocks", "block_size", "num_kv_heads", "head_dim", "num_queries_per_kv", "seq_len", "q_len",
@@ -478,14 +479,14 @@ def test_the_schema_matches_the_dataclasses_and_the_librarys_names():
     fields = lambda cls: tuple(f.name for f in dataclasses.fields(cls))  # noqa: E731
     assert fields(Case) == REQUIRED["Case"] + OPTIONAL_CASE == schema._CASE_KEYS
     assert tuple(cases.KV_CACHE_DTYPES) == schema.KV_CACHE_DTYPES
-    assert fields(Geometry) == REQUIRED["Geometry"] == schema._GEOMETRY_KEYS
+    assert fields(Geometry) == REQUIRED["Geometry"] + OPTIONAL_GEOMETRY == schema._GEOMETRY_KEYS
     assert fields(SeqSpec) == REQUIRED["SeqSpec"] == schema._SEQ_KEYS
     assert set(fields(CacheScenario)) == set(schema._SCENARIO_KEYS) >= set(REQUIRED["CacheScenario"])
     assert fields(InvalidCall) == REQUIRED["InvalidCall"] == schema._INVALID_KEYS
     assert set(DTYPES) == set(schema.DTYPE_BYTES)
     assert all(torch.empty(0, dtype=DTYPES[n]).element_size() == b for n, b in schema.DTYPE_BYTES.items())
     assert cases.VALUE_PATTERNS == schema.VALUE_PATTERNS and cases.POISONS == schema.POISONS
-    assert cases.LAYOUTS == schema.LAYOUTS and tuple(BUILTIN) == casefile.BUILTIN_BACKENDS
+    assert cases.ALL_LAYOUTS == schema.ALL_LAYOUTS and tuple(BUILTIN) == casefile.BUILTIN_BACKENDS
     assert invalid.OPS == schema.INVALID_OPS
 
 
