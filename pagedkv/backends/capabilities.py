@@ -96,6 +96,10 @@ LAYOUTS = ("NHD", "HND")
 SPECIALIZATION_NAMES = frozenset({"block_size", "head_dim", "gqa_group", "dtype", "features"})
 #: Page-table formats a backend's ``paged_attention`` may declare (``Capabilities.page_table``).
 PAGE_TABLES = ("padded", "csr")
+#: LSE layouts (``Capabilities.lse``): vLLM's ``[num_q_heads, total_q]``, FlashInfer's ``[total_q, num_q_heads]``.
+LSE_LAYOUTS = ("head_major", "token_major")
+#: LSE bases (``Capabilities.lse_base``): natural log, or log2 (kernels whose softmax runs in exp2).
+LSE_BASES = ("e", "2")
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,20 @@ class Capabilities:
             where the pools differ (vLLM's packed CPU layout). The suite builds and poisons the pools
             in that storage, hands the backend the storage (no copy when the layout is a view), and
             compares in logical positions as for any backend (:mod:`pagedkv.layouts`).
+        head_dims_v: allowed V widths (``v_cache [num_blocks, block_size, num_kv_heads, head_dim_v]``, the
+            output ``[total_q, num_q_heads, head_dim_v]``); ``None``: only ``head_dim_v == head_dim``. Read
+            from a ``HEAD_DIMS_V`` attribute when the backend has no ``capabilities``.
+        shared_kv_storage: ``paged_attention`` reads V from K's storage (MLA's latent cache: V is the first
+            ``head_dim_v`` columns of K), so the suite builds ``v_cache`` as ``k_cache[..., :head_dim_v]``
+            for it (``head_dim_v <= head_dim``) and never writes V separately. ``False``: separate pools
+            (and, where ``head_dims_v`` allows, sometimes that view). ``SHARED_KV_STORAGE`` attribute.
+        lse: ``paged_attention(..., return_lse=True)`` returns ``(out, lse)``, ``lse`` float32
+            ``[num_q_heads, total_q]`` (``"head_major"``, vLLM) or ``[total_q, num_q_heads]``
+            (``"token_major"``, FlashInfer): the log of each row's softmax denominator (sink included).
+            ``None``: no LSE (the argument is never passed). The same layout is taken and returned by a
+            ``merge_attn_states`` op when the backend has one. ``LSE`` attribute.
+        lse_base: ``"e"`` (natural log) or ``"2"`` (log2) for :attr:`lse` and ``merge_attn_states``.
+            ``LSE_BASE`` attribute.
         non_promises: properties the backend does not promise, by design, each with the reason
             (``{"a_request_alone_equals_the_same_request_in_a_batch": "not batch invariant: the split
             heuristic depends on the batch"}``; names as the suite's ``test_<name>``). They still run; a
@@ -159,8 +177,16 @@ class Capabilities:
     page_table: str = "padded"
     non_promises: Any = ()
     specialize_on: frozenset[str] | None = None
+    head_dims_v: Sizes | None = None
+    shared_kv_storage: bool = False
+    lse: str | None = None
+    lse_base: str = "e"
 
     def __post_init__(self) -> None:
+        if self.lse not in (None, *LSE_LAYOUTS):
+            raise ValueError(f"Capabilities.lse: unknown {self.lse!r}; known: None, {list(LSE_LAYOUTS)}")
+        if self.lse_base not in LSE_BASES:
+            raise ValueError(f"Capabilities.lse_base: unknown {self.lse_base!r}; known: {list(LSE_BASES)}")
         pairs = self.non_promises.items() if hasattr(self.non_promises, "items") else self.non_promises
         pairs = tuple(sorted((str(name), reason) for name, reason in pairs))
         for name, reason in pairs:
@@ -202,6 +228,11 @@ class Capabilities:
     def rejects(self, geometry: Any) -> str | None:
         """Why ``geometry`` (anything with ``block_size``, ``head_dim``, ``num_kv_heads``,
         ``num_queries_per_kv``, ``dtype``, ``num_blocks``) is outside the space, or ``None``."""
+        head_dim_v = getattr(geometry, "head_dim_v", None)
+        if head_dim_v is not None and head_dim_v != geometry.head_dim and not (
+                self.head_dims_v is not None and self.head_dims_v.allows(head_dim_v)):
+            return f"head_dim_v {head_dim_v} != head_dim {geometry.head_dim} is outside the declared " \
+                   f"{self.head_dims_v.describe() if self.head_dims_v is not None else 'head_dims_v (None: equal only)'}"
         checks = (("block_size", self.block_sizes, geometry.block_size),
                   ("head_dim", self.head_dims, geometry.head_dim),
                   ("num_kv_heads", self.num_kv_heads, geometry.num_kv_heads),
@@ -250,7 +281,10 @@ def capabilities_of(backend: Any) -> Capabilities:
         return Capabilities(features=frozenset(getattr(backend, "FEATURES", ())),
                             split_k=bool(getattr(backend, "SPLIT_K", False)),
                             page_table=attribute or "padded",
-                            specialize_on=getattr(backend, "SPECIALIZE_ON", None))
+                            specialize_on=getattr(backend, "SPECIALIZE_ON", None),
+                            head_dims_v=getattr(backend, "HEAD_DIMS_V", None),
+                            shared_kv_storage=bool(getattr(backend, "SHARED_KV_STORAGE", False)),
+                            lse=getattr(backend, "LSE", None), lse_base=getattr(backend, "LSE_BASE", "e"))
     if not isinstance(caps, Capabilities):
         raise TypeError(f"{getattr(backend, 'name', backend)!r}.capabilities must be a "
                         f"pagedkv.backends.capabilities.Capabilities, got {type(caps).__name__}")

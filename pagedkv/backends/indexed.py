@@ -34,8 +34,10 @@ import torch
 
 from pagedkv.attention.dense import paged_attention_by_gather, paged_attention_sync_free
 from pagedkv.backends import native_rows
+from pagedkv.backends.capabilities import Sizes
 from pagedkv.backends.ops import backend_op
 from pagedkv.attention.fp8 import quantize
+from pagedkv.attention.merge import merge_attn_states as _merge
 from pagedkv.validation.calls import FP8_DTYPES, AttentionArgs, WriteArgs, check_write_overlap
 
 name = "indexed"
@@ -43,6 +45,9 @@ name = "indexed"
 LARGE_BLOCK_BYTES = 256 * 1024
 #: Optional attention features this backend supports (see ``docs/contract.md``).
 FEATURES = frozenset({"window", "softcap", "alibi", "sinks", "fp8"})
+#: ``paged_attention(..., return_lse=True)`` returns ``(out, lse)``, lse ``float32 [total_q, num_q_heads]``
+#: in natural log; V may be narrower or wider than K (``head_dim_v``), or a view of K (MLA).
+LSE, LSE_BASE, HEAD_DIMS_V = "token_major", "e", Sizes()
 
 
 @backend_op(FEATURES)
@@ -217,8 +222,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Indexed-gather each sequence, then dense attention in float32 (blocks before every row's window
     are not gathered); bit-identical to the ``loop`` backend at level ``"full"``. Below it, the custom op
     ``pagedkv::paged_attention`` (:func:`paged_attention_op`)."""
-    if args.host_seq_lens is not None:  # "full": the lengths are on the host already
-        return paged_attention_by_gather(gather, query, k_cache, v_cache, args)
+    if args.host_seq_lens is not None or (args.return_lse and query.device.type == "cpu"):
+        return paged_attention_by_gather(gather, query, k_cache, v_cache, args)  # "full": lengths on the host
+    if args.return_lse:  # not a registered op's output: the sync-free path, eagerly
+        return paged_attention_sync_free(query, k_cache, v_cache, args.block_tables, args.seq_lens_tensor,
+                                         args.query_start_loc, args.scale, window_left=args.window_left,
+                                         softcap=args.softcap, alibi_slopes=args.alibi_slopes, sinks=args.sinks,
+                                         k_scale=args.k_scale, v_scale=args.v_scale, return_lse=True)
     call = torch.ops.pagedkv.paged_attention if torch.compiler.is_compiling() else paged_attention_eager
     return call(query, k_cache, v_cache, args.block_tables, args.seq_lens_tensor, args.query_start_loc, args.scale,
                 args.window_left, args.softcap, args.alibi_slopes, args.sinks, args.k_scale, args.v_scale)
@@ -252,4 +262,11 @@ paged_attention_op = torch.library.custom_op("pagedkv::paged_attention", mutates
 @paged_attention_op.register_fake
 def _(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window_left, softcap, alibi_slopes,
       sinks, k_scale, v_scale) -> torch.Tensor:
-    return query.new_empty(query.shape)
+    return query.new_empty((*query.shape[:2], v_cache.shape[-1]))
+
+
+def merge_attn_states(prefix_out: torch.Tensor, prefix_lse: torch.Tensor, suffix_out: torch.Tensor,
+                      suffix_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pagedkv.attention.merge.merge_attn_states` with this backend's LSE layout and base (token-major,
+    natural log): ``(out [total_q, num_heads, head_dim_v], lse float32 [total_q, num_heads])``."""
+    return _merge(prefix_out, prefix_lse, suffix_out, suffix_lse, layout=LSE, base=LSE_BASE)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from pagedkv.attention.dense import paged_attention_by_gather
+from pagedkv.attention.merge import merge_attn_states as _merge
+from pagedkv.backends.capabilities import Sizes
 from pagedkv.backends.ops import backend_op
 from pagedkv.cache.config import blocks_needed
 from pagedkv.attention.fp8 import quantize
@@ -21,6 +23,9 @@ from pagedkv.validation.calls import AttentionArgs, WriteArgs
 name = "loop"
 #: Optional attention features this backend supports (see ``docs/contract.md``).
 FEATURES = frozenset({"window", "softcap", "alibi", "sinks", "fp8"})
+#: ``paged_attention(..., return_lse=True)`` returns ``(out, lse)``, lse ``float32 [num_q_heads, total_q]``
+#: (vLLM's layout) in natural log; V may be narrower or wider than K (``head_dim_v``), or a view of K (MLA).
+LSE, LSE_BASE, HEAD_DIMS_V = "head_major", "e", Sizes()
 
 
 @backend_op(FEATURES)
@@ -67,5 +72,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     args: AttentionArgs) -> torch.Tensor:
     """Loop-gather each sequence (blocks before every row's window are not gathered), then dense
     attention in float32 (:func:`pagedkv.attention.dense.attend`; vLLM unified attention's order of operations)."""
-    return paged_attention_by_gather(gather, query, k_cache, v_cache, args)
+    result = paged_attention_by_gather(gather, query, k_cache, v_cache, args)
+    if not args.return_lse:
+        return result
+    out, lse = result
+    return out, lse.transpose(0, 1).contiguous()  # vLLM's [num_q_heads, total_q]
+
+
+def merge_attn_states(prefix_out: torch.Tensor, prefix_lse: torch.Tensor, suffix_out: torch.Tensor,
+                      suffix_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pagedkv.attention.merge.merge_attn_states` with this backend's LSE layout and base (head-major,
+    natural log): ``(out [total_q, num_heads, head_dim_v], lse float32 [num_heads, total_q])``."""
+    return _merge(prefix_out, prefix_lse, suffix_out, suffix_lse, layout=LSE, base=LSE_BASE)
 

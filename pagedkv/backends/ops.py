@@ -54,10 +54,11 @@ def _write_kv(impl: Callable, features: frozenset) -> Callable:
 def _paged_attention(impl: Callable, features: frozenset) -> Callable:
     def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,
                         validate="full", *, window_left=-1, softcap=0.0, alibi_slopes=None, sinks=None,
-                        k_scale=None, v_scale=None, num_splits=None):
+                        k_scale=None, v_scale=None, num_splits=None, return_lse=False):
         args = attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, validate,
                               window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                              k_scale=k_scale, v_scale=v_scale, supported=features, num_splits=num_splits)
+                              k_scale=k_scale, v_scale=v_scale, supported=features, num_splits=num_splits,
+                              return_lse=return_lse)
         return impl(query, k_cache, v_cache, args)
     return paged_attention
 

@@ -43,7 +43,7 @@ import torch
 from pagedkv.testing.compare import Mismatch, bits
 
 #: The ops whose calls are guarded.
-GUARDED_OPS = ("paged_attention", "paged_attention_csr", "write_kv", "gather", "scatter")
+GUARDED_OPS = ("paged_attention", "paged_attention_csr", "write_kv", "gather", "scatter", "merge_attn_states")
 #: The positional arguments each op may write (the pools); every other tensor argument must be unchanged.
 WRITES = {"write_kv": (0, 1), "scatter": (0,)}
 #: Argument names of the positional arguments (for messages).
@@ -54,7 +54,10 @@ ARG_NAMES = {
     "write_kv": ("k_cache", "v_cache", "key", "value", "slot_mapping"),
     "gather": ("cache", "block_table", "seq_len"),
     "scatter": ("cache", "block_table", "values", "start"),
+    "merge_attn_states": ("prefix_out", "prefix_lse", "suffix_out", "suffix_lse"),
 }
+#: Ops that return ``(out, lse)``: ``merge_attn_states`` always, ``paged_attention`` with ``return_lse=True``.
+PAIR_OPS = ("merge_attn_states",)
 #: The arguments that hold data (not scales, sinks or slopes): another case of the same shapes has other values there.
 DATA_ARGS = ("query", "k_cache", "v_cache", "key", "value", "cache", "values")
 #: Largest total of input storage bytes a call is snapshotted and rerun for (64 MiB).
@@ -227,13 +230,19 @@ class GuardedBackend:
         aliased = any(_overlaps(a, b) for i, (_, a) in enumerate(tensors) for _, b in tensors[i + 1:])
         if small and not aliased and len(self._calls) < RERUN_CALLS:  # aliased pools: copies would not alias
             written = {i: bits(tensors[i][1]).clone() for i in WRITES.get(op, ()) if i < len(tensors)}
-            kept = out if isinstance(out, torch.Tensor) else None
+            kept = _first(out)
             self._calls.append(_Call(op, args, kwargs, before, kept, bits(kept).clone() if kept is not None else None,
                                      written))
         return out
 
-    def _check_output(self, op: str, out: Any, tensors: list) -> None:
+    def _check_output(self, op: str, out: Any, tensors: list, pair: bool = False) -> None:
         if op in WRITES:
+            return
+        if isinstance(out, tuple) and not pair:
+            if len(out) != 2:
+                raise ContractViolation(f"{op} returned a tuple of {len(out)}, expected (out, lse)")
+            self._check_output(op, out[0], tensors, True)
+            self._check_output(op, out[1], tensors, True)
             return
         if not isinstance(out, torch.Tensor):
             raise ContractViolation(f"{op} returned {type(out).__name__}, not a torch.Tensor")
@@ -241,7 +250,14 @@ class GuardedBackend:
             raise ContractViolation(f"{op}: output is a torch.Tensor subclass {type(out).__name__} (a subclass can "
                                     f"answer comparisons from anything but its memory; return a plain torch.Tensor)")
         first = tensors[0][1] if tensors else None
-        if op.startswith("paged_attention") and first is not None:
+        if pair and out.dtype == torch.float32 and out.dim() == 2:
+            want = (None, torch.float32, first.device if first is not None else None)  # an LSE
+        elif op.startswith("paged_attention") and first is not None:
+            v_dim = tensors[2][1].shape[-1] if len(tensors) > 2 and tensors[2][1].dim() == 4 else first.shape[-1]
+            if len(tensors) > 2 and tensors[1][1].dim() == 4 and v_dim == tensors[1][1].shape[-1]:
+                v_dim = first.shape[-1]  # V as wide as K: the query's width (whatever the pools' layout)
+            want = ((*first.shape[:2], v_dim), first.dtype, first.device)
+        elif op == "merge_attn_states" and first is not None:
             want = (tuple(first.shape), first.dtype, first.device)
         elif op == "gather" and first is not None:
             want = (None, first.dtype, first.device)  # the shape depends on the declared layout; checked by gather
@@ -313,7 +329,7 @@ class GuardedBackend:
                 else:
                     t.copy_(c.before[name])
             every = bool(changed) and all(name in changed for name, _ in named if name in DATA_ARGS)
-            out_other = self._plain_call(fn, c, named)
+            out_other = _first(self._plain_call(fn, c, named))
             if c.output is not None and not torch.equal(bits(c.output), c.output_bits):
                 raise ContractViolation(f"{c.op}: an output the suite still holds changed when {c.op} ran again on "
                                         f"other inputs of the same shapes (the output is a reused buffer)")
@@ -325,7 +341,7 @@ class GuardedBackend:
             del out_other
             for name, t in named:
                 t.copy_(c.before[name])
-            out = self._plain_call(fn, c, named)
+            out = _first(self._plain_call(fn, c, named))
             with torch._C.DisableTorchFunction():
                 if c.output is not None and (not isinstance(out, torch.Tensor) or out.shape != c.output.shape
                                              or not torch.equal(bits(out), c.output_bits)):
@@ -347,6 +363,13 @@ class GuardedBackend:
             if t not in threads and t.is_alive():
                 t.join(timeout=30)
         return out
+
+
+def _first(out: Any) -> Any:
+    """The output tensor of a call: ``out`` itself, or the first of ``(out, lse)``; ``None`` otherwise."""
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return out if isinstance(out, torch.Tensor) else None
 
 
 def _again_message(op: str, out: Any, first: torch.Tensor) -> str:

@@ -257,6 +257,34 @@ def _declare() -> list[Property]:
         attn, fc.nan_value_shows_exactly_where_it_is_read,
         lambda caps=None, poisons=None: featured("fp8")(caps, poisons) | mixed()(caps, poisons),
         lambda: (kc.C8, kc.F_ALL, kc.F_FP8), max_examples=FEATURE_EXAMPLES))
+    from pagedkv.testing.properties import partial_attention as pa
+
+    def cut(parts):
+        def build(caps=None, poisons=None):
+            from pagedkv.testing.strategies.partial import partial_cases
+
+            return partial_cases(caps=caps, poisons=poisons, parts=parts)
+        return build
+
+    for name, sentence, ops, check, strategy in (
+            ("paged_attention_returns_the_log_sum_exp_of_the_reference",
+             "paged_attention(..., return_lse=True) returns the output and the fp64 reference's log-sum-exp of "
+             "each row's visible logits in the declared layout and base, at any drawn split count; poison in "
+             "unused slots reaches neither", attn, pa.lse_matches_reference, cut((1,))),
+            ("merged_parts_of_any_cut_equal_attention_over_the_whole",
+             "paged_attention over each part of a cut of the context (empty parts, parts a window or causality "
+             "masks), merged by the fp64 merge, equals attention over the whole, output and LSE", attn,
+             pa.merged_parts_equal_attention_over_the_whole, cut((2, 3))),
+            ("merge_attn_states_of_any_cut_equals_attention_over_the_whole",
+             "merge_attn_states of the fp64 parts of a cut equals attention over the whole, output and LSE, and "
+             "three parts merge the same either way round", ("merge_attn_states",),
+             pa.merge_attn_states_of_parts_equals_the_whole, cut((2, 3))),
+            ("merge_attn_states_with_no_keys_is_exact_and_never_nan",
+             "merging with a part of no keys (out 0, lse -inf) returns the other part exactly; two empty parts "
+             "give out 0 and lse -inf, never NaN", ("merge_attn_states",), pa.merge_with_no_keys_is_exact,
+             cut((2,)))):
+        props.append(Property(name, sentence, ops, check, strategy, lambda: (), max_examples=FEATURE_EXAMPLES,
+                              requires=pa.lse_requires))
     for op in invalid.OPS:
         props.append(Property(
             f"{op}_rejects_bad_arguments_and_writes_nothing",

@@ -61,10 +61,11 @@ def check_no_overlap(name: str, x: torch.Tensor, cache: torch.Tensor, cache_name
 
 
 def check_cache_pair(k_cache: object, v_cache: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check ``k_cache`` and ``v_cache``: same shape, dtype and device."""
+    """Check ``k_cache`` and ``v_cache``: same dtype, device and shape but for the last dim (``head_dim_v``
+    may differ from ``head_dim``: MLA's V is the first 512 of K's 576 columns)."""
     k_cache = check_cache("k_cache", k_cache)
     v_cache = check_cache("v_cache", v_cache)
-    if k_cache.shape != v_cache.shape:
+    if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ShapeError(f"k_cache and v_cache shapes differ: {tuple(k_cache.shape)} vs {tuple(v_cache.shape)}")
     if k_cache.dtype != v_cache.dtype:
         raise DTypeMismatchError(f"k_cache.dtype {k_cache.dtype} != v_cache.dtype {v_cache.dtype}")

@@ -10,7 +10,7 @@ them next to the other ops' checks. Error types follow the backend contract (``d
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,7 +19,7 @@ from pagedkv.validation.arguments import (FP8_DTYPES, as_head_vector, as_scale, 
                                check_num_splits, check_pool_scales, check_scale, check_softcap, check_tensor,
                                check_window)
 from pagedkv.cache.config import DTYPES, blocks_needed
-from pagedkv.errors import DeviceMismatchError, DTypeMismatchError, ShapeError
+from pagedkv.errors import ArgumentTypeError, DeviceMismatchError, DTypeMismatchError, ShapeError
 from pagedkv.validation.levels import validation_level
 
 
@@ -46,6 +46,7 @@ class AttentionArgs:
     seq_lens_tensor: torch.Tensor | None = None  # int32/int64 [batch] on the cache device, as given
     query_start_loc: torch.Tensor | None = None  # int32/int64 [batch + 1] on the cache device, as given
     num_splits: int | None = None  # split-K parts (a backend that declares split-K); None: its heuristic
+    return_lse: bool = False  # also return the log-sum-exp of each row's visible logits
 
     @property
     def seq_lens(self) -> list[int]:
@@ -105,7 +106,7 @@ def check_paged_attention(query: object, k_cache: object, v_cache: object, block
 def attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,
                    validate: object = "full", *, window_left=-1, softcap=0.0, alibi_slopes=None, sinks=None,
                    k_scale=None, v_scale=None, supported: frozenset | None = None,
-                   num_splits=None) -> AttentionArgs:
+                   num_splits=None, return_lse=False) -> AttentionArgs:
     """:func:`check_paged_attention` at any level, plus ``num_splits``
     (:func:`~pagedkv.validation.arguments.check_num_splits`; passed on as ``AttentionArgs.num_splits``).
 
@@ -116,6 +117,15 @@ def attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_
     """
     level = validation_level(validate)
     splits = (None if num_splits is None else int(num_splits)) if level == "none" else check_num_splits(num_splits)
+    if type(return_lse) is not bool:
+        raise ArgumentTypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    args = _attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, level,
+                           window_left, softcap, alibi_slopes, sinks, k_scale, v_scale, supported, splits)
+    return replace(args, return_lse=True) if return_lse else args
+
+
+def _attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, level, window_left,
+                    softcap, alibi_slopes, sinks, k_scale, v_scale, supported, splits) -> AttentionArgs:
     if level == "none":
         fp8 = k_cache.dtype in FP8_DTYPES
         h, dev = k_cache.shape[2], k_cache.device

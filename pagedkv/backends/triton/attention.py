@@ -58,18 +58,24 @@ def _paged_attention_kernel(
     window_left,  # HAS_WINDOW: a row at position p sees keys p - window_left .. p
     alibi_ptr, sinks_ptr,  # float32 [num_q_heads] (HAS_ALIBI, HAS_SINKS)
     k_scale_ptr, v_scale_ptr,  # float32 [num_kv_heads] (IS_FP8)
-    part_m_ptr, part_l_ptr, part_acc_ptr,  # SPLIT: float32 [num_splits, total_q, num_q_heads(, HEAD_DIM)]
+    part_m_ptr, part_l_ptr, part_acc_ptr,  # SPLIT: float32 [num_splits, total_q, num_q_heads(, HEAD_DIM_V)]
+    lse_ptr,  # RETURN_LSE (unsplit): float32, base 2, element (t, h) at t * stride_lse_t + h * stride_lse_h
     batch, total_q, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_tb, stride_tn,
+    stride_lse_t, stride_lse_h,
     num_kv_heads,
     QUERIES_PER_KV: tl.constexpr,  # num_q_heads // num_kv_heads
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block (any positive int)
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,  # K's first piece: all of K, or its first HEAD_DIM_V columns when ROPE_DIM > 0
     HEAD_DIM_PAD: tl.constexpr,  # next power of two >= max(HEAD_DIM, 16)
+    HEAD_DIM_V: tl.constexpr,  # V's width (the output's)
+    HEAD_DIM_V_PAD: tl.constexpr,
+    ROPE_DIM: tl.constexpr,  # K's columns past HEAD_DIM (MLA: 64 rope columns after the 512 latent), or 0
+    ROPE_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows per program: BLOCK_M // QUERIES_PER_KV tokens x the whole group
     BLOCK_N: tl.constexpr,  # key positions per iteration
     UPCAST: tl.constexpr,  # do the dots in float32 (float32 caches, bfloat16 under the interpreter)
@@ -82,6 +88,7 @@ def _paged_attention_kernel(
     FP8_E4: tl.constexpr = True,  # float8_e4m3fn (else float8_e5m2)
     SEARCH: tl.constexpr = False,  # programs enumerate packed query tiles (else program b = sequence b)
     SPLIT: tl.constexpr = False,  # write this split's partial (m, l, acc) instead of the output
+    RETURN_LSE: tl.constexpr = False,  # also store each row's log2-sum-exp2 (unsplit; else the merge does)
 ):
     # One program: one sequence, one kv head, one tile of that sequence's query tokens (and with SPLIT
     # one part of the tile's keys). All query heads of the kv head's group share the tile, so each K/V
@@ -120,6 +127,15 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    if ROPE_DIM > 0:  # K's rope columns HEAD_DIM .. HEAD_DIM + ROPE_DIM - 1, a dot of their own
+        dr = tl.arange(0, ROPE_PAD)
+        dr_ok = dr < ROPE_DIM
+        qr = tl.load(q_ptr + q_rows[:, None] * stride_qt + q_head[:, None] * stride_qh + (HEAD_DIM + dr[None, :])
+                     * stride_qd, mask=row_ok[:, None] & dr_ok[None, :], other=0.0)
+        if UPCAST:
+            qr = qr.to(tl.float32)
+    dv = tl.arange(0, HEAD_DIM_V_PAD)
+    dv_ok = dv < HEAD_DIM_V
 
     if HAS_SINKS:
         # A sink is one more logit with no value: start the row at m = sink, l = exp2(sink - m) = 1. A -inf
@@ -132,7 +148,7 @@ def _paged_attention_kernel(
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of each row's logits (base 2)
         l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(logit - m_i)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)  # running sum of exp2(logit - m_i) * v
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], tl.float32)  # running sum of exp2(logit - m_i) * v
     if HAS_ALIBI:
         slope_log2 = tl.load(alibi_ptr + q_head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     if IS_FP8:
@@ -165,22 +181,30 @@ def _paged_attention_kernel(
         # hold NaN: mask the load itself, since a zero softmax weight would not hide them (0 * NaN = NaN).
         tok_ok = kpos < seq_len
         slot = (kpos % BLOCK_SIZE).to(tl.int64)
-        kv_mask = tok_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_head + blk[:, None] * stride_kb + slot[:, None] * stride_ks + d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_head + blk[:, None] * stride_vb + slot[:, None] * stride_vs + d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
+        k_rows = k_head + blk[:, None] * stride_kb + slot[:, None] * stride_ks
+        k = tl.load(k_rows + d[None, :] * stride_kd, mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_head + blk[:, None] * stride_vb + slot[:, None] * stride_vs + dv[None, :] * stride_vd,
+                    mask=tok_ok[:, None] & dv_ok[None, :], other=0.0)
         if IS_FP8:  # exact fp8 value times the kv head's scale, rounded once in float32
             k = _fp8_to_f32(k, FP8_E4) * k_sc
             v = _fp8_to_f32(v, FP8_E4) * v_sc
         elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if ROPE_DIM > 0:
+            kr = tl.load(k_rows + (HEAD_DIM + dr[None, :]) * stride_kd, mask=tok_ok[:, None] & dr_ok[None, :],
+                         other=0.0)
+            if IS_FP8:
+                kr = _fp8_to_f32(kr, FP8_E4) * k_sc
+            elif UPCAST:
+                kr = kr.to(tl.float32)
+            qk = tl.dot(qr, tl.trans(kr), qk, input_precision=DOT_PRECISION)
 
         if HAS_SOFTCAP:  # softcap * tanh(scale * q.k / softcap), in base 2
-            s = _tanh(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * softcap_in) * softcap_log2
+            s = _tanh(qk * softcap_in) * softcap_log2
         else:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+            s = qk * scale_log2
         if HAS_ALIBI:  # slope * (k_pos - q_pos), relative to each row's own position
             s += slope_log2[:, None] * (kpos[None, :] - q_pos[:, None]).to(tl.float32)
         visible = (kpos[None, :] <= q_pos[:, None]) & tok_ok[None, :]
@@ -211,17 +235,22 @@ def _paged_attention_kernel(
         part = (split * total_q + q_rows) * (num_kv_heads * QUERIES_PER_KV) + q_head
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_V + dv[None, :], acc,
+                 mask=row_ok[:, None] & dv_ok[None, :])
     else:
         # Every stored row saw at least its own position, so l_i > 0 there; padding rows are not stored.
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        o_off = q_rows[:, None] * stride_ot + q_head[:, None] * stride_oh + d[None, :] * stride_od
-        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        o_off = q_rows[:, None] * stride_ot + q_head[:, None] * stride_oh + dv[None, :] * stride_od
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+        if RETURN_LSE:  # log2 of the denominator: m_i + log2(l_i); -inf for no key (and no sink)
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+            tl.store(lse_ptr + q_rows * stride_lse_t + q_head * stride_lse_h, lse, mask=row_ok)
 
 
 @triton.jit
-def _merge_splits_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, num_splits, total_q, num_q_heads,
-                         stride_ot, stride_oh, stride_od, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+def _merge_splits_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, lse_ptr, num_splits, total_q, num_q_heads,
+                         stride_ot, stride_oh, stride_od, stride_lse_t, stride_lse_h, HEAD_DIM: tl.constexpr,
+                         HEAD_DIM_PAD: tl.constexpr, RETURN_LSE: tl.constexpr = False):
     # One program: one query token x one query head; the partials of its num_splits parts.
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -245,10 +274,13 @@ def _merge_splits_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, num_spli
     out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + d * stride_od, out.to(out_ptr.dtype.element_ty),
              mask=d_ok)
+    if RETURN_LSE:  # an empty split weighs 0 above; all empty: -inf
+        lse = tl.where(l_sum == 0.0, float("-inf"), m_shift + tl.log2(tl.where(l_sum == 0.0, 1.0, l_sum)))
+        tl.store(lse_ptr + tok * stride_lse_t + head * stride_lse_h, lse)
 
 
 def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype, max_q_len: int,
-                     fp8: bool = False) -> dict:
+                     fp8: bool = False, head_dim_v: int | None = None) -> dict:
     """Tile sizes and launch options of :func:`paged_attention` (``python -m bench.compile_report`` checks them).
 
     Decode (``max_q_len == 1``) tiles one token x the whole GQA group (16 rows at least, the smallest
@@ -259,23 +291,33 @@ def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype,
     dots run in float32. Tile sizes and warps were chosen with the compile report
     (:mod:`bench.compile_report`) so that no configuration spills registers on sm_80 or
     sm_90.
+
+    ``head_dim_v`` (default ``head_dim``): V's width. When it is below ``head_dim`` (MLA: 512 of 576), K is
+    read as two pieces, its first ``head_dim_v`` columns (``HEAD_DIM``) and the rest (``ROPE_DIM``), each
+    padded to a power of two on its own (576 as 512 + 64, not 1024).
     """
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    rope_dim = head_dim - head_dim_v if head_dim_v < head_dim else 0
     group = triton.next_power_of_2(num_queries_per_kv)
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim - rope_dim))
+    rope_pad = max(16, triton.next_power_of_2(rope_dim)) if rope_dim else 0
+    head_dim_v_pad = max(16, triton.next_power_of_2(head_dim_v))
+    widest = max(head_dim_pad + rope_pad, head_dim_v_pad)
     upcast = fp8 or dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
     # Key tiles of at most 4096 elements (2048 in float32), the same for decode and prefill: a row sums
     # its keys in BLOCK_N steps, so a decode next to a prefill (prefill tiles) rounds as it does alone
     # (decode tiles): a request's output does not depend on its batch.
-    block_n = max(16, min(64, (2048 if upcast else 4096) // head_dim_pad))
+    block_n = max(16, min(64, (2048 if upcast else 4096) // widest))
     if max_q_len <= 1:  # decode: one token x the GQA group, 16 rows at least, 4 warps
         block_m = max(16, group)
         num_warps = 4
     else:  # prefill: 64 rows (32 in float32 or past head_dim 128), 8 warps (a 32 x 256 float32 accumulator
         # is 32 registers a thread)
-        block_m = max(32 if upcast or head_dim_pad > 128 else 64, group)
+        block_m = max(32 if upcast or widest > 128 else 64, group)
         num_warps = 8
     return dict(
-        QUERIES_PER_KV=num_queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
+        QUERIES_PER_KV=num_queries_per_kv, HEAD_DIM=head_dim - rope_dim, HEAD_DIM_PAD=head_dim_pad,
+        HEAD_DIM_V=head_dim_v, HEAD_DIM_V_PAD=head_dim_v_pad, ROPE_DIM=rope_dim, ROPE_PAD=rope_pad, BLOCK_M=block_m,
         BLOCK_N=block_n,
         # Triton's interpreter multiplies bfloat16 bit patterns as integers in tl.dot, so it gets float32
         # operands; on a GPU float16/bfloat16 operands use tensor cores with float32 accumulation
@@ -315,7 +357,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     max_q_len: int, *, window_left: int = -1, softcap: float = 0.0,
                     alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, return_lse: bool = False):
     """Launch the fused paged-attention kernel (no argument checks: the caller validated).
 
     Args:
@@ -332,23 +374,29 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         alibi_slopes, sinks: contiguous ``float32 [num_q_heads]`` or None.
         k_scale, v_scale: contiguous ``float32 [num_kv_heads]`` (fp8 pools).
         num_splits: split-K parts of each query tile's context (see :func:`num_splits_for`).
+        return_lse: also return each row's LSE in base 2, ``float32 [num_q_heads, total_q]`` (head-major).
 
     Returns:
-        A new contiguous ``[total_q, num_q_heads, head_dim]`` tensor in ``query.dtype``.
+        A new contiguous ``[total_q, num_q_heads, head_dim_v]`` tensor in ``query.dtype`` (``head_dim_v``:
+        ``v_cache``'s width), and with ``return_lse`` the LSE.
     """
     total_q, num_q_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    out = torch.empty((total_q, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    head_dim_v = v_cache.shape[-1]
+    out = torch.empty((total_q, num_q_heads, head_dim_v), dtype=query.dtype, device=query.device)
+    lse = torch.empty((num_q_heads, total_q), dtype=torch.float32, device=query.device) if return_lse else None
+    result = (out, lse) if return_lse else out
     batch = seq_lens.shape[0]
     if total_q == 0 or batch == 0 or max_q_len == 0:
-        return out
+        return result
     # unknown (< 0, no host read): bounded by total_q; decode tiles when there are no more queries than
     # sequences (every tile is still served: the grid then enumerates packed query tiles)
     decode = max_q_len == 1 or (max_q_len < 0 and total_q <= batch)
     if max_q_len < 0:
         max_q_len = total_q
     fp8 = k_cache.dtype in FP8_DTYPES
-    cfg = attention_config(num_q_heads // num_kv_heads, head_dim, query.dtype, 1 if decode else max_q_len, fp8)
+    cfg = attention_config(num_q_heads // num_kv_heads, head_dim, query.dtype, 1 if decode else max_q_len, fp8,
+                           head_dim_v)
     block_q = cfg["BLOCK_M"] // cfg["QUERIES_PER_KV"]
     # keys a tile can see, bounded without reading the device: the table's width (or the window)
     max_context = block_tables.shape[1] * block_size
@@ -359,13 +407,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     grid, search = attention_grid(batch, total_q, num_kv_heads, max_q_len, block_q, splits)
     flags = dict(HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
                  HAS_SINKS=sinks is not None, IS_FP8=fp8, FP8_E4=k_cache.dtype == torch.float8_e4m3fn,
-                 SEARCH=search, SPLIT=splits > 1)
+                 SEARCH=search, SPLIT=splits > 1, RETURN_LSE=return_lse)
     unused = out  # never loaded: its flag is off
+    lse_arg, lse_strides = (lse, (lse.stride(1), lse.stride(0))) if return_lse else (unused, (0, 0))
     part_m = part_l = part_acc = unused
     if splits > 1:
         part_m = torch.empty((splits, total_q, num_q_heads), dtype=torch.float32, device=query.device)
         part_l = torch.empty_like(part_m)
-        part_acc = torch.empty((splits, total_q, num_q_heads, head_dim), dtype=torch.float32, device=query.device)
+        part_acc = torch.empty((splits, total_q, num_q_heads, head_dim_v), dtype=torch.float32, device=query.device)
     _paged_attention_kernel[grid](
         out, query, as_bytes(k_cache), as_bytes(v_cache), block_tables, seq_lens, query_start_loc,
         float(scale) * LOG2E,
@@ -373,13 +422,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         max(int(window_left), 0),
         unused if alibi_slopes is None else alibi_slopes, unused if sinks is None else sinks,
         unused if k_scale is None else k_scale, unused if v_scale is None else v_scale,
-        part_m, part_l, part_acc, batch, total_q, splits,
+        part_m, part_l, part_acc, lse_arg, batch, total_q, splits,
         *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
-        num_kv_heads,
+        *lse_strides, num_kv_heads,
         BLOCK_SIZE=block_size, **cfg, **flags,
     )
     if splits > 1:
         _merge_splits_kernel[merge_grid(total_q, num_q_heads)](
-            out, part_m, part_l, part_acc, splits, total_q, num_q_heads, *out.stride(),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=cfg["HEAD_DIM_PAD"], num_warps=1 if cfg["HEAD_DIM_PAD"] <= 128 else 2)
-    return out
+            out, part_m, part_l, part_acc, lse_arg, splits, total_q, num_q_heads, *out.stride(), *lse_strides,
+            HEAD_DIM=head_dim_v, HEAD_DIM_PAD=cfg["HEAD_DIM_V_PAD"], RETURN_LSE=return_lse,
+            num_warps=1 if cfg["HEAD_DIM_V_PAD"] <= 128 else 2)
+    return result

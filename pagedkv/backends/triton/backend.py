@@ -24,7 +24,10 @@ choose_interpreter()
 import triton  # noqa: E402,F401  (ImportError here: the registry reports the backend unavailable)
 
 from pagedkv.backends.triton import kernels as _kernels  # noqa: E402
+from pagedkv.backends.capabilities import Sizes  # noqa: E402
 from pagedkv.backends.ops import backend_op  # noqa: E402
+from pagedkv.backends.triton.merge import merge_attn_states as _merge_kernel  # noqa: E402
+from pagedkv.attention.merge import check_merge_attn_states  # noqa: E402
 from pagedkv.validation.calls import AttentionArgs, WriteArgs, check_write_overlap  # noqa: E402
 
 _kernels.check_runnable()  # BackendUnavailableError: no CUDA and triton was imported without the interpreter
@@ -37,6 +40,10 @@ FEATURES = frozenset({"window", "softcap", "alibi", "sinks", "fp8"})
 SPECIALIZE_ON = frozenset({"block_size", "head_dim", "gqa_group", "dtype", "features"})
 #: ``paged_attention`` takes ``num_splits`` (split-K decode); the conformance suite draws split counts.
 SPLIT_K = True
+#: ``paged_attention(..., return_lse=True)`` returns ``(out, lse)``: lse ``float32 [num_q_heads, total_q]`` in
+#: base 2 (the kernel's exp2 softmax), as ``merge_attn_states`` takes it; V may differ in width from K or be a
+#: view of K's first columns (MLA's latent cache: K 576 = 512 + 64 rope, V its first 512).
+LSE, LSE_BASE, HEAD_DIMS_V = "head_major", "2", Sizes()
 
 
 @backend_op(FEATURES)
@@ -105,6 +112,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     max_q_len = -1
     if args.host_q_starts is not None:
         max_q_len = max((hi - lo for lo, hi in zip(args.host_q_starts, args.host_q_starts[1:])), default=0)
+    if args.return_lse:  # two outputs: the launcher itself (not the registered single-output op)
+        dense = (lambda x: None if x is None else x.contiguous())
+        return _kernels.paged_attention(
+            query, k_cache, v_cache, args.block_tables, args.seq_lens_tensor.contiguous(),
+            args.query_start_loc.contiguous(), args.scale, query.shape[0] if max_q_len < 0 else max_q_len,
+            window_left=args.window_left, softcap=args.softcap, alibi_slopes=dense(args.alibi_slopes),
+            sinks=dense(args.sinks), k_scale=dense(args.k_scale), v_scale=dense(args.v_scale),
+            num_splits=args.num_splits, return_lse=True)
     call = torch.ops.pagedkv.triton_paged_attention if torch.compiler.is_compiling() else paged_attention_eager
     return call(query, k_cache, v_cache, args.block_tables, args.seq_lens_tensor, args.query_start_loc, args.scale,
                 max_q_len, args.window_left, args.softcap, args.alibi_slopes, args.sinks, args.k_scale, args.v_scale,
@@ -136,4 +151,14 @@ paged_attention_op = torch.library.custom_op("pagedkv::triton_paged_attention", 
 @paged_attention_op.register_fake
 def _(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_q_len, window_left, softcap,
       alibi_slopes, sinks, k_scale, v_scale, num_splits=None) -> torch.Tensor:
-    return query.new_empty(query.shape)
+    return query.new_empty((*query.shape[:2], v_cache.shape[-1]))
+
+
+def merge_attn_states(prefix_out: torch.Tensor, prefix_lse: torch.Tensor, suffix_out: torch.Tensor,
+                      suffix_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Triton merge of two partial attention states (vLLM ``merge_attn_states``), this backend's LSE layout
+    and base (head-major, base 2): ``(out [total_q, num_heads, head_dim_v], lse float32 [num_heads, total_q])``.
+    Checked first (:func:`pagedkv.attention.merge.check_merge_attn_states`); the definition is
+    :func:`pagedkv.attention.merge.merge_states`."""
+    check_merge_attn_states(prefix_out, prefix_lse, suffix_out, suffix_lse, LSE)
+    return _merge_kernel(prefix_out, prefix_lse, suffix_out, suffix_lse)

@@ -18,7 +18,7 @@ from pagedkv.backends import BUILTIN
 from pagedkv.backends.capabilities import DTYPE_NAMES
 from pagedkv.cache.config import dtype_from_name
 from pagedkv.errors import CaseFileError
-from pagedkv.testing.cases.case import KV_CACHE_DTYPES as _KV_CACHE_DTYPES, LAYOUTS, POISONS, VALUE_PATTERNS
+from pagedkv.testing.cases.case import KV_CACHE_DTYPES as _KV_CACHE_DTYPES, ALL_LAYOUTS, POISONS, VALUE_PATTERNS
 from pagedkv.testing.cases.invalid_call import OPS as _INVALID_OPS
 
 #: The format version :func:`pagedkv.testing.casefiles.reading.save_failure` writes; files without one are version 1.
@@ -58,11 +58,11 @@ _RECORD_KEYS = {"version": False, "id": False, "title": False, "check": True, "b
 #: Most earlier cases a record's ``history`` may hold (the suite writes at most 16).
 MAX_HISTORY = 64
 OUTCOMES = ("running", "failed", "raised", "crashed")  # save_failure's outcome: written before the call, after it
-_GEOMETRY_KEYS = ("num_blocks", "block_size", "num_kv_heads", "head_dim", "num_queries_per_kv", "dtype")
+_GEOMETRY_KEYS = ("num_blocks", "block_size", "num_kv_heads", "head_dim", "num_queries_per_kv", "dtype", "head_dim_v")
 _SEQ_KEYS = ("block_table", "seq_len", "q_len", "start")
 _CASE_KEYS = ("geometry", "seqs", "values", "poison", "pad_value", "pad_columns", "table_dtype", "layout", "scale",
               "seed", "window_left", "softcap", "alibi", "sinks", "kv_cache_dtype", "k_scale", "v_scale",
-              "num_splits")
+              "num_splits", "cuts")
 _CASE_REQUIRED = _CASE_KEYS[:10]  # the feature fields are optional (off in files written before them)
 _SCENARIO_KEYS = ("geometry", "ops", "enable_prefix_caching", "constant_hash", "seed", "num_layers")
 _INVALID_KEYS = ("op", "fault", "case", "seq", "amount")
@@ -212,7 +212,9 @@ def _object(value: Any, path: str, keys, required=None) -> dict:
 
 
 def _geometry(value: Any, path: str) -> dict:
-    g = _object(value, path, _GEOMETRY_KEYS)
+    g = _object(value, path, _GEOMETRY_KEYS, _GEOMETRY_KEYS[:6])
+    if g.get("head_dim_v") is not None:
+        _int(g["head_dim_v"], f"{path}.head_dim_v", 1, _MAX_SIZE)
     for key in _GEOMETRY_KEYS[:5]:
         _int(g[key], f"{path}.{key}", 1, _MAX_SIZE)
     _choice(g["dtype"], f"{path}.dtype", tuple(DTYPE_BYTES))
@@ -263,7 +265,10 @@ def _case(value: Any, path: str) -> dict:
     bound = TABLE_DTYPES[table_dtype]
     _int(c["pad_value"], f"{path}.pad_value", -bound, bound)
     _int(c["pad_columns"], f"{path}.pad_columns", 0, 65)
-    _choice(c["layout"], f"{path}.layout", LAYOUTS)
+    _choice(c["layout"], f"{path}.layout", ALL_LAYOUTS)
+    for j, cuts in enumerate(_list(c.get("cuts", []), f"{path}.cuts")):
+        for k, x in enumerate(_list(cuts, f"{path}.cuts[{j}]")):
+            _int(x, f"{path}.cuts[{j}][{k}]", 0, _MAX_SIZE)
     scale = c["scale"]
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale) or abs(scale) > 1e30):

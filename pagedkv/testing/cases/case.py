@@ -26,6 +26,8 @@ VALUE_PATTERNS = ("normal", "identity", "large", "diffuse")
 POISONS = ("nan", "inf", "sentinel", "zero")
 FINITE_POISONS = ("sentinel", "zero")  # for backends that assume finite unused slots
 LAYOUTS = ("contiguous", "kv_interleaved", "head_strided")
+#: Layouts of the partial-attention cases too: ``"latent"``, V a view of K's first columns (MLA).
+ALL_LAYOUTS = (*LAYOUTS, "latent")
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _EXACT_INTEGERS = {"float32": 2**24, "float16": 2**11, "bfloat16": 2**8}  # ids a dtype holds exactly
 _LARGE = 30.0  # |q|, |k| ~ 30: logits in the hundreds, exp() overflows without max subtraction
@@ -34,7 +36,8 @@ _LARGE = 30.0  # |q|, |k| ~ 30: logits in the hundreds, exp() overflows without 
 @dataclass(frozen=True)
 class Geometry:
     """Pool geometry: ``num_blocks`` blocks of ``[block_size, num_kv_heads, head_dim]``, and
-    ``num_kv_heads * num_queries_per_kv`` query heads (GQA group size ``num_queries_per_kv``)."""
+    ``num_kv_heads * num_queries_per_kv`` query heads (GQA group size ``num_queries_per_kv``). ``head_dim_v``:
+    V's width when it differs from K's (``None``: ``head_dim``); see :attr:`v_dim`."""
 
     num_blocks: int
     block_size: int
@@ -42,6 +45,12 @@ class Geometry:
     head_dim: int = 4
     num_queries_per_kv: int = 1
     dtype: str = "float32"
+    head_dim_v: int | None = None
+
+    @property
+    def v_dim(self) -> int:
+        """V's (and the attention output's) width."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @property
     def num_q_heads(self) -> int:
@@ -85,7 +94,9 @@ class Case:
         table_dtype: ``"int32"`` or ``"int64"`` block tables.
         layout: ``"contiguous"``, ``"kv_interleaved"`` (``kv[:, 0]`` / ``kv[:, 1]`` of one ``[num_blocks, 2,
             block_size, H, D]`` tensor) or ``"head_strided"`` (``kv[..., :D]`` / ``kv[..., D + 1:]`` of one
-            ``[num_blocks, block_size, H, 2 * D + 1]`` tensor: head stride ``2 * D + 1``, V at an offset).
+            ``[num_blocks, block_size, H, 2 * D + 1]`` tensor: head stride ``2 * D + 1``, V at an offset) or
+            ``"latent"`` (MLA: ``v_cache = k_cache[..., :head_dim_v]``, V the first columns of K's storage,
+            so each token's V is its K's first ``head_dim_v`` values).
         scale: attention scale (``None``: ``1 / sqrt(head_dim)``).
         window_left: sliding window of ``paged_attention`` (``-1``: off; see ``docs/contract.md``).
         softcap: logit soft-cap (``0.0``: off).
@@ -96,6 +107,8 @@ class Case:
         k_scale, v_scale: fp8 scales: a number (per tensor) or one number per kv head.
         num_splits: split-K parts passed as ``paged_attention``'s ``num_splits`` (``None``: not passed;
             drawn only for a backend that declares ``split_k``).
+        cuts: per sequence, sorted key positions cutting its context into parts (the partial-attention
+            properties: part ``j`` of a row is its visible keys in ``[cuts[j - 1], cuts[j])``); ``()``: none.
     """
 
     geometry: Geometry
@@ -116,12 +129,17 @@ class Case:
     k_scale: float | tuple[float, ...] = 1.0
     v_scale: float | tuple[float, ...] = 1.0
     num_splits: int | None = None
+    cuts: tuple[tuple[int, ...], ...] = ()
 
     # -- plain data ------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         if out["num_splits"] is None:  # unset: files read the same as those written before the field
             del out["num_splits"]
+        if not out["cuts"]:
+            del out["cuts"]
+        if out["geometry"]["head_dim_v"] is None:
+            del out["geometry"]["head_dim_v"]
         return out
 
     @classmethod
@@ -132,6 +150,8 @@ class Case:
         for key in ("k_scale", "v_scale"):
             if isinstance(data.get(key), list):
                 data[key] = tuple(data[key])
+        if "cuts" in data:
+            data["cuts"] = tuple(tuple(c) for c in data["cuts"])
         return cls(**data)
 
     def to_json(self) -> str:
@@ -281,11 +301,15 @@ class Case:
                 v = -k
             else:
                 k = torch.randn(shape, generator=gen)
-                v = torch.randn(shape, generator=gen)
+                v = torch.randn((*shape[:2], g.v_dim), generator=gen)
                 if self.values == "large":
                     k = k * _LARGE
                 elif self.values == "diffuse":
                     k, v = k / 16, v + 1
+            if g.v_dim != g.head_dim and self.values == "identity":
+                v = -k[..., :1].expand(*shape[:2], g.v_dim)
+            if self.layout == "latent":  # V is the first v_dim columns of K's storage
+                v = k[..., : g.v_dim]
             uid += s.seq_len
             out.append((k.to(g.torch_dtype).contiguous(), v.to(g.torch_dtype).contiguous()))
         return out
@@ -303,6 +327,13 @@ class Case:
         layout of :func:`~pagedkv.testing.cases.memory.pool_layout` (poisoned in that storage)."""
         g = self.geometry
         shape = (g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
+        if self.layout == "latent":
+            k_cache = new_pools(shape, self.pool_dtype, device, self._poison_value())[0]
+            return k_cache, k_cache[..., : g.v_dim]
+        if g.v_dim != g.head_dim:  # pools of two widths, each in its own storage
+            v_shape = (*shape[:3], g.v_dim)
+            return (new_pools(shape, self.pool_dtype, device, self._poison_value())[0],
+                    new_pools(v_shape, self.pool_dtype, device, self._poison_value())[1])
         return new_pools(shape, self.pool_dtype, device, self._poison_value(),
                          interleaved=self.layout == "kv_interleaved", head_strided=self.layout == "head_strided")
 
@@ -366,7 +397,10 @@ class CacheScenario:
     num_layers: int = 1
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "ops": [list(op) for op in self.ops]}
+        out = {**dataclasses.asdict(self), "ops": [list(op) for op in self.ops]}
+        if out["geometry"]["head_dim_v"] is None:
+            del out["geometry"]["head_dim_v"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "CacheScenario":
