@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.backends.capabilities import Capabilities
+from pagedkv.backends.capabilities import ANY, Capabilities
 from pagedkv.backends.interpreter import wrap_interpreted_launches
 from pagedkv.errors import BackendUnavailableError, DTypeMismatchError, ShapeError
 from pagedkv.tools.peers.sglang import RECIPE as SGLANG_RECIPE
@@ -59,24 +59,6 @@ def shares_storage(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     block, slot and head strides, narrower)."""
     return (v_cache.shape[:3] == k_cache.shape[:3] and v_cache.shape[3] <= k_cache.shape[3]
             and v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride())
-
-
-def check_widened_call(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
-    """pagedkv's ``paged_attention`` validation with V's head dim free: K, the query and the metadata as the
-    contract checks them, and ``v_cache`` a 4-D pool ``[num_blocks, block_size, num_kv_heads, head_dim_v]``
-    of K's dtype and device. Returns :class:`~pagedkv.validation.attention_arguments.AttentionArgs`.
-
-    Raises: as ``check_paged_attention``; ``ShapeError`` for a V pool of another rank or leading shape,
-    ``DTypeMismatchError`` for another dtype or device."""
-    args = check_paged_attention(query, k_cache, k_cache, block_tables, seq_lens, query_start_loc, scale)
-    if not isinstance(v_cache, torch.Tensor) or v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
-        shape = tuple(v_cache.shape) if isinstance(v_cache, torch.Tensor) else type(v_cache).__name__
-        raise ShapeError(f"v_cache must be [num_blocks, block_size, num_kv_heads, head_dim_v] with k_cache's first "
-                         f"three sizes {tuple(k_cache.shape[:3])}, got {shape}")
-    if v_cache.dtype != k_cache.dtype or v_cache.device != k_cache.device:
-        raise DTypeMismatchError(f"v_cache is {v_cache.dtype} on {v_cache.device}, k_cache {k_cache.dtype} on "
-                                 f"{k_cache.device}")
-    return args
 
 
 def decode_rows(args, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +93,7 @@ class VllmTritonDecode:
     allocates it in the query dtype; the adapter keeps the kernel's float32). No features:
     ``TritonMLAImpl`` refuses a window, soft-cap and ALiBi.
 
-    Raises: pagedkv's validation errors (:func:`check_widened_call`) before any launch.
+    Raises: pagedkv's validation errors (``check_paged_attention``, V's width free) before any launch.
     """
 
     name = "vllm_triton_decode"
@@ -126,7 +108,8 @@ class VllmTritonDecode:
         self._decode = decode_attention_fwd
         wrap_interpreted_launches()
         self.capabilities = Capabilities(dtypes={"float32", "float16"} if interpreted else
-                                         {"float32", "float16", "bfloat16"}, split_k=True)
+                                         {"float32", "float16", "bfloat16"}, split_k=True, head_dims_v=ANY,
+                                         lse="token_major", lse_base="e")
 
     def paged_attention(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None, *,
                         num_splits=None, return_lse=False):
@@ -135,7 +118,7 @@ class VllmTritonDecode:
 
         Returns ``out [total_q, num_q_heads, head_dim_v]`` in the query dtype, and with ``return_lse``
         also ``lse float32 [total_q, num_q_heads]`` (natural log)."""
-        args = check_widened_call(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        args = check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
         splits = check_num_splits(num_splits)
         total_q, heads = query.shape[:2]
         head_dim_v, device = v_cache.shape[3], query.device
@@ -202,7 +185,7 @@ class VllmMergeAttnStates:
         self._merge = merge_attn_states
         wrap_interpreted_launches()
         self.capabilities = Capabilities(dtypes={"float32", "float16"} if interpreted else
-                                         {"float32", "float16", "bfloat16"})
+                                         {"float32", "float16", "bfloat16"}, lse="head_major", lse_base="e")
 
     def merge_attn_states(self, prefix_out, prefix_lse, suffix_out, suffix_lse):
         """``merge_attn_states(out, prefix_out, prefix_lse, suffix_out, suffix_lse, out_lse)``; returns
@@ -246,7 +229,7 @@ class SglangTritonDecode(SglangTriton):
                                           f"{SGLANG_RECIPE}") from exc
         self._num_splits = get_num_kv_splits_triton
         self.name = "sglang_triton_decode"
-        self.capabilities = Capabilities(dtypes=self.capabilities.dtypes, split_k=True)
+        self.capabilities = Capabilities(dtypes=self.capabilities.dtypes, split_k=True, head_dims_v=ANY)
 
     def split_counts(self, keys: torch.Tensor, heads: int, kv_heads: int, max_splits: int) -> torch.Tensor:
         """Per-row split counts, ``int32 [rows]``, from SGLang's ``get_num_kv_splits_triton``."""
@@ -261,7 +244,7 @@ class SglangTritonDecode(SglangTriton):
         """``decode_attention_fwd(q, k_pool, v_pool, o, kv_indptr, kv_indices, attn_logits, attn_lse,
         num_kv_splits, max_kv_splits, scale, 1.0, 1.0, has_mla=)`` over one row per query token; returns
         ``out [total_q, num_q_heads, head_dim_v]``."""
-        args = check_widened_call(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        args = check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
         max_splits = check_num_splits(num_splits) or SGLANG_MAX_KV_SPLITS
         total_q, heads = query.shape[:2]
         nb, bs, kv_heads, _ = k_cache.shape
@@ -310,5 +293,5 @@ def peer_classes() -> dict[str, Any]:
             "sglang_triton_decode": sglang_triton_decode}
 
 
-__all__ = ["VllmTritonDecode", "VllmMergeAttnStates", "SglangTritonDecode", "check_widened_call",
-           "check_merge_states", "decode_rows", "shares_storage"]
+__all__ = ["VllmTritonDecode", "VllmMergeAttnStates", "SglangTritonDecode", "check_merge_states", "decode_rows",
+           "mla_tiles_fit", "shares_storage"]
