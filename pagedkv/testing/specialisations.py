@@ -36,7 +36,12 @@ def key_of(op: str, case: Any, names: frozenset) -> tuple | None:
     if geometry is None:
         return None
     fp8 = getattr(holder, "kv_cache_dtype", "auto")
-    key = [("block_size", geometry.block_size), ("head_dim", geometry.head_dim)]
+    v_dim = getattr(geometry, "head_dim_v", None)
+    if op == "merge_attn_states":  # the merge kernel specialises on V's width and the dtype only
+        return tuple((n, v) for n, v in (("head_dim", geometry.v_dim), ("dtype", geometry.dtype)) if n in names)
+    # V of its own width is another kernel variant: head_dim "576/512"
+    widths = geometry.head_dim if v_dim is None or v_dim == geometry.head_dim else f"{geometry.head_dim}/{v_dim}"
+    key = [("block_size", geometry.block_size), ("head_dim", widths)]
     if op in _ATTENTION:
         key.append(("gqa_group", geometry.num_queries_per_kv))
     key.append(("dtype", geometry.dtype))
