@@ -309,7 +309,8 @@ def merge_with_no_keys_is_exact(backend: Any, case: Case, device: str = "cpu") -
             r, h, d = (int(x) for x in bad[0]) if bad.numel() else (0, 0, 0)
             raise Mismatch(f"merge_attn_states({name}) changed the state at row {r}, head {h}, dim {d}: "
                            f"{float(out.cpu()[r, h, d])!r} != {float(state[0][r, h, d])!r}")
-        _check_lse(to_token_major_e(lse.cpu(), layout, base), state[1], 0.0, case.geometry.dtype,
+        given = to_token_major_e(from_token_major_e(state[1], layout, base), layout, base)  # as handed over: float32
+        _check_lse(to_token_major_e(lse.cpu(), layout, base), given, 0.0, case.geometry.dtype,
                    f"merge_attn_states({name})' LSE")
     out, lse = backend.merge_attn_states(empty[0].to(device), from_token_major_e(empty[1], layout, base).to(device),
                                          empty[0].to(device), from_token_major_e(empty[1], layout, base).to(device))
