@@ -49,14 +49,14 @@ def markdown(table: list[dict], t: dict, title: str, mutate: dict, engine: dict,
              tests: str = "`tests/v1/core`") -> str:
     cfg = mutate["config"]
     lines = [f"# {title}", "",
-             f"Sources: `{cfg['sources']}`; sample: {cfg['sample']}; state machine: profile `{cfg['profile']}` "
+             f"Sources: `{cfg['sources']}`; sample: {cfg['sample']}; {gate}: profile `{cfg['profile']}` "
              f"({cfg['seeds']} seeds, generated examples), budget {cfg['budget_s']} s a mutant, "
              f"{cfg['workers']} worker. vLLM's tests: {len(engine['passing_tests'])} tests of a CPU-runnable copy of "
              f"{tests} that pass on the unmutated wheel ({len(engine['left_out_tests'])} that fail or error "
              f"there left out).", "",
              f"**Totals:** {t['mutants']} mutants; the {gate} kills {t['machine_killed']} "
              f"({t['machine_all_runs']} in every seed); vLLM's tests kill {t['tests_killed']} of the "
-             f"{t['tests_ran_on']} they ran on; both {t['both']}, the machine only {t['machine_only']}, "
+             f"{t['tests_ran_on']} they ran on; both {t['both']}, pagedkv's only {t['machine_only']}, "
              f"their tests only {t['tests_only']}, neither {t['neither']}.", "",
              "| mutant | function | change | pagedkv kills | pagedkv s (runs) | wall s | their tests | their s | "
              "argument (survivors) |",
