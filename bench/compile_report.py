@@ -68,17 +68,19 @@ ARCHS = {80: Arch(80, 166912, 167936), 86: Arch(86, 101376, 102400, max_warps_pe
 class Case:
     """One configuration: an op the launchers serve and the shapes that select its kernel config."""
 
-    op: str  # decode, prefill, split (decode split across programs + merge), gather, scatter, write_kv
+    op: str  # decode, prefill, split (decode split across programs + merge), merge, gather, scatter, write_kv
     dtype: str
     head_dim: int
     group: int = 4
     block_size: int = 16
     features: tuple[str, ...] = ()
+    head_dim_v: int | None = None  # MLA: one kv head, V = K's first head_dim_v columns, the LSE returned
 
     @property
     def name(self) -> str:
         feat = "+".join(self.features) or "-"
-        return f"{self.op} {self.dtype} d{self.head_dim} g{self.group} bs{self.block_size} {feat}"
+        dims = f"d{self.head_dim}" + (f"/{self.head_dim_v}" if self.head_dim_v else "")
+        return f"{self.op} {self.dtype} {dims} g{self.group} bs{self.block_size} {feat}"
 
 
 @dataclass
@@ -149,7 +151,23 @@ def matrix(level: str = "default") -> list[Case]:
     for op in ("gather", "scatter", "write_kv"):
         cases += [Case(op, dt, d) for dt in (("bfloat16",) if level == "ci" else DTYPES) for d in copy_dims]
     cases += [Case("write_kv", "bfloat16", 128, 4, 16, ("fp8e4m3",)), Case("gather", "bfloat16", 128, 4, 1)]
+    cases += mla_matrix(level)
     return list(dict.fromkeys(cases))
+
+
+#: MLA's query heads a kv head (DeepSeek V3: 128; 16 with tensor parallelism 8).
+MLA_GROUPS = (16, 32, 64, 128)
+
+
+def mla_matrix(level: str = "default") -> list[Case]:
+    """MLA's latent cache (576 = 512 latent + 64 rope, V its first 512 columns, one kv head, the LSE
+    returned), 16 to 128 query heads, decode, prefill and split-K decode, and the merge of two states."""
+    if level == "ci":  # the widest tile (128 heads in tiles of 16), split-K, prefill, the merge
+        return [Case("decode", "bfloat16", 576, 128, 64, (), 512), Case("split", "bfloat16", 576, 128, 64, (), 512),
+                Case("prefill", "bfloat16", 576, 16, 64, (), 512), Case("merge", "bfloat16", 512)]
+    cases = [Case(m, dt, 576, g, 64, (), 512) for dt in DTYPES for g in MLA_GROUPS
+             for m in ("decode", "prefill", "split")]
+    return cases + [Case("merge", dt, 512) for dt in DTYPES] + [Case("merge", "float32", 128)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -192,12 +210,12 @@ def record(case: Case) -> list[tuple]:
 
 def _launch(case: Case, kernels, torch) -> None:
     dtype = getattr(torch, case.dtype)
-    hkv, d, bs, g = 2, case.head_dim, case.block_size, case.group
+    hkv, d, bs, g = (1 if case.head_dim_v else 2), case.head_dim, case.block_size, case.group
     fp8 = next((f for f in case.features if f.startswith("fp8")), None)
     pool_dtype = {"fp8e4m3": torch.float8_e4m3fn, "fp8e5m2": torch.float8_e5m2}.get(fp8, dtype)
     num_blocks = 64
     k_cache = torch.zeros(num_blocks, bs, hkv, d, dtype=torch.float32).to(pool_dtype)
-    v_cache = torch.zeros_like(k_cache)
+    v_cache = k_cache[..., : case.head_dim_v] if case.head_dim_v else torch.zeros_like(k_cache)
     table = torch.arange(num_blocks, dtype=torch.int32).reshape(2, -1)
     if case.op in ("decode", "prefill", "split"):
         q_len = 1 if case.op != "prefill" else 130
@@ -212,7 +230,13 @@ def _launch(case: Case, kernels, torch) -> None:
             kw.update(k_scale=torch.ones(hkv), v_scale=torch.ones(hkv))
         if case.op == "split":
             kw["num_splits"] = 4
+        if case.head_dim_v:
+            kw["return_lse"] = True
         kernels.paged_attention(query, k_cache, v_cache, table, seq_lens, qsl, 0.1, q_len, **kw)
+    elif case.op == "merge":
+        out = torch.zeros(40, 16, d, dtype=dtype)
+        lse = torch.zeros(16, 40)
+        kernels.merge_attn_states(out, lse, out.clone(), lse.clone())
     elif case.op == "gather":
         kernels.gather(k_cache, table[0], 40)
     elif case.op == "scatter":
@@ -331,7 +355,7 @@ def _worker() -> None:
     job = json.loads(sys.stdin.read())
     archs = tuple(job["archs"])
     for c in job["cases"]:
-        case = Case(c["op"], c["dtype"], c["head_dim"], c["group"], c["block_size"], tuple(c["features"]))
+        case = Case(**{**c, "features": tuple(c["features"])})
         print(json.dumps([asdict(r) for r in compile_case(case, archs)]), flush=True)
 
 

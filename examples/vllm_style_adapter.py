@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.validation.calls import check_gather, check_paged_attention, check_scatter, check_write_kv
+from pagedkv.adapter import check_gather, check_paged_attention, check_scatter, check_write_kv
 
 
 class VllmStyleOps:

@@ -30,7 +30,8 @@ def _cut(draw, case: Case, b: int) -> int:
 @st.composite
 def partial_cases(draw, *, caps=None, poisons=None, parts: tuple[int, ...] = (2, 3), max_seqs: int = 3,
                   max_len: int = 20, max_q_len: int = 3) -> Case:
-    """A :class:`Case` with :attr:`Case.cuts` (``parts - 1`` cuts a sequence, a count drawn from ``parts``),
+    """A :class:`Case` with :attr:`Case.cuts` (``parts - 1`` cuts a sequence, a count drawn from ``parts``;
+    ``parts=()``: no cuts),
     and, where ``caps.head_dims_v`` allows one, a ``head_dim_v`` of its own; a backend declaring
     ``shared_kv_storage`` always gets the ``"latent"`` layout (V = K's first columns), others sometimes."""
     case = draw(cases(caps=caps, poisons=poisons, max_seqs=max_seqs, max_len=max_len, max_q_len=max_q_len))
@@ -40,9 +41,14 @@ def partial_cases(draw, *, caps=None, poisons=None, parts: tuple[int, ...] = (2,
     widths = caps.head_dims_v if caps is not None else None
     head_dim_v = None
     if widths is not None or caps is None:
-        # a backend that compiles a variant per head_dim gets one V width more per head_dim, not three
+        # A backend compiled per head_dim gets a V width of its own only where it adds few kernels to the
+        # run's palette: MLA's 576 -> 512, and the tiny head dims (the interpreter's, the palette's smallest).
         compiled = caps is not None and "head_dim" in (caps.specialize_on or ())
-        candidates = {g.head_dim, max(1, g.head_dim // 2)} | (set() if compiled else {g.head_dim - 1, g.head_dim + 3})
+        if compiled:
+            candidates = {g.head_dim} | ({512} if g.head_dim == 576 else set()) \
+                | ({max(1, g.head_dim // 2), g.head_dim + 3} if g.head_dim <= 8 else set())
+        else:
+            candidates = {g.head_dim, max(1, g.head_dim // 2), g.head_dim - 1, g.head_dim + 3}
         options = [w for w in candidates
                    if w >= 1 and (widths is None or widths.allows(w) or w == g.head_dim)
                    and (not latent or w <= g.head_dim)]
@@ -53,6 +59,8 @@ def partial_cases(draw, *, caps=None, poisons=None, parts: tuple[int, ...] = (2,
         case = case.replace(layout="latent", kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0)
     if head_dim_v is not None and head_dim_v != g.head_dim:
         case = case.replace(geometry=dataclasses.replace(g, head_dim_v=head_dim_v))
+    if not parts:  # the shapes alone (V's width, the latent view), for the properties of whole attention
+        return case
     n_cuts = draw(st.sampled_from(parts)) - 1
     cuts = tuple(tuple(sorted(draw(_cut(case, b)) for _ in range(n_cuts))) for b in range(len(case.seqs)))
     return case.replace(cuts=cuts)

@@ -100,6 +100,8 @@ PAGE_TABLES = ("padded", "csr")
 LSE_LAYOUTS = ("head_major", "token_major")
 #: LSE bases (``Capabilities.lse_base``): natural log, or log2 (kernels whose softmax runs in exp2).
 LSE_BASES = ("e", "2")
+#: Largest ``Capabilities.nondeterminism_ulp`` (a reduction's order moves a result by a few ulps, not more).
+MAX_NONDETERMINISM_ULP = 64
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,11 @@ class Capabilities:
             failure is reported as a finding with its case file and the reason, never failing the run.
             Stored as sorted ``(name, reason)`` pairs (hashable); :meth:`non_promise` reads one. A name the
             suite does not know is a usage error (:func:`pagedkv.testing.non_promises.check_non_promises`).
+        nondeterminism_ulp: the kernel is nondeterministic by design (atomics in a split reduction): two
+            runs of one call may differ by up to this many ulps per output element. The guard's rerun of a
+            call (:meth:`pagedkv.testing.guard.GuardedBackend.judge_again`) compares within it; every
+            comparison with the reference keeps its usual bar. ``0`` (the default): bit-deterministic.
+            At most :data:`MAX_NONDETERMINISM_ULP`.
 
     Raises (on construction):
         ValueError: an unknown dtype, feature, precondition or layout name; a non-promise without a reason.
@@ -177,12 +184,17 @@ class Capabilities:
     page_table: str = "padded"
     non_promises: Any = ()
     specialize_on: frozenset[str] | None = None
+    nondeterminism_ulp: int = 0
     head_dims_v: Sizes | None = None
     shared_kv_storage: bool = False
     lse: str | None = None
     lse_base: str = "e"
 
     def __post_init__(self) -> None:
+        if isinstance(self.nondeterminism_ulp, bool) or not isinstance(self.nondeterminism_ulp, int) or \
+                not 0 <= self.nondeterminism_ulp <= MAX_NONDETERMINISM_ULP:
+            raise ValueError(f"Capabilities.nondeterminism_ulp must be an int in [0, {MAX_NONDETERMINISM_ULP}], got "
+                             f"{self.nondeterminism_ulp!r}")
         if self.lse not in (None, *LSE_LAYOUTS):
             raise ValueError(f"Capabilities.lse: unknown {self.lse!r}; known: None, {list(LSE_LAYOUTS)}")
         if self.lse_base not in LSE_BASES:
@@ -231,8 +243,9 @@ class Capabilities:
         head_dim_v = getattr(geometry, "head_dim_v", None)
         if head_dim_v is not None and head_dim_v != geometry.head_dim and not (
                 self.head_dims_v is not None and self.head_dims_v.allows(head_dim_v)):
-            return f"head_dim_v {head_dim_v} != head_dim {geometry.head_dim} is outside the declared " \
-                   f"{self.head_dims_v.describe() if self.head_dims_v is not None else 'head_dims_v (None: equal only)'}"
+            declared = self.head_dims_v.describe() if self.head_dims_v is not None else "None (equal widths only)"
+            return f"head_dim_v {head_dim_v} != head_dim {geometry.head_dim} is outside the declared head_dims_v " \
+                   f"{declared}"
         checks = (("block_size", self.block_sizes, geometry.block_size),
                   ("head_dim", self.head_dims, geometry.head_dim),
                   ("num_kv_heads", self.num_kv_heads, geometry.num_kv_heads),

@@ -104,7 +104,9 @@ class PagedKVBackend(Protocol):
             query: ``[total_q, num_q_heads, head_dim]``; rows ``query_start_loc[b]:query_start_loc[b + 1]``
                 belong to sequence ``b`` and sit at its last ``q_len`` positions (causal mask aligned
                 bottom-right). GQA: query head ``h`` uses kv head ``h // (num_q_heads // num_kv_heads)``.
-            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` and ``[..., head_dim_v]``:
+                V may be narrower or wider than K, or a view of K's first ``head_dim_v`` columns (MLA's latent
+                cache; ``Capabilities.head_dims_v``, ``shared_kv_storage``).
             block_tables: ``int32 [batch, max_blocks_per_seq]``, ``-1``-padded; only the first
                 ``ceil(seq_len / block_size)`` entries of a row are read.
             seq_lens: ``int32 [batch]`` context lengths including the new query tokens.
@@ -120,9 +122,12 @@ class PagedKVBackend(Protocol):
                 of floats, converted once to float32 (``docs/contract.md``); the suite passes float32.
             k_scale, v_scale: fp8 pools only (required there): a float or ``float32 [num_kv_heads]``;
                 K/V are read as ``float32(stored) * scale``.
+            return_lse: a backend that declares an LSE (``Capabilities.lse``, ``lse_base``) returns ``(out,
+                lse)``: ``lse`` float32 ``[num_q_heads, total_q]`` (``"head_major"``) or ``[total_q,
+                num_q_heads]`` (``"token_major"``), the log (base e or 2) of each row's softmax denominator.
 
         Returns:
-            ``[total_q, num_q_heads, head_dim]`` in ``query.dtype``. Positions ``>= seq_len`` (and outside
+            ``[total_q, num_q_heads, head_dim_v]`` in ``query.dtype``. Positions ``>= seq_len`` (and outside
             a query's window) never influence the result, even when they hold NaN or inf.
 
         Raises:
@@ -132,3 +137,23 @@ class PagedKVBackend(Protocol):
 
 #: The contract's ops, in the order the suite lists them.
 OPS = ("scatter", "gather", "write_kv", "paged_attention")
+
+
+class MergesAttentionStates(Protocol):
+    """The optional op of a backend that merges partial attention states (``docs/contract.md``)."""
+
+    def merge_attn_states(self, prefix_out: torch.Tensor, prefix_lse: torch.Tensor, suffix_out: torch.Tensor,
+                          suffix_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's ``merge_attn_states``, FlashInfer's ``merge_state``: attention over two disjoint parts of the
+        context from each part's output and LSE.
+
+        Args:
+            prefix_out, suffix_out: ``[total_q, num_heads, head_dim_v]``, one float dtype.
+            prefix_lse, suffix_lse: float32 in the declared layout (``Capabilities.lse``) and base
+                (``lse_base``); ``-inf`` (with output 0): the part has no keys.
+
+        Returns:
+            ``(out, lse)``, new tensors: ``out = (w_p out_p + w_s out_s) / (w_p + w_s)`` with ``w = exp(lse -
+            max)``, ``lse = max + log(w_p + w_s)``. A part of no keys returns the other exactly; two give
+            ``out = 0, lse = -inf``, never NaN.
+        """

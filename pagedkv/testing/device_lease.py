@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import time
 import uuid
 from contextlib import contextmanager
@@ -30,31 +29,17 @@ from pathlib import Path
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pagedkv.units import parse_bytes  # noqa: F401 - the one rule for sizes (re-exported: its callers)
+
 #: What a device keeps free of leases when no budget is declared (the CUDA context of each worker,
 #: the allocator's cache, the small tensors of every other test).
 DEFAULT_HEADROOM = 16 * 2**30
 #: How often a waiting test looks at the ledger again, in seconds.
 POLL_S = 0.05
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 class LeaseTooLarge(ValueError):
     """A lease larger than the whole budget: it could never be granted."""
-
-
-def parse_bytes(text: str | int, what: str = "size") -> int:
-    """``"141GiB"`` / ``"6.5 GB"`` / ``"1024"`` in bytes.
-
-    Raises:
-        ValueError: ``text`` is not a number with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).
-    """
-    if isinstance(text, int):
-        return text
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"{what}: {text!r} is not a size such as 141GiB, 80GB or 1048576")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def format_bytes(n: float) -> str:

@@ -21,20 +21,20 @@ replay line of its own.
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedkv.testing import history as process_history
 from pagedkv.testing.compare import MissingOp
 from pagedkv.testing.guard import GuardedBackend
 from pagedkv.testing.hypothesis_internals import failure_origin, set_database_key
 
-#: How many cases run before a failing one its case file records (``history``), oldest first: replay
-#: reruns them in order when the failing case alone does not fail.
-HISTORY = 16
+#: How many cases run before a failing one its case file records (``history``, process-wide: any property's),
+#: oldest first: replay reruns them in order (:mod:`pagedkv.testing.history`).
+HISTORY = process_history.KEEP
 
 
 class BudgetSpent(BaseException):
@@ -54,7 +54,7 @@ class Failure:
     error: BaseException
     case_file: Path | None = None
     replay: str = ""
-    history: list = field(default_factory=list)  # the cases run on the backend before this one, oldest first
+    history: Any = None  # the process's earlier calls to the backend (pagedkv.testing.history.Earlier)
 
     @property
     def first_line(self) -> str:
@@ -117,14 +117,18 @@ def call(prop: Any, backends: tuple, case: Any, device: str) -> None:
 
     backends = _with_reference(prop, tuple(backends))
     caps = capabilities_of(backends[-1])
-    guard = GuardedBackend(backends[-1])  # the output and input contract of every op call
+    guard = GuardedBackend(backends[-1], caps)  # the output and input contract of every op call
     candidate = as_declared_layout(guard, caps)
-    with pool_layout(caps.layout):  # the candidate's memory order; compared as NHD
-        if prop.pair:
-            prop.check(backends[0], candidate, case, device)
-        else:
-            prop.check(candidate, case, device)
-    guard.judge_again(seed=getattr(case, "seed", 0) or 0)  # the same bits again, after other values
+    calls_before = process_history.calls(backends[-1])
+    try:
+        with pool_layout(caps.layout):  # the candidate's memory order; compared as NHD
+            if prop.pair:
+                prop.check(backends[0], candidate, case, device)
+            else:
+                prop.check(candidate, case, device)
+        guard.judge_again(seed=getattr(case, "seed", 0) or 0)  # the same bits again, after other values
+    finally:  # passed or not, the calls happened: a later failure's case file records them
+        process_history.judged(backends[-1], prop.name, case, calls_before)
 
 
 def replay_command(path: Path | str, impl: str | None = None, device: str = "cpu", other: str | None = None) -> str:
@@ -185,16 +189,16 @@ class _Recorder:
         exc = failure.error
         outcome = "failed" if isinstance(exc, AssertionError) else "raised"
         error = str(exc) if outcome == "failed" else f"{type(exc).__name__}: {exc}"
+        earlier = failure.history or process_history.Earlier()
         failure.case_file = save_failure(self.prop.name, self.spec, failure.case, other=self.other, outcome=outcome,
-                                         error=error, path=path,
-                                         extra={"history": [c.to_dict() for c in failure.history]})
+                                         error=error, path=path, extra=earlier.to_record())
         failure.replay = replay_command(path, self.spec, self.device, self.other)
 
-    def failed(self, case: Any, exc: BaseException, history: list | None = None) -> Failure:
+    def failed(self, case: Any, exc: BaseException, history: Any = None) -> Failure:
         origin = failure_origin(exc)
         running = self.running
         origins = list(self.by_origin)
-        failure = Failure(case, exc, history=list(history or []))
+        failure = Failure(case, exc, history=history)
         if self.base is not None:
             path = self._path(origins.index(origin) if origin in origins else len(origins))
             self._save(failure, path)
@@ -210,7 +214,7 @@ class _Recorder:
         final = []
         for i, error in enumerate(errors):
             found = self.by_error.get(id(error)) or self.by_origin.get(failure_origin(error))
-            failure = Failure(found.case if found else None, error, history=found.history if found else [])
+            failure = Failure(found.case if found else None, error, history=found.history if found else None)
             if self.base is not None and failure.case is not None:
                 self._save(failure, self._path(i))
             final.append(failure)
@@ -247,6 +251,7 @@ def run_case(prop: Any, backends: tuple, case: Any, device: str = "cpu", *, spec
     recorder = _Recorder(prop, spec or backend_name(backends[-1]), other if prop.pair else None, case_file, device)
     start = time.perf_counter()
     recorder.before(case)
+    earlier = process_history.earlier(backends[-1])
     try:
         call(prop, backends, case, device)
     except MissingOp as exc:
@@ -257,7 +262,7 @@ def run_case(prop: Any, backends: tuple, case: Any, device: str = "cpu", *, spec
         outcome.status, outcome.reason = "skipped", f"the case is rejected by the property ({type(exc).__name__})"
     except Exception as exc:  # noqa: BLE001 - any exception from a backend is a finding, reported with its case
         outcome.status, outcome.examples, outcome.first_failing_example = "failed", 1, 1
-        outcome.failures.append(recorder.failed(case, exc))
+        outcome.failures.append(recorder.failed(case, exc, earlier))
     else:
         recorder.passed()
         outcome.examples = 1
@@ -329,7 +334,6 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
     recorder = _Recorder(prop, spec or backend_name(backends[-1]), (other or backend_name(backends[0]))
                          if prop.pair else None, case_file, device)
     state = {"calls": 0}
-    history: collections.deque = collections.deque(maxlen=HISTORY)
     rejections = _rejections()
 
     def body(case):
@@ -341,6 +345,7 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
             on_example()
         recorder.before(case)
         specialisations.record(prop.ops, case, caps)  # what a GPU run compiles for this example
+        earlier = process_history.earlier(backends[-1])
         try:
             call(prop, backends, case, device)
             if after_pass is not None:
@@ -353,11 +358,9 @@ def run(prop: Any, backends: tuple, device: str = "cpu", settings: Any = None, *
             raise
         except Exception as exc:
             outcome.first_failing_example = outcome.first_failing_example or state["calls"]
-            recorder.failed(case, exc, list(history))
-            history.append(case)
+            recorder.failed(case, exc, earlier)
             raise
         recorder.passed()
-        history.append(case)
 
     test = given(prop.strategy_in(caps, **(overrides or {})))(body)
     if explicit:
@@ -393,7 +396,7 @@ def _run_machine(prop: Any, backend: Any, device: str, chosen: Any, outcome: Out
 
     try:
         with pool_layout(caps.layout):
-            prop.check(as_declared_layout(backend), device, chosen, caps)
+            prop.check(as_declared_layout(GuardedBackend(backend, caps), caps), device, chosen, caps)
     except MissingOp as exc:
         outcome.status, outcome.reason = "skipped", str(exc)
     except Exception as exc:  # noqa: BLE001 - the state machine's failure, steps printed by Hypothesis

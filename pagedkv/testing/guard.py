@@ -14,18 +14,34 @@
 - **fresh memory**: the call runs under ``torch.use_deterministic_algorithms(True, warn_only=True)``
   with :data:`torch.utils.deterministic.fill_uninitialized_memory` on, so ``torch.empty`` is filled
   (NaN for floating types) and an output row the candidate never writes cannot hold a previous answer.
-- **threads and streams**: no thread the call started is alive when it returns; on CUDA every stream
-  is synchronised (:func:`torch.cuda.synchronize`) before anything is read.
+- **threads and streams**: every CUDA device the call's tensors (and its output) are on is synchronised
+  (:func:`torch.cuda.synchronize` of that device) before anything is read. A thread the call started
+  may outlive it (a pool of workers the kernel creates on first use and keeps) as long as it writes
+  nothing once the call has returned: the output and every tensor argument are read when the call
+  returns and again :data:`SETTLE_S` later (or when those threads end, if sooner); a difference is a
+  violation (the result was still being written), idle workers are not. Only a call that started
+  threads pays the wait.
 
 :meth:`GuardedBackend.judge_again` reruns the first calls a check made: on the same tensors holding
 other values of the same shapes (another case), then holding the case's values again, and requires the
 first run's bits; the call on other values must not return the first call's bits either. A candidate
 that caches by shape or by data pointer, returns a stale buffer, skips work it has "seen", counts its
-calls, or is nondeterministic, answers differently.
+calls, or is nondeterministic, answers differently. A kernel that is nondeterministic by design (atomics
+in a split reduction) declares it, ``Capabilities(nondeterminism_ulp=N)``: its rerun's output may then
+differ from the first run's by up to ``N`` ulps per element (NaN where the first had NaN); the reference
+comparisons of the properties keep their usual bar, and written pools are still compared bit for bit.
 
-Calls whose inputs hold more than :data:`MAX_SNAPSHOT_BYTES` (the lazily backed pools of the limit
-cases) are not snapshotted, filled or rerun: copying them would commit memory those cases never touch,
-and deterministic index kernels on them would allocate as much again.
+Calls whose inputs hold more than :data:`MAX_SNAPSHOT_BYTES` in all are not copied, filled or rerun
+(copies would commit memory the large-pool cases never touch, and deterministic index kernels on them
+would allocate as much again): their inputs are checked unchanged by a digest of each storage instead
+(:func:`storage_digest`, chunked weighted sums: any change of one word changes its chunk's sum; the
+chunk says where), small ones copied as usual. Storages above :data:`MAX_DIGEST_BYTES` (the lazily
+backed pools of the limit cases, gigabytes of zero pages whose own properties scan them for writes)
+and ``meta`` tensors are not read.
+
+Every call the guard sees is counted per candidate for the process's history
+(:mod:`pagedkv.testing.history`: what a case file records, so replay can bring back a failure that
+depends on earlier calls).
 """
 
 from __future__ import annotations
@@ -40,6 +56,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.testing import history as process_history
 from pagedkv.testing.compare import Mismatch, bits
 
 #: The ops whose calls are guarded.
@@ -64,6 +81,12 @@ DATA_ARGS = ("query", "k_cache", "v_cache", "key", "value", "cache", "values")
 MAX_SNAPSHOT_BYTES = 64 << 20
 #: How many calls of one check :func:`judge_again` reruns (the first ones: a property's main call).
 RERUN_CALLS = 2
+#: Largest storage a large call's digest reads (bytes); larger ones are not checked (module docstring).
+MAX_DIGEST_BYTES = 2 << 30
+#: Int64 words per chunk of a storage digest (16 MiB).
+DIGEST_CHUNK = 1 << 21
+#: How long a call that started threads still alive at its return is watched for late writes (seconds).
+SETTLE_S = 0.2
 
 
 class ContractViolation(Mismatch):
@@ -178,9 +201,109 @@ class _FreshMemoryFilled:
         return False
 
 
-def _synchronize(tensors) -> None:
-    if any(t.device.type == "cuda" for _, t in tensors) and torch.cuda.is_available():
-        torch.cuda.synchronize()
+def _synchronize(tensors, out: Any = None) -> None:
+    """Synchronise every CUDA device the tensors (and ``out``) are on: a kernel may run on any of them."""
+    devices = {t.device for _, t in tensors if t.device.type == "cuda"}
+    if isinstance(out, torch.Tensor) and out.device.type == "cuda":
+        devices.add(out.device)
+    for device in devices:
+        torch.cuda.synchronize(device)
+
+
+_WEIGHTS: dict = {}
+
+
+def _weights(device: torch.device) -> torch.Tensor:
+    """Odd int64 weights, one per word of a chunk: a change of one word by ``d != 0`` changes the chunk's
+    wrapped sum by ``d * w``, which is never 0 mod 2**64 for an odd ``w``."""
+    if (device, DIGEST_CHUNK) not in _WEIGHTS:
+        gen = torch.Generator().manual_seed(0x9E3779B97F4A7C15 & (2**63 - 1))
+        w = torch.randint(-(2**62), 2**62, (DIGEST_CHUNK,), generator=gen, dtype=torch.int64) | 1
+        _WEIGHTS[device, DIGEST_CHUNK] = w.to(device)
+    return _WEIGHTS[device, DIGEST_CHUNK]
+
+
+def storage_digest(t: torch.Tensor) -> torch.Tensor | None:
+    """A digest of the whole storage under ``t`` (every byte, whatever the view): one wrapped int64 weighted
+    sum per :data:`DIGEST_CHUNK` words, as an int64 tensor on ``t``'s device; ``None`` for a ``meta`` tensor
+    or a storage over :data:`MAX_DIGEST_BYTES`. Two digests of one storage are equal when no byte changed
+    (up to a collision of a multi-word change, about 2**-64 per chunk for unstructured changes)."""
+    storage = t.untyped_storage()
+    n = storage.nbytes()
+    if t.device.type == "meta" or n > MAX_DIGEST_BYTES:
+        return None
+    with torch._C.DisableTorchFunction():
+        raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        words = raw[: n - n % 8].view(torch.int64)
+        w = _weights(t.device)
+        product = torch.empty_like(w)  # reused: no allocation per chunk (1.75x faster on CPU)
+        sums = []
+        for i in range(0, words.numel(), DIGEST_CHUNK):
+            m = min(DIGEST_CHUNK, words.numel() - i)
+            torch.mul(words[i:i + m], w[:m], out=product[:m])
+            sums.append(product[:m].sum())
+        sums.append((raw[n - n % 8:].to(torch.int64) * w[: n % 8]).sum())
+        return torch.stack(sums)
+
+
+def _changed_bytes(t: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> str:
+    """Where two digests of ``t``'s storage differ, in words (the first changed chunk, and its block for a pool)."""
+    chunk = int((old != new).nonzero()[0])
+    lo = chunk * DIGEST_CHUNK * 8
+    hi = min(lo + DIGEST_CHUNK * 8, t.untyped_storage().nbytes())
+    where = f"bytes {lo}..{hi} of its storage"
+    if t.dim() >= 1 and t.stride(0) > 0:
+        first = (lo - t.storage_offset() * t.element_size()) // (t.stride(0) * t.element_size())
+        where += f" (from about index {max(first, 0)} of dim 0)"
+    return where
+
+
+class _Snapshot:
+    """Every input's state before a call: a copy (small calls, small tensors) or a storage digest."""
+
+    def __init__(self, tensors: list, small: bool, writable: frozenset = frozenset()):
+        self.copies, self.digests = {}, {}
+        for name, t in tensors:
+            if not small and name in writable:
+                continue  # a pool the op writes: not judged unchanged, and a large one is not rerun either
+            if small or t.numel() * t.element_size() <= MAX_SNAPSHOT_BYTES >> 6:  # small ones: copied (1 MiB)
+                self.copies[name] = t.clone()
+            else:  # views of one storage (K and V of one arena) share a digest
+                same = next((n for n, u in tensors if n in self.digests and _storage_key(u) == _storage_key(t)), None)
+                self.digests[name] = self.digests[same] if same else storage_digest(t)
+
+    def __bool__(self) -> bool:
+        return bool(self.copies or self.digests)
+
+
+def _state(out: Any, tensors: list) -> dict:
+    """The bits (small) or digest (large) of the output and every tensor argument, to compare a moment later."""
+    state = {}
+    for name, t in ([("the output", out)] if isinstance(out, torch.Tensor) else []) + list(tensors):
+        with torch._C.DisableTorchFunction():
+            state[name] = bits(t.detach()).clone() if t.numel() * t.element_size() <= MAX_SNAPSHOT_BYTES \
+                else storage_digest(t)
+    return state
+
+
+def _ulp_apart(a_bits: torch.Tensor, b_bits: torch.Tensor, dtype: torch.dtype, tolerance: int) -> bool:
+    """Whether two floating tensors, given as their bits, are within ``tolerance`` ulps element by element
+    (NaN only where the other is NaN); bit-equal for a non-floating dtype or ``tolerance`` 0."""
+    if tolerance <= 0 or not dtype.is_floating_point or a_bits.shape != b_bits.shape:
+        return a_bits.shape == b_bits.shape and torch.equal(a_bits, b_bits)
+    a_nan, b_nan = a_bits.view(dtype).isnan(), b_bits.view(dtype).isnan()
+    if not torch.equal(a_nan, b_nan):
+        return False
+    width = 8 * a_bits.element_size()
+    magnitude = (1 << (width - 1)) - 1
+
+    def ordered(x: torch.Tensor) -> torch.Tensor:  # the float's position on the number line, in ulps
+        x = x.to(torch.int64) & ((1 << width) - 1) if width < 64 else x
+        sign = (x >> (width - 1)) & 1
+        return torch.where(sign.bool(), -(x & magnitude), x & magnitude)
+
+    far = (ordered(a_bits) - ordered(b_bits)).abs() > tolerance
+    return not bool((far & ~a_nan).any())
 
 
 class GuardedBackend:
@@ -189,10 +312,17 @@ class GuardedBackend:
 
     Args:
         backend: the candidate (the object the user declared, before any layout adapter).
+        caps: its :class:`~pagedkv.backends.capabilities.Capabilities` (``None``: read from ``backend``); its
+            ``nondeterminism_ulp`` is the rerun tolerance of :meth:`judge_again`.
     """
 
-    def __init__(self, backend: Any):
+    def __init__(self, backend: Any, caps: Any = None):
+        if caps is None:
+            from pagedkv.backends.capabilities import capabilities_of
+
+            caps = capabilities_of(backend)
         self._backend = backend
+        self._tolerance_ulp = int(getattr(caps, "nondeterminism_ulp", 0) or 0)
         self._calls: list[_Call] = []
         self._outputs: list = []  # weak references to outputs returned so far
 
@@ -204,26 +334,17 @@ class GuardedBackend:
             return guarded
         return value
 
-    @property
-    def guarded(self) -> Any:
-        """The backend under the guard."""
-        return self._backend
-
     def _guarded_call(self, op: str, fn: Any, *args, **kwargs) -> Any:
         __tracebackhide__ = True
+        process_history.count_call(self._backend)
         tensors = _named(op, args, kwargs)
         small = _storage_bytes(tensors) <= MAX_SNAPSHOT_BYTES
-        before = {name: t.clone() for name, t in tensors} if small else {}
+        before = _Snapshot(tensors, small, frozenset(tensors[i][0] for i in WRITES.get(op, ()) if i < len(tensors)))
         threads = set(threading.enumerate())
         with _fill_fresh_memory() if small else contextlib.nullcontext():
             out = fn(*args, **kwargs)
-        _synchronize(tensors)
-        started = [t for t in threading.enumerate() if t not in threads and t.is_alive()]
-        if started:
-            for t in started:  # let them end, so the failure leaves no work running behind it
-                t.join(timeout=30)
-            raise ContractViolation(f"{op} returned while a thread it started is still running "
-                                    f"({', '.join(t.name for t in started)}): its result may not be written yet")
+        _synchronize(tensors, out)
+        _settle(op, out, tensors, threads)
         with torch._C.DisableTorchFunction():
             self._check_output(op, out, tensors)
             self._check_inputs(op, tensors, before)
@@ -231,8 +352,8 @@ class GuardedBackend:
         if small and not aliased and len(self._calls) < RERUN_CALLS:  # aliased pools: copies would not alias
             written = {i: bits(tensors[i][1]).clone() for i in WRITES.get(op, ()) if i < len(tensors)}
             kept = _first(out)
-            self._calls.append(_Call(op, args, kwargs, before, kept, bits(kept).clone() if kept is not None else None,
-                                     written))
+            self._calls.append(_Call(op, args, kwargs, before.copies, kept,
+                                     bits(kept).clone() if kept is not None else None, written))
         return out
 
     def _check_output(self, op: str, out: Any, tensors: list, pair: bool = False) -> None:
@@ -286,7 +407,7 @@ class GuardedBackend:
 
         self._outputs = alive + [weakref.ref(out)]
 
-    def _check_inputs(self, op: str, tensors: list, before: dict) -> None:
+    def _check_inputs(self, op: str, tensors: list, before: _Snapshot) -> None:
         if not before:
             return
         writable = {tensors[i][0] for i in WRITES.get(op, ()) if i < len(tensors)}
@@ -294,7 +415,13 @@ class GuardedBackend:
         for name, t in tensors:
             if name in writable or any(_overlaps(t, w) for w in written):
                 continue  # a pool the op writes (its frame condition is a property of its own)
-            old = before[name]
+            if name in before.digests:
+                old, new = before.digests[name], storage_digest(t)
+                if old is not None and new is not None and not torch.equal(old, new):
+                    raise ContractViolation(f"{op} wrote its input {name} at {_changed_bytes(t, old, new)}; it must "
+                                            f"leave {name} unchanged bit for bit, padding and unused slots included")
+                continue
+            old = before.copies[name]
             if t.shape != old.shape or not torch.equal(bits(t.detach()), bits(old)):
                 if t.shape != old.shape:
                     raise ContractViolation(f"{op} changed the shape of its input {name}")
@@ -344,8 +471,9 @@ class GuardedBackend:
             out = _first(self._plain_call(fn, c, named))
             with torch._C.DisableTorchFunction():
                 if c.output is not None and (not isinstance(out, torch.Tensor) or out.shape != c.output.shape
-                                             or not torch.equal(bits(out), c.output_bits)):
-                    raise ContractViolation(_again_message(c.op, out, c.output_bits))
+                                             or not _ulp_apart(bits(out), c.output_bits, c.output.dtype,
+                                                               self._tolerance_ulp)):
+                    raise ContractViolation(_again_message(c.op, out, c.output_bits, self._tolerance_ulp))
                 for i, first in c.after.items():
                     if not torch.equal(bits(named[i][1]), first):
                         raise ContractViolation(f"{c.op} judged twice: {named[i][0]} after the second run on the "
@@ -354,14 +482,13 @@ class GuardedBackend:
                                                 f"skipped by data pointer, a call count) or is nondeterministic")
 
     def _plain_call(self, fn: Any, c: _Call, named: list) -> Any:
-        """``fn`` on the recorded arguments, memory filled, streams synchronised, threads ended."""
+        """``fn`` on the recorded arguments, memory filled, devices synchronised, late writes refused."""
+        process_history.count_call(self._backend)
         threads = set(threading.enumerate())
         with _fill_fresh_memory():
             out = fn(*c.args, **c.kwargs)
-        _synchronize(named)
-        for t in threading.enumerate():
-            if t not in threads and t.is_alive():
-                t.join(timeout=30)
+        _synchronize(named, out)
+        _settle(c.op, out, named, threads)
         return out
 
 
@@ -372,13 +499,38 @@ def _first(out: Any) -> Any:
     return out if isinstance(out, torch.Tensor) else None
 
 
-def _again_message(op: str, out: Any, first: torch.Tensor) -> str:
+def _settle(op: str, out: Any, tensors: list, threads: set) -> None:
+    """When the call left threads it started alive: its output and every tensor argument must read the same
+    when it returned and :data:`SETTLE_S` later (or once those threads ended). An idle worker kept for later
+    calls passes; a thread still writing the result is a :class:`ContractViolation`."""
+    started = [t for t in threading.enumerate() if t not in threads and t.is_alive()]
+    if not started:
+        return
+    import time
+
+    at_return = _state(out, tensors)
+    deadline = time.monotonic() + SETTLE_S
+    for t in started:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    _synchronize(tensors, out)
+    later = _state(out, tensors)
+    for name, first in at_return.items():
+        if first is not None and later[name] is not None and not torch.equal(first, later[name]):
+            names = ", ".join(t.name for t in started)
+            raise ContractViolation(f"{op} returned while a thread it started ({names}) was still writing: "
+                                    f"{name} changed after the call returned (its result was not written yet)")
+
+
+def _again_message(op: str, out: Any, first: torch.Tensor, tolerance_ulp: int = 0) -> str:
     """``first``: the bits of the first run's output."""
     where = ""
     if isinstance(out, torch.Tensor) and out.shape == first.shape:
         diff = (bits(out) != first).nonzero()
         if diff.numel():
             where = f" at index {[int(x) for x in diff[0]]} ({diff.shape[0]} elements differ)"
+    within = f" by more than the declared nondeterminism_ulp={tolerance_ulp}" if tolerance_ulp else ""
     return (f"{op} judged twice: on the same inputs again, after a call on other values of the same shapes, "
-            f"the output differs from the first run{where}: the result depends on earlier calls (a cache by shape or "
-            f"data pointer, a stale buffer, a call count) or is nondeterministic")
+            f"the output differs from the first run{where}{within}: the result depends on earlier calls (a cache "
+            f"by shape or data pointer, a stale buffer, a call count) or is nondeterministic"
+            + ("" if tolerance_ulp else " (a kernel nondeterministic by design declares "
+                                        "Capabilities(nondeterminism_ulp=N))"))

@@ -221,10 +221,11 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function):
 
 @pytest.fixture(scope="session")
 def device(request) -> str:
-    """The device the suite's tensors live on (see :func:`pagedkv.testing.space.pick_device`)."""
-    from pagedkv.testing.space import pick_device
+    """The device the suite's tensors live on (see :func:`pagedkv.testing.space.pick_device`), made the
+    worker's current CUDA device (:func:`pagedkv.testing.space.select_device`)."""
+    from pagedkv.testing.space import select_device
 
-    return pick_device(request.config.getoption("pagedkv_device", None))
+    return select_device(request.config.getoption("pagedkv_device", None))
 
 
 def _declared_device_memory(config: pytest.Config) -> str | None:

@@ -10,7 +10,7 @@ the mutation command) asks this module, so they agree on what a backend is judge
   whose kernels are interpreted here;
 - :func:`interpreted` and :func:`example_cap`: Triton kernels run by the interpreter (100-1000x
   slower) draw a tenth of the profile's examples;
-- :func:`pick_device`: the device the suite's tensors live on.
+- :func:`pick_device`: the device the suite's tensors live on; :func:`select_device` also makes it current.
 
 Nothing here imports Hypothesis or pytest.
 """
@@ -124,6 +124,18 @@ def pick_device(chosen: str | None = None) -> str:
         worker = re.fullmatch(r"gw(\d+)", os.environ.get("PYTEST_XDIST_WORKER", "gw0"))
         return f"cuda:{int(worker.group(1)) % torch.cuda.device_count() if worker else 0}"
     return "cpu"
+
+
+def select_device(chosen: str | None = None) -> str:
+    """:func:`pick_device`, made the current CUDA device when it is one (:func:`torch.cuda.set_device`): each
+    xdist worker's kernels then launch, allocate and synchronise on its own device, not on ``cuda:0``."""
+    device = pick_device(chosen)
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.device(device).index is not None:  # plain "cuda": the current device already
+            torch.cuda.set_device(torch.device(device))
+    return device
 
 
 #: The leading positional parameters of each op up to its last pool (the contract's signatures).

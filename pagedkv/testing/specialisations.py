@@ -47,6 +47,8 @@ def key_of(op: str, case: Any, names: frozenset) -> tuple | None:
     key.append(("dtype", geometry.dtype))
     if "features" in names:
         features = sorted(getattr(holder, "features", ()) or ()) if op in _ATTENTION else []
+        if op in _ATTENTION and getattr(holder, "cuts", ()):  # the partial-attention properties: the LSE variant
+            features.append("lse")
         key.append(("features", "+".join(features + ([fp8] if fp8 != "auto" else [])) or "-"))
     return tuple((n, v) for n, v in key if n in names or n == "features")
 

@@ -273,3 +273,22 @@ def test_header_counts_are_the_sums_of_the_table():
     assert int(header[5]) == report.cache_stats["cached_tokens"] > 0
     for r in rows:
         assert int(r[1]) - int(r[2].rstrip("f")) + int(r[5]) - 1 == int(r[3])  # prompt - cached + new - 1
+
+
+def test_a_deepseek_v3_model_served_from_the_paged_latent_cache_matches_dense():
+    """MLA: one latent pool (32 + 8 rope columns, V its first 32), the query absorbed into the latent space;
+    tokens identical to transformers' own expanded attention in float64."""
+    report = e2e.run_e2e("indexed", arch="deepseek_v3", **SMALL)
+    text = _assert_passes(report)
+    assert "multi-head latent attention from the paged latent cache" in text
+    assert report.cache_stats["cow_copies"] >= 1 and report.cache_stats["cached_tokens"] > 0, text
+
+
+@pytest.mark.slow  # Triton's interpreter serves the MLA model in about a minute
+def test_the_triton_backend_serves_the_deepseek_v3_model():
+    _assert_passes(e2e.run_e2e("triton", arch="deepseek_v3", **TINY))
+
+
+def test_an_mla_kernel_reading_the_rope_columns_at_the_wrong_offset_fails_the_deepseek_v3_e2e():
+    report = e2e.run_e2e(mutants.rope_read_at_wrong_offset, arch="deepseek_v3", **FAULT)
+    assert not report.ok and not report.tokens_identical, "\n".join(report.lines())

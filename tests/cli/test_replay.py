@@ -240,3 +240,34 @@ def test_a_kernel_that_masks_its_tail_has_no_read_marks():
     case = Case(Geometry(8, 4, 1, 4), (SeqSpec((2, 3), 6, 1), SeqSpec((0, 1), 8, 1)), poison="nan")
     assert unused_tails(case) == {3: [2, 3]}
     assert unused_slots_read(get_backend("indexed"), case) == {}
+
+
+def _recorded_failure(tmp_path, spec: str, **extra):
+    """A case file as a failing gate run writes it (outcome failed, a history), for a case that passes now."""
+    return writing.save_failure(SCATTER, spec, CASE, outcome="failed", error="recorded", path=tmp_path / "f.json",
+                                extra={"history": [], "calls_before": 0, "history_calls": 0, **extra})
+
+
+def test_impl_naming_the_recorded_backend_is_the_recorded_backend(tmp_path):
+    # the gate prints --impl SPEC for a user's kernel: a failure of it that does not come back is no pass
+    path = _recorded_failure(tmp_path, "indexed")
+    for impl in (None, "indexed"):
+        code, out = _run(path, ("impl", impl))
+        assert code == 3 and "PASSES" not in out and "did not reproduce" in out, out
+    code, out = _run(path, ("impl", "loop"))  # another backend: judged as itself
+    assert code == 0 and "PASSES" in out and "is not the recorded backend 'indexed'" in out, out
+
+
+def test_confirm_fix_judges_a_changed_kernel_on_the_case_alone(tmp_path):
+    path = _recorded_failure(tmp_path, "indexed", history=[{"check": SCATTER, "kind": "Case", "case": CASE.to_dict()}],
+                             calls_before=9, history_calls=3)
+    code, out = _run(path, ("impl", "indexed"), ("confirm_fix", True))
+    assert code == 0 and f"PASSES: {SCATTER} on indexed" in out and "earlier case" not in out, out
+
+
+def test_an_incomplete_history_is_repeated_up_to_the_recorded_call_count_and_said(tmp_path):
+    entry = {"check": SCATTER, "kind": "Case", "case": CASE.to_dict()}
+    path = _recorded_failure(tmp_path, "indexed", history=[entry], calls_before=40, history_calls=4)
+    code, out = _run(path)
+    assert code == 3, out
+    assert "repeating them for the 36 before" in out and "history is incomplete" in out, out

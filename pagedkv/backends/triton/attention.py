@@ -76,7 +76,8 @@ def _paged_attention_kernel(
     HEAD_DIM_V_PAD: tl.constexpr,
     ROPE_DIM: tl.constexpr,  # K's columns past HEAD_DIM (MLA: 64 rope columns after the 512 latent), or 0
     ROPE_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # query rows per program: BLOCK_M // QUERIES_PER_KV tokens x the whole group
+    BLOCK_M: tl.constexpr,  # query rows per program: BLOCK_M // GROUP_TILE tokens x GROUP_TILE query heads
+    GROUP_TILE: tl.constexpr,  # query heads of the group per program (the whole group but for MLA's 16..128)
     BLOCK_N: tl.constexpr,  # key positions per iteration
     UPCAST: tl.constexpr,  # do the dots in float32 (float32 caches, bfloat16 under the interpreter)
     DOT_PRECISION: tl.constexpr,
@@ -94,9 +95,11 @@ def _paged_attention_kernel(
     # one part of the tile's keys). All query heads of the kv head's group share the tile, so each K/V
     # block is read once per group, not per head.
     pid = tl.program_id(0)
-    kv_head = tl.program_id(1).to(tl.int64)
+    GROUP_TILES: tl.constexpr = (QUERIES_PER_KV + GROUP_TILE - 1) // GROUP_TILE
+    kv_head = (tl.program_id(1) // GROUP_TILES).to(tl.int64)
+    group_tile = tl.program_id(1) % GROUP_TILES
     split = tl.program_id(2)
-    BLOCK_Q: tl.constexpr = BLOCK_M // QUERIES_PER_KV
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_TILE
     if SEARCH:  # sequence s owns programs query_start_loc[s] // BLOCK_Q + s onwards (launch_grid)
         seq = _find_sequence(query_start_loc_ptr, pid, batch, BLOCK_Q)
         q_tile = pid - (tl.load(query_start_loc_ptr + seq).to(tl.int32) // BLOCK_Q + seq)
@@ -112,12 +115,12 @@ def _paged_attention_kernel(
     context_len = seq_len - q_len  # the new query tokens are the last q_len positions
 
     rows = tl.arange(0, BLOCK_M)
-    q_tok = q_tile * BLOCK_Q + rows // QUERIES_PER_KV  # query token of each row, within the sequence
-    g = rows % QUERIES_PER_KV
+    q_tok = q_tile * BLOCK_Q + rows // GROUP_TILE  # query token of each row, within the sequence
+    g = group_tile * GROUP_TILE + rows % GROUP_TILE
     # GQA/MQA: query head h uses kv head h // QUERIES_PER_KV, so kv head k serves query heads
     # k * QUERIES_PER_KV .. k * QUERIES_PER_KV + QUERIES_PER_KV - 1.
     q_head = kv_head * QUERIES_PER_KV + g
-    row_ok = (rows < BLOCK_Q * QUERIES_PER_KV) & (q_tok < q_len)
+    row_ok = (rows < BLOCK_Q * GROUP_TILE) & (q_tok < q_len) & (g < QUERIES_PER_KV)
     q_pos = context_len + q_tok  # row's position in the sequence: it sees keys 0 .. q_pos
 
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -298,16 +301,20 @@ def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype,
     """
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     rope_dim = head_dim - head_dim_v if head_dim_v < head_dim else 0
-    group = triton.next_power_of_2(num_queries_per_kv)
+    group_tile = num_queries_per_kv
     head_dim_pad = max(16, triton.next_power_of_2(head_dim - rope_dim))
     rope_pad = max(16, triton.next_power_of_2(rope_dim)) if rope_dim else 0
     head_dim_v_pad = max(16, triton.next_power_of_2(head_dim_v))
     widest = max(head_dim_pad + rope_pad, head_dim_v_pad)
+    if widest >= 512 and num_queries_per_kv > 16:  # MLA: 16 query heads a program (a 16 x 512 accumulator)
+        group_tile = 16
+    group = triton.next_power_of_2(group_tile)
     upcast = fp8 or dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
     # Key tiles of at most 4096 elements (2048 in float32), the same for decode and prefill: a row sums
     # its keys in BLOCK_N steps, so a decode next to a prefill (prefill tiles) rounds as it does alone
     # (decode tiles): a request's output does not depend on its batch.
-    block_n = max(16, min(64, (2048 if upcast else 4096) // widest))
+    fit = (2048 if upcast else 4096) // widest
+    block_n = max(16, min(64, 1 << (fit.bit_length() - 1) if fit else 0))  # a power of two (K 32 + 8 rope: 48)
     if max_q_len <= 1:  # decode: one token x the GQA group, 16 rows at least, 4 warps
         block_m = max(16, group)
         num_warps = 4
@@ -315,8 +322,11 @@ def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype,
         # is 32 registers a thread)
         block_m = max(32 if upcast or widest > 128 else 64, group)
         num_warps = 8
+        if upcast and widest >= 512:  # float32 MLA: a 32-row tile of 512-wide rows spills on sm_90, 16 does not
+            block_m, num_warps = max(16, group), 4
     return dict(
-        QUERIES_PER_KV=num_queries_per_kv, HEAD_DIM=head_dim - rope_dim, HEAD_DIM_PAD=head_dim_pad,
+        QUERIES_PER_KV=num_queries_per_kv, GROUP_TILE=group_tile, HEAD_DIM=head_dim - rope_dim,
+        HEAD_DIM_PAD=head_dim_pad,
         HEAD_DIM_V=head_dim_v, HEAD_DIM_V_PAD=head_dim_v_pad, ROPE_DIM=rope_dim, ROPE_PAD=rope_pad, BLOCK_M=block_m,
         BLOCK_N=block_n,
         # Triton's interpreter multiplies bfloat16 bit patterns as integers in tl.dot, so it gets float32
@@ -397,14 +407,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     fp8 = k_cache.dtype in FP8_DTYPES
     cfg = attention_config(num_q_heads // num_kv_heads, head_dim, query.dtype, 1 if decode else max_q_len, fp8,
                            head_dim_v)
-    block_q = cfg["BLOCK_M"] // cfg["QUERIES_PER_KV"]
+    block_q = cfg["BLOCK_M"] // cfg["GROUP_TILE"]
     # keys a tile can see, bounded without reading the device: the table's width (or the window)
     max_context = block_tables.shape[1] * block_size
     if window_left >= 0:
         max_context = min(max_context, window_left + block_q)
     splits = num_splits_for(query, batch, num_kv_heads, max_context, 1 if decode else cdiv(max_q_len, block_q),
                             decode, num_splits)
-    grid, search = attention_grid(batch, total_q, num_kv_heads, max_q_len, block_q, splits)
+    group_tiles = cdiv(cfg["QUERIES_PER_KV"], cfg["GROUP_TILE"])
+    grid, search = attention_grid(batch, total_q, num_kv_heads * group_tiles, max_q_len, block_q, splits)
     flags = dict(HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
                  HAS_SINKS=sinks is not None, IS_FP8=fp8, FP8_E4=k_cache.dtype == torch.float8_e4m3fn,
                  SEARCH=search, SPLIT=splits > 1, RETURN_LSE=return_lse)

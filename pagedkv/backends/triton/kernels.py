@@ -3,6 +3,7 @@
 - :mod:`pagedkv.backends.triton.attention`: the fused paged-attention kernel (decode and prefill over a
   cached prefix, GQA, window / soft-cap / ALiBi / sinks / fp8 behind constexpr flags), split-K decode
   and its merge kernel, the tile configuration and the launcher :func:`paged_attention`.
+- :mod:`pagedkv.backends.triton.merge`: :func:`merge_attn_states`, the merge of two partial attention states.
 - :mod:`pagedkv.backends.triton.copy`: :func:`gather`, :func:`scatter`, :func:`write_kv` (vLLM
   ``reshape_and_cache``), token-tiled copies.
 - :mod:`pagedkv.backends.triton.common`: the interpreter switch, :func:`check_runnable`, fp8 helpers.
@@ -21,6 +22,7 @@ from pagedkv.backends.triton.launch_grid import splits
 from pagedkv.backends.triton.attention import attention_config, num_splits_for, paged_attention
 from pagedkv.backends.triton.common import LOG2E, check_runnable, interpreting
 from pagedkv.backends.triton.copy import copy_config, gather, scatter, write_kv
+from pagedkv.backends.triton.merge import merge_attn_states
 
 __all__ = ["LOG2E", "attention_config", "check_runnable", "copy_config", "gather", "interpreting",
-           "num_splits_for", "paged_attention", "scatter", "splits", "write_kv"]
+           "merge_attn_states", "num_splits_for", "paged_attention", "scatter", "splits", "write_kv"]

@@ -12,7 +12,7 @@ One concept a module:
 - this module: :func:`run_e2e`, which ties them together, and the command line.
 
 Command line: ``python -m pagedkv e2e [--backend NAME | --impl module:attr] [--device cpu|cuda]
-[--dtype float32|bfloat16|float16] [--arch llama|mistral|gemma2] [--sliding-window N]
+[--dtype float32|bfloat16|float16] [--arch llama|mistral|gemma2|deepseek_v3] [--sliding-window N]
 [--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_e5m2] [--model DIR] [--seed N] [--requests N]
 [--decode-steps N] [--block-size N] [--allow-near-ties]``; exit status 0 when the logits are within tolerance and the
 greedy tokens are identical (or differ only at near ties, with ``--allow-near-ties``), 1 otherwise, 2 for
@@ -32,7 +32,8 @@ from pagedkv.cli.e2e.fp8 import (KV_CACHE_DTYPES, Fp8OracleStep, kv_cache_dtype_
                                  kv_cache_dtype_name)
 from pagedkv.cli.e2e.model import (ARCHS, ATTN_IMPLEMENTATION, DEFAULT_SLIDING_WINDOW, STEP_KWARG,  # noqa: F401
                                    StepContext, build_model, every_layer_window_left, load_model, model_geometry,
-                                   pagedkv_attention_forward, register_attention)
+                                   install_latent_attention, is_mla, pagedkv_attention_forward,
+                                   register_attention)
 from pagedkv.cli.e2e.oracle import (E2E_LOGIT_TOLERANCE, E2EReport, RequestCheck, TokenMismatch,  # noqa: F401
                                     dense_model, dense_oracle)
 from pagedkv.cli.e2e.scenario import PagedEngine, Request, RequestResult, make_scenario  # noqa: F401
@@ -91,6 +92,8 @@ def run_e2e(backend: Any = "indexed", *, dtype: torch.dtype | str = torch.float3
         model = load_model(model, dtype=dtype, device=device)
     else:
         register_attention()
+    if is_mla(model):
+        install_latent_attention(model)
     vocab = model.config.vocab_size
     requests = make_scenario(seed=seed, num_requests=num_requests, decode_steps=decode_steps,
                              block_size=block_size, vocab_size=vocab)
@@ -132,6 +135,10 @@ def _model_note(model: torch.nn.Module) -> str:
     """One line: the architecture and the attention features its layers use."""
     cfg = model.config
     parts = [f"model {cfg.model_type}"]
+    if is_mla(model):
+        parts.append(f"multi-head latent attention from the paged latent cache (one pool of width "
+                     f"{cfg.kv_lora_rank} + {cfg.qk_rope_head_dim}, V its first {cfg.kv_lora_rank} columns, "
+                     f"{cfg.num_attention_heads} query heads, W_UK / W_UV absorbed)")
     window = getattr(cfg, "sliding_window", None)
     if window is not None and getattr(cfg, "use_sliding_window", True):
         kinds = getattr(cfg, "layer_types", None)
@@ -165,7 +172,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--arch", default="llama", choices=list(ARCHS),
                    help="random model's architecture: llama (full causal), mistral (sliding window on every "
                         "layer), gemma2 (alternating sliding/full layers, attention and final logit soft-capping, "
-                        "query_pre_attn_scalar); default llama; ignored with --model")
+                        "query_pre_attn_scalar), deepseek_v3 (multi-head latent attention served from the paged "
+                        "latent cache, V a view of K); default llama; ignored with --model")
     p.add_argument("--sliding-window", type=int, default=DEFAULT_SLIDING_WINDOW, metavar="N",
                    help=f"sliding window of mistral / gemma2 in tokens, the query included (default "
                         f"{DEFAULT_SLIDING_WINDOW}; passed to the backend as window_left = N - 1)")

@@ -157,7 +157,11 @@ def register_attention() -> str:
 
 # -- models -------------------------------------------------------------------------------------------
 #: ``--arch`` choices: transformers architectures built with seeded random weights.
-ARCHS = ("llama", "mistral", "gemma2")
+ARCHS = ("llama", "mistral", "gemma2", "deepseek_v3")
+
+#: DeepSeek-V3 (MLA) config of the random model: a latent of 32 plus 8 rope columns (V3's 512 + 64 at a
+#: tenth), per-head nope / V widths of 16, dense MLPs on every layer (no MoE routing to set up).
+MLA_KV_LORA_RANK, MLA_ROPE_DIM, MLA_NOPE_DIM, MLA_V_DIM = 32, 8, 16, 16
 
 #: sliding window of the ``mistral`` and ``gemma2`` configs (tokens a query sees, itself included):
 #: small, so the scenario's contexts exceed it, and not a multiple of the usual block sizes.
@@ -184,6 +188,13 @@ def _config(arch: str, sliding_window: int, **common: Any):
                                          sliding_window=sliding_window, attn_logit_softcapping=GEMMA2_ATTN_SOFTCAP,
                                          final_logit_softcapping=GEMMA2_FINAL_SOFTCAP,
                                          query_pre_attn_scalar=GEMMA2_QUERY_PRE_ATTN_SCALAR)
+    if arch == "deepseek_v3":  # MLA: one latent "kv head"; q_lora for the query as in V3
+        common = {**common, "num_key_value_heads": common["num_attention_heads"]}
+        return transformers.DeepseekV3Config(
+            **common, q_lora_rank=32, kv_lora_rank=MLA_KV_LORA_RANK, qk_rope_head_dim=MLA_ROPE_DIM,
+            qk_nope_head_dim=MLA_NOPE_DIM, v_head_dim=MLA_V_DIM, first_k_dense_replace=common["num_hidden_layers"],
+            n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
+            rope_interleave=True)
     raise ValueError(f"arch must be one of {list(ARCHS)}, got {arch!r}")
 
 
@@ -225,7 +236,74 @@ def build_model(*, arch: str = "llama", seed: int = 0, vocab_size: int = 256, hi
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
+    if is_mla(model):
+        install_latent_attention(model)
     return model.to(device=device, dtype=dtype).eval()
+
+
+# -- MLA: attention over the paged latent cache --------------------------------------------------------
+def is_mla(model: torch.nn.Module) -> bool:
+    """Whether ``model`` uses multi-head latent attention (DeepSeek V2 / V3: ``kv_lora_rank`` in its config)."""
+    return getattr(model.config, "kv_lora_rank", None) is not None
+
+
+def install_latent_attention(model: torch.nn.Module) -> None:
+    """Serve every MLA layer of ``model`` from the paged latent cache (:func:`latent_attention_forward`);
+    without a :class:`StepContext` (the dense oracle's copy) a layer runs transformers' own forward."""
+    import types
+
+    for module in model.modules():
+        if hasattr(module, "kv_b_proj") and hasattr(module, "kv_a_proj_with_mqa"):
+            module.forward = types.MethodType(latent_attention_forward, module)
+
+
+def latent_attention_forward(self: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple,
+                             attention_mask: torch.Tensor | None, cache: Any = None, **kwargs: Any):
+    """DeepSeek-V3 attention over the paged latent cache, vLLM's MLA decode (weights absorbed).
+
+    The layer's latent ``c = [kv_a_layernorm(kv_c) (kv_lora_rank), RoPE(k_pe) (rope)]`` is its one "kv
+    head": written with ``write_kv`` into the layer's pool ``k_cache [num_blocks, block_size, 1,
+    kv_lora_rank + rope]``, and read by ``paged_attention(query, k_cache, k_cache[..., :kv_lora_rank], ...)``:
+    V is the latent part of the same storage. The query is ``[q_nope @ W_UK, RoPE(q_pe)]`` (``W_UK``
+    absorbed from ``kv_b_proj``), so ``q . c = q_nope . k_nope + q_pe . k_pe`` as in the expanded model,
+    and the output ``o @ W_UV`` is the expanded model's attention output. transformers' own forward
+    (expanded K and V) runs when no :class:`StepContext` is passed.
+
+    Returns:
+        ``(attn_output [1, total_q, hidden_size], None)``.
+    """
+    step = kwargs.get(STEP_KWARG)
+    if not isinstance(step, StepContext):
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    batch, t = hidden_states.shape[:2]
+    if batch != 1:
+        raise ValueError(f"pagedkv attention expects a packed batch of 1, got {batch}")
+    nope, rope, rank, heads = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank, self.num_heads
+    if self.q_lora_rank is None:
+        q = self.q_proj(hidden_states)
+    else:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+    q_pass, q_rot = torch.split(q.view(1, t, heads, self.qk_head_dim).transpose(1, 2), [nope, rope], dim=-1)
+    kv_c, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [rank, rope], dim=-1)
+    kv_c = self.kv_a_layernorm(kv_c)
+    k_rot = k_rot.view(1, 1, t, rope)
+    cos, sin = position_embeddings
+    rotary = ds.apply_rotary_pos_emb_interleave if self.config.rope_interleave else ds.apply_rotary_pos_emb
+    q_rot, k_rot = rotary(q_rot, k_rot, cos, sin)
+    w = self.kv_b_proj.weight.view(heads, nope + self.v_head_dim, rank)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]
+    query = torch.cat([torch.einsum("hti,hic->thc", q_pass[0], w_uk), q_rot[0].transpose(0, 1)], dim=-1)
+    latent = torch.cat([kv_c[0], k_rot[0, 0]], dim=-1).unsqueeze(1)  # [total_q, 1, rank + rope]
+    k_cache = step.cache.k_cache(self.layer_idx)
+    # write_kv takes two pools: the cache's V pool gets the latent too and is never read (the cache
+    # manager has no single-pool mode); attention reads V from K's storage
+    step.backend.write_kv(k_cache, step.cache.v_cache(self.layer_idx), latent, latent, step.slot_mapping)
+    out = step.backend.paged_attention(query.contiguous(), k_cache, k_cache[..., :rank], step.block_tables,
+                                       step.seq_lens, step.query_start_loc, self.scaling)
+    out = torch.einsum("thc,hvc->thv", out, w_uv).reshape(1, t, heads * self.v_head_dim)
+    return self.o_proj(out), None
 
 
 def load_model(path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
@@ -275,8 +353,11 @@ def every_layer_window_left(model: torch.nn.Module) -> int | None:
 
 
 def model_geometry(model: torch.nn.Module) -> tuple[int, int, int]:
-    """``(num_layers, num_kv_heads, head_dim)`` of a transformers decoder-only model."""
+    """``(num_layers, num_kv_heads, head_dim)`` of a transformers decoder-only model (MLA: one latent
+    "head" of ``kv_lora_rank + qk_rope_head_dim``)."""
     cfg = model.config
+    if is_mla(model):
+        return cfg.num_hidden_layers, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim

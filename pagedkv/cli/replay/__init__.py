@@ -20,8 +20,21 @@ second backend of a pair).
 Exit status: 0 when the check passes, 1 when it fails, 2 when the file is refused or the backend
 cannot be loaded (one line naming the field, no traceback), 3 when the file records a failure of its
 backend (``outcome`` ``failed`` or ``raised``, written by a failing run: it holds ``history``) that
-does not happen again, neither alone nor after the earlier cases ``history`` records, rerun in order:
+does not happen again after the process's earlier calls the file records, rerun in order:
 replay prints ``did not reproduce (depends on earlier calls / nondeterministic)``, never ``PASSES``.
+
+The recorded backend is the one replayed whichever way it is named: from the file, or with ``--impl``
+naming the spec the file records (the only way for a user's own kernel, and the command the gate prints).
+A failure of it that does not come back is exit 3. After changing the kernel to fix the failure, say so:
+``--confirm-fix`` judges the case on its own (no earlier calls rerun) and a pass is ``PASSES``, exit 0.
+``--impl`` naming another backend judges that backend on the case, a pass a pass.
+
+The earlier calls: the file's ``history`` holds the last cases the process judged on the backend, of
+any property, oldest first, and ``calls_before`` / ``history_calls`` the op calls the process had made
+to it before the failing case and how many of those the recorded cases made. When the history is
+incomplete (the process made more calls than its recorded cases), replay first repeats the recorded
+cases until the backend has had as many calls (at most :data:`MAX_PADDING_CALLS`), so a failure that
+depends on the call count comes back; the verdict line says when the file's history is incomplete.
 """
 
 from __future__ import annotations
@@ -66,6 +79,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="run the case in a child process, so a backend that crashes (a segmentation fault, "
                              "a device fault) is reported as the result (default: on for a case file whose run "
                              "crashed, outcome 'running' or 'crashed')")
+    parser.add_argument("--confirm-fix", action="store_true",
+                        help="the backend was changed to fix the recorded failure: judge the case alone (no earlier "
+                             "calls rerun) and report a pass as PASSES, exit 0 (without it a recorded failure of the "
+                             "recorded backend that does not come back is exit 3)")
     add_drift_options(parser)
     parser.set_defaults(func=run)
     return parser
@@ -81,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     if isolated(args):
         return replay_in_child(args)
     return replay(args.file, device=args.device, impl=args.impl, other=args.other, max_bytes=args.max_bytes,
-                  quiet=args.quiet, exact=args.exact, max_drift_ulp=args.max_drift_ulp)
+                  quiet=args.quiet, exact=args.exact, max_drift_ulp=args.max_drift_ulp,
+                  confirm_fix=args.confirm_fix)
 
 
 def _byte_count(text: str) -> int:
@@ -95,7 +113,7 @@ def _byte_count(text: str) -> int:
 
 def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, quiet: bool = False,
            out: TextIO | None = None, other: str | None = None, max_bytes: int | None = None,
-           exact: bool = False, max_drift_ulp: int | None = None) -> int:
+           exact: bool = False, max_drift_ulp: int | None = None, confirm_fix: bool = False) -> int:
     """Rerun a case file's check and report to ``out`` (default stdout).
 
     Args:
@@ -107,6 +125,7 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
         max_bytes: memory budget of the case (``None``: a quarter of physical memory; see
             :mod:`pagedkv.testing.casefiles.reading`).
         exact, max_drift_ulp: when ``other`` is a baseline (:mod:`pagedkv.cli.replay.drift`): the drift gate.
+        confirm_fix: the backend was changed to fix the recorded failure: the case alone, a pass is 0.
 
     Returns:
         0 (passes), 1 (fails), 2 (the file is refused, or the backend cannot be loaded) or
@@ -157,7 +176,10 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
         if hasattr(record["case"], "ops"):  # a cache scenario: keep the live tables at the failing step for the map
             _sharing_with_snapshot(backend, record["case"], device, snapshot, record)
         else:
-            recorded = _recorded_failure(record, impl)
+            recorded = _recorded_failure(record, impl) and not confirm_fix
+            if impl is not None and not recorded and not confirm_fix and not quiet and "history" in record:
+                print(f"  --impl {impl} is not the recorded backend {record.get('recorded_backend')!r}: judged "
+                      f"as another backend on this case", file=out)
             if recorded:  # the calls that led to the failure, in order, on this fresh backend
                 _run_history(record, backend, device, out, quiet)
             _run_record(record, backend, device)
@@ -193,30 +215,78 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
 DID_NOT_REPRODUCE = 3
 
 
+#: Most op calls replay makes repeating the recorded cases to bring an incomplete history up to the
+#: process's count (a gate run makes a few thousand).
+MAX_PADDING_CALLS = 20_000
+
+
+def _same_spec(given: str | None, recorded: object) -> bool:
+    """Whether ``--impl given`` names the recorded backend: the same spec, or the same shipped backend."""
+    from pagedkv.testing.casefiles.reading import canonical_backend_spec
+
+    if not isinstance(given, str) or not isinstance(recorded, str):
+        return False
+    if given.strip() == recorded.strip():
+        return True
+    canonical = canonical_backend_spec(given)
+    return canonical is not None and canonical == canonical_backend_spec(recorded)
+
+
 def _recorded_failure(record: dict, impl: str | None) -> bool:
     """Whether the file records a failure of the backend replay runs now: written by a failing run (it has
-    a ``history``, possibly empty) and run on the recorded backend (no ``--impl``)."""
-    return "history" in record and record.get("outcome") in ("failed", "raised") and impl is None
+    a ``history``, possibly empty) and run on the recorded backend (no ``--impl``, or ``--impl`` naming the
+    recorded spec)."""
+    return "history" in record and record.get("outcome") in ("failed", "raised") and \
+        (impl is None or _same_spec(impl, record.get("recorded_backend")))
+
+
+def _run_earlier(record: dict, earlier: dict, backend: Any, device: str) -> None:
+    """One earlier case on ``backend``; its own result does not count, nor a property this version lacks."""
+    from pagedkv.errors import CaseFileError
+    from pagedkv.testing.execute import run_record
+
+    try:
+        run_record({**record, "check": earlier["check"], "kind": earlier["kind"], "case": earlier["case"]}, backend,
+                   device)
+    except (KeyError, CaseFileError):  # a property renamed or of another kind since: its calls are not rerun
+        pass
 
 
 def _run_history(record: dict, backend: Any, device: str, out: TextIO, quiet: bool) -> None:
-    """Rerun the earlier cases the file records on ``backend``, oldest first (their own results do not count)."""
-    from pagedkv.testing.execute import run_record
+    """Rerun the process's earlier calls the file records on ``backend``, oldest first (their own results do
+    not count): when the history is incomplete, the recorded cases repeated until the backend has had as
+    many calls as the process had made before the recorded ones, then the recorded cases."""
+    from pagedkv.testing import history as process_history
 
     history = record.get("history") or []
+    missing = record.get("calls_before", 0) - record.get("history_calls", 0)
+    if history and missing > 0 and record.get("history_calls", 0) > 0:
+        if not quiet:
+            print(f"  the run had made {record['calls_before']} op calls before this case, its {len(history)} "
+                  f"recorded case(s) {record['history_calls']}: repeating them for the {missing} before", file=out)
+        start = process_history.calls(backend)
+        while process_history.calls(backend) - start < min(missing, MAX_PADDING_CALLS):
+            for earlier in history:
+                _run_earlier(record, earlier, backend, device)
+                if process_history.calls(backend) - start >= min(missing, MAX_PADDING_CALLS):
+                    break
     if history and not quiet:
         print(f"  rerunning the {len(history)} earlier case(s) the run judged before this one, in order", file=out)
     for earlier in history:
-        run_record({**record, "case": earlier}, backend, device)
+        _run_earlier(record, earlier, backend, device)
 
 
 def _did_not_reproduce(record: dict, device: str, out: TextIO) -> int:
     """Say that a recorded failure did not happen again; :data:`DID_NOT_REPRODUCE`."""
     history = record.get("history") or []
     after = f" after its {len(history)} earlier case(s)" if history else " (no earlier cases recorded)"
+    made, before = record.get("history_calls"), record.get("calls_before")
+    if before is not None and made is not None and made < before:
+        after += (f"; the file's history is incomplete: the run had made {before} op calls before it, the "
+                  f"recorded cases {made} (the rest were repeats of them, or none)")
     print(f"did not reproduce (depends on earlier calls / nondeterministic): {record['check']} on "
           f"{record['backend']} ({device}) passes now{after}; recorded failure: "
-          f"{record.get('error') or '(none recorded)'}", file=out)
+          f"{record.get('error') or '(none recorded)'}; after a fix of the kernel, --confirm-fix", file=out)
     return DID_NOT_REPRODUCE
 
 

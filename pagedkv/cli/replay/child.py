@@ -31,7 +31,8 @@ def replay_in_child(args: argparse.Namespace) -> int:
     for option, value in (("--impl", args.impl), ("--other", args.other), ("--max-bytes", args.max_bytes),
                           ("--max-drift-ulp", args.max_drift_ulp)):
         argv += [option, str(value)] if value is not None else []
-    argv += ["--quiet"] * bool(args.quiet) + ["--exact"] * bool(args.exact)
+    argv += ["--quiet"] * bool(args.quiet) + ["--exact"] * bool(args.exact) + \
+        ["--confirm-fix"] * bool(getattr(args, "confirm_fix", False))
     proc = subprocess.run([sys.executable, "-m", "pagedkv", *argv])
     if proc.returncode < 0:
         name = signal.Signals(-proc.returncode).name

@@ -123,6 +123,8 @@ def require_trusted_backends(record: dict, *, impl: str | None = None, other: st
     for key, given, option in (("backend", impl, "--impl"), ("other", other, "--other")):
         if given is not None:
             out[key] = given
+            if key == "backend":  # replay tells the recorded backend from another one named with --impl
+                out["recorded_backend"] = record.get("backend")
             continue
         recorded = record.get(key)
         if recorded is None:
@@ -248,8 +250,8 @@ def load_case_file(path: str | Path, *, max_bytes: int | None = None, impl: str 
     record = validate_record(parse_case_bytes(read_case_bytes(path)), max_bytes=max_bytes)
     record = require_trusted_backends(record, impl=impl, other=other, check_backend=check_backend)
     record["case"] = build_case(record)
-    if "history" in record:
-        record["history"] = [build_case({**record, "case": h}) for h in record["history"]]
+    if "history" in record:  # {"check", "kind", "case"} each, the case rebuilt
+        record["history"] = [{**h, "case": build_case(h)} for h in record["history"]]
     return record
 
 

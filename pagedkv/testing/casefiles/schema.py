@@ -54,7 +54,8 @@ _MAX_SEED = 2**44  # seed * 1_000_003 + stream must fit torch's 64-bit seed
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
 
 _RECORD_KEYS = {"version": False, "id": False, "title": False, "check": True, "backend": False, "other": False,
-                "kind": False, "case": True, "outcome": False, "error": False, "history": False}
+                "kind": False, "case": True, "outcome": False, "error": False, "history": False,
+                "calls_before": False, "history_calls": False}
 #: Most earlier cases a record's ``history`` may hold (the suite writes at most 16).
 MAX_HISTORY = 64
 OUTCOMES = ("running", "failed", "raised", "crashed")  # save_failure's outcome: written before the call, after it
@@ -86,15 +87,15 @@ def default_max_bytes() -> int:
 
 
 def parse_bytes(text: str) -> int:
-    """A byte count from the command line: ``"1073741824"``, ``"512M"``, ``"8GiB"``, ``"1.5T"`` (binary units).
+    """A positive byte count from the command line (``--max-bytes``): :func:`pagedkv.units.parse_bytes`'s rule
+    (``512M`` and ``8GiB`` binary, ``80GB`` decimal).
 
     Raises:
         ValueError: not a positive size.
     """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"not a byte count: {text!r} (examples: 1073741824, 512M, 8GiB)")
-    value = int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+    from pagedkv.units import parse_bytes as parse
+
+    value = parse(text, "byte count")
     if value < 1:
         raise ValueError(f"a byte count must be positive, got {text!r}")
     return value
@@ -243,6 +244,10 @@ def _features(c: dict, path: str, num_kv_heads: int) -> None:
         _choice(c["kv_cache_dtype"], f"{path}.kv_cache_dtype", KV_CACHE_DTYPES)
     if c.get("num_splits") is not None:
         _int(c["num_splits"], f"{path}.num_splits", 1, 65536)
+    per_head = [len(c[key]) for key in ("k_scale", "v_scale") if isinstance(c.get(key), list)]
+    if len(per_head) == 2 and per_head[0] == per_head[1] != num_kv_heads:  # two witnesses against the geometry
+        raise CaseFileError(f"{path}.geometry.num_kv_heads", f"{num_kv_heads}, but k_scale and v_scale both hold "
+                                                             f"{per_head[0]} per-head scales")
     for key in ("k_scale", "v_scale"):
         if key not in c:
             continue
@@ -375,6 +380,20 @@ def _invalid_call(value: Any, path: str) -> dict:
     return c
 
 
+def _earlier(h: object, where: str, check: str, kind: str) -> dict:
+    """One ``history`` entry as ``{"check", "kind", "case"}``: written so (any property's case), or a bare case
+    of the record's own property (files written before entries named theirs)."""
+    checkers = {"Case": _case, "CacheScenario": _scenario, "InvalidCall": _invalid_call, "LimitCase": _limit_case}
+    if isinstance(h, dict) and "check" in h:
+        e = _object(h, where, ("check", "kind", "case"), ["check", "kind", "case"])
+        name = _text(e["check"], f"{where}.check", 200)
+        if not _IDENT.fullmatch(name):
+            raise CaseFileError(f"{where}.check", f"not a property name: {name!r}")
+        own = _choice(e["kind"], f"{where}.kind", KINDS)
+        return {"check": name, "kind": own, "case": checkers[own](e["case"], f"{where}.case")}
+    return {"check": check, "kind": kind, "case": checkers[kind](h, where)}
+
+
 def validate_record(data: object, *, max_bytes: int | None = None) -> dict:
     """Check a parsed case file against the schema, the consistency rules and the memory budget.
 
@@ -426,12 +445,13 @@ def validate_record(data: object, *, max_bytes: int | None = None) -> dict:
         history = _list(r["history"], "history")
         if len(history) > MAX_HISTORY:
             raise CaseFileError("history", f"{len(history)} earlier cases, more than {MAX_HISTORY}")
-        check_case = {"Case": _case, "CacheScenario": _scenario, "InvalidCall": _invalid_call,
-                      "LimitCase": _limit_case}[kind]
-        out["history"] = [check_case(h, f"history[{i}]") for i, h in enumerate(history)]
+        out["history"] = [_earlier(h, f"history[{i}]", check, kind) for i, h in enumerate(history)]
         for i, h in enumerate(out["history"]):
-            if estimate_bytes({"kind": kind, "case": h})[1] > budget:
+            if estimate_bytes(h)[1] > budget:
                 raise CaseFileError(f"history[{i}]", f"the case needs more than the memory budget of {_human(budget)}")
+    for key in ("calls_before", "history_calls"):  # the process's op calls before the failing case
+        if key in r:
+            out[key] = _int(r[key], key, 0, 2**62)
     pools, total = estimate_bytes(out)
     if total > budget:
         geometry = "case.case.geometry" if kind == "InvalidCall" else "case.geometry"

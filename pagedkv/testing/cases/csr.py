@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from pagedkv.csr import CsrPageTable, padded_to_csr
-from pagedkv.errors import BlockIndexError, ShapeError
 
 __all__ = ["CSR_FAULTS", "CsrFault", "call_paged_attention", "csr_from_case", "page_table_format"]
 
@@ -68,10 +67,13 @@ def call_paged_attention(backend: Any, query: torch.Tensor, k_cache: torch.Tenso
 
 @dataclass(frozen=True)
 class CsrFault:
-    """One way to break valid CSR metadata, and the error the contract requires for it."""
+    """One way to break valid CSR metadata, the builtin error the contract requires for it and the argument
+    its message must name (a candidate is judged on these, as for the padded-table faults; pagedkv's own
+    :func:`pagedkv.csr.check_csr` raises subclasses of them)."""
 
     name: str
     error: type[Exception]
+    argument: str
     applies: Callable[[CsrPageTable], bool]
     breaks: Callable[[CsrPageTable, int], CsrPageTable]  # (valid metadata, num_pages) -> broken copy
 
@@ -100,19 +102,22 @@ def _swap_down(csr: CsrPageTable) -> CsrPageTable:
 
 #: The faults of CSR metadata (the padded table's own are in :mod:`pagedkv.testing.cases.invalid_call`).
 CSR_FAULTS: tuple[CsrFault, ...] = (
-    CsrFault("kv_indptr not starting at 0", ShapeError, lambda c: True,
+    CsrFault("kv_indptr not starting at 0", ValueError, "kv_indptr", lambda c: True,
              lambda c, n: _with(c, kv_indptr=c.kv_indptr + 1)),
-    CsrFault("kv_indptr not monotone", ShapeError, lambda c: _rows_with_pages(c).numel() > 0,
+    CsrFault("kv_indptr not monotone", ValueError, "kv_indptr", lambda c: _rows_with_pages(c).numel() > 0,
              lambda c, n: _swap_down(c)),
-    CsrFault("kv_last_page_len 0 for a row with pages", ShapeError, lambda c: _rows_with_pages(c).numel() > 0,
+    CsrFault("kv_last_page_len 0 for a row with pages", ValueError, "kv_last_page_len",
+             lambda c: _rows_with_pages(c).numel() > 0,
              lambda c, n: _with(c, kv_last_page_len=_set(c.kv_last_page_len, int(_rows_with_pages(c)[0]), 0))),
-    CsrFault("kv_last_page_len past page_size", ShapeError, lambda c: _rows_with_pages(c).numel() > 0,
+    CsrFault("kv_last_page_len past page_size", ValueError, "kv_last_page_len",
+             lambda c: _rows_with_pages(c).numel() > 0,
              lambda c, n: _with(c, kv_last_page_len=_set(c.kv_last_page_len, int(_rows_with_pages(c)[0]),
                                                          c.page_size + 1))),
-    CsrFault("kv_indices past the pool", BlockIndexError, lambda c: c.kv_indices.numel() > 0,
+    CsrFault("kv_indices past the pool", IndexError, "kv_indices", lambda c: c.kv_indices.numel() > 0,
              lambda c, n: _with(c, kv_indices=_set(c.kv_indices, c.kv_indices.numel() - 1, n))),
-    CsrFault("a row longer than its pages (kv_indptr[-1] past kv_indices)", ShapeError, lambda c: c.batch > 0,
+    CsrFault("a row longer than its pages (kv_indptr[-1] past kv_indices)", ValueError, "kv_indptr",
+             lambda c: c.batch > 0,
              lambda c, n: _with(c, kv_indptr=_set(c.kv_indptr, c.batch, int(c.kv_indptr[-1]) + 1))),
-    CsrFault("kv_indptr not [batch + 1]", ShapeError, lambda c: True,
+    CsrFault("kv_indptr not [batch + 1]", ValueError, "kv_indptr", lambda c: True,
              lambda c, n: _with(c, kv_indptr=c.kv_indptr[:-1])),
 )

@@ -17,14 +17,15 @@ def brief(case: Any) -> str:
     if not isinstance(case, (Case, CacheScenario)):
         return repr(case)
     g = case.geometry
-    text = (f"nb={g.num_blocks} bs={g.block_size} kvh={g.num_kv_heads} d={g.head_dim} "
+    dims = f"{g.head_dim}/{g.head_dim_v}" if getattr(g, "head_dim_v", None) is not None else f"{g.head_dim}"
+    text = (f"nb={g.num_blocks} bs={g.block_size} kvh={g.num_kv_heads} d={dims} "
             f"g={g.num_queries_per_kv} {g.dtype}")
     if isinstance(case, Case):
         seqs = " ".join(f"{list(s.block_table)}:{s.seq_len}/{s.q_len}@{s.start}" for s in case.seqs)
         defaults = Case(g, ())
         extras = [f"{f}={getattr(case, f)!r}" for f in ("values", "poison", "pad_value", "pad_columns", "table_dtype",
                                                           "layout", "scale", "seed", "window_left", "softcap", "alibi",
-                                                          "sinks", "kv_cache_dtype", "k_scale", "v_scale")
+                                                          "sinks", "kv_cache_dtype", "k_scale", "v_scale", "cuts")
                   if getattr(case, f) != getattr(defaults, f)]
         return f"{text} seqs {seqs} " + " ".join(extras)
     ops = "; ".join(" ".join(str(list(x)) if isinstance(x, tuple) else str(x) for x in op) for op in case.ops)

@@ -64,6 +64,8 @@ class ManagerMachine(RuleBasedStateMachine):
     windows: tuple = (None,)  # window_left values the manager takes
     record: list | None = None  # when a list: each step appended as (rule name, kwargs)
     checks_run = 0  # steps judged, over every run of this class (for steps per second)
+    tokens_read = 0  # written tokens whose K/V the checks compared with the oracle, over every run of this class
+    prefix_hits = 0  # admissions served partly from the prefix cache, over every run of this class
 
     reqs = Bundle("reqs")
     systems = Bundle("systems")
@@ -153,6 +155,7 @@ class ManagerMachine(RuleBasedStateMachine):
             f"{self.caps.min_computed_on_full_hit} must be computed"
         assert cached % self.bs == 0 or self.bs == 1, f"request {rid}: a hit of {cached} tokens is not whole blocks"
         if cached:
+            type(self).prefix_hits += 1
             assert req.identities[cached - 1] in self.committed_prefixes, \
                 f"request {rid}: a hit on its first {cached} tokens, which no request committed under namespace " \
                 f"{namespace!r} with these extra keys"
@@ -283,6 +286,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 slots.append(table[p // self.bs] * self.bs + p % self.bs)
             if not slots:
                 continue
+            type(self).tokens_read += len(slots)
             index = torch.tensor(slots, dtype=torch.int64)
             for layer, (k_pool, v_pool) in enumerate(self.pools):
                 k, v = expected_kv(req.identities[first:req.written], layer, NUM_KV_HEADS, HEAD_DIM)

@@ -148,13 +148,5 @@ def main(argv=None) -> int:  # pragma: no cover - python -m pagedkv.testing.mana
     return replay_file(argv[0], impl=argv[1] if len(argv) > 1 else None)
 
 
-def ci_settings(max_examples: int = 50, steps: int = 30) -> settings:
-    """Settings for a manager gate: :func:`pagedkv.testing.settings.manager_settings` (no deadline:
-    managers import slowly; the kit's health-check policy: the machine's bundles filter)."""
-    from pagedkv.testing.settings import manager_settings
-
-    return manager_settings(max_examples, steps)
-
-
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

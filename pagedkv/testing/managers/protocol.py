@@ -46,7 +46,6 @@ class ManagerCapabilities:
             and only ``commit`` makes tokens hittable. ``False``: the manager caches at reserve time and
             relies on the engine writing every reserved slot in the same step (vLLM v1), so the machine
             writes each reservation at once.
-        counts: ``counts()`` returns ``(free, used, total)`` blocks.
         owns_pools: the manager holds the K/V pools itself (``kv_pools(layer)``), because it copies K/V
             (copy-on-write); otherwise the machine allocates pools of ``total`` blocks.
     """
@@ -62,7 +61,6 @@ class ManagerCapabilities:
     eviction_order: str | None = None
     min_computed_on_full_hit: int = 1
     defers_commit: bool = False
-    counts: bool = True
     owns_pools: bool = False
 
     def summary(self) -> str:

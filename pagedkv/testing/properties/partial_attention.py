@@ -180,7 +180,7 @@ def _candidate_part(backend: Any, case: Case, j: int, sink_part: list[int], devi
             total += need
         part_case = case.replace(geometry=dataclasses.replace(g, num_blocks=total), seqs=tuple(seqs), cuts=())
         k_cache, v_cache = part_case.empty_caches(device)
-        for (r, b, lo, end), spec in zip(members, seqs):
+        for (_, b, lo, end), spec in zip(members, seqs):
             k, v = logical[b]
             reference_write(k_cache, spec.block_table, k[lo:end].to(device), 0)
             if case.layout != "latent":
@@ -195,7 +195,7 @@ def _candidate_part(backend: Any, case: Case, j: int, sink_part: list[int], devi
         qsl = torch.arange(len(members) + 1, dtype=torch.int32, device=device)
         o, l_ = _call_lse(backend, q, k_cache, v_cache, part_case.block_tables(device), part_case.seq_lens(device),
                           qsl, case.scale, features, len(members))
-        for i, (r, b, lo, end) in enumerate(members):
+        for i, (r, _, _, end) in enumerate(members):
             out[r] = o[i].cpu().double()
             lse[r] = l_[i]
             if slopes is not None:  # the call's query sat d positions early: its bias was slope * d higher
@@ -293,32 +293,29 @@ def merge_attn_states_of_parts_equals_the_whole(backend: Any, case: Case, device
 
 def merge_with_no_keys_is_exact(backend: Any, case: Case, device: str = "cpu") -> None:
     """Merging a state with "no keys" (``out = 0, lse = -inf``), on either side, returns that state bit for
-    bit (out) and its LSE; two empty states give ``out = 0, lse = -inf``, never NaN."""
+    bit, output and LSE; two empty states give ``out = 0, lse = -inf``, never NaN."""
     require(backend, "merge_attn_states")
-    parts = _reference_parts(case)
-    dtype = case.geometry.torch_dtype
     layout, base = declared_lse(backend)
-    state = (parts[0][0].to(dtype), parts[0][1])
+    out, lse = _reference(case, _part_masks(case, 0), sinks=True)  # the first part: empty for some cuts
+    state = (out.to(case.geometry.torch_dtype).to(device), from_token_major_e(lse, layout, base).to(device))
     empty = (torch.zeros_like(state[0]), torch.full_like(state[1], float("-inf")))
     for name, a, b in (("state + empty", state, empty), ("empty + state", empty, state)):
-        out, lse = backend.merge_attn_states(a[0].to(device), from_token_major_e(a[1], layout, base).to(device),
-                                             b[0].to(device), from_token_major_e(b[1], layout, base).to(device))
-        # an empty row of the state itself merges with an empty part: 0, -inf
-        if not torch.equal(out.cpu(), state[0]):
-            bad = torch.nonzero(out.cpu() != state[0])
-            r, h, d = (int(x) for x in bad[0]) if bad.numel() else (0, 0, 0)
-            raise Mismatch(f"merge_attn_states({name}) changed the state at row {r}, head {h}, dim {d}: "
-                           f"{float(out.cpu()[r, h, d])!r} != {float(state[0][r, h, d])!r}")
-        given = to_token_major_e(from_token_major_e(state[1], layout, base), layout, base)  # as handed over: float32
-        _check_lse(to_token_major_e(lse.cpu(), layout, base), given, 0.0, case.geometry.dtype,
-                   f"merge_attn_states({name})' LSE")
-    out, lse = backend.merge_attn_states(empty[0].to(device), from_token_major_e(empty[1], layout, base).to(device),
-                                         empty[0].to(device), from_token_major_e(empty[1], layout, base).to(device))
-    if torch.isnan(out).any() or not bool((out.cpu() == 0).all()):
+        got_out, got_lse = backend.merge_attn_states(a[0], a[1], b[0], b[1])
+        for what, got, want in (("output", got_out, state[0]), ("LSE", got_lse, state[1])):
+            if got.shape != want.shape or not torch.equal(got.cpu(), want.cpu()):
+                bad = torch.nonzero(got.cpu() != want.cpu()) if got.shape == want.shape else torch.zeros(1, 1)
+                at = [int(x) for x in bad[0]] if bad.numel() else []
+                raise Mismatch(f"merge_attn_states({name}) changed the state's {what} at {at}: "
+                               f"{float(got.cpu()[tuple(at)]) if at else got.shape!r}, expected "
+                               f"{float(want.cpu()[tuple(at)]) if at else want.shape!r} (a part of no keys must "
+                               f"return the other part exactly)")
+    got_out, got_lse = backend.merge_attn_states(empty[0], empty[1], empty[0].clone(), empty[1].clone())
+    if torch.isnan(got_out).any() or not bool((got_out.cpu() == 0).all()):
         raise Mismatch("merge_attn_states of two empty parts (lse -inf) must give out = 0, got "
-                       f"{'NaN' if torch.isnan(out).any() else 'non-zero values'}")
-    if not bool((lse.cpu() == float("-inf")).all()):
-        raise Mismatch(f"merge_attn_states of two empty parts must give lse = -inf, got {lse.flatten()[:4].tolist()}")
+                       f"{'NaN' if torch.isnan(got_out).any() else 'non-zero values'}")
+    if not bool((got_lse.cpu() == float("-inf")).all()):
+        raise Mismatch(f"merge_attn_states of two empty parts must give lse = -inf, got "
+                       f"{got_lse.flatten()[:4].tolist()}")
 
 
 def lse_requires(caps: Any) -> str | None:

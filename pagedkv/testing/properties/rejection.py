@@ -47,11 +47,15 @@ def check_rejected(backend: Any, call: InvalidCall, device: str = "cpu", *,
 
 def csr_metadata_rejected(backend: Any, case: Any, device: str = "cpu") -> None:
     """A CSR candidate's ``paged_attention`` with each fault of :data:`~pagedkv.testing.cases.csr.CSR_FAULTS`
-    that fits the case's metadata (indptr not monotone, a last page length of 0 or past the page size,
-    indices past the pool, a row longer than its pages, ...) raises the contract's error.
+    that fits the case's metadata (indptr not monotone or not starting at 0, a last page length of 0 or past
+    the page size, indices past the pool, a row longer than its pages, ...) raises the builtin type the
+    contract names for it (``ValueError`` / ``IndexError``: a third-party kernel is judged on those, never on
+    pagedkv's own subclasses), with a message naming the faulty argument, and writes neither pool. The same
+    rule as :func:`check_rejected` for the padded-table faults.
 
     Raises:
-        Mismatch: no error, or the wrong type. MissingOp: the backend takes padded tables.
+        Mismatch: no error, the wrong type, a message not naming the argument, or a pool changed.
+        MissingOp: the backend takes padded tables.
     """
     from pagedkv.testing.cases.csr import CSR_FAULTS, csr_from_case
 
@@ -61,16 +65,25 @@ def csr_metadata_rejected(backend: Any, case: Any, device: str = "cpu") -> None:
     k_cache, v_cache = case.caches(device)
     query, qsl = case.query(device), case.query_start_loc(device)
     valid = csr_from_case(case, device)
+    pools = [(name, pool, bits(pool.cpu()).clone()) for name, pool in (("k_cache", k_cache), ("v_cache", v_cache))]
     for fault in CSR_FAULTS:
         if not fault.applies(valid):
             continue
         bad = fault.breaks(valid, case.geometry.num_blocks)
+        what = f"paged_attention with {fault.name}"
         try:
             call(query, k_cache, v_cache, bad.kv_indptr, bad.kv_indices, bad.kv_last_page_len, qsl)
-        except fault.error:
-            continue
+        except fault.error as exc:
+            raised: BaseException = exc
         except Exception as exc:  # noqa: BLE001 - the wrong type is the finding
-            raise Mismatch(f"paged_attention with {fault.name} raised {type(exc).__name__}: {exc}; the contract "
-                           f"requires {fault.error.__name__}") from exc
-        raise Mismatch(f"paged_attention with {fault.name} raised nothing; the contract requires "
-                       f"{fault.error.__name__}")
+            raise Mismatch(f"{what} raised {type(exc).__name__}: {exc}; the contract requires "
+                           f"{fault.error.__name__} naming {fault.argument}") from exc
+        else:
+            raise Mismatch(f"{what} raised nothing; the contract requires {fault.error.__name__} naming "
+                           f"{fault.argument}")
+        if fault.argument not in str(raised):
+            raise Mismatch(f"{what}: the {type(raised).__name__} message does not name the argument "
+                           f"{fault.argument!r}: {raised}")
+        for name, pool, before in pools:
+            if not torch.equal(bits(pool.cpu()), before):
+                raise Mismatch(f"{what} raised {type(raised).__name__} but had already written {name}")
