@@ -149,3 +149,15 @@ def test_decode_peers_over_shapes_and_split_counts(name):
                                               (4, 2, torch.float32))]
     for seed, (shape, block_size, splits, dtype) in enumerate(runs):
         _check_decode(peer, _case(*shape, seed=seed, block_size=block_size, dtype=dtype), splits, dtype)
+
+
+def test_a_merge_alone_loads_as_a_candidate():
+    """``--pagedkv-impl pagedkv.tools.peers:vllm_merge_attn_states`` names a backend with ``merge_attn_states`` and
+    none of the other ops: it loads (as a cache manager alone does); an object with neither is still refused."""
+    from pagedkv.backends import load_backend
+    from pagedkv.errors import BackendError
+
+    _peer("vllm_merge_attn_states")
+    assert callable(load_backend("pagedkv.tools.peers:vllm_merge_attn_states").merge_attn_states)
+    with pytest.raises(BackendError, match="provides none of the contract's ops"):
+        load_backend("pagedkv.tools.peers.mla:SGLANG_CORE_COUNT")  # an int: no op at all
