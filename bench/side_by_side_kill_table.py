@@ -45,19 +45,20 @@ def totals(table: list[dict]) -> dict:
                                      if r["machine_runs"] and r["machine_killed"] == r["machine_runs"]])}
 
 
-def markdown(table: list[dict], t: dict, title: str, mutate: dict, engine: dict) -> str:
+def markdown(table: list[dict], t: dict, title: str, mutate: dict, engine: dict, gate: str = "state machine",
+             tests: str = "`tests/v1/core`") -> str:
     cfg = mutate["config"]
     lines = [f"# {title}", "",
-             f"Sources: `{cfg['sources']}`; sample: {cfg['sample']}; state machine: profile `{cfg['profile']}` "
+             f"Sources: `{cfg['sources']}`; sample: {cfg['sample']}; {gate}: profile `{cfg['profile']}` "
              f"({cfg['seeds']} seeds, generated examples), budget {cfg['budget_s']} s a mutant, "
              f"{cfg['workers']} worker. vLLM's tests: {len(engine['passing_tests'])} tests of a CPU-runnable copy of "
-             f"`tests/v1/core` that pass on the unmutated wheel ({len(engine['left_out_tests'])} that fail or error "
+             f"{tests} that pass on the unmutated wheel ({len(engine['left_out_tests'])} that fail or error "
              f"there left out).", "",
-             f"**Totals:** {t['mutants']} mutants; the state machine kills {t['machine_killed']} "
+             f"**Totals:** {t['mutants']} mutants; the {gate} kills {t['machine_killed']} "
              f"({t['machine_all_runs']} in every seed); vLLM's tests kill {t['tests_killed']} of the "
-             f"{t['tests_ran_on']} they ran on; both {t['both']}, the machine only {t['machine_only']}, "
+             f"{t['tests_ran_on']} they ran on; both {t['both']}, pagedkv's only {t['machine_only']}, "
              f"their tests only {t['tests_only']}, neither {t['neither']}.", "",
-             "| mutant | function | change | machine kills | machine s (runs) | wall s | their tests | their s | "
+             "| mutant | function | change | pagedkv kills | pagedkv s (runs) | wall s | their tests | their s | "
              "argument (survivors) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in table:
@@ -78,6 +79,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", required=True)
     parser.add_argument("--markdown", required=True)
     parser.add_argument("--title", default="Mutants: pagedkv's state machine beside the engine's own tests")
+    parser.add_argument("--gate", default="state machine", help="what ran on pagedkv's side, for the text")
+    parser.add_argument("--tests-name", default="`tests/v1/core`", help="the engine's tests, for the text")
     args = parser.parse_args(argv)
     mutate, engine = json.loads(Path(args.mutate_json).read_text()), json.loads(Path(args.engine_json).read_text())
     arguments = json.loads(Path(args.arguments).read_text()) if args.arguments else {}
@@ -85,7 +88,7 @@ def main(argv=None) -> int:
     t = totals(table)
     Path(args.json).write_text(json.dumps({"config": mutate["config"], "engine_tests": {
         k: engine[k] for k in ("tests", "passing_tests", "left_out_tests")}, "totals": t, "mutants": table}, indent=1))
-    Path(args.markdown).write_text(markdown(table, t, args.title, mutate, engine))
+    Path(args.markdown).write_text(markdown(table, t, args.title, mutate, engine, args.gate, args.tests_name))
     print(json.dumps(t))
     return 0
 

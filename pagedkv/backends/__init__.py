@@ -169,7 +169,8 @@ def load_backend(spec: str, *, required: tuple[str, ...] | list[str] = ()) -> An
         obj = _materialize(obj, spec)
     problems = missing_ops(obj)
     present = [op for op in OPS if op not in problems or not problems[op].startswith(_NO)]
-    if not present and not callable(getattr(obj, "cache_manager", None)):  # a cache manager alone is a candidate too
+    alone = ("cache_manager", "merge_attn_states")  # a cache manager, or a merge of attention states, alone is one too
+    if not present and not any(callable(getattr(obj, op, None)) for op in alone):
         raise BackendError(f"{spec!r} provides none of the contract's ops {list(OPS)} "
                            f"(a {type(obj).__name__}; point the spec at the backend object)")
     broken = {op: why for op, why in problems.items() if not why.startswith(_NO)}

