@@ -423,14 +423,13 @@ def replay_program(lines: list[str], cache_class: type = HybridKVCache) -> None:
 def record_program(cache_class: type, max_examples: int = 400) -> list[str]:
     """The first failing program the machine finds over ``cache_class`` (derandomized), cut down by removing
     steps while the replay still fails. ``[]`` when no run fails."""
-    from hypothesis import HealthCheck, Phase, settings
     from hypothesis.stateful import run_state_machine_as_test
 
+    from pagedkv.testing.settings import program_search_settings
+
     try:
-        run_state_machine_as_test(hybrid_machine_for(cache_class), settings=settings(
-            max_examples=max_examples, derandomize=True, stateful_step_count=STEPS, deadline=None, database=None,
-            suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate],
-            report_multiple_bugs=False))
+        run_state_machine_as_test(hybrid_machine_for(cache_class),
+                                  settings=program_search_settings(max_examples, STEPS))
         return []
     except AssertionError as exc:
         notes = "\n".join(getattr(exc, "__notes__", []))

@@ -319,9 +319,13 @@ def merge_with_no_keys_is_exact(backend: Any, case: Case, device: str = "cpu") -
 
 
 def lse_requires(caps: Any) -> str | None:
-    """Why the LSE properties cannot run in ``caps``: no declared LSE."""
+    """Why the LSE properties cannot run in ``caps``: no declared LSE (an optional output the backend does
+    not declare: not covered, and outside the judged share's denominator, as an undeclared feature)."""
     if caps is not None and caps.lse is None:
-        return "not applicable: the backend declares no LSE (Capabilities.lse / an LSE attribute)"
+        from pagedkv.testing.verdict import Skip, SkipReason
+
+        return Skip("not covered: the backend declares no LSE (Capabilities.lse / an LSE attribute)",
+                    SkipReason.FEATURE_NOT_DECLARED)
     return None
 
 
