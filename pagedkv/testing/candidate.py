@@ -9,8 +9,9 @@ for what it declares, :func:`pagedkv.testing.space.capabilities_under_test` for 
 non-promise (:mod:`pagedkv.testing.non_promises`).
 
 Around the guard, :class:`OpCalls` turns a :class:`~pagedkv.testing.compare.MissingOp` raised from inside
-an op call into :class:`OpRaisedMissingOp`: the gate decides what is skipped
-(:func:`pagedkv.testing.compare.require`, :meth:`pagedkv.testing.registry.Property.cannot_run`), and a
+an op call into :class:`OpRaisedMissingOp`, and a test runner's control signal (``pytest.skip``,
+Hypothesis's ``reject()``, the gate's budget signal) into :class:`OpRaisedControlSignal`: the gate decides
+what is skipped (:func:`pagedkv.testing.compare.require`, :meth:`pagedkv.testing.registry.Property.cannot_run`), and a
 candidate raising the gate's own signal for an input in its declared space fails.
 """
 
@@ -28,6 +29,31 @@ OPS = ("paged_attention", "paged_attention_csr", "write_kv", "gather", "scatter"
 
 class OpRaisedMissingOp(RuntimeError):
     """The candidate raised ``MissingOp`` from inside an op call: a failure, not a skip."""
+
+
+class OpRaisedControlSignal(RuntimeError):
+    """The candidate raised a test runner's control signal from inside an op call (``pytest.skip`` /
+    ``xfail`` / ``fail``, Hypothesis's ``reject()`` / ``assume(False)``, the gate's budget signal): a
+    failure, never a skip, a rejected case or a partial run."""
+
+
+def _control_signals() -> tuple[type[BaseException], ...]:
+    """The exception types that steer a test run rather than report an error (read lazily: the gate
+    imports neither pytest nor Hypothesis to replay a case)."""
+    from pagedkv.testing.execute import BudgetSpent
+
+    signals: list[type[BaseException]] = [BudgetSpent]
+    try:
+        from _pytest.outcomes import OutcomeException
+        signals.append(OutcomeException)
+    except ImportError:
+        pass
+    try:
+        from hypothesis.errors import UnsatisfiedAssumption
+        signals.append(UnsatisfiedAssumption)
+    except ImportError:
+        pass
+    return tuple(signals)
 
 
 class OpCalls:
@@ -50,6 +76,10 @@ class OpCalls:
             except MissingOp as exc:
                 raise OpRaisedMissingOp(f"{name} raised MissingOp from inside the call ({exc}): an input in the "
                                         f"declared space must be judged, and only the gate skips") from exc
+            except _control_signals() as exc:
+                raise OpRaisedControlSignal(
+                    f"{name} raised {type(exc).__name__} from inside the call ({exc}): a test runner's signal "
+                    f"from a kernel is a failure; only the gate skips, rejects a case or stops a search") from exc
 
         object.__setattr__(self, name, op)
         return op

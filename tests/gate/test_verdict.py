@@ -367,3 +367,42 @@ def test_a_fixed_suite_test_skips_only_on_the_gates_own_missing_op():
         with pytest.raises(MissingOp) as raised:
             op()
         assert not raised_by_gate(raised.value), op
+
+
+class _Signalling(_Scaled):
+    """The exact attention, but raising a test runner's control signal from inside the call for every
+    batch holding a sequence of more than one block (the inputs a cheat would hide)."""
+
+    name = "signalling_in_process"
+
+    def __init__(self, signal):
+        super().__init__()
+        self.signal = signal
+
+    def paged_attention(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,
+                        **features):
+        if int(seq_lens.max()) > k_cache.shape[1]:
+            self.signal()
+        return super().paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                       **features)
+
+
+def _budget():
+    from pagedkv.testing.execute import BudgetSpent
+
+    raise BudgetSpent()
+
+
+def _reject():
+    from hypothesis import reject
+
+    reject()
+
+
+@pytest.mark.parametrize("signal", [lambda: pytest.skip("not for this input"), lambda: pytest.xfail("no"),
+                                    _reject, _budget], ids=["pytest.skip", "pytest.xfail", "reject", "budget"])
+def test_a_control_signal_from_inside_an_op_call_fails(signal):
+    """A kernel raising pytest.skip / xfail, Hypothesis's reject() or the gate's budget signal for the inputs
+    it gets wrong turned the property into a skip, a rejected case or a partial pass before."""
+    outcome = _run(REFERENCE, _Signalling(signal), examples=10)
+    assert outcome.status == "failed" and "OpRaisedControlSignal" in outcome.first_line, outcome

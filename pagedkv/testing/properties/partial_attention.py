@@ -324,7 +324,7 @@ def lse_requires(caps: Any) -> str | None:
     if caps is not None and caps.lse is None:
         from pagedkv.testing.verdict import Skip, SkipReason
 
-        return Skip("not covered: the backend declares no LSE (Capabilities.lse / an LSE attribute)",
+        return Skip("no LSE declared (Capabilities.lse / an LSE attribute): the LSE properties are not drawn",
                     SkipReason.FEATURE_NOT_DECLARED)
     return None
 
