@@ -21,7 +21,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.testing.compare import MissingOp
+from pagedkv.testing.compare import BudgetSpent, MissingOp
 
 #: The contract's ops: an exception raised from inside one of them is the candidate's.
 OPS = ("paged_attention", "paged_attention_csr", "write_kv", "gather", "scatter")
@@ -40,8 +40,6 @@ class OpRaisedControlSignal(RuntimeError):
 def _control_signals() -> tuple[type[BaseException], ...]:
     """The exception types that steer a test run rather than report an error (read lazily: the gate
     imports neither pytest nor Hypothesis to replay a case)."""
-    from pagedkv.testing.execute import BudgetSpent
-
     signals: list[type[BaseException]] = [BudgetSpent]
     try:
         from _pytest.outcomes import OutcomeException

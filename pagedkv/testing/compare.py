@@ -44,6 +44,11 @@ import torch
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+
+class BudgetSpent(BaseException):
+    """Raised inside a search when its time budget is spent (a ``BaseException``: Hypothesis lets it
+    through instead of treating it as a failure). Also re-exported by :mod:`pagedkv.testing.execute`."""
+
 class Mismatch(AssertionError):
     """A property failed. ``where`` locates the first bad element when there is one:
     ``{"seq", "position", "block", "slot", "expected", "actual"}`` (any subset)."""

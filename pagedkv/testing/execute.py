@@ -29,7 +29,7 @@ from typing import Any
 
 from pagedkv.testing import history as process_history
 from pagedkv.testing.candidate import Candidate, OpCalls, candidate as candidate_of
-from pagedkv.testing.compare import MissingOp
+from pagedkv.testing.compare import BudgetSpent, MissingOp  # BudgetSpent: re-exported
 from pagedkv.testing.hypothesis_internals import failure_origin, set_database_key
 from pagedkv.testing.non_promises import bounded as bound_in_force
 from pagedkv.testing.verdict import Skip, SkipReason, skip_reason
@@ -37,11 +37,6 @@ from pagedkv.testing.verdict import Skip, SkipReason, skip_reason
 #: How many cases run before a failing one its case file records (``history``, process-wide: any property's),
 #: oldest first: replay reruns them in order (:mod:`pagedkv.testing.history`).
 HISTORY = process_history.KEEP
-
-
-class BudgetSpent(BaseException):
-    """Raised inside a search when its time budget is spent (a ``BaseException``: Hypothesis lets it
-    through instead of treating it as a failure)."""
 
 
 class _OpMissing(BaseException):
