@@ -74,6 +74,31 @@ def decode_rows(args, device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.tensor(keys, dtype=torch.int32, device=device))
 
 
+
+def _judged_dtypes() -> set[str]:
+    """float32 and float16, and bfloat16 where the kernels are compiled (Triton's interpreter multiplies
+    bfloat16 bit patterns: not the peer's arithmetic)."""
+    return {"float32", "float16"} if _interpreted() else {"float32", "float16", "bfloat16"}
+
+
+def _vllm_triton_op(module: str, attr: str, what: str):
+    """``vllm.v1.attention.ops.<module>.<attr>`` with the real Triton given back to vLLM first, launches
+    wrapped for the interpreter.
+
+    Raises:
+        BackendUnavailableError: vLLM (or the module) is not installed, naming the install recipe.
+    """
+    import importlib
+
+    try:
+        _real_triton_in_vllm()
+        op = getattr(importlib.import_module(f"vllm.v1.attention.ops.{module}"), attr)
+    except ImportError as exc:
+        raise _unavailable(what, exc) from exc
+    wrap_interpreted_launches()
+    return op
+
+
 # -- vLLM: triton_decode_attention.decode_attention_fwd --------------------------------------------------------
 class VllmTritonDecode:
     """vLLM's Triton split-KV decode (``decode_attention_fwd``) as ``paged_attention``, with its LSE.
@@ -99,16 +124,9 @@ class VllmTritonDecode:
     name = "vllm_triton_decode"
 
     def __init__(self) -> None:
-        interpreted = _interpreted()
-        try:
-            _real_triton_in_vllm()
-            from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
-        except ImportError as exc:
-            raise _unavailable("Triton decode attention (triton_decode_attention)", exc) from exc
-        self._decode = decode_attention_fwd
-        wrap_interpreted_launches()
-        self.capabilities = Capabilities(dtypes={"float32", "float16"} if interpreted else
-                                         {"float32", "float16", "bfloat16"}, split_k=True, head_dims_v=ANY,
+        self._decode = _vllm_triton_op("triton_decode_attention", "decode_attention_fwd",
+                                       "Triton decode attention (triton_decode_attention)")
+        self.capabilities = Capabilities(dtypes=_judged_dtypes(), split_k=True, head_dims_v=ANY,
                                          lse="token_major", lse_base="e")
 
     def paged_attention(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None, *,
@@ -176,16 +194,8 @@ class VllmMergeAttnStates:
     name = "vllm_merge_attn_states"
 
     def __init__(self) -> None:
-        interpreted = _interpreted()
-        try:
-            _real_triton_in_vllm()
-            from vllm.v1.attention.ops.triton_merge_attn_states import merge_attn_states
-        except ImportError as exc:
-            raise _unavailable("Triton merge_attn_states", exc) from exc
-        self._merge = merge_attn_states
-        wrap_interpreted_launches()
-        self.capabilities = Capabilities(dtypes={"float32", "float16"} if interpreted else
-                                         {"float32", "float16", "bfloat16"}, lse="head_major", lse_base="e")
+        self._merge = _vllm_triton_op("triton_merge_attn_states", "merge_attn_states", "Triton merge_attn_states")
+        self.capabilities = Capabilities(dtypes=_judged_dtypes(), lse="head_major", lse_base="e")
 
     def merge_attn_states(self, prefix_out, prefix_lse, suffix_out, suffix_lse):
         """``merge_attn_states(out, prefix_out, prefix_lse, suffix_out, suffix_lse, out_lse)``; returns
