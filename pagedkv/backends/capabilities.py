@@ -102,6 +102,14 @@ LSE_LAYOUTS = ("head_major", "token_major")
 LSE_BASES = ("e", "2")
 #: Largest ``Capabilities.nondeterminism_ulp`` (a reduction's order moves a result by a few ulps, not more).
 MAX_NONDETERMINISM_ULP = 64
+#: The nondeterminism the guard's rerun allows, per output dtype, in ulps of the values summed
+#: (:func:`pagedkv.testing.compare.rerun_differs`); a declaration above a dtype's cap is judged at the cap
+#: there. float32: a float32 accumulation reordered over up to a few dozen partials moves a result by a few
+#: ulps of the terms (64 is ~8e-6 of max|V|). float16 / bfloat16: a kernel accumulating in float32 rounds
+#: once into the half output, so a reorder moves it by at most one half ulp step (two adjacent roundings
+#: of nearly equal float32 values), plus one where partials are stored in the output dtype before the
+#: merge: 2. 64 ulps at bfloat16 would be ~25% of max|V|, a wrong kernel's room, not a reorder's.
+NONDETERMINISM_ULP_CAP = {"float32": MAX_NONDETERMINISM_ULP, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -211,7 +219,9 @@ class Capabilities:
             runs of one call may differ by up to this many ulps per output element. The guard's rerun of a
             call (:meth:`pagedkv.testing.guard.GuardedBackend.judge_again`) compares within it; every
             comparison with the reference keeps its usual bar. ``0`` (the default): bit-deterministic.
-            At most :data:`MAX_NONDETERMINISM_ULP`.
+            At most :data:`MAX_NONDETERMINISM_ULP`; ulps of the scale of the values summed (max|V|), not
+            of each element; judged at :data:`NONDETERMINISM_ULP_CAP` where an output dtype's cap is
+            lower (:meth:`rerun_ulps`).
 
     Raises (on construction):
         ValueError: an unknown dtype, feature, precondition or layout name; a non-promise without a reason
@@ -284,6 +294,13 @@ class Capabilities:
     def non_promise(self, prop: str) -> NonPromise | None:
         """What the backend declares it does not promise of property ``prop`` and its bound, or ``None``."""
         return dict(self.non_promises).get(prop)
+
+    def rerun_ulps(self, dtype: Any) -> int:
+        """The nondeterminism (ulps of the values summed) two runs of one call producing ``dtype`` may differ
+        by: :attr:`nondeterminism_ulp`, at most :data:`NONDETERMINISM_ULP_CAP` of that dtype (a name or a
+        ``torch.dtype``; 0 for a dtype without a cap: bit for bit)."""
+        cap = NONDETERMINISM_ULP_CAP.get(str(dtype).removeprefix("torch."), 0)
+        return min(self.nondeterminism_ulp, cap)
 
     @property
     def pool_layouts(self) -> tuple[PoolLayout, PoolLayout]:

@@ -106,6 +106,39 @@ def bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(_SAME_WIDTH_INT[x.element_size()])
 
 
+def rerun_scale(*tensors: torch.Tensor) -> float:
+    """The magnitude a nondeterministic rerun's error is measured against: the largest finite ``|x|`` of
+    ``tensors`` (the values an output sums, e.g. V, and the outputs themselves); at least the dtype-free
+    ``1e-30`` so an all-zero call has a positive scale."""
+    scale = 1e-30
+    for t in tensors:
+        if t is not None and t.is_floating_point() and t.numel():
+            x = t.detach().double().abs()
+            x = x[torch.isfinite(x)]
+            if x.numel():
+                scale = max(scale, float(x.max()))
+    return scale
+
+
+def rerun_differs(a: torch.Tensor, b: torch.Tensor, ulps: int, scale: float) -> torch.Tensor:
+    """Where two runs of one call, nondeterministic by design within ``ulps``, differ beyond it: a bool
+    tensor of ``a``'s shape.
+
+    A non-finite value (NaN, +-inf) must be the same in both (NaN where the other has NaN). A finite value
+    may move by ``ulps`` ulps *of the scale*, ``ulps * eps(dtype) * 2**floor(log2(scale))`` with ``scale``
+    from :func:`rerun_scale`: a reordered sum's rounding error is a few ulps of the terms summed, not of
+    the result; near zero (cancellation) a per-element ulp count is meaningless. ``ulps`` 0: bit for bit.
+    """
+    if ulps <= 0 or not a.is_floating_point():
+        return bits(a) != bits(b)
+    x, y = a.detach().double(), b.detach().double()
+    finite = torch.isfinite(x) & torch.isfinite(y)
+    step = torch.finfo(a.dtype).eps * 2.0 ** torch.floor(torch.log2(torch.tensor(scale, dtype=torch.float64)))
+    far = finite & ((x - y).abs() > ulps * float(step))
+    nonfinite_differs = ~finite & ~((x == y) | (x.isnan() & y.isnan()))
+    return far | nonfinite_differs
+
+
 def first_difference(actual: torch.Tensor, expected: torch.Tensor, row_dims: int = 1) -> tuple[int, ...] | None:
     """Index (over the first ``row_dims`` dims) of the first row whose bit pattern differs, or ``None``.
 

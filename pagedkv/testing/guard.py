@@ -28,8 +28,11 @@ first run's bits; the call on other values must not return the first call's bits
 that caches by shape or by data pointer, returns a stale buffer, skips work it has "seen", counts its
 calls, or is nondeterministic, answers differently. A kernel that is nondeterministic by design (atomics
 in a split reduction) declares it, ``Capabilities(nondeterminism_ulp=N)``: its rerun's output may then
-differ from the first run's by up to ``N`` ulps per element (NaN where the first had NaN); the reference
-comparisons of the properties keep their usual bar, and written pools are still compared bit for bit.
+differ from the first run's by up to ``N`` ulps of the scale of the values the output sums (the largest
+finite ``|V|`` or ``|output|``; :func:`pagedkv.testing.compare.rerun_differs`), at most the output dtype's
+cap (:data:`pagedkv.backends.capabilities.NONDETERMINISM_ULP_CAP`); NaN and infinities exactly where the
+first run had them. The reference comparisons of the properties keep their usual bar, and written pools
+are still compared bit for bit.
 
 Calls whose inputs hold more than :data:`MAX_SNAPSHOT_BYTES` in all are not copied, filled or rerun
 (copies would commit memory the large-pool cases never touch, and deterministic index kernels on them
@@ -57,7 +60,7 @@ from typing import Any
 import torch
 
 from pagedkv.testing import history as process_history
-from pagedkv.testing.compare import Mismatch, bits
+from pagedkv.testing.compare import Mismatch, bits, rerun_differs, rerun_scale
 
 #: The ops whose calls are guarded.
 GUARDED_OPS = ("paged_attention", "paged_attention_csr", "write_kv", "gather", "scatter", "merge_attn_states")
@@ -77,6 +80,8 @@ ARG_NAMES = {
 PAIR_OPS = ("merge_attn_states",)
 #: The arguments that hold data (not scales, sinks or slopes): another case of the same shapes has other values there.
 DATA_ARGS = ("query", "k_cache", "v_cache", "key", "value", "cache", "values")
+#: The arguments whose values an op's output sums (the scale of a nondeterministic rerun's error).
+SUMMED_ARGS = ("v_cache", "prefix_out", "suffix_out", "cache", "values")
 #: Largest total of input storage bytes a call is snapshotted and rerun for (64 MiB).
 MAX_SNAPSHOT_BYTES = 64 << 20
 #: How many calls of one check :func:`judge_again` reruns (the first ones: a property's main call).
@@ -286,26 +291,6 @@ def _state(out: Any, tensors: list) -> dict:
     return state
 
 
-def _ulp_apart(a_bits: torch.Tensor, b_bits: torch.Tensor, dtype: torch.dtype, tolerance: int) -> bool:
-    """Whether two floating tensors, given as their bits, are within ``tolerance`` ulps element by element
-    (NaN only where the other is NaN); bit-equal for a non-floating dtype or ``tolerance`` 0."""
-    if tolerance <= 0 or not dtype.is_floating_point or a_bits.shape != b_bits.shape:
-        return a_bits.shape == b_bits.shape and torch.equal(a_bits, b_bits)
-    a_nan, b_nan = a_bits.view(dtype).isnan(), b_bits.view(dtype).isnan()
-    if not torch.equal(a_nan, b_nan):
-        return False
-    width = 8 * a_bits.element_size()
-    magnitude = (1 << (width - 1)) - 1
-
-    def ordered(x: torch.Tensor) -> torch.Tensor:  # the float's position on the number line, in ulps
-        x = x.to(torch.int64) & ((1 << width) - 1) if width < 64 else x
-        sign = (x >> (width - 1)) & 1
-        return torch.where(sign.bool(), -(x & magnitude), x & magnitude)
-
-    far = (ordered(a_bits) - ordered(b_bits)).abs() > tolerance
-    return not bool((far & ~a_nan).any())
-
-
 class GuardedBackend:
     """``backend`` with every call of its ops checked against the output and input contract (module
     docstring); other attributes are the backend's own.
@@ -322,7 +307,7 @@ class GuardedBackend:
 
             caps = capabilities_of(backend)
         self._backend = backend
-        self._tolerance_ulp = int(getattr(caps, "nondeterminism_ulp", 0) or 0)
+        self._caps = caps
         self._calls: list[_Call] = []
         self._outputs: list = []  # weak references to outputs returned so far
 
@@ -470,16 +455,25 @@ class GuardedBackend:
                 t.copy_(c.before[name])
             out = _first(self._plain_call(fn, c, named))
             with torch._C.DisableTorchFunction():
-                if c.output is not None and (not isinstance(out, torch.Tensor) or out.shape != c.output.shape
-                                             or not _ulp_apart(bits(out), c.output_bits, c.output.dtype,
-                                                               self._tolerance_ulp)):
-                    raise ContractViolation(_again_message(c.op, out, c.output_bits, self._tolerance_ulp))
+                if c.output is not None:
+                    ulps = self._rerun_ulps(c.output.dtype)
+                    first = c.output_bits.view(c.output.dtype)
+                    if not isinstance(out, torch.Tensor) or out.shape != c.output.shape or out.dtype != first.dtype:
+                        raise ContractViolation(_again_message(c.op, out, c.output_bits, ulps))
+                    scale = rerun_scale(first, out, *(t for name, t in named if name in SUMMED_ARGS))
+                    differs = rerun_differs(out, first, ulps, scale)
+                    if bool(differs.any()):
+                        raise ContractViolation(_again_message(c.op, out, c.output_bits, ulps, differs, scale))
                 for i, first in c.after.items():
                     if not torch.equal(bits(named[i][1]), first):
                         raise ContractViolation(f"{c.op} judged twice: {named[i][0]} after the second run on the "
                                                 f"same inputs differs from the first (after another call of the same "
                                                 f"shapes in between): the result depends on earlier calls (a write "
                                                 f"skipped by data pointer, a call count) or is nondeterministic")
+
+    def _rerun_ulps(self, dtype: torch.dtype) -> int:
+        rerun_ulps = getattr(self._caps, "rerun_ulps", None)
+        return int(rerun_ulps(dtype)) if rerun_ulps is not None else 0
 
     def _plain_call(self, fn: Any, c: _Call, named: list) -> Any:
         """``fn`` on the recorded arguments, memory filled, devices synchronised, late writes refused."""
@@ -521,14 +515,16 @@ def _settle(op: str, out: Any, tensors: list, threads: set) -> None:
                                     f"{name} changed after the call returned (its result was not written yet)")
 
 
-def _again_message(op: str, out: Any, first: torch.Tensor, tolerance_ulp: int = 0) -> str:
-    """``first``: the bits of the first run's output."""
+def _again_message(op: str, out: Any, first: torch.Tensor, tolerance_ulp: int = 0, differs: Any = None,
+                   scale: float = 0.0) -> str:
+    """``first``: the bits of the first run's output; ``differs``: where it differs beyond the tolerance."""
     where = ""
     if isinstance(out, torch.Tensor) and out.shape == first.shape:
-        diff = (bits(out) != first).nonzero()
+        diff = (differs if differs is not None else bits(out) != first).nonzero()
         if diff.numel():
             where = f" at index {[int(x) for x in diff[0]]} ({diff.shape[0]} elements differ)"
-    within = f" by more than the declared nondeterminism_ulp={tolerance_ulp}" if tolerance_ulp else ""
+    within = (f" by more than the declared nondeterminism_ulp={tolerance_ulp} (ulps of the scale {scale:.3g} of the values "
+              f"summed, at most the output dtype's cap)" if tolerance_ulp else "")
     return (f"{op} judged twice: on the same inputs again, after a call on other values of the same shapes, "
             f"the output differs from the first run{where}{within}: the result depends on earlier calls (a cache "
             f"by shape or data pointer, a stale buffer, a call count) or is nondeterministic"

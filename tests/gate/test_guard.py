@@ -5,6 +5,7 @@ its tolerance, large inputs left unchanged)."""
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 import time
 
@@ -145,18 +146,23 @@ def test_a_kept_thread_pool_created_by_the_first_guarded_call_is_no_violation():
         pool["executor"].shutdown()
 
 
-def _noisy(ulps_on_rerun: int):
-    """Exact on its first call; on every later one element 0 moves by ``ulps_on_rerun`` ulps (a reduction
-    order that changes from run to run)."""
+def _scale_ulp(out: torch.Tensor, v_cache: torch.Tensor) -> float:
+    """One ulp of the scale a rerun is judged against (the largest finite |V| or |output|), in out's dtype."""
+    scale = max(float(out.abs().max()), float(v_cache.abs().max()))
+    return torch.finfo(out.dtype).eps * 2.0 ** math.floor(math.log2(scale))
+
+
+def _noisy(ulps_on_rerun: float, index: int = 0):
+    """Exact on its first call; on every later one, output element ``index`` moves by ``ulps_on_rerun`` ulps
+    of the scale (a reduction order that changes from run to run)."""
     state = {"n": 0}
 
-    def kernel(q, *a, **k):
+    def kernel(q, k_cache, v_cache, *a, **k):
         state["n"] += 1
-        out = _honest(q, *a, **k)
+        out = _honest(q, k_cache, v_cache, *a, **k)
         if state["n"] > 1:
             flat = out.view(-1)
-            for _ in range(ulps_on_rerun):
-                flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
+            flat[index] = flat[index] + ulps_on_rerun * _scale_ulp(out, v_cache)
         return out
 
     return kernel
@@ -167,6 +173,50 @@ def test_declared_nondeterminism_is_compared_within_its_tolerance():
     _run(Kernel(_noisy(2), caps), caps=caps)  # within: passes
     with pytest.raises(ContractViolation, match="more than the declared nondeterminism_ulp=2"):
         _run(Kernel(_noisy(3), caps), caps=caps)
+
+
+def _near_zero_args():
+    """Arguments where output element 0 is about 1e-6 (a cancellation) and the others about 1."""
+    query, k_cache, v_cache, *rest = _args()
+    query[0, 0, 0] = (-k_cache[0, 0].sum() + v_cache[1, 0].mean()) / 2 + 1e-6
+    return (query, k_cache, v_cache, *rest)
+
+
+def test_declared_nondeterminism_is_measured_against_the_scale_not_a_near_zero_element():
+    # Fails before the rule used the scale: element 0 (~1e-6) moved by thousands of its own ulps.
+    args = _near_zero_args()
+    assert abs(float(_honest(*args)[0, 0, 0])) < 1e-4
+    caps = Capabilities(nondeterminism_ulp=8)
+    _run(Kernel(_noisy(4), caps), caps=caps, args=args)
+    with pytest.raises(ContractViolation, match="nondeterminism_ulp=8"):
+        _run(Kernel(_noisy(9), caps), caps=caps, args=_near_zero_args())
+
+
+def test_nan_moved_by_a_rerun_is_a_violation_whatever_the_tolerance():
+    state = {"n": 0}
+
+    def nan_moves(q, *a, **k):
+        state["n"] += 1
+        out = _honest(q, *a, **k)
+        out.view(-1)[state["n"]] = float("nan")  # NaN at element 1 first, at element 2 on the rerun
+        return out
+
+    caps = Capabilities(nondeterminism_ulp=64)
+    with pytest.raises(ContractViolation, match="judged twice"):
+        _run(Kernel(nan_moves, caps), caps=caps)
+
+
+def test_the_nondeterminism_cap_depends_on_the_output_dtype():
+    # Fails before the per-dtype cap: 40 bfloat16 ulps (~30% of max|V|) passed under a declared 64.
+    caps = Capabilities(dtypes=frozenset({"bfloat16"}), nondeterminism_ulp=64)
+    assert caps.rerun_ulps(torch.bfloat16) == 2 and caps.rerun_ulps("float32") == 64
+    def bf16():
+        return tuple(a.to(torch.bfloat16) if a.is_floating_point() else a for a in _args())
+
+    with pytest.raises(ContractViolation, match="nondeterminism_ulp=2"):
+        _run(Kernel(_noisy(40), caps), caps=caps, args=bf16())
+    _run(Kernel(_noisy(1), caps), caps=caps, args=bf16())
+    _run(Kernel(_noisy(40), caps), caps=caps)  # float32 output: within 64
 
 
 def test_undeclared_nondeterminism_is_a_violation_that_says_how_to_declare_it():
