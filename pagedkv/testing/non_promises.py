@@ -29,6 +29,8 @@ Which property takes which bound (:func:`bound_kind`):
   with a message saying how to write the bound).
 - the fp64 reference property (:data:`REFERENCE`) cannot be waived: a less accurate kernel declares its
   tolerance there, at most :data:`REFERENCE_LIMITS` for each dtype it declares.
+- every bound has a ceiling: :data:`OTHER_LIMITS` (twice the reference's) on the other properties;
+  ``NonPromise(reason, rtol=1e30)`` is refused when the plugin loads the candidate.
 - every other property (data movement, rejection, scenarios, NaN propagation, limits, the state
   machines) takes no non-promise: a declared space (sizes, ``max_pool_bytes``, features) says what a
   backend does not take.
@@ -58,6 +60,11 @@ WITHIN_TOLERANCE = frozenset({
 #: 8 ulps at the 16-bit dtypes (4x the default 2 ulps), and float16's default for float32 (a float32
 #: kernel may round like float16 intermediates, never worse: a bfloat16 accumulator is not float32).
 REFERENCE_LIMITS = {"float32": 2e-3, "float16": 8 * 2.0**-10, "bfloat16": 8 * 2.0**-7}
+#: The widest bound any other property takes, per output dtype: twice the reference's limit. Its outputs
+#: are each judged against the fp64 reference within at most :data:`REFERENCE_LIMITS` (the reference
+#: property, whatever the kernel declares there), so two of them, one per side of an equality or
+#: invariance, differ by at most twice it; a wider bound would let through what the reference refuses.
+OTHER_LIMITS = {dtype: 2 * limit for dtype, limit in REFERENCE_LIMITS.items()}
 _EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 
@@ -83,12 +90,14 @@ def widest(non_promise: Any, dtype: str) -> tuple[float, float]:
 
 def check_non_promises(caps: Any) -> None:
     """Check every non-promise of ``caps``: a registered property that takes one, with the bound its kind
-    needs, and on the fp64 reference a tolerance within :data:`REFERENCE_LIMITS` for every declared dtype.
+    needs, within :data:`REFERENCE_LIMITS` on the fp64 reference and :data:`OTHER_LIMITS` elsewhere, for
+    every declared dtype.
 
     Raises:
         ValueError: an unknown name (with the known names), a property that takes no non-promise, a
             bare reason where a tolerance is needed (saying how to write it), a reference tolerance past
-            its limit.
+            its limit, any other bound past :data:`OTHER_LIMITS` (each message names the property and the
+            limit).
     """
     known = known_properties()
     unknown = [name for name, _ in caps.non_promises if name not in known]
@@ -107,13 +116,14 @@ def check_non_promises(caps: Any) -> None:
                              f"NonPromise(reason, rtol=1e-3, atol=1e-3)"
                              + ("; the fp64 reference cannot be waived, only given a tolerance" if name == REFERENCE
                                 else ""))
-        if name == REFERENCE:
-            for dtype in sorted(caps.dtypes):
-                rtol, atol = widest(declared, dtype)
-                if max(rtol, atol) > REFERENCE_LIMITS[dtype]:
-                    raise ValueError(f"Capabilities.non_promises[{name!r}]: {declared.describe()} is "
-                                     f"{max(rtol, atol):.3g} at {dtype}, past the limit "
-                                     f"{REFERENCE_LIMITS[dtype]:.3g} of the fp64 reference property")
+        limits, which = (REFERENCE_LIMITS, "the fp64 reference property") if name == REFERENCE else \
+            (OTHER_LIMITS, "any property but the reference (twice the reference's limit)")
+        for dtype in sorted(caps.dtypes):
+            rtol, atol = widest(declared, dtype)
+            if max(rtol, atol) > limits[dtype]:
+                raise ValueError(f"Capabilities.non_promises[{name!r}]: {declared.describe()} is "
+                                 f"{max(rtol, atol):.3g} at {dtype}, past the limit {limits[dtype]:.3g} of "
+                                 f"{which}")
 
 
 class Bound:

@@ -263,6 +263,22 @@ def test_a_non_promise_needs_a_reason_and_a_bound_its_property_can_check():
         check_non_promises(Capabilities(non_promises={"gather_returns_exactly_what_each_slot_holds": "why"}))
 
 
+@pytest.mark.parametrize("bound", [dict(rtol=1e30), dict(atol=1.0), dict(ulps=1e6)])
+def test_every_bound_has_a_ceiling_named_in_the_refusal(bound):
+    # Fails before the ceiling: NonPromise(rtol=1e30) was accepted on every property but the reference.
+    from pagedkv.backends.capabilities import Capabilities, NonPromise
+    from pagedkv.testing.non_promises import (BIT_IDENTICAL, OTHER_LIMITS, REFERENCE_LIMITS, WITHIN_TOLERANCE,
+                                              check_non_promises)
+
+    for prop in sorted((WITHIN_TOLERANCE | BIT_IDENTICAL) - {REFERENCE}):
+        with pytest.raises(ValueError, match=rf"non_promises\['{prop}'\].*past the limit 0.004 of any property"):
+            check_non_promises(Capabilities(dtypes={"float32"}, non_promises={prop: NonPromise("why", **bound)}))
+    assert OTHER_LIMITS == {dtype: 2 * limit for dtype, limit in REFERENCE_LIMITS.items()}
+    # at its ceiling a bound is taken: twice the reference's limit at each declared dtype
+    check_non_promises(Capabilities(dtypes={"float32", "bfloat16"}, non_promises={
+        ALONE: NonPromise("why", rtol=OTHER_LIMITS["float32"], atol=OTHER_LIMITS["float32"])}))
+
+
 def test_every_bounded_property_is_registered():
     from pagedkv.testing.non_promises import BIT_IDENTICAL, WITHIN_TOLERANCE, bound_kind
     from pagedkv.testing.registry import properties
