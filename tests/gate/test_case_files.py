@@ -508,3 +508,17 @@ def test_a_corrupted_head_count_is_refused_at_the_geometry_when_both_scale_lists
     with pytest.raises(CaseFileError) as refused:
         validate_record(record)
     assert refused.value.field == "case.k_scale", str(refused.value)
+
+
+def test_two_long_test_ids_never_share_a_case_file(tmp_path, monkeypatch):
+    # Fails before names carried a hash of the full id: both were cut to the same 150 characters, and the
+    # passing test's cleanup deleted the failing test's case file.
+    monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(tmp_path))
+    head = "site-packages/pagedkv/testing/suite/test_regressions.py::test_regression_case_replays_clean[" + "x" * 80
+    ids = [head + "alone_in_batch_decode_65_tokens]", head + "alone_in_batch_prefill_9_tokens]",
+           "suite/test_a.py::test[a b]", "suite/test_a.py::test[a/b]"]
+    paths = [writing.case_file_path(i) for i in ids]
+    assert len(set(paths)) == len(ids), paths
+    assert all(len(p.name) <= 150 + len(".json") and p.parent == tmp_path for p in paths)
+    assert writing.case_file_path(ids[0]) == paths[0]  # stable: the replay line and the cleanup find it
+    assert writing.safe_name("test_plain-name.1") == "test_plain-name.1"

@@ -6,6 +6,7 @@ the outcome when it fails, so a crash, an out-of-memory kill or a device fault l
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -22,8 +23,16 @@ def failure_dir() -> Path:
 
 
 def safe_name(text: str, max_len: int = 150) -> str:
-    """``text`` as a file name: runs of characters other than ``[A-Za-z0-9_.-]`` become ``_``."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")[:max_len] or "case"
+    """``text`` as a file name of at most ``max_len`` characters, one name per ``text``: runs of characters
+    other than ``[A-Za-z0-9_.-]`` become ``_``; where that or the length cut loses anything, the name ends
+    in ``-`` and 10 hex digits of the SHA-256 of the full ``text``, so two test ids that agree on their first
+    ``max_len`` characters (or differ only in replaced characters) never share a file (a passing test would
+    delete the other's case file)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
+    if name == text and len(name) <= max_len and name:
+        return name
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:10]
+    return f"{name[:max_len - 11]}-{digest}"
 
 
 def case_file_path(test_id: str, suffix: str = "") -> Path:
