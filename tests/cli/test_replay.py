@@ -271,3 +271,22 @@ def test_an_incomplete_history_is_repeated_up_to_the_recorded_call_count_and_sai
     code, out = _run(path)
     assert code == 3, out
     assert "repeating them for the 36 before" in out and "history is incomplete" in out, out
+
+
+def test_a_failure_that_comes_back_alone_never_reruns_its_history(tmp_path):
+    # Fails before the case ran alone first: replay repeated the history up to the recorded call count
+    # (MAX_PADDING_CALLS calls of it here; a large-pool history ran past the JSON verdict's 300 s).
+    entry = {"check": SCATTER, "kind": "Case", "case": CASE.to_dict()}
+    path = _recorded_failure(tmp_path, "pagedkv.tools.mutants:scatter_drops_start_offset", history=[entry] * 16,
+                             calls_before=10**9, history_calls=16)
+    code, out = _run(path)
+    assert code == 1 and f"FAILS: {SCATTER}" in out, out
+    assert "the case alone first" in out and "earlier case" not in out and "repeating" not in out, out
+
+
+def test_a_failure_that_passes_alone_is_rerun_after_its_history_in_a_fresh_process(tmp_path):
+    entry = {"check": SCATTER, "kind": "Case", "case": CASE.to_dict()}
+    path = _recorded_failure(tmp_path, "indexed", history=[entry], calls_before=3, history_calls=3)
+    code, out = _run(path)
+    assert code == 3 and "passes alone: rerunning it after the earlier calls" in out, out
+    assert "rerunning the 1 earlier case(s)" in out and "did not reproduce" in out, out

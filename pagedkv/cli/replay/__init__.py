@@ -31,10 +31,13 @@ A failure of it that does not come back is exit 3. After changing the kernel to 
 
 The earlier calls: the file's ``history`` holds the last cases the process judged on the backend, of
 any property, oldest first, and ``calls_before`` / ``history_calls`` the op calls the process had made
-to it before the failing case and how many of those the recorded cases made. When the history is
-incomplete (the process made more calls than its recorded cases), replay first repeats the recorded
-cases until the backend has had as many calls (at most :data:`MAX_PADDING_CALLS`), so a failure that
-depends on the call count comes back; the verdict line says when the file's history is incomplete.
+to it before the failing case and how many of those the recorded cases made. A recorded failure is
+replayed on the case alone first: most failures come back there (``FAILS``), at the cost of one case,
+however long the history (a large-pool failure's history repeats cases of gigabyte pools). Only when the
+case passes alone is it replayed again in a fresh process (``--with-history``), after the recorded
+cases; when the history is incomplete (the process made more calls than its recorded cases), those are
+first repeated until the backend has had as many calls (at most :data:`MAX_PADDING_CALLS`), so a failure
+that depends on the call count comes back; the verdict line says when the file's history is incomplete.
 """
 
 from __future__ import annotations
@@ -83,6 +86,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="the backend was changed to fix the recorded failure: judge the case alone (no earlier "
                              "calls rerun) and report a pass as PASSES, exit 0 (without it a recorded failure of the "
                              "recorded backend that does not come back is exit 3)")
+    parser.add_argument("--with-history", action="store_true",
+                        help="a recorded failure: rerun the earlier calls the file records before the case, in this "
+                             "process (by default the case runs alone first, and only when it passes is it rerun "
+                             "after them, in a fresh process)")
     add_drift_options(parser)
     parser.set_defaults(func=run)
     return parser
@@ -99,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         return replay_in_child(args)
     return replay(args.file, device=args.device, impl=args.impl, other=args.other, max_bytes=args.max_bytes,
                   quiet=args.quiet, exact=args.exact, max_drift_ulp=args.max_drift_ulp,
-                  confirm_fix=args.confirm_fix)
+                  confirm_fix=args.confirm_fix, with_history=args.with_history)
 
 
 def _byte_count(text: str) -> int:
@@ -113,7 +120,8 @@ def _byte_count(text: str) -> int:
 
 def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, quiet: bool = False,
            out: TextIO | None = None, other: str | None = None, max_bytes: int | None = None,
-           exact: bool = False, max_drift_ulp: int | None = None, confirm_fix: bool = False) -> int:
+           exact: bool = False, max_drift_ulp: int | None = None, confirm_fix: bool = False,
+           with_history: bool = False) -> int:
     """Rerun a case file's check and report to ``out`` (default stdout).
 
     Args:
@@ -126,6 +134,9 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
             :mod:`pagedkv.testing.casefiles.reading`).
         exact, max_drift_ulp: when ``other`` is a baseline (:mod:`pagedkv.cli.replay.drift`): the drift gate.
         confirm_fix: the backend was changed to fix the recorded failure: the case alone, a pass is 0.
+        with_history: a recorded failure of the recorded backend: rerun the file's earlier calls before the
+            case in this process (without it the case runs alone first and, when it passes, the history
+            in a fresh process, :func:`_replay_with_history`).
 
     Returns:
         0 (passes), 1 (fails), 2 (the file is refused, or the backend cannot be loaded) or
@@ -180,9 +191,13 @@ def replay(path: str | Path, *, device: str = "cpu", impl: str | None = None, qu
             if impl is not None and not recorded and not confirm_fix and not quiet and "history" in record:
                 print(f"  --impl {impl} is not the recorded backend {record.get('recorded_backend')!r}: judged "
                       f"as another backend on this case", file=out)
-            if recorded:  # the calls that led to the failure, in order, on this fresh backend
+            if recorded and with_history:  # the calls that led to the failure, in order, on this fresh backend
                 _run_history(record, backend, device, out, quiet)
+            elif recorded and not quiet:
+                print("  the case alone first (the earlier calls only if it passes)", file=out)
             _run_record(record, backend, device)
+            if recorded and not with_history:  # passed alone: the history, in a fresh process
+                return _replay_with_history(path, device, impl, max_bytes, quiet, out)
             if recorded:
                 return _did_not_reproduce(record, device, out)
     except MissingOp as exc:
@@ -274,6 +289,23 @@ def _run_history(record: dict, backend: Any, device: str, out: TextIO, quiet: bo
         print(f"  rerunning the {len(history)} earlier case(s) the run judged before this one, in order", file=out)
     for earlier in history:
         _run_earlier(record, earlier, backend, device)
+
+
+def _replay_with_history(path: str | Path, device: str, impl: str | None, max_bytes: int | None, quiet: bool,
+                         out: TextIO) -> int:
+    """The replay again in a fresh process, the file's earlier calls rerun before the case (the case alone
+    passed here, on a backend those calls never reached); its output to ``out``, its exit status."""
+    import subprocess
+
+    argv = [sys.executable, "-m", "pagedkv", "replay", str(path), "--device", str(device), "--no-isolate",
+            "--with-history"]
+    for option, value in (("--impl", impl), ("--max-bytes", max_bytes)):
+        argv += [option, str(value)] if value is not None else []
+    if not quiet:
+        print("  passes alone: rerunning it after the earlier calls the file records, in a fresh process", file=out)
+    proc = subprocess.run(argv + ["--quiet"] * quiet, capture_output=True, text=True)
+    out.write(proc.stdout + proc.stderr[-2000:] * (proc.returncode not in (0, 1, DID_NOT_REPRODUCE)))
+    return proc.returncode if proc.returncode >= 0 else 1
 
 
 def _did_not_reproduce(record: dict, device: str, out: TextIO) -> int:

@@ -32,7 +32,8 @@ def replay_in_child(args: argparse.Namespace) -> int:
                           ("--max-drift-ulp", args.max_drift_ulp)):
         argv += [option, str(value)] if value is not None else []
     argv += ["--quiet"] * bool(args.quiet) + ["--exact"] * bool(args.exact) + \
-        ["--confirm-fix"] * bool(getattr(args, "confirm_fix", False))
+        ["--confirm-fix"] * bool(getattr(args, "confirm_fix", False)) + \
+        ["--with-history"] * bool(getattr(args, "with_history", False))
     proc = subprocess.run([sys.executable, "-m", "pagedkv", *argv])
     if proc.returncode < 0:
         name = signal.Signals(-proc.returncode).name
