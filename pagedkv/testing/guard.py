@@ -523,8 +523,8 @@ def _again_message(op: str, out: Any, first: torch.Tensor, tolerance_ulp: int = 
         diff = (differs if differs is not None else bits(out) != first).nonzero()
         if diff.numel():
             where = f" at index {[int(x) for x in diff[0]]} ({diff.shape[0]} elements differ)"
-    within = (f" by more than the declared nondeterminism_ulp={tolerance_ulp} (ulps of the scale {scale:.3g} of the values "
-              f"summed, at most the output dtype's cap)" if tolerance_ulp else "")
+    within = (f" by more than the declared nondeterminism_ulp={tolerance_ulp} (ulps of the scale {scale:.3g} of the "
+              f"values summed, at most the output dtype's cap)" if tolerance_ulp else "")
     return (f"{op} judged twice: on the same inputs again, after a call on other values of the same shapes, "
             f"the output differs from the first run{where}{within}: the result depends on earlier calls (a cache "
             f"by shape or data pointer, a stale buffer, a call count) or is nondeterministic"

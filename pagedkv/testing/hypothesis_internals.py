@@ -38,6 +38,18 @@ def set_database_key(test: Any, key: bytes) -> None:
     test._hypothesis_internal_database_key = key
 
 
+def state_machine_test(machine: Any, chosen: Any, key: bytes) -> Any:
+    """The test function ``run_state_machine_as_test(machine, settings=chosen)`` runs, its examples keyed
+    in the example database by ``key`` (Hypothesis keys a state machine by a digest of its class, the
+    same for every candidate the kit builds a machine for). ``hypothesis.stateful.get_state_machine_test``
+    is public in name, not documented."""
+    from hypothesis.stateful import get_state_machine_test
+
+    test = get_state_machine_test(machine, settings=chosen)
+    set_database_key(test, key)
+    return test
+
+
 @contextlib.contextmanager
 def forced_seed(seed: int):
     """Seed every Hypothesis test built inside the block (``hypothesis.core.global_force_seed``, what

@@ -42,6 +42,8 @@ class TestRun:
             entry["failures"] = [failure_record(f) for f in verdict.failures]
         if verdict.non_promise:
             entry["non_promise"] = verdict.non_promise
+        if getattr(verdict, "measured", None):
+            entry["measured"] = verdict.measured
         self.node.user_properties.append((_KEY, json.dumps(entry)))
 
 
@@ -251,7 +253,7 @@ def verdict(stats: dict, backends: list, spec: str | None, *, profile: str = "",
 
         def entry(r: dict) -> dict:
             return {"property": r["prop"], "kind": r["kind"], "message": r["reason"],
-                    "failures": r.get("failures", [])}
+                    "failures": r.get("failures", []), "measured": r.get("measured", {})}
 
         def by_status(rows: list, status: str) -> list:
             return [{**entry(r), "non_promise": r.get("non_promise")} if status == "finding" else entry(r)
@@ -263,6 +265,7 @@ def verdict(stats: dict, backends: list, spec: str | None, *, profile: str = "",
             "passed": sorted({r["prop"] for r in props if r["status"] == "passed" and r["kind"] != "precondition"}),
             "judged": sorted({r["prop"] for r in props if r["status"] in ("passed", "failed")
                               and r["kind"] != "precondition"}),
+            "measured": {r["prop"]: r["measured"] for r in props if r.get("measured") and r["kind"] != "precondition"},
             "failed": by_status(props, "failed"),
             "findings": by_status(props, "finding"),
             "skipped": [{"property": r["prop"], "reason": r["reason"], "skip": r.get("skip")}

@@ -29,7 +29,8 @@ the suite replay each other's finds, and a mutant's never reach another backend.
 Every other settings object the kit and its tools run under is built here too, from one
 health-check policy (:data:`SUPPRESSED_HEALTH_CHECKS`): :func:`suite_settings` (the pytest suite),
 :func:`mutant_settings` (the kill table), :func:`kill_rate_settings`, :func:`fuzz_settings`,
-:func:`machine_settings` (the cache state machine), :func:`manager_settings` (cache-manager programs) and
+:func:`machine_settings` (the cache state machine), :func:`manager_suite_settings` (the suite's cache-manager
+machine), :func:`manager_settings` (cache-manager programs in the kit's own tests) and
 :func:`drawing_settings` (the specialisation plan, which draws without running).
 
 Each profile is registered as ``pagedkv-<name>`` and, where the project under test has not registered that
@@ -195,6 +196,14 @@ def manager_settings(max_examples: int = 50, steps: int = 30, base: Any = None) 
         max_examples = min(base.max_examples, max_examples)
     return settings(machine_settings(base, steps), max_examples=max_examples, database=None,
                     report_multiple_bugs=False)
+
+
+def manager_suite_settings(steps: int, base: Any = None) -> settings:
+    """The suite's cache-manager machine, as a kernel property runs: ``base`` (``None``: the loaded profile,
+    its examples, derandomisation and example database: ``ci`` 100 programs and none, ``nightly`` 2000
+    and Hypothesis's or ``$PAGEDKV_DATABASE``) as :func:`suite_settings` makes it, ``steps`` rules per
+    program, the first failure only."""
+    return settings(machine_settings(base, steps), report_multiple_bugs=False)
 
 
 def manager_kill_rate_settings(max_examples: int, steps: int = 30) -> settings:

@@ -75,6 +75,7 @@ class Verdict:
     skip: SkipReason | None = None
     failures: list = field(default_factory=list)
     non_promise: dict | None = None
+    measured: dict = field(default_factory=dict)
 
 
 def decide(outcome: Any, *, kind: str = "property", violating: bool = False, declared: Any = None) -> Verdict:
@@ -89,6 +90,7 @@ def decide(outcome: Any, *, kind: str = "property", violating: bool = False, dec
     """
     kind = "precondition" if violating else kind
     promise = declared.as_dict() if declared is not None else None
+    measured = measured_of(outcome)
     status = getattr(outcome, "status", "passed")
     if status == "skipped":
         skip = getattr(outcome, "skip", None) or skip_reason(outcome.reason)
@@ -96,11 +98,27 @@ def decide(outcome: Any, *, kind: str = "property", violating: bool = False, dec
     if status == "failed":
         first = outcome.failures[0].first_line if outcome.failures else str(getattr(outcome, "reason", ""))
         return Verdict("finding" if kind == "precondition" else "failed", kind, first,
-                       failures=list(outcome.failures), non_promise=promise)
+                       failures=list(outcome.failures), non_promise=promise, measured=measured)
     findings = list(getattr(outcome, "findings", ()))
     if findings:
-        return Verdict("finding", kind, findings[0].first_line, failures=findings, non_promise=promise)
-    return Verdict("passed", kind, str(getattr(outcome, "reason", "") or ""))
+        return Verdict("finding", kind, findings[0].first_line, failures=findings, non_promise=promise,
+                       measured=measured)
+    return Verdict("passed", kind, str(getattr(outcome, "reason", "") or ""), measured=measured)
+
+
+#: What a run measured, as the JSON verdict's ``measured`` holds it: the examples (state machines: the
+#: programs) that ran, the first failing one (1-based; 0 when none failed), the steps a state machine
+#: judged, the seconds.
+MEASURED = ("examples", "first_failing_example", "steps", "seconds")
+
+
+def measured_of(outcome: Any) -> dict:
+    """The :data:`MEASURED` fields ``outcome`` carries (seconds rounded to 0.01)."""
+    found = {name: getattr(outcome, name) for name in MEASURED
+             if isinstance(getattr(outcome, name, None), (int, float))}
+    if "seconds" in found:
+        found["seconds"] = round(found["seconds"], 2)
+    return found
 
 
 def empty_counts() -> dict:

