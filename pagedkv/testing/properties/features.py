@@ -147,8 +147,9 @@ def nan_value_shows_exactly_where_it_is_read(backend: Any, case: Case, device: s
     values summed (:func:`pagedkv.testing.compare.rerun_differs`), NaN exactly where it was. An output
     with the token in its context but masked (a later position, or before its window) is unchanged or NaN:
     IEEE's ``0 * NaN`` is NaN, so a kernel that weights a masked value by 0 is not wrong here (the
-    window's frame condition is :func:`nan_outside_the_window_changes_nothing`). For a backend that assumes ``finite_unused_slots``,
-    the NaN in another sequence's unused tail (a shared block) is masked too.
+    window's frame condition is :func:`nan_outside_the_window_changes_nothing`). For a backend that
+    assumes ``finite_unused_slots``, the NaN in another sequence's unused tail (a shared block) is masked
+    too.
 
     The slot is a token some query of a sequence sees (drawn from the case's seed); a case with no
     query checks nothing, and Hypothesis draws another. K is left alone: a NaN logit may vanish in a
