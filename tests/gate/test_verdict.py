@@ -422,3 +422,15 @@ def test_a_control_signal_from_inside_an_op_call_fails(signal):
     it gets wrong turned the property into a skip, a rejected case or a partial pass before."""
     outcome = _run(REFERENCE, _Signalling(signal), examples=10)
     assert outcome.status == "failed" and "OpRaisedControlSignal" in outcome.first_line, outcome
+
+
+def test_a_failing_regression_case_replays_as_printed_on_the_candidate(pytester, monkeypatch):
+    # Fails before the regression runner recorded the candidate's spec: the case file named the backend the
+    # regression was first recorded on (indexed), printed without --impl, and replayed as printed to PASSES.
+    result, verdict, candidate = _suite(pytester, monkeypatch, factor=0.0, drop=True, non_promises="{}",
+                                        properties=["regression_case_replays_clean and c08_batch_reference"])
+    assert result.ret == 1, result.stdout.str()
+    (failed,) = candidate["regressions"]["failed_cases"]
+    (failure,) = failed["failures"]
+    assert failure["replay"].endswith(f"--impl {pytester.path / 'candidate.py'}"), failure
+    assert failure["reproduced"] is True, failure

@@ -13,6 +13,7 @@ import pytest
 
 from types import SimpleNamespace
 
+from pagedkv.backends import backend_name
 from pagedkv.testing import execute
 from pagedkv.testing.casefiles.reading import load_case_file
 from pagedkv.testing.registry import property_for_record
@@ -55,8 +56,11 @@ def test_regression_case_replays_clean(pagedkv_run, backend, device, regression_
                                   else SkipReason.NOT_EXPRESSIBLE)
         pagedkv_run.record(regression_file.stem, backend, decide(skipped, kind="regression"))
         pytest.skip(f"{regression_file.stem}: {how}")
-    outcome = execute.run_record({**record, "case": case}, backend, device, case_file=pagedkv_run.case_file,
-                                 bounded=True)
+    # the candidate's spec in its case file: its replay line names the candidate (--impl), not the backend the
+    # regression file was first recorded on
+    spec = pagedkv_run.spec or backend_name(backend)
+    outcome = execute.run_record({**record, "case": case, "backend": spec}, backend, device,
+                                 case_file=pagedkv_run.case_file, bounded=True)
     poison = getattr(case, "poison", None) or getattr(getattr(case, "case", None), "poison", None)
     violating = "finite_unused_slots" in caps.preconditions and poison in ("nan", "inf")
     declared = caps.non_promise(prop.name)
