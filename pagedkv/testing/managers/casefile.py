@@ -12,7 +12,8 @@ imported or allocated:
 4. the trust rule: the manager a file names is loaded on its word only when a kernel case file could
    name it (a built-in backend, a shipped mutant, cheat or peer:
    :func:`~pagedkv.testing.casefiles.reading.canonical_backend_spec`) or it is one of pagedkv's own
-   managers (:data:`SHIPPED_MANAGERS`); any other spec runs only when named with ``--impl``.
+   managers (:data:`SHIPPED_MANAGERS`, the planted hybrid faults of :data:`HYBRID_MUTANTS`); any other
+   spec runs only when named with ``--impl``.
 
 Each refusal is a :class:`~pagedkv.errors.CaseFileError` naming the field.
 """
@@ -36,7 +37,7 @@ SLOT_BYTES = 256
 #: Host bytes per integer a program writes (token ids, sizes).
 ITEM_BYTES = 64
 _KEYS = {"kind": True, "version": True, "manager": True, "block_sizes": True, "windows": True, "steps": True,
-         "error": False, "test_id": False, "examples": False, "first_failing_example": False}
+         "error": False, "test_id": False, "examples": False, "first_failing_example": False, "layouts": False}
 _RULE = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _ARG = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 _MAX_INT = 2**31
@@ -112,6 +113,10 @@ def validate_program(data: Any, *, max_bytes: int | None = None) -> dict:
     for key in ("error", "test_id"):
         if not isinstance(data.get(key, ""), str) or len(data.get(key, "")) > 4096:
             raise _error(key, "a string of at most 4096 characters")
+    layouts = data.get("layouts", [])
+    if not isinstance(layouts, list) or len(layouts) > 16 or not all(
+            isinstance(x, str) and _ARG.fullmatch(x.replace("-", "_")) for x in layouts):
+        raise _error("layouts", "a list of at most 16 layout names")
     block_sizes = _int_list(data["block_sizes"], "block_sizes", 1, 1 << 12)
     _int_list(data["windows"], "windows", 0, 1 << 20, nullable=True)
     steps = data["steps"]
@@ -141,11 +146,25 @@ def validate_program(data: Any, *, max_bytes: int | None = None) -> dict:
     return data
 
 
+#: pagedkv's module of planted hybrid-manager faults and the mapping of the names it ships.
+HYBRID_MUTANTS = ("pagedkv.tools.mutants.hybrid_managers", "HYBRID_MANAGER_MUTANTS")
+
+
 def trusted_manager_spec(spec: object) -> bool:
     """Whether a program file may name ``spec`` as the manager to load (module docstring, point 4)."""
+    import importlib
+
     from pagedkv.testing.casefiles.reading import canonical_backend_spec
 
-    return spec in SHIPPED_MANAGERS or canonical_backend_spec(spec) is not None
+    if spec in SHIPPED_MANAGERS or canonical_backend_spec(spec) is not None:
+        return True
+    module, _, name = str(spec).partition(":")
+    if module != HYBRID_MUTANTS[0]:
+        return False
+    try:  # a fixed module of pagedkv's own, where this version has it
+        return name in getattr(importlib.import_module(module), HYBRID_MUTANTS[1], {})
+    except ImportError:
+        return False
 
 
 def load_program_file(path: str, *, max_bytes: int | None = None, impl: str | None = None) -> dict:
