@@ -199,14 +199,14 @@ def _extras(draw, geometry: Geometry, seqs, *, read_only: bool, caps=None, poiso
 def latent_view(draw, case: Case, caps) -> dict:
     """The fields that make ``case`` MLA's latent cache (``v_cache = k_cache[..., :head_dim_v]``, layout
     ``"latent"``), or ``{}``: always for a backend declaring ``shared_kv_storage`` (an fp8 pool then takes
-    V's scale from K's: one storage, one scale); one case in three where ``caps`` declares V widths of
+    V's scale from K's: one storage, one scale); one case in two where ``caps`` declares V widths of
     their own, V is at most K's width and the pool is not fp8 (a scale moved onto K alone would move V's)."""
     g = case.geometry
     if caps is None or g.v_dim > g.head_dim:
         return {}
     if caps.shared_kv_storage:
         return {"layout": "latent", "v_scale": case.k_scale}
-    if caps.head_dims_v is None or case.kv_cache_dtype != "auto" or draw(st.integers(0, 2)) != 0:
+    if caps.head_dims_v is None or case.kv_cache_dtype != "auto" or not draw(st.booleans()):
         return {}
     return {"layout": "latent"}
 
