@@ -233,8 +233,9 @@ def table(rows: list[dict]) -> str:
         g, t = r["gate"], r.get("theirs", {})
         verdict = "killed" if g["killed"] else "survived (budget cut)" if g.get("budget_cut") else "survived"
         detail = (g.get("case") or g.get("error") or "").replace("|", "/").replace("\n", " ")[:160]
+        theirs = "killed" if t.get("killed") else "survived" if t else "-"
         lines.append(f"| {r['id']} | {r['class']} | {r['file']} | {r['what']} | {verdict} | {g.get('seconds', '-')} | "
-                     f"{detail} | {'killed' if t.get('killed') else 'survived' if t else '-'} | {t.get('seconds', '-')} |")
+                     f"{detail} | {theirs} | {t.get('seconds', '-')} |")
     return "\n".join(lines) + "\n"
 
 
