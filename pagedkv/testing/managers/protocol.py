@@ -265,8 +265,8 @@ class CacheManager(Protocol):
     A grouped manager (``capabilities.groups``) returns a tuple with one entry per group where the
     one-group shape is a list (block ids of ``admit``, slots of ``reserve`` and ``load``, ``block_table``);
     a hit length is one number every group agrees on (each group's hit truncated to it). Optional calls
-    (``fork``, ``evict``, ``reset``, ``kv_pools``, and the connector's and speculative calls below) exist
-    where the capabilities say so.
+    (``fork``, ``evict``, ``reset``, ``kv_pools``, :class:`SpeculativeCalls`, :class:`ConnectorCalls`)
+    exist where the capabilities say so.
     """
 
     capabilities: ManagerCapabilities
@@ -293,7 +293,35 @@ class CacheManager(Protocol):
         get slots and the machine writes their K/V and state, but they are not the request's tokens
         (nothing caches them) until :meth:`drop` says how many were accepted."""
 
-    # -- speculative decoding (capabilities.speculative) ----------------------------------------
+    def commit(self, request_id: int, num_tokens: int) -> None:
+        """The K/V of the request's first ``num_tokens`` tokens is written in every layer."""
+
+    def free(self, request_id: int) -> None:
+        """Release the request (finish or abort): it holds nothing afterwards (a connector manager may
+        keep its blocks for a store until :meth:`ConnectorCalls.store_done`; a request with a load in
+        flight keeps them until :meth:`ConnectorCalls.load_done`)."""
+
+    def block_table(self, request_id: int) -> list[int]:
+        """The request's block ids in order; ``-1`` where the window released a block (or a chunked-local
+        or Mamba group holds none). Grouped: a tuple of per-group lists."""
+
+    def holds(self, request_id: int) -> bool:
+        """Whether the manager still keeps any state of the request (after ``free``: only while a
+        connector's store or load of it is pending)."""
+
+    def counts(self) -> tuple[int, int, int] | None:
+        """``(free, used, total)`` blocks, or ``None`` when not exposed. Cached blocks nobody references
+        count as free (they are evictable)."""
+
+    def self_check(self) -> None:
+        """Check the manager's own exposed state (reference counts, free queue, hash index) against what
+        it reports; raise ``AssertionError`` naming the inconsistency. A no-op where nothing is exposed."""
+
+
+@runtime_checkable
+class SpeculativeCalls(Protocol):
+    """What a manager with ``capabilities.speculative`` answers besides :class:`CacheManager`."""
+
     def drop(self, request_id: int, num_rejected: int) -> None:
         """Verification of the request's last draft reservation: its last ``num_rejected`` draft tokens
         are rejected (dropped: the request is that many tokens shorter; blocks may stay allocated), the
@@ -303,7 +331,12 @@ class CacheManager(Protocol):
         Raises:
             ValueError: ``num_rejected`` negative or above the last reservation's ``num_draft``."""
 
-    # -- KV connector (capabilities.connector) --------------------------------------------------
+
+@runtime_checkable
+class ConnectorCalls(Protocol):
+    """What a manager with ``capabilities.connector`` answers besides :class:`CacheManager`: the
+    scheduler side of a KV connector, the machine playing the external store."""
+
     def num_external(self, request_id: int) -> int:
         """Tokens past the local hit the connector will load for a just-admitted request (0 when the
         store offers nothing beyond the hit); ``num_cached + num_external`` is whole blocks."""
@@ -324,27 +357,6 @@ class CacheManager(Protocol):
         """A freed request's blocks are stored externally: a free deferred for the store (vLLM's
         ``finished_sending``) releases now. Called once after every free of a connector manager; until
         then no block the request held may be handed to anyone."""
-
-    def commit(self, request_id: int, num_tokens: int) -> None:
-        """The K/V of the request's first ``num_tokens`` tokens is written in every layer."""
-
-    def free(self, request_id: int) -> None:
-        """Release the request (finish or abort): it holds nothing afterwards."""
-
-    def block_table(self, request_id: int) -> list[int]:
-        """The request's block ids in order; ``-1`` where the window released a block (or a chunked-local
-        or Mamba group holds none). Grouped: a tuple of per-group lists."""
-
-    def holds(self, request_id: int) -> bool:
-        """Whether the manager still keeps any state of the request."""
-
-    def counts(self) -> tuple[int, int, int] | None:
-        """``(free, used, total)`` blocks, or ``None`` when not exposed. Cached blocks nobody references
-        count as free (they are evictable)."""
-
-    def self_check(self) -> None:
-        """Check the manager's own exposed state (reference counts, free queue, hash index) against what
-        it reports; raise ``AssertionError`` naming the inconsistency. A no-op where nothing is exposed."""
 
 
 def namespace_parts(namespace: Hashable) -> tuple[str | None, tuple[str, str] | None]:
