@@ -223,7 +223,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def register(self, rid: int, req: Request, upto: int) -> None:
         """Tokens below ``upto`` are cached by the manager: their full blocks are hittable."""
-        tables = self.m.block_table(rid)
+        tables = self.m.block_table(rid) if rid in self.live else req.table  # a deferred free: as it was freed
         for end in range(self.bs, upto + 1, self.bs):
             self.committed_prefixes.add(req.identities[end - 1])
         for g, (group, table) in enumerate(zip(self.groups, tables)):
@@ -504,7 +504,7 @@ class ManagerMachine(RuleBasedStateMachine):
             req.in_flight = []
         req.storing = self.connector
         if req.pending():
-            req.table = self.m.block_table(rid)
+            req.table = self.m.block_table(rid) if req.adopted else tuple([] for _ in self.groups)
             self.zombies[rid] = req
         self.m.free(rid)
         if not req.pending():
@@ -636,7 +636,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.load_done(rid, ok)
         req.written = end if ok else start
         req.reserved = req.committed = req.written
-        if ok and rid in self.live:
+        if ok:  # valid K/V: cacheable even where the request was freed meanwhile
             self.register(rid, req, end)
         self.settle(rid)
         self.account(before, f"load_done of request {rid}")
