@@ -722,8 +722,6 @@ class ManagerMachine(RuleBasedStateMachine):
         type(self).checks_run += 1
         pending = {self.flat(g, s) for q in (*self.live.values(), *self.zombies.values()) for step in q.in_flight
                    for g, slots in enumerate(step.slots) for s in slots if s >= 0}
-        pending |= {self.flat(g, s) for q in (*self.live.values(), *self.zombies.values()) if q.loading is not None
-                    for g, slots in enumerate(q.loading[1]) for s in slots if s >= 0}
         for rid, req in self.live.items():
             tables = self.m.block_table(rid)
             for g, group in enumerate(self.groups):

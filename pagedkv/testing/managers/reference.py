@@ -66,7 +66,7 @@ class ReferenceManager:
         self.refs = [0] * config.num_blocks
         self.free_queue: list[int] = list(range(config.num_blocks))  # front: handed out first
         self.block_key: dict[int, Hashable] = {}  # cached block -> its key
-        self.index: dict[Hashable, int] = {}  # key -> cached block
+        self.index: dict[Hashable, dict[int, None]] = {}  # key -> its cached blocks (duplicates kept, as vLLM)
         self.requests: dict[int, _Request] = {}
         self.capabilities = ManagerCapabilities(
             block_size=min(g.block_size for g in self.groups), extra_keys=True, defers_commit=True,
@@ -77,8 +77,10 @@ class ReferenceManager:
     def _take(self) -> int:
         block = self.free_queue.pop(0)
         key = self.block_key.pop(block, None)
-        if key is not None:
-            del self.index[key]  # evicted: handed out afresh
+        if key is not None:  # evicted: handed out afresh
+            del self.index[key][block]
+            if not self.index[key]:
+                del self.index[key]
         self.refs[block] = 1
         return block
 
@@ -93,8 +95,8 @@ class ReferenceManager:
             self.free_queue.append(block)
 
     def _cache(self, key: Hashable, block: int) -> None:
-        if key not in self.index and block not in self.block_key:
-            self.index[key] = block
+        if block not in self.block_key:
+            self.index.setdefault(key, {})[block] = None
             self.block_key[block] = key
 
     # -- keys and hits ------------------------------------------------------------------------------
@@ -117,7 +119,7 @@ class ReferenceManager:
     def _hit_blocks(self, req: _Request, length: int) -> list[list[int]] | None:
         out = []
         for g in range(len(self.groups)):
-            blocks = [self.index.get(self._key(req, g, i)) for i in self._needed(g, length)]
+            blocks = [next(iter(self.index.get(self._key(req, g, i), {None: None}))) for i in self._needed(g, length)]
             if None in blocks:
                 return None
             out.append(blocks)
@@ -140,7 +142,8 @@ class ReferenceManager:
 
     def _grow(self, req: _Request, start: int, end: int, keep_from) -> tuple | None:
         """Blocks for tokens ``start..end`` in every group (from ``keep_from(g)`` on; earlier ones ``-1``),
-        the hit adopted and what no query reads released; slots per group, or ``None`` (nothing changed)."""
+        the hit adopted first (so no allocation evicts it), then what no query reads released; slots per
+        group, or ``None`` (nothing changed)."""
         wanted = []
         for g, group in enumerate(self.groups):
             bs, table = group.block_size, req.tables[g]
@@ -149,22 +152,33 @@ class ReferenceManager:
         free = len(self.free_queue) - sum(self.refs[b] == 0 for _, b in req.pending_hits)
         if sum(map(len, wanted)) > free:
             return None
-        for _, block in req.pending_hits:
-            self._adopt(block)
-        req.pending_hits = []
+        self._adopt_hits(req)
+        self._allocate(req, wanted)
         for g, group in enumerate(self.groups):
-            table, bs = req.tables[g], group.block_size
-            for i in wanted[g]:
-                table.extend([-1] * (i + 1 - len(table)))
-                table[i] = self._take()
             if group.kind != "full":  # what no later query reads
-                for i in range(min(group.first_read(start), keep_from(g)) // bs):
+                table = req.tables[g]
+                for i in range(min(self._first_read(g, start), keep_from(g)) // group.block_size):
                     if table[i] >= 0:
                         self._release(table[i])
                         table[i] = -1
         return tuple([req.tables[g][p // g_.block_size] * g_.block_size + p % g_.block_size
                       if p // g_.block_size < len(req.tables[g]) and req.tables[g][p // g_.block_size] >= 0 else -1
                       for p in range(start, end)] for g, g_ in enumerate(self.groups))
+
+    def _adopt_hits(self, req: _Request) -> None:
+        for _, block in req.pending_hits:
+            self._adopt(block)
+        req.pending_hits = []
+
+    def _allocate(self, req: _Request, wanted: list[list[int]]) -> None:
+        for g, table in enumerate(req.tables):
+            for i in wanted[g]:
+                table.extend([-1] * (i + 1 - len(table)))
+                table[i] = self._take()
+
+    def _first_read(self, g: int, position: int) -> int:
+        """The first token group ``g``'s query at ``position`` reads (what is before it is released)."""
+        return self.groups[g].first_read(position)
 
     def reserve(self, request_id: int, token_ids: Sequence[int], num_draft: int = 0):
         req = self.requests[request_id]
@@ -253,7 +267,8 @@ class ReferenceManager:
     def self_check(self) -> None:
         assert len(set(self.free_queue)) == len(self.free_queue), "a block twice in the free queue"
         assert all(self.refs[b] == 0 for b in self.free_queue), "a referenced block in the free queue"
-        assert len(self.index) == len(self.block_key), "the prefix index and the cached blocks disagree"
+        assert sum(map(len, self.index.values())) == len(self.block_key), \
+            "the prefix index and the cached blocks disagree"
 
 
 def cache_manager(config: ManagerConfig) -> ReferenceManager:
