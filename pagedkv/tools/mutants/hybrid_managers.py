@@ -124,6 +124,7 @@ HYBRID_MANAGER_MUTANTS: dict[str, type] = {
 #: The layouts each fault needs (the machine draws one of them per program).
 MUTANT_LAYOUTS: dict[str, tuple[str, ...]] = {
     "second_full_group_untruncated": ("gpt-oss-2full-sw",),
+    "drafts_cached_before_verification": ("gemma3", "llama4", "gpt-oss-2full-sw"),
     "mamba_state_at_every_boundary": ("jamba", "qwen3-next"),
     "chunk_released_early": ("llama4",),
 }
