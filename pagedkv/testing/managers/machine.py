@@ -178,6 +178,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.committed_prefixes: set[int] = set()  # identities of the last token of committed full blocks
         self.next_id = 0
         self.history: list[tuple] = []  # finished conversations (namespace, tokens, extras), newest last
+        self.rejected: list[tuple] = []  # timelines ending in rejected drafts (namespace, tokens, extras)
         # the model of what the manager declares: block -> identity its cached full block holds (hit
         # promise), the free queue as tiers, front first (eviction order), blocks ever handed out
         self.cached: dict[int, int] = {}
@@ -633,11 +634,24 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.reserve(rid, req, [token, *drafts], True, drafts=len(drafts)):
             before = self.holdings()
             self.m.drop(rid, rejected)
+            if rejected:
+                self.rejected = [*self.rejected[-3:], (req.namespace, list(req.tokens), dict(req.extras))]
             req.truncate(len(req.tokens) - rejected)
             # the target model's token at the first rejected position differs from that draft
             req.correction = (drafts[-rejected] + 1) % 4 if rejected else None
             self.commit(rid, req)
             self.account(before, f"drop of request {rid}")
+
+    @precondition(lambda self: self.rejected)
+    @rule(target=reqs, pick=st.integers(0, 3), token=VOCAB, chunk=st.integers(1, 12), write_now=st.booleans())
+    def spell_rejected(self, pick, token, chunk, write_now):
+        """A request whose prompt spells a rejected timeline (a speculating request's tokens and the drafts
+        verification rejected) and one more token: whatever it hits must have been committed, and reads
+        its own tokens' K/V, never what the rejected drafts left."""
+        self.log("spell_rejected", pick=pick, token=token, chunk=chunk, write_now=write_now)
+        namespace, tokens, extras = self.rejected[-1 - pick % len(self.rejected)]
+        rid = self.new_id()
+        return rid if self.admit(rid, [*tokens, token], namespace, extras, chunk, write_now) else multiple()
 
     @precondition(lambda self: any(q.loading is not None for q in (*self.live.values(), *self.zombies.values())))
     @rule(data=st.data(), ok=st.booleans())

@@ -99,6 +99,10 @@ class StoreFreesEarly(ReferenceManager):
             self.requests[request_id].storing = False  # FAULT
             self._settle(request_id)
 
+    def store_done(self, request_id):
+        if request_id in self.requests:  # released already
+            super().store_done(request_id)
+
 
 class ChunkReleasedEarly(ReferenceManager):
     """A chunked-local group releases the current chunk's blocks one token early: the last query of a
