@@ -276,8 +276,10 @@ class ManagerMachine(RuleBasedStateMachine):
         first; uncached ones to the front), blocks handed out afresh must be its front (eviction order
         ``"lru"``) and outside every in-flight step's reads, and lose what they cached."""
         after = self.holdings()
-        released = sorted((b for b in before if b not in after), key=lambda b: (before[b][0], -before[b][1]))
-        fresh = set(after) - set(before) - set(hits)
+        moved = {b for b in before if b in after and before[b] != after[b]}  # released and handed out again
+        released = sorted((b for b in before if b not in after or b in moved),
+                          key=lambda b: (before[b][0], -before[b][1]))
+        fresh = (set(after) - set(before) | moved) - set(hits)
         judged = self.caps.eviction_order == "lru" and self.model_known and self.total is not None
         if released:
             uncached = {b for b in released if b not in self.cached}
