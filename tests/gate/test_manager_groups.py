@@ -168,3 +168,15 @@ def test_capabilities_summary_names_groups_and_features():
         8, 2, groups=layout_groups("llama4", 2, 1), connector=True, num_speculative_tokens=1)).capabilities)
     text = caps.summary()
     assert "chunked_local chunk 4" in text and "connector" in text and "speculative" in text
+
+
+@pytest.mark.parametrize("case", ["mamba_state_cached_where_no_step_ended", "allocation_evicts_another_groups_hit"])
+def test_committed_hybrid_program_replays_its_fault(case, capsys):
+    """The shrunk programs of two planted faults (a Mamba state cached where no step ended, vllm#48375's
+    class; an allocation taking another group's hit block, vllm#44409's) replay to their failure from the
+    committed case file, in the layouts it records."""
+    from pathlib import Path
+
+    path = Path(programs.__file__).parent / "cases" / f"{case}.json"
+    assert programs.replay_file(str(path), quiet=True) == 1
+    assert "FAIL" in capsys.readouterr().out
