@@ -136,7 +136,9 @@ def test_planted_hybrid_manager_fault_is_caught(name, tmp_path):
     assert "AssertionError" in error, error  # the machine's checks, not a crash
 
 
-#: Caught per push by the hybrid cache machine already; here 10-15 s each (100+ examples).
+#: 10-15 s each here (100+ examples); per push each is replayed from its shipped program
+#: (pagedkv/testing/casefiles/hybrid/). window_lookup_needs_chain: the hybrid cache machine's
+#: derandomized search misses it, this machine's finds it.
 SLOW_HERE = {"window_lookup_needs_chain", "window_off_by_one"}
 
 
