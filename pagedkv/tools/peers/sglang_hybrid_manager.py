@@ -219,7 +219,7 @@ class SglangSwaRadixCache:
             return None
         self.pool.write((r.kv.req_pool_idx, slice(start, start + n)), got.to(s.torch.int32))
         r.kv.kv_allocated_len = start + n
-        for i, t in enumerate(token_ids[len(r.full_untruncated_fill_ids) - start:]):
+        for t in token_ids[len(r.full_untruncated_fill_ids) - start:]:
             p = len(r.full_untruncated_fill_ids)
             r.full_untruncated_fill_ids.append(_pad(r.pads[p], t) if p in r.pads else t)
         if not decode and self.prefill_aware:
@@ -248,7 +248,8 @@ class SglangSwaRadixCache:
         self.tree.free_kv_row(kv, [(kv.cache_protected_len, owned)])
         self.tree.unlock(r.lock)
         if kv.kv_allocated_len > owned:  # a reservation never written (the request aborted)
-            self.allocator.free(self.pool.req_to_token[kv.req_pool_idx, owned:kv.kv_allocated_len].to(self.s.torch.int64))
+            unwritten = self.pool.req_to_token[kv.req_pool_idx, owned:kv.kv_allocated_len]
+            self.allocator.free(unwritten.to(self.s.torch.int64))
         self.pool.free(r)
         kv.req_pool_idx = None
 
