@@ -153,6 +153,7 @@ class SglangSwaRadixCache:
     """One ``PureSWARadixCache`` over ``num_blocks`` token slots, window ``window_left``."""
 
     prefill_aware = False
+    window_released = 0  # row positions the window freed, over every instance (what the machine reached)
 
     def __init__(self, config: ManagerConfig) -> None:
         s = self.s = _import_swa()
@@ -233,7 +234,9 @@ class SglangSwaRadixCache:
             return
         before, dead_lo = kv.get_evicted_seqlen(self.s.SWA), kv.swa_dead_lo(1)
         self.tree.evict_sliding_windows(r, seqlen - 1, eviction_interval=1)
-        r.released.update(range(max(before, dead_lo), kv.get_evicted_seqlen(self.s.SWA)))
+        freed = range(max(before, dead_lo), kv.get_evicted_seqlen(self.s.SWA))
+        r.released.update(freed)
+        type(self).window_released += len(freed)
 
     def commit(self, request_id: int, num_tokens: int) -> None:
         r = self.reqs[request_id]

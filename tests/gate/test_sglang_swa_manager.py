@@ -1,0 +1,71 @@
+"""SGLang's sliding-window radix cache (PureSWARadixCache, pagedkv.tools.peers.sglang_hybrid_manager) under the
+cache-manager machine, where sglang is installed: the prefill-aware configuration passes with its window
+evictions reached, the plain one's finding replays from its case file."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from pagedkv.testing.managers import programs
+from pagedkv.testing.managers.machine import machine_for
+from pagedkv.testing.managers.protocol import CacheManager, ManagerConfig
+from pagedkv.testing.settings import manager_settings
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("sglang") is None,
+    reason="sglang is not installed (pip install --no-deps sglang==0.5.23 and the modules docs/peers.md lists)")
+
+CASE = Path(programs.__file__).parent / "cases" / "sglang_pure_swa_reinserts_window_evicted_slots.json"
+
+
+def _machine(factory, name):
+    from pagedkv.tools.peers import sglang_hybrid_manager as h
+
+    h._import_swa()  # outside the measured steps
+    return machine_for(factory, block_sizes=h.cache_manager_block_sizes, windows=h.cache_manager_windows, name=name)
+
+
+def test_prefill_aware_pure_swa_passes_the_manager_machine():
+    from pagedkv.tools.peers.sglang_hybrid_manager import SglangSwaRadixCachePrefillAware, cache_manager_prefill_aware
+
+    machine = _machine(cache_manager_prefill_aware, "SglangPureSwaPrefillAware")
+    released = SglangSwaRadixCachePrefillAware.window_released
+    start = time.perf_counter()
+    run_state_machine_as_test(machine, settings=settings(manager_settings(60, 30), phases=tuple(Phase)))
+    seconds = time.perf_counter() - start
+    print(f"SGLang PureSWARadixCache (prefill-aware): {machine.checks_run} steps in {seconds:.2f} s, "
+          f"{machine.checks_run / seconds:.0f} steps/s")
+    # judged, not merely run: K/V read back inside the window, prefix hits served, the window evicted slots
+    assert machine.checks_run > 60 and machine.tokens_read > 0 and machine.prefix_hits > 0
+    assert SglangSwaRadixCachePrefillAware.window_released > released, "no decode reached a window eviction"
+
+
+def test_registered_and_satisfies_the_protocol():
+    from pagedkv.tools.peers import PEERS
+    from pagedkv.tools.peers.sglang_hybrid_manager import cache_manager
+
+    assert isinstance(cache_manager(ManagerConfig(4, 1, window_left=2)), CacheManager)
+    for name in ("sglang_swa_radix_cache", "sglang_swa_radix_cache_prefill_aware"):
+        assert PEERS[name]().name == name
+    with pytest.raises(ValueError, match="window_left=None"):
+        cache_manager(ManagerConfig(4, 1))
+
+
+def test_reinsertion_of_window_evicted_slots_replays_from_its_case_file(tmp_path):
+    """SGLang's finding: an all-SWA model without ``is_prefill_aware_swa`` has ``swa_evict_floor`` 0, so
+    the finished request's ``checkpoint`` inserts row slots the window already freed into the tree."""
+    assert programs.replay_file(str(CASE), quiet=True) == 1
+    assert "blocks still used after every request was freed" in json.loads(CASE.read_text())["error"]
+    data = json.loads(CASE.read_text())
+    data["manager"] = "pagedkv.tools.peers:sglang_swa_radix_cache_prefill_aware"  # the floor set: passes
+    fixed = tmp_path / "prefill_aware.json"
+    fixed.write_text(json.dumps(data))
+    assert programs.replay_file(str(fixed), quiet=True) == 0
+
