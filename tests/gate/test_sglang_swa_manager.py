@@ -52,7 +52,7 @@ def test_registered_and_satisfies_the_protocol():
     from pagedkv.tools.peers.sglang_hybrid_manager import cache_manager
 
     assert isinstance(cache_manager(ManagerConfig(4, 1, window_left=2)), CacheManager)
-    for name in ("sglang_swa_radix_cache", "sglang_swa_radix_cache_prefill_aware"):
+    for name in ("sglang_pure_swa_radix_cache", "sglang_pure_swa_radix_cache_prefill_aware"):
         assert PEERS[name]().name == name
     with pytest.raises(ValueError, match="window_left=None"):
         cache_manager(ManagerConfig(4, 1))
@@ -64,7 +64,7 @@ def test_reinsertion_of_window_evicted_slots_replays_from_its_case_file(tmp_path
     assert programs.replay_file(str(CASE), quiet=True) == 1
     assert "blocks still used after every request was freed" in json.loads(CASE.read_text())["error"]
     data = json.loads(CASE.read_text())
-    data["manager"] = "pagedkv.tools.peers:sglang_swa_radix_cache_prefill_aware"  # the floor set: passes
+    data["manager"] = "pagedkv.tools.peers:sglang_pure_swa_radix_cache_prefill_aware"  # the floor set: passes
     fixed = tmp_path / "prefill_aware.json"
     fixed.write_text(json.dumps(data))
     assert programs.replay_file(str(fixed), quiet=True) == 0
