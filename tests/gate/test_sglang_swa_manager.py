@@ -69,3 +69,44 @@ def test_reinsertion_of_window_evicted_slots_replays_from_its_case_file(tmp_path
     fixed.write_text(json.dumps(data))
     assert programs.replay_file(str(fixed), quiet=True) == 0
 
+
+
+def test_hybrid_full_and_swa_cache_passes_the_manager_machine():
+    from pagedkv.tools.peers.sglang_hybrid_manager import SglangHybridSwaRadixCache, _import_unified, hybrid_cache_manager
+
+    _import_unified()
+    machine = machine_for(hybrid_cache_manager, layouts=("gemma3",), name="SglangHybridSwa")
+    released = SglangHybridSwaRadixCache.window_released
+    start = time.perf_counter()
+    run_state_machine_as_test(machine, settings=settings(manager_settings(60, 30), phases=tuple(Phase)))
+    seconds = time.perf_counter() - start
+    print(f"SGLang UnifiedRadixCache (full + SWA): {machine.checks_run} steps in {seconds:.2f} s, "
+          f"{machine.checks_run / seconds:.0f} steps/s")
+    assert machine.checks_run > 60 and machine.tokens_read > 0 and machine.prefix_hits > 0
+    assert SglangHybridSwaRadixCache.window_released > released, "no decode reached a window eviction"
+
+
+def test_hybrid_peer_is_registered_in_the_gemma_layout():
+    from pagedkv.testing.managers.protocol import layout_groups
+    from pagedkv.tools.peers import PEERS
+    from pagedkv.tools.peers.sglang_hybrid_manager import hybrid_cache_manager
+
+    peer = PEERS["sglang_swa_radix_cache"]()
+    assert peer.cache_manager_layouts == ("gemma3",)
+    manager = hybrid_cache_manager(ManagerConfig(4, 2, groups=layout_groups("gemma3", 2, 1)))
+    assert [g.kind for g in manager.capabilities.groups] == ["full", "sliding_window"]
+    with pytest.raises(ValueError, match="one full-attention and one sliding-window group"):
+        hybrid_cache_manager(ManagerConfig(4, 1, groups=layout_groups("jamba", 1, 1)))
+
+
+def test_swa_mapping_kept_after_its_slot_is_freed_is_caught(monkeypatch):
+    """A planted fault in SGLang's SWA allocator: ``clear_full_to_swa_mapping`` a no-op, so a full slot still
+    names an SWA slot the allocator freed (and hands out again), which the machine sees."""
+    from pagedkv.tools.peers.sglang_hybrid_manager import _import_unified, hybrid_cache_manager
+
+    allocator = _import_unified().SWATokenToKVPoolAllocator
+    monkeypatch.setattr(allocator, "clear_full_to_swa_mapping", lambda self, full_indices: None)
+    machine = machine_for(hybrid_cache_manager, layouts=("gemma3",), name="SglangHybridSwaStaleMapping")
+    steps = programs.run_recorded(machine, settings(manager_settings(100, 30), phases=(Phase.generate,)))
+    assert steps is not None, "an SWA mapping kept after its free passed the machine"
+    assert "AssertionError" in steps.error, steps.error
