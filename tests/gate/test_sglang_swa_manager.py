@@ -72,7 +72,8 @@ def test_reinsertion_of_window_evicted_slots_replays_from_its_case_file(tmp_path
 
 
 def test_hybrid_full_and_swa_cache_passes_the_manager_machine():
-    from pagedkv.tools.peers.sglang_hybrid_manager import SglangHybridSwaRadixCache, _import_unified, hybrid_cache_manager
+    from pagedkv.tools.peers.sglang_hybrid_manager import (SglangHybridSwaRadixCache, _import_unified,
+                                                           hybrid_cache_manager)
 
     _import_unified()
     machine = machine_for(hybrid_cache_manager, layouts=("gemma3",), name="SglangHybridSwa")
