@@ -29,7 +29,7 @@ Each protocol call is what SGLang's scheduler does (``managers/schedule_batch.py
   references; evictable leaves; evictable + protected equals the tree's size.
 
 Scheduler state SGLang keeps on its ``Req`` (``ReqKvInfo``: ``req_pool_idx``, ``cache_protected_len``,
-the SWA eviction cursor and floor) is :class:`_KvInfo` here, with ``swa_dead_lo`` as SGLang writes it;
+the SWA eviction cursor and floor) is SGLang's own class, taken from its source (:func:`_req_kv_info_class`);
 the ``req_to_token`` pool is a tensor (:class:`_ReqToTokenPool`), the K/V pool a shell with no tensors
 (:class:`_SwaKVPool`: the machine holds the K/V). Loading as :mod:`.sglang_manager` (whose placeholder
 ``memory_pool`` names ``KVCache``, the base class of SGLang's ``BaseSWAKVPool``).
@@ -88,7 +88,8 @@ def _import_swa():
             return [], [], []
 
     return types.SimpleNamespace(**vars(s), common=common, PureSWATokenToKVPoolAllocator=PureSWATokenToKVPoolAllocator,
-                                 PureSWARadixCache=PureSWARadixCache, SWA=ComponentType.SWA, SwaKVPool=_SwaKVPool)
+                                 PureSWARadixCache=PureSWARadixCache, SWA=ComponentType.SWA, SwaKVPool=_SwaKVPool,
+                                 ReqKvInfo=_req_kv_info_class(sys.modules["sglang.srt"].__path__[0]))
 
 
 class _ReqToTokenPool:
@@ -106,37 +107,10 @@ class _ReqToTokenPool:
 
 
 @dataclasses.dataclass
-class _KvInfo:
-    """The fields of SGLang's ``ReqKvInfo`` the SWA paths read (``managers/schedule_batch.py``)."""
-
-    swa: object
-    req_pool_idx: int | None = None
-    cache_protected_len: int = 0
-    cache_inserted_len: int = 0
-    kv_committed_len: int = 0
-    kv_allocated_len: int = 0
-    swa_evict_floor: int = 0
-    component_evicted_seqlens: dict = dataclasses.field(default_factory=dict)
-
-    def swa_dead_lo(self, page_size: int) -> int:
-        return max(self.cache_protected_len, self.swa_evict_floor)  # page size 1: no alignment
-
-    @property
-    def holds_kv(self) -> bool:
-        return self.req_pool_idx is not None
-
-    def get_evicted_seqlen(self, component) -> int:
-        return self.component_evicted_seqlens.get(component, 0)
-
-    def set_evicted_seqlen(self, component, length: int) -> None:
-        self.component_evicted_seqlens[component] = length
-
-
-@dataclasses.dataclass
 class _Req:
     """The fields of SGLang's ``Req`` the tree's ``checkpoint`` reads."""
 
-    kv: _KvInfo
+    kv: object  # SGLang's ReqKvInfo
     origin_input_ids: array
     full_untruncated_fill_ids: array  # prompt and decode tokens (pads at multimodal positions)
     pads: dict
@@ -191,7 +165,7 @@ class SglangSwaRadixCache:
         num_cached = match.device_prefix_len
         if not self.pool.free_rows:
             return None
-        kv = _KvInfo(s.SWA, req_pool_idx=self.pool.free_rows.pop(), cache_protected_len=num_cached,
+        kv = s.ReqKvInfo(req_pool_idx=self.pool.free_rows.pop(), cache_protected_len=num_cached,
                      kv_committed_len=num_cached, kv_allocated_len=num_cached)
         prefix = self.tree.path_device_indices(match.last_device_node)[:num_cached]
         self.pool.write((kv.req_pool_idx, slice(0, num_cached)), prefix)
@@ -334,9 +308,11 @@ def cache_manager_prefill_aware(config: ManagerConfig) -> SglangSwaRadixCachePre
     return SglangSwaRadixCachePrefillAware(config)
 
 
-#: The windows (``window_left``) and block sizes the suite draws for these managers.
+#: The windows (``window_left``) and block sizes the suite draws for these managers, and its program length:
+#: a window eviction needs a request's third decode step (30 steps seldom get there).
 cache_manager_windows = (1, 2)
 cache_manager_block_sizes = (1,)
+cache_manager_steps = 60
 
 
 def peer(prefill_aware: bool = False):
@@ -351,7 +327,7 @@ def peer(prefill_aware: bool = False):
                                  name=name + ("_prefill_aware" if prefill_aware else ""), cache_manager=factory,
                                  cache_manager_windows=cache_manager_windows,
                                  cache_manager_block_sizes=cache_manager_block_sizes,
-                                 module=sys.modules[__name__])
+                                 cache_manager_steps=cache_manager_steps, module=sys.modules[__name__])
 
 
 def prefill_aware_peer():
@@ -386,6 +362,10 @@ def _req_kv_info_class(root: str):
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.utils.common import ceil_align
 
+    if "sglang.srt.managers" not in sys.modules:  # the package, without its __init__
+        package = types.ModuleType("sglang.srt.managers")
+        package.__path__ = [os.path.join(root, "managers")]
+        sys.modules[package.__name__] = package
     path = os.path.join(root, "managers", "schedule_batch.py")
     with open(path) as f:
         tree = ast.parse(f.read())
@@ -405,21 +385,12 @@ def _req_kv_info_class(root: str):
 def _import_unified():
     """SGLang's ``UnifiedRadixCache`` (FULL + SWA components) and ``SWATokenToKVPoolAllocator``."""
     s = _import_swa()
-    import os
-
-    root = sys.modules["sglang.srt"].__path__[0]
     try:
         _placeholder("sglang.srt.mem_cache.memory_pool", _POOL_TYPE_NAMES)
         _placeholder("sglang.srt.observability.metrics_collector",
                      ("STAT_LOGGER_ROLE_STORAGE", "StorageMetricsCollector", "StorageMetrics"))
         # DeepSeek V4's allocator, named only in an isinstance check of the SWA component
         _placeholder("sglang.srt.mem_cache.allocator.hisparse", ("DeepSeekV4HiSparseTokenToKVPoolAllocator",))
-        for name, sub in (("sglang.srt.managers", "managers"),):
-            if name not in sys.modules:
-                package = types.ModuleType(name)
-                package.__path__ = [os.path.join(root, sub)]
-                sys.modules[name] = package
-        req_kv_info = _req_kv_info_class(root)
         from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
         from sglang.srt.mem_cache.unified_cache.components import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -439,7 +410,7 @@ def _import_unified():
         def translate_loc_from_full_to_swa(self, kv_indices):
             return self.full_to_swa_index_mapping[kv_indices]
 
-    return types.SimpleNamespace(**vars(s), ReqKvInfo=req_kv_info, UnifiedRadixCache=UnifiedRadixCache,
+    return types.SimpleNamespace(**vars(s), UnifiedRadixCache=UnifiedRadixCache,
                                  SWATokenToKVPoolAllocator=SWATokenToKVPoolAllocator, FULL=ComponentType.FULL,
                                  HybridKVPool=_HybridKVPool)
 
@@ -657,4 +628,4 @@ def hybrid_peer():
     _import_unified()
     return types.SimpleNamespace(__name__=f"{__name__}:hybrid", name="sglang_swa_radix_cache",
                                  cache_manager=hybrid_cache_manager, cache_manager_layouts=("gemma3",),
-                                 module=sys.modules[__name__])
+                                 cache_manager_steps=cache_manager_steps, module=sys.modules[__name__])
