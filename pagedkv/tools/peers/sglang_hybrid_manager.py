@@ -312,7 +312,7 @@ def cache_manager_prefill_aware(config: ManagerConfig) -> SglangSwaRadixCachePre
 #: a window eviction needs a request's third decode step (30 steps seldom get there).
 cache_manager_windows = (1, 2)
 cache_manager_block_sizes = (1,)
-cache_manager_steps = 60
+cache_manager_steps = 100
 
 
 def peer(prefill_aware: bool = False):
