@@ -1,7 +1,9 @@
-"""SGLang's sliding-window radix cache (``PureSWARadixCache`` over ``PureSWATokenToKVPoolAllocator``,
-sglang 0.5.23, pure Python) through the cache-manager protocol.
+"""SGLang's sliding-window radix caches (sglang 0.5.23, pure Python) through the cache-manager protocol: the
+hybrid one (``UnifiedRadixCache`` with its FULL and SWA components over ``SWATokenToKVPoolAllocator``,
+:class:`SglangHybridSwaRadixCache`, spec ``pagedkv.tools.peers:sglang_swa_radix_cache``, two groups) and the
+all-SWA one (``PureSWARadixCache`` over ``PureSWATokenToKVPoolAllocator``, one group).
 
-Specs: ``pagedkv.tools.peers:sglang_pure_swa_radix_cache`` (an all-SWA model as SGLang serves every one but one:
+All-SWA specs: ``pagedkv.tools.peers:sglang_pure_swa_radix_cache`` (an all-SWA model as SGLang serves every one but one:
 the whole prompt's window is evicted during decode) and ``:sglang_pure_swa_radix_cache_prefill_aware`` (a model
 declaring ``is_prefill_aware_swa``: the prompt ``[0, extend_end)`` is never window-evicted). Both are
 SGLang's choice for a model whose every layer is sliding-window attention (``registry.py``: ``is_hybrid_swa
@@ -34,11 +36,10 @@ the ``req_to_token`` pool is a tensor (:class:`_ReqToTokenPool`), the K/V pool a
 (:class:`_SwaKVPool`: the machine holds the K/V). Loading as :mod:`.sglang_manager` (whose placeholder
 ``memory_pool`` names ``KVCache``, the base class of SGLang's ``BaseSWAKVPool``).
 
-Not here: SGLang 0.5.23 keeps its hybrid (full + SWA) and Mamba radix caches in ``UnifiedRadixCache``
-(``SWARadixCache`` / ``MambaRadixCache`` were folded into it), which imports the scheduler
-(``session.streaming_session`` -> ``managers.schedule_batch``) and the model configs
-(``model_executor.forward_batch_info`` -> ``configs.hybrid_arch``), and those import torchvision, which
-does not load beside this torch. docs/peers.md says what that leaves ungated.
+The hybrid cache is driven with the same calls (:class:`SglangHybridSwaRadixCache` says how its two pools
+map to block ids); it loads as described at :func:`_import_unified`. Not here: SGLang 0.5.23's Mamba radix
+cache (``UnifiedRadixCache``'s MAMBA component) needs its real ``HybridReqToTokenPool`` and ``MambaPool``
+and a model worker writing states (docs/peers.md).
 """
 
 from __future__ import annotations
@@ -383,7 +384,10 @@ def _req_kv_info_class(root: str):
 
 @functools.cache
 def _import_unified():
-    """SGLang's ``UnifiedRadixCache`` (FULL + SWA components) and ``SWATokenToKVPoolAllocator``."""
+    """SGLang's ``UnifiedRadixCache`` (FULL + SWA components) and ``SWATokenToKVPoolAllocator``, without the
+    serving stack: placeholder type names for pools, metrics and DeepSeek V4's HiSparse allocator (named
+    only in ``isinstance`` checks), SGLang's ``ReqKvInfo`` from its class source; ``StreamingSession``, the
+    tree core, its components and the allocators are SGLang's."""
     s = _import_swa()
     try:
         _placeholder("sglang.srt.mem_cache.memory_pool", _POOL_TYPE_NAMES)
