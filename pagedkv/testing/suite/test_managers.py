@@ -19,7 +19,7 @@ from pagedkv.backends import backend_name
 from pagedkv.testing.databases import property_key
 from pagedkv.testing.execute import Failure
 from pagedkv.testing.managers.casefile import is_program_file
-from pagedkv.testing.managers.protocol import manager_factory
+from pagedkv.testing.managers.protocol import manager_factory, manager_layouts
 from pagedkv.testing.settings import manager_suite_settings
 from pagedkv.testing.verdict import SkipReason, decide
 
@@ -45,10 +45,13 @@ def test_cache_manager(pagedkv_run, backend):
         pytest.skip("cache_manager: the candidate provides no cache_manager factory (kernels only)")
     spec = pagedkv_run.spec or backend_name(backend)
     windows = getattr(backend, "cache_manager_windows", (None,))
-    machine = machine_for(factory, windows=windows, name=f"{backend_name(backend)}_manager")
+    machine = machine_for(factory, windows=windows, layouts=manager_layouts(backend),
+                          name=f"{backend_name(backend)}_manager")
+    # a manager whose behaviour unfolds over long decodes (sliding-window eviction) asks for longer programs
+    program_steps = getattr(backend, "cache_manager_steps", STEPS)
     path = pagedkv_run.case_file
     start = time.perf_counter()
-    steps = programs.run_recorded(machine, manager_suite_settings(STEPS),
+    steps = programs.run_recorded(machine, manager_suite_settings(program_steps),
                                   database_key=property_key(PROPERTY, backend_name(backend)))
     measured = dict(examples=machine.examples_run, steps=machine.checks_run, seconds=time.perf_counter() - start)
     if steps is None:
