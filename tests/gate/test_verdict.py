@@ -136,7 +136,8 @@ def test_a_named_candidate_judged_on_less_than_two_thirds_is_refused_unless_lowe
 
 # -- the execution core, in process ---------------------------------------------------------------------
 class _Scaled:
-    """The plain attention above, in process: outputs times ``1 + factor * (batch - 1)``, or NaN for every
+    """The plain attention above, in process: outputs of a batch of two or more times ``1 + factor`` (one
+    relative error whatever the batch size the search draws), or NaN for every
     request after the first in a batch (``nan``); ``inner_missing``: raises the gate's MissingOp from inside."""
 
     name = "scaled_in_process"
@@ -158,7 +159,7 @@ class _Scaled:
         batch = query_start_loc.numel() - 1
         if self.nan and batch > 1:
             out[int(query_start_loc[1]):] = float("nan")
-        return out * (1 + self.factor * (batch - 1))
+        return out * (1 + self.factor * min(batch - 1, 1))
 
 
 def _run(prop_name, backend, examples=5):
