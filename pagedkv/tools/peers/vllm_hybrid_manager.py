@@ -1,92 +1,50 @@
-"""vLLM 0.32's ``KVCacheManager`` over its ``HybridKVCacheCoordinator``: several KV-cache groups, a
-scheduler-side KV connector and speculative decoding, as vLLM's scheduler drives them.
+"""vLLM 0.32's ``KVCacheManager`` over its ``HybridKVCacheCoordinator`` in the grouped cache-manager
+protocol: several KV-cache groups in one block pool, a scheduler-side KV connector and speculative drafts,
+driven as vLLM's scheduler drives them (``vllm/v1/core/sched/scheduler.py``).
 
-Configurations (:data:`CONFIGURATIONS`) are real models' layouts, scaled to a few tokens:
+The layouts are the protocol's real-model layouts (:data:`~pagedkv.testing.managers.protocol.HYBRID_LAYOUTS`):
+full + sliding window (Gemma 3), full + chunked local (Llama 4), full + Mamba (Jamba, Qwen3-Next: vLLM's
+``mamba_cache_mode="align"``, a state kept at every block boundary so that a hit resumes it), two full groups
++ sliding window (GPT-OSS as vLLM splits it) and groups of different block sizes (``hash_block_size`` their
+gcd, ``scheduler_block_size`` their lcm, as vLLM sizes them).
 
-- ``gemma3``: full attention + sliding window (Gemma 3/4, GPT-OSS: local layers with a window, global ones);
-- ``llama4``: full attention + chunked local attention (Llama 4's iRoPE chunks);
-- ``qwen3_next``: full attention + a Mamba/linear-attention state (Qwen3-Next/3.5, Nemotron-H, Granite 4, Jamba),
-  vLLM's ``mamba_cache_mode="align"`` (a state kept at every block boundary, so a prefix hit resumes it);
-- ``gemma3_eagle``: two full-attention groups (the target's and an EAGLE draft's, ``is_eagle_group``) + a
-  sliding window;
-- ``mixed_block_sizes``: full attention with blocks of ``b`` tokens + a sliding window with blocks of ``2b``
-  (``hash_block_size`` is their gcd, ``scheduler_block_size`` their lcm, as vLLM sizes them).
+- ``admit``: ``get_computed_blocks`` (one hit every group agrees on, each group's blocks); with a connector,
+  its ``get_num_new_matched_tokens(request, block_aligned_local_hit)`` names the external tokens past it.
+- ``load``: ``allocate_slots(..., num_external_computed_tokens, delay_cache_blocks=True)`` and
+  ``update_state_after_alloc``, as for an asynchronous load (``WAITING_FOR_REMOTE_KVS``); ``load_done(ok)``:
+  ``cache_blocks`` of the loaded tokens, or, failed, vLLM's ``recompute_kv_load_failures``:
+  ``num_computed_tokens = 0``, the request's blocks freed and its prefix looked up afresh (the hit kept to
+  the local one it had).
+- ``reserve``: ``allocate_slots(request, n, num_lookahead_tokens=num_speculative_tokens)``; draft tokens are
+  the request's ``spec_token_ids`` (never cached: ``allocate_slots`` caches up to ``request.num_tokens``);
+  ``drop`` rolls ``num_computed_tokens`` back over the rejected drafts and appends the accepted ones as output
+  tokens. The slots are **vLLM's own slot mapping**: the worker's ``MultiGroupBlockTable`` row filled with the
+  request's block ids and ``compute_slot_mapping`` (vLLM's Triton kernel, in Triton's interpreter on a CPU)
+  for the step's positions. A Mamba group has no slot mapping in vLLM (``SlotMappingMode.NONE``: the worker
+  indexes states by block id), so its slots are ``block_id * block_size + offset`` of the request's table,
+  ``-1`` where the group holds no block.
+- ``free``: ``remove_skipped_blocks``, then the connector's ``request_finished_all_groups``: the fake connector
+  stores every finished request, so the blocks are popped (``pop_blocks_for_free``) and freed, tail first, at
+  ``store_done`` (vLLM's ``finished_sending``); a request freed while its load is in flight keeps its blocks
+  until ``load_done`` (``finished_recving``); steps in flight defer the free as in :mod:`.vllm_manager`.
 
-Each protocol call is the scheduler's (``vllm/v1/core/sched/scheduler.py``):
-
-- ``admit``: ``get_computed_blocks`` (the groups' agreed hit, each group's blocks), then the connector's
-  ``get_num_new_matched_tokens(request, block_aligned_local)``: the external tokens it promises beyond the
-  local hit, loaded synchronously or asynchronously. An asynchronous load allocates its blocks at once
-  (``allocate_slots(..., num_external_computed_tokens, delay_cache_blocks=True)``, then
-  ``update_state_after_alloc``): the request is not schedulable until :meth:`~VllmHybridCacheManager.loaded`
-  reports the load complete (its blocks are cached then, ``cache_blocks``) or failed (vLLM's
-  ``recompute_kv_load_failures``: ``num_computed_tokens = 0``, the request's blocks freed, admitted again by a
-  fresh prefix lookup). A synchronous load is adopted with the first ``reserve``.
-- ``reserve``: ``allocate_slots(request, n, num_lookahead_tokens=...)``; ``n`` counts draft tokens, which are
-  the request's ``spec_token_ids`` (never cached until accepted); ``reject`` drops the rejected drafts
-  (``num_computed_tokens`` rolled back) and appends the accepted ones as output tokens. The slots each group
-  gets are **vLLM's own slot mapping**: the worker's ``MultiGroupBlockTable`` rows filled with the request's
-  block ids and ``compute_slot_mapping`` (its Triton kernel, in Triton's interpreter on a CPU) for the step's
-  positions. A Mamba group has no token slots (``SlotMappingMode.NONE``): its entry is the block the step's
-  running state is written into (align mode: the block of the step's last token).
-- ``free``: the connector's ``request_finished_all_groups`` after ``remove_skipped_blocks``; when it stores the
-  request (``store_on_finish``) the free is delayed (``pop_blocks_for_free``) until :meth:`stored`, as the
-  scheduler frees a finished request's blocks only when its ``finished_sending`` arrives. Steps in flight defer
-  the free as in :mod:`.vllm_manager`.
-
-The fake connector (:class:`FakeConnector`) is a ``KVConnectorBase_V1`` with ``SupportsHMA`` in the scheduler
-role: it promises what the caller offers (``offer``) and remembers what it was asked to load and store; the
-K/V it "loads" is whatever the caller writes into the slots :meth:`~VllmHybridCacheManager.load_slots` names.
+The fake connector (``FakeConnector``) is a ``KVConnectorBase_V1`` with ``SupportsHMA`` in the scheduler role:
+it promises what the store (the machine) holds, capped as vLLM requires (the prompt less one token, whole
+scheduler blocks), and records the loads and stores it was asked for.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from collections.abc import Hashable, Sequence
 
 from pagedkv.errors import BackendUnavailableError
-from pagedkv.testing.managers.protocol import ExtraKey, ManagerCapabilities
+from pagedkv.testing.managers.protocol import ExtraKey, GroupSpec, ManagerCapabilities, ManagerConfig
 from pagedkv.tools.peers.vllm_manager import MAX_MODEL_LEN, RECIPE, VllmCacheManager, _import_vllm
 
 
-@dataclasses.dataclass(frozen=True)
-class Group:
-    """One KV-cache group: ``kind`` ``"full"``, ``"sliding_window"`` (``size`` = window_left: a query attends
-    to itself and ``size`` tokens back), ``"chunked_local"`` (``size`` = chunk tokens) or ``"mamba"`` (a
-    recurrent state per block boundary); ``block_size`` tokens per block; ``draft`` an EAGLE/MTP draft group."""
-
-    kind: str
-    block_size: int
-    size: int | None = None
-    draft: bool = False
-
-
-def configuration(name: str, block_size: int = 2) -> tuple[Group, ...]:
-    """The groups of a named model layout (module docstring), at ``block_size`` tokens per block.
-
-    Raises:
-        ValueError: an unknown name (the message lists the known ones).
-    """
-    b = block_size
-    layouts = {
-        "gemma3": (Group("full", b), Group("sliding_window", b, 2 * b)),
-        "llama4": (Group("full", b), Group("chunked_local", b, 2 * b)),
-        "qwen3_next": (Group("full", b), Group("mamba", b)),
-        "gemma3_eagle": (Group("full", b), Group("full", b, draft=True), Group("sliding_window", b, 2 * b - 1)),
-        "mixed_block_sizes": (Group("full", b), Group("sliding_window", 2 * b, 3 * b)),
-    }
-    if name not in layouts:
-        raise ValueError(f"configuration {name!r}: known are {sorted(layouts)}")
-    return layouts[name]
-
-
-#: The configurations this peer is gated in (each a real model's layout, :func:`configuration`).
-CONFIGURATIONS = ("gemma3", "llama4", "qwen3_next", "gemma3_eagle", "mixed_block_sizes")
-
-
-def _vllm_spec(v, group: Group):
+def _vllm_spec(v, group: GroupSpec):
     import torch
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec
 
@@ -94,9 +52,9 @@ def _vllm_spec(v, group: Group):
     if group.kind == "full":
         return v.FullAttentionSpec(**common)
     if group.kind == "sliding_window":
-        return v.SlidingWindowSpec(**common, sliding_window=group.size + 1)
+        return v.SlidingWindowSpec(**common, sliding_window=group.window + 1)
     if group.kind == "chunked_local":
-        return ChunkedLocalAttentionSpec(**common, attention_chunk_size=group.size)
+        return ChunkedLocalAttentionSpec(**common, attention_chunk_size=group.chunk)
     if group.kind == "mamba":
         return MambaSpec(block_size=group.block_size, shapes=((1, 1),), dtypes=(torch.float32,),
                          mamba_cache_mode="align")
@@ -108,43 +66,39 @@ def _connector_class():
                                                                    SupportsHMA)
 
     class FakeConnector(KVConnectorBase_V1, SupportsHMA):
-        """A scheduler-side connector: promises the external tokens offered for a request (capped where vLLM
-        requires: the prompt minus one token, whole scheduler blocks), records its load plans and delays the
-        free of requests it stores."""
+        """A scheduler-side connector over the machine's store: ``stored[request_id]`` tokens of the prompt are
+        held externally; it promises those past the local hit (capped: the prompt less one token, whole
+        scheduler blocks), records each load plan, and keeps every finished request's blocks for a store
+        (``request_finished_all_groups`` returns ``True``: freed at ``finished_sending``)."""
 
         def __init__(self, kv_cache_config, block_size: int) -> None:
             import types
             config = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(is_kv_producer=True))
             super().__init__(config, role=None, kv_cache_config=kv_cache_config)
             self.block_size = block_size
-            self.offers: dict[str, tuple[int, bool]] = {}  # request -> (external tokens, async)
-            self.load_plans: dict[str, tuple[int, int]] = {}  # request -> (first external token, count)
-            self.store_on_finish: set[str] = set()
+            self.stored: dict[str, int] = {}  # request -> prompt tokens the external store holds
+            self.load_plans: dict[str, int] = {}  # request -> external tokens allocated for its load
             self.storing: dict[str, tuple[list[int], ...]] = {}  # request -> block ids being stored
 
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
-            offered, load_async = self.offers.pop(request.request_id, (0, False))
-            end = min(num_computed_tokens + offered, request.num_tokens - 1)
+            end = min(self.stored.pop(request.request_id, 0), request.num_tokens - 1)
             end -= end % self.block_size
             external = max(0, end - num_computed_tokens)
-            return external, load_async and external > 0
+            return external, external > 0
 
         def update_state_after_alloc(self, request, blocks, num_external_tokens):
             if num_external_tokens:
-                start = request.num_computed_tokens if request.num_computed_tokens else None
-                self.load_plans.setdefault(request.request_id, (start, num_external_tokens))
+                self.load_plans[request.request_id] = num_external_tokens
 
         def build_connector_meta(self, scheduler_output):
             return KVConnectorMetadata()
 
         def request_finished_all_groups(self, request, block_ids):
-            if request.request_id in self.store_on_finish:
-                self.store_on_finish.discard(request.request_id)
-                self.storing[request.request_id] = block_ids
-                return True, None
-            return False, None
+            self.load_plans.pop(request.request_id, None)
+            self.storing[request.request_id] = block_ids
+            return True, None
 
-        # worker-side methods: this connector never runs in a worker
+        # the worker side: this connector never runs in a worker
         def start_load_kv(self, forward_context, **kwargs):
             raise NotImplementedError
 
@@ -164,7 +118,7 @@ class _SlotMapping:
     """vLLM's worker-side ``MultiGroupBlockTable`` for one request row: ``slots(tables, start, end)`` is each
     group's ``slot_mapping`` for positions ``start..end`` (``compute_slot_mapping``, vLLM's Triton kernel)."""
 
-    def __init__(self, groups: Sequence[Group], max_tokens: int) -> None:
+    def __init__(self, groups: Sequence[GroupSpec], max_tokens: int) -> None:
         if "TRITON_INTERPRET" not in os.environ:
             import torch
             if not torch.cuda.is_available():
@@ -202,112 +156,118 @@ class _SlotMapping:
                 for bt, mode in zip(self.table.block_tables, self.modes)]
 
 
-class VllmHybridCacheManager(VllmCacheManager):
-    """``KVCacheManager`` with several KV-cache groups in one block pool, a :class:`FakeConnector` and
-    speculative decoding (module docstring). ``num_blocks`` blocks are offered (block 0 is vLLM's null block)."""
 
-    def __init__(self, groups: Sequence[Group], num_blocks: int, *, num_lookahead: int = 0) -> None:
+
+class VllmHybridCacheManager(VllmCacheManager):
+    """``KVCacheManager`` with the KV-cache groups of ``config.groups`` in one pool of ``config.num_blocks``
+    blocks (plus vLLM's null block 0), a fake connector where ``config.connector`` and EAGLE-style drafts
+    with ``num_lookahead_tokens`` where ``config.num_speculative_tokens`` (module docstring)."""
+
+    def __init__(self, config: ManagerConfig) -> None:
         v = self.v = _import_vllm()
-        self.groups = tuple(groups)
-        specs = [_vllm_spec(v, g) for g in self.groups]
-        kv_config = v.KVCacheConfig(num_blocks=num_blocks + 1, kv_cache_tensors=[], kv_cache_groups=[
-            v.KVCacheGroupSpec([f"layer{i}"], spec, is_eagle_group=g.draft)
-            for i, (g, spec) in enumerate(zip(self.groups, specs))])
+        self.groups = tuple(config.groups)
+        kv_config = v.KVCacheConfig(num_blocks=config.num_blocks + 1, kv_cache_tensors=[], kv_cache_groups=[
+            v.KVCacheGroupSpec([f"layer{i}"], _vllm_spec(v, g)) for i, g in enumerate(self.groups)])
         sizes = [g.block_size for g in self.groups]
-        self.hash_block_size, self.block_size = math.gcd(*sizes), math.lcm(*sizes)
+        self.hash_block_size, self.scheduler_block_size = math.gcd(*sizes), math.lcm(*sizes)
         v.init_none_hash(v.sha256)
         self.block_hasher = v.get_request_block_hasher(self.hash_block_size, v.sha256)
-        self.manager = v.KVCacheManager(kv_config, max_model_len=MAX_MODEL_LEN, scheduler_block_size=self.block_size,
+        # vLLM refuses EAGLE with chunked local attention ("Hybrid KV cache is not supported for eagle +
+        # chunked local attention"): speculative decoding is left off in that layout
+        speculative = config.num_speculative_tokens > 0 and all(g.kind != "chunked_local" for g in self.groups)
+        self.manager = v.KVCacheManager(kv_config, max_model_len=MAX_MODEL_LEN,
+                                        scheduler_block_size=self.scheduler_block_size,
                                         hash_block_size=self.hash_block_size, enable_caching=True,
-                                        use_eagle=any(g.draft for g in self.groups))
+                                        use_eagle=speculative)
         self.pool = self.manager.block_pool
-        self.num_blocks, self.reserved_blocks, self.num_lookahead = num_blocks + 1, 1, num_lookahead
-        self.connector = _connector_class()(kv_config, self.block_size)
+        self.block_size, self.num_blocks, self.reserved_blocks = self.hash_block_size, config.num_blocks + 1, 1
+        self.num_lookahead = config.num_speculative_tokens if speculative else 0
+        self.connector = _connector_class()(kv_config, self.scheduler_block_size) if config.connector else None
         self.slot_mapping = _SlotMapping(self.groups, MAX_MODEL_LEN)
         self.requests, self.pending, self.settled, self.deferred = {}, {}, {}, {}
-        self.loading: dict[int, int] = {}  # request -> tokens computed once its asynchronous load completes
-        self.drafts: dict[int, list[int]] = {}  # request -> draft tokens of its last step
-        self.capabilities = ManagerCapabilities(block_size=self.block_size, extra_keys=True, evict=True, reset=True,
-                                                async_steps=True)
+        self.admitted: dict[int, tuple] = {}  # request -> admit's arguments (a failed load looks up again)
+        self.external: dict[int, int] = {}  # request -> external tokens the connector promised
+        self.loading: dict[int, int] = {}  # request -> its local hit, while its load is in flight
+        self.waits: dict[int, set] = {}  # freed request -> what its free waits for ("store", "load", "steps")
+        self.drafts: dict[int, list[int]] = {}  # request -> the draft tokens of its last reservation
+        self.capabilities = ManagerCapabilities(block_size=self.hash_block_size, extra_keys=True, evict=True,
+                                                reset=True, async_steps=True, groups=self.groups,
+                                                connector=config.connector, speculative=speculative)
 
-    # -- admission, the connector -----------------------------------------------------------------------
+    # -- admission and the connector --------------------------------------------------------------------
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
-              extra_keys: Sequence[ExtraKey] = (), external: int = 0, load_async: bool = False):
-        """The scheduler's admission: ``(each group's hit block ids, num_cached_tokens)``; ``num_cached_tokens``
-        counts the connector's external tokens (``external`` offered, :meth:`load_slots` where they go).
-        An asynchronous load that does not fit is ``None`` (nothing changed)."""
+              extra_keys: Sequence[ExtraKey] = (), *, num_stored: int = 0):
         request = self._request(request_id, token_ids, namespace, extra_keys)
         blocks, num_local, _ = self.manager.get_computed_blocks(request)
-        self.connector.offers[str(request_id)] = (external, load_async)
-        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+        num_external = 0
+        if self.connector is not None:
+            self.connector.stored[request.request_id] = num_stored
+            num_external, _ = self.connector.get_num_new_matched_tokens(request, num_local)
         request.num_computed_tokens = 0
         self.requests[request_id] = request
-        self.settled[request_id] = num_local + num_external
-        if load_async:
-            got = self.manager.allocate_slots(request, 0, num_new_computed_tokens=num_local,
-                                              new_computed_blocks=blocks, num_external_computed_tokens=num_external,
-                                              delay_cache_blocks=True)
-            if got is None:
-                del self.requests[request_id], self.settled[request_id]
-                return None
-            request.num_computed_tokens = num_local + num_external
-            self.connector.update_state_after_alloc(request, self.manager.get_blocks(str(request_id)), num_external)
-            self.connector.load_plans[str(request_id)] = (num_local, num_external)
-            self.loading[request_id] = num_local + num_external
-        else:
-            self.pending[request_id] = (blocks, num_local, num_external)
-            if num_external:
-                self.connector.load_plans[str(request_id)] = (num_local, num_external)
-        return [list(t) for t in self.block_tables(request_id)], num_local + num_external
+        self.admitted[request_id] = (list(token_ids), namespace, list(extra_keys))
+        self.pending[request_id] = (blocks, num_local)
+        self.settled[request_id] = num_local
+        self.external[request_id] = num_external
+        return self.block_table(request_id), num_local
 
-    def load_slots(self, request_id: int) -> tuple[int, int, list]:
-        """``(first, count, slots)``: the external tokens ``first..first+count`` the connector loads and each
-        group's slots for them (vLLM's slot mapping; known once their blocks are allocated)."""
-        first, count = self.connector.load_plans.get(str(request_id), (0, 0))
-        if not count:
-            return 0, 0, [[] for _ in self.groups]
-        tables = self._raw_tables(request_id)
-        null = self.pool.null_block.block_id
-        slots = self.slot_mapping.slots(tables, first, first + count)
-        for g, group in enumerate(self.groups):  # a block the group released (outside its window) is not loaded
-            if slots[g] is not None:
-                slots[g] = [-1 if tables[g][p // group.block_size] == null else s
-                            for p, s in zip(range(first, first + count), slots[g])]
-        return first, count, slots
+    def num_external(self, request_id: int) -> int:
+        return self.external.get(request_id, 0)
 
-    def loaded(self, request_id: int, ok: bool = True):
-        """The asynchronous load of ``request_id`` completed (``ok``) or failed. Completed: its blocks are
-        cached (``cache_blocks``); failed: recompute (``num_computed_tokens = 0``, its blocks freed, a fresh
-        prefix lookup): returns ``admit``'s answer for the recompute, or ``None`` after a success."""
+    def load(self, request_id: int):
+        """``allocate_slots`` for the local hit and the external tokens with ``delay_cache_blocks`` (an
+        asynchronous load): each group's slots for the external tokens (vLLM's slot mapping; ``-1`` where the
+        group holds no block: outside its window or chunk, a Mamba group's skipped states)."""
         request = self.requests[request_id]
-        self.loading.pop(request_id)
+        blocks, num_local = self.pending[request_id]
+        num_external = self.external[request_id]
+        got = self.manager.allocate_slots(request, 0, num_new_computed_tokens=num_local, new_computed_blocks=blocks,
+                                          num_external_computed_tokens=num_external, delay_cache_blocks=True)
+        if got is None:
+            return None
+        del self.pending[request_id]
+        request.num_computed_tokens = num_local + num_external
+        self.connector.update_state_after_alloc(request, self.manager.get_blocks(request.request_id), num_external)
+        self.loading[request_id] = num_local
+        return self._slots(request_id, num_local, num_local + num_external)
+
+    def load_done(self, request_id: int, ok: bool) -> None:
+        num_local = self.loading.pop(request_id)
         self.connector.load_plans.pop(str(request_id), None)
+        waits = self.waits.get(request_id)
+        if waits is not None:  # freed while loading: finished_recving frees its blocks now
+            waits.discard("load")
+            self._release(request_id)
+            return
+        request = self.requests[request_id]
+        self.external[request_id] = 0
         if ok:
             self.manager.cache_blocks(request, request.num_computed_tokens)
-            if request.num_computed_tokens == request.num_tokens:
-                request.num_computed_tokens = request.num_tokens - 1
             self.settled[request_id] = request.num_computed_tokens
-            return None
+            return
+        # recompute_kv_load_failures: the request's blocks are freed, its prefix looked up again
         request.num_computed_tokens = 0
         self.manager.free(request)
-        del self.requests[request_id], self.settled[request_id]
-        return self.admit(request_id, request.prompt_token_ids, request.cache_salt, ())
+        blocks, num_hit, _ = self.manager.get_computed_blocks(request)
+        if num_hit > num_local:
+            blocks, num_hit = self.manager.truncate_computed_blocks(blocks, num_local), num_local
+        self.pending[request_id] = (blocks, num_hit)
+        self.settled[request_id] = num_hit
 
-    def stored(self, request_id: int) -> None:
-        """The connector's store of a finished request completed (``finished_sending``): its blocks are freed."""
-        blocks = self.deferred.pop(("store", request_id))
-        self.pool.free_blocks(reversed(blocks))
+    def store_done(self, request_id: int) -> None:
+        waits = self.waits.get(request_id)
+        if waits is not None:
+            waits.discard("store")
+            self.connector.storing.pop(str(request_id), None)
+            self._release(request_id)
 
-    # -- steps, speculative decoding ------------------------------------------------------------------
+    # -- steps and speculative decoding ---------------------------------------------------------------
     def reserve(self, request_id: int, token_ids: Sequence[int], num_draft: int = 0):
-        """Each group's slots for the request's next tokens, the last ``num_draft`` of them draft tokens
-        (speculative decoding: never cached until accepted, see :meth:`reject`); ``None``: refused (out of
-        blocks, or the request waits for its load)."""
         if request_id in self.loading:
             return None
         request = self.requests[request_id]
-        blocks, num_local, num_external = self.pending.get(request_id, (None, 0, 0))
-        start = request.num_computed_tokens + num_local + num_external
+        blocks, num_local = self.pending.get(request_id, (None, 0))
+        start = request.num_computed_tokens + num_local
         verified = list(token_ids[:len(token_ids) - num_draft])
         extra = start + len(verified) - request.num_tokens
         if extra > 0:
@@ -315,8 +275,7 @@ class VllmHybridCacheManager(VllmCacheManager):
         request.spec_token_ids = list(token_ids[len(verified):])
         request.num_in_flight_tokens = max(0, start - self.settled[request_id])
         got = self.manager.allocate_slots(request, len(token_ids), num_new_computed_tokens=num_local,
-                                          new_computed_blocks=blocks, num_external_computed_tokens=num_external,
-                                          num_lookahead_tokens=self.num_lookahead)
+                                          new_computed_blocks=blocks, num_lookahead_tokens=self.num_lookahead)
         if got is None:
             if extra > 0:
                 del request._output_token_ids[-extra:]
@@ -326,91 +285,115 @@ class VllmHybridCacheManager(VllmCacheManager):
         self.pending.pop(request_id, None)
         request.num_computed_tokens = start + len(token_ids)
         self.drafts[request_id] = list(request.spec_token_ids)
-        end = start + len(token_ids)
-        slots = self.slot_mapping.slots(self._raw_tables(request_id), start, end)
-        tables = self._raw_tables(request_id)
-        for g, group in enumerate(self.groups):
-            if group.kind == "mamba":
-                slots[g] = [tables[g][(end - 1) // group.block_size]]
-        return slots
+        return self._slots(request_id, start, start + len(token_ids))
 
-    def reject(self, request_id: int, num_rejected: int) -> None:
-        """Verification of the last step's drafts: the first ``len(drafts) - num_rejected`` are accepted (output
-        tokens now), the rest dropped (``num_computed_tokens`` rolled back, as the scheduler does)."""
+    def drop(self, request_id: int, num_rejected: int) -> None:
         request = self.requests[request_id]
-        drafts = self.drafts.pop(request_id, [])
+        drafts = self.drafts.get(request_id, [])
         if not 0 <= num_rejected <= len(drafts):
-            raise ValueError(f"num_rejected {num_rejected}: the last step had {len(drafts)} draft tokens")
-        accepted = drafts[:len(drafts) - num_rejected]
+            raise ValueError(f"num_rejected {num_rejected}: the last reservation had {len(drafts)} draft tokens")
+        del self.drafts[request_id]
         request.spec_token_ids = []
         request.num_computed_tokens -= num_rejected
+        accepted = drafts[:len(drafts) - num_rejected]
         if accepted:
             request.append_output_token_ids(accepted)
         self.settled[request_id] = min(self.settled[request_id], request.num_computed_tokens)
 
+    def commit(self, request_id: int, num_tokens: int) -> None:
+        self.settled[request_id] = num_tokens
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.num_in_flight_tokens = max(0, request.num_computed_tokens - num_tokens)
+        elif request_id in self.waits and num_tokens >= self.deferred[request_id][1]:
+            self.waits[request_id].discard("steps")
+            self._release(request_id)
+
     # -- release -------------------------------------------------------------------------------------
-    def free(self, request_id: int, store: bool = False) -> None:
-        """Finish or abort; ``store``: the connector stores the request, its blocks freed by :meth:`stored`."""
+    def free(self, request_id: int) -> None:
         request = self.requests.pop(request_id)
         self.pending.pop(request_id, None)
-        self.loading.pop(request_id, None)
         self.drafts.pop(request_id, None)
-        self.connector.load_plans.pop(str(request_id), None)
-        if store:
-            self.connector.store_on_finish.add(str(request_id))
-        self.manager.remove_skipped_blocks(str(request_id), max(0, request.num_computed_tokens
-                                                                - request.num_in_flight_tokens),
-                                           num_prompt_tokens=request.num_prompt_tokens)
-        ids = self.manager.get_block_ids_for_computed_tokens(str(request_id), request.num_computed_tokens)
-        delay, _ = self.connector.request_finished_all_groups(request, ids)
-        if delay:
-            self.deferred[("store", request_id)] = self.manager.pop_blocks_for_free(request)
-            self.settled.pop(request_id, None)
-        elif request.num_computed_tokens > self.settled[request_id]:
+        self.admitted.pop(request_id, None)
+        self.external.pop(request_id, None)
+        waits = set()
+        if request.num_computed_tokens > self.settled[request_id]:
+            waits.add("steps")
+        if request_id in self.loading:
+            waits.add("load")
+        if self.connector is not None:
+            self.manager.remove_skipped_blocks(
+                request.request_id, max(0, request.num_computed_tokens - request.num_in_flight_tokens),
+                num_prompt_tokens=request.num_prompt_tokens)
+            ids = self.manager.get_block_ids_for_computed_tokens(request.request_id, request.num_computed_tokens)
+            delay, _ = self.connector.request_finished_all_groups(request, ids)
+            if delay:
+                waits.add("store")
+        if waits:
+            self.waits[request_id] = waits
             self.deferred[request_id] = (self.manager.pop_blocks_for_free(request), request.num_computed_tokens)
         else:
             self.settled.pop(request_id, None)
             self.manager.free(request)
 
+    def _release(self, request_id: int) -> None:
+        """Free a deferred request's blocks (tail first) once nothing it waits for is pending."""
+        if not self.waits[request_id]:
+            del self.waits[request_id]
+            blocks, _ = self.deferred.pop(request_id)
+            self.settled.pop(request_id, None)
+            self.pool.free_blocks(reversed(blocks))
+
+    def holds(self, request_id: int) -> bool:
+        managers = self.manager.coordinator.single_type_managers
+        return request_id in self.waits or any(str(request_id) in m.req_to_blocks for m in managers)
+
     # -- what the machine reads -------------------------------------------------------------------------
     def _raw_tables(self, request_id: int) -> tuple[list[int], ...]:
         if request_id in self.pending:
             blocks = self.pending[request_id][0]
-            return tuple(blocks.get_block_ids()) if blocks.blocks else tuple([] for _ in self.groups)
+            return tuple(blocks.get_block_ids()) if any(blocks.blocks) else tuple([] for _ in self.groups)
         return self.manager.get_block_ids(str(request_id))
 
-    def block_tables(self, request_id: int) -> tuple[list[int], ...]:
+    def block_table(self, request_id: int) -> tuple[list[int], ...]:
         """Each group's block ids in order, ``-1`` where the group released (or never needed) a block."""
         return tuple(self._ids(t) for t in self._raw_tables(request_id))
 
-    def block_table(self, request_id: int) -> list[int]:
-        """The first group's table (the one-group view)."""
-        return self.block_tables(request_id)[0]
+    def _slots(self, request_id: int, start: int, end: int) -> tuple[list[int], ...]:
+        """Each group's slots of positions ``start..end``: vLLM's slot mapping (attention groups) or the
+        table's (Mamba groups); ``-1`` at a position whose block the group does not hold."""
+        tables = self._raw_tables(request_id)
+        null = self.pool.null_block.block_id
+        mapped = self.slot_mapping.slots(tables, start, end)
+        out = []
+        for group, table, slots in zip(self.groups, tables, mapped):
+            bs = group.block_size
+            if slots is None:
+                slots = [table[p // bs] * bs + p % bs if p // bs < len(table) else -1 for p in range(start, end)]
+            out.append([-1 if p // bs >= len(table) or table[p // bs] == null else s
+                        for p, s in zip(range(start, end), slots)])
+        return tuple(out)
 
     def self_check(self) -> None:
+        """Reference counts equal the live tables (and deferred frees) holding each block, the free queue is
+        exactly the unreferenced blocks and its length its counter, no block is in two groups' tables."""
         refs: dict[int, int] = {}
+        owners: dict[int, set] = {}
         for request_id in self.requests:
             if request_id in self.pending:
                 continue
-            for table in self.block_tables(request_id):
+            for g, table in enumerate(self.block_table(request_id)):
                 for b in set(table) - {-1}:
                     refs[b] = refs.get(b, 0) + 1
-        for entry in self.deferred.values():
-            blocks = entry[0] if isinstance(entry, tuple) else entry
+                    owners.setdefault(b, set()).add(g)
+        for blocks, _ in self.deferred.values():
             for b in {b.block_id for b in blocks if not b.is_null}:
                 refs[b] = refs.get(b, 0) + 1
-        owners: dict[int, list] = {}
-        for request_id in self.requests:
-            if request_id not in self.pending:
-                for g, table in enumerate(self.block_tables(request_id)):
-                    for b in set(table) - {-1}:
-                        owners.setdefault(b, []).append((request_id, g))
-        for b, holders in owners.items():
-            assert len({g for _, g in holders}) == 1, \
-                f"block {b} is held by more than one KV-cache group: (request, group) {holders}"
-        free_ids = {b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()}
+        shared = {b: sorted(g) for b, g in owners.items() if len(g) > 1}
+        assert not shared, f"blocks held by more than one KV-cache group (block: groups): {shared}"
+        free_ids = [b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()]
         assert len(free_ids) == self.pool.get_num_free_blocks(), \
-            f"free queue holds {len(free_ids)} blocks, its counter says {self.pool.get_num_free_blocks()}"
+            f"the free queue holds {len(free_ids)} blocks, its counter says {self.pool.get_num_free_blocks()}"
         for block in self.pool.blocks:
             if block.is_null:
                 continue
@@ -421,11 +404,11 @@ class VllmHybridCacheManager(VllmCacheManager):
                 f"block {block.block_id}: in the free queue {block.block_id in free_ids}, held by {want} tables"
 
 
-def hybrid_cache_manager(name: str, num_blocks: int, block_size: int = 2, num_lookahead: int = 0):
-    """A :class:`VllmHybridCacheManager` in configuration ``name`` (:data:`CONFIGURATIONS`).
+def cache_manager(config: ManagerConfig):
+    """The grouped manager for ``config.groups`` (:class:`VllmHybridCacheManager`).
 
     Raises:
         BackendUnavailableError: vLLM is not installed (the message gives the install command).
-        ValueError: an unknown configuration.
+        ValueError: a group kind vLLM has no manager for here.
     """
-    return VllmHybridCacheManager(configuration(name, block_size), num_blocks, num_lookahead=num_lookahead)
+    return VllmHybridCacheManager(config)
