@@ -301,6 +301,9 @@ class VllmHybridCacheManager(VllmCacheManager):
         self.settled[request_id] = min(self.settled[request_id], request.num_computed_tokens)
 
     def commit(self, request_id: int, num_tokens: int) -> None:
+        """A step completed: the scheduler's next step starts (``new_step_starts``: a Mamba state cached by
+        another request in the step before may be hit now) and in-flight tokens settle."""
+        self.manager.new_step_starts()
         self.settled[request_id] = num_tokens
         request = self.requests.get(request_id)
         if request is not None:
