@@ -223,12 +223,15 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def register(self, rid: int, req: Request, upto: int) -> None:
         """Tokens below ``upto`` are cached by the manager: their full blocks are hittable."""
-        table = self.m.block_table(rid)[0]
+        tables = self.m.block_table(rid) if rid in self.live else req.table  # a deferred free: as it was freed
         for end in range(self.bs, upto + 1, self.bs):
             self.committed_prefixes.add(req.identities[end - 1])
-            block = table[end // self.bs - 1] if end // self.bs - 1 < len(table) else -1
-            if block >= 0 and not self.grouped:
-                self.cached[block] = req.identities[end - 1]
+        for g, (group, table) in enumerate(zip(self.groups, tables)):
+            bs = self.gbs[g]
+            for end in range(bs, upto + 1, bs):
+                block = table[end // bs - 1] if end // bs - 1 < len(table) else -1
+                if block >= 0 and group.kind != "mamba":
+                    self.cached[block] = (g, req.identities[end - 1])
 
     def commit(self, rid: int, req: Request) -> None:
         before = self.holdings()
@@ -329,15 +332,27 @@ class ManagerMachine(RuleBasedStateMachine):
                     f"request's blocks tail first, uncached blocks before cached ones)")
 
     def promised_hit(self, req: Request) -> int:
-        """The hit the promise guarantees: leading full blocks still cached, up to the computed minimum."""
-        if not (self.caps.hit_promise and self.model_known) or self.grouped:
+        """The hit the promise guarantees: the longest whole-block prefix, up to the computed minimum,
+        every group can still serve from cached blocks: a full group every leading block, a sliding-window
+        or chunked-local group the blocks the first computed token reads and the last cached token's
+        block (a chained hash needs it; none promised with a Mamba group)."""
+        if not (self.caps.hit_promise and self.model_known) or any(g.kind == "mamba" for g in self.groups):
             return 0
         cap = len(req.tokens) - self.caps.min_computed_on_full_hit
-        still = set(self.cached.values())
-        hit = 0
-        while hit + self.bs <= cap and req.identities[hit + self.bs - 1] in still:
-            hit += self.bs
-        return hit
+        still = [set() for _ in self.groups]
+        for g, ident in self.cached.values():
+            still[g].add(ident)
+        if not self.grouped:
+            hit = 0
+            while hit + self.bs <= cap and req.identities[hit + self.bs - 1] in still[0]:
+                hit += self.bs
+            return hit
+        for hit in range(cap // self.bs * self.bs, 0, -self.bs):
+            if all(req.identities[(i + 1) * self.gbs[g] - 1] in still[g]
+                   for g, group in enumerate(self.groups)
+                   for i in range(min(group.first_read(hit), hit - 1) // self.gbs[g], hit // self.gbs[g])):
+                return hit
+        return 0
 
     def read_blocks(self, tables: tuple, start: int, end: int) -> frozenset:
         """Blocks that tokens ``start..end`` write and whose attention window (or state) they read."""
@@ -442,9 +457,9 @@ class ManagerMachine(RuleBasedStateMachine):
             assert list(blocks) == tables[g][:len(blocks)], \
                 f"request {rid}: admit returned blocks {list(blocks)}" + (f" in group {g}" if self.grouped else "") + \
                 f", its block table is {tables[g]}"
-            assert not self.grouped or len(blocks) == cached // self.gbs[g], \
-                f"request {rid}: group {g} admitted {len(blocks)} blocks of {self.gbs[g]} tokens for the agreed " \
-                f"hit of {cached} tokens (every group's hit truncated to the agreed length)"
+            assert not self.grouped or len(blocks) == len(tables[g]) == cached // self.gbs[g], \
+                f"request {rid}: group {g} admitted blocks {list(blocks)} (table {tables[g]}) of {self.gbs[g]} " \
+                f"tokens for the agreed hit of {cached} tokens (every group's hit truncated to the agreed length)"
         req.reserved = req.written = req.committed = cached
         req.table = tables
         self.live[rid] = req
@@ -489,7 +504,7 @@ class ManagerMachine(RuleBasedStateMachine):
             req.in_flight = []
         req.storing = self.connector
         if req.pending():
-            req.table = self.m.block_table(rid)
+            req.table = self.m.block_table(rid) if req.adopted else tuple([] for _ in self.groups)
             self.zombies[rid] = req
         self.m.free(rid)
         if not req.pending():
@@ -621,7 +636,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.load_done(rid, ok)
         req.written = end if ok else start
         req.reserved = req.committed = req.written
-        if ok and rid in self.live:
+        if ok:  # valid K/V: cacheable even where the request was freed meanwhile
             self.register(rid, req, end)
         self.settle(rid)
         self.account(before, f"load_done of request {rid}")
@@ -707,8 +722,6 @@ class ManagerMachine(RuleBasedStateMachine):
         type(self).checks_run += 1
         pending = {self.flat(g, s) for q in (*self.live.values(), *self.zombies.values()) for step in q.in_flight
                    for g, slots in enumerate(step.slots) for s in slots if s >= 0}
-        pending |= {self.flat(g, s) for q in (*self.live.values(), *self.zombies.values()) if q.loading is not None
-                    for g, slots in enumerate(q.loading[1]) for s in slots if s >= 0}
         for rid, req in self.live.items():
             tables = self.m.block_table(rid)
             for g, group in enumerate(self.groups):
