@@ -23,10 +23,17 @@ gcd, ``scheduler_block_size`` their lcm, as vLLM sizes them).
   for the step's positions. A Mamba group has no slot mapping in vLLM (``SlotMappingMode.NONE``: the worker
   indexes states by block id), so its slots are ``block_id * block_size + offset`` of the request's table,
   ``-1`` where the group holds no block.
-- ``free``: ``remove_skipped_blocks``, then the connector's ``request_finished_all_groups``: the fake connector
-  stores every finished request, so the blocks are popped (``pop_blocks_for_free``) and freed, tail first, at
-  ``store_done`` (vLLM's ``finished_sending``); a request freed while its load is in flight keeps its blocks
-  until ``load_done`` (``finished_recving``); steps in flight defer the free as in :mod:`.vllm_manager`.
+- ``commit``: a step completed, the scheduler's next one starts (``new_step_starts``).
+- ``free``: the connector's ``request_finished_all_groups`` (without the ``remove_skipped_blocks`` vLLM's
+  scheduler calls first: the protocol holds every block of a stored request until its store completes, so
+  a window's out-of-window blocks are stored too); the fake connector stores every finished request, so the
+  blocks are popped (``pop_blocks_for_free``) and freed, tail first, at ``store_done`` (vLLM's
+  ``finished_sending``); a request freed while its load is in flight keeps its blocks until ``load_done``
+  (``finished_recving``); steps in flight defer the free as in :mod:`.vllm_manager`.
+
+Speculative decoding is on in the layouts without chunked local attention (vLLM refuses EAGLE there) and
+without a Mamba group (vLLM keeps draft states in ``num_speculative_blocks`` scratch blocks addressed from
+the last state block, not at the drafts' positions that the protocol's state slots name).
 
 The fake connector (``FakeConnector``) is a ``KVConnectorBase_V1`` with ``SupportsHMA`` in the scheduler role:
 it promises what the store (the machine) holds, capped as vLLM requires (the prompt less one token, whole
@@ -166,15 +173,19 @@ class VllmHybridCacheManager(VllmCacheManager):
     def __init__(self, config: ManagerConfig) -> None:
         v = self.v = _import_vllm()
         self.groups = tuple(config.groups)
+        # Speculative decoding is left off where it cannot be judged: vLLM refuses EAGLE with chunked local
+        # attention ("Hybrid KV cache is not supported for eagle + chunked local attention"), and a Mamba
+        # group keeps its draft states in num_speculative_blocks scratch blocks addressed from the last
+        # state block (relocated after verification), not at the drafts' positions the protocol's state
+        # slots name
+        speculative = config.num_speculative_tokens > 0 and all(g.kind not in ("chunked_local", "mamba")
+                                                                for g in self.groups)
         kv_config = v.KVCacheConfig(num_blocks=config.num_blocks + 1, kv_cache_tensors=[], kv_cache_groups=[
             v.KVCacheGroupSpec([f"layer{i}"], _vllm_spec(v, g)) for i, g in enumerate(self.groups)])
         sizes = [g.block_size for g in self.groups]
         self.hash_block_size, self.scheduler_block_size = math.gcd(*sizes), math.lcm(*sizes)
         v.init_none_hash(v.sha256)
         self.block_hasher = v.get_request_block_hasher(self.hash_block_size, v.sha256)
-        # vLLM refuses EAGLE with chunked local attention ("Hybrid KV cache is not supported for eagle +
-        # chunked local attention"): speculative decoding is left off in that layout
-        speculative = config.num_speculative_tokens > 0 and all(g.kind != "chunked_local" for g in self.groups)
         self.manager = v.KVCacheManager(kv_config, max_model_len=MAX_MODEL_LEN,
                                         scheduler_block_size=self.scheduler_block_size,
                                         hash_block_size=self.hash_block_size, enable_caching=True,
@@ -327,9 +338,9 @@ class VllmHybridCacheManager(VllmCacheManager):
         if request_id in self.loading:
             waits.add("load")
         if self.connector is not None:
-            self.manager.remove_skipped_blocks(
-                request.request_id, max(0, request.num_computed_tokens - request.num_in_flight_tokens),
-                num_prompt_tokens=request.num_prompt_tokens)
+            # vLLM's scheduler releases the window's skipped blocks first (``_connector_finished`` calls
+            # ``remove_skipped_blocks``); the protocol holds every block of a stored request until
+            # ``store_done``, so that release is left out here and the store is handed them all
             ids = self.manager.get_block_ids_for_computed_tokens(request.request_id, request.num_computed_tokens)
             delay, _ = self.connector.request_finished_all_groups(request, ids)
             if delay:
