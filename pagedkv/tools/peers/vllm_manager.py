@@ -23,6 +23,9 @@ Each protocol call is what vLLM's scheduler does (``vllm/v1/core/sched/scheduler
   exactly the unreferenced blocks, and each hash-index entry points at a block carrying that hash.
 
 The window: ``ManagerConfig.window_left`` w builds a ``SlidingWindowSpec(sliding_window=w + 1)``.
+
+KV-cache groups (``ManagerConfig.groups``, the layouts in :data:`cache_manager_layouts`): the factory hands
+the config to :mod:`.vllm_hybrid_manager` (the hybrid coordinator, a connector, speculative drafts).
 """
 
 from __future__ import annotations
