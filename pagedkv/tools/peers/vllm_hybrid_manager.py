@@ -126,11 +126,10 @@ class _SlotMapping:
     group's ``slot_mapping`` for positions ``start..end`` (``compute_slot_mapping``, vLLM's Triton kernel)."""
 
     def __init__(self, groups: Sequence[GroupSpec], max_tokens: int) -> None:
-        if "TRITON_INTERPRET" not in os.environ:
-            import torch
-            if not torch.cuda.is_available():
-                os.environ["TRITON_INTERPRET"] = "1"
         import torch
+
+        if not torch.cuda.is_available():  # vLLM's kernel runs in Triton's interpreter on a CPU
+            os.environ.setdefault("TRITON_INTERPRET", "1")
 
         from pagedkv.backends.interpreter import wrap_interpreted_launches
         from pagedkv.tools.peers.vllm import _real_triton_in_vllm
@@ -161,8 +160,6 @@ class _SlotMapping:
         self.table.clear_row(0)
         return [None if mode.value == "none" else bt.slot_mapping.gpu[:n].tolist()
                 for bt, mode in zip(self.table.block_tables, self.modes)]
-
-
 
 
 class VllmHybridCacheManager(VllmCacheManager):
