@@ -198,8 +198,13 @@ class VllmHybridCacheManager(VllmCacheManager):
         self.loading: dict[int, int] = {}  # request -> its local hit, while its load is in flight
         self.waits: dict[int, set] = {}  # freed request -> what its free waits for ("store", "load", "steps")
         self.drafts: dict[int, list[int]] = {}  # request -> the draft tokens of its last reservation
+        # The hit promise (committed blocks hit) holds except where vLLM hits less on purpose: a one-token
+        # window (sliding_window 1) caches no block, and vLLM's window finder then hits nothing (it wants one
+        # cached block even where a hit needs none), as in one group; with EAGLE every hit drops its last
+        # block (the draft model's K/V there is written with the next token)
+        caches = not speculative and all(g.kind != "sliding_window" or g.window >= 1 for g in self.groups)
         self.capabilities = ManagerCapabilities(block_size=self.hash_block_size, extra_keys=True, evict=True,
-                                                reset=True, async_steps=True, groups=self.groups,
+                                                reset=True, async_steps=True, hit_promise=caches, groups=self.groups,
                                                 connector=config.connector, speculative=speculative)
 
     # -- admission and the connector --------------------------------------------------------------------
