@@ -33,7 +33,7 @@ NIXL): the machine plays the external store. ``admit(..., num_stored=S)`` says t
 prompt's first ``S`` tokens (whole blocks); the manager takes the tokens past its local hit as external
 (``num_external(rid)``); ``load(rid)`` allocates their blocks and returns the slots the load writes;
 the request is not stepped until ``load_done(rid, ok)``; a failed load is recomputed from the local hit.
-A finished request's blocks may be stored: ``free`` may keep them until ``store_done(rid)``.
+A freed request's blocks may be stored: none of them is handed to anyone before ``store_done(rid)``.
 
 **Speculative decoding** (``capabilities.speculative``: vLLM's EAGLE / MTP, SGLang's spec v2):
 ``reserve(rid, tokens, num_draft=k)`` also takes the last ``k`` of ``tokens`` as unverified drafts;

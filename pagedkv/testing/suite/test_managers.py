@@ -40,7 +40,8 @@ def test_cache_manager(pagedkv_run, backend):
     windows = getattr(backend, "cache_manager_windows", (None,))
     machine = machine_for(factory, windows=windows, layouts=manager_layouts(backend),
                           name=f"{backend_name(backend)}_manager")
-    settings = manager_settings(100, STEPS, base=suite_settings())
+    # a manager whose behaviour unfolds over long decodes (sliding-window eviction) asks for longer programs
+    settings = manager_settings(100, getattr(backend, "cache_manager_steps", STEPS), base=suite_settings())
     start = time.perf_counter()
     steps = programs.run_recorded(machine, settings)
     seconds = time.perf_counter() - start

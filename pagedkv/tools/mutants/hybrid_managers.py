@@ -99,6 +99,10 @@ class StoreFreesEarly(ReferenceManager):
             self.requests[request_id].storing = False  # FAULT
             self._settle(request_id)
 
+    def store_done(self, request_id):
+        if request_id in self.requests:  # released already
+            super().store_done(request_id)
+
 
 class ChunkReleasedEarly(ReferenceManager):
     """A chunked-local group releases the current chunk's blocks one token early: the last query of a
@@ -124,6 +128,7 @@ HYBRID_MANAGER_MUTANTS: dict[str, type] = {
 #: The layouts each fault needs (the machine draws one of them per program).
 MUTANT_LAYOUTS: dict[str, tuple[str, ...]] = {
     "second_full_group_untruncated": ("gpt-oss-2full-sw",),
+    "drafts_cached_before_verification": ("gemma3", "llama4", "gpt-oss-2full-sw"),
     "mamba_state_at_every_boundary": ("jamba", "qwen3-next"),
     "chunk_released_early": ("llama4",),
 }
