@@ -761,10 +761,10 @@ class ManagerMachine(RuleBasedStateMachine):
         type(self).checks_run += 1
         pending = self.pending_slots()
         for rid, req in self.live.items():
-            if req.loading is not None:  # its next query is past the load (a window may drop what precedes it)
-                continue
             tables = self.m.block_table(rid)
             for g, group in enumerate(self.groups):
+                if req.loading is not None and group.kind != "full":
+                    continue  # its next query is past the load: a window or chunk may drop what precedes it
                 self.check_reads(rid, req, g, group, tables[g], pending)
         owner: dict[int, int] = {}
         refs: dict[int, int] = {}
