@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import strategies as st
 
 from pagedkv.cache.allocator import BlockAllocator
@@ -128,7 +130,8 @@ def declared_features(caps=None, features: bool | tuple = True) -> frozenset[str
 
 
 @st.composite
-def feature_fields(draw, geometry: Geometry, seqs, *, allowed=FEATURE_NAMES, force=(), palette=None) -> dict:
+def feature_fields(draw, geometry: Geometry, seqs, *, allowed=FEATURE_NAMES, force=(), palette=None,
+                   lse: bool = False) -> dict:
     """The optional features of a case, each drawn only when ``allowed`` (a backend's declared features)
     names it; ``force`` (feature names) turns those on. Half the cases draw none unless forced, so the
     plain path keeps its share; the other half is swarm-style: each declared feature on with
@@ -139,11 +142,15 @@ def feature_fields(draw, geometry: Geometry, seqs, *, allowed=FEATURE_NAMES, for
     Windows are biased to 0, 1, ``bs - 1``, ``bs``, the whole context and past it; a quarter of the sinks
     are ``-inf`` (:meth:`Case.sink_values`); fp8 scales are per tensor or per kv head. With a ``palette``
     (:class:`~pagedkv.testing.strategies.palette.Palette` declaring ``features``), the features on are one
-    of its feature sets that holds ``force``."""
+    of its feature sets that holds ``force``; with ``lse`` (a case of the LSE properties) one of the sets
+    that hold the LSE variant (:data:`~pagedkv.testing.strategies.palette.LSE`), the others without it."""
+    from pagedkv.testing.strategies.palette import LSE
+
     force = frozenset(force) & frozenset(allowed)
     if not allowed or not force and draw(st.integers(0, 2)) == 0:  # none: shrinks toward no feature
         return {}
-    sets = [s for s in (palette.feature_sets if palette else ()) if s and force <= s <= frozenset(allowed)]
+    sets = [s - {LSE} for s in (palette.feature_sets if palette else ()) if (LSE in s) == lse]
+    sets = [s for s in sets if s and force <= s <= frozenset(allowed)]
     if sets:  # the run's compile budget: a feature set of its palette
         on = set(draw(st.sampled_from(sets)))
     else:
@@ -167,9 +174,9 @@ def feature_fields(draw, geometry: Geometry, seqs, *, allowed=FEATURE_NAMES, for
 
 @st.composite
 def _extras(draw, geometry: Geometry, seqs, *, read_only: bool, caps=None, poisons=None, features=True,
-            force=(), long: bool = False) -> Case:
+            force=(), long: bool = False, lse: bool = False) -> Case:
     layouts = LAYOUTS if caps is None or caps.strided_pools else ("contiguous",)
-    return Case(
+    case = Case(
         geometry=geometry,
         seqs=tuple(seqs),
         values=draw(st.one_of(st.just("diffuse"), st.sampled_from(SHORT_VALUE_PATTERNS)) if long
@@ -182,9 +189,26 @@ def _extras(draw, geometry: Geometry, seqs, *, read_only: bool, caps=None, poiso
         scale=draw(st.one_of(st.none(), st.sampled_from((0.5, 1.0, 0.1)))),
         seed=draw(st.integers(0, 2**16)),
         **draw(feature_fields(geometry, seqs, allowed=declared_features(caps, features), force=force,
-                              palette=run_palette(caps))),
+                              palette=run_palette(caps), lse=lse)),
         num_splits=draw(split_counts(caps)),
     )
+    return case.replace(**draw(latent_view(case, caps)))
+
+
+@st.composite
+def latent_view(draw, case: Case, caps) -> dict:
+    """The fields that make ``case`` MLA's latent cache (``v_cache = k_cache[..., :head_dim_v]``, layout
+    ``"latent"``), or ``{}``: always for a backend declaring ``shared_kv_storage`` (an fp8 pool then takes
+    V's scale from K's: one storage, one scale); one case in two where ``caps`` declares V widths of
+    their own, V is at most K's width and the pool is not fp8 (a scale moved onto K alone would move V's)."""
+    g = case.geometry
+    if caps is None or g.v_dim > g.head_dim:
+        return {}
+    if caps.shared_kv_storage:
+        return {"layout": "latent", "v_scale": case.k_scale}
+    if caps.head_dims_v is None or case.kv_cache_dtype != "auto" or not draw(st.booleans()):
+        return {}
+    return {"layout": "latent"}
 
 
 #: split-K counts drawn for a backend that declares ``split_k``: no split and a few. Three parts already
@@ -216,7 +240,7 @@ def _scaled(block_size: int, max_seqs: int, max_len: int) -> tuple[int, int]:
 @st.composite
 def cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: int = 6, repeats: bool | None = None,
           dtypes=DTYPES, caps=None, poisons=None, features: bool | tuple = True, force=(),
-          long_contexts: bool = False, **geometry_kwargs) -> Case:
+          long_contexts: bool = False, lse: bool = False, **geometry_kwargs) -> Case:
     """A batch: geometry, per-sequence block tables, lengths, query lengths, scatter starts, pattern, seed.
 
     Tables are a random permutation of the pool split among the sequences (every block owned once,
@@ -227,7 +251,9 @@ def cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: int = 6, rep
     ``features=False`` draws none, a tuple only those; ``force`` turns features on; ``poisons``
     overrides the poisons drawn. With ``long_contexts``, one case in :data:`LONG_ONE_IN` is long
     (:data:`LONG_CONTEXTS`: a context of hundreds to several thousand tokens, decode or chunked
-    prefill, at most two sequences, small heads: :func:`long_geometry`).
+    prefill, at most two sequences, small heads: :func:`long_geometry`). V of its own width and MLA's
+    latent view are drawn where ``caps`` declares them (:func:`~.geometry.v_widths`, :func:`latent_view`);
+    ``lse``: the feature sets of the LSE properties (:func:`feature_fields`).
     """
     geometry, lengths, long = draw(_geometry_and_lengths(caps, dtypes, long_contexts, max_seqs, max_len, max_q_len,
                                                          geometry_kwargs))
@@ -246,11 +272,10 @@ def cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: int = 6, rep
         for k in need:
             tables.append(tuple(perm[at:at + k]))
             at += k
-    geometry = Geometry(num_blocks, bs, geometry.num_kv_heads, geometry.head_dim, geometry.num_queries_per_kv,
-                        geometry.dtype)
+    geometry = dataclasses.replace(geometry, num_blocks=num_blocks)
     seqs = [SeqSpec(t, n, q, s) for t, (n, q, s) in zip(tables, lengths)]
     return draw(_extras(geometry, seqs, read_only=repeats, caps=caps, poisons=poisons, features=features,
-                        force=force, long=long))
+                        force=force, long=long, lse=lse))
 
 
 @st.composite
@@ -274,8 +299,7 @@ def fragmented_cases(draw, *, max_seqs: int = 4, max_len: int = 24, max_q_len: i
             allocator.free(held.pop(draw(st.integers(0, len(held) - 1))))
     allocator.free_all(held)  # everything back, in a scrambled order
     tables = [tuple(allocator.allocate(k)) for k in need]
-    geometry = Geometry(num_blocks, bs, geometry.num_kv_heads, geometry.head_dim, geometry.num_queries_per_kv,
-                        geometry.dtype)
+    geometry = dataclasses.replace(geometry, num_blocks=num_blocks)
     return draw(_extras(geometry, [SeqSpec(t, n, q, s) for t, (n, q, s) in zip(tables, lengths)], read_only=False,
                         caps=caps, poisons=poisons, features=features, force=force, long=long))
 

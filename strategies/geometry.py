@@ -56,7 +56,8 @@ def geometries(draw, *, num_blocks: int | None = None, block_sizes=BLOCK_SIZES, 
     time from what production kernels run (:data:`REALISTIC_BLOCK_SIZES`, ...). ``caps`` (a
     :class:`pagedkv.backends.capabilities.Capabilities`) keeps every draw inside a backend's declared space;
     a declared compile budget (``caps.specialize_on``) draws the specialising parameters from the run's
-    palette (:mod:`pagedkv.testing.strategies.palette`).
+    palette (:mod:`pagedkv.testing.strategies.palette`). V's width (``head_dim_v``) is drawn where ``caps``
+    declares widths of its own (:func:`v_widths`).
     """
     shape = _palette_shape(draw, caps, realistic, block_size=block_sizes, head_dim=head_dims,
                            gqa_group=group_sizes, dtype=dtypes) or {}  # the run's compile budget, if any
@@ -65,16 +66,34 @@ def geometries(draw, *, num_blocks: int | None = None, block_sizes=BLOCK_SIZES, 
         return shape[name] if name in shape else draw(sized(small, real if realistic else (), allowed))
 
     group = pick("gqa_group", group_sizes, REALISTIC_GROUP_SIZES, caps.gqa_groups if caps else None)
+    head_dim = pick("head_dim", head_dims, REALISTIC_HEAD_DIMS, caps.head_dims if caps else None)
     kv_heads = draw(sized(tuple(range(1, (1 if group > 7 else max_kv_heads) + 1)), (),
                           caps.num_kv_heads if caps else None))
     return Geometry(
         num_blocks=num_blocks if num_blocks is not None else draw(st.integers(1, 12)),
         block_size=pick("block_size", block_sizes, REALISTIC_BLOCK_SIZES, caps.block_sizes if caps else None),
         num_kv_heads=kv_heads,
-        head_dim=pick("head_dim", head_dims, REALISTIC_HEAD_DIMS, caps.head_dims if caps else None),
+        head_dim=head_dim,
         num_queries_per_kv=group,
         dtype=shape["dtype"] if "dtype" in shape else draw(st.sampled_from(allowed_dtypes(dtypes, caps))),
+        head_dim_v=draw(v_widths(head_dim, caps, shape)),
     )
+
+
+def v_widths(head_dim: int, caps, shape: dict | None = None) -> st.SearchStrategy[int | None]:
+    """``Geometry.head_dim_v`` for K of width ``head_dim``: ``None`` (V as wide as K) unless ``caps``
+    declares V widths of their own (``head_dims_v``) or K's latent view (``shared_kv_storage``); then the
+    palette shape's width when the run has one (a compiled kernel: no extra specialisation), else one of
+    :func:`~pagedkv.testing.strategies.palette.v_width_options` (K's own width first: shrinks there)."""
+    from pagedkv.testing.strategies.palette import declares_v_widths, v_width_options
+
+    if not declares_v_widths(caps):
+        return st.none()
+    if shape and "head_dim_v" in shape and shape.get("head_dim") == head_dim:
+        width = shape["head_dim_v"]
+    else:
+        return st.sampled_from(v_width_options(head_dim, caps)).map(lambda w: None if w == head_dim else w)
+    return st.just(None if width == head_dim else width)
 
 
 def run_palette(caps):

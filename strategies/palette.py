@@ -6,13 +6,18 @@ JIT library such as FlashInfer, a new nvcc module of about a minute. Drawn freel
 hundreds. A candidate declares what specialises its kernels (``Capabilities(specialize_on={...})``,
 all of :data:`SPECIALIZATION_NAMES` by default for Triton backends); per run the suite then draws those
 parameters from a palette of :class:`Palette` ``shapes`` (whole ``(block_size, head_dim, gqa_group,
-dtype)`` tuples) and ``feature_sets``, while tables, lengths, sharing, poisons and values vary freely.
+dtype)`` tuples, with V's width ``head_dim_v`` where the space declares V widths of their own) and
+``feature_sets`` (with the LSE variant where an LSE is declared), while tables, lengths, sharing, poisons
+and values vary freely.
 
 The palette is seeded by the run (:func:`palette_seed`): fixed under ``ci`` (and ``smoke``, ``dev``,
 ``repro``), rotating by the UTC day under ``gpu`` and ``nightly``, ``$PAGEDKV_PALETTE_SEED`` to pin one;
 ``$PAGEDKV_PALETTE=off`` draws freely. Each size always includes its boundary values: the first shape
 holds every parameter's smallest allowed value, the second every largest (each declared dtype is
-drawn as often), and each feature is in a set alone and in the set of all of them. At most
+drawn as often), and each feature is in a set alone and in the set of all of them. A V width of its own
+(:func:`v_width_options`) is part of a shape, never a kernel of its own: MLA's 512 for a 576-wide K, and
+for about half the other shapes a narrower or wider V; the LSE (``return_lse``, a kernel variant) is
+drawn in two sets of its own, alone and with every non-fp8 feature. At most
 ``len(shapes) * len(feature_sets)`` attention specialisations (fp8 sets twice: e4m3 and e5m2),
 :data:`PALETTE_SIZES` per profile.
 """
@@ -28,8 +33,12 @@ from typing import Any
 
 from pagedkv.backends.capabilities import SPECIALIZATION_NAMES  # noqa: F401  (re-exported)
 
-#: The geometry parameters of a shape, in its order.
+#: The geometry parameters of a shape, in its order (``head_dim_v`` only where V widths are declared).
 SHAPE_NAMES = ("block_size", "head_dim", "gqa_group", "dtype")
+#: MLA's latent cache: K 576 wide (512 latent + 64 rope), V its first 512 columns.
+MLA_WIDTHS = {576: 512}
+#: The pseudo-feature of a palette feature set that the LSE properties draw (``return_lse=True``).
+LSE = "lse"
 #: ``(shapes, feature sets)`` per profile: ``ci`` stays at most 10 x 14 = 140 attention specialisations.
 PALETTE_SIZES = {"smoke": (4, 4), "dev": (10, 8), "ci": (10, 8), "repro": (10, 8), "gpu": (16, 10),
                  "nightly": (24, 12)}
@@ -65,6 +74,10 @@ class Palette:
     def describe(self) -> str:
         """One line: the shapes' values per parameter, the feature sets, the seed."""
         parts = [f"{n} {sorted({s[n] for s in self.shapes}, key=str)}" for n in SHAPE_NAMES if n in self.names]
+        widths = sorted(f"{s['head_dim']}/{s['head_dim_v']}" for s in self.shapes
+                        if s.get("head_dim_v", s.get("head_dim")) != s.get("head_dim"))
+        if widths:
+            parts.append(f"V widths of their own {widths}")
         if self.feature_sets:
             parts.append(f"{len(self.feature_sets)} feature sets")
         return (f"palette ({self.profile}, seed {self.seed}): {len(self.shapes)} shapes over " + "; ".join(parts)
@@ -131,17 +144,49 @@ def build_palette(names: frozenset, caps: Any, profile: str, seed: int, universe
         if shape and key not in seen:
             seen.add(key)
             shapes.append(shape)
+    if "head_dim" in shape_names and declares_v_widths(caps):
+        rng_v = random.Random(f"{seed}/{profile}/head_dim_v")
+        for i, shape in enumerate(shapes):  # the first shape (every smallest value) keeps one width
+            options = v_width_options(shape["head_dim"], caps)
+            mla = MLA_WIDTHS.get(shape["head_dim"])
+            own = [w for w in options if w != shape["head_dim"]]
+            shape["head_dim_v"] = (mla if mla in options else rng_v.choice(own) if i and own and rng_v.random() < 0.5
+                                   else shape["head_dim"])
     sets: list = []
     if "features" in names:
         declared = sorted(caps.features) if caps is not None else sorted(_all_features())
         sets = [frozenset()] + [frozenset({f}) for f in declared]
         if len(declared) > 1:
             sets.append(frozenset(declared))
-        while len(sets) < num_sets and len(declared) > 2:
+        if caps is not None and getattr(caps, "lse", None) is not None:  # the LSE kernels: two sets, no random one
+            sets += [frozenset({LSE}), frozenset({LSE, *declared}) - {"fp8"}]
+            sets = list(dict.fromkeys(sets))
+        while len(sets) < num_sets and len(declared) > 2 and LSE not in set().union(*sets):
             pick = frozenset(rng.sample(declared, rng.randint(2, len(declared) - 1)))
             if pick not in sets:
                 sets.append(pick)
     return Palette(frozenset(names), tuple(shapes), tuple(sets), seed, profile)
+
+
+def declares_v_widths(caps: Any) -> bool:
+    """Whether a declared space draws V of its own width or K's latent view (``head_dims_v``, ``shared_kv_storage``)."""
+    return caps is not None and (getattr(caps, "head_dims_v", None) is not None
+                                 or bool(getattr(caps, "shared_kv_storage", False)))
+
+
+def v_width_options(head_dim: int, caps: Any) -> list[int]:
+    """V widths a case of K width ``head_dim`` may draw in ``caps`` (``None``: any), ``head_dim`` first:
+    MLA's 512 beside a 576-wide K, half of K and a wider V (K + 3) at the small head dims, one less
+    than K elsewhere; at most ``head_dim`` where V is K's storage (``shared_kv_storage``)."""
+    candidates = [head_dim, *([MLA_WIDTHS[head_dim]] if head_dim in MLA_WIDTHS else []), max(1, head_dim // 2),
+                  head_dim + 3 if head_dim <= 8 else head_dim - 1]
+    allowed = getattr(caps, "head_dims_v", None) if caps is not None else None
+    shared = bool(getattr(caps, "shared_kv_storage", False)) if caps is not None else False
+    if caps is not None and allowed is None and not shared:
+        return [head_dim]
+    out = [w for w in dict.fromkeys(candidates)
+           if w >= 1 and (w == head_dim or allowed is None or allowed.allows(w)) and (not shared or w <= head_dim)]
+    return out
 
 
 def _all_features() -> frozenset:
@@ -172,3 +217,8 @@ def palette_for(caps: Any, universe: dict) -> Palette | None:
 def shape_fits(shape: dict, **lists) -> bool:
     """Whether ``shape`` lies in the lists a strategy was called with (``block_size=(...)``, ...)."""
     return all(shape[n] in allowed for n, allowed in lists.items() if n in shape and allowed is not None)
+
+
+def shape_key(shape: dict) -> tuple:
+    """A shape's values in :data:`SHAPE_NAMES` order (V's width last when it has one)."""
+    return tuple(shape[n] for n in (*SHAPE_NAMES, "head_dim_v") if n in shape)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from pagedkv.testing.cases.case import Case
 
 from .batches import cases
+from .palette import v_width_options
 
 
 @st.composite
@@ -31,34 +32,18 @@ def _cut(draw, case: Case, b: int) -> int:
 def partial_cases(draw, *, caps=None, poisons=None, parts: tuple[int, ...] = (2, 3), max_seqs: int = 3,
                   max_len: int = 20, max_q_len: int = 3) -> Case:
     """A :class:`Case` with :attr:`Case.cuts` (``parts - 1`` cuts a sequence, a count drawn from ``parts``;
-    ``parts=()``: no cuts),
-    and, where ``caps.head_dims_v`` allows one, a ``head_dim_v`` of its own; a backend declaring
-    ``shared_kv_storage`` always gets the ``"latent"`` layout (V = K's first columns), others sometimes."""
-    case = draw(cases(caps=caps, poisons=poisons, max_seqs=max_seqs, max_len=max_len, max_q_len=max_q_len))
-    g = case.geometry
-    shared = caps is not None and caps.shared_kv_storage
-    latent = shared or draw(st.booleans())
-    widths = caps.head_dims_v if caps is not None else None
-    head_dim_v = None
-    if widths is not None or caps is None:
-        # A backend compiled per head_dim gets a V width of its own only where it adds few kernels to the
-        # run's palette: MLA's 576 -> 512, and the tiny head dims (the interpreter's, the palette's smallest).
-        compiled = caps is not None and "head_dim" in (caps.specialize_on or ())
-        if compiled:
-            candidates = {g.head_dim} | ({512} if g.head_dim == 576 else set()) \
-                | ({max(1, g.head_dim // 2), g.head_dim + 3} if g.head_dim <= 8 else set())
-        else:
-            candidates = {g.head_dim, max(1, g.head_dim // 2), g.head_dim - 1, g.head_dim + 3}
-        options = [w for w in candidates
-                   if w >= 1 and (widths is None or widths.allows(w) or w == g.head_dim)
-                   and (not latent or w <= g.head_dim)]
-        head_dim_v = draw(st.sampled_from(sorted(options)))
-    elif not shared:
-        latent = False
-    if latent:
-        case = case.replace(layout="latent", kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0)
-    if head_dim_v is not None and head_dim_v != g.head_dim:
-        case = case.replace(geometry=dataclasses.replace(g, head_dim_v=head_dim_v))
+    ``parts=()``: no cuts, and the feature sets of whole attention). V's width and MLA's latent view are
+    drawn as :func:`cases` draws them for ``caps`` (the palette's V widths where the run has one);
+    ``caps=None`` draws any width and the latent view half the time."""
+    case = draw(cases(caps=caps, poisons=poisons, max_seqs=max_seqs, max_len=max_len, max_q_len=max_q_len,
+                      lse=bool(parts)))
+    if caps is None:  # the undeclared space: every width and the latent view
+        g = case.geometry
+        head_dim_v = draw(st.sampled_from(v_width_options(g.head_dim, None)))
+        if head_dim_v != g.head_dim:
+            case = case.replace(geometry=dataclasses.replace(g, head_dim_v=head_dim_v))
+        if head_dim_v <= g.head_dim and draw(st.booleans()):
+            case = case.replace(layout="latent", kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0)
     if not parts:  # the shapes alone (V's width, the latent view), for the properties of whole attention
         return case
     n_cuts = draw(st.sampled_from(parts)) - 1

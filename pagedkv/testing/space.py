@@ -30,6 +30,11 @@ from typing import Any
 #: runs compiled, at the profile's full count, on a GPU runner (docs/gpu.md).
 INTERPRETED_MIN_EXAMPLES = 5
 INTERPRETED_MAX_EXAMPLES = 25
+#: The largest GQA group an interpreted split-K decode peer draws on the CPU: one past the 16-head tile of
+#: vLLM's and SGLang's grouped kernels (``BLOCK_H``), so a tile past the last query head is still drawn.
+#: Their second stage runs one interpreted program per (query row, query head): a group of 64 or 71 costs
+#: 7 s a call of two rows at head_dim 3 (measured, vLLM's and SGLang's decode alike), a group of 8 about 1 s.
+INTERPRETED_MAX_SPLIT_K_GROUP = 17
 _OWN_TRITON = "pagedkv.backends.triton.backend"
 
 
@@ -76,7 +81,9 @@ def capabilities_under_test(backend: Any, *, for_drawing: bool = False):
     patterns as integers, a Triton bug; pagedkv's own kernel upcasts first). With ``for_drawing``,
     pagedkv's own Triton backend under the interpreter draws from the small geometries (block_size
     <= 16, head_dim <= 8, GQA group <= 7): its production sizes run compiled on a GPU, and here in
-    ``tests/backends/test_triton.py``'s shapes, the fixed limits and the regression files.
+    ``tests/backends/test_triton.py``'s shapes, the fixed limits and the regression files; an interpreted
+    split-K peer (vLLM's and SGLang's MLA decode) draws GQA groups up to
+    :data:`INTERPRETED_MAX_SPLIT_K_GROUP` (its other sizes as declared: MLA's 576 / 512 included).
 
     Raises:
         TypeError: the backend's ``capabilities`` attribute is not a Capabilities.
@@ -88,11 +95,24 @@ def capabilities_under_test(backend: Any, *, for_drawing: bool = False):
         caps = dataclasses.replace(caps, dtypes=caps.dtypes - {"bfloat16"})
     if for_drawing and interpreted(backend) and not runs_triton_in_interpreter(backend):
         caps = dataclasses.replace(caps, block_sizes=Sizes(max=16), head_dims=Sizes(max=8), gqa_groups=Sizes(max=7))
+    elif for_drawing and caps.split_k and runs_triton_in_interpreter(backend):
+        caps = dataclasses.replace(caps, gqa_groups=_at_most(caps.gqa_groups, INTERPRETED_MAX_SPLIT_K_GROUP))
     if caps.specialize_on is None and launches_triton(backend):  # a Triton kernel specialises on all of them
         from pagedkv.backends.capabilities import SPECIALIZATION_NAMES
 
         caps = dataclasses.replace(caps, specialize_on=SPECIALIZATION_NAMES)
     return caps
+
+
+def _at_most(sizes, top: int):
+    """``sizes`` (a :class:`~pagedkv.backends.capabilities.Sizes`) less its values above ``top`` (as it is
+    when none would be left)."""
+    if sizes.values is not None:
+        kept = frozenset(v for v in sizes.values if v <= top)
+        return dataclasses.replace(sizes, values=kept) if kept else sizes
+    if sizes.min > top:
+        return sizes
+    return dataclasses.replace(sizes, max=top if sizes.max is None else min(sizes.max, top))
 
 
 def launches_triton(backend: Any) -> bool:

@@ -265,16 +265,21 @@ def test_scatter_equals_loop_bitwise(bs, heads, head_dim, dtype):
         assert_bitwise_equal(ours, theirs, msg=f"start={start} n={n}: ")
 
 
-@pytest.mark.parametrize("bs,heads,head_dim,dtype", COPY_GEOMETRIES)
-def test_write_kv_equals_loop_bitwise(bs, heads, head_dim, dtype):
+#: V widths of their own beside K's (MLA: 512 of 576): narrower, wider, and MLA's shape at a small scale.
+WRITE_GEOMETRIES = COPY_GEOMETRIES + [(3, 3, 5, F32, 2), (2, 2, 3, F16, 6), (4, 1, 9, F32, 8)]
+
+
+@pytest.mark.parametrize("bs,heads,head_dim,dtype,head_dim_v", [(*g, g[2]) for g in COPY_GEOMETRIES]
+                         + WRITE_GEOMETRIES[len(COPY_GEOMETRIES):])
+def test_write_kv_equals_loop_bitwise(bs, heads, head_dim, dtype, head_dim_v):
     g = torch.Generator().manual_seed(bs)
     num_slots = 7 * bs
     slots = torch.randperm(num_slots, generator=g)[: min(num_slots, 9)]
     slots[::3] = -1  # padding tokens: skipped
     n = slots.numel()
     key = torch.randn(n, heads, head_dim, generator=g).to(dtype).to(DEVICE)
-    value = torch.randn(n, heads, head_dim, generator=g).to(dtype).to(DEVICE)
-    caches = [poisoned_pool(7, bs, heads, head_dim, dtype, seed=s) for s in (1, 2, 1, 2)]
+    value = torch.randn(n, heads, head_dim_v, generator=g).to(dtype).to(DEVICE)
+    caches = [poisoned_pool(7, bs, heads, d, dtype, seed=s) for s, d in ((1, head_dim), (2, head_dim_v)) * 2]
     triton_backend.write_kv(caches[0], caches[1], key, value, slots.to(DEVICE))
     loop_backend.write_kv(caches[2], caches[3], key, value, slots.to(DEVICE))
     assert_bitwise_equal(caches[0], caches[2], msg="k_cache: ")

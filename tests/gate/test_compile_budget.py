@@ -88,3 +88,29 @@ def test_the_lease_schedule_never_holds_more_than_the_budget():
         assert sum(b for _, b, s, e, _ in schedule if s <= t < e) <= 16
     assert makespan == 2.0
     assert _schedule([("huge", 32, 1.0)], budget=16, workers=2)[0][0][2] is None  # never: larger than the budget
+
+
+MLA_LIKE = dataclasses.replace(TRITON_LIKE, head_dims_v=Sizes(), lse="head_major")
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(st.data(), st.booleans())
+def test_v_widths_and_the_lse_variant_are_drawn_from_the_palette(data, lse):
+    from pagedkv.testing.strategies.palette import LSE
+    from pagedkv.testing.strategies.partial import partial_cases
+
+    palette = run_palette(MLA_LIKE)
+    case = data.draw(partial_cases(caps=MLA_LIKE, parts=(2,)) if lse else cases(caps=MLA_LIKE))
+    g = case.geometry
+    shape = {"block_size": g.block_size, "head_dim": g.head_dim, "gqa_group": g.num_queries_per_kv, "dtype": g.dtype,
+             "head_dim_v": g.v_dim}
+    assert shape in list(palette.shapes)
+    assert case.features | ({LSE} if lse else set()) in palette.feature_sets
+
+
+def test_the_ci_palette_of_an_mla_space_has_v_widths_of_their_own_and_stays_within_110():
+    palette = build_palette(SPECIALIZATION_NAMES, MLA_LIKE, "ci", 0, UNIVERSE)
+    widths = {(s["head_dim"], s["head_dim_v"]) for s in palette.shapes}
+    assert (576, 512) in widths and any(k != v for k, v in widths - {(576, 512)})
+    assert palette.shapes[0]["head_dim_v"] == palette.shapes[0]["head_dim"]  # the smallest shape: one width
+    assert palette.bound <= 110

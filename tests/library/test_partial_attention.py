@@ -133,3 +133,31 @@ def test_a_case_with_its_own_v_width_latent_layout_and_cuts_round_trips_and_buil
     assert torch.equal(v, k[..., :8])
     plain = Case(Geometry(4, 4, 1, 12, 2), (SeqSpec((2, 0), 6, 2),))
     assert "head_dim_v" not in plain.to_dict()["geometry"] and "cuts" not in plain.to_dict()
+
+
+def _attention_properties():
+    from pagedkv.testing.registry import properties
+
+    return [p for p in properties().values() if p.kind == "case" and p.ops == ("paged_attention",)]
+
+
+@pytest.mark.parametrize("prop", _attention_properties(), ids=lambda p: p.name)
+def test_every_attention_property_draws_v_of_its_own_width_and_the_latent_view(prop):
+    from hypothesis import Phase, given, settings
+
+    caps = capabilities_of(indexed)
+    seen, plain = set(), set()
+
+    @settings(max_examples=150, database=None, deadline=None, phases=(Phase.generate,), derandomize=True)
+    @given(prop.strategy_in(caps))
+    def draw(case):
+        g = case.geometry
+        seen.add(("wider" if g.v_dim > g.head_dim else "narrower" if g.v_dim < g.head_dim else "equal",
+                  case.layout == "latent"))
+        plain.add(case.kv_cache_dtype == "auto")
+
+    draw()
+    assert {("wider", False), ("narrower", False), ("equal", False)} <= seen
+    assert ("wider", True) not in seen
+    if True in plain:  # MLA's latent view is one storage with one scale: never an fp8 pool of two scales
+        assert ("narrower", True) in seen

@@ -161,3 +161,18 @@ def test_a_merge_alone_loads_as_a_candidate():
     assert callable(load_backend("pagedkv.tools.peers:vllm_merge_attn_states").merge_attn_states)
     with pytest.raises(BackendError, match="provides none of the contract's ops"):
         load_backend("pagedkv.tools.peers.mla:SGLANG_CORE_COUNT")  # an int: no op at all
+
+
+@pytest.mark.parametrize("name", DECODE_PEERS + ["vllm_merge_attn_states"])
+def test_the_suite_knows_the_peers_launch_triton_kernels(name, monkeypatch):
+    """On a CPU the suite gives an interpreted peer the interpreter's example count (a tenth of the profile's)
+    and a palette of specialisations; a split-K decode peer draws GQA groups up to one past its 16-head tile."""
+    from pagedkv.testing import space
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    backend = _peer(name)
+    caps = space.capabilities_under_test(backend, for_drawing=True)
+    assert space.example_cap([backend], 100) == 10
+    assert caps.specialize_on
+    if caps.split_k:
+        assert caps.gqa_groups.allows(17) and not caps.gqa_groups.allows(18)

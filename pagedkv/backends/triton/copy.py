@@ -71,6 +71,7 @@ def _write_kv_kernel(
     k_scale_ptr, v_scale_ptr,  # float32 [num_kv_heads] (IS_FP8)
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,  # V's width (MLA: 512 of K's 576)
     IS_FP8: tl.constexpr = False,  # the pools are uint8 views of float8 pools: store sat(x / scale)
     FP8_E4: tl.constexpr = True,  # float8_e4m3fn (max 448), else float8_e5m2 (max 57344)
     FP8_MAX: tl.constexpr = 448.0,
@@ -81,32 +82,37 @@ def _write_kv_kernel(
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     kc_head, ok = _head_tile(tl.program_id(1), num_kv_heads, stride_kh, stride_kd, BLOCK_H, HEAD_DIM, HEAD_DIM_PAD)
-    vc_head, _ = _head_tile(tl.program_id(1), num_kv_heads, stride_vh, stride_vd, BLOCK_H, HEAD_DIM, HEAD_DIM_PAD)
+    vc_head, v_ok = _head_tile(tl.program_id(1), num_kv_heads, stride_vh, stride_vd, BLOCK_H, HEAD_DIM_V,
+                               HEAD_DIM_V_PAD)
     kt_head, _ = _head_tile(tl.program_id(1), num_kv_heads, stride_kth, stride_ktd, BLOCK_H, HEAD_DIM, HEAD_DIM_PAD)
-    vt_head, _ = _head_tile(tl.program_id(1), num_kv_heads, stride_vth, stride_vtd, BLOCK_H, HEAD_DIM, HEAD_DIM_PAD)
+    vt_head, _ = _head_tile(tl.program_id(1), num_kv_heads, stride_vth, stride_vtd, BLOCK_H, HEAD_DIM_V,
+                            HEAD_DIM_V_PAD)
     mask = tok_ok[:, None, None] & ok
+    v_mask = tok_ok[:, None, None] & v_ok
     k = tl.load(key_ptr + (i * stride_kt)[:, None, None] + kt_head, mask=mask)
-    v = tl.load(value_ptr + (i * stride_vt)[:, None, None] + vt_head, mask=mask)
+    v = tl.load(value_ptr + (i * stride_vt)[:, None, None] + vt_head, mask=v_mask)
     if IS_FP8:  # vLLM's scaled conversion: x / scale (IEEE division), saturated to the finite range, RNE
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         ks = tl.broadcast_to(tl.load(k_scale_ptr + h, mask=h < num_kv_heads, other=1.0)[None, :, None],
                              (BLOCK_T, BLOCK_H, HEAD_DIM_PAD))
         vs = tl.broadcast_to(tl.load(v_scale_ptr + h, mask=h < num_kv_heads, other=1.0)[None, :, None],
-                             (BLOCK_T, BLOCK_H, HEAD_DIM_PAD))
+                             (BLOCK_T, BLOCK_H, HEAD_DIM_V_PAD))
         k = tl.math.div_rn(k.to(tl.float32), ks)
         v = tl.math.div_rn(v.to(tl.float32), vs)
         # comparisons (not minimum/maximum) so that NaN stays NaN
         k = _f32_to_fp8(tl.where(k > FP8_MAX, FP8_MAX, tl.where(k < -FP8_MAX, -FP8_MAX, k)), FP8_E4)
         v = _f32_to_fp8(tl.where(v > FP8_MAX, FP8_MAX, tl.where(v < -FP8_MAX, -FP8_MAX, v)), FP8_E4)
     tl.store(k_cache_ptr + (blk * stride_kb + off * stride_ks)[:, None, None] + kc_head, k, mask=mask)
-    tl.store(v_cache_ptr + (blk * stride_vb + off * stride_vs)[:, None, None] + vc_head, v, mask=mask)
+    tl.store(v_cache_ptr + (blk * stride_vb + off * stride_vs)[:, None, None] + vc_head, v, mask=v_mask)
 
 
-def copy_config(num_kv_heads: int, head_dim: int) -> dict:
-    """Tile of the copy kernels: ~4096 elements (8 KiB in 16-bit), all heads of a token when they fit."""
+def copy_config(num_kv_heads: int, head_dim: int, widest: int | None = None) -> dict:
+    """Tile of the copy kernels: ~4096 elements (8 KiB in 16-bit), all heads of a token when they fit;
+    ``widest``: the widest row the tile holds (``write_kv`` with V wider than K), ``head_dim`` by default."""
     head_dim_pad = triton.next_power_of_2(head_dim)
-    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 1024 // head_dim_pad))
-    block_t = max(1, min(64, 4096 // (block_h * head_dim_pad)))
+    widest_pad = triton.next_power_of_2(max(head_dim, widest or head_dim))
+    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 1024 // widest_pad))
+    block_t = max(1, min(64, 4096 // (block_h * widest_pad)))
     return dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4)
 
 
@@ -148,6 +154,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
              v_scale: torch.Tensor | None = None) -> None:
     """vLLM ``reshape_and_cache``: ``key[i]``/``value[i]`` to ``slot_mapping[i]``, negatives skipped (no checks).
+    ``key [num_tokens, H, head_dim]``, ``value [num_tokens, H, head_dim_v]`` (V of its own width, as its pool).
 
     Into an fp8 pool (``k_scale``, ``v_scale``: contiguous ``float32 [num_kv_heads]``) the stored byte
     is ``sat(x / scale)`` rounded to nearest even, bit for bit :func:`pagedkv.attention.fp8.quantize`.
@@ -156,7 +163,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
     if num_tokens == 0:
         return
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    cfg = copy_config(num_kv_heads, head_dim)
+    head_dim_v = v_cache.shape[-1]  # V may be narrower or wider than K
+    cfg = copy_config(num_kv_heads, head_dim, head_dim_v)
+    cfg.update(HEAD_DIM_V=head_dim_v, HEAD_DIM_V_PAD=triton.next_power_of_2(head_dim_v))
     fp8 = k_cache.dtype in FP8_DTYPES
     flags = dict(IS_FP8=True, FP8_E4=k_cache.dtype == torch.float8_e4m3fn,
                  FP8_MAX=float(torch.finfo(k_cache.dtype).max)) if fp8 else {}

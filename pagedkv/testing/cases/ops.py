@@ -102,12 +102,14 @@ def run_ops(backend: Any, case: Case, device: str = "cpu", ops: tuple[str, ...] 
             start = case.seqs[i].start
             backend.scatter(k_cache, tables[i], new[i][0][start:].to(device), start)
         out["scatter.k_cache"] = k_cache.cpu()
-    if "write_kv" in ops:
-        k_cache, v_cache = case.caches(device)
+    if "write_kv" in ops:  # MLA's latent view is written through K: write_kv's pools never overlap
+        k_cache, v_cache = case.replace(layout="contiguous" if case.layout == "latent" else case.layout).caches(device)
         slots, _ = write_slot_mapping(case)
         g = case.geometry
         key = torch.randn((len(slots), g.num_kv_heads, g.head_dim), generator=case._generator(3)).to(g.torch_dtype)
-        backend.write_kv(k_cache, v_cache, key.to(device), (-key).to(device),
+        value = -key if g.v_dim == g.head_dim else torch.randn(
+            (len(slots), g.num_kv_heads, g.v_dim), generator=case._generator(13)).to(g.torch_dtype)
+        backend.write_kv(k_cache, v_cache, key.to(device), value.to(device),
                          torch.tensor(slots, dtype=torch.int64, device=device), **case.kv_scales(device))
         out["write_kv.k_cache"], out["write_kv.v_cache"] = k_cache.cpu(), v_cache.cpu()
     if "paged_attention" in ops:

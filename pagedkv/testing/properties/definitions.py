@@ -89,15 +89,22 @@ def scatter_round_trip(backend: Any, case: Case, device: str = "cpu") -> None:
                       case, i, "gather after scatter")
 
 
+def separate_pools(case: Case) -> Case:
+    """``case`` with pools of their own where it is MLA's latent view: ``write_kv`` takes two pools that
+    never overlap (the contract rejects one storage passed twice), so a latent cache is written through K."""
+    return case.replace(layout="contiguous") if case.layout == "latent" else case
+
+
 def write_kv_matches_definition(backend: Any, case: Case, device: str = "cpu") -> None:
     """``write_kv`` puts token ``t`` at ``slot_mapping[t]`` in both pools, skips negative slots and
     leaves every other slot bit-identical (fp8 pools: exactly ``pagedkv.attention.fp8.quantize`` of the token)."""
     write_kv = require(backend, "write_kv")
+    case = separate_pools(case)
     slots, owners = write_slot_mapping(case)
     new = case.logical_kv(1)
     g = case.geometry
     key = torch.empty((len(slots), g.num_kv_heads, g.head_dim), dtype=g.torch_dtype)
-    value = torch.empty_like(key)
+    value = torch.empty((len(slots), g.num_kv_heads, g.v_dim), dtype=g.torch_dtype)
     for t, (i, p) in enumerate(owners):  # padding tokens carry values that must never land anywhere
         key[t] = new[i][0][p] if i >= 0 else float(t + 1000)
         value[t] = new[i][1][p] if i >= 0 else -float(t + 1000)

@@ -24,7 +24,7 @@ import torch
 from pagedkv.backends.capabilities import capabilities_of
 from pagedkv.attention.fp8 import quantize
 from pagedkv.testing.cases.case import Case, reference_gather, writable, write_slot_mapping
-from pagedkv.testing.properties.definitions import _compare_rows, reference_output
+from pagedkv.testing.properties.definitions import _compare_rows, reference_output, separate_pools
 from pagedkv.testing.compare import Mismatch, require
 from pagedkv.testing.compare import assert_attention_close, assert_attention_identical, bits
 
@@ -114,7 +114,7 @@ def nan_outside_the_window_changes_nothing(backend: Any, case: Case, device: str
 
 def nan_value_readers(case: Case, block: int, offset: int, kv_head: int, dim: int, *,
                       tails_masked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(reads, masked)``, each ``[total_q, num_q_heads, head_dim]`` bool, for V at ``(block, offset,
+    """``(reads, masked)``, each ``[total_q, num_q_heads, head_dim_v]`` bool, for V at ``(block, offset,
     kv_head, dim)``: the outputs that read it, and those that hold it in their context but mask it.
 
     Row ``r`` of sequence ``j`` (query position ``q``) reads the slot when a position ``p <= q`` of ``j``
@@ -125,7 +125,7 @@ def nan_value_readers(case: Case, block: int, offset: int, kv_head: int, dim: in
     in ``j``'s last block (a block shared by a longer sequence). Only the query heads of ``kv_head``
     (GQA), in ``dim``."""
     g, qsl = case.geometry, case.query_start_loc_list
-    reads = torch.zeros((qsl[-1], g.num_q_heads, g.head_dim), dtype=torch.bool)
+    reads = torch.zeros((qsl[-1], g.num_q_heads, g.v_dim), dtype=torch.bool)
     masked = torch.zeros_like(reads)
     heads = slice(kv_head * g.num_queries_per_kv, (kv_head + 1) * g.num_queries_per_kv)
     for j, s in enumerate(case.seqs):
@@ -136,6 +136,8 @@ def nan_value_readers(case: Case, block: int, offset: int, kv_head: int, dim: in
             q = s.seq_len - s.q_len + t
             seen = any(p <= q and (case.window_left < 0 or p >= q - case.window_left) for p in here)
             (reads if seen else masked)[qsl[j] + t, heads, dim] = bool(here)
+    if case.layout == "latent":  # V is K's storage: the NaN is a logit too, so every dim of a reader is NaN
+        reads, masked = (m.any(-1, keepdim=True).expand_as(m).clone() for m in (reads, masked))
     return reads, masked
 
 
@@ -150,7 +152,8 @@ def nan_value_shows_exactly_where_it_is_read(backend: Any, case: Case, device: s
 
     The slot is a token some query of a sequence sees (drawn from the case's seed); a case with no
     query checks nothing, and Hypothesis draws another. K is left alone: a NaN logit may vanish in a
-    running maximum (Triton's ``tl.maximum`` drops NaN); a NaN value may not."""
+    running maximum (Triton's ``tl.maximum`` drops NaN); a NaN value may not. In MLA's latent cache V is
+    K's storage, so the NaN is in a logit too: every dim of a reader's head group is NaN."""
     g = case.geometry
     seen = [(i, p) for i, s in enumerate(case.seqs) if s.q_len
             for p in range(s.seq_len) if case.window_left < 0 or p >= s.seq_len - s.q_len - case.window_left]
@@ -159,7 +162,7 @@ def nan_value_shows_exactly_where_it_is_read(backend: Any, case: Case, device: s
         return
     gen = case._generator(12)
     i, p = seen[int(torch.randint(len(seen), (1,), generator=gen))]
-    kv_head, dim = (int(torch.randint(n, (1,), generator=gen)) for n in (g.num_kv_heads, g.head_dim))
+    kv_head, dim = (int(torch.randint(n, (1,), generator=gen)) for n in (g.num_kv_heads, g.v_dim))
     block, offset = case.used_table(i)[p // g.block_size], p % g.block_size
     before = _attention(backend, case, device)
     k_cache, v_cache = case.caches(device)
@@ -211,11 +214,12 @@ def fp8_write_then_gather_is_exact(backend: Any, case: Case, device: str = "cpu"
     keys and values written (``sat(x / scale)``, round to nearest even), each token's K/V scaled by a
     power of two (:func:`_magnitudes`) so that every fp8 rounding path is written."""
     write_kv, gather = require(backend, "write_kv"), require(backend, "gather")
+    case = separate_pools(case)
     slots, owners = write_slot_mapping(case)
     new = [(k * m, v * m) for (k, v), m in zip(case.logical_kv(1), _magnitudes(case))]
     g = case.geometry
     key = torch.zeros((len(slots), g.num_kv_heads, g.head_dim), dtype=g.torch_dtype)
-    value = torch.zeros_like(key)
+    value = torch.zeros((len(slots), g.num_kv_heads, g.v_dim), dtype=g.torch_dtype)
     for t, (i, p) in enumerate(owners):
         if i >= 0:
             key[t], value[t] = new[i][0][p], new[i][1][p]

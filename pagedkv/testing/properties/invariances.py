@@ -68,11 +68,25 @@ def _repoison(case: Case, args: dict, finite: bool = False) -> dict:
 
 
 def _relayout(case: Case, args: dict) -> dict:
-    k = args["k_cache"]
-    if k.is_contiguous():  # to views of one [num_blocks, 2, block_size, H, D] tensor
-        kv = torch.stack((k, args["v_cache"]), dim=1)
+    """Contiguous pools to views of one wider tensor (``[num_blocks, 2, block_size, H, D]`` for pools of
+    one width, ``[..., H, D + D_v]`` columns side by side for two), strided pools to contiguous copies.
+    MLA's latent view stays a view of K (:func:`_tie_latent`)."""
+    k, v = args["k_cache"], args["v_cache"]
+    if not k.is_contiguous():
+        return {**args, "k_cache": k.contiguous(), "v_cache": v.contiguous()}
+    if k.shape == v.shape:
+        kv = torch.stack((k, v), dim=1)
         return {**args, "k_cache": kv[:, 0], "v_cache": kv[:, 1]}
-    return {**args, "k_cache": k.contiguous(), "v_cache": args["v_cache"].contiguous()}
+    wide = torch.cat((k, v), dim=-1)
+    return {**args, "k_cache": wide[..., :k.shape[-1]], "v_cache": wide[..., k.shape[-1]:]}
+
+
+def _tie_latent(case: Case, args: dict) -> dict:
+    """MLA's latent cache after a transform: V is again the first ``head_dim_v`` columns of K's storage
+    (a transform rewrites each pool; the latent view must stay one storage)."""
+    if case.layout != "latent":
+        return args
+    return {**args, "v_cache": args["k_cache"][..., :case.geometry.v_dim]}
 
 
 def _strided_metadata(case: Case, args: dict) -> dict:
@@ -123,7 +137,7 @@ def invariant_under(backend: Any, case: Case, device: str = "cpu", *, transform:
     change = TRANSFORMS[transform]
     if transform == "poison" and "finite_unused_slots" in capabilities_of(backend).preconditions:
         change = partial(_repoison, finite=True)  # stay inside the declared precondition (NaN/inf: a finding)
-    b = outputs(backend, change(case, args))
+    b = outputs(backend, _tie_latent(case, change(case, args)))
     n = len(case.seqs)
     if transform == "batch_order":
         b = {re.sub(r"\[(\d+)\]", lambda m: f"[{n - 1 - int(m.group(1))}]", k): v for k, v in b.items()}

@@ -54,6 +54,13 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+_interpreted()  # before Triton's import: without CUDA the kernels run in its interpreter
+try:  # the peers launch Triton kernels: the suite reads this module's Triton (pagedkv.testing.space) to know
+    import triton  # noqa: F401  # their kernels specialise (a palette) and, on a CPU, are interpreted (fewer examples)
+except ImportError:
+    triton = None
+
+
 def shares_storage(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """``True`` when ``v_cache`` is ``k_cache[..., :head_dim_v]`` (MLA's latent pool: same storage, same
     block, slot and head strides, narrower)."""

@@ -142,9 +142,14 @@ class SglangTriton:
                                          max_pool_bytes=None if page_size == "block" else 2**32)
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping) -> None:
-        """``launch_reshape_and_cache_flash(key, value, k_cache, v_cache, slot_mapping)``."""
+        """``launch_reshape_and_cache_flash(key, value, k_cache, v_cache, slot_mapping)``; pools of two widths
+        one launch each (the kernel writes V at K's head size: 64 of MLA's 576 columns into the next slot)."""
         slots = check_write_kv(k_cache, v_cache, key, value, slot_mapping)
         if slots.numel() == 0:
+            return
+        if key.shape[-1] != value.shape[-1]:  # the kernel takes one head size (key's) for both pools: one
+            self._write(key.contiguous(), key.contiguous(), k_cache, k_cache, slots)  # launch a pool, each at
+            self._write(value.contiguous(), value.contiguous(), v_cache, v_cache, slots)  # its own width
             return
         self._write(key.contiguous(), value.contiguous(), k_cache, v_cache, slots)
 
