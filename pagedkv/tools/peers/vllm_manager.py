@@ -23,6 +23,9 @@ Each protocol call is what vLLM's scheduler does (``vllm/v1/core/sched/scheduler
   exactly the unreferenced blocks, and each hash-index entry points at a block carrying that hash.
 
 The window: ``ManagerConfig.window_left`` w builds a ``SlidingWindowSpec(sliding_window=w + 1)``.
+
+KV-cache groups (``ManagerConfig.groups``, the layouts in :data:`cache_manager_layouts`): the factory hands
+the config to :mod:`.vllm_hybrid_manager` (the hybrid coordinator, a connector, speculative drafts).
 """
 
 from __future__ import annotations
@@ -234,16 +237,24 @@ class VllmCacheManager:
 
 
 def cache_manager(config: ManagerConfig) -> VllmCacheManager:
-    """The manager factory (``--pagedkv-impl pagedkv.tools.peers:vllm_cache_manager``).
+    """The manager factory (``--pagedkv-impl pagedkv.tools.peers:vllm_cache_manager``): one group, or the
+    hybrid coordinator over ``config.groups`` (:mod:`.vllm_hybrid_manager`).
 
     Raises:
         BackendUnavailableError: vLLM is not installed (the message gives the install command).
     """
+    if config.groups:
+        from pagedkv.tools.peers.vllm_hybrid_manager import VllmHybridCacheManager
+        return VllmHybridCacheManager(config)
     return VllmCacheManager(config)
 
 
 #: The windows the suite draws for this manager: full attention and sliding windows of 1, 2 and 5 tokens.
 cache_manager_windows = (None, 0, 1, 4)
+
+#: The layouts the suite draws for this manager: one group, and the hybrid coordinator in every real-model layout.
+cache_manager_layouts = ("one-group", "gemma3", "llama4", "jamba", "qwen3-next", "gpt-oss-2full-sw",
+                         "mixed-block-sizes")
 
 
 def peer():
