@@ -22,11 +22,31 @@ step reserved while the previous one's writes are in flight; no block an in-flig
 handed to anyone, a free deferred until its steps complete). Namespaces are drawn so that their encodings
 collide (a cache salt spelled like a LoRA name, one LoRA name at two paths) and multimodal inputs as
 placeholder runs, so one image at two offsets in one block differs only in its offset.
+
+KV-cache groups (:class:`~.protocol.GroupSpec`, a layout of :data:`~.protocol.HYBRID_LAYOUTS` the manager
+lists): every group's blocks come from one pool, and block ``b`` is one page of every layer slot (layer
+``i`` of each group shares it, as in vLLM), so the machine's pools are ``[total, max block_size, ...]``
+per layer slot and group ``g`` writes its layer ``i`` there. The oracle per group: a full-attention group
+reads every written token, a sliding-window group the tokens inside the window of the next query, a
+chunked-local group its current chunk, a Mamba group the state after the last written token (a step
+writes the state after its last token only, and after its last verified and each draft token), which a
+hit must serve as the digest of exactly that prefix. Invariants: no block held by two groups, every
+group's admitted blocks truncated to the one agreed hit, the manager's reference counts (where exposed)
+equal to the tables holding each block. A one-group manager runs as today behind
+:class:`~.protocol.GroupedView`.
+
+A KV connector (the machine is the external store: it holds any prefix, so it offers whole blocks of the
+prompt): external tokens past the local hit are loaded into blocks reserved first, the request waits
+until the load completes (or fails, and is recomputed from the local hit; what a failed load wrote must
+never be read), and a freed request's blocks stay held until its store completes. Speculative decoding:
+a decode step with draft tokens whose rejected tail is dropped; no rejected token's K/V or state may be
+served to anyone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Callable, Hashable
 
@@ -37,7 +57,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
 
 from pagedkv import get_backend
 from pagedkv.testing.managers.oracle import expected_kv, stable_hash, token_identity
-from pagedkv.testing.managers.protocol import ManagerConfig
+from pagedkv.testing.managers.protocol import ONE_GROUP, ManagerConfig, as_grouped, layout_groups
 
 VOCAB = st.integers(0, 3)  # small: equal blocks, hits and near-misses are common
 #: Namespaces whose encodings collide where an engine flattens them (protocol.namespace_parts).
@@ -50,6 +70,12 @@ SIBLINGS = {NAMESPACES[0]: NAMESPACES[2], NAMESPACES[1]: NAMESPACES[5], NAMESPAC
 IMAGE_LENGTHS = {"image-0": 2, "image-1": 3}  # one input, one length (its placeholder run)
 PLACEHOLDER = 0  # the token id of a multimodal input's placeholder run (what an engine's processor writes)
 NUM_KV_HEADS, HEAD_DIM = 1, 2
+MAX_DRAFTS = 3  # num_speculative_tokens the machine asks for
+
+
+def layer_key(group: int, layer: int) -> int:
+    """The oracle's layer of a group's layer (group 0's layers as a one-group manager's)."""
+    return layer + 1000 * group
 
 
 @dataclasses.dataclass
@@ -60,7 +86,7 @@ class Step:
 
     start: int
     end: int
-    slots: list[int]
+    slots: tuple  # one slot list per group
     reads: frozenset
 
 
@@ -77,8 +103,19 @@ class Request:
     written: int = 0  # tokens whose K/V is written
     committed: int = 0
     in_flight: list = dataclasses.field(default_factory=list)  # Steps, oldest first
-    table: list = dataclasses.field(default_factory=list)  # its block table when last reserved or freed
+    table: tuple = ()  # its block tables (one per group) when last reserved or freed
     adopted: bool = False  # its first reservation succeeded (until then an admitted hit is only shown)
+    loading: tuple | None = None  # a connector load in flight: (first token, its slots per group)
+    storing: bool = False  # freed, its connector store pending
+
+    def pending(self) -> bool:
+        return bool(self.in_flight) or self.loading is not None or self.storing
+
+    def truncate(self, n: int) -> None:
+        """Drop tokens from ``n`` on (rejected drafts)."""
+        del self.tokens[n:], self.identities[n:]
+        self.reserved, self.written, self.committed = (min(x, n) for x in (self.reserved, self.written,
+                                                                           self.committed))
 
     def extend(self, token_ids) -> None:
         for t in token_ids:
@@ -93,6 +130,7 @@ class ManagerMachine(RuleBasedStateMachine):
     make_manager: Callable = None
     block_sizes: tuple[int, ...] = (1, 2, 4)
     windows: tuple = (None,)  # window_left values the manager takes
+    layouts: tuple = (ONE_GROUP,)  # the layouts (protocol.HYBRID_LAYOUTS names) the manager takes
     record: list | None = None  # when a list: each step appended as (rule name, kwargs)
     checks_run = 0  # steps judged, over every run of this class (for steps per second)
     tokens_read = 0  # written tokens whose K/V the checks compared with the oracle, over every run of this class
@@ -102,24 +140,40 @@ class ManagerMachine(RuleBasedStateMachine):
     systems = Bundle("systems")
 
     @initialize(num_blocks=st.integers(4, 12), block_size=st.integers(0, 2), num_layers=st.integers(1, 2),
-                window=st.integers(0, 3))
-    def start(self, num_blocks, block_size, num_layers, window):
-        """The pool: ``block_size`` and ``window`` index the sizes the manager takes."""
-        self.log("start", num_blocks=num_blocks, block_size=block_size, num_layers=num_layers, window=window)
-        config = ManagerConfig(num_blocks, self.block_sizes[block_size % len(self.block_sizes)],
-                               self.windows[window % len(self.windows)], num_layers, NUM_KV_HEADS, HEAD_DIM)
-        self.m = type(self).make_manager(config)
+                window=st.integers(0, 3), layout=st.integers(0, 7), features=st.integers(0, 3))
+    def start(self, num_blocks, block_size, num_layers, window, layout=0, features=0):
+        """The pool: ``block_size`` and ``window`` index the sizes the manager takes, ``layout`` its
+        layouts (a hybrid one takes ``block_size`` as its hash block size and ``window`` as its
+        window); ``features`` asks for a connector (bit 0) and speculative decoding (bit 1)."""
+        self.log("start", num_blocks=num_blocks, block_size=block_size, num_layers=num_layers, window=window,
+                 layout=layout, features=features)
+        bs = self.block_sizes[block_size % len(self.block_sizes)]
+        groups = layout_groups(self.layouts[layout % len(self.layouts)], bs, window)
+        if groups:
+            num_layers = max(g.num_layers for g in groups)
+        config = ManagerConfig(num_blocks, bs, self.windows[window % len(self.windows)], num_layers, NUM_KV_HEADS,
+                               HEAD_DIM, groups=groups, connector=bool(features & 1),
+                               num_speculative_tokens=MAX_DRAFTS if features & 2 else 0)
+        self.m = as_grouped(type(self).make_manager(config))
         self.caps = self.m.capabilities
-        self.bs, self.layers, self.window = self.caps.block_size, num_layers, self.caps.window
+        self.groups = self.caps.groups
+        self.grouped = bool(groups)
+        self.connector = self.caps.connector and config.connector
+        self.speculative = self.caps.speculative and config.num_speculative_tokens > 0
+        self.gbs = [g.block_size for g in self.groups]
+        self.bs = math.lcm(*self.gbs)  # a hit is whole blocks of every group
+        self.page = max(self.gbs)  # tokens per page of the machine's pools
+        self.layers, self.window = num_layers, self.caps.window
         if self.caps.owns_pools:
             self.pools = [self.m.kv_pools(layer) for layer in range(num_layers)]
+            self.page = self.pools[0][0].shape[1]
         else:
             total = self.m.counts()[2] + getattr(self.m, "reserved_blocks", 0)
-            shape = (total, self.bs, NUM_KV_HEADS, HEAD_DIM)
+            shape = (total, self.page, NUM_KV_HEADS, HEAD_DIM)
             self.pools = [(torch.full(shape, float("nan")), torch.full(shape, float("nan"))) for _ in range(num_layers)]
         self.write_kv = get_backend("indexed").write_kv
         self.live: dict[int, Request] = {}
-        self.zombies: dict[int, Request] = {}  # freed with steps in flight (their free deferred)
+        self.zombies: dict[int, Request] = {}  # freed with steps, a load or a store pending (their free deferred)
         self.committed_prefixes: set[int] = set()  # identities of the last token of committed full blocks
         self.next_id = 0
         # the model of what the manager declares: block -> identity its cached full block holds (hit
@@ -142,23 +196,38 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.record is not None:
             self.record.append((name, kwargs))
 
-    def write(self, rid: int, req: Request, slots: list[int], start: int) -> None:
-        """Write the oracle's K/V of tokens ``start..start+len(slots)`` at ``slots`` in every layer."""
-        if not slots:
+    def write(self, rid: int, req: Request, slots: tuple, start: int, drafts: int = 0, identities=None) -> None:
+        """Write the oracle's K/V of tokens ``start..start+n`` at ``slots`` (one list per group) in every
+        layer; a Mamba group's state only after the last token (and the last verified and each draft
+        token). ``identities``: what is written instead of the tokens' own (a failed load's garbage)."""
+        n = len(slots[0]) if slots else 0
+        if not n:
             return
-        mapping = torch.tensor(slots, dtype=torch.int64)
-        for layer, (k_pool, v_pool) in enumerate(self.pools):
-            k, v = expected_kv(req.identities[start:start + len(slots)], layer, NUM_KV_HEADS, HEAD_DIM)
-            self.write_kv(k_pool, v_pool, k, v, mapping)
-        req.written = start + len(slots)
+        end = start + n
+        identities = req.identities[start:end] if identities is None else identities
+        for g, group in enumerate(self.groups):
+            keep = [i for i in range(n) if slots[g][i] >= 0 and (group.kind != "mamba" or i >= n - 1 - drafts)]
+            if not keep:
+                continue
+            mapping = torch.tensor([self.flat(g, slots[g][i]) for i in keep], dtype=torch.int64)
+            for layer in range(group.num_layers):
+                k_pool, v_pool = self.pools[layer]
+                k, v = expected_kv([identities[i] for i in keep], layer_key(g, layer), NUM_KV_HEADS, HEAD_DIM)
+                self.write_kv(k_pool, v_pool, k, v, mapping)
+        req.written = max(req.written, end)
+
+    def flat(self, group: int, slot: int) -> int:
+        """A group's slot as an index into the machine's pages."""
+        block, offset = divmod(slot, self.gbs[group])
+        return block * self.page + offset
 
     def register(self, rid: int, req: Request, upto: int) -> None:
         """Tokens below ``upto`` are cached by the manager: their full blocks are hittable."""
-        table = self.m.block_table(rid)
+        table = self.m.block_table(rid)[0]
         for end in range(self.bs, upto + 1, self.bs):
             self.committed_prefixes.add(req.identities[end - 1])
             block = table[end // self.bs - 1] if end // self.bs - 1 < len(table) else -1
-            if block >= 0:
+            if block >= 0 and not self.grouped:
                 self.cached[block] = req.identities[end - 1]
 
     def commit(self, rid: int, req: Request) -> None:
@@ -167,22 +236,29 @@ class ManagerMachine(RuleBasedStateMachine):
         req.committed = req.written
         if self.caps.defers_commit and rid in self.live:
             self.register(rid, req, req.committed)
-        if rid in self.zombies and not req.in_flight:
-            del self.zombies[rid]  # its deferred free happens now
+        self.settle(rid)
         self.account(before, "commit")
 
     # -- the model of the free queue, the hit promise and in-flight reads ------------------------------
-    def holdings(self) -> dict[int, int]:
-        """Every block a live request (or a deferred free) holds -> its position in that table."""
-        held: dict[int, int] = {}
-        for rid in (r for r, q in self.live.items() if q.adopted):
-            for i, b in enumerate(self.m.block_table(rid)):
-                if b >= 0:
-                    held.setdefault(b, i)
-        for req in self.zombies.values():
-            for i, b in enumerate(req.table):
-                if b >= 0:
-                    held.setdefault(b, i)
+    def settle(self, rid: int) -> None:
+        """A deferred free whose last pending step, load or store completed happens now."""
+        if rid in self.zombies and not self.zombies[rid].pending():
+            del self.zombies[rid]
+            assert not self.m.holds(rid), f"request {rid} is still held after its free completed"
+
+    def tables(self) -> list[tuple[int, tuple]]:
+        """``(request, its block tables)`` of every adopted live request and every deferred free."""
+        out = [(rid, self.m.block_table(rid)) for rid, q in self.live.items() if q.adopted]
+        return out + [(rid, req.table) for rid, req in self.zombies.items()]
+
+    def holdings(self) -> dict[int, tuple[int, int]]:
+        """Every block a live request (or a deferred free) holds -> ``(group, position in that table)``."""
+        held: dict[int, tuple[int, int]] = {}
+        for _, tables in self.tables():
+            for g, table in enumerate(tables):
+                for i, b in enumerate(table):
+                    if b >= 0:
+                        held.setdefault(b, (g, i))
         return held
 
     def in_flight_reads(self) -> set[int]:
@@ -194,7 +270,7 @@ class ManagerMachine(RuleBasedStateMachine):
         first; uncached ones to the front), blocks handed out afresh must be its front (eviction order
         ``"lru"``) and outside every in-flight step's reads, and lose what they cached."""
         after = self.holdings()
-        released = sorted((b for b in before if b not in after), key=lambda b: -before[b])
+        released = sorted((b for b in before if b not in after), key=lambda b: (before[b][0], -before[b][1]))
         fresh = set(after) - set(before) - set(hits)
         judged = self.caps.eviction_order == "lru" and self.model_known and self.total is not None
         if released:
@@ -254,7 +330,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def promised_hit(self, req: Request) -> int:
         """The hit the promise guarantees: leading full blocks still cached, up to the computed minimum."""
-        if not (self.caps.hit_promise and self.model_known):
+        if not (self.caps.hit_promise and self.model_known) or self.grouped:
             return 0
         cap = len(req.tokens) - self.caps.min_computed_on_full_hit
         still = set(self.cached.values())
@@ -263,19 +339,51 @@ class ManagerMachine(RuleBasedStateMachine):
             hit += self.bs
         return hit
 
-    def read_blocks(self, table: list[int], start: int, end: int) -> frozenset:
-        """Blocks that tokens ``start..end`` write and whose attention window they read."""
-        first = 0 if self.window is None else max(0, start - self.window)
-        return frozenset(table[p // self.bs] for p in range(first, end)
-                         if p // self.bs < len(table) and table[p // self.bs] >= 0)
+    def read_blocks(self, tables: tuple, start: int, end: int) -> frozenset:
+        """Blocks that tokens ``start..end`` write and whose attention window (or state) they read."""
+        out = set()
+        for g, group in enumerate(self.groups):
+            bs, table = self.gbs[g], tables[g]
+            first = group.first_read(start)
+            if not self.grouped:
+                first = 0 if self.window is None else max(0, start - self.window)
+            out |= {table[p // bs] for p in range(first, end) if p // bs < len(table) and table[p // bs] >= 0}
+        return frozenset(out)
 
-    def reserve(self, rid: int, req: Request, token_ids: list[int], write_now: bool, hits=()) -> bool:
-        """Reserve slots for ``token_ids`` (decode tokens past the prompt extend the request), check them,
-        write them (now when the manager caches at reserve time and steps are synchronous). False: refused.
-        ``hits``: the blocks the admission hit (first reserve only): adopted now, not handed out afresh."""
+    def check_slots(self, rid: int, slots: tuple, start: int, n: int, what: str, optional) -> None:
+        """``slots`` (one list per group) of tokens ``start..start+n``: each in the request's own block at
+        its position, in no block another live request or another group holds; ``-1`` only where
+        ``optional(group, i)`` says the group keeps nothing of token ``start + i``."""
+        assert isinstance(slots, tuple) and len(slots) == len(self.groups), \
+            f"request {rid}: {what} returned {slots!r}, not one slot list per KV-cache group ({len(self.groups)})"
+        tables = self.m.block_table(rid)
+        others = self.others(rid)
+        for g in range(len(self.groups)):
+            bs, table = self.gbs[g], tables[g]
+            assert len(slots[g]) == n, f"request {rid}: {what}: {len(slots[g])} slots for {n} tokens (group {g})"
+            mine = {b for h, t in enumerate(tables) if h != g for b in t if b >= 0}
+            for i, slot in enumerate(slots[g]):
+                p = start + i
+                if slot < 0 and optional(g, i):
+                    continue
+                block, offset = divmod(slot, bs)
+                assert slot >= 0 and offset == p % bs and p // bs < len(table) and table[p // bs] == block, \
+                    f"request {rid}: token {p} got slot {slot}" + (f" in group {g}" if self.grouped else "") + \
+                    f", but its block table {table} puts it elsewhere"
+                assert block not in others, \
+                    f"request {rid}: token {p} is to be written into block {block}, which another live request holds"
+                assert block not in mine, \
+                    f"request {rid}: token {p} is to be written into block {block} of group {g}, which another " \
+                    f"KV-cache group of the request holds (one page, two groups' layers)"
+
+    def reserve(self, rid: int, req: Request, token_ids: list[int], write_now: bool, hits=(), drafts: int = 0) -> bool:
+        """Reserve slots for ``token_ids`` (decode tokens past the prompt extend the request; the last
+        ``drafts`` are draft tokens), check them, write them (now when the manager caches at reserve time
+        and steps are synchronous). False: refused. ``hits``: the blocks the admission hit (first
+        reserve only): adopted now, not handed out afresh."""
         start = req.reserved
         before = self.holdings()
-        slots = self.m.reserve(rid, token_ids)
+        slots = self.m.reserve(rid, token_ids, num_draft=drafts) if drafts else self.m.reserve(rid, token_ids)
         if slots is None:
             self.account(before, f"reserve (refused) of request {rid}")
             return False
@@ -283,35 +391,36 @@ class ManagerMachine(RuleBasedStateMachine):
         self.account(before, f"reserve of request {rid}", hits=hits)
         if start + len(token_ids) > len(req.tokens):
             req.extend(token_ids[len(req.tokens) - start:])
-        assert len(slots) == len(token_ids), f"request {rid}: {len(slots)} slots for {len(token_ids)} tokens"
+        n = len(token_ids)
+        self.check_slots(rid, slots, start, n, "reserve",
+                         lambda g, i: self.groups[g].kind == "mamba" and i < n - 1 - drafts)
         table = self.m.block_table(rid)
-        others = self.others(rid)
-        for i, slot in enumerate(slots):
-            p = start + i
-            block, offset = divmod(slot, self.bs)
-            assert offset == p % self.bs and p // self.bs < len(table) and table[p // self.bs] == block, \
-                f"request {rid}: token {p} got slot {slot}, but its block table {table} puts it elsewhere"
-            assert block not in others, \
-                f"request {rid}: token {p} is to be written into block {block}, which another live request holds"
-        req.reserved = start + len(token_ids)
+        req.reserved = start + n
         if not self.caps.defers_commit:
-            self.register(rid, req, req.reserved)  # cached at reserve time, K/V written in the same step
-        if write_now and not req.in_flight or not (self.caps.defers_commit or self.caps.async_steps):
-            self.write(rid, req, slots, start)
-            self.commit(rid, req)
+            self.register(rid, req, req.reserved - drafts)  # cached at reserve time, K/V written in the same step
+        if drafts or write_now and not req.in_flight or not (self.caps.defers_commit or self.caps.async_steps):
+            self.write(rid, req, slots, start, drafts)
+            if not drafts:
+                self.commit(rid, req)
         else:
             req.table = table
-            req.in_flight.append(Step(start, req.reserved, list(slots), self.read_blocks(table, start, req.reserved)))
+            req.in_flight.append(Step(start, req.reserved, tuple(list(s) for s in slots),
+                                      self.read_blocks(table, start, req.reserved)))
         return True
 
     def others(self, rid: int) -> set[int]:
-        held = {b for r in self.live if r != rid for b in self.m.block_table(r) if b >= 0}
-        return held | {b for z in self.zombies.values() for b in z.table if b >= 0}
+        held = {b for r in self.live if r != rid for t in self.m.block_table(r) for b in t if b >= 0}
+        return held | {b for z in self.zombies.values() for t in z.table for b in t if b >= 0}
 
-    def admit(self, rid: int, tokens: list[int], namespace, extras: dict, chunk: int, write_now: bool) -> bool:
+    def admit(self, rid: int, tokens: list[int], namespace, extras: dict, chunk: int, write_now: bool,
+              stored: int = 0) -> bool:
         req = Request(namespace, [], dict(extras), [], len(tokens))
         req.extend(tokens)
-        got = self.m.admit(rid, tokens, namespace, sorted(extras.items()))
+        stored = min(stored * self.bs, len(tokens) // self.bs * self.bs) if self.connector else 0
+        if stored:
+            got = self.m.admit(rid, tokens, namespace, sorted(extras.items()), num_stored=stored)
+        else:
+            got = self.m.admit(rid, tokens, namespace, sorted(extras.items()))
         if got is None:
             return False
         block_ids, cached = got
@@ -328,28 +437,63 @@ class ManagerMachine(RuleBasedStateMachine):
         assert cached >= promised, \
             f"request {rid}: a hit of {cached} tokens, but its first {promised} were committed and not evicted " \
             f"since (the hit promise: what is cached hits)"
-        table = self.m.block_table(rid)
-        assert list(block_ids) == table[:len(block_ids)], \
-            f"request {rid}: admit returned blocks {block_ids}, its block table is {table}"
+        tables = self.m.block_table(rid)
+        for g, blocks in enumerate(block_ids):
+            assert list(blocks) == tables[g][:len(blocks)], \
+                f"request {rid}: admit returned blocks {list(blocks)}" + (f" in group {g}" if self.grouped else "") + \
+                f", its block table is {tables[g]}"
+            assert not self.grouped or len(blocks) == cached // self.gbs[g], \
+                f"request {rid}: group {g} admitted {len(blocks)} blocks of {self.gbs[g]} tokens for the agreed " \
+                f"hit of {cached} tokens (every group's hit truncated to the agreed length)"
         req.reserved = req.written = req.committed = cached
-        req.table = table
+        req.table = tables
         self.live[rid] = req
-        hits = [b for b in block_ids if b >= 0]  # the first reserve adopts them
+        hits = [b for blocks in block_ids for b in blocks if b >= 0]  # the first reserve adopts them
+        external = self.m.num_external(rid) if stored else 0
+        if external:
+            return self.start_load(rid, req, cached, external, stored, hits)
         if chunk and not self.reserve(rid, req, tokens[cached:cached + chunk], write_now, hits=hits):
             self.release(rid)  # refused: the scheduler drops the request
             return False
         return True
 
+    def start_load(self, rid: int, req: Request, cached: int, external: int, stored: int, hits) -> bool:
+        """The connector loads ``external`` tokens past the local hit: their blocks reserved and checked;
+        the request waits for :meth:`finish_load`."""
+        end = cached + external
+        assert end <= min(stored, req.num_prompt - self.caps.min_computed_on_full_hit) and end % self.bs == 0, \
+            f"request {rid}: the connector takes {external} tokens past a local hit of {cached}, beyond the " \
+            f"{stored} the store holds (or the prompt's last token, or not whole blocks)"
+        before = self.holdings()
+        slots = self.m.load(rid)
+        if slots is None:
+            self.account(before, f"load (refused) of request {rid}")
+            self.release(rid)
+            return False
+        req.adopted = True
+        self.account(before, f"load of request {rid}", hits=hits)
+        self.check_slots(rid, slots, cached, external, "load",
+                         lambda g, i: self.groups[g].first_read(end) > cached + i or (
+                             self.groups[g].kind == "mamba" and i < external - 1))
+        req.loading = (cached, tuple(list(s) for s in slots))
+        req.table = self.m.block_table(rid)
+        return True
+
     def release(self, rid: int) -> None:
         """Free ``rid``: its steps in flight still complete (the free deferred) where steps are
-        asynchronous; otherwise a pending reservation is dropped unwritten."""
+        asynchronous; otherwise a pending reservation is dropped unwritten. A load in flight still
+        completes, and a connector stores the request's blocks (both deferring the free)."""
         before = self.holdings()
         req = self.live.pop(rid)
-        if req.in_flight and self.caps.async_steps:
+        if not (req.in_flight and self.caps.async_steps):
+            req.in_flight = []
+        req.storing = self.connector
+        if req.pending():
             req.table = self.m.block_table(rid)
             self.zombies[rid] = req
         self.m.free(rid)
-        assert not self.m.holds(rid), f"request {rid} is still held after free"
+        if not req.pending():
+            assert not self.m.holds(rid), f"request {rid} is still held after free"
         self.account(before, f"free of request {rid}")
 
     def new_id(self) -> int:
@@ -359,13 +503,14 @@ class ManagerMachine(RuleBasedStateMachine):
     # -- rules ---------------------------------------------------------------------------------------
     @rule(target=reqs, system=systems, suffix=st.lists(VOCAB, max_size=6), namespace=st.sampled_from(NAMESPACES),
           extra=st.sampled_from(EXTRA_KEYS), chunk=st.integers(1, 12), write_now=st.booleans(),
-          image_at=st.integers(0, 3))
-    def add(self, system, suffix, namespace, extra, chunk, write_now, image_at=0):
+          image_at=st.integers(0, 3), stored=st.integers(0, 3))
+    def add(self, system, suffix, namespace, extra, chunk, write_now, image_at=0, stored=0):
         """A request: a system prompt and its own suffix, under a namespace, with a multimodal input
         ``extra`` (its placeholder run, as long as :data:`IMAGE_LENGTHS` says, ``image_at`` into the suffix);
-        the first prefill chunk reserved (written now or later)."""
+        the first prefill chunk reserved (written now or later). With a connector, the store holds the
+        prompt's first ``stored`` hit-sized blocks (its tokens past the local hit are loaded first)."""
         self.log("add", system=system, suffix=suffix, namespace=namespace, extra=extra, chunk=chunk,
-                 write_now=write_now, image_at=image_at)
+                 write_now=write_now, image_at=image_at, stored=stored)
         namespace = namespace if self.caps.namespaces else None
         tokens = list(system) + list(suffix)
         extras = {}
@@ -376,7 +521,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 extras[first + i] = ("mm", extra, i)
                 tokens[first + i] = PLACEHOLDER
         rid = self.new_id()
-        return rid if self.admit(rid, tokens, namespace, extras, chunk, write_now) else multiple()
+        return rid if self.admit(rid, tokens, namespace, extras, chunk, write_now, stored) else multiple()
 
     @rule(target=reqs, rid=reqs, change=st.sampled_from(("image", "namespace")), chunk=st.integers(1, 12),
           write_now=st.booleans())
@@ -416,8 +561,8 @@ class ManagerMachine(RuleBasedStateMachine):
         asynchronous steps, reserved while the previous step is still in flight."""
         self.log("step", rid=rid, n=n, token=token, write_now=write_now)
         req = self.live[rid]
-        if req.in_flight and not (self.caps.async_steps and len(req.in_flight) < 2):
-            return  # a pending reservation is written first
+        if req.loading is not None or req.in_flight and not (self.caps.async_steps and len(req.in_flight) < 2):
+            return  # a pending reservation is written first; a loading request waits
         if req.reserved < req.num_prompt:
             tokens = req.tokens[req.reserved:min(req.reserved + n, req.num_prompt)]
         else:
@@ -438,6 +583,63 @@ class ManagerMachine(RuleBasedStateMachine):
         step = req.in_flight.pop(0)
         self.write(rid, req, step.slots, step.start)
         self.commit(rid, req)
+
+    @precondition(lambda self: self.speculative)
+    @rule(rid=reqs, token=VOCAB, drafts=st.lists(VOCAB, min_size=1, max_size=MAX_DRAFTS), rejected=st.integers(0, 3))
+    def speculate(self, rid, token, drafts, rejected):
+        """A decode step with draft tokens: the next token and ``drafts`` reserved, their K/V (and each
+        draft's state) written, then the last ``rejected`` drafts dropped (verification)."""
+        self.log("speculate", rid=rid, token=token, drafts=drafts, rejected=rejected)
+        req = self.live[rid]
+        if req.loading is not None or req.in_flight or req.reserved < req.num_prompt:
+            return
+        rejected = min(rejected, len(drafts))
+        if self.reserve(rid, req, [token, *drafts], True, drafts=len(drafts)):
+            before = self.holdings()
+            self.m.drop(rid, rejected)
+            req.truncate(len(req.tokens) - rejected)
+            self.commit(rid, req)
+            self.account(before, f"drop of request {rid}")
+
+    @precondition(lambda self: any(q.loading is not None for q in (*self.live.values(), *self.zombies.values())))
+    @rule(data=st.data(), ok=st.booleans())
+    def finish_load(self, data, ok):
+        """A connector load completes (its K/V written) or fails (garbage written, recomputed)."""
+        loading = sorted(r for r, q in (*self.live.items(), *self.zombies.items()) if q.loading is not None)
+        rid = data.draw(st.sampled_from(loading), label="rid")
+        self.log("finish_load_rid", rid=rid, ok=ok)
+        self.finish_load_rid(rid, ok)
+
+    def finish_load_rid(self, rid, ok):
+        req = self.live.get(rid) or self.zombies[rid]
+        start, slots = req.loading
+        end = start + len(slots[0])
+        garbage = None if ok else [i ^ 0x5A5A for i in req.identities[start:end]]
+        self.write(rid, req, slots, start, identities=garbage)
+        before = self.holdings()
+        req.loading = None
+        self.m.load_done(rid, ok)
+        req.written = end if ok else start
+        req.reserved = req.committed = req.written
+        if ok and rid in self.live:
+            self.register(rid, req, end)
+        self.settle(rid)
+        self.account(before, f"load_done of request {rid}")
+
+    @precondition(lambda self: any(q.storing for q in self.zombies.values()))
+    @rule(data=st.data())
+    def finish_store(self, data):
+        """A freed request's connector store completes: its deferred free happens."""
+        rid = data.draw(st.sampled_from(sorted(r for r, q in self.zombies.items() if q.storing)), label="rid")
+        self.log("finish_store_rid", rid=rid)
+        self.finish_store_rid(rid)
+
+    def finish_store_rid(self, rid):
+        before = self.holdings()
+        self.zombies[rid].storing = False
+        self.m.store_done(rid)
+        self.settle(rid)
+        self.account(before, f"store_done of request {rid}")
 
     @rule(rid=consumes(reqs))
     def free(self, rid):
@@ -464,7 +666,7 @@ class ManagerMachine(RuleBasedStateMachine):
         """Fork (beam search, parallel sampling): the child shares the parent's blocks."""
         self.log("fork", rid=rid)
         parent = self.live[rid]
-        if parent.in_flight:
+        if parent.in_flight or parent.loading is not None:
             return multiple()
         child = self.new_id()
         before = self.holdings()
@@ -503,35 +705,28 @@ class ManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "m"):
             return
         type(self).checks_run += 1
-        pending = {s for q in (*self.live.values(), *self.zombies.values()) for step in q.in_flight
-                   for s in step.slots}
+        pending = {self.flat(g, s) for q in (*self.live.values(), *self.zombies.values()) for step in q.in_flight
+                   for g, slots in enumerate(step.slots) for s in slots if s >= 0}
+        pending |= {self.flat(g, s) for q in (*self.live.values(), *self.zombies.values()) if q.loading is not None
+                    for g, slots in enumerate(q.loading[1]) for s in slots if s >= 0}
         for rid, req in self.live.items():
-            table = self.m.block_table(rid)
-            first = 0 if self.window is None else max(0, req.written - self.window)
-            positions, slots = [], []
-            for p in range(first, req.written):
-                assert p // self.bs < len(table) and table[p // self.bs] >= 0, \
-                    f"request {rid}: token {p} (written) has no block in its table {table}"
-                slot = table[p // self.bs] * self.bs + p % self.bs
-                if slot not in pending:  # a hit on a block an in-flight step still writes: read later
-                    positions.append(p)
-                    slots.append(slot)
-            if not slots:
-                continue
-            type(self).tokens_read += len(slots)
-            index = torch.tensor(slots, dtype=torch.int64)
-            for layer, (k_pool, v_pool) in enumerate(self.pools):
-                k, v = expected_kv([req.identities[p] for p in positions], layer, NUM_KV_HEADS, HEAD_DIM)
-                got_k = k_pool.reshape(-1, NUM_KV_HEADS, HEAD_DIM)[index]
-                got_v = v_pool.reshape(-1, NUM_KV_HEADS, HEAD_DIM)[index]
-                for name, want, got in (("K", k, got_k), ("V", v, got_v)):
-                    bad = (want.view(torch.int32) != got.view(torch.int32)).flatten(1).any(1)
-                    if bool(bad.any()):
-                        i = int(bad.nonzero()[0])
-                        raise AssertionError(
-                            f"request {rid} (namespace {req.namespace!r}) reads wrong {name} at token {positions[i]} "
-                            f"(layer {layer}, slot {slots[i]}, block table {table}): expected "
-                            f"{want[i].flatten().tolist()}, got {got[i].flatten().tolist()}")
+            tables = self.m.block_table(rid)
+            for g, group in enumerate(self.groups):
+                self.check_reads(rid, req, g, group, tables[g], pending)
+        owner: dict[int, int] = {}
+        refs: dict[int, int] = {}
+        for rid, tables in self.tables():
+            for g, table in enumerate(tables):
+                for b in {b for b in table if b >= 0}:
+                    refs[b] = refs.get(b, 0) + 1
+                    assert owner.setdefault(b, g) == g, \
+                        f"block {b} is held by KV-cache groups {owner[b]} and {g} (request {rid}): one page " \
+                        f"serves two groups' layers"
+        reference_counts = getattr(self.m, "reference_counts", None)
+        if reference_counts is not None:
+            got = {b: n for b, n in reference_counts().items() if n}
+            assert got == refs, f"reference counts {dict(sorted(got.items()))} != the block tables holding each " \
+                                f"block {dict(sorted(refs.items()))}"
         counts = self.m.counts()
         if counts is not None:
             free, used, total = counts
@@ -541,6 +736,45 @@ class ManagerMachine(RuleBasedStateMachine):
                 f"{used} blocks used, but live requests (and deferred frees) hold {len(held)}: {sorted(held)}"
         self.m.self_check()
 
+    def check_reads(self, rid: int, req: Request, g: int, group, table: list[int], pending: set) -> None:
+        """What request ``rid``'s next query reads in group ``g`` equals the oracle's K/V (or state)."""
+        bs = self.gbs[g]
+        if group.kind == "mamba":
+            need = range(req.written - 1, req.written) if req.written else range(0)
+        else:
+            first = group.first_read(req.written)
+            if not self.grouped:
+                first = 0 if self.window is None else max(0, req.written - self.window)
+            need = range(first, req.written)
+        positions, slots = [], []
+        for p in need:
+            assert p // bs < len(table) and table[p // bs] >= 0, \
+                f"request {rid}: token {p} (written) has no block in its table {table}" + \
+                (f" (group {g}, {group.kind})" if self.grouped else "")
+            slot = table[p // bs] * self.page + p % bs
+            if slot not in pending:  # a hit on a block an in-flight step still writes: read later
+                positions.append(p)
+                slots.append(slot)
+        if not slots:
+            return
+        type(self).tokens_read += len(slots)
+        index = torch.tensor(slots, dtype=torch.int64)
+        for layer in range(group.num_layers):
+            k_pool, v_pool = self.pools[layer]
+            k, v = expected_kv([req.identities[p] for p in positions], layer_key(g, layer), NUM_KV_HEADS, HEAD_DIM)
+            got_k = k_pool.reshape(-1, NUM_KV_HEADS, HEAD_DIM)[index]
+            got_v = v_pool.reshape(-1, NUM_KV_HEADS, HEAD_DIM)[index]
+            for name, want, got in (("K", k, got_k), ("V", v, got_v)):
+                bad = (want.view(torch.int32) != got.view(torch.int32)).flatten(1).any(1)
+                if bool(bad.any()):
+                    i = int(bad.nonzero()[0])
+                    where = f"group {g} ({group.kind}) layer {layer}" if self.grouped else f"layer {layer}"
+                    what = "state" if group.kind == "mamba" else name
+                    raise AssertionError(
+                        f"request {rid} (namespace {req.namespace!r}) reads wrong {what} at token {positions[i]} "
+                        f"({where}, slot {table[positions[i] // bs] * bs + positions[i] % bs}, block table "
+                        f"{table}): expected {want[i].flatten().tolist()}, got {got[i].flatten().tolist()}")
+
     def teardown(self):
         if sys.exc_info()[0] is not None:  # a step failed: that failure is the verdict, not a cleanup's
             return
@@ -548,14 +782,26 @@ class ManagerMachine(RuleBasedStateMachine):
             for rid in list(self.live):
                 self.release(rid)
             for rid in list(self.zombies):
-                while rid in self.zombies:
+                while rid in self.zombies and self.zombies[rid].in_flight:
                     self.write_pending_rid(rid)
+                if rid in self.zombies and self.zombies[rid].loading is not None:
+                    self.finish_load_rid(rid, False)
+                if rid in self.zombies and self.zombies[rid].storing:
+                    self.finish_store_rid(rid)
             counts = self.m.counts()
             if counts is not None:
                 assert counts[1] == 0, f"{counts[1]} blocks still used after every request was freed"
 
 
-def machine_for(make_manager: Callable, *, block_sizes=(1, 2, 4), windows=(None,), name: str = "Machine"):
-    """A :class:`ManagerMachine` subclass over ``make_manager`` (a factory taking :class:`ManagerConfig`)."""
+def machine_for(make_manager: Callable, *, block_sizes=(1, 2, 4), windows=(None,), layouts=(ONE_GROUP,),
+                name: str = "Machine"):
+    """A :class:`ManagerMachine` subclass over ``make_manager`` (a factory taking :class:`ManagerConfig`)
+    in ``layouts`` (:data:`~.protocol.HYBRID_LAYOUTS` names or :data:`~.protocol.ONE_GROUP`).
+
+    Raises:
+        ValueError: an unknown layout name.
+    """
+    for layout in layouts:
+        layout_groups(layout, 1, 0)  # ValueError for an unknown name, before any run
     return type(name, (ManagerMachine,), {"make_manager": staticmethod(make_manager), "block_sizes": tuple(block_sizes),
-                                          "windows": tuple(windows)})
+                                          "windows": tuple(windows), "layouts": tuple(layouts)})

@@ -12,6 +12,32 @@ next tokens go to; the machine writes the K/V there and reads it back. One reque
 Each engine's adapter maps these calls onto its own manager (vLLM's ``KVCacheManager``, SGLang's
 ``RadixCache`` + token-to-KV allocator, pagedkv's ``PagedKVCache``); :class:`ManagerCapabilities` says
 what it has. A manager is handed to the machine by a factory ``make(config: ManagerConfig) -> CacheManager``.
+
+**KV-cache groups** (a hybrid model: vLLM's ``HybridKVCacheCoordinator``, SGLang's SWA and Mamba radix
+caches). ``ManagerConfig.groups`` asks for several groups (:class:`GroupSpec`: full attention, sliding
+window, chunked local attention, a recurrent state such as Mamba), every group's blocks from one pool of
+block ids, as in vLLM (a block id is one page of every layer slot: layer ``i`` of each group shares
+memory, so a block owned by two groups at once is corruption). A manager whose
+``capabilities.groups`` is not empty answers per group, in ``groups`` order::
+
+    (block_ids_per_group, num_cached) = m.admit(...)     # one hit length every group agrees on
+    slots_per_group = m.reserve(rid, tokens)             # a tuple: one slot list per group
+    tables = m.block_table(rid)                          # a tuple: one block table per group
+
+A group's slot is ``block_id * group.block_size + offset``. A one-group manager keeps the plain shapes
+(lists); the machine wraps it (:func:`as_grouped`). The layouts a manager takes are its module's
+``cache_manager_layouts`` (names in :data:`HYBRID_LAYOUTS`; default ``(ONE_GROUP,)``).
+
+**A KV connector** (``capabilities.connector``: vLLM's scheduler-side ``KVConnectorBase_V1``, LMCache,
+NIXL): the machine plays the external store. ``admit(..., num_stored=S)`` says the store holds the
+prompt's first ``S`` tokens (whole blocks); the manager takes the tokens past its local hit as external
+(``num_external(rid)``); ``load(rid)`` allocates their blocks and returns the slots the load writes;
+the request is not stepped until ``load_done(rid, ok)``; a failed load is recomputed from the local hit.
+A finished request's blocks may be stored: ``free`` may keep them until ``store_done(rid)``.
+
+**Speculative decoding** (``capabilities.speculative``: vLLM's EAGLE / MTP, SGLang's spec v2):
+``reserve(rid, tokens, num_draft=k)`` also takes the last ``k`` of ``tokens`` as unverified drafts;
+``drop(rid, num_rejected)`` drops the rejected tail; no rejected token's K/V or state is ever served.
 """
 
 from __future__ import annotations
@@ -22,6 +48,104 @@ from typing import Protocol, runtime_checkable
 
 #: An extra key at a token position: ``(position, key)``, e.g. a multimodal input's hash at its offset.
 ExtraKey = tuple[int, Hashable]
+
+#: Group kinds: what a query at position ``p`` reads of its own request (:meth:`GroupSpec.first_read`).
+GROUP_KINDS = ("full", "sliding_window", "chunked_local", "mamba")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSpec:
+    """One KV-cache group (vLLM's ``KVCacheGroupSpec`` with its ``KVCacheSpec``).
+
+    Attributes:
+        kind: one of :data:`GROUP_KINDS`:
+            ``"full"``: a query reads every earlier token (vLLM ``FullAttentionSpec``);
+            ``"sliding_window"``: tokens ``p - window .. p`` (``window`` is ``window_left``, flash-attn's
+            convention; vLLM's ``SlidingWindowSpec.sliding_window`` is ``window + 1``);
+            ``"chunked_local"``: tokens of its own chunk, ``p // chunk * chunk .. p`` (Llama 4's
+            ``attention_chunk_size``; vLLM ``ChunkedLocalAttentionSpec``);
+            ``"mamba"``: one recurrent state per request (vLLM ``MambaSpec``, SGLang's ``MambaRadixCache``):
+            the slot of token ``p`` holds the state after token ``p`` where a step wrote one. A step
+            writes the state after its last token only (with drafts: after its last verified token and
+            after each draft token, so the accepted one can be kept), so a block caches a state only
+            where a step ended at its last token: ``block_size`` is the state's alignment in tokens
+            (vLLM's ``"align"`` mamba cache mode). A hit of ``h`` tokens must read the state after
+            token ``h - 1`` at that token's slot.
+        block_size: tokens per block of this group (a multiple of the hash block size, the smallest
+            block size of the layout, where sizes differ).
+        window: ``window_left`` tokens (``"sliding_window"`` only).
+        chunk: chunk length in tokens, a multiple of ``block_size`` (``"chunked_local"`` only).
+        num_layers: layers in the group (each reads and writes the group's blocks).
+
+    Raises:
+        ValueError: an unknown ``kind``, a ``window`` or ``chunk`` missing, negative or given to another
+            kind, a ``block_size`` or ``num_layers`` below 1, a ``chunk`` not a multiple of ``block_size``.
+    """
+
+    kind: str
+    block_size: int
+    window: int | None = None
+    chunk: int | None = None
+    num_layers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in GROUP_KINDS:
+            raise ValueError(f"kind {self.kind!r}: expected one of {GROUP_KINDS}")
+        if self.block_size < 1 or self.num_layers < 1:
+            raise ValueError(f"block_size {self.block_size} and num_layers {self.num_layers} must be >= 1")
+        if (self.window is not None) != (self.kind == "sliding_window") or (self.window or 0) < 0:
+            raise ValueError(f"window {self.window!r}: a window_left >= 0 for kind 'sliding_window' only")
+        if (self.chunk is not None) != (self.kind == "chunked_local") or (
+                self.chunk is not None and (self.chunk < 1 or self.chunk % self.block_size)):
+            raise ValueError(f"chunk {self.chunk!r}: a positive multiple of block_size {self.block_size} for "
+                             f"kind 'chunked_local' only")
+
+    def first_read(self, position: int) -> int:
+        """The first token position (of the same request) whose slot a query at ``position`` reads: 0
+        (full), ``position - window`` (sliding window, floored at 0), its chunk's start (chunked local),
+        or ``position - 1`` (mamba: the state after the previous token, floored at 0)."""
+        if self.kind == "sliding_window":
+            return max(0, position - self.window)
+        if self.kind == "chunked_local":
+            return position // self.chunk * self.chunk
+        if self.kind == "mamba":
+            return max(0, position - 1)
+        return 0
+
+
+#: The layout of a one-group manager (today's ``block_size`` and ``window_left``, no groups).
+ONE_GROUP = "one-group"
+
+#: Hybrid layouts of real models, by name: ``layout(block_size, window) -> tuple[GroupSpec, ...]``;
+#: ``block_size`` is the hash block size, ``window`` a small ``window_left`` the machine draws.
+HYBRID_LAYOUTS = {
+    # Gemma 2/3/4: full-attention and sliding-window layers (5 sliding : 1 full in Gemma 3).
+    "gemma3": lambda bs, w: (GroupSpec("full", bs), GroupSpec("sliding_window", bs, window=w, num_layers=2)),
+    # Llama 4: full-attention (NoPE) and chunked local attention layers.
+    "llama4": lambda bs, w: (GroupSpec("full", bs), GroupSpec("chunked_local", bs, chunk=2 * bs)),
+    # Jamba, Qwen3-Next, Nemotron-H, Granite 4: Mamba (or linear attention) and full-attention layers.
+    "jamba": lambda bs, w: (GroupSpec("full", bs), GroupSpec("mamba", bs)),
+    "qwen3-next": lambda bs, w: (GroupSpec("full", bs), GroupSpec("mamba", bs, num_layers=2)),
+    # GPT-OSS split as vLLM splits layers into equal groups: two full groups and one sliding-window group.
+    "gpt-oss-2full-sw": lambda bs, w: (GroupSpec("full", bs), GroupSpec("full", bs),
+                                       GroupSpec("sliding_window", bs, window=w)),
+    # Groups of different block sizes, each a multiple of the hash block size.
+    "mixed-block-sizes": lambda bs, w: (GroupSpec("full", 2 * bs), GroupSpec("sliding_window", bs, window=w)),
+}
+
+
+def layout_groups(name: str, block_size: int, window: int) -> tuple[GroupSpec, ...]:
+    """The groups of layout ``name`` (``()`` for :data:`ONE_GROUP`) at hash block size ``block_size``
+    and sliding window ``window`` (``window_left``).
+
+    Raises:
+        ValueError: an unknown layout name.
+    """
+    if name == ONE_GROUP:
+        return ()
+    if name not in HYBRID_LAYOUTS:
+        raise ValueError(f"layout {name!r}: expected {ONE_GROUP!r} or one of {sorted(HYBRID_LAYOUTS)}")
+    return HYBRID_LAYOUTS[name](block_size, window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +182,14 @@ class ManagerCapabilities:
             writes each reservation at once.
         owns_pools: the manager holds the K/V pools itself (``kv_pools(layer)``), because it copies K/V
             (copy-on-write); otherwise the machine allocates pools of ``total`` blocks.
+        groups: the KV-cache groups it serves (:class:`GroupSpec`, in the order of its per-group
+            returns); ``()``: one group of ``block_size`` and ``window`` with plain (non-tuple) returns.
+            A grouped manager that owns pools answers ``kv_pools(layer)`` for layer slot ``layer``
+            (``[num_blocks, max block_size, num_kv_heads, head_dim]``; group ``g``'s block ``b``, offset
+            ``o`` at ``[b, o]``), shared by layer ``layer`` of every group.
+        connector: a KV connector (``num_stored`` on admit, ``num_external``, ``load``, ``load_done``,
+            ``store_done``); see :class:`CacheManager`.
+        speculative: draft tokens (``reserve(..., num_draft=k)``, ``drop``).
     """
 
     block_size: int
@@ -74,15 +206,25 @@ class ManagerCapabilities:
     min_computed_on_full_hit: int = 1
     defers_commit: bool = False
     owns_pools: bool = False
+    groups: tuple[GroupSpec, ...] = ()
+    connector: bool = False
+    speculative: bool = False
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""
         have = [n for n in ("fork", "namespaces", "extra_keys", "preempt", "evict", "reset", "defers_commit",
-                            "hit_promise", "async_steps")
+                            "hit_promise", "async_steps", "connector", "speculative")
                 if getattr(self, n)]
-        return (f"block_size {self.block_size}, window {self.window}, {' '.join(have) or 'no options'}, "
+        layout = (f"groups {', '.join(_group_name(g) for g in self.groups)}" if self.groups else
+                  f"block_size {self.block_size}, window {self.window}")
+        return (f"{layout}, {' '.join(have) or 'no options'}, "
                 f"eviction order {self.eviction_order or 'not promised'}, a full hit computes "
                 f">= {self.min_computed_on_full_hit} token(s)")
+
+
+def _group_name(group: GroupSpec) -> str:
+    extent = {"sliding_window": f" window {group.window}", "chunked_local": f" chunk {group.chunk}"}
+    return f"{group.kind}{extent.get(group.kind, '')} (block_size {group.block_size}, {group.num_layers} layer(s))"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +232,15 @@ class ManagerConfig:
     """What the machine asks a factory for: ``num_blocks`` blocks of ``block_size`` tokens (a hint: a
     token-granular manager may use block size 1), ``window_left`` (or ``None``), prefix caching on, and
     the pools' geometry when the manager owns them (``num_layers`` x ``[num_blocks, block_size,
-    num_kv_heads, head_dim]`` float32)."""
+    num_kv_heads, head_dim]`` float32).
+
+    ``groups`` (non-empty: a hybrid layout, :data:`HYBRID_LAYOUTS`) replaces ``block_size`` and
+    ``window_left`` by one :class:`GroupSpec` per group (``block_size`` is then the hash block size,
+    ``num_layers`` the layer slots: the largest group's ``num_layers``), all groups on one pool of
+    ``num_blocks`` blocks. ``connector``: a KV connector is attached (the machine is its store).
+    ``num_speculative_tokens``: the most draft tokens one step reserves (0: no speculative decoding).
+    A manager that cannot serve what is asked raises ``ValueError`` naming it (the machine does not
+    ask a manager for a layout it does not list), or leaves the capability off."""
 
     num_blocks: int
     block_size: int
@@ -98,6 +248,9 @@ class ManagerConfig:
     num_layers: int = 1
     num_kv_heads: int = 1
     head_dim: int = 2
+    groups: tuple[GroupSpec, ...] = ()
+    connector: bool = False
+    num_speculative_tokens: int = 0
 
 
 @runtime_checkable
@@ -108,30 +261,53 @@ class CacheManager(Protocol):
     (:func:`namespace_parts`); an extra key ``(position, ("mm", identifier, index))`` is token ``index`` of
     a multimodal input (its placeholder run starts where ``index`` is 0). Slots are
     ``block_id * block_size + offset``. Refusal (out of blocks) is ``None`` and changes nothing.
+
+    A grouped manager (``capabilities.groups``) returns a tuple with one entry per group where the
+    one-group shape is a list (block ids of ``admit``, slots of ``reserve`` and ``load``, ``block_table``);
+    a hit length is one number every group agrees on (each group's hit truncated to it). Optional calls
+    (``fork``, ``evict``, ``reset``, ``kv_pools``, :class:`SpeculativeCalls`, :class:`ConnectorCalls`)
+    exist where the capabilities say so.
     """
 
     capabilities: ManagerCapabilities
 
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
-              extra_keys: Sequence[ExtraKey] = ()) -> tuple[list[int], int] | None:
+              extra_keys: Sequence[ExtraKey] = (), *, num_stored: int = 0) -> tuple[list[int], int] | None:
         """Start a request with its prompt: ``(block_ids, num_cached_tokens)`` of the cached prefix it
-        reuses (``num_cached_tokens`` leading tokens need no compute), or ``None`` when refused."""
+        reuses (``num_cached_tokens`` leading tokens need no compute), or ``None`` when refused.
+        Grouped: ``(tuple of per-group block id lists, num_cached_tokens)``.
 
-    def reserve(self, request_id: int, token_ids: Sequence[int]) -> list[int] | None:
+        ``num_stored`` (connector only; passed only when non-zero): the external store holds the
+        prompt's first ``num_stored`` tokens (whole blocks of every group's size). The manager takes
+        ``num_external(request_id)`` of them past its local hit (vLLM's
+        ``get_num_new_matched_tokens``), at most up to ``len(token_ids) - min_computed_on_full_hit``."""
+
+    def reserve(self, request_id: int, token_ids: Sequence[int], num_draft: int = 0) -> list[int] | None:
         """Slots (``int`` list, one per token) for the request's next ``len(token_ids)`` tokens; tokens
-        past those admitted extend the request (decode). ``None``: out of blocks, nothing changed."""
+        past those admitted extend the request (decode). ``None``: out of blocks, nothing changed.
+        Grouped: a tuple of per-group slot lists (each one per token; a group's slot is
+        ``block_id * group.block_size + offset``).
+
+        ``num_draft`` (speculative only; passed only when non-zero): the last ``num_draft`` of
+        ``token_ids`` are unverified draft tokens (vLLM's ``num_lookahead_tokens`` / spec tokens): they
+        get slots and the machine writes their K/V and state, but they are not the request's tokens
+        (nothing caches them) until :meth:`drop` says how many were accepted."""
 
     def commit(self, request_id: int, num_tokens: int) -> None:
         """The K/V of the request's first ``num_tokens`` tokens is written in every layer."""
 
     def free(self, request_id: int) -> None:
-        """Release the request (finish or abort): it holds nothing afterwards."""
+        """Release the request (finish or abort): it holds nothing afterwards (a connector manager may
+        keep its blocks for a store until :meth:`ConnectorCalls.store_done`; a request with a load in
+        flight keeps them until :meth:`ConnectorCalls.load_done`)."""
 
     def block_table(self, request_id: int) -> list[int]:
-        """The request's block ids in order; ``-1`` where the window released a block."""
+        """The request's block ids in order; ``-1`` where the window released a block (or a chunked-local
+        or Mamba group holds none). Grouped: a tuple of per-group lists."""
 
     def holds(self, request_id: int) -> bool:
-        """Whether the manager still keeps any state of the request."""
+        """Whether the manager still keeps any state of the request (after ``free``: only while a
+        connector's store or load of it is pending)."""
 
     def counts(self) -> tuple[int, int, int] | None:
         """``(free, used, total)`` blocks, or ``None`` when not exposed. Cached blocks nobody references
@@ -140,6 +316,47 @@ class CacheManager(Protocol):
     def self_check(self) -> None:
         """Check the manager's own exposed state (reference counts, free queue, hash index) against what
         it reports; raise ``AssertionError`` naming the inconsistency. A no-op where nothing is exposed."""
+
+
+@runtime_checkable
+class SpeculativeCalls(Protocol):
+    """What a manager with ``capabilities.speculative`` answers besides :class:`CacheManager`."""
+
+    def drop(self, request_id: int, num_rejected: int) -> None:
+        """Verification of the request's last draft reservation: its last ``num_rejected`` draft tokens
+        are rejected (dropped: the request is that many tokens shorter; blocks may stay allocated), the
+        others accepted (the request's tokens from now on). No rejected token's K/V or state may ever be
+        served by a hit (vLLM's Mamba hit over EAGLE drafts served state written over rejected tokens).
+
+        Raises:
+            ValueError: ``num_rejected`` negative or above the last reservation's ``num_draft``."""
+
+
+@runtime_checkable
+class ConnectorCalls(Protocol):
+    """What a manager with ``capabilities.connector`` answers besides :class:`CacheManager`: the
+    scheduler side of a KV connector, the machine playing the external store."""
+
+    def num_external(self, request_id: int) -> int:
+        """Tokens past the local hit the connector will load for a just-admitted request (0 when the
+        store offers nothing beyond the hit); ``num_cached + num_external`` is whole blocks."""
+
+    def load(self, request_id: int) -> list[int] | None:
+        """Allocate blocks for the external tokens (vLLM's ``allocate_slots`` with
+        ``num_external_computed_tokens`` and ``delay_cache_blocks``): the slots the load writes, one per
+        external token (grouped: a tuple of per-group lists), or ``None`` when refused (nothing changed,
+        the request is then freed). Until :meth:`load_done`, the request is not stepped."""
+
+    def load_done(self, request_id: int, ok: bool) -> None:
+        """The load finished: ``ok`` (its K/V is written, the tokens are computed and cacheable) or
+        failed (the external tokens are recomputed: the request's computed length is its local hit and
+        its next ``reserve`` starts there; nothing the failed load wrote is ever served). Also called
+        for a request freed while its load was in flight (its blocks stay unusable until then)."""
+
+    def store_done(self, request_id: int) -> None:
+        """A freed request's blocks are stored externally: a free deferred for the store (vLLM's
+        ``finished_sending``) releases now. Called once after every free of a connector manager; until
+        then no block the request held may be handed to anyone."""
 
 
 def namespace_parts(namespace: Hashable) -> tuple[str | None, tuple[str, str] | None]:
@@ -185,6 +402,55 @@ def multimodal_spans(extra_keys: Sequence[ExtraKey]) -> list[tuple[str, int, int
         else:
             spans.append([str(key), pos, 1])
     return [tuple(s) for s in spans]
+
+
+def manager_layouts(candidate) -> tuple[str, ...]:
+    """The layouts a candidate's manager takes: its ``cache_manager_layouts`` (names in
+    :data:`HYBRID_LAYOUTS` or :data:`ONE_GROUP`), default ``(ONE_GROUP,)``.
+
+    Raises:
+        ValueError: an unknown layout name.
+    """
+    layouts = tuple(getattr(candidate, "cache_manager_layouts", (ONE_GROUP,)))
+    for name in layouts:
+        if name != ONE_GROUP and name not in HYBRID_LAYOUTS:
+            raise ValueError(f"cache_manager_layouts: unknown layout {name!r}")
+    return layouts
+
+
+class GroupedView:
+    """A one-group manager seen as a grouped one: plain returns wrapped in one-entry tuples, every other
+    attribute passed through. ``capabilities.groups`` is its one group (full or sliding window)."""
+
+    def __init__(self, manager) -> None:
+        self.inner = manager
+        caps = manager.capabilities
+        group = (GroupSpec("full", caps.block_size) if caps.window is None else
+                 GroupSpec("sliding_window", caps.block_size, window=caps.window))
+        self.capabilities = dataclasses.replace(caps, groups=(group,))
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def admit(self, *args, **kwargs):
+        got = self.inner.admit(*args, **kwargs)
+        return None if got is None else ((list(got[0]),), got[1])
+
+    def reserve(self, *args, **kwargs):
+        got = self.inner.reserve(*args, **kwargs)
+        return None if got is None else (list(got),)
+
+    def load(self, request_id: int):
+        got = self.inner.load(request_id)
+        return None if got is None else (list(got),)
+
+    def block_table(self, request_id: int):
+        return (list(self.inner.block_table(request_id)),)
+
+
+def as_grouped(manager):
+    """``manager`` with grouped returns: itself when ``capabilities.groups`` is set, else a :class:`GroupedView`."""
+    return manager if manager.capabilities.groups else GroupedView(manager)
 
 
 def manager_factory(candidate) -> object | None:

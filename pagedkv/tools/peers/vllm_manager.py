@@ -234,16 +234,24 @@ class VllmCacheManager:
 
 
 def cache_manager(config: ManagerConfig) -> VllmCacheManager:
-    """The manager factory (``--pagedkv-impl pagedkv.tools.peers:vllm_cache_manager``).
+    """The manager factory (``--pagedkv-impl pagedkv.tools.peers:vllm_cache_manager``): one group, or the
+    hybrid coordinator over ``config.groups`` (:mod:`.vllm_hybrid_manager`).
 
     Raises:
         BackendUnavailableError: vLLM is not installed (the message gives the install command).
     """
+    if config.groups:
+        from pagedkv.tools.peers.vllm_hybrid_manager import VllmHybridCacheManager
+        return VllmHybridCacheManager(config)
     return VllmCacheManager(config)
 
 
 #: The windows the suite draws for this manager: full attention and sliding windows of 1, 2 and 5 tokens.
 cache_manager_windows = (None, 0, 1, 4)
+
+#: The layouts the suite draws for this manager: one group, and the hybrid coordinator in every real-model layout.
+cache_manager_layouts = ("one-group", "gemma3", "llama4", "jamba", "qwen3-next", "gpt-oss-2full-sw",
+                         "mixed-block-sizes")
 
 
 def peer():

@@ -1,0 +1,417 @@
+"""vLLM 0.32's ``KVCacheManager`` over its ``HybridKVCacheCoordinator`` in the grouped cache-manager
+protocol: several KV-cache groups in one block pool, a scheduler-side KV connector and speculative drafts,
+driven as vLLM's scheduler drives them (``vllm/v1/core/sched/scheduler.py``).
+
+The layouts are the protocol's real-model layouts (:data:`~pagedkv.testing.managers.protocol.HYBRID_LAYOUTS`):
+full + sliding window (Gemma 3), full + chunked local (Llama 4), full + Mamba (Jamba, Qwen3-Next: vLLM's
+``mamba_cache_mode="align"``, a state kept at every block boundary so that a hit resumes it), two full groups
++ sliding window (GPT-OSS as vLLM splits it) and groups of different block sizes (``hash_block_size`` their
+gcd, ``scheduler_block_size`` their lcm, as vLLM sizes them).
+
+- ``admit``: ``get_computed_blocks`` (one hit every group agrees on, each group's blocks); with a connector,
+  its ``get_num_new_matched_tokens(request, block_aligned_local_hit)`` names the external tokens past it.
+- ``load``: ``allocate_slots(..., num_external_computed_tokens, delay_cache_blocks=True)`` and
+  ``update_state_after_alloc``, as for an asynchronous load (``WAITING_FOR_REMOTE_KVS``); ``load_done(ok)``:
+  ``cache_blocks`` of the loaded tokens, or, failed, vLLM's ``recompute_kv_load_failures``:
+  ``num_computed_tokens = 0``, the request's blocks freed and its prefix looked up afresh (the hit kept to
+  the local one it had).
+- ``reserve``: ``allocate_slots(request, n, num_lookahead_tokens=num_speculative_tokens)``; draft tokens are
+  the request's ``spec_token_ids`` (never cached: ``allocate_slots`` caches up to ``request.num_tokens``);
+  ``drop`` rolls ``num_computed_tokens`` back over the rejected drafts and appends the accepted ones as output
+  tokens. The slots are **vLLM's own slot mapping**: the worker's ``MultiGroupBlockTable`` row filled with the
+  request's block ids and ``compute_slot_mapping`` (vLLM's Triton kernel, in Triton's interpreter on a CPU)
+  for the step's positions. A Mamba group has no slot mapping in vLLM (``SlotMappingMode.NONE``: the worker
+  indexes states by block id), so its slots are ``block_id * block_size + offset`` of the request's table,
+  ``-1`` where the group holds no block.
+- ``free``: ``remove_skipped_blocks``, then the connector's ``request_finished_all_groups``: the fake connector
+  stores every finished request, so the blocks are popped (``pop_blocks_for_free``) and freed, tail first, at
+  ``store_done`` (vLLM's ``finished_sending``); a request freed while its load is in flight keeps its blocks
+  until ``load_done`` (``finished_recving``); steps in flight defer the free as in :mod:`.vllm_manager`.
+
+The fake connector (``FakeConnector``) is a ``KVConnectorBase_V1`` with ``SupportsHMA`` in the scheduler role:
+it promises what the store (the machine) holds, capped as vLLM requires (the prompt less one token, whole
+scheduler blocks), and records the loads and stores it was asked for.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Hashable, Sequence
+
+from pagedkv.errors import BackendUnavailableError
+from pagedkv.testing.managers.protocol import ExtraKey, GroupSpec, ManagerCapabilities, ManagerConfig
+from pagedkv.tools.peers.vllm_manager import MAX_MODEL_LEN, RECIPE, VllmCacheManager, _import_vllm
+
+
+def _vllm_spec(v, group: GroupSpec):
+    import torch
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec
+
+    common = dict(block_size=group.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    if group.kind == "full":
+        return v.FullAttentionSpec(**common)
+    if group.kind == "sliding_window":
+        return v.SlidingWindowSpec(**common, sliding_window=group.window + 1)
+    if group.kind == "chunked_local":
+        return ChunkedLocalAttentionSpec(**common, attention_chunk_size=group.chunk)
+    if group.kind == "mamba":
+        return MambaSpec(block_size=group.block_size, shapes=((1, 1),), dtypes=(torch.float32,),
+                         mamba_cache_mode="align")
+    raise ValueError(f"group kind {group.kind!r}: expected full, sliding_window, chunked_local or mamba")
+
+
+def _connector_class():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                                   SupportsHMA)
+
+    class FakeConnector(KVConnectorBase_V1, SupportsHMA):
+        """A scheduler-side connector over the machine's store: ``stored[request_id]`` tokens of the prompt are
+        held externally; it promises those past the local hit (capped: the prompt less one token, whole
+        scheduler blocks), records each load plan, and keeps every finished request's blocks for a store
+        (``request_finished_all_groups`` returns ``True``: freed at ``finished_sending``)."""
+
+        def __init__(self, kv_cache_config, block_size: int) -> None:
+            import types
+            config = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(is_kv_producer=True))
+            super().__init__(config, role=None, kv_cache_config=kv_cache_config)
+            self.block_size = block_size
+            self.stored: dict[str, int] = {}  # request -> prompt tokens the external store holds
+            self.load_plans: dict[str, int] = {}  # request -> external tokens allocated for its load
+            self.storing: dict[str, tuple[list[int], ...]] = {}  # request -> block ids being stored
+
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            end = min(self.stored.pop(request.request_id, 0), request.num_tokens - 1)
+            end -= end % self.block_size
+            external = max(0, end - num_computed_tokens)
+            return external, external > 0
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            if num_external_tokens:
+                self.load_plans[request.request_id] = num_external_tokens
+
+        def build_connector_meta(self, scheduler_output):
+            return KVConnectorMetadata()
+
+        def request_finished_all_groups(self, request, block_ids):
+            self.load_plans.pop(request.request_id, None)
+            self.storing[request.request_id] = block_ids
+            return True, None
+
+        # the worker side: this connector never runs in a worker
+        def start_load_kv(self, forward_context, **kwargs):
+            raise NotImplementedError
+
+        def wait_for_layer_load(self, layer_name):
+            raise NotImplementedError
+
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+            raise NotImplementedError
+
+        def wait_for_save(self):
+            raise NotImplementedError
+
+    return FakeConnector
+
+
+class _SlotMapping:
+    """vLLM's worker-side ``MultiGroupBlockTable`` for one request row: ``slots(tables, start, end)`` is each
+    group's ``slot_mapping`` for positions ``start..end`` (``compute_slot_mapping``, vLLM's Triton kernel)."""
+
+    def __init__(self, groups: Sequence[GroupSpec], max_tokens: int) -> None:
+        if "TRITON_INTERPRET" not in os.environ:
+            import torch
+            if not torch.cuda.is_available():
+                os.environ["TRITON_INTERPRET"] = "1"
+        import torch
+
+        from pagedkv.backends.interpreter import wrap_interpreted_launches
+        from pagedkv.tools.peers.vllm import _real_triton_in_vllm
+        try:
+            _real_triton_in_vllm()
+            from vllm.v1.worker.block_table import MultiGroupBlockTable, SlotMappingMode
+        except ImportError as exc:
+            raise BackendUnavailableError(f"vLLM's worker block table does not import ({exc}); install: "
+                                          f"{RECIPE}") from exc
+        wrap_interpreted_launches()
+        self.torch = torch
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.modes = [SlotMappingMode.NONE if g.kind == "mamba" else SlotMappingMode.TOKEN_TO_KV_SLOT
+                      for g in groups]
+        self.table = MultiGroupBlockTable(
+            max_num_reqs=1, max_num_batched_tokens=max_tokens, pin_memory=False, device=self.device,
+            block_sizes=[g.block_size for g in groups],
+            max_num_blocks=[math.ceil(MAX_MODEL_LEN / g.block_size) + 1 for g in groups],
+            slot_mapping_modes=self.modes)
+
+    def slots(self, tables: Sequence[Sequence[int]], start: int, end: int) -> list[list[int] | None]:
+        """Each group's slots of positions ``start..end`` (``None`` for a state group)."""
+        torch, n = self.torch, end - start
+        self.table.add_row(tuple(list(t) for t in tables), 0)
+        self.table.commit_block_table(1)
+        self.table.compute_slot_mapping(1, torch.tensor([0, n], dtype=torch.int32, device=self.device),
+                                        torch.arange(start, end, dtype=torch.int64, device=self.device))
+        self.table.clear_row(0)
+        return [None if mode.value == "none" else bt.slot_mapping.gpu[:n].tolist()
+                for bt, mode in zip(self.table.block_tables, self.modes)]
+
+
+
+
+class VllmHybridCacheManager(VllmCacheManager):
+    """``KVCacheManager`` with the KV-cache groups of ``config.groups`` in one pool of ``config.num_blocks``
+    blocks (plus vLLM's null block 0), a fake connector where ``config.connector`` and EAGLE-style drafts
+    with ``num_lookahead_tokens`` where ``config.num_speculative_tokens`` (module docstring)."""
+
+    def __init__(self, config: ManagerConfig) -> None:
+        v = self.v = _import_vllm()
+        self.groups = tuple(config.groups)
+        kv_config = v.KVCacheConfig(num_blocks=config.num_blocks + 1, kv_cache_tensors=[], kv_cache_groups=[
+            v.KVCacheGroupSpec([f"layer{i}"], _vllm_spec(v, g)) for i, g in enumerate(self.groups)])
+        sizes = [g.block_size for g in self.groups]
+        self.hash_block_size, self.scheduler_block_size = math.gcd(*sizes), math.lcm(*sizes)
+        v.init_none_hash(v.sha256)
+        self.block_hasher = v.get_request_block_hasher(self.hash_block_size, v.sha256)
+        # vLLM refuses EAGLE with chunked local attention ("Hybrid KV cache is not supported for eagle +
+        # chunked local attention"): speculative decoding is left off in that layout
+        speculative = config.num_speculative_tokens > 0 and all(g.kind != "chunked_local" for g in self.groups)
+        self.manager = v.KVCacheManager(kv_config, max_model_len=MAX_MODEL_LEN,
+                                        scheduler_block_size=self.scheduler_block_size,
+                                        hash_block_size=self.hash_block_size, enable_caching=True,
+                                        use_eagle=speculative)
+        self.pool = self.manager.block_pool
+        self.block_size, self.num_blocks, self.reserved_blocks = self.hash_block_size, config.num_blocks + 1, 1
+        self.num_lookahead = config.num_speculative_tokens if speculative else 0
+        self.connector = _connector_class()(kv_config, self.scheduler_block_size) if config.connector else None
+        self.slot_mapping = _SlotMapping(self.groups, MAX_MODEL_LEN)
+        self.requests, self.pending, self.settled, self.deferred = {}, {}, {}, {}
+        self.admitted: dict[int, tuple] = {}  # request -> admit's arguments (a failed load looks up again)
+        self.external: dict[int, int] = {}  # request -> external tokens the connector promised
+        self.loading: dict[int, int] = {}  # request -> its local hit, while its load is in flight
+        self.waits: dict[int, set] = {}  # freed request -> what its free waits for ("store", "load", "steps")
+        self.drafts: dict[int, list[int]] = {}  # request -> the draft tokens of its last reservation
+        self.capabilities = ManagerCapabilities(block_size=self.hash_block_size, extra_keys=True, evict=True,
+                                                reset=True, async_steps=True, groups=self.groups,
+                                                connector=config.connector, speculative=speculative)
+
+    # -- admission and the connector --------------------------------------------------------------------
+    def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
+              extra_keys: Sequence[ExtraKey] = (), *, num_stored: int = 0):
+        request = self._request(request_id, token_ids, namespace, extra_keys)
+        blocks, num_local, _ = self.manager.get_computed_blocks(request)
+        num_external = 0
+        if self.connector is not None:
+            self.connector.stored[request.request_id] = num_stored
+            num_external, _ = self.connector.get_num_new_matched_tokens(request, num_local)
+        request.num_computed_tokens = 0
+        self.requests[request_id] = request
+        self.admitted[request_id] = (list(token_ids), namespace, list(extra_keys))
+        self.pending[request_id] = (blocks, num_local)
+        self.settled[request_id] = num_local
+        self.external[request_id] = num_external
+        return self.block_table(request_id), num_local
+
+    def num_external(self, request_id: int) -> int:
+        return self.external.get(request_id, 0)
+
+    def load(self, request_id: int):
+        """``allocate_slots`` for the local hit and the external tokens with ``delay_cache_blocks`` (an
+        asynchronous load): each group's slots for the external tokens (vLLM's slot mapping; ``-1`` where the
+        group holds no block: outside its window or chunk, a Mamba group's skipped states)."""
+        request = self.requests[request_id]
+        blocks, num_local = self.pending[request_id]
+        num_external = self.external[request_id]
+        got = self.manager.allocate_slots(request, 0, num_new_computed_tokens=num_local, new_computed_blocks=blocks,
+                                          num_external_computed_tokens=num_external, delay_cache_blocks=True)
+        if got is None:
+            return None
+        del self.pending[request_id]
+        request.num_computed_tokens = num_local + num_external
+        self.connector.update_state_after_alloc(request, self.manager.get_blocks(request.request_id), num_external)
+        self.loading[request_id] = num_local
+        return self._slots(request_id, num_local, num_local + num_external)
+
+    def load_done(self, request_id: int, ok: bool) -> None:
+        num_local = self.loading.pop(request_id)
+        self.connector.load_plans.pop(str(request_id), None)
+        waits = self.waits.get(request_id)
+        if waits is not None:  # freed while loading: finished_recving frees its blocks now
+            waits.discard("load")
+            self._release(request_id)
+            return
+        request = self.requests[request_id]
+        self.external[request_id] = 0
+        if ok:
+            self.manager.cache_blocks(request, request.num_computed_tokens)
+            self.settled[request_id] = request.num_computed_tokens
+            return
+        # recompute_kv_load_failures: the request's blocks are freed, its prefix looked up again
+        request.num_computed_tokens = 0
+        self.manager.free(request)
+        blocks, num_hit, _ = self.manager.get_computed_blocks(request)
+        if num_hit > num_local:
+            blocks, num_hit = self.manager.truncate_computed_blocks(blocks, num_local), num_local
+        self.pending[request_id] = (blocks, num_hit)
+        self.settled[request_id] = num_hit
+
+    def store_done(self, request_id: int) -> None:
+        waits = self.waits.get(request_id)
+        if waits is not None:
+            waits.discard("store")
+            self.connector.storing.pop(str(request_id), None)
+            self._release(request_id)
+
+    # -- steps and speculative decoding ---------------------------------------------------------------
+    def reserve(self, request_id: int, token_ids: Sequence[int], num_draft: int = 0):
+        if request_id in self.loading:
+            return None
+        request = self.requests[request_id]
+        blocks, num_local = self.pending.get(request_id, (None, 0))
+        start = request.num_computed_tokens + num_local
+        verified = list(token_ids[:len(token_ids) - num_draft])
+        extra = start + len(verified) - request.num_tokens
+        if extra > 0:
+            request.append_output_token_ids(verified[len(verified) - extra:])
+        request.spec_token_ids = list(token_ids[len(verified):])
+        request.num_in_flight_tokens = max(0, start - self.settled[request_id])
+        got = self.manager.allocate_slots(request, len(token_ids), num_new_computed_tokens=num_local,
+                                          new_computed_blocks=blocks, num_lookahead_tokens=self.num_lookahead)
+        if got is None:
+            if extra > 0:
+                del request._output_token_ids[-extra:]
+                del request._all_token_ids[-extra:]
+            request.spec_token_ids = []
+            return None
+        self.pending.pop(request_id, None)
+        request.num_computed_tokens = start + len(token_ids)
+        self.drafts[request_id] = list(request.spec_token_ids)
+        return self._slots(request_id, start, start + len(token_ids))
+
+    def drop(self, request_id: int, num_rejected: int) -> None:
+        request = self.requests[request_id]
+        drafts = self.drafts.get(request_id, [])
+        if not 0 <= num_rejected <= len(drafts):
+            raise ValueError(f"num_rejected {num_rejected}: the last reservation had {len(drafts)} draft tokens")
+        del self.drafts[request_id]
+        request.spec_token_ids = []
+        request.num_computed_tokens -= num_rejected
+        accepted = drafts[:len(drafts) - num_rejected]
+        if accepted:
+            request.append_output_token_ids(accepted)
+        self.settled[request_id] = min(self.settled[request_id], request.num_computed_tokens)
+
+    def commit(self, request_id: int, num_tokens: int) -> None:
+        """A step completed: the scheduler's next step starts (``new_step_starts``: a Mamba state cached by
+        another request in the step before may be hit now) and in-flight tokens settle."""
+        self.manager.new_step_starts()
+        self.settled[request_id] = num_tokens
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.num_in_flight_tokens = max(0, request.num_computed_tokens - num_tokens)
+        elif request_id in self.waits and num_tokens >= self.deferred[request_id][1]:
+            self.waits[request_id].discard("steps")
+            self._release(request_id)
+
+    # -- release -------------------------------------------------------------------------------------
+    def free(self, request_id: int) -> None:
+        request = self.requests.pop(request_id)
+        self.pending.pop(request_id, None)
+        self.drafts.pop(request_id, None)
+        self.admitted.pop(request_id, None)
+        self.external.pop(request_id, None)
+        waits = set()
+        if request.num_computed_tokens > self.settled[request_id]:
+            waits.add("steps")
+        if request_id in self.loading:
+            waits.add("load")
+        if self.connector is not None:
+            self.manager.remove_skipped_blocks(
+                request.request_id, max(0, request.num_computed_tokens - request.num_in_flight_tokens),
+                num_prompt_tokens=request.num_prompt_tokens)
+            ids = self.manager.get_block_ids_for_computed_tokens(request.request_id, request.num_computed_tokens)
+            delay, _ = self.connector.request_finished_all_groups(request, ids)
+            if delay:
+                waits.add("store")
+        if waits:
+            self.waits[request_id] = waits
+            self.deferred[request_id] = (self.manager.pop_blocks_for_free(request), request.num_computed_tokens)
+        else:
+            self.settled.pop(request_id, None)
+            self.manager.free(request)
+
+    def _release(self, request_id: int) -> None:
+        """Free a deferred request's blocks (tail first) once nothing it waits for is pending."""
+        if not self.waits[request_id]:
+            del self.waits[request_id]
+            blocks, _ = self.deferred.pop(request_id)
+            self.settled.pop(request_id, None)
+            self.pool.free_blocks(reversed(blocks))
+
+    def holds(self, request_id: int) -> bool:
+        managers = self.manager.coordinator.single_type_managers
+        return request_id in self.waits or any(str(request_id) in m.req_to_blocks for m in managers)
+
+    # -- what the machine reads -------------------------------------------------------------------------
+    def _raw_tables(self, request_id: int) -> tuple[list[int], ...]:
+        if request_id in self.pending:
+            blocks = self.pending[request_id][0]
+            return tuple(blocks.get_block_ids()) if any(blocks.blocks) else tuple([] for _ in self.groups)
+        return self.manager.get_block_ids(str(request_id))
+
+    def block_table(self, request_id: int) -> tuple[list[int], ...]:
+        """Each group's block ids in order, ``-1`` where the group released (or never needed) a block."""
+        return tuple(self._ids(t) for t in self._raw_tables(request_id))
+
+    def _slots(self, request_id: int, start: int, end: int) -> tuple[list[int], ...]:
+        """Each group's slots of positions ``start..end``: vLLM's slot mapping (attention groups) or the
+        table's (Mamba groups); ``-1`` at a position whose block the group does not hold."""
+        tables = self._raw_tables(request_id)
+        null = self.pool.null_block.block_id
+        mapped = self.slot_mapping.slots(tables, start, end)
+        out = []
+        for group, table, slots in zip(self.groups, tables, mapped):
+            bs = group.block_size
+            if slots is None:
+                slots = [table[p // bs] * bs + p % bs if p // bs < len(table) else -1 for p in range(start, end)]
+            out.append([-1 if p // bs >= len(table) or table[p // bs] == null else s
+                        for p, s in zip(range(start, end), slots)])
+        return tuple(out)
+
+    def self_check(self) -> None:
+        """Reference counts equal the live tables (and deferred frees) holding each block, the free queue is
+        exactly the unreferenced blocks and its length its counter, no block is in two groups' tables."""
+        refs: dict[int, int] = {}
+        owners: dict[int, set] = {}
+        for request_id in self.requests:
+            if request_id in self.pending:
+                continue
+            for g, table in enumerate(self.block_table(request_id)):
+                for b in set(table) - {-1}:
+                    refs[b] = refs.get(b, 0) + 1
+                    owners.setdefault(b, set()).add(g)
+        for blocks, _ in self.deferred.values():
+            for b in {b.block_id for b in blocks if not b.is_null}:
+                refs[b] = refs.get(b, 0) + 1
+        shared = {b: sorted(g) for b, g in owners.items() if len(g) > 1}
+        assert not shared, f"blocks held by more than one KV-cache group (block: groups): {shared}"
+        free_ids = [b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()]
+        assert len(free_ids) == self.pool.get_num_free_blocks(), \
+            f"the free queue holds {len(free_ids)} blocks, its counter says {self.pool.get_num_free_blocks()}"
+        for block in self.pool.blocks:
+            if block.is_null:
+                continue
+            want = refs.get(block.block_id, 0)
+            assert block.ref_cnt == want, \
+                f"block {block.block_id}: ref_cnt {block.ref_cnt}, but {want} live block tables hold it"
+            assert (block.block_id in free_ids) == (want == 0), \
+                f"block {block.block_id}: in the free queue {block.block_id in free_ids}, held by {want} tables"
+
+
+def cache_manager(config: ManagerConfig):
+    """The grouped manager for ``config.groups`` (:class:`VllmHybridCacheManager`).
+
+    Raises:
+        BackendUnavailableError: vLLM is not installed (the message gives the install command).
+        ValueError: a group kind vLLM has no manager for here.
+    """
+    return VllmHybridCacheManager(config)

