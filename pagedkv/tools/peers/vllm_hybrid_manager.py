@@ -226,7 +226,7 @@ class VllmHybridCacheManager(VllmCacheManager):
         if got is None:
             return None
         del self.pending[request_id]
-        request.num_computed_tokens = num_local + num_external
+        request.num_computed_tokens = self.settled[request_id] = num_local + num_external  # no step: a load
         self.connector.update_state_after_alloc(request, self.manager.get_blocks(request.request_id), num_external)
         self.loading[request_id] = num_local
         return self._slots(request_id, num_local, num_local + num_external)
@@ -319,6 +319,8 @@ class VllmHybridCacheManager(VllmCacheManager):
         self.drafts.pop(request_id, None)
         self.admitted.pop(request_id, None)
         self.external.pop(request_id, None)
+        # the tokens of steps not yet completed: a window frees on the processed-token basis
+        request.num_in_flight_tokens = max(0, request.num_computed_tokens - self.settled[request_id])
         waits = set()
         if request.num_computed_tokens > self.settled[request_id]:
             waits.add("steps")
