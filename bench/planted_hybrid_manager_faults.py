@@ -168,8 +168,8 @@ if __name__ == "__main__":
 
     # --without-connector: the gate with the peer's connector off (the machine's other features, every layout)
     without = "--without-connector" in sys.argv
-    # The machine's runs depend on set order (string and bytes hashes): one seed for every child makes the
-    # gate's verdicts comparable across faults. The release passes the gate under this one.
+    # The machine's runs depend on set order (string and bytes hashes, object ids): one hash seed for every
+    # child narrows the variation between faults (ids still vary). The release passed twice under this one.
     os.environ.setdefault("PYTHONHASHSEED", "2")
     argv = [a for a in sys.argv[1:] if a != "--without-connector"]
     sys.exit(one_group.main(argv, faults=FAULTS, their_args=their_args, doc=__doc__,
