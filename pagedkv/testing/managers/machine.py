@@ -106,6 +106,7 @@ class Request:
     table: tuple = ()  # its block tables (one per group) when last reserved or freed
     adopted: bool = False  # its first reservation succeeded (until then an admitted hit is only shown)
     loading: tuple | None = None  # a connector load in flight: (first token, its slots per group)
+    correction: int | None = None  # the token verification put where a draft was rejected (decoded next)
     storing: bool = False  # freed, its connector store pending
 
     def pending(self) -> bool:
@@ -176,6 +177,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.zombies: dict[int, Request] = {}  # freed with steps, a load or a store pending (their free deferred)
         self.committed_prefixes: set[int] = set()  # identities of the last token of committed full blocks
         self.next_id = 0
+        self.history: list[tuple] = []  # finished conversations (namespace, tokens, extras), newest last
+        self.rejected: list[tuple] = []  # timelines ending in rejected drafts (namespace, tokens, extras)
         # the model of what the manager declares: block -> identity its cached full block holds (hit
         # promise), the free queue as tiers, front first (eviction order), blocks ever handed out
         self.cached: dict[int, int] = {}
@@ -223,12 +226,15 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def register(self, rid: int, req: Request, upto: int) -> None:
         """Tokens below ``upto`` are cached by the manager: their full blocks are hittable."""
-        table = self.m.block_table(rid)[0]
+        tables = self.m.block_table(rid) if rid in self.live else req.table  # a deferred free: as it was freed
         for end in range(self.bs, upto + 1, self.bs):
             self.committed_prefixes.add(req.identities[end - 1])
-            block = table[end // self.bs - 1] if end // self.bs - 1 < len(table) else -1
-            if block >= 0 and not self.grouped:
-                self.cached[block] = req.identities[end - 1]
+        for g, (group, table) in enumerate(zip(self.groups, tables)):
+            bs = self.gbs[g]
+            for end in range(bs, upto + 1, bs):
+                block = table[end // bs - 1] if end // bs - 1 < len(table) else -1
+                if block >= 0 and group.kind != "mamba":
+                    self.cached[block] = (g, req.identities[end - 1])
 
     def commit(self, rid: int, req: Request) -> None:
         before = self.holdings()
@@ -270,8 +276,10 @@ class ManagerMachine(RuleBasedStateMachine):
         first; uncached ones to the front), blocks handed out afresh must be its front (eviction order
         ``"lru"``) and outside every in-flight step's reads, and lose what they cached."""
         after = self.holdings()
-        released = sorted((b for b in before if b not in after), key=lambda b: (before[b][0], -before[b][1]))
-        fresh = set(after) - set(before) - set(hits)
+        moved = {b for b in before if b in after and before[b] != after[b]}  # released and handed out again
+        released = sorted((b for b in before if b not in after or b in moved),
+                          key=lambda b: (before[b][0], -before[b][1]))
+        fresh = (set(after) - set(before) | moved) - set(hits)
         judged = self.caps.eviction_order == "lru" and self.model_known and self.total is not None
         if released:
             uncached = {b for b in released if b not in self.cached}
@@ -329,15 +337,27 @@ class ManagerMachine(RuleBasedStateMachine):
                     f"request's blocks tail first, uncached blocks before cached ones)")
 
     def promised_hit(self, req: Request) -> int:
-        """The hit the promise guarantees: leading full blocks still cached, up to the computed minimum."""
-        if not (self.caps.hit_promise and self.model_known) or self.grouped:
+        """The hit the promise guarantees: the longest whole-block prefix, up to the computed minimum,
+        every group can still serve from cached blocks: a full group every leading block, a sliding-window
+        or chunked-local group the blocks the first computed token reads and the last cached token's
+        block (a chained hash needs it; none promised with a Mamba group)."""
+        if not (self.caps.hit_promise and self.model_known) or any(g.kind == "mamba" for g in self.groups):
             return 0
         cap = len(req.tokens) - self.caps.min_computed_on_full_hit
-        still = set(self.cached.values())
-        hit = 0
-        while hit + self.bs <= cap and req.identities[hit + self.bs - 1] in still:
-            hit += self.bs
-        return hit
+        still = [set() for _ in self.groups]
+        for g, ident in self.cached.values():
+            still[g].add(ident)
+        if not self.grouped:
+            hit = 0
+            while hit + self.bs <= cap and req.identities[hit + self.bs - 1] in still[0]:
+                hit += self.bs
+            return hit
+        for hit in range(cap // self.bs * self.bs, 0, -self.bs):
+            if all(req.identities[(i + 1) * self.gbs[g] - 1] in still[g]
+                   for g, group in enumerate(self.groups)
+                   for i in range(min(group.first_read(hit), hit - 1) // self.gbs[g], hit // self.gbs[g])):
+                return hit
+        return 0
 
     def read_blocks(self, tables: tuple, start: int, end: int) -> frozenset:
         """Blocks that tokens ``start..end`` write and whose attention window (or state) they read."""
@@ -395,6 +415,9 @@ class ManagerMachine(RuleBasedStateMachine):
         self.check_slots(rid, slots, start, n, "reserve",
                          lambda g, i: self.groups[g].kind == "mamba" and i < n - 1 - drafts)
         table = self.m.block_table(rid)
+        pending = self.pending_slots()
+        for g, group in enumerate(self.groups):  # what the step's first query reads (a hit's window, its state)
+            self.check_reads(rid, req, g, group, table[g], pending, at=start)
         req.reserved = start + n
         if not self.caps.defers_commit:
             self.register(rid, req, req.reserved - drafts)  # cached at reserve time, K/V written in the same step
@@ -442,9 +465,9 @@ class ManagerMachine(RuleBasedStateMachine):
             assert list(blocks) == tables[g][:len(blocks)], \
                 f"request {rid}: admit returned blocks {list(blocks)}" + (f" in group {g}" if self.grouped else "") + \
                 f", its block table is {tables[g]}"
-            assert not self.grouped or len(blocks) == cached // self.gbs[g], \
-                f"request {rid}: group {g} admitted {len(blocks)} blocks of {self.gbs[g]} tokens for the agreed " \
-                f"hit of {cached} tokens (every group's hit truncated to the agreed length)"
+            assert not self.grouped or len(blocks) == len(tables[g]) == cached // self.gbs[g], \
+                f"request {rid}: group {g} admitted blocks {list(blocks)} (table {tables[g]}) of {self.gbs[g]} " \
+                f"tokens for the agreed hit of {cached} tokens (every group's hit truncated to the agreed length)"
         req.reserved = req.written = req.committed = cached
         req.table = tables
         self.live[rid] = req
@@ -485,11 +508,13 @@ class ManagerMachine(RuleBasedStateMachine):
         completes, and a connector stores the request's blocks (both deferring the free)."""
         before = self.holdings()
         req = self.live.pop(rid)
+        if req.written:
+            self.history = [*self.history[-7:], (req.namespace, req.tokens[:req.written], dict(req.extras))]
         if not (req.in_flight and self.caps.async_steps):
             req.in_flight = []
         req.storing = self.connector
         if req.pending():
-            req.table = self.m.block_table(rid)
+            req.table = self.m.block_table(rid) if req.adopted else tuple([] for _ in self.groups)
             self.zombies[rid] = req
         self.m.free(rid)
         if not req.pending():
@@ -522,6 +547,18 @@ class ManagerMachine(RuleBasedStateMachine):
                 tokens[first + i] = PLACEHOLDER
         rid = self.new_id()
         return rid if self.admit(rid, tokens, namespace, extras, chunk, write_now, stored) else multiple()
+
+    @precondition(lambda self: self.history)
+    @rule(target=reqs, turn=st.integers(0, 7), suffix=st.lists(VOCAB, max_size=4), chunk=st.integers(1, 12),
+          write_now=st.booleans(), stored=st.integers(0, 3))
+    def next_turn(self, turn, suffix, chunk, write_now, stored=0):
+        """The next turn of a finished conversation: its tokens so far (prompt and output) and a new
+        message ``suffix``, under its namespace (a multi-turn chat: the hits reach past the system prompt)."""
+        self.log("next_turn", turn=turn, suffix=suffix, chunk=chunk, write_now=write_now, stored=stored)
+        namespace, tokens, extras = self.history[-1 - turn % len(self.history)]
+        rid = self.new_id()
+        ok = self.admit(rid, [*tokens, *suffix] or [0], namespace, extras, chunk, write_now, stored)
+        return rid if ok else multiple()
 
     @rule(target=reqs, rid=reqs, change=st.sampled_from(("image", "namespace")), chunk=st.integers(1, 12),
           write_now=st.booleans())
@@ -566,8 +603,9 @@ class ManagerMachine(RuleBasedStateMachine):
         if req.reserved < req.num_prompt:
             tokens = req.tokens[req.reserved:min(req.reserved + n, req.num_prompt)]
         else:
-            tokens = [token]
-        self.reserve(rid, req, tokens, write_now)
+            tokens = [token if req.correction is None else req.correction]
+        if self.reserve(rid, req, tokens, write_now):
+            req.correction = None
 
     @precondition(lambda self: any(q.in_flight for q in (*self.live.values(), *self.zombies.values())))
     @rule(data=st.data())
@@ -594,12 +632,28 @@ class ManagerMachine(RuleBasedStateMachine):
         if req.loading is not None or req.in_flight or req.reserved < req.num_prompt:
             return
         rejected = min(rejected, len(drafts))
+        token = token if req.correction is None else req.correction
         if self.reserve(rid, req, [token, *drafts], True, drafts=len(drafts)):
             before = self.holdings()
             self.m.drop(rid, rejected)
+            if rejected:
+                self.rejected = [*self.rejected[-3:], (req.namespace, list(req.tokens), dict(req.extras))]
             req.truncate(len(req.tokens) - rejected)
+            # the target model's token at the first rejected position differs from that draft
+            req.correction = (drafts[-rejected] + 1) % 4 if rejected else None
             self.commit(rid, req)
             self.account(before, f"drop of request {rid}")
+
+    @precondition(lambda self: self.rejected)
+    @rule(target=reqs, pick=st.integers(0, 3), token=VOCAB, chunk=st.integers(1, 12), write_now=st.booleans())
+    def spell_rejected(self, pick, token, chunk, write_now):
+        """A request whose prompt spells a rejected timeline (a speculating request's tokens and the drafts
+        verification rejected) and one more token: whatever it hits must have been committed, and reads
+        its own tokens' K/V, never what the rejected drafts left."""
+        self.log("spell_rejected", pick=pick, token=token, chunk=chunk, write_now=write_now)
+        namespace, tokens, extras = self.rejected[-1 - pick % len(self.rejected)]
+        rid = self.new_id()
+        return rid if self.admit(rid, [*tokens, token], namespace, extras, chunk, write_now) else multiple()
 
     @precondition(lambda self: any(q.loading is not None for q in (*self.live.values(), *self.zombies.values())))
     @rule(data=st.data(), ok=st.booleans())
@@ -621,7 +675,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.load_done(rid, ok)
         req.written = end if ok else start
         req.reserved = req.committed = req.written
-        if ok and rid in self.live:
+        if ok:  # valid K/V: cacheable even where the request was freed meanwhile
             self.register(rid, req, end)
         self.settle(rid)
         self.account(before, f"load_done of request {rid}")
@@ -705,10 +759,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "m"):
             return
         type(self).checks_run += 1
-        pending = {self.flat(g, s) for q in (*self.live.values(), *self.zombies.values()) for step in q.in_flight
-                   for g, slots in enumerate(step.slots) for s in slots if s >= 0}
-        pending |= {self.flat(g, s) for q in (*self.live.values(), *self.zombies.values()) if q.loading is not None
-                    for g, slots in enumerate(q.loading[1]) for s in slots if s >= 0}
+        pending = self.pending_slots()
         for rid, req in self.live.items():
             tables = self.m.block_table(rid)
             for g, group in enumerate(self.groups):
@@ -736,16 +787,23 @@ class ManagerMachine(RuleBasedStateMachine):
                 f"{used} blocks used, but live requests (and deferred frees) hold {len(held)}: {sorted(held)}"
         self.m.self_check()
 
-    def check_reads(self, rid: int, req: Request, g: int, group, table: list[int], pending: set) -> None:
-        """What request ``rid``'s next query reads in group ``g`` equals the oracle's K/V (or state)."""
-        bs = self.gbs[g]
+    def pending_slots(self) -> set[int]:
+        """Pages (:meth:`flat`) an in-flight step still writes."""
+        return {self.flat(g, s) for q in (*self.live.values(), *self.zombies.values()) for step in q.in_flight
+                for g, slots in enumerate(step.slots) for s in slots if s >= 0}
+
+    def check_reads(self, rid: int, req: Request, g: int, group, table: list[int], pending: set,
+                    at: int | None = None) -> None:
+        """What request ``rid``'s query at position ``at`` (default: its next, ``req.written``) reads in
+        group ``g`` equals the oracle's K/V (or, Mamba, the state it continues from)."""
+        bs, at = self.gbs[g], req.written if at is None else at
         if group.kind == "mamba":
-            need = range(req.written - 1, req.written) if req.written else range(0)
+            need = range(at - 1, at) if at else range(0)
         else:
-            first = group.first_read(req.written)
+            first = group.first_read(at)
             if not self.grouped:
-                first = 0 if self.window is None else max(0, req.written - self.window)
-            need = range(first, req.written)
+                first = 0 if self.window is None else max(0, at - self.window)
+            need = range(first, at)
         positions, slots = [], []
         for p in need:
             assert p // bs < len(table) and table[p // bs] >= 0, \

@@ -1,9 +1,12 @@
-"""pagedkv's own :class:`~pagedkv.cache.paged_cache.PagedKVCache` through the cache-manager protocol.
+"""pagedkv's own :class:`~pagedkv.cache.paged_cache.PagedKVCache` (one group) and
+:class:`~pagedkv.cache.hybrid.HybridKVCache` (full-attention and sliding-window groups on one pool, the
+``"gemma3"`` layout) through the cache-manager protocol.
 
 ``add_sequence`` is admit, ``append`` reserve, ``mark_written`` commit; the namespace and the extra keys
 together are the sequence's ``cache_key`` (a coarser identity than per-position extra keys: requests
 with different extra keys never share, which can only miss a hit, never serve a wrong one). The cache
-copies K/V on copy-on-write, so it owns the pools. Spec: ``pagedkv.testing.managers.own``.
+copies K/V on copy-on-write, so it owns the pools. Spec: ``pagedkv.testing.managers.own`` (the factory
+picks the cache by ``ManagerConfig.groups``).
 """
 
 from __future__ import annotations
@@ -12,10 +15,15 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.cache.config import CacheConfig
+from pagedkv.cache.hybrid import HybridKVCache
+from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.errors import OutOfBlocksError
-from pagedkv.testing.managers.protocol import ExtraKey, ManagerCapabilities, ManagerConfig
+from pagedkv.testing.managers.protocol import ONE_GROUP, ExtraKey, ManagerCapabilities, ManagerConfig
+
+
+def _cache_key(namespace: Hashable, extra_keys: Sequence[ExtraKey]) -> Hashable:
+    return ("ns", namespace if namespace is not None else (), tuple(extra_keys)) if extra_keys else namespace
 
 
 class OwnCacheManager:
@@ -37,8 +45,7 @@ class OwnCacheManager:
 
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
               extra_keys: Sequence[ExtraKey] = ()):
-        key = ("ns", namespace if namespace is not None else (), tuple(extra_keys)) if extra_keys else namespace
-        cached = self.cache.add_sequence(request_id, list(token_ids), cache_key=key)
+        cached = self.cache.add_sequence(request_id, list(token_ids), cache_key=_cache_key(namespace, extra_keys))
         return self.block_table(request_id)[:cached // self.cache.block_size], cached
 
     def reserve(self, request_id: int, token_ids: Sequence[int]):
@@ -70,15 +77,69 @@ class OwnCacheManager:
         self.cache.check_invariants()
 
 
+class OwnHybridManager(OwnCacheManager):
+    """:class:`HybridKVCache` as a grouped :class:`~.protocol.CacheManager`: one full-attention group
+    and one sliding-window group (each of any number of layers), one block size, one pool.
+
+    Raises:
+        ValueError: ``config.groups`` other than one ``"full"`` and one ``"sliding_window"`` group (in
+            that order) of ``config.block_size``.
+    """
+
+    cache_class = HybridKVCache
+
+    def __init__(self, config: ManagerConfig) -> None:
+        kinds = tuple(g.kind for g in config.groups)
+        if kinds != ("full", "sliding_window") or any(g.block_size != config.block_size for g in config.groups):
+            raise ValueError(f"groups {config.groups!r}: HybridKVCache serves one full and one sliding-window "
+                             f"group of block_size {config.block_size}")
+        full, sliding = config.groups
+        layer_types = ("full_attention",) * full.num_layers + ("sliding_attention",) * sliding.num_layers
+        cache_config = CacheConfig(num_layers=len(layer_types), num_blocks=config.num_blocks,
+                                   block_size=config.block_size, num_kv_heads=config.num_kv_heads,
+                                   head_dim=config.head_dim, dtype=torch.float32, window_left=sliding.window,
+                                   debug_poison="nan", layer_types=layer_types)
+        self.cache = self.cache_class(cache_config)
+        self.groups = tuple(config.groups)
+        # the hit promise holds where no extra keys are drawn (a cache_key of all of them is coarser)
+        self.capabilities = ManagerCapabilities(block_size=config.block_size, fork=True, hit_promise=True,
+                                                defers_commit=True, owns_pools=True, groups=self.groups)
+
+    def kv_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer slot ``layer``: the ``layer``-th layer of every group (``HybridKVCache.kv[layer]``)."""
+        return self.cache.kv[layer, 0], self.cache.kv[layer, 1]
+
+    def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
+              extra_keys: Sequence[ExtraKey] = ()):
+        cached = self.cache.add_sequence(request_id, list(token_ids), cache_key=_cache_key(namespace, extra_keys))
+        return tuple(t[:cached // self.cache.block_size] for t in self.block_table(request_id)), cached
+
+    def reserve(self, request_id: int, token_ids: Sequence[int]):
+        try:
+            return tuple(slots.tolist() for slots in self.cache.append(request_id, list(token_ids)))
+        except OutOfBlocksError:
+            return None
+
+    def block_table(self, request_id: int) -> tuple[list[int], ...]:
+        return tuple(self.cache.block_table(request_id, group=g).tolist() for g in range(len(self.groups)))
+
+    def reference_counts(self) -> dict[int, int]:
+        return self.cache.reference_counts()
+
+
 def cache_manager(config: ManagerConfig) -> OwnCacheManager:
-    """The manager factory the suite looks for (``--pagedkv-impl pagedkv.testing.managers.own``)."""
-    return OwnCacheManager(config)
+    """The manager factory the suite looks for (``--pagedkv-impl pagedkv.testing.managers.own``):
+    :class:`OwnHybridManager` for a hybrid layout, else :class:`OwnCacheManager`."""
+    return OwnHybridManager(config) if config.groups else OwnCacheManager(config)
 
 
-def with_cache_class(cache_class: type) -> type[OwnCacheManager]:
-    """:class:`OwnCacheManager` over another cache class with ``PagedKVCache``'s API (a planted fault)."""
-    return type(f"Own{cache_class.__name__}", (OwnCacheManager,), {"cache_class": cache_class})
+def with_cache_class(cache_class: type, base: type = OwnCacheManager) -> type[OwnCacheManager]:
+    """``base`` (:class:`OwnCacheManager`, or :class:`OwnHybridManager` for a ``HybridKVCache``
+    subclass) over another cache class with its cache's API (a planted fault)."""
+    return type(f"Own{cache_class.__name__}", (base,), {"cache_class": cache_class})
 
 
 #: The windows the suite draws for this manager (``window_left``; ``None``: full attention).
 cache_manager_windows = (None, 0, 2, 5)
+#: The layouts it takes (protocol.HYBRID_LAYOUTS): one group, and full + sliding window on one pool.
+cache_manager_layouts = (ONE_GROUP, "gemma3")

@@ -4,8 +4,11 @@ replay it (``python -m pagedkv replay FILE`` dispatches here on the file's ``kin
 A case file (JSON)::
 
     {"kind": "pagedkv-manager-program", "version": 1, "manager": "pkg.module[:factory]",
-     "block_sizes": [1, 2, 4], "windows": [null], "steps": [["start", {...}], ["add", {...}], ...],
-     "error": "the failure's first line"}
+     "block_sizes": [1, 2, 4], "windows": [null], "layouts": ["one-group"],
+     "steps": [["start", {...}], ["add", {...}], ...], "error": "the failure's first line"}
+
+(``layouts``: the hybrid layouts the machine drew from, ``protocol.HYBRID_LAYOUTS`` names; absent in
+files written before groups, which ran one group.)
 
 Each step is a rule of :class:`~.machine.ManagerMachine` and its arguments (request ids are the
 machine's own counters, so the same program reaches the same ids); the checks run after every step.
@@ -25,6 +28,7 @@ from hypothesis.stateful import invariant, run_state_machine_as_test
 
 from pagedkv.testing.managers.casefile import KIND, is_program_file  # noqa: F401 - re-exported
 from pagedkv.testing.managers.machine import ManagerMachine, machine_for
+from pagedkv.testing.managers.protocol import ONE_GROUP
 
 MAX_STEPS = 10_000
 
@@ -124,7 +128,8 @@ def save(path: Path | str, spec: str, machine_class: type[ManagerMachine], steps
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"kind": KIND, "version": 1, "manager": spec, "block_sizes": list(machine_class.block_sizes),
-            "windows": list(machine_class.windows), "steps": [[n, k] for n, k in steps], "error": error}
+            "windows": list(machine_class.windows), "layouts": list(machine_class.layouts),
+            "steps": [[n, k] for n, k in steps], "error": error}
     path.write_text(json.dumps(data, indent=1) + "\n")
     return path
 
@@ -155,7 +160,8 @@ def replay_file(path: str, *, impl: str | None = None, quiet: bool = False, out=
         if not impl and not spec.startswith("pagedkv."):
             raise ValueError(f"manager {spec!r} is not shipped with pagedkv; name it with --impl to run it")
         machine_class = machine_for(load_manager(spec), block_sizes=data["block_sizes"],
-                                    windows=[w for w in data["windows"]])
+                                    windows=[w for w in data["windows"]],
+                                    layouts=[str(name) for name in data.get("layouts", [ONE_GROUP])])
     except Exception as exc:  # noqa: BLE001 - one line, no traceback, for any refusal
         print(f"refused {path}: {type(exc).__name__}: {exc}", file=out)
         return 2

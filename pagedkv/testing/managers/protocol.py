@@ -33,7 +33,7 @@ NIXL): the machine plays the external store. ``admit(..., num_stored=S)`` says t
 prompt's first ``S`` tokens (whole blocks); the manager takes the tokens past its local hit as external
 (``num_external(rid)``); ``load(rid)`` allocates their blocks and returns the slots the load writes;
 the request is not stepped until ``load_done(rid, ok)``; a failed load is recomputed from the local hit.
-A finished request's blocks may be stored: ``free`` may keep them until ``store_done(rid)``.
+A freed request's blocks may be stored: none of them is handed to anyone before ``store_done(rid)``.
 
 **Speculative decoding** (``capabilities.speculative``: vLLM's EAGLE / MTP, SGLang's spec v2):
 ``reserve(rid, tokens, num_draft=k)`` also takes the last ``k`` of ``tokens`` as unverified drafts;
@@ -264,9 +264,14 @@ class CacheManager(Protocol):
 
     A grouped manager (``capabilities.groups``) returns a tuple with one entry per group where the
     one-group shape is a list (block ids of ``admit``, slots of ``reserve`` and ``load``, ``block_table``);
-    a hit length is one number every group agrees on (each group's hit truncated to it). Optional calls
-    (``fork``, ``evict``, ``reset``, ``kv_pools``, :class:`SpeculativeCalls`, :class:`ConnectorCalls`)
-    exist where the capabilities say so.
+    a hit length is one number every group agrees on (each group's hit truncated to it: right after
+    ``admit``, group ``g``'s block table is exactly its hit, ``num_cached // block_size`` entries, ``-1``
+    where the group needs no block). A slot may be ``-1`` only where the group keeps nothing of that
+    token: a Mamba group for a token whose state the step does not write, a load's token outside the
+    window or chunk of the first token computed after it. Optional calls (``fork``, ``evict``, ``reset``,
+    ``kv_pools``, ``reference_counts() -> {block: count}`` of every referenced block, judged against the
+    tables holding each block, :class:`SpeculativeCalls`, :class:`ConnectorCalls`) exist where the
+    capabilities say so (``reference_counts`` wherever the manager exposes them).
     """
 
     capabilities: ManagerCapabilities

@@ -16,7 +16,7 @@ from pagedkv.backends import backend_name
 from pagedkv.testing.execute import Failure
 from pagedkv.testing.verdict import SkipReason, decide
 from pagedkv.testing.settings import manager_settings, suite_settings
-from pagedkv.testing.managers.protocol import manager_factory
+from pagedkv.testing.managers.protocol import manager_factory, manager_layouts
 
 pytestmark = pytest.mark.pagedkv
 
@@ -38,8 +38,10 @@ def test_cache_manager(pagedkv_run, backend):
         pytest.skip("cache_manager: the candidate provides no cache_manager factory (kernels only)")
     spec = pagedkv_run.spec or backend_name(backend)
     windows = getattr(backend, "cache_manager_windows", (None,))
-    machine = machine_for(factory, windows=windows, name=f"{backend_name(backend)}_manager")
-    settings = manager_settings(100, STEPS, base=suite_settings())
+    machine = machine_for(factory, windows=windows, layouts=manager_layouts(backend),
+                          name=f"{backend_name(backend)}_manager")
+    # a manager whose behaviour unfolds over long decodes (sliding-window eviction) asks for longer programs
+    settings = manager_settings(100, getattr(backend, "cache_manager_steps", STEPS), base=suite_settings())
     start = time.perf_counter()
     steps = programs.run_recorded(machine, settings)
     seconds = time.perf_counter() - start

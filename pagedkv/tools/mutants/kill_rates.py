@@ -180,10 +180,11 @@ def _run_manager_machine(backend: Any, seed: int, max_examples: int) -> Outcome:
     from pagedkv.testing.hypothesis_internals import forced_seed
     from pagedkv.testing.managers import programs
     from pagedkv.testing.managers.machine import machine_for
-    from pagedkv.testing.managers.protocol import manager_factory
+    from pagedkv.testing.managers.protocol import manager_factory, manager_layouts
     from pagedkv.testing.settings import manager_kill_rate_settings
 
-    machine = machine_for(manager_factory(backend), windows=getattr(backend, "cache_manager_windows", (None,)))
+    machine = machine_for(manager_factory(backend), windows=getattr(backend, "cache_manager_windows", (None,)),
+                          layouts=manager_layouts(backend))
     with forced_seed(property_seed(seed, MANAGER_MACHINE)):
         steps = programs.run_recorded(machine, manager_kill_rate_settings(max_examples))
     outcome = Outcome(MANAGER_MACHINE, examples=machine.examples_run)
@@ -319,10 +320,10 @@ def child_main(job: dict, out_path: str) -> None:
         out.update(status="import_error", error=_first_line(exc))
         return flush()
     if MANAGER_MACHINE in job["properties"]:  # the engine's imports once, before the runs fork
-        from pagedkv.testing.managers.protocol import ManagerConfig, manager_factory
+        from pagedkv.testing.managers.protocol import ManagerConfig, layout_groups, manager_factory, manager_layouts
 
         try:
-            manager_factory(backend)(ManagerConfig(4, 1))
+            manager_factory(backend)(ManagerConfig(4, 1, groups=layout_groups(manager_layouts(backend)[0], 1, 0)))
         except Exception as exc:  # a mutant that breaks the manager's construction
             out.update(status="import_error", error=_first_line(exc))
             return flush()

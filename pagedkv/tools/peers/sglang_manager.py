@@ -32,7 +32,8 @@ SGLang's scheduler does with a request's KV row (``req_to_token``), the tree and
 Loading: ``sglang/__init__``, ``sglang/srt/__init__`` and ``mem_cache/memory_pool.py`` pull the serving
 stack, model configs and torchvision (not loadable beside this torch); the radix tree needs none of them.
 :func:`_import_sglang` enters the two packages without running their ``__init__`` and puts two
-placeholder modules in ``sys.modules`` for names the tree imports only as type names or for metrics
+placeholder modules in ``sys.modules`` for names the tree imports only as type names (``KVCache`` only as the base of
+SGLang's ``BaseSWAKVPool``, see :mod:`.sglang_hybrid_manager`) or for metrics
 it does not collect here: ``memory_pool.ReqToTokenPool`` (an annotation of ``CacheInitParams``) and
 ``observability.metrics_collector`` (used only with ``enable_metrics``). Everything else is SGLang's code.
 """
@@ -64,6 +65,7 @@ def _placeholder_modules() -> dict[str, types.ModuleType]:
     """The two modules the tree imports for names only (see the module docstring)."""
     memory_pool = types.ModuleType("sglang.srt.mem_cache.memory_pool")
     memory_pool.ReqToTokenPool = type("ReqToTokenPool", (), {"__doc__": "Placeholder: a type name only."})
+    memory_pool.KVCache = type("KVCache", (), {"__doc__": "Placeholder: the base of BaseSWAKVPool, no members used."})
     metrics = types.ModuleType("sglang.srt.observability.metrics_collector")
     metrics.STAT_LOGGER_ROLE_RADIX_CACHE = "radix_cache"
     metrics.RadixCacheMetricsCollector = type("RadixCacheMetricsCollector", (), {})
