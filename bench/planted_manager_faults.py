@@ -120,7 +120,7 @@ def _mutate(vllm_dir: Path, fault, work: Path) -> tuple[str, Path, Path]:
     path = work / fid / name
     path.parent.mkdir(parents=True)
     path.write_text(text)
-    return f"vllm.v1.core.{name[:-3]}", path, original
+    return f"vllm.v1.core.{name[:-3].replace('/', '.')}", path, original
 
 
 def _child(code: str, args: list[str], cwd: Path, env: dict, timeout: int) -> tuple[int, str, float]:
@@ -134,8 +134,10 @@ def _child(code: str, args: list[str], cwd: Path, env: dict, timeout: int) -> tu
     return rc, out, time.monotonic() - t0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, *, faults=None, their_args=None, gate=None, doc=None) -> int:
+    """Run ``faults`` (default :data:`FAULTS`) under ``gate`` (the child's code, default the one-group gate) and
+    under vLLM's tests (``their_args(tests)``: pytest arguments, default the cache subset)."""
+    parser = argparse.ArgumentParser(description=(doc or __doc__).splitlines()[0])
     parser.add_argument("--tests", required=True, type=Path, help="the CPU-runnable copy of vLLM's tests/v1/core")
     parser.add_argument("--only", nargs="*", help="fault ids (default: all)")
     parser.add_argument("--skip-theirs", action="store_true", help="run the gate only")
@@ -150,7 +152,8 @@ def main(argv=None) -> int:
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "PAGEDKV_PROFILE": "ci",
            "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
-    faults = [f for f in FAULTS if not args.only or f[0] in args.only]
+    faults = [f for f in faults or FAULTS if not args.only or f[0] in args.only]
+    theirs = their_args(args.tests.resolve()) if their_args else CACHE_SUBSET
     rows = []
     with tempfile.TemporaryDirectory(prefix="planted-") as tmp:
         for fault in [("none", "baseline", "", "", "", "the release as installed")] + faults:
@@ -161,7 +164,7 @@ def main(argv=None) -> int:
                 mod_args = [module, str(path), str(original)]
             row = {"id": fault[0], "class": fault[1], "file": fault[2], "what": fault[5], "gate": {"killed": False}}
             if not args.skip_gate:
-                rc, out, secs = _child(_GATE, mod_args, repo, env, 900)
+                rc, out, secs = _child(gate or _GATE, mod_args, repo, env, 900)
                 line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
                 row["gate"] = json.loads(line[7:]) if line else {"killed": True, "error": f"crashed: {out[-200:]}"}
                 row["gate_wall_s"] = round(secs, 1)
@@ -169,7 +172,7 @@ def main(argv=None) -> int:
                 row["theirs"] = next(r["theirs"] for r in json.loads(Path(args.theirs_from).read_text())["rows"]
                                      if r["id"] == fault[0])
             elif not args.skip_theirs:
-                rc, out, secs = _child(_THEIRS, mod_args + CACHE_SUBSET, args.tests.resolve(), env, 900)
+                rc, out, secs = _child(_THEIRS, mod_args + theirs, args.tests.resolve(), env, 900)
                 first = next((ln for ln in out.splitlines() if ln.startswith(("FAILED", "ERROR"))), "")
                 row["theirs"] = {"killed": rc != 0, "returncode": rc, "seconds": round(secs, 1),
                                  "first_failure": first[:200], "summary": out.strip().splitlines()[-1][:200]}
