@@ -135,7 +135,7 @@ from pagedkv.testing.managers import programs
 from pagedkv.testing.managers.machine import machine_for
 from pagedkv.testing.managers.protocol import ONE_GROUP
 from pagedkv.testing.settings import manager_settings, suite_settings
-from pagedkv.tools.peers import vllm_manager as vm
+from pagedkv.tools.peers import vllm_hybrid_manager as vm
 layouts = tuple(name for name in vm.cache_manager_layouts if name != ONE_GROUP)
 factory = vm.cache_manager
 if WITHOUT_CONNECTOR:  # the peer built without its connector: the machine then never draws one

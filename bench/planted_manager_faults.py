@@ -85,7 +85,7 @@ from hypothesis import Phase, settings
 from pagedkv.testing.managers import programs
 from pagedkv.testing.managers.machine import machine_for
 from pagedkv.testing.settings import manager_settings, suite_settings
-from pagedkv.tools.peers import vllm_manager as vm
+from pagedkv.tools.peers import vllm_hybrid_manager as vm
 machine = machine_for(vm.cache_manager, windows=vm.cache_manager_windows, name="vllm_cache_manager_manager")
 s = settings(manager_settings(100, 30, base=suite_settings()), phases=(Phase.explicit, Phase.generate))
 t0 = time.perf_counter()

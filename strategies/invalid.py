@@ -19,6 +19,8 @@ carry are drawn (no filtering), and ``amount`` is biased to 0 (just out of range
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import strategies as st
 
 from pagedkv.testing.cases.invalid_call import OPS, InvalidCall, fault_sites, faults_for, inexpressible
@@ -41,6 +43,8 @@ def invalid_calls(draw, *, ops=OPS, faults=None, max_seqs: int = 3, max_len: int
     write = op in ("scatter", "write_kv")
     case = draw(cases(max_seqs=max_seqs, max_len=max_len, max_q_len=max_q_len, repeats=False if write else None,
                       caps=caps, features=False))
+    if write and case.layout == "latent":  # a write takes two pools that do not overlap (the contract)
+        case = dataclasses.replace(case, layout="contiguous")
     usable = [f.name for f in faults_for(op) if not inexpressible(op, f.name, caps) and fault_sites(op, f.name, case)]
     kinds = [name for name in usable if faults is None or name in faults]
     if not kinds:  # restricted to faults this case cannot carry: fall back to one every case carries

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from pagedkv.testing.cases.case import Case
 
 from .batches import cases
-from .palette import v_width_options
+from .geometry import run_palette
+from .palette import declares_v_widths, v_width_options
 
 
 @st.composite
@@ -44,6 +45,13 @@ def partial_cases(draw, *, caps=None, poisons=None, parts: tuple[int, ...] = (2,
             case = case.replace(geometry=dataclasses.replace(g, head_dim_v=head_dim_v))
         if head_dim_v <= g.head_dim and draw(st.booleans()):
             case = case.replace(layout="latent", kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0)
+    elif case.geometry.head_dim_v is None and run_palette(caps) is None and declares_v_widths(caps) \
+            and draw(st.booleans()):  # MLA's shape half the time where no palette fixes widths: V narrower, K's view
+        g = case.geometry
+        narrower = [w for w in v_width_options(g.head_dim, caps) if w < g.head_dim]
+        if narrower and case.kv_cache_dtype == "auto":
+            case = case.replace(geometry=dataclasses.replace(g, head_dim_v=draw(st.sampled_from(narrower))),
+                                layout="latent", v_scale=case.k_scale)
     if not parts:  # the shapes alone (V's width, the latent view), for the properties of whole attention
         return case
     n_cuts = draw(st.sampled_from(parts)) - 1

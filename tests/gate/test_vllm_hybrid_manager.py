@@ -17,7 +17,7 @@ BS = 2  # the hash block size of every layout here
 
 
 def _manager(layout: str, num_blocks: int = 40, **kwargs):
-    from pagedkv.tools.peers.vllm_manager import cache_manager
+    from pagedkv.tools.peers.vllm_hybrid_manager import cache_manager
 
     return cache_manager(ManagerConfig(num_blocks, BS, groups=layout_groups(layout, BS, 3), **kwargs))
 

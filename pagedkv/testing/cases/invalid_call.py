@@ -147,14 +147,16 @@ def _overlapping_pools(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[to
     """Logical ``(k_cache, v_cache)`` holding the given pools' contents as views of one buffer of
     ``num_blocks + 1`` blocks, one block apart, built in the storage of the declared key layout
     (:func:`pagedkv.testing.cases.memory.new_pools`): the backend is handed two views of one storage
-    (``storage[:-1]`` and ``storage[1:]``), as an engine that mis-slices its arena would."""
+    (``storage[:-1]`` and ``storage[1:]``, V's first ``head_dim_v`` columns where V is narrower), as an
+    engine that mis-slices its arena would."""
     from pagedkv.testing.cases.memory import new_pools
 
     shape = (k_cache.shape[0] + 1, *k_cache.shape[1:])
     buffer, _ = new_pools(shape, k_cache.dtype, k_cache.device, None)
     buffer[:-1].copy_(k_cache)
-    buffer[-1:].copy_(v_cache[-1:])
-    return buffer[:-1], buffer[1:]
+    width = v_cache.shape[-1]
+    buffer[-1:, ..., :width].copy_(v_cache[-1:])
+    return buffer[:-1], buffer[1:][..., :width]
 
 
 # -- what a case offers ------------------------------------------------------------------------------
@@ -337,7 +339,7 @@ class InvalidCall:
         n = len(slots)
         gen = torch.Generator().manual_seed(c.seed)
         key = torch.randn((n, g.num_kv_heads, g.head_dim), generator=gen).to(g.torch_dtype).to(device)
-        value = torch.randn((n, g.num_kv_heads, g.head_dim), generator=gen).to(g.torch_dtype).to(device)
+        value = torch.randn((n, g.num_kv_heads, g.v_dim), generator=gen).to(g.torch_dtype).to(device)
         real = [t for t, x in enumerate(slots) if x >= 0]
         sm = torch.tensor(slots, dtype=torch.int64, device=device)
         kc, vc = k_cache, v_cache

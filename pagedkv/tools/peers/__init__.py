@@ -36,7 +36,7 @@ import torch
 
 from pagedkv.cache.config import blocks_needed
 from pagedkv.errors import BackendUnavailableError
-from pagedkv.tools.peers import sglang_hybrid_manager, sglang_manager, vllm_manager
+from pagedkv.tools.peers import sglang_hybrid_manager, sglang_manager, vllm_hybrid_manager
 from pagedkv.tools.peers.mla import peer_classes as mla_peers
 from pagedkv.tools.peers.sglang import peer_classes as sglang_peers
 from pagedkv.tools.peers.transformers import peer_classes as transformers_peers
@@ -234,7 +234,7 @@ PEERS: dict[str, Callable[[], Any]] = {
     **transformers_peers(),
     **mla_peers(),  # MLA decode and the merge of attention states (pagedkv.tools.peers.mla)
     # cache managers (the protocol of pagedkv.testing.managers; no kernels)
-    "vllm_cache_manager": vllm_manager.peer,
+    "vllm_cache_manager": vllm_hybrid_manager.peer,
     "sglang_radix_cache": sglang_manager.peer,
     "sglang_swa_radix_cache": sglang_hybrid_manager.hybrid_peer,
     "sglang_pure_swa_radix_cache": sglang_hybrid_manager.peer,

@@ -44,10 +44,12 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Hashable, Sequence
 
 from pagedkv.errors import BackendUnavailableError
 from pagedkv.testing.managers.protocol import ExtraKey, GroupSpec, ManagerCapabilities, ManagerConfig
+from pagedkv.tools.peers import vllm_manager
 from pagedkv.tools.peers.vllm_manager import MAX_MODEL_LEN, RECIPE, VllmCacheManager, _import_vllm
 
 
@@ -423,10 +425,31 @@ class VllmHybridCacheManager(VllmCacheManager):
 
 
 def cache_manager(config: ManagerConfig):
-    """The grouped manager for ``config.groups`` (:class:`VllmHybridCacheManager`).
+    """The manager factory (``--pagedkv-impl pagedkv.tools.peers:vllm_cache_manager``): the hybrid
+    coordinator over ``config.groups`` (:class:`VllmHybridCacheManager`), or one group
+    (:class:`~pagedkv.tools.peers.vllm_manager.VllmCacheManager`) where it has none.
 
     Raises:
         BackendUnavailableError: vLLM is not installed (the message gives the install command).
         ValueError: a group kind vLLM has no manager for here.
     """
-    return VllmHybridCacheManager(config)
+    return VllmHybridCacheManager(config) if config.groups else VllmCacheManager(config)
+
+
+#: The windows the suite draws for this manager: full attention and sliding windows of 1, 2 and 5 tokens.
+cache_manager_windows = vllm_manager.cache_manager_windows
+
+#: The layouts the suite draws for this manager: one group, and the hybrid coordinator in every real-model layout.
+cache_manager_layouts = ("one-group", "gemma3", "llama4", "jamba", "qwen3-next", "gpt-oss-2full-sw",
+                         "mixed-block-sizes")
+
+
+def peer():
+    """This module as a suite candidate (``pagedkv.tools.peers:vllm_cache_manager``): its ``cache_manager`` is what
+    the suite judges, in every layout above; it has no kernels.
+
+    Raises:
+        BackendUnavailableError: the engine is not installed (the message gives the install command).
+    """
+    _import_vllm()
+    return sys.modules[__name__]

@@ -237,29 +237,30 @@ class VllmCacheManager:
 
 
 def cache_manager(config: ManagerConfig) -> VllmCacheManager:
-    """The manager factory (``--pagedkv-impl pagedkv.tools.peers:vllm_cache_manager``): one group, or the
-    hybrid coordinator over ``config.groups`` (:mod:`.vllm_hybrid_manager`).
+    """The one-group manager factory; ``pagedkv.tools.peers:vllm_cache_manager`` is
+    :func:`pagedkv.tools.peers.vllm_hybrid_manager.cache_manager`, which sends a config with groups to the
+    hybrid coordinator and every other one here.
 
     Raises:
         BackendUnavailableError: vLLM is not installed (the message gives the install command).
+        ValueError: ``config.groups`` is not empty (the hybrid coordinator's).
     """
     if config.groups:
-        from pagedkv.tools.peers.vllm_hybrid_manager import VllmHybridCacheManager
-        return VllmHybridCacheManager(config)
+        raise ValueError(f"config.groups {config.groups!r}: a one-group manager; use "
+                         f"pagedkv.tools.peers.vllm_hybrid_manager.cache_manager for KV-cache groups")
     return VllmCacheManager(config)
 
 
 #: The windows the suite draws for this manager: full attention and sliding windows of 1, 2 and 5 tokens.
 cache_manager_windows = (None, 0, 1, 4)
 
-#: The layouts the suite draws for this manager: one group, and the hybrid coordinator in every real-model layout.
-cache_manager_layouts = ("one-group", "gemma3", "llama4", "jamba", "qwen3-next", "gpt-oss-2full-sw",
-                         "mixed-block-sizes")
+#: The layouts this factory takes: one group (:mod:`.vllm_hybrid_manager` takes the hybrid ones too).
+cache_manager_layouts = ("one-group",)
 
 
 def peer():
-    """This module as a suite candidate (``pagedkv.tools.peers:vllm_cache_manager``): its ``cache_manager`` is what
-    the suite judges; it has no kernels.
+    """This module as a suite candidate, one group only (``pagedkv.tools.peers:vllm_cache_manager`` is
+    :func:`pagedkv.tools.peers.vllm_hybrid_manager.peer`, every layout); it has no kernels.
 
     Raises:
         BackendUnavailableError: the engine is not installed (the message gives the install command).
