@@ -53,6 +53,9 @@ from pagedkv.tools.peers import vllm_manager
 from pagedkv.tools.peers.vllm_manager import MAX_MODEL_LEN, RECIPE, VllmCacheManager, _import_vllm
 
 
+#: The peer's name (what the summary and the peers table call it).
+name = "vllm_cache_manager"
+
 def _vllm_spec(v, group: GroupSpec):
     import torch
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec
