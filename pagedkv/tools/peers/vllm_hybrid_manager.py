@@ -417,14 +417,7 @@ class VllmHybridCacheManager(VllmCacheManager):
         free_ids = [b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()]
         assert len(free_ids) == self.pool.get_num_free_blocks(), \
             f"the free queue holds {len(free_ids)} blocks, its counter says {self.pool.get_num_free_blocks()}"
-        for block in self.pool.blocks:
-            if block.is_null:
-                continue
-            want = refs.get(block.block_id, 0)
-            assert block.ref_cnt == want, \
-                f"block {block.block_id}: ref_cnt {block.ref_cnt}, but {want} live block tables hold it"
-            assert (block.block_id in free_ids) == (want == 0), \
-                f"block {block.block_id}: in the free queue {block.block_id in free_ids}, held by {want} tables"
+        self._check_pool(refs, set(free_ids))
 
 
 def cache_manager(config: ManagerConfig):

@@ -210,6 +210,18 @@ class VllmCacheManager:
     def reset(self) -> bool:
         return self.manager.reset_prefix_cache()
 
+    def _check_pool(self, refs: dict[int, int], free_ids: set[int]) -> None:
+        """Each block's ``ref_cnt`` equals ``refs`` (the tables holding it) and it is in the free queue
+        exactly when nothing holds it."""
+        for block in self.pool.blocks:
+            if block.is_null:
+                continue
+            want = refs.get(block.block_id, 0)
+            assert block.ref_cnt == want, \
+                f"block {block.block_id}: ref_cnt {block.ref_cnt}, but {want} live block tables hold it"
+            assert (block.block_id in free_ids) == (want == 0), \
+                f"block {block.block_id}: in the free queue {block.block_id in free_ids}, held by {want} tables"
+
     def self_check(self) -> None:
         refs: dict[int, int] = {}
         for request_id in self.requests:
@@ -220,15 +232,7 @@ class VllmCacheManager:
         for blocks, _ in self.deferred.values():
             for b in {b.block_id for b in blocks if not b.is_null}:
                 refs[b] = refs.get(b, 0) + 1
-        free_ids = {b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()}
-        for block in self.pool.blocks:
-            if block.is_null:
-                continue
-            want = refs.get(block.block_id, 0)
-            assert block.ref_cnt == want, \
-                f"block {block.block_id}: ref_cnt {block.ref_cnt}, but {want} live block tables hold it"
-            assert (block.block_id in free_ids) == (want == 0), \
-                f"block {block.block_id}: in the free queue {block.block_id in free_ids}, held by {want} requests"
+        self._check_pool(refs, {b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()})
         index = self.pool.cached_block_hash_to_block
         for key, entry in getattr(index, "_cache", {}).items():
             for block in (entry.values() if isinstance(entry, dict) else [entry]):
