@@ -53,7 +53,7 @@ from collections.abc import Hashable, Sequence
 
 from pagedkv.errors import BackendUnavailableError
 from pagedkv.testing.managers.protocol import ExtraKey, ManagerCapabilities, ManagerConfig
-from pagedkv.tools.peers.sglang_manager import RECIPE, _import_sglang, _pad
+from pagedkv.tools.peers.sglang_manager import RECIPE, _import_sglang, _pad, check_radix_tree, radix_identity
 
 name = "sglang_pure_swa_radix_cache"
 #: Longest request row (prompt and decode tokens) the machine draws, with room to spare.
@@ -153,13 +153,8 @@ class SglangSwaRadixCache:
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
               extra_keys: Sequence[ExtraKey] = ()):
         s = self.s
-        pads = {pos: key for pos, key in extra_keys}
-        tokens = array("q", [_pad(pads[pos], t) if pos in pads else t for pos, t in enumerate(token_ids)])
-        extra_key = cache_salt = None
-        if isinstance(namespace, tuple) and namespace[:1] == ("lora",):
-            extra_key = f"lora{namespace[1]}"
-        elif namespace is not None:
-            cache_salt = str(namespace)
+        tokens, pads, extra_key, cache_salt = radix_identity(token_ids, namespace, extra_keys)
+        tokens = array("q", tokens)
         limit = max(len(tokens) - 1, 0)
         key = s.RadixKey(tokens[:limit], extra_key, cache_salt=cache_salt)
         match = self.tree.match_prefix(s.MatchPrefixParams(key=key))
@@ -262,28 +257,11 @@ class SglangSwaRadixCache:
 
         inner = self.allocator.swa_attn_allocator
         claim(inner.free_pages.tolist() + inner.release_pages.tolist(), "free in the allocator")
-        locks: dict[int, int] = {}
         for rid, r in self.reqs.items():
             own = range(r.kv.cache_protected_len, r.kv.kv_allocated_len)
             claim({b for p, b in zip(own, self._row(r, own.start, own.stop)) if p not in r.released},
                   f"request {rid}'s own")
-            node = r.lock.node
-            while node is not tree.root_node:
-                locks[id(node)] = locks.get(id(node), 0) + 1
-                node = node.parent
-        size, stack = 0, list(tree.root_node.children.values())
-        while stack:
-            node = stack.pop()
-            size += len(node.key)
-            claim(node.value.tolist(), f"tree node {node.id}")
-            want = locks.get(id(node), 0)
-            assert node.lock_ref == want, f"tree node {node.id}: lock_ref {node.lock_ref}, {want} live requests lock it"
-            leaf = not node.children and node.lock_ref == 0
-            assert (node in tree.evictable_leaves) == leaf, \
-                f"tree node {node.id}: in evictable_leaves {node in tree.evictable_leaves}, an unlocked leaf {leaf}"
-            stack.extend(node.children.values())
-        assert tree.evictable_size() + tree.protected_size() == size, \
-            f"evictable {tree.evictable_size()} + protected {tree.protected_size()} != {size} tokens in the tree"
+        check_radix_tree(tree, [r.lock.node for r in self.reqs.values()], claim)
         missing = set(range(1, self.size + 1)) - set(owner)
         assert not missing, f"slots {sorted(missing)} are neither free, in the tree, nor held by a request (leaked)"
 
@@ -485,13 +463,8 @@ class SglangHybridSwaRadixCache:
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
               extra_keys: Sequence[ExtraKey] = ()):
         s = self.s
-        pads = {pos: key for pos, key in extra_keys}
-        tokens = array("q", [_pad(pads[pos], t) if pos in pads else t for pos, t in enumerate(token_ids)])
-        extra_key = cache_salt = None
-        if isinstance(namespace, tuple) and namespace[:1] == ("lora",):
-            extra_key = f"lora{namespace[1]}"
-        elif namespace is not None:
-            cache_salt = str(namespace)
+        tokens, pads, extra_key, cache_salt = radix_identity(token_ids, namespace, extra_keys)
+        tokens = array("q", tokens)
         if not self.pool.free_rows:
             return None
         r = _UnifiedReq(request_id, s.ReqKvInfo(), tokens, pads, extra_key, cache_salt)

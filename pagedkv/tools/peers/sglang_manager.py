@@ -117,6 +117,51 @@ def _pad(key: Hashable, token_id: int) -> int:
     return PAD_BASE + stable_hash((key, token_id)) % PAD_BASE
 
 
+def radix_identity(token_ids: Sequence[int], namespace: Hashable,
+                   extra_keys: Sequence[ExtraKey]) -> tuple[list[int], dict, str | None, str | None]:
+    """A prompt as SGLang's radix tree keys it: ``(tokens, pads, extra_key, cache_salt)``: the token ids with
+    each extra key's position padded (:func:`_pad`), the extra keys by position, a LoRA namespace as the
+    ``RadixKey``'s ``extra_key`` (``lora{n}``) and any other namespace as its ``cache_salt`` (``str``)."""
+    pads = {pos: key for pos, key in extra_keys}
+    tokens = [_pad(pads[pos], t) if pos in pads else t for pos, t in enumerate(token_ids)]
+    extra_key = cache_salt = None
+    if isinstance(namespace, tuple) and namespace[:1] == ("lora",):
+        extra_key = f"lora{namespace[1]}"
+    elif namespace is not None:
+        cache_salt = str(namespace)
+    return tokens, pads, extra_key, cache_salt
+
+
+def check_radix_tree(tree, locked_nodes, claim, page_of=None) -> None:
+    """SGLang's radix tree against the requests that lock it: each node's ``lock_ref`` equals the locked
+    nodes (one per live request) at or below it, ``evictable_leaves`` is exactly the unlocked leaves, the
+    evictable and protected sizes add up to the tokens in the tree, and each node's slots are handed to
+    ``claim(units, who)`` (the caller's one-owner check), as pages (``page_of(slot)``) where given.
+
+    Raises:
+        AssertionError: naming the node and the count that disagrees.
+    """
+    locks: dict[int, int] = {}
+    for node in locked_nodes:
+        while node is not tree.root_node:
+            locks[id(node)] = locks.get(id(node), 0) + 1
+            node = node.parent
+    size, stack = 0, list(tree.root_node.children.values())
+    while stack:
+        node = stack.pop()
+        size += len(node.key)
+        slots = node.value.tolist()
+        claim(slots if page_of is None else {page_of(slot) for slot in slots}, f"tree node {node.id}")
+        want = locks.get(id(node), 0)
+        assert node.lock_ref == want, f"tree node {node.id}: lock_ref {node.lock_ref}, {want} live requests lock it"
+        leaf = not node.children and node.lock_ref == 0
+        assert (node in tree.evictable_leaves) == leaf, \
+            f"tree node {node.id}: in evictable_leaves {node in tree.evictable_leaves}, an unlocked leaf {leaf}"
+        stack.extend(node.children.values())
+    assert tree.evictable_size() + tree.protected_size() == size, \
+        f"evictable {tree.evictable_size()} + protected {tree.protected_size()} != {size} tokens in the tree"
+
+
 class _Row:
     """One request's KV row (``req_to_token[req_pool_idx]``) and its tree lock."""
 
@@ -191,13 +236,7 @@ class SglangRadixCache:
     # -- the protocol ---------------------------------------------------------------------------------
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
               extra_keys: Sequence[ExtraKey] = ()):
-        pads = {pos: key for pos, key in extra_keys}
-        tokens = [_pad(pads[pos], t) if pos in pads else t for pos, t in enumerate(token_ids)]
-        extra_key = cache_salt = None
-        if isinstance(namespace, tuple) and namespace[:1] == ("lora",):
-            extra_key = f"lora{namespace[1]}"
-        elif namespace is not None:
-            cache_salt = str(namespace)
+        tokens, pads, extra_key, cache_salt = radix_identity(token_ids, namespace, extra_keys)
         limit = max(len(tokens) - 1, 0)
         match = self.tree.match_prefix(self.s.MatchPrefixParams(key=self._key(tokens[:limit], extra_key, cache_salt)))
         num_cached = match.device_prefix_len
@@ -270,27 +309,9 @@ class SglangRadixCache:
         if getattr(alloc, "release_pages", None) is not None:  # page size 1's pages awaiting a sort
             free_pages += alloc.release_pages.tolist()
         claim(free_pages, "free in the allocator")
-        locks: dict[int, int] = {}
         for rid, r in self.rows.items():
             claim({s // ps for s in r.row[r.protected:]}, f"request {rid}'s own")
-            node = r.lock.node
-            while node is not tree.root_node:
-                locks[id(node)] = locks.get(id(node), 0) + 1
-                node = node.parent
-        size = 0
-        stack = list(tree.root_node.children.values())
-        while stack:
-            node = stack.pop()
-            size += len(node.key)
-            claim({s // ps for s in node.value.tolist()}, f"tree node {node.id}")
-            want = locks.get(id(node), 0)
-            assert node.lock_ref == want, f"tree node {node.id}: lock_ref {node.lock_ref}, {want} live requests lock it"
-            leaf = not node.children and node.lock_ref == 0
-            assert (node in tree.evictable_leaves) == leaf, \
-                f"tree node {node.id}: in evictable_leaves {node in tree.evictable_leaves}, an unlocked leaf {leaf}"
-            stack.extend(node.children.values())
-        assert tree.evictable_size() + tree.protected_size() == size, \
-            f"evictable {tree.evictable_size()} + protected {tree.protected_size()} != {size} tokens in the tree"
+        check_radix_tree(tree, [r.lock.node for r in self.rows.values()], claim, page_of=lambda slot: slot // ps)
         missing = set(range(1, self.num_pages + 1)) - set(owner)
         assert not missing, f"pages {sorted(missing)} are neither free, in the tree, nor held by a request (leaked)"
 
