@@ -92,6 +92,10 @@ def _connector_class():
             self.load_plans: dict[str, int] = {}  # request -> external tokens allocated for its load
             self.storing: dict[str, tuple[list[int], ...]] = {}  # request -> block ids being stored
 
+        @property
+        def supports_divergent_local_hybrid_hits(self) -> bool:
+            return True  # the store holds every group's state of the prompt (a Mamba one with its tokens)
+
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
             end = min(self.stored.pop(request.request_id, 0), request.num_tokens - 1)
             end -= end % self.block_size
@@ -167,6 +171,42 @@ class _SlotMapping:
                 for bt, mode in zip(self.table.block_tables, self.modes)]
 
 
+class _MambaSplit:
+    """The scheduler's clip of a prefill chunk to where a Mamba state must be cached ("align" mode: a state is
+    written at a step's end, so a chunk ends on a block boundary): vLLM's own
+    ``Scheduler._mamba_block_aligned_split`` on the scheduler state it reads, as ``Scheduler.__init__`` sets
+    it for this layout (no EAGLE, a token budget of ``MAX_MODEL_LEN``). ``split(request, n, num_local)``:
+    how many of ``n`` tokens the step takes (0: none this step)."""
+
+    def __init__(self, manager, block_size: int, hash_block_size: int) -> None:
+        import types
+
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        package = sys.modules.get("vllm.v1.structured_output")
+        if package is not None and not hasattr(package, "StructuredOutputManager"):
+            # the package entered without its __init__ (vllm_manager._import_vllm): the scheduler module
+            # names the class at import and never calls it here
+            package.StructuredOutputManager = None
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        self.method = Scheduler._mamba_block_aligned_split
+        specs = [g.kv_cache_spec for g in manager.kv_cache_config.kv_cache_groups]
+        mamba = [spec for spec in specs if isinstance(spec, MambaSpec)]
+        partial = hash_block_size < block_size and manager.coordinator.enable_partial_hash_hits
+        self.state = types.SimpleNamespace(
+            cache_config=types.SimpleNamespace(block_size=block_size), block_size=block_size,
+            hash_block_size=hash_block_size, mamba_partial_cache_hit=partial, use_eagle_block_drop=False,
+            mamba_has_prefill_checkpoint_blocks=all(spec.num_prefill_checkpoint_blocks > 0 for spec in mamba),
+            mamba_prefill_checkpoint_alignment=mamba[0].prefill_checkpoint_alignment,
+            max_num_scheduled_tokens=MAX_MODEL_LEN,
+            scheduler_config=types.SimpleNamespace(long_prefill_token_threshold=0),
+            mamba_shared_prefix_checkpoint=partial and manager.mamba_shared_prefix_checkpoint)
+
+    def __call__(self, request, num_new_tokens: int, num_local: int) -> int:
+        return self.method(self.state, request, num_new_tokens, num_local)
+
+
 class VllmHybridCacheManager(VllmCacheManager):
     """``KVCacheManager`` with the KV-cache groups of ``config.groups`` in one pool of ``config.num_blocks``
     blocks (plus vLLM's null block 0), a fake connector where ``config.connector`` and EAGLE-style drafts
@@ -186,7 +226,7 @@ class VllmHybridCacheManager(VllmCacheManager):
             v.KVCacheGroupSpec([f"layer{i}"], _vllm_spec(v, g)) for i, g in enumerate(self.groups)])
         sizes = [g.block_size for g in self.groups]
         self.hash_block_size, self.scheduler_block_size = math.gcd(*sizes), math.lcm(*sizes)
-        v.init_none_hash(v.sha256)
+        vllm_manager.init_block_hashes(v)
         self.block_hasher = v.get_request_block_hasher(self.hash_block_size, v.sha256)
         self.manager = v.KVCacheManager(kv_config, max_model_len=MAX_MODEL_LEN,
                                         scheduler_block_size=self.scheduler_block_size,
@@ -197,6 +237,8 @@ class VllmHybridCacheManager(VllmCacheManager):
         self.num_lookahead = config.num_speculative_tokens if speculative else 0
         self.connector = _connector_class()(kv_config, self.scheduler_block_size) if config.connector else None
         self.slot_mapping = _SlotMapping(self.groups, MAX_MODEL_LEN)
+        self.split = (_MambaSplit(self.manager, self.scheduler_block_size, self.hash_block_size)
+                      if any(g.kind == "mamba" for g in self.groups) else None)
         self.requests, self.pending, self.settled, self.deferred = {}, {}, {}, {}
         self.admitted: dict[int, tuple] = {}  # request -> admit's arguments (a failed load looks up again)
         self.external: dict[int, int] = {}  # request -> external tokens the connector promised
@@ -215,13 +257,31 @@ class VllmHybridCacheManager(VllmCacheManager):
     # -- admission and the connector --------------------------------------------------------------------
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
               extra_keys: Sequence[ExtraKey] = (), *, num_stored: int = 0):
+        """The local hit and the connector's external tokens as the scheduler's waiting-request step finds
+        them (``Scheduler.schedule``): ``_get_local_prefix_cache_hit`` (the connector's path,
+        ``get_computed_blocks_for_connector``, where it ``supports_divergent_local_hybrid_hits``), then
+        ``get_num_new_matched_tokens`` on the block-aligned local hit, and back to ``get_computed_blocks``
+        where the local hit ran deeper than a lagging group and no external tokens back it."""
         request = self._request(request_id, token_ids, namespace, extra_keys)
-        blocks, num_local, _ = self.manager.get_computed_blocks(request)
+        diverged = False
+        if self.connector is not None and self.connector.supports_divergent_local_hybrid_hits:
+            blocks, num_local, boundary, diverged = self.manager.get_computed_blocks_for_connector(request)
+        else:
+            blocks, num_local, boundary = self.manager.get_computed_blocks(request)
         num_external = 0
         if self.connector is not None:
             self.connector.stored[request.request_id] = num_stored
-            num_external, _ = self.connector.get_num_new_matched_tokens(request, num_local)
+            partial_tail = num_local % self.scheduler_block_size
+            aligned = num_local - partial_tail
+            num_external, _ = self.connector.get_num_new_matched_tokens(request, aligned)
+            if partial_tail and num_external > partial_tail:  # the load covers the local hit's partial block
+                blocks, num_local = self.manager.truncate_computed_blocks(blocks, aligned), aligned
+            elif partial_tail:
+                num_external = 0
+            if diverged and num_external == 0:  # no external state backs the deeper hit: the agreed one
+                blocks, num_local, boundary = self.manager.get_computed_blocks(request)
         request.num_computed_tokens = 0
+        request.shared_prefix_boundary = boundary
         self.requests[request_id] = request
         self.admitted[request_id] = (list(token_ids), namespace, list(extra_keys))
         self.pending[request_id] = (blocks, num_local)
@@ -286,6 +346,10 @@ class VllmHybridCacheManager(VllmCacheManager):
         request = self.requests[request_id]
         blocks, num_local = self.pending.get(request_id, (None, 0))
         start = request.num_computed_tokens + num_local
+        if self.split is not None and not num_draft:  # the scheduler clips a prefill chunk (Mamba "align")
+            token_ids = token_ids[:self.split(request, len(token_ids), num_local)]
+            if not token_ids:
+                return None
         verified = list(token_ids[:len(token_ids) - num_draft])
         extra = start + len(verified) - request.num_tokens
         if extra > 0:
