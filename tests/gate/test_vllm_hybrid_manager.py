@@ -4,8 +4,11 @@ vLLM's own slot mapping, the connector's loads and stores, and dropped drafts ne
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
+
+from pagedkv.testing.managers import programs
 
 from pagedkv.testing.managers.protocol import HYBRID_LAYOUTS, ManagerConfig, layout_groups
 
@@ -23,15 +26,16 @@ def _manager(layout: str, num_blocks: int = 40, **kwargs):
 
 
 def _prefill(m, rid: int, tokens, chunk: int = 4) -> list:
-    """Admit and prefill in chunks of ``chunk`` tokens (each committed): every step's ``(first position,
-    per-group slots, per-group block tables right after the reservation)``."""
+    """Admit and prefill in chunks of up to ``chunk`` tokens (each committed; a Mamba layout's scheduler may
+    take fewer): every step's ``(first position, per-group slots, per-group block tables right after the
+    reservation)``."""
     _, cached = m.admit(rid, tokens)
     steps, pos = [], cached
     while pos < len(tokens):
-        end = min(pos + chunk, len(tokens))
-        steps.append((pos, m.reserve(rid, tokens[pos:end]), m.block_table(rid)))
-        m.commit(rid, end)
-        pos = end
+        slots = m.reserve(rid, tokens[pos:pos + chunk])
+        steps.append((pos, slots, m.block_table(rid)))
+        pos += len(slots[0])
+        m.commit(rid, pos)
     return steps
 
 
@@ -128,9 +132,12 @@ def test_connector_loads_and_stores(layout):
     assert external == 8 - 8 % lcm
     m.load(2)
     m.load_done(2, ok=True)
-    slots = m.reserve(2, prompt[external:])
-    assert slots is not None and all(len(s) == len(prompt) - external for s in slots)
-    m.commit(2, len(prompt))
+    pos = external
+    while pos < len(prompt):  # a Mamba layout's scheduler may clip the chunk
+        slots = m.reserve(2, prompt[pos:])
+        assert slots is not None and len({len(s) for s in slots}) == 1, slots
+        pos += len(slots[0])
+        m.commit(2, pos)
     _, hit = m.admit(3, prompt)
     assert hit >= external, f"tokens loaded by the connector were not cached: hit {hit}, loaded {external}"
     m.free(3)
@@ -181,3 +188,97 @@ def test_speculative_decoding_is_left_off_where_it_cannot_be_judged(layout):
     assert not m.capabilities.speculative
     _prefill(m, 0, [1, 2, 3, 4, 5])
     _release_all(m, [0])
+
+
+def test_mamba_prefill_chunks_end_where_the_scheduler_caches_a_state():
+    """vLLM's "align" mode writes a Mamba state at a step's end only, so its scheduler clips a prefill chunk
+    to a block boundary (``Scheduler._mamba_block_aligned_split``): the peer takes what it takes. Fails
+    before the split: every chunk taken whole, a block cached as the state at a boundary no step ended at."""
+    m = _manager("jamba")
+    prompt = [1, 2, 3, 1, 2]
+    m.admit(0, prompt)
+    assert m.reserve(0, prompt[:1]) is None, "a chunk ending inside the first block was scheduled"
+    slots = m.reserve(0, prompt[:3])
+    assert [len(s) for s in slots] == [2, 2], slots  # clipped to the block boundary at 2
+    m.commit(0, 2)
+    assert [len(s) for s in m.reserve(0, prompt[2:])] == [2, 2]  # stops at the last cacheable boundary, 4
+    m.commit(0, 4)
+    assert [len(s) for s in m.reserve(0, prompt[4:])] == [1, 1]
+    m.commit(0, 5)
+    _release_all(m, [0])
+
+
+def test_a_clipped_chunk_is_not_a_false_alarm_in_the_machine():
+    """A Mamba chunk ending inside a block, the next one crossing its boundary, then a preemption that
+    re-admits the request: the hit reads the state where a step ended. Fails before the split ("reads wrong
+    state at token 3": vLLM cached block 1 as the state after token 3, which no step ended at)."""
+    steps = [("system_prompts", {"prompts": [[0, 1, 2, 3, 0]]}),
+             ("start", {"num_blocks": 8, "block_size": 0, "num_layers": 1, "window": 0, "layout": 0, "features": 0}),
+             ("add", {"system": [0, 1, 2, 3, 0], "suffix": [], "namespace": None, "extra": None, "chunk": 3,
+                      "write_now": True, "image_at": 0, "stored": 0}),
+             ("step", {"rid": 0, "n": 2, "token": 0, "write_now": True}),
+             ("preempt", {"rid": 0})]
+    programs.run_program(_machine(("jamba",), block_sizes=(2,)), steps)
+
+
+def test_a_loading_request_is_read_at_the_loads_end():
+    """While a connector load is in flight the request's next query is past it: a Mamba group holds the
+    state the load brings, not the one at the local hit. Fails before ("token 0 (written) has no block in
+    its table [-1, 1] (group 1, mamba)": the machine read the state at the local hit)."""
+    steps = [("system_prompts", {"prompts": [[0, 0]]}),
+             ("start", {"num_blocks": 4, "block_size": 0, "num_layers": 1, "window": 0, "layout": 0, "features": 1}),
+             ("add", {"system": [0, 0], "suffix": [], "namespace": None, "extra": None, "chunk": 1,
+                      "write_now": False, "image_at": 0, "stored": 1}),
+             ("evict", {"n": 1}), ("preempt", {"rid": 0}), ("finish_store_rid", {"rid": 0}), ("free", {"rid": 1}),
+             ("finish_load_rid", {"rid": 0, "ok": False}),
+             ("next_turn", {"turn": 0, "suffix": [0, 0], "chunk": 1, "write_now": False, "stored": 2})]
+    programs.run_program(_machine(("jamba",), block_sizes=(1,)), steps)
+
+
+def test_connector_admits_through_the_schedulers_divergent_hit_path():
+    """With a connector that restores a lagging Mamba state (``supports_divergent_local_hybrid_hits``) the
+    scheduler looks up each group alone (``get_computed_blocks_for_connector``): a full-attention hit deeper
+    than the Mamba group's is kept where external tokens back it (the state comes with the load) and
+    reconciled to the agreed hit where none do. Fails before (the peer admitted through
+    ``get_computed_blocks``: the agreed hit of 0 and 8 external tokens)."""
+    m = _manager("jamba", connector=True)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2, 3]
+    _prefill(m, 0, prompt, chunk=9)  # one chunk to the last boundary, 8: the only Mamba state cached there
+    other = prompt[:6] + [0, 0, 0, 0, 0]
+    _, hit = m.admit(1, other)
+    assert hit == 0 and m.num_external(1) == 0  # no external state: the hit every group agrees on
+    m.free(1)
+    m.store_done(1)
+    blocks, hit = m.admit(2, other, num_stored=8)
+    assert (hit, m.num_external(2)) == (6, 2), (hit, m.num_external(2))
+    assert len(blocks[0]) == 3 and len(blocks[1]) < 3, blocks  # the Mamba group lags
+    slots = m.load(2)
+    assert slots[1][-1] >= 0, f"no slot for the state at the load's end: {slots}"
+    m.load_done(2, ok=True)
+    pos = 8
+    while pos < len(other):
+        pos += len(m.reserve(2, other[pos:])[0])
+        m.commit(2, pos)
+    m.self_check()
+    _release_all(m, [0, 2])
+
+
+def test_block_hashes_do_not_depend_on_the_hash_seed(monkeypatch):
+    """vLLM seeds its root block hash from ``$PYTHONHASHSEED``: the peer pins vLLM's default seed, so two
+    processes (and two gate runs) hash a prompt's blocks alike. Fails before (the root followed the seed)."""
+    from vllm.v1.core import kv_cache_utils
+
+    hashes = []
+    for seed in ("0", "5"):
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+        m = _manager("gemma3")
+        hashes.append((kv_cache_utils.NONE_HASH, m._request(0, [1, 2, 3, 4], None, []).block_hashes))
+        assert os.environ["PYTHONHASHSEED"] == seed
+    assert hashes[0] == hashes[1]
+
+
+def _machine(layouts, block_sizes):
+    from pagedkv.testing.managers.machine import machine_for
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    return machine_for(vm.cache_manager, block_sizes=block_sizes, windows=vm.cache_manager_windows, layouts=layouts)
