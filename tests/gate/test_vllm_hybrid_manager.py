@@ -282,3 +282,20 @@ def _machine(layouts, block_sizes):
     from pagedkv.tools.peers import vllm_hybrid_manager as vm
 
     return machine_for(vm.cache_manager, block_sizes=block_sizes, windows=vm.cache_manager_windows, layouts=layouts)
+
+
+def test_a_failed_load_leaves_the_request_an_admitted_hit():
+    """vLLM's ``recompute_kv_load_failures`` frees a request whose load failed and looks its prefix up again;
+    that lookup may hit less than the local hit did (here 4 tokens of 5), and until its next step adopts the
+    hit the request holds no block. Fails before (the machine resumed it at its old local hit: "token 4
+    (written) has no block in its table")."""
+    steps = [("system_prompts", {"prompts": [[0, 0, 0, 0, 0]]}),
+             ("start", {"num_blocks": 12, "block_size": 0, "num_layers": 1, "window": 1, "layout": 0, "features": 1}),
+             ("add", {"system": [0, 0, 0, 0, 0], "suffix": [], "namespace": None, "extra": None, "chunk": 5,
+                      "write_now": True, "image_at": 0, "stored": 0}),
+             ("free", {"rid": 0}), ("finish_store_rid", {"rid": 0}),
+             ("add", {"system": [0, 0, 0, 0, 0], "suffix": [1, 1, 1], "namespace": None, "extra": None, "chunk": 2,
+                      "write_now": True, "image_at": 0, "stored": 7}),
+             ("finish_load_rid", {"rid": 1, "ok": False}),
+             ("step", {"rid": 1, "n": 3, "token": 0, "write_now": True})]
+    programs.run_program(_machine(("gemma3",), block_sizes=(1,)), steps)

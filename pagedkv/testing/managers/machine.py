@@ -403,6 +403,8 @@ class ManagerMachine(RuleBasedStateMachine):
         reserve only): adopted now, not handed out afresh."""
         start = req.reserved
         before = self.holdings()
+        if not req.adopted:  # its admitted hit (again, after a failed load) is adopted, not handed out afresh
+            hits = [*hits, *(b for table in self.m.block_table(rid) for b in table if b >= 0)]
         slots = self.m.reserve(rid, token_ids, num_draft=drafts) if drafts else self.m.reserve(rid, token_ids)
         if slots is None:
             self.account(before, f"reserve (refused) of request {rid}")
@@ -683,11 +685,16 @@ class ManagerMachine(RuleBasedStateMachine):
         self.write(rid, req, slots, start, identities=garbage)
         before = self.holdings()
         req.loading = None
-        self.m.load_done(rid, ok)
+        again = self.m.load_done(rid, ok)
         req.written = end if ok else start
-        req.reserved = req.committed = req.written
         if ok:  # valid K/V: cacheable even where the request was freed meanwhile
             self.register(rid, req, end)
+        elif again is not None and rid in self.live:  # let go and looked up again: an admitted hit, held
+            assert 0 <= again <= start and (again == 0 or req.identities[again - 1] in self.committed_prefixes), \
+                f"request {rid}: after its failed load a hit of {again} tokens (its local hit was {start}), " \
+                f"which no request committed"
+            req.written, req.adopted = again, self.m.holds(rid)  # from its next reserve
+        req.reserved = req.committed = req.written
         self.settle(rid)
         self.account(before, f"load_done of request {rid}")
 

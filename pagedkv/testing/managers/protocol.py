@@ -352,11 +352,15 @@ class ConnectorCalls(Protocol):
         external token (grouped: a tuple of per-group lists), or ``None`` when refused (nothing changed,
         the request is then freed). Until :meth:`load_done`, the request is not stepped."""
 
-    def load_done(self, request_id: int, ok: bool) -> None:
+    def load_done(self, request_id: int, ok: bool) -> int | None:
         """The load finished: ``ok`` (its K/V is written, the tokens are computed and cacheable) or
         failed (the external tokens are recomputed: the request's computed length is its local hit and
         its next ``reserve`` starts there; nothing the failed load wrote is ever served). Also called
-        for a request freed while its load was in flight (its blocks stay unusable until then)."""
+        for a request freed while its load was in flight (its blocks stay unusable until then).
+
+        A manager that lets a request whose load failed go and looks its prefix up again (vLLM's
+        ``recompute_kv_load_failures``) returns the new hit (at most the local hit; its blocks held from
+        the next ``reserve``, as after ``admit``); ``None``: the local hit, as it was."""
 
     def store_done(self, request_id: int) -> None:
         """A freed request's blocks are stored externally: a free deferred for the store (vLLM's

@@ -309,20 +309,20 @@ class VllmHybridCacheManager(VllmCacheManager):
         self.loading[request_id] = num_local
         return self._slots(request_id, num_local, num_local + num_external)
 
-    def load_done(self, request_id: int, ok: bool) -> None:
+    def load_done(self, request_id: int, ok: bool) -> int | None:
         num_local = self.loading.pop(request_id)
         self.connector.load_plans.pop(str(request_id), None)
         waits = self.waits.get(request_id)
         if waits is not None:  # freed while loading: finished_recving frees its blocks now
             waits.discard("load")
             self._release(request_id)
-            return
+            return None
         request = self.requests[request_id]
         self.external[request_id] = 0
         if ok:
             self.manager.cache_blocks(request, request.num_computed_tokens)
             self.settled[request_id] = request.num_computed_tokens
-            return
+            return None
         # recompute_kv_load_failures: the request's blocks are freed, its prefix looked up again
         request.num_computed_tokens = 0
         self.manager.free(request)
@@ -331,6 +331,7 @@ class VllmHybridCacheManager(VllmCacheManager):
             blocks, num_hit = self.manager.truncate_computed_blocks(blocks, num_local), num_local
         self.pending[request_id] = (blocks, num_hit)
         self.settled[request_id] = num_hit
+        return num_hit
 
     def store_done(self, request_id: int) -> None:
         waits = self.waits.get(request_id)
