@@ -541,7 +541,7 @@ class ManagerMachine(RuleBasedStateMachine):
     # -- rules ---------------------------------------------------------------------------------------
     @rule(target=reqs, system=systems, suffix=st.lists(VOCAB, max_size=6), namespace=st.sampled_from(NAMESPACES),
           extra=st.sampled_from(EXTRA_KEYS), chunk=st.integers(1, 12), write_now=st.booleans(),
-          image_at=st.integers(0, 3), stored=st.integers(0, 8))
+          image_at=st.integers(0, 3), stored=st.integers(0, 3))
     def add(self, system, suffix, namespace, extra, chunk, write_now, image_at=0, stored=0):
         """A request: a system prompt and its own suffix, under a namespace, with a multimodal input
         ``extra`` (its placeholder run, as long as :data:`IMAGE_LENGTHS` says, ``image_at`` into the suffix);
@@ -563,7 +563,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.history)
     @rule(target=reqs, turn=st.integers(0, 7), suffix=st.lists(VOCAB, max_size=4), chunk=st.integers(1, 12),
-          write_now=st.booleans(), stored=st.integers(0, 8))
+          write_now=st.booleans(), stored=st.integers(0, 3))
     def next_turn(self, turn, suffix, chunk, write_now, stored=0):
         """The next turn of a finished conversation: its tokens so far (prompt and output) and a new
         message ``suffix``, under its namespace (a multi-turn chat: the hits reach past the system prompt)."""
