@@ -299,3 +299,15 @@ def test_a_failed_load_leaves_the_request_an_admitted_hit():
              ("finish_load_rid", {"rid": 1, "ok": False}),
              ("step", {"rid": 1, "n": 3, "token": 0, "write_now": True})]
     programs.run_program(_machine(("gemma3",), block_sizes=(1,)), steps)
+
+
+def test_a_load_completed_after_its_free_is_not_promised():
+    """A request freed (preempted) while its load is in flight: vLLM frees the loaded blocks when the load
+    completes, uncached, so another request may hit them but need not. Fails before (the hit promise:
+    "a hit of 0 tokens, but its first 2 were committed and not evicted since")."""
+    prompt = {"system": [0, 0, 0], "suffix": [], "namespace": (("salt", "a"),), "extra": None, "chunk": 1,
+              "write_now": False, "image_at": 0}
+    steps = [("start", {"num_blocks": 4, "block_size": 0, "num_layers": 1, "window": 1, "layout": 0, "features": 1}),
+             ("system_prompts", {"prompts": [[0, 0, 0]]}), ("add", {**prompt, "stored": 2}),
+             ("preempt", {"rid": 0}), ("finish_load_rid", {"rid": 0, "ok": True}), ("add", {**prompt, "stored": 0})]
+    programs.run_program(_machine(("gemma3",), block_sizes=(1,)), steps)

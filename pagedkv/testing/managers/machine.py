@@ -224,11 +224,14 @@ class ManagerMachine(RuleBasedStateMachine):
         block, offset = divmod(slot, self.gbs[group])
         return block * self.page + offset
 
-    def register(self, rid: int, req: Request, upto: int) -> None:
-        """Tokens below ``upto`` are cached by the manager: their full blocks are hittable."""
+    def register(self, rid: int, req: Request, upto: int, promised: bool = True) -> None:
+        """Tokens below ``upto`` are cached by the manager: their full blocks are hittable (and, where
+        ``promised``, must hit)."""
         tables = self.m.block_table(rid) if rid in self.live else req.table  # a deferred free: as it was freed
         for end in range(self.bs, upto + 1, self.bs):
             self.committed_prefixes.add(req.identities[end - 1])
+        if not promised:
+            return
         for g, (group, table) in enumerate(zip(self.groups, tables)):
             bs = self.gbs[g]
             for end in range(bs, upto + 1, bs):
@@ -687,8 +690,8 @@ class ManagerMachine(RuleBasedStateMachine):
         req.loading = None
         again = self.m.load_done(rid, ok)
         req.written = end if ok else start
-        if ok:  # valid K/V: cacheable even where the request was freed meanwhile
-            self.register(rid, req, end)
+        if ok:  # valid K/V: hittable even where the request was freed meanwhile (not promised then: vLLM
+            self.register(rid, req, end, promised=rid in self.live)  # frees such a load's blocks uncached)
         elif again is not None and rid in self.live:  # let go and looked up again: an admitted hit, held
             assert 0 <= again <= start and (again == 0 or req.identities[again - 1] in self.committed_prefixes), \
                 f"request {rid}: after its failed load a hit of {again} tokens (its local hit was {start}), " \
