@@ -1,0 +1,117 @@
+"""SGLang's Mamba radix cache (the unified cache's MAMBA component over its real HybridReqToTokenPool and
+MambaPool, pagedkv.tools.peers.sglang_mamba_manager) under the cache-manager machine, where sglang is
+installed: the release passes with state reads and hits judged, and faults planted in SGLang's state
+copy-on-write and checkpointing are found."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+from hypothesis import Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from pagedkv.testing.managers import programs
+from pagedkv.testing.managers.machine import machine_for
+from pagedkv.testing.managers.protocol import CacheManager, ManagerConfig, layout_groups
+from pagedkv.testing.settings import manager_settings
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("sglang") is None,
+    reason="sglang is not installed (pip install --no-deps sglang==0.5.23 and the modules docs/peers.md lists)")
+
+
+def _machine(name: str):
+    from pagedkv.tools.peers import sglang_mamba_manager as mm
+
+    mm._import_mamba()  # outside the measured steps
+    return machine_for(mm.cache_manager, block_sizes=mm.cache_manager_block_sizes, layouts=mm.cache_manager_layouts,
+                       name=name)
+
+
+def _finds_fault(name: str) -> str:
+    machine = _machine(name)
+    steps = programs.run_recorded(machine, settings(manager_settings(100, 30), phases=(Phase.generate,)))
+    assert steps is not None, f"{name}: the planted fault passed the machine"
+    return steps.error
+
+
+def test_mamba_radix_cache_passes_the_manager_machine():
+    machine = _machine("SglangMamba")
+    start = time.perf_counter()
+    run_state_machine_as_test(machine, settings=settings(manager_settings(60, 50), phases=tuple(Phase)))
+    seconds = time.perf_counter() - start
+    print(f"SGLang UnifiedRadixCache (full + Mamba): {machine.checks_run} steps in {seconds:.2f} s, "
+          f"{machine.checks_run / seconds:.0f} steps/s")
+    assert machine.checks_run > 60 and machine.tokens_read > 0 and machine.prefix_hits > 0
+
+
+def test_registered_in_the_jamba_layouts_and_satisfies_the_protocol():
+    from pagedkv.tools.peers import PEERS
+    from pagedkv.tools.peers.sglang_mamba_manager import cache_manager
+
+    peer = PEERS["sglang_mamba_radix_cache"]()
+    assert peer.cache_manager_layouts == ("jamba", "qwen3-next") and peer.cache_manager_block_sizes == (1,)
+    manager = cache_manager(ManagerConfig(4, 1, groups=layout_groups("qwen3-next", 1, 0), num_layers=2))
+    assert isinstance(manager, CacheManager)
+    assert [g.kind for g in manager.capabilities.groups] == ["full", "mamba"]
+    with pytest.raises(ValueError, match="one full-attention and one Mamba group of block size 1"):
+        cache_manager(ManagerConfig(4, 2, groups=layout_groups("jamba", 2, 0)))
+    with pytest.raises(ValueError, match="one full-attention and one Mamba group"):
+        cache_manager(ManagerConfig(4, 1, groups=layout_groups("gemma3", 1, 1)))
+
+
+def test_a_hit_copies_the_cached_state_and_the_tree_keeps_its_own():
+    """SGLang's copy-on-write, through its own pools: the checkpoint gives the tree a copy of the request's
+    state, a hit gives the next request a copy of the tree's, and steps on either copy leave the others."""
+    from pagedkv.tools.peers.sglang_mamba_manager import cache_manager
+
+    m = cache_manager(ManagerConfig(8, 1, groups=layout_groups("jamba", 1, 0)))
+    k = m.kv_pools(0)[0]
+    m.admit(0, [1, 2, 3, 4])
+    first = m.reserve(0, [1, 2, 3, 4])[1][-1]
+    k[first] = 4.0  # the state after the prompt, where the step wrote it
+    m.commit(0, 4)  # cache_unfinished_req: the tree takes a copy
+    blocks, hit = m.admit(1, [1, 2, 3, 4, 5])
+    assert hit == 4 and blocks[1][-1] not in (-1, first), blocks  # the tree's copy, not request 0's slot
+    k[first] = 5.0  # request 0 decodes on: its own slot only
+    assert float(k[blocks[1][-1]].flatten()[0]) == 4.0
+    own = m.reserve(1, [5])[1][-1]
+    assert own not in (first, blocks[1][-1]) and float(k[own].flatten()[0]) == 4.0  # the copy, before its step
+    assert m.block_table(1)[1][3] == own
+    m.free(0)
+    m.free(1)
+    m.self_check()
+    assert m.counts()[1] == 0
+
+
+def test_a_hit_whose_state_is_not_copied_is_caught(monkeypatch):
+    """Planted: ``copy_mamba_state`` a no-op, so a hit continues from its fresh slot, not the cached state."""
+    from pagedkv.tools.peers.sglang_mamba_manager import _import_mamba
+
+    pool = _import_mamba().memory_pool.HybridReqToTokenPool
+    monkeypatch.setattr(pool, "copy_mamba_state", lambda self, src, dst: None)
+    assert "reads wrong state" in _finds_fault("SglangMambaNoCow")
+
+
+def test_a_checkpoint_that_donates_the_live_slot_is_caught(monkeypatch):
+    """Planted: an unfinished request's checkpoint gives the tree the request's own state slot instead of a
+    copy, so the request's next step overwrites the state the tree serves."""
+    from pagedkv.tools.peers.sglang_mamba_manager import _import_mamba
+
+    _import_mamba()
+    from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+
+    real = MambaComponent.prepare_for_caching_req
+
+    def donate_live(self, req, insert_params, token_ids_len, is_finished):
+        if is_finished:
+            return real(self, req, insert_params, token_ids_len, is_finished)
+        insert_params.mamba_value = req.kv.mamba_pool_idx.unsqueeze(-1).clone()
+        return token_ids_len
+
+    monkeypatch.setattr(MambaComponent, "prepare_for_caching_req", donate_live)
+    error = _finds_fault("SglangMambaDonatesLive")
+    print(error)
+    assert "AssertionError" in error, error
