@@ -1,13 +1,15 @@
 """SGLang's Mamba radix cache (sglang 0.5.23, pure Python) through the cache-manager protocol: the
 ``UnifiedRadixCache`` with its ``FULL`` and ``MAMBA`` components over SGLang's own ``HybridReqToTokenPool``
 (its ``MambaPool`` and ``MambaSlotAllocator``) and a ``TokenToKVPoolAllocator``, for a hybrid model of
-full-attention and Mamba layers (``jamba``, ``qwen3-next`` of :data:`~pagedkv.testing.managers.protocol.HYBRID_LAYOUTS`).
+full-attention and Mamba layers (the ``jamba`` and ``qwen3-next`` layouts of ``HYBRID_LAYOUTS``).
 
 Spec ``pagedkv.tools.peers:sglang_mamba_radix_cache``. SGLang 0.5.23 has no ``MambaRadixCache`` module any
-more: the Mamba radix cache is this component. Its strategy here is ``no_buffer`` (SGLang's default: no
-ping-pong track slots), which needs page size 1, so a block is a token slot. Each request holds one Mamba
-state slot (``req.kv.mamba_pool_idx``) that its steps overwrite; the tree caches a state where a request
-was checkpointed, and a hit hands the request a copy (copy-on-write).
+more: the Mamba radix cache is this component. Its strategy here is ``no_buffer`` (what ``auto`` resolves to
+with overlap scheduling off, or where the model has no extra buffer; ``extra_buffer``, ``auto``'s choice
+with overlap scheduling, tracks states in ping-pong slots at chunk boundaries that ``ScheduleBatch``
+computes per batch, and is not driven here). ``no_buffer`` needs page size 1, so a block is a token slot.
+Each request holds one Mamba state slot (``req.kv.mamba_pool_idx``) that its steps overwrite; the tree
+caches a state where a request was checkpointed, and a hit hands the request a copy (copy-on-write).
 
 Each protocol call is what SGLang's scheduler does (``managers/schedule_batch.py``, ``mem_cache/common.py``):
 
@@ -197,8 +199,8 @@ class SglangMambaRadixCache:
             conv=[self.v_all[:mamba_layers, self.mamba_base:, 0, 0].view(mamba_layers, m + 1, 1, head_dim)],
             temporal=self.k_all[:mamba_layers, self.mamba_base:])
         self.allocator = s.TokenToKVPoolAllocator(n, torch.float32, "cpu", None, need_sort=False)
-        params = s.CacheInitParams(disable=False, req_to_token_pool=self.pool, token_to_kv_pool_allocator=self.allocator,
-                                   page_size=1, enable_mamba_extra_buffer=False)
+        params = s.CacheInitParams(disable=False, req_to_token_pool=self.pool, page_size=1,
+                                   token_to_kv_pool_allocator=self.allocator, enable_mamba_extra_buffer=False)
         params.tree_components = (s.FULL, s.MAMBA)
         self.tree = s.UnifiedRadixCache(params)
         self.reqs: dict[int, _UnifiedReq] = {}
