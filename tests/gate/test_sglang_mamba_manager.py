@@ -86,6 +86,30 @@ def test_a_hit_copies_the_cached_state_and_the_tree_keeps_its_own():
     assert m.counts()[1] == 0
 
 
+def test_a_hit_stops_at_the_deepest_node_that_kept_its_state():
+    """A state-only eviction of an interior node leaves its full K/V without its state (a tombstone): a hit
+    over that prefix stops at the deepest node still holding a state, never at the tombstone."""
+    from pagedkv.tools.peers.sglang_mamba_manager import cache_manager
+
+    m = cache_manager(ManagerConfig(12, 1, groups=layout_groups("jamba", 1, 0)))
+    m.admit(0, [1, 2, 3, 4, 5])
+    m.reserve(0, [1, 2])
+    m.commit(0, 2)  # a chunk: the state after [1, 2] cached
+    m.reserve(0, [3, 4, 5])
+    m.commit(0, 5)  # the prompt: the state after [1, 2, 3, 4, 5] cached
+    m.free(0)
+    assert m.admit(1, [1, 2, 3, 4, 5, 6])[1] == 5  # the deeper state used last
+    m.free(1)
+    m.tree.evict(m.s.EvictParams(num_tokens=0, mamba_num=1))  # the least recently used state: [1, 2]'s
+    assert m.tree.full_evictable_size() == 5 and m.tree.mamba_evictable_size() == 1  # every token's K/V stays
+    assert m.admit(2, [1, 2, 7])[1] == 0  # [1, 2]'s K/V is cached, its state is not
+    blocks, hit = m.admit(3, [1, 2, 3, 4, 5, 6])
+    assert hit == 5 and blocks[1][4] >= 0, (blocks, hit)
+    m.free(2)
+    m.free(3)
+    m.self_check()
+
+
 def test_a_hit_whose_state_is_not_copied_is_caught(monkeypatch):
     """Planted: ``copy_mamba_state`` a no-op, so a hit continues from its fresh slot, not the cached state."""
     from pagedkv.tools.peers.sglang_mamba_manager import _import_mamba

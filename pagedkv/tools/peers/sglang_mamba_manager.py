@@ -32,7 +32,8 @@ Each protocol call is what SGLang's scheduler does (``managers/schedule_batch.py
 - ``block_table``: the full group's slots; the Mamba group ``-1`` but where the request's state lives: the
   node's slot at the hit's last token while the copy-on-write is pending, else the request's own slot at
   its last committed and its last reserved token. ``counts``: only while no request is live (as the SWA
-  cache): every full and Mamba slot free or evictable.
+  cache): every full and Mamba slot free or evictable. ``evict``: states first (``mamba_num``), then
+  full K/V.
 - ``self_check``: each full slot and each Mamba slot is in exactly one of the allocator's free list, the
   tree, or one live request's own part; SGLang's ``sanity_check`` while idle.
 
@@ -327,7 +328,10 @@ class SglangMambaRadixCache:
         return free, total - free, total
 
     def evict(self, num_blocks: int) -> None:
-        self.tree.evict(self.s.EvictParams(num_tokens=num_blocks, mamba_num=num_blocks))
+        """States first (what admission does when the Mamba pool is short: nodes keep their full K/V
+        without a state, so later hits stop above them), then full K/V (leaves)."""
+        self.tree.evict(self.s.EvictParams(num_tokens=0, mamba_num=num_blocks))
+        self.tree.evict(self.s.EvictParams(num_tokens=num_blocks))
 
     def reset(self) -> bool:
         if self.reqs:
