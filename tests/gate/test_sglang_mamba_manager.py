@@ -62,6 +62,25 @@ def test_registered_in_the_jamba_layouts_and_satisfies_the_protocol():
         cache_manager(ManagerConfig(4, 1, groups=layout_groups("gemma3", 1, 1)))
 
 
+def test_admission_is_bounded_as_sglang_sizes_its_running_requests():
+    """SGLang caps running requests at a third of the Mamba slots (no_buffer) through its request rows, so
+    a checkpoint's copy always finds a slot; requests sharing one cached prompt are not bounded by the
+    token pool (the case the machine drew: SGLang's "Can not alloc mamba cache" with 64 rows)."""
+    from pagedkv.tools.peers.sglang_mamba_manager import cache_manager
+
+    m = cache_manager(ManagerConfig(4, 1, groups=layout_groups("jamba", 1, 0)))
+    assert m.mamba_size == 12
+    for rid in range(4):  # a cached prompt shared by every request: the token pool is not the bound
+        _, hit = m.admit(rid, [0, 0])
+        assert m.reserve(rid, [0]) is not None
+        m.commit(rid, hit + 1)
+    assert m.admit(4, [0, 0]) is None  # no row: the scheduler keeps it waiting
+    for rid in range(4):
+        m.free(rid)
+    m.self_check()
+    assert m.admit(4, [0, 0]) is not None
+
+
 def test_a_hit_copies_the_cached_state_and_the_tree_keeps_its_own():
     """SGLang's copy-on-write, through its own pools: the checkpoint gives the tree a copy of the request's
     state, a hit gives the next request a copy of the tree's, and steps on either copy leave the others."""

@@ -17,8 +17,10 @@ Each protocol call is what SGLang's scheduler does (``managers/schedule_batch.py
   (``init_next_round_input``): the hit ends at the deepest node holding a state, and a hit with a state
   allocates the request's own slot and records the node's slot as ``mamba_cow_src_index``; ``lock``; the
   row (``HybridReqToTokenPool.alloc``: a fresh slot marked ``mamba_needs_clear`` where the hit had no
-  state). A full Mamba pool is first relieved by ``evict_for_alloc`` of one state; still full, the
-  admission is refused (the scheduler keeps the request waiting).
+  state). Refused (the scheduler keeps the request waiting) without a free row: SGLang sizes
+  ``max_running_requests`` (the rows) to a third of the Mamba slots with ``no_buffer``, here
+  ``num_blocks`` rows and ``3 * num_blocks`` slots; a full Mamba pool is first relieved by
+  ``evict_for_alloc`` of one state, and still full refuses too.
 - ``reserve``: the request's first forward runs the deferred copy-on-write (``copy_mamba_state`` from
   the node's slot into the request's) or clear (``_collect_deferred_mamba_cow_and_clear`` and the model
   runner); then ``alloc`` of token slots (``evict`` when short, once more). The Mamba slots returned are
@@ -79,8 +81,9 @@ name = "sglang_mamba_radix_cache"
 #: SGLang's Mamba cache chunk without a model config (FLA's ``CHUNK_SIZE``; only the extra-buffer
 #: strategy reads it).
 MAMBA_CACHE_CHUNK = 64
-#: Live requests the ``req_to_token`` pool holds (the machine's pools hold fewer).
-MAX_REQUESTS = 64
+#: Mamba state slots per running request with ``no_buffer`` (``_calculate_mamba_ratio`` of SGLang's
+#: ``kv_cache_configurator.py``: ``max_running_requests = max_mamba_cache_size // 3``).
+MAMBA_SLOTS_PER_REQUEST = 3
 
 
 def _lazy_configs(root: str) -> None:
@@ -177,7 +180,10 @@ class SglangMambaRadixCache:
                              f"and one Mamba group of block size 1")
         self.groups = config.groups
         n = self.num_blocks = config.num_blocks
-        m = self.mamba_size = 2 * n + 2  # a state per live request and the tree's checkpoints
+        # SGLang's sizing: max_running_requests = max_mamba_cache_size // 3 with no_buffer (a state per
+        # running request, the one its last node keeps, a checkpoint's copy), the rows bounding admission
+        self.max_running_requests = n
+        m = self.mamba_size = MAMBA_SLOTS_PER_REQUEST * n
         self.mamba_base = n + 1  # block id of Mamba slot 0
         num_layers = max(config.num_layers, 1)
         mamba_layers = config.groups[1].num_layers
@@ -188,7 +194,7 @@ class SglangMambaRadixCache:
         params = s.Mamba2CacheParams(shape=shape, layers=list(range(mamba_layers)),
                                      dtype=s.Mamba2StateDType(conv=torch.float32, temporal=torch.float32))
         self.pool = s.memory_pool.HybridReqToTokenPool(
-            size=MAX_REQUESTS, mamba_size=m, mamba_spec_state_size=MAX_REQUESTS, max_context_len=MAX_ROW,
+            size=n, mamba_size=m, mamba_spec_state_size=n, max_context_len=MAX_ROW,
             device="cpu", enable_memory_saver=False, cache_params=params, mamba_layer_ids=list(range(mamba_layers)),
             enable_mamba_extra_buffer=False)
         # the machine's pools: one storage per K and V; the Mamba rows are the MambaPool's state tensors
