@@ -182,13 +182,12 @@ class SglangMambaRadixCache:
         n = self.num_blocks = config.num_blocks
         # SGLang's sizing: max_running_requests = max_mamba_cache_size // 3 with no_buffer (a state per
         # running request, the one its last node keeps, a checkpoint's copy), the rows bounding admission
-        self.max_running_requests = n
         m = self.mamba_size = MAMBA_SLOTS_PER_REQUEST * n
         self.mamba_base = n + 1  # block id of Mamba slot 0
         num_layers = max(config.num_layers, 1)
         mamba_layers = config.groups[1].num_layers
-        head_dim = config.head_dim
-        shape = s.Mamba2StateShape(conv=[(1, head_dim)], temporal=(1, 1, head_dim), intermediate_size=1,
+        heads, head_dim = config.num_kv_heads, config.head_dim
+        shape = s.Mamba2StateShape(conv=[(heads, head_dim)], temporal=(1, heads, head_dim), intermediate_size=1,
                                    conv_dim=1, ssm_state_size=head_dim, num_heads=1, head_dim=head_dim,
                                    state_size=head_dim, conv_kernel=head_dim + 1)
         params = s.Mamba2CacheParams(shape=shape, layers=list(range(mamba_layers)),
@@ -199,12 +198,11 @@ class SglangMambaRadixCache:
             enable_mamba_extra_buffer=False)
         # the machine's pools: one storage per K and V; the Mamba rows are the MambaPool's state tensors
         total = self.mamba_base + m + 1
-        self.k_all = torch.full((num_layers, total, 1, config.num_kv_heads, head_dim), float("nan"))
-        self.v_all = torch.full((num_layers, total, 1, config.num_kv_heads, head_dim), float("nan"))
+        self.k_all = torch.full((num_layers, total, 1, heads, head_dim), float("nan"))
+        self.v_all = torch.full((num_layers, total, 1, heads, head_dim), float("nan"))
         mamba_pool = self.pool.mamba_pool
-        mamba_pool.mamba_cache = type(mamba_pool.mamba_cache)(
-            conv=[self.v_all[:mamba_layers, self.mamba_base:, 0, 0].view(mamba_layers, m + 1, 1, head_dim)],
-            temporal=self.k_all[:mamba_layers, self.mamba_base:])
+        mamba_pool.mamba_cache = type(mamba_pool.mamba_cache)(conv=[self.v_all[:mamba_layers, self.mamba_base:, 0]],
+                                                              temporal=self.k_all[:mamba_layers, self.mamba_base:])
         self.allocator = s.TokenToKVPoolAllocator(n, torch.float32, "cpu", None, need_sort=False)
         params = s.CacheInitParams(disable=False, req_to_token_pool=self.pool, page_size=1,
                                    token_to_kv_pool_allocator=self.allocator, enable_mamba_extra_buffer=False)
