@@ -156,5 +156,4 @@ def test_a_checkpoint_that_donates_the_live_slot_is_caught(monkeypatch):
 
     monkeypatch.setattr(MambaComponent, "prepare_for_caching_req", donate_live)
     error = _finds_fault("SglangMambaDonatesLive")
-    print(error)
     assert "AssertionError" in error, error
