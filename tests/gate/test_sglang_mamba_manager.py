@@ -129,6 +129,32 @@ def test_a_hit_stops_at_the_deepest_node_that_kept_its_state():
     m.self_check()
 
 
+def test_the_path_cap_evicts_unlocked_interior_states():
+    """``--mamba-max-states-per-path 1`` (``:sglang_mamba_radix_cache_path_cap``): an insert evicts the
+    shallowest unlocked interior states beyond the cap (locked ones and the tail stay, full K/V stays), so a
+    prompt sharing just that prefix misses; unlimited, it hits."""
+    from pagedkv.tools.peers import PEERS
+
+    for spec, hit in (("sglang_mamba_radix_cache", 2), ("sglang_mamba_radix_cache_path_cap", 0)):
+        peer = PEERS[spec]()
+        assert peer.name == spec
+        m = peer.cache_manager(ManagerConfig(12, 1, groups=layout_groups("jamba", 1, 0)))
+        m.admit(0, [1, 2, 3, 4, 5])
+        m.reserve(0, [1, 2])
+        m.commit(0, 2)  # a state at [1, 2]
+        m.reserve(0, [3, 4, 5])
+        m.commit(0, 5)  # and at [1 .. 5] (the request still locked [1, 2]: kept)
+        m.free(0)
+        assert m.admit(1, [1, 2, 3, 4, 5, 6, 7, 8])[1] == 5
+        m.reserve(1, [6, 7])
+        m.commit(1, 7)  # a third state on the path; [1, 2]'s is unlocked now
+        assert m.admit(2, [1, 2, 9])[1] == hit, spec
+        assert m.tree.full_evictable_size() + m.tree.full_protected_size() == 7  # the K/V stays
+        m.free(1)
+        m.free(2)
+        m.self_check()
+
+
 def test_a_hit_whose_state_is_not_copied_is_caught(monkeypatch):
     """Planted: ``copy_mamba_state`` a no-op, so a hit continues from its fresh slot, not the cached state."""
     from pagedkv.tools.peers.sglang_mamba_manager import _import_mamba

@@ -241,6 +241,7 @@ PEERS: dict[str, Callable[[], Any]] = {
     "sglang_pure_swa_radix_cache": sglang_hybrid_manager.peer,
     "sglang_pure_swa_radix_cache_prefill_aware": sglang_hybrid_manager.prefill_aware_peer,
     "sglang_mamba_radix_cache": sglang_mamba_manager.peer,
+    "sglang_mamba_radix_cache_path_cap": sglang_mamba_manager.path_cap_peer,
 }
 
 

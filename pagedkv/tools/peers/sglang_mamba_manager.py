@@ -153,7 +153,7 @@ def _import_mamba():
         memory_pool = _load_memory_pool(root)
         from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
         from sglang.srt.mem_cache.unified_cache.components import ComponentType
-        from sglang.srt.runtime_context import get_context
+        from sglang.srt.runtime_context import get_context, get_exec
         from sglang.srt.server_args import ServerArgs
     except ImportError as exc:
         raise BackendUnavailableError(f"sglang lacks its Mamba pools or component ({type(exc).__name__}: {exc}); "
@@ -162,7 +162,7 @@ def _import_mamba():
         args = ServerArgs(model_path="dummy")
         args._mamba_cache_chunk_size = MAMBA_CACHE_CHUNK
         get_context().set_server_args(args)  # the config bags, without resolving a model
-    return types.SimpleNamespace(**vars(s), memory_pool=memory_pool, MAMBA=ComponentType.MAMBA,
+    return types.SimpleNamespace(**vars(s), memory_pool=memory_pool, MAMBA=ComponentType.MAMBA, get_exec=get_exec,
                                  Mamba2CacheParams=Mamba2CacheParams, Mamba2StateDType=Mamba2StateDType,
                                  Mamba2StateShape=Mamba2StateShape)
 
@@ -170,6 +170,10 @@ def _import_mamba():
 class SglangMambaRadixCache:
     """``UnifiedRadixCache`` with FULL and MAMBA components (a Jamba-style model: full-attention and Mamba
     layers), as the two groups ``(full, mamba)`` of block size 1; see the module docstring."""
+
+    #: ``--mamba-max-states-per-path`` (-1: unlimited, SGLang's default): after an insert, the shallowest
+    #: interior states beyond the cap are evicted, their full K/V kept.
+    max_states_per_path = -1
 
     def __init__(self, config: ManagerConfig) -> None:
         s = self.s = _import_mamba()
@@ -207,7 +211,8 @@ class SglangMambaRadixCache:
         params = s.CacheInitParams(disable=False, req_to_token_pool=self.pool, page_size=1,
                                    token_to_kv_pool_allocator=self.allocator, enable_mamba_extra_buffer=False)
         params.tree_components = (s.FULL, s.MAMBA)
-        self.tree = s.UnifiedRadixCache(params)
+        with s.get_exec().mamba.override(mamba_max_states_per_path=self.max_states_per_path):  # read when built
+            self.tree = s.UnifiedRadixCache(params)
         self.reqs: dict[int, _UnifiedReq] = {}
         self.capabilities = ManagerCapabilities(block_size=1, extra_keys=True, evict=True, reset=True,
                                                 eviction_order="lru-leaves", defers_commit=True, owns_pools=True,
@@ -370,6 +375,12 @@ class SglangMambaRadixCache:
             self.tree.sanity_check()
 
 
+class SglangMambaRadixCachePathCap(SglangMambaRadixCache):
+    """The same with ``--mamba-max-states-per-path 1``: one cached state per root-to-tail path."""
+
+    max_states_per_path = 1
+
+
 def cache_manager(config: ManagerConfig) -> SglangMambaRadixCache:
     """The manager factory (``--pagedkv-impl pagedkv.tools.peers:sglang_mamba_radix_cache``).
 
@@ -386,14 +397,28 @@ cache_manager_block_sizes = (1,)
 cache_manager_steps = 50
 
 
-def peer():
-    """A suite candidate over :func:`cache_manager` in the Jamba and Qwen3-Next layouts; it has no kernels.
+def cache_manager_path_cap(config: ManagerConfig) -> SglangMambaRadixCachePathCap:
+    """The factory of ``:sglang_mamba_radix_cache_path_cap`` (errors as :func:`cache_manager`)."""
+    return SglangMambaRadixCachePathCap(config)
+
+
+def peer(path_cap: bool = False):
+    """A suite candidate over :func:`cache_manager` in the Jamba and Qwen3-Next layouts (``path_cap``: over
+    :func:`cache_manager_path_cap`); it has no kernels.
 
     Raises:
         BackendUnavailableError: the engine is not installed (the message gives the install command).
     """
     _import_mamba()
-    return types.SimpleNamespace(__name__=__name__, name=name, cache_manager=cache_manager,
+    return types.SimpleNamespace(__name__=f"{__name__}:{'path_cap' if path_cap else 'plain'}",
+                                 name=name + ("_path_cap" if path_cap else ""),
+                                 cache_manager=cache_manager_path_cap if path_cap else cache_manager,
                                  cache_manager_layouts=cache_manager_layouts,
                                  cache_manager_block_sizes=cache_manager_block_sizes,
                                  cache_manager_steps=cache_manager_steps, module=sys.modules[__name__])
+
+
+def path_cap_peer():
+    """:func:`peer` with ``--mamba-max-states-per-path 1``
+    (``pagedkv.tools.peers:sglang_mamba_radix_cache_path_cap``)."""
+    return peer(path_cap=True)
