@@ -22,16 +22,16 @@ pytestmark = pytest.mark.skipif(
     reason="sglang is not installed (pip install --no-deps sglang==0.5.23 and the modules docs/peers.md lists)")
 
 
-def _machine(name: str):
+def _machine(name: str, factory=None):
     from pagedkv.tools.peers import sglang_mamba_manager as mm
 
     mm._import_mamba()  # outside the measured steps
-    return machine_for(mm.cache_manager, block_sizes=mm.cache_manager_block_sizes, layouts=mm.cache_manager_layouts,
-                       name=name)
+    return machine_for(factory or mm.cache_manager, block_sizes=mm.cache_manager_block_sizes,
+                       layouts=mm.cache_manager_layouts, name=name)
 
 
-def _finds_fault(name: str) -> str:
-    machine = _machine(name)
+def _finds_fault(name: str, factory=None) -> str:
+    machine = _machine(name, factory)
     steps = programs.run_recorded(machine, settings(manager_settings(100, 30), phases=(Phase.generate,)))
     assert steps is not None, f"{name}: the planted fault passed the machine"
     return steps.error
@@ -183,3 +183,24 @@ def test_a_checkpoint_that_donates_the_live_slot_is_caught(monkeypatch):
     monkeypatch.setattr(MambaComponent, "prepare_for_caching_req", donate_live)
     error = _finds_fault("SglangMambaDonatesLive")
     assert "AssertionError" in error, error
+
+
+def test_a_split_that_hands_the_child_state_to_the_new_parent_is_caught(monkeypatch):
+    """Planted in SGLang's Python tree core (its Rust core splits nodes itself): a node split keeps the
+    child's state on the new parent, so a hit at the split point serves the state of the longer prefix
+    (node splits are where SGLang's Mamba tree has had fixes: #22935, #36696)."""
+    from pagedkv.tools.peers.sglang_mamba_manager import SglangMambaRadixCache, _import_mamba
+
+    _import_mamba()
+    from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+
+    real = MambaComponent.redistribute_on_node_split
+
+    def split_keeps_state(self, new_parent, child):
+        real(self, new_parent, child)
+        new_parent.component_data[self.component_type].value = child.component_data[self.component_type].value
+
+    monkeypatch.setattr(MambaComponent, "redistribute_on_node_split", split_keeps_state)
+    python_core = type("PythonCore", (SglangMambaRadixCache,), {"tree_core_backend": "python"})
+    assert "reads wrong state" in _finds_fault("SglangMambaSplitKeepsState", python_core)
+

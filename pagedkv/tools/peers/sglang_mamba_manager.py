@@ -174,6 +174,9 @@ class SglangMambaRadixCache:
     #: ``--mamba-max-states-per-path`` (-1: unlimited, SGLang's default): after an insert, the shallowest
     #: interior states beyond the cap are evicted, their full K/V kept.
     max_states_per_path = -1
+    #: SGLang's tree core (``CacheInitParams.tree_core_backend``): ``None`` its default, the Rust core;
+    #: ``"python"`` the Python one.
+    tree_core_backend = None
 
     def __init__(self, config: ManagerConfig) -> None:
         s = self.s = _import_mamba()
@@ -211,6 +214,7 @@ class SglangMambaRadixCache:
         params = s.CacheInitParams(disable=False, req_to_token_pool=self.pool, page_size=1,
                                    token_to_kv_pool_allocator=self.allocator, enable_mamba_extra_buffer=False)
         params.tree_components = (s.FULL, s.MAMBA)
+        params.tree_core_backend = self.tree_core_backend
         with s.get_exec().mamba.override(mamba_max_states_per_path=self.max_states_per_path):  # read when built
             self.tree = s.UnifiedRadixCache(params)
         self.reqs: dict[int, _UnifiedReq] = {}
