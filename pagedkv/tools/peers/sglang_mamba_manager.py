@@ -10,6 +10,8 @@ with overlap scheduling, tracks states in ping-pong slots at chunk boundaries th
 computes per batch, and is not driven here). ``no_buffer`` needs page size 1, so a block is a token slot.
 Each request holds one Mamba state slot (``req.kv.mamba_pool_idx``) that its steps overwrite; the tree
 caches a state where a request was checkpointed, and a hit hands the request a copy (copy-on-write).
+The tree core is SGLang's default, its Rust ``RustUnifiedTreeCore`` (``tree_core_backend`` picks the
+Python one); ``:sglang_mamba_radix_cache_path_cap`` runs with ``--mamba-max-states-per-path 1``.
 
 Each protocol call is what SGLang's scheduler does (``managers/schedule_batch.py``, ``mem_cache/common.py``):
 
