@@ -31,8 +31,8 @@ def _machine(name: str, factory=None):
 
 
 def _finds_fault(name: str, factory=None) -> str:
-    machine = _machine(name, factory)
-    steps = programs.run_recorded(machine, settings(manager_settings(100, 30), phases=(Phase.generate,)))
+    machine = _machine(name, factory)  # found within 49 programs in 30 runs: 200 leave room
+    steps = programs.run_recorded(machine, settings(manager_settings(200, 30), phases=(Phase.generate,)))
     assert steps is not None, f"{name}: the planted fault passed the machine"
     return steps.error
 
@@ -202,5 +202,7 @@ def test_a_split_that_hands_the_child_state_to_the_new_parent_is_caught(monkeypa
 
     monkeypatch.setattr(MambaComponent, "redistribute_on_node_split", split_keeps_state)
     python_core = type("PythonCore", (SglangMambaRadixCache,), {"tree_core_backend": "python"})
-    assert "reads wrong state" in _finds_fault("SglangMambaSplitKeepsState", python_core)
+    error = _finds_fault("SglangMambaSplitKeepsState", python_core)
+    # the longer prefix's state read at the split point, or its slot named by two nodes
+    assert "reads wrong state" in error or "in the tree (Mamba) and in the tree (Mamba)" in error, error
 
