@@ -1,4 +1,4 @@
-"""SGLang's Mamba radix cache (sglang 0.5.23, pure Python) through the cache-manager protocol: the
+"""SGLang's Mamba radix cache (sglang 0.5.23, on a CPU) through the cache-manager protocol: the
 ``UnifiedRadixCache`` with its ``FULL`` and ``MAMBA`` components over SGLang's own ``HybridReqToTokenPool``
 (its ``MambaPool`` and ``MambaSlotAllocator``) and a ``TokenToKVPoolAllocator``, for a hybrid model of
 full-attention and Mamba layers (the ``jamba`` and ``qwen3-next`` layouts of ``HYBRID_LAYOUTS``).
@@ -44,8 +44,8 @@ Each protocol call is what SGLang's scheduler does (``managers/schedule_batch.py
 Block ids: full slot ``p`` is block ``p``; Mamba slot ``q`` is block ``num_blocks + 1 + q`` (slot 0 of each
 pool is SGLang's padding slot). The manager owns the pools (``kv_pools``) because SGLang copies states:
 one storage per K and V, whose Mamba rows are the ``MambaPool``'s own ``temporal`` and ``conv`` state
-tensors (``[num_mamba_layers, mamba slots + 1, 1, 1, head_dim]`` and ``[..., 1, head_dim]``), so
-SGLang's ``copy_from`` moves what the machine wrote.
+tensors (``[num_mamba_layers, mamba slots + 1, 1, num_kv_heads, head_dim]`` and the same without the
+page axis), so SGLang's ``copy_from`` moves what the machine wrote.
 
 Loading (no serving stack, no torchvision): as :mod:`.sglang_hybrid_manager`, plus SGLang's
 ``memory_pool.py`` itself, which needs :func:`_load_memory_pool`'s two guards. Its imports reach
@@ -57,8 +57,9 @@ methods; ``UnquantizedKVCacheMethod``, the MHA pool's default quantizer), whose 
 layers, MoE runners and, through them, the same configs: empty stand-ins while ``memory_pool.py`` loads,
 removed after. PyPI's torchvision 0.28.0 (torch 2.13's) is built against CUDA torch (``_C.so`` needs
 ``libc10_cuda.so``) and does not import beside torch 2.13.0+cpu, so installing it is no way out.
-SGLang's runtime config is published from ``ServerArgs(model_path="dummy")`` with the Mamba cache chunk
-given (SGLang's fixtures do the same: no model config is read).
+SGLang's runtime config is set from ``ServerArgs(model_path="dummy")`` without resolving it
+(``get_context().set_server_args``), the Mamba cache chunk pre-seeded as SGLang's fixtures do: no model
+config is read.
 """
 
 from __future__ import annotations
