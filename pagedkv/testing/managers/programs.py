@@ -89,7 +89,7 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings, datab
     number of examples this call ran. ``database_key``: the example database key of the run (the
     settings' database keeps a failing program and replays it first next time; see
     :func:`pagedkv.testing.databases.property_key`), else Hypothesis's digest of the machine class."""
-    from pagedkv.testing.hypothesis_internals import state_machine_test
+    from pagedkv.testing.hypothesis_internals import state_machine_test, without_local_constants
 
     programs: list[list] = []
     failed_at: list[int] = []
@@ -119,10 +119,11 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings, datab
 
     Recorded.__name__ = machine_class.__name__
     try:
-        if database_key is None:
-            run_state_machine_as_test(Recorded, settings=settings_)
-        else:
-            state_machine_test(Recorded, settings_, database_key)()
+        with without_local_constants():  # one search whatever the process imported before
+            if database_key is None:
+                run_state_machine_as_test(Recorded, settings=settings_)
+            else:
+                state_machine_test(Recorded, settings_, database_key)()
     except Exception as exc:  # noqa: BLE001 - any failure of the manager is the finding
         steps = _Program(programs[-1] if programs else [])
         steps.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
