@@ -1,8 +1,10 @@
 """The properties kill every shipped cache mutant (:mod:`pagedkv.tools.mutants.caches`), under the ``ci``
 profile (derandomized: a gate does not flip on a rerun), stopping at the first failing example.
 
-Two drivers see each one: the cache state machine (``pagedkv.testing.properties.machine.CacheMachine`` with the
-faulty class as its ``cache_class``) and the sharing property (``checks.sharing_isolated`` over drawn
+Two drivers see each one: the cache state machine of the kernel property
+``cache_state_machine_holds_its_invariants`` (the cache-manager machine over pagedkv's own cache with the
+faulty class as its ``cache_class``: :func:`pagedkv.testing.managers.kernel_property.machine_for_backend`)
+and the sharing property (``checks.sharing_isolated`` over drawn
 scenarios, with the mutant's backend, whose ``cache_class`` is the faulty cache), followed, as
 ``python -m pagedkv mutate --kill-table`` does, by the committed scenario case files. A kill must be an
 ``AssertionError`` (a property's verdict), not a crash of the faulty code.
@@ -13,9 +15,8 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis.stateful import run_state_machine_as_test
-
 from pagedkv.backends import load_backend
+from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.tools.mutants import caches as cache_mutants
 from pagedkv.testing.properties import scenarios as scenarios_mod
 from pagedkv.testing.casefiles.reading import load_case_file, shipped_regressions
@@ -23,7 +24,8 @@ from pagedkv.testing.execute import run_record
 from pagedkv.tools.mutants.backends import IndexedBackend
 from pagedkv.testing.strategies import scenarios
 from pagedkv.testing.settings import PROFILES
-from pagedkv.testing.properties.machine import STEPS, CacheMachine, machine_for
+from pagedkv.testing.managers import programs
+from pagedkv.testing.managers.kernel_property import STEPS, machine_for_backend
 
 NAMES = sorted(cache_mutants.CACHE_MUTANTS)
 
@@ -45,13 +47,22 @@ def sharing_property(backend):
     return prop
 
 
+def machine_kill(cache_class) -> str | None:
+    """The machine's verdict on ``cache_class`` (derandomized, 300 runs): the failure's first line, or
+    ``None``; a failure must be the machine's (an ``AssertionError``), not a crash of the faulty code."""
+    steps = programs.run_recorded(machine_for_backend(cache_class=cache_class),
+                                  ci_settings(stateful_step_count=STEPS, max_examples=300))
+    if steps is None:
+        return None
+    assert isinstance(steps.exception, AssertionError), steps.error
+    return steps.error
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_the_state_machine_kills_cache_mutant(name):
-    """Derandomized, 300 runs of the machine: each mutant dies, most within the first few runs
-    (``cow_first_layer_only`` needs a fork of a partly written block across layers, the rarest history)."""
-    with pytest.raises(AssertionError):
-        run_state_machine_as_test(machine_for(cache_class=cache_mutants.CACHE_MUTANTS[name]),
-                                  settings=ci_settings(stateful_step_count=STEPS, max_examples=300))
+    """Each mutant dies within the 300 derandomized runs, most within the first few."""
+    assert machine_kill(cache_mutants.CACHE_MUTANTS[name]) is not None, \
+        f"{name} survived: {cache_mutants.CACHE_MUTANTS[name].__doc__}"
 
 
 REGRESSIONS = shipped_regressions()
@@ -78,7 +89,7 @@ def test_the_sharing_property_and_case_files_kill_cache_mutant(name):
 
 def test_the_unmutated_cache_passes_the_same_drivers():
     """Kills come from the planted faults: the real cache passes both drivers under the same settings."""
-    run_state_machine_as_test(CacheMachine, settings=ci_settings(stateful_step_count=STEPS))
+    assert machine_kill(PagedKVCache) is None
     assert sharing_kill(IndexedBackend()) is None
 
 
