@@ -63,18 +63,17 @@ def machine_kill(cache_class) -> str | None:
     return steps.error
 
 
-#: Mutants the 100 derandomized runs (the ``ci`` profile's examples) under pytest miss (found within them by the same search in a plain
-#: process, and at the first 224 of 1500 runs): two requests must compute one system prompt's blocks
-#: each, the second copy must grow a longer chain, and a later prompt must reach it. Per push each is
-#: killed by the program the search found (``tests/tools/programs/``); the long search runs nightly.
+#: Mutants the derandomized search misses under pytest (run in a plain process, the same search finds it
+#: at its 120th run): two requests must compute one system prompt's blocks each, the second copy must
+#: grow a longer chain, and a later prompt must reach it. Per push each is killed by the program the
+#: search found (``tests/tools/programs/``); the long search runs nightly.
 SEARCH_MISSES = {"first_candidate_only": "the derandomized search reaches it in some process states only"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=(pytest.mark.slow, pytest.mark.xfail(
     reason=SEARCH_MISSES[n], strict=False))) if n in SEARCH_MISSES else n for n in NAMES])
 def test_the_state_machine_kills_cache_mutant(name):
-    """Each mutant dies within the 100 derandomized runs (the ``ci`` profile's examples) (1500 for a search miss, nightly), most within
-    the first few."""
+    """Each mutant dies within :data:`RUNS` derandomized runs (1500 for a search miss, nightly)."""
     runs = 1500 if name in SEARCH_MISSES else RUNS
     steps = programs.run_recorded(machine_for_backend(cache_class=cache_mutants.CACHE_MUTANTS[name]),
                                   ci_settings(stateful_step_count=STEPS, max_examples=runs))
