@@ -11,8 +11,7 @@ forks and frees, and runs both after every rule).
 does, as ``WindowMachine`` does):
 
 1. ``start`` draws ``window_left`` from ``None`` or ``0 .. 9`` and builds the config with
-   ``dataclasses.replace(config, window_left=window_left, debug_poison="nan")`` (a backend read through
-   its ``paged_attention`` only runs without a window: ``FullAttentionCacheMachine``);
+   ``dataclasses.replace(config, window_left=window_left, debug_poison="nan")``;
 2. ``CacheModel.reserve``: the append may first release entries ``r0 .. r1 - 1`` (``r = first_held_position
    // block_size`` before and after); every other entry is unchanged (but a copied shared partial last
    block), those in ``r0 .. r1 - 1`` become ``-1``, and ``r1 <= releasable_blocks(written, window_left,
