@@ -141,7 +141,7 @@ class ManagerMachine(RuleBasedStateMachine):
     systems = Bundle("systems")
 
     @initialize(num_blocks=st.integers(4, 12), block_size=st.integers(0, 2), num_layers=st.integers(1, 2),
-                window=st.integers(0, 3), layout=st.integers(0, 7), features=st.integers(0, 3))
+                window=st.integers(0, 3), layout=st.integers(0, 11), features=st.integers(0, 3))
     def start(self, num_blocks, block_size, num_layers, window, layout=0, features=0):
         """The pool: ``block_size`` and ``window`` index the sizes the manager takes, ``layout`` its
         layouts (a hybrid one takes ``block_size`` as its hash block size and ``window`` as its

@@ -437,7 +437,7 @@ cache_manager_windows = vllm_manager.cache_manager_windows
 
 #: The layouts the suite draws for this manager: one group, and the hybrid coordinator in every real-model layout.
 cache_manager_layouts = ("one-group", "gemma3", "llama4", "jamba", "qwen3-next", "gpt-oss-2full-sw",
-                         "mixed-block-sizes")
+                         "mixed-block-sizes", "hymba", "deepseek-v4", "two-window-block-sizes")
 
 
 def peer():
