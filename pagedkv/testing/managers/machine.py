@@ -88,6 +88,7 @@ class Step:
     end: int
     slots: tuple  # one slot list per group
     reads: frozenset
+    epoch: int = 0  # the scheduler step it was reserved in (ManagerMachine.epoch)
 
 
 @dataclasses.dataclass
@@ -177,6 +178,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.zombies: dict[int, Request] = {}  # freed with steps, a load or a store pending (their free deferred)
         self.committed_prefixes: set[int] = set()  # identities of the last token of committed full blocks
         self.next_id = 0
+        self.epoch = 0  # scheduler steps so far: a commit ends one (reservations between two commits share one)
         self.history: list[tuple] = []  # finished conversations (namespace, tokens, extras), newest last
         self.rejected: list[tuple] = []  # timelines ending in rejected drafts (namespace, tokens, extras)
         # the model of what the manager declares: block -> identity its cached full block holds (hit
@@ -239,6 +241,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def commit(self, rid: int, req: Request) -> None:
         before = self.holdings()
         self.m.commit(rid, req.written)
+        self.epoch += 1
         req.committed = req.written
         if self.caps.defers_commit and rid in self.live:
             self.register(rid, req, req.committed)
@@ -409,6 +412,8 @@ class ManagerMachine(RuleBasedStateMachine):
             return False
         req.adopted = True
         self.account(before, f"reserve of request {rid}", hits=hits)
+        if hits:
+            self.check_same_step_state(rid, req, start)
         if start + len(token_ids) > len(req.tokens):
             req.extend(token_ids[len(req.tokens) - start:])
         n = len(token_ids)
@@ -428,8 +433,27 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             req.table = table
             req.in_flight.append(Step(start, req.reserved, tuple(list(s) for s in slots),
-                                      self.read_blocks(table, start, req.reserved)))
+                                      self.read_blocks(table, start, req.reserved), self.epoch))
         return True
+
+    def check_same_step_state(self, rid: int, req: Request, start: int) -> None:
+        """A recurrent-state hit of ``start`` tokens, adopted now, must not be a state that a step reserved in
+        this same scheduler step writes: that step's forward computes it while this one reads it (vLLM's
+        ``cached_blocks_this_step``; SGLang #37836's class)."""
+        tables = self.m.block_table(rid)
+        for g, group in enumerate(self.groups):
+            if group.kind != "mamba" or not start:
+                continue
+            bs, table = self.gbs[g], tables[g]
+            if (start - 1) // bs >= len(table) or table[(start - 1) // bs] < 0:
+                continue  # no state block: check_reads names it
+            page = self.flat(g, table[(start - 1) // bs] * bs + (start - 1) % bs)
+            for other, q in (*self.live.items(), *self.zombies.items()):
+                for step in (step for step in q.in_flight if step.epoch == self.epoch):
+                    assert page not in {self.flat(g, x) for x in step.slots[g] if x >= 0}, \
+                        f"request {rid}: a hit of {start} tokens resumes group {g}'s state (block " \
+                        f"{table[(start - 1) // bs]}) that request {other}'s step writes in this same scheduler " \
+                        f"step (tokens {step.start}..{step.end - 1}): its forward has not computed it yet"
 
     def others(self, rid: int) -> set[int]:
         held = {b for r in self.live if r != rid for t in self.m.block_table(r) for b in t if b >= 0}
