@@ -126,6 +126,25 @@ class Request:
             self.tokens.append(t)
 
 
+class Chains:
+    """Cached blocks one call released in several KV-cache groups: each group's in its release order (tail
+    first), the groups' order among themselves not promised (vLLM frees group by group, a deferred free in
+    reverse group order). Taking a block from the free queue here takes the head of one group's chain."""
+
+    def __init__(self, chains) -> None:
+        self.chains = [list(c) for c in chains if c]
+
+    def blocks(self) -> set[int]:
+        return {b for c in self.chains for b in c}
+
+    def discard(self, block: int) -> None:
+        self.chains = [[b for b in c if b != block] for c in self.chains]
+        self.chains = [c for c in self.chains if c]
+
+    def __bool__(self) -> bool:
+        return bool(self.chains)
+
+
 class ManagerMachine(RuleBasedStateMachine):
     """The machine over ``make_manager(ManagerConfig)``; subclass with :func:`machine_for`."""
 
@@ -227,15 +246,18 @@ class ManagerMachine(RuleBasedStateMachine):
         return block * self.page + offset
 
     def register(self, rid: int, req: Request, upto: int) -> None:
-        """Tokens below ``upto`` are cached by the manager: their full blocks are hittable."""
+        """Tokens below ``upto`` are cached by the manager: their full blocks are hittable (a sliding-window
+        or chunked-local group's where a hit of whole blocks of every group needs them)."""
         tables = self.m.block_table(rid) if rid in self.live else req.table  # a deferred free: as it was freed
         for end in range(self.bs, upto + 1, self.bs):
             self.committed_prefixes.add(req.identities[end - 1])
         for g, (group, table) in enumerate(zip(self.groups, tables)):
-            bs = self.gbs[g]
-            for end in range(bs, upto + 1, bs):
+            bs, aligned = self.gbs[g], upto // self.bs * self.bs
+            reachable = {i for hit in range(self.bs, aligned + 1, self.bs)
+                         for i in range(min(group.first_read(hit), hit - 1) // bs, hit // bs)}
+            for end in range(bs, aligned + 1, bs):
                 block = table[end // bs - 1] if end // bs - 1 < len(table) else -1
-                if block >= 0 and group.kind != "mamba":
+                if block >= 0 and group.kind != "mamba" and (end // bs - 1 in reachable or group.kind == "full"):
                     self.cached[block] = (g, req.identities[end - 1])
 
     def commit(self, rid: int, req: Request) -> None:
@@ -288,7 +310,11 @@ class ManagerMachine(RuleBasedStateMachine):
             uncached = {b for b in released if b not in self.cached}
             if uncached:
                 self.queue.insert(0, ("blocks", uncached))
-            self.queue.extend(("blocks", {b}) for b in released if b in self.cached)
+            if self.grouped and len(self.groups) > 1:
+                self.queue.append(("chains", Chains([b for b in released if b in self.cached and before[b][0] == g]
+                                                    for g in range(len(self.groups)))))
+            else:
+                self.queue.extend(("blocks", {b}) for b in released if b in self.cached)
         for b in hits:  # adopted hits leave the free queue wherever they are
             for _, tier in self.queue:
                 tier.discard(b)
@@ -325,6 +351,11 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.ever_used |= never
                 queue.pop(0)
                 continue
+            if kind == "chains":
+                if self.judge_chains(call, need, tier):
+                    return
+                queue.pop(0)
+                continue
             front = sorted(tier)
             if tier <= need:
                 need -= tier
@@ -338,6 +369,27 @@ class ManagerMachine(RuleBasedStateMachine):
                     f"{call}: blocks {held_back} handed out while {front} (released earlier, or uncached) are "
                     f"at the front of the free queue (eviction order lru: least recently released first, a "
                     f"request's blocks tail first, uncached blocks before cached ones)")
+
+    def judge_chains(self, call: str, need: set, tier: Chains) -> bool:
+        """Take ``need``'s blocks from a :class:`Chains` tier (each group's taken blocks the head of its
+        chain); True when ``need`` is met inside it, False when the tier is used up (``need`` reduced)."""
+        taken = need & tier.blocks()
+        for chain in tier.chains:
+            head = next((i for i, b in enumerate(chain) if b not in taken), len(chain))
+            late = sorted(b for b in chain[head:] if b in taken)
+            assert not late, (
+                f"{call}: blocks {late} handed out while {[b for b in chain if b not in taken]} of "
+                f"the same KV-cache group, released with them, are ahead of them in the free queue (eviction "
+                f"order lru: a request's blocks are released tail first in each group)")
+        for b in taken:
+            tier.discard(b)
+        need -= taken
+        if not need:
+            return True
+        assert not tier, \
+            f"{call}: blocks {sorted(need)} handed out while {sorted(tier.blocks())} (released earlier) are at the " \
+            f"front of the free queue (eviction order lru: least recently released first)"
+        return False
 
     def promised_hit(self, req: Request) -> int:
         """The hit the promise guarantees: the longest whole-block prefix, up to the computed minimum,
