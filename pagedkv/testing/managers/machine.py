@@ -240,6 +240,34 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.write_kv(k_pool, v_pool, k, v, mapping)
         req.written = max(req.written, end)
 
+    def propose(self, rid: int, req: Request) -> None:
+        """The proposer's step (``capabilities.lookahead``): draft K/V written at the positions just past the
+        request's reserved tokens, through its block tables (as vLLM's drafter computes its slots): each in a
+        block of the request's own table that no other request or group holds. Later reservations write the
+        real tokens there before anyone reads them."""
+        k = self.caps.lookahead if self.speculative else 0
+        if not k:
+            return
+        tables, others, end = self.m.block_table(rid), self.others(rid), req.reserved
+        for g, group in enumerate(self.groups):
+            if group.kind == "mamba":  # draft states live in the manager's scratch blocks
+                continue
+            bs, table = self.gbs[g], tables[g]
+            mine = {b for h, t in enumerate(tables) if h != g for b in t if b >= 0}
+            pages = []
+            for p in range(end, end + k):
+                block = table[p // bs] if p // bs < len(table) else -1
+                assert block >= 0 and block not in others and block not in mine, \
+                    f"request {rid}: the proposer's draft at position {p} (lookahead {k} past {end} reserved " \
+                    f"tokens) has " + (f"block {block}, which another request or group holds" if block >= 0 else
+                                       f"no block in group {g}'s table {table}")
+                pages.append(block * self.page + p % bs)
+            draft = [stable_hash(("draft", req.identities[end - 1] if end else 0, i)) for i in range(k)]
+            for layer in range(group.num_layers):
+                k_pool, v_pool = self.pools[layer]
+                dk, dv = expected_kv(draft, layer_key(g, layer), NUM_KV_HEADS, HEAD_DIM)
+                self.write_kv(k_pool, v_pool, dk, dv, torch.tensor(pages, dtype=torch.int64))
+
     def flat(self, group: int, slot: int) -> int:
         """A group's slot as an index into the machine's pages."""
         block, offset = divmod(slot, self.gbs[group])
@@ -480,6 +508,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.register(rid, req, req.reserved - drafts)  # cached at reserve time, K/V written in the same step
         if drafts or write_now and not req.in_flight or not (self.caps.defers_commit or self.caps.async_steps):
             self.write(rid, req, slots, start, drafts)
+            self.propose(rid, req)
             if not drafts:
                 self.commit(rid, req)
         else:
@@ -696,6 +725,8 @@ class ManagerMachine(RuleBasedStateMachine):
         req = self.live.get(rid) or self.zombies[rid]
         step = req.in_flight.pop(0)
         self.write(rid, req, step.slots, step.start)
+        if rid in self.live and not req.in_flight:
+            self.propose(rid, req)
         self.commit(rid, req)
 
     @precondition(lambda self: self.speculative)
@@ -770,6 +801,19 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.store_done(rid)
         self.settle(rid)
         self.account(before, f"store_done of request {rid}")
+
+    @precondition(lambda self: self.next_id > 0)  # nothing is cached before a request
+    @rule(n=st.integers(1, 8))
+    def pressure(self, n):
+        """Memory pressure: a request of ``n`` blocks of every group's size, prompt tokens no other request
+        has, prefilled in one step and finished: the free queue's front ``n`` blocks per group are handed
+        out (what they cached evicted, in the order the manager promises) and come back holding its prefix."""
+        self.log("pressure", n=n)
+        rid = self.new_id()
+        tokens, history = [1000 + rid] + [0] * (n * self.bs - 1), self.history
+        if self.admit(rid, tokens, None, {}, len(tokens), True):
+            self.release(rid)
+        self.history = history  # not a conversation to continue
 
     @rule(rid=consumes(reqs))
     def free(self, rid):

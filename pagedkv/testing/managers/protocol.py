@@ -200,6 +200,9 @@ class ManagerCapabilities:
         connector: a KV connector (``num_stored`` on admit, ``num_external``, ``load``, ``load_done``,
             ``store_done``); see :class:`CacheManager`.
         speculative: draft tokens (``reserve(..., num_draft=k)``, ``drop``).
+        lookahead: with speculative decoding on, each reservation also holds blocks for this many positions
+            past its tokens, where the proposer (EAGLE / MTP drafter) writes its next drafts' K/V in the same
+            step, before any later reservation (vLLM's ``num_lookahead_tokens``); the machine writes there.
     """
 
     block_size: int
@@ -219,6 +222,7 @@ class ManagerCapabilities:
     groups: tuple[GroupSpec, ...] = ()
     connector: bool = False
     speculative: bool = False
+    lookahead: int = 0
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""
