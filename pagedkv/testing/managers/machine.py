@@ -71,7 +71,6 @@ IMAGE_LENGTHS = {"image-0": 2, "image-1": 3}  # one input, one length (its place
 PLACEHOLDER = 0  # the token id of a multimodal input's placeholder run (what an engine's processor writes)
 NUM_KV_HEADS, HEAD_DIM = 1, 2
 MAX_DRAFTS = 3  # num_speculative_tokens the machine asks for
-DRAFTER = 999  # the layer (of group 0) of an EAGLE drafter (capabilities.eagle)
 
 
 def layer_key(group: int, layer: int) -> int:
@@ -182,8 +181,6 @@ class ManagerMachine(RuleBasedStateMachine):
         self.grouped = bool(groups)
         self.connector = self.caps.connector and config.connector
         self.speculative = self.caps.speculative and config.num_speculative_tokens > 0
-        # an EAGLE drafter's layer beside group 0's (judged without a connector, whose loads carry no drafter K/V)
-        self.eagle = self.speculative and self.caps.eagle and not self.connector and not self.caps.owns_pools
         self.gbs = [g.block_size for g in self.groups]
         self.bs = math.lcm(*self.gbs)  # a hit is whole blocks of every group
         self.page = max(self.gbs)  # tokens per page of the machine's pools
@@ -194,8 +191,7 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             total = self.m.counts()[2] + getattr(self.m, "reserved_blocks", 0)
             shape = (total, self.page, NUM_KV_HEADS, HEAD_DIM)
-            self.pools = [(torch.full(shape, float("nan")), torch.full(shape, float("nan")))
-                          for _ in range(num_layers + self.eagle)]
+            self.pools = [(torch.full(shape, float("nan")), torch.full(shape, float("nan"))) for _ in range(num_layers)]
         self.write_kv = get_backend("indexed").write_kv
         self.live: dict[int, Request] = {}
         self.zombies: dict[int, Request] = {}  # freed with steps, a load or a store pending (their free deferred)
@@ -242,13 +238,6 @@ class ManagerMachine(RuleBasedStateMachine):
                 k_pool, v_pool = self.pools[layer]
                 k, v = expected_kv([identities[i] for i in keep], layer_key(g, layer), NUM_KV_HEADS, HEAD_DIM)
                 self.write_kv(k_pool, v_pool, k, v, mapping)
-        if self.eagle:  # the drafter's K/V at p is computed from token p + 1: written with the step computing it
-            table, bs = self.m.block_table(rid)[0] if rid in self.live else req.table[0], self.gbs[0]
-            first = max(start - 1, 0)
-            pages = [table[p // bs] * self.page + p % bs for p in range(first, end - 1)]
-            if pages and min(table[p // bs] for p in range(first, end - 1)) >= 0:
-                k, v = expected_kv(identities[first + 1 - start:], layer_key(0, DRAFTER), NUM_KV_HEADS, HEAD_DIM)
-                self.write_kv(*self.pools[self.layers], k, v, torch.tensor(pages, dtype=torch.int64))
         req.written = max(req.written, end)
 
     def propose(self, rid: int, req: Request) -> None:
@@ -949,18 +938,10 @@ class ManagerMachine(RuleBasedStateMachine):
         if not slots:
             return
         type(self).tokens_read += len(slots)
-        reads = [(layer, layer, positions, slots) for layer in range(group.num_layers)]
-        if self.eagle and g == 0:  # the drafter's K/V, computed from the next token, where that token is written
-            drafted = [(p, s) for p, s in zip(positions, slots) if p + 1 < min(at, req.written)]
-            reads.append((self.layers, DRAFTER, [p for p, _ in drafted], [s for _, s in drafted]))
-        for pool, layer, positions, slots in reads:
-            if not slots:
-                continue
-            index = torch.tensor(slots, dtype=torch.int64)
-            k_pool, v_pool = self.pools[pool]
-            shift = int(layer == DRAFTER)
-            k, v = expected_kv([req.identities[p + shift] for p in positions], layer_key(g, layer), NUM_KV_HEADS,
-                               HEAD_DIM)
+        index = torch.tensor(slots, dtype=torch.int64)
+        for layer in range(group.num_layers):
+            k_pool, v_pool = self.pools[layer]
+            k, v = expected_kv([req.identities[p] for p in positions], layer_key(g, layer), NUM_KV_HEADS, HEAD_DIM)
             got_k = k_pool.reshape(-1, NUM_KV_HEADS, HEAD_DIM)[index]
             got_v = v_pool.reshape(-1, NUM_KV_HEADS, HEAD_DIM)[index]
             for name, want, got in (("K", k, got_k), ("V", v, got_v)):
@@ -968,7 +949,6 @@ class ManagerMachine(RuleBasedStateMachine):
                 if bool(bad.any()):
                     i = int(bad.nonzero()[0])
                     where = f"group {g} ({group.kind}) layer {layer}" if self.grouped else f"layer {layer}"
-                    where = where.replace(f"layer {DRAFTER}", "EAGLE drafter layer (from the next token)")
                     what = "state" if group.kind == "mamba" else name
                     raise AssertionError(
                         f"request {rid} (namespace {req.namespace!r}) reads wrong {what} at token {positions[i]} "

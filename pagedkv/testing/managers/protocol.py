@@ -203,12 +203,6 @@ class ManagerCapabilities:
         lookahead: with speculative decoding on, each reservation also holds blocks for this many positions
             past its tokens, where the proposer (EAGLE / MTP drafter) writes its next drafts' K/V in the same
             step, before any later reservation (vLLM's ``num_lookahead_tokens``); the machine writes there.
-        eagle: with speculative decoding on, an EAGLE / MTP drafter has a layer in group 0 whose K/V at
-            position ``p`` is computed from the target's state at ``p`` and token ``p + 1``, so it is written
-            by the step computing token ``p + 1`` (which rewrites position ``start - 1`` of its first token):
-            a hit must not end where the token after it could differ from the one the cached drafter K/V was
-            computed with (vLLM's ``use_eagle``: a hit drops its last matched block). The machine keeps that
-            layer beside group 0's own.
     """
 
     block_size: int
@@ -229,7 +223,6 @@ class ManagerCapabilities:
     connector: bool = False
     speculative: bool = False
     lookahead: int = 0
-    eagle: bool = False
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""

@@ -215,8 +215,7 @@ class VllmHybridCacheManager(VllmCacheManager):
         self.capabilities = ManagerCapabilities(block_size=self.hash_block_size, extra_keys=True, evict=True,
                                                 reset=True, async_steps=True, hit_promise=caches, groups=self.groups,
                                                 connector=config.connector, speculative=speculative,
-                                                lookahead=self.num_lookahead, eagle=speculative,
-                                                eviction_order="lru" if lru else None)
+                                                lookahead=self.num_lookahead, eviction_order="lru" if lru else None)
 
     # -- admission and the connector --------------------------------------------------------------------
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
