@@ -802,13 +802,10 @@ class ManagerMachine(RuleBasedStateMachine):
         self.settle(rid)
         self.account(before, f"store_done of request {rid}")
 
-    @precondition(lambda self: self.next_id > 0)  # nothing is cached before a request
-    @rule(n=st.integers(1, 8))
     def pressure(self, n):
         """Memory pressure: a request of ``n`` blocks of every group's size, prompt tokens no other request
         has, prefilled in one step and finished: the free queue's front ``n`` blocks per group are handed
         out (what they cached evicted, in the order the manager promises) and come back holding its prefix."""
-        self.log("pressure", n=n)
         rid = self.new_id()
         tokens, history = [1000 + rid] + [0] * (n * self.bs - 1), self.history
         if self.admit(rid, tokens, None, {}, len(tokens), True):
@@ -851,10 +848,13 @@ class ManagerMachine(RuleBasedStateMachine):
         return child
 
     @precondition(lambda self: self.caps.evict and self.next_id > 0)  # nothing is cached before a request
-    @rule(n=st.integers(1, 4))
-    def evict(self, n):
-        """Evict up to ``n`` unreferenced cached blocks (what the manager evicted is no longer promised)."""
-        self.log("evict", n=n)
+    @rule(n=st.integers(1, 4), by_allocation=st.booleans())
+    def evict(self, n, by_allocation=False):
+        """Evict up to ``n`` unreferenced cached blocks (what the manager evicted is no longer promised), or
+        ``by_allocation``: memory pressure (:meth:`pressure`) of ``2 * n`` blocks per group."""
+        self.log("evict", n=n, by_allocation=by_allocation)
+        if by_allocation:
+            return self.pressure(2 * n)
         evicted = self.m.evict(n)
         if evicted is None:
             self.model_known = False
