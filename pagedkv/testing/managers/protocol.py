@@ -134,10 +134,10 @@ HYBRID_LAYOUTS = {
     # Three attention types: Hymba's full-attention and sliding-window layers beside Mamba layers.
     "hymba": lambda bs, w: (GroupSpec("full", bs), GroupSpec("sliding_window", bs, window=w),
                             GroupSpec("mamba", bs)),
-    # DeepSeek-V4: one full (MLA) group and sliding-window groups of different windows (neither a
-    # multiple of the block size where the drawn one is not).
+    # DeepSeek-V4: one full (MLA) group and sliding-window groups of different windows (the second one odd:
+    # not a multiple of an even block size).
     "deepseek-v4": lambda bs, w: (GroupSpec("full", bs), GroupSpec("sliding_window", bs, window=w),
-                                  GroupSpec("sliding_window", bs, window=w + bs + 1)),
+                                  GroupSpec("sliding_window", bs, window=2 * w + bs + 1)),
     # Two sliding-window groups of one window and different block sizes: two specs of one kind.
     "two-window-block-sizes": lambda bs, w: (GroupSpec("full", 2 * bs), GroupSpec("sliding_window", bs, window=w),
                                              GroupSpec("sliding_window", 2 * bs, window=w)),
