@@ -230,6 +230,7 @@ def test_same_step_state_hit_is_caught(monkeypatch):
     assert steps is not None and "same scheduler step" in steps.error, steps and steps.error
 
 
+@pytest.mark.slow(reason="1-10 s: examples of vLLM's coordinator until the search finds it")
 def test_lookahead_slots_not_reserved_is_caught(monkeypatch):
     """``allocate_slots`` without the lookahead tokens (lookahead-slots-not-reserved): the proposer's drafts
     land past the request's blocks. Fails before: nothing wrote past a reservation's own tokens."""
