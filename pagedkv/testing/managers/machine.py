@@ -32,7 +32,10 @@ chunked-local group its current chunk, a Mamba group the state after the last wr
 writes the state after its last token only, and after its last verified and each draft token), which a
 hit must serve as the digest of exactly that prefix. Invariants: no block held by two groups, every
 group's admitted blocks truncated to the one agreed hit, the manager's reference counts (where exposed)
-equal to the tables holding each block. A one-group manager runs as today behind
+equal to the tables holding each block, the ``"lru"`` order per group (:class:`Chains`), no recurrent-state
+hit on a state a reservation of the same scheduler step writes (reservations between two commits are one
+step), and, with ``capabilities.lookahead``, the proposer's drafts written past each step in the request's
+own blocks. A one-group manager runs as today behind
 :class:`~.protocol.GroupedView`.
 
 A KV connector (the machine is the external store: it holds any prefix, so it offers whole blocks of the

@@ -5,8 +5,12 @@ driven as vLLM's scheduler drives them (``vllm/v1/core/sched/scheduler.py``).
 The layouts are the protocol's real-model layouts (:data:`~pagedkv.testing.managers.protocol.HYBRID_LAYOUTS`):
 full + sliding window (Gemma 3), full + chunked local (Llama 4), full + Mamba (Jamba, Qwen3-Next: vLLM's
 ``mamba_cache_mode="align"``, a state kept at every block boundary so that a hit resumes it), two full groups
-+ sliding window (GPT-OSS as vLLM splits it) and groups of different block sizes (``hash_block_size`` their
-gcd, ``scheduler_block_size`` their lcm, as vLLM sizes them).
++ sliding window (GPT-OSS as vLLM splits it), groups of different block sizes (``hash_block_size`` their
+gcd, ``scheduler_block_size`` their lcm, as vLLM sizes them), and three attention types (Hymba's full +
+sliding window + Mamba, DeepSeek-V4's full + two windows, two windows of different block sizes: the
+coordinator's fixed-point hit loop and its spec groups of one manager class). vLLM's LRU eviction order is
+declared where the machine knows what vLLM caches (no Mamba group, no EAGLE), and the lookahead slots
+(``num_lookahead_tokens``) where drafts are on.
 
 - ``admit``: ``get_computed_blocks`` (one hit every group agrees on, each group's blocks); with a connector,
   its ``get_num_new_matched_tokens(request, block_aligned_local_hit)`` names the external tokens past it.
