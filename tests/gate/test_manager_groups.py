@@ -164,8 +164,9 @@ def test_planted_hybrid_manager_fault_is_caught(name, tmp_path):
 
 #: 10-15 s each here (100+ examples); per push each is replayed from its shipped program
 #: (pagedkv/testing/casefiles/hybrid/). window_lookup_needs_chain: the hybrid cache machine's
-#: derandomized search misses it, this machine's finds it.
-SLOW_HERE = {"window_lookup_needs_chain", "window_off_by_one"}
+#: derandomized search misses it, this machine's finds it. full_group_untruncated: found at example
+#: 145-150 since the machine draws among twelve layouts (at 8 before, among eight).
+SLOW_HERE = {"window_lookup_needs_chain", "window_off_by_one", "full_group_untruncated"}
 
 
 @pytest.mark.parametrize("name", [
