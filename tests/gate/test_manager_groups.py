@@ -124,6 +124,10 @@ def test_reference_manager_passes_every_layout_with_connector_and_drafts():
     machine = machine_for(make, layouts=reference.cache_manager_layouts, name="Reference")
     assert programs.run_recorded(machine, _settings(60)) is None
     assert machine.prefix_hits > 0 and machine.tokens_read > 0
+    # a layout the 60 programs did not draw (nine layouts) gets programs of its own
+    for name in reference.cache_manager_layouts:
+        if tuple(g.kind for g in layout_groups(name, 1, 0)) not in layouts_drawn:
+            assert programs.run_recorded(machine_for(make, layouts=(name,), name=name), _settings(15)) is None
     assert len(layouts_drawn) == len({tuple(g.kind for g in layout_groups(n, 1, 0)) for n in HYBRID_LAYOUTS})
     assert calls.get("load", 0) > 0 and calls.get("store_done", 0) > 0 and calls.get("drop", 0) > 0, calls
 
