@@ -272,8 +272,7 @@ class ManagerMachine(RuleBasedStateMachine):
             draft = [stable_hash(("draft", req.identities[end - 1] if end else 0, i)) for i in range(k)]
             for layer in range(group.num_layers):
                 k_pool, v_pool = self.pools[layer]
-                dk, dv = expected_kv(draft, layer_key(g, layer), NUM_KV_HEADS, HEAD_DIM)
-                self.write_kv(k_pool, v_pool, dk, dv, torch.tensor(pages, dtype=torch.int64))
+                self.io.write(k_pool, v_pool, draft, layer_key(g, layer), pages)
 
     def flat(self, group: int, slot: int) -> int:
         """A group's slot as an index into the machine's pages."""
