@@ -311,3 +311,81 @@ def test_a_load_completed_after_its_free_is_not_promised():
              ("system_prompts", {"prompts": [[0, 0, 0]]}), ("add", {**prompt, "stored": 2}),
              ("preempt", {"rid": 0}), ("finish_load_rid", {"rid": 0, "ok": True}), ("add", {**prompt, "stored": 0})]
     programs.run_program(_machine(("gemma3",), block_sizes=(1,)), steps)
+
+
+def _gate(layouts: tuple[str, ...], examples: int):
+    """The manager machine on the peer (connector off) in ``layouts``: ``None`` or the failing program."""
+    import dataclasses
+
+    from hypothesis import Phase, settings
+
+    from pagedkv.testing.managers import programs
+    from pagedkv.testing.managers.machine import machine_for
+    from pagedkv.testing.settings import manager_settings
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    machine = machine_for(lambda config: vm.cache_manager(dataclasses.replace(config, connector=False)),
+                          layouts=layouts, name="vllm_hybrid")
+    return programs.run_recorded(machine, settings(manager_settings(examples, 30), derandomize=True,
+                                                   phases=(Phase.explicit, Phase.generate)))
+
+
+@pytest.mark.slow(reason="1-2 min: 150 examples of vLLM's coordinator in three layouts")
+def test_three_attention_types_pass_the_machine():
+    """The release in the layouts with three attention types and two specs of one kind."""
+    steps = _gate(("hymba", "deepseek-v4", "two-window-block-sizes"), 150)
+    assert steps is None, steps.error
+
+
+class _NeverSeen(set):
+    def __contains__(self, item) -> bool:
+        return False
+
+
+@pytest.mark.slow(reason="10-40 s: up to 300 examples of vLLM's coordinator until the search finds it")
+def test_same_step_state_hit_is_caught(monkeypatch):
+    """vLLM's Mamba manager without its same-step check (mamba-same-step-state-served): a state another
+    request's step caches in this scheduler step is served. Fails before: a hit on a state an in-flight step
+    writes was read later, never judged against its step."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    init = MambaManager.__init__
+
+    def forgetful(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.cached_blocks_this_step = _NeverSeen()
+
+    monkeypatch.setattr(MambaManager, "__init__", forgetful)
+    steps = _gate(("jamba", "qwen3-next", "hymba"), 300)
+    assert steps is not None and "same scheduler step" in steps.error, steps and steps.error
+
+
+@pytest.mark.slow(reason="1-10 s: examples of vLLM's coordinator until the search finds it")
+def test_lookahead_slots_not_reserved_is_caught(monkeypatch):
+    """``allocate_slots`` without the lookahead tokens (lookahead-slots-not-reserved): the proposer's drafts
+    land past the request's blocks. Fails before: nothing wrote past a reservation's own tokens."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    allocate = KVCacheManager.allocate_slots
+
+    def no_lookahead(self, *args, **kwargs):
+        return allocate(self, *args, **{**kwargs, "num_lookahead_tokens": 0})
+
+    monkeypatch.setattr(KVCacheManager, "allocate_slots", no_lookahead)
+    steps = _gate(("gemma3", "deepseek-v4", "two-window-block-sizes"), 300)
+    assert steps is not None and "proposer's draft" in steps.error, steps and steps.error
+
+
+@pytest.mark.slow(reason="20-60 s: up to 300 examples of vLLM's coordinator until the search finds it")
+def test_deferred_free_head_first_per_group_is_caught(monkeypatch):
+    """The coordinator's ``pop_blocks_for_free`` with each group's blocks already reversed
+    (deferred-free-head-first-per-group, vllm#48532): a deferred free releases each group head first.
+    Fails before: the hybrid peer promised no eviction order."""
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+
+    def head_first(self, request_id):
+        return [b for m in self.single_type_managers for b in reversed(m.pop_blocks_for_free(request_id))]
+
+    monkeypatch.setattr(KVCacheCoordinator, "pop_blocks_for_free", head_first)
+    steps = _gate(("gemma3", "gpt-oss-2full-sw", "deepseek-v4"), 300)
+    assert steps is not None and "eviction order lru" in steps.error, steps and steps.error

@@ -131,6 +131,16 @@ HYBRID_LAYOUTS = {
                                        GroupSpec("sliding_window", bs, window=w)),
     # Groups of different block sizes, each a multiple of the hash block size.
     "mixed-block-sizes": lambda bs, w: (GroupSpec("full", 2 * bs), GroupSpec("sliding_window", bs, window=w)),
+    # Three attention types: Hymba's full-attention and sliding-window layers beside Mamba layers.
+    "hymba": lambda bs, w: (GroupSpec("full", bs), GroupSpec("sliding_window", bs, window=w),
+                            GroupSpec("mamba", bs)),
+    # DeepSeek-V4: one full (MLA) group and sliding-window groups of different windows (the second one odd:
+    # not a multiple of an even block size).
+    "deepseek-v4": lambda bs, w: (GroupSpec("full", bs), GroupSpec("sliding_window", bs, window=w),
+                                  GroupSpec("sliding_window", bs, window=2 * w + bs + 1)),
+    # Two sliding-window groups of one window and different block sizes: two specs of one kind.
+    "two-window-block-sizes": lambda bs, w: (GroupSpec("full", 2 * bs), GroupSpec("sliding_window", bs, window=w),
+                                             GroupSpec("sliding_window", 2 * bs, window=w)),
 }
 
 
@@ -190,6 +200,13 @@ class ManagerCapabilities:
         connector: a KV connector (``num_stored`` on admit, ``num_external``, ``load``, ``load_done``,
             ``store_done``); see :class:`CacheManager`.
         speculative: draft tokens (``reserve(..., num_draft=k)``, ``drop``).
+        misuse: the manager declares how it refuses misuse: ``misuses(request_id, freed_id)`` maps a
+            name to ``(call, exception types)`` (a double free, a bad argument, ...), and ``snapshot()``
+            returns its whole state (comparable with ``==``); each call must raise one of its types and
+            change nothing, and so must a refused reservation (:mod:`.api_rules`).
+        lookahead: with speculative decoding on, each reservation also holds blocks for this many positions
+            past its tokens, where the proposer (EAGLE / MTP drafter) writes its next drafts' K/V in the same
+            step, before any later reservation (vLLM's ``num_lookahead_tokens``); the machine writes there.
     """
 
     block_size: int
@@ -209,6 +226,8 @@ class ManagerCapabilities:
     groups: tuple[GroupSpec, ...] = ()
     connector: bool = False
     speculative: bool = False
+    misuse: bool = False
+    lookahead: int = 0
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""

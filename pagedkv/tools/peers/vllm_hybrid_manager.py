@@ -5,8 +5,12 @@ driven as vLLM's scheduler drives them (``vllm/v1/core/sched/scheduler.py``).
 The layouts are the protocol's real-model layouts (:data:`~pagedkv.testing.managers.protocol.HYBRID_LAYOUTS`):
 full + sliding window (Gemma 3), full + chunked local (Llama 4), full + Mamba (Jamba, Qwen3-Next: vLLM's
 ``mamba_cache_mode="align"``, a state kept at every block boundary so that a hit resumes it), two full groups
-+ sliding window (GPT-OSS as vLLM splits it) and groups of different block sizes (``hash_block_size`` their
-gcd, ``scheduler_block_size`` their lcm, as vLLM sizes them).
++ sliding window (GPT-OSS as vLLM splits it), groups of different block sizes (``hash_block_size`` their
+gcd, ``scheduler_block_size`` their lcm, as vLLM sizes them), and three attention types (Hymba's full +
+sliding window + Mamba, DeepSeek-V4's full + two windows, two windows of different block sizes: the
+coordinator's fixed-point hit loop and its spec groups of one manager class). vLLM's LRU eviction order is
+declared where the machine knows what vLLM caches (no Mamba group, no EAGLE), and the lookahead slots
+(``num_lookahead_tokens``) where drafts are on.
 
 - ``admit``: ``get_computed_blocks`` (one hit every group agrees on, each group's blocks); with a connector,
   its ``get_num_new_matched_tokens(request, block_aligned_local_hit)`` names the external tokens past it.
@@ -250,9 +254,14 @@ class VllmHybridCacheManager(VllmCacheManager):
         # cached block even where a hit needs none), as in one group; with EAGLE every hit drops its last
         # block (the draft model's K/V there is written with the next token)
         caches = not speculative and all(g.kind != "sliding_window" or g.window >= 1 for g in self.groups)
+        # vLLM's LRU order (FreeKVCacheBlockQueue: uncached blocks first, cached ones in release order, each
+        # group's blocks tail first) is judged where the machine knows what is cached: not where a Mamba
+        # group caches states at boundaries of its own choosing, nor where EAGLE caches one block less
+        lru = caches and all(g.kind != "mamba" for g in self.groups)
         self.capabilities = ManagerCapabilities(block_size=self.hash_block_size, extra_keys=True, evict=True,
                                                 reset=True, async_steps=True, hit_promise=caches, groups=self.groups,
-                                                connector=config.connector, speculative=speculative)
+                                                connector=config.connector, speculative=speculative,
+                                                lookahead=self.num_lookahead, eviction_order="lru" if lru else None)
 
     # -- admission and the connector --------------------------------------------------------------------
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
@@ -502,7 +511,7 @@ cache_manager_windows = vllm_manager.cache_manager_windows
 
 #: The layouts the suite draws for this manager: one group, and the hybrid coordinator in every real-model layout.
 cache_manager_layouts = ("one-group", "gemma3", "llama4", "jamba", "qwen3-next", "gpt-oss-2full-sw",
-                         "mixed-block-sizes")
+                         "mixed-block-sizes", "hymba", "deepseek-v4", "two-window-block-sizes")
 
 
 def peer():
