@@ -98,7 +98,10 @@ def _connector_class():
 
         @property
         def supports_divergent_local_hybrid_hits(self) -> bool:
-            return True  # the store holds every group's state of the prompt (a Mamba one with its tokens)
+            # the store holds every group's state of the prompt (a Mamba one with its tokens); claimed for the
+            # models vLLM's per-group lookup is written for, full attention and Mamba groups only
+            specs = [g.kv_cache_spec for g in self._kv_cache_config.kv_cache_groups]
+            return all(type(spec).__name__ in ("FullAttentionSpec", "MambaSpec") for spec in specs)
 
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
             end = min(self.stored.pop(request.request_id, 0), request.num_tokens - 1)
