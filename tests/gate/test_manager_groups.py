@@ -137,8 +137,7 @@ def test_planted_hybrid_manager_fault_is_caught(name, tmp_path):
 
 
 #: 10-15 s each here (100+ examples); per push each is replayed from its shipped program
-#: (pagedkv/testing/casefiles/hybrid/). window_lookup_needs_chain: the hybrid cache machine's
-#: derandomized search misses it, this machine's finds it.
+#: (pagedkv/testing/casefiles/hybrid/, tests/tools/test_hybrid_cache_mutants.py).
 SLOW_HERE = {"window_lookup_needs_chain", "window_off_by_one"}
 
 

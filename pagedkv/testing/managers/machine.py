@@ -55,8 +55,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple,
                                  precondition, rule)
 
-from pagedkv import get_backend
-from pagedkv.testing.managers.oracle import expected_kv, stable_hash, token_identity
+from pagedkv.testing.managers.kv_io import KVIO
+from pagedkv.testing.managers.oracle import stable_hash, token_identity
 from pagedkv.testing.managers.protocol import ONE_GROUP, ManagerConfig, as_grouped, layout_groups
 
 VOCAB = st.integers(0, 3)  # small: equal blocks, hits and near-misses are common
@@ -136,6 +136,9 @@ class ManagerMachine(RuleBasedStateMachine):
     checks_run = 0  # steps judged, over every run of this class (for steps per second)
     tokens_read = 0  # written tokens whose K/V the checks compared with the oracle, over every run of this class
     prefix_hits = 0  # admissions served partly from the prefix cache, over every run of this class
+    # K/V moves through a kernel backend's write_kv and gather (kv_io.KVIO; None: pagedkv's indexed)
+    kv_backend = None
+    num_kv_heads, head_dim, dtype = NUM_KV_HEADS, HEAD_DIM, torch.float32
 
     reqs = Bundle("reqs")
     systems = Bundle("systems")
@@ -152,12 +155,14 @@ class ManagerMachine(RuleBasedStateMachine):
         groups = layout_groups(self.layouts[layout % len(self.layouts)], bs, window)
         if groups:
             num_layers = max(g.num_layers for g in groups)
-        config = ManagerConfig(num_blocks, bs, self.windows[window % len(self.windows)], num_layers, NUM_KV_HEADS,
-                               HEAD_DIM, groups=groups, connector=bool(features & 1),
+        config = ManagerConfig(num_blocks, bs, self.windows[window % len(self.windows)], num_layers, self.num_kv_heads,
+                               self.head_dim, groups=groups, connector=bool(features & 1),
                                num_speculative_tokens=MAX_DRAFTS if features & 2 else 0)
         self.m = as_grouped(type(self).make_manager(config))
         self.caps = self.m.capabilities
         self.groups = self.caps.groups
+        if not groups:  # one group serves every layer asked for (a GroupedView's group says one)
+            self.groups = tuple(dataclasses.replace(g, num_layers=num_layers) for g in self.groups)
         self.grouped = bool(groups)
         self.connector = self.caps.connector and config.connector
         self.speculative = self.caps.speculative and config.num_speculative_tokens > 0
@@ -170,9 +175,9 @@ class ManagerMachine(RuleBasedStateMachine):
             self.page = self.pools[0][0].shape[1]
         else:
             total = self.m.counts()[2] + getattr(self.m, "reserved_blocks", 0)
-            shape = (total, self.page, NUM_KV_HEADS, HEAD_DIM)
+            shape = (total, self.page, self.num_kv_heads, self.head_dim)
             self.pools = [(torch.full(shape, float("nan")), torch.full(shape, float("nan"))) for _ in range(num_layers)]
-        self.write_kv = get_backend("indexed").write_kv
+        self.io = KVIO(type(self).kv_backend, self.num_kv_heads, self.head_dim, self.dtype)
         self.live: dict[int, Request] = {}
         self.zombies: dict[int, Request] = {}  # freed with steps, a load or a store pending (their free deferred)
         self.committed_prefixes: set[int] = set()  # identities of the last token of committed full blocks
@@ -212,11 +217,10 @@ class ManagerMachine(RuleBasedStateMachine):
             keep = [i for i in range(n) if slots[g][i] >= 0 and (group.kind != "mamba" or i >= n - 1 - drafts)]
             if not keep:
                 continue
-            mapping = torch.tensor([self.flat(g, slots[g][i]) for i in keep], dtype=torch.int64)
+            mapping = [self.flat(g, slots[g][i]) for i in keep]
             for layer in range(group.num_layers):
                 k_pool, v_pool = self.pools[layer]
-                k, v = expected_kv([identities[i] for i in keep], layer_key(g, layer), NUM_KV_HEADS, HEAD_DIM)
-                self.write_kv(k_pool, v_pool, k, v, mapping)
+                self.io.write(k_pool, v_pool, [identities[i] for i in keep], layer_key(g, layer), mapping)
         req.written = max(req.written, end)
 
     def flat(self, group: int, slot: int) -> int:
@@ -818,14 +822,12 @@ class ManagerMachine(RuleBasedStateMachine):
         if not slots:
             return
         type(self).tokens_read += len(slots)
-        index = torch.tensor(slots, dtype=torch.int64)
         for layer in range(group.num_layers):
             k_pool, v_pool = self.pools[layer]
-            k, v = expected_kv([req.identities[p] for p in positions], layer_key(g, layer), NUM_KV_HEADS, HEAD_DIM)
-            got_k = k_pool.reshape(-1, NUM_KV_HEADS, HEAD_DIM)[index]
-            got_v = v_pool.reshape(-1, NUM_KV_HEADS, HEAD_DIM)[index]
+            k, v = self.io.expected([req.identities[p] for p in positions], layer_key(g, layer))
+            got_k, got_v = self.io.read(k_pool, v_pool, slots, None if self.grouped else table, positions)
             for name, want, got in (("K", k, got_k), ("V", v, got_v)):
-                bad = (want.view(torch.int32) != got.view(torch.int32)).flatten(1).any(1)
+                bad = self.io.differs(want, got)
                 if bool(bad.any()):
                     i = int(bad.nonzero()[0])
                     where = f"group {g} ({group.kind}) layer {layer}" if self.grouped else f"layer {layer}"
@@ -854,14 +856,17 @@ class ManagerMachine(RuleBasedStateMachine):
 
 
 def machine_for(make_manager: Callable, *, block_sizes=(1, 2, 4), windows=(None,), layouts=(ONE_GROUP,),
-                name: str = "Machine"):
+                name: str = "Machine", rule_sets: tuple = (), **attributes):
     """A :class:`ManagerMachine` subclass over ``make_manager`` (a factory taking :class:`ManagerConfig`)
-    in ``layouts`` (:data:`~.protocol.HYBRID_LAYOUTS` names or :data:`~.protocol.ONE_GROUP`).
+    in ``layouts`` (:data:`~.protocol.HYBRID_LAYOUTS` names or :data:`~.protocol.ONE_GROUP`), with the
+    rules of ``rule_sets`` mixed in (e.g. :class:`~.api_rules.ApiRules`) and class ``attributes`` set
+    (``kv_backend``, ``num_kv_heads``, ``head_dim``, ``dtype``).
 
     Raises:
         ValueError: an unknown layout name.
     """
     for layout in layouts:
         layout_groups(layout, 1, 0)  # ValueError for an unknown name, before any run
-    return type(name, (ManagerMachine,), {"make_manager": staticmethod(make_manager), "block_sizes": tuple(block_sizes),
-                                          "windows": tuple(windows), "layouts": tuple(layouts)})
+    return type(name, (*rule_sets, ManagerMachine), {"make_manager": staticmethod(make_manager),
+                                                     "block_sizes": tuple(block_sizes), "windows": tuple(windows),
+                                                     "layouts": tuple(layouts), **attributes})

@@ -190,6 +190,10 @@ class ManagerCapabilities:
         connector: a KV connector (``num_stored`` on admit, ``num_external``, ``load``, ``load_done``,
             ``store_done``); see :class:`CacheManager`.
         speculative: draft tokens (``reserve(..., num_draft=k)``, ``drop``).
+        misuse: the manager declares how it refuses misuse: ``misuses(request_id, freed_id)`` maps a
+            name to ``(call, exception types)`` (a double free, a bad argument, ...), and ``snapshot()``
+            returns its whole state (comparable with ``==``); each call must raise one of its types and
+            change nothing, and so must a refused reservation (:mod:`.api_rules`).
     """
 
     block_size: int
@@ -209,6 +213,7 @@ class ManagerCapabilities:
     groups: tuple[GroupSpec, ...] = ()
     connector: bool = False
     speculative: bool = False
+    misuse: bool = False
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""
