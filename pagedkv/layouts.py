@@ -144,7 +144,9 @@ class PoolLayout:
         strides = [logical.stride(i) for i in mapping]
         dims = [j for j, n in enumerate(ref.shape) if n > 1]
         by_ref = sorted(dims, key=lambda j: ref.stride(j))
-        if by_ref != sorted(dims, key=lambda j: strides[j]) or (by_ref and strides[by_ref[0]] != ref.stride(by_ref[0])):
+        # the layout's memory order, gaps allowed in every dim but the storage's last (head_dim stays dense;
+        # where it is one element wide, the next dim may step over a gap, as a one-wide head of a wider cache)
+        if by_ref != sorted(dims, key=lambda j: strides[j]) or (ref.shape[-1] > 1 and strides[-1] != ref.stride(-1)):
             return None  # not the layout's memory order (with gaps): a copy in that order is what the backend takes
         return self._viewing_back(logical, ref.shape, strides)
 

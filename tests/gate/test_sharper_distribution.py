@@ -64,6 +64,25 @@ def test_head_strided_pools_are_views_of_a_wider_cache_with_poison_between_k_and
     assert torch.isfinite(k[2, 0]).all() and torch.isfinite(v[0, 0]).all()  # token 0 and token 2 are stored
 
 
+@pytest.mark.parametrize("memory", ["NHD", "HND"])
+@pytest.mark.parametrize("shape", [(1, 2, 1, 1), (2, 3, 2, 1), (2, 2, 2, 3)])
+def test_head_strided_pools_reach_a_declared_layout_as_views_of_its_storage(memory, shape):
+    """A head-strided pool one element wide per head (head_dim 1) is still a view of the layout's memory with
+    gaps: handed over as that storage, not a copy, so a value tensor overlapping the pool still overlaps what
+    the backend writes (``values_overlap_cache``). Fails before: HND's storage of a head_dim 1 sub-view was
+    None, the pool was copied and an honest kernel's overlap check was judged as raising nothing."""
+    from pagedkv.layouts import NAMED
+
+    case = Case(Geometry(num_blocks=shape[0], block_size=shape[1], num_kv_heads=shape[2], head_dim=shape[3]),
+                (SeqSpec((0,), 1, 1, 0),), layout="head_strided", poison="nan")
+    with pool_layout(memory):
+        k, v = case.caches()
+    for pool in (k, v):
+        storage = NAMED[memory].storage_of(pool)
+        assert storage is not None and storage.data_ptr() == pool.data_ptr()
+        assert torch.equal(NAMED[memory].logical(storage).nan_to_num(7.0), pool.nan_to_num(7.0))
+
+
 @pytest.mark.parametrize("target", [(), ("window",), ("softcap", "sinks"), ("window", "softcap", "alibi", "sinks")])
 def test_the_features_are_drawn_swarm_style_any_subset_and_the_plain_path(target):
     names = ("window", "softcap", "alibi", "sinks")
