@@ -169,3 +169,27 @@ def test_the_ci_plan_of_the_triton_backend_stays_within_its_attention_budget():
                         compile_s={}, example_costs={}, draw_limit=200)
     assert plan.budget is not None and plan.budget.within, plan.budget.describe()
     assert plan.specialisations["paged_attention"] == plan.budget.total <= plan.budget.limit <= CI_ATTENTION_BUDGET
+
+
+class _ForeignKernels:
+    """An adapter whose Triton kernels live in another package's modules (as vLLM's and SGLang's peers)."""
+
+    name = "foreign"
+    capabilities = Capabilities(split_k=True)
+
+    def paged_attention(self, *args, **kwargs):
+        raise NotImplementedError
+
+
+def test_an_adapter_declaring_triton_launches_gets_a_palette_and_the_interpreters_example_count(monkeypatch):
+    import triton  # noqa: F401  (the interpreter's decision needs Triton imported)
+
+    from pagedkv.testing import space
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    plain = _ForeignKernels()
+    assert not space.launches_triton(plain) and space.example_cap([plain], 100) is None
+    monkeypatch.setattr(_ForeignKernels, "LAUNCHES_TRITON", True, raising=False)
+    caps = space.capabilities_under_test(plain, for_drawing=True)
+    assert space.example_cap([plain], 100) == 10 and caps.specialize_on == SPECIALIZATION_NAMES
+    assert caps.gqa_groups.allows(17) and not caps.gqa_groups.allows(18)  # an interpreted split-K peer's groups
