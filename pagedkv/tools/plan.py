@@ -222,15 +222,13 @@ def _schedule(leased: list[tuple[str, int, float]], budget: int, workers: int) -
 
 #: Specialisations of the fixed geometries (the large-pool and limit cases: head_dim 1, one kv head, block
 #: sizes 1 / 16 / 64 / 256 in two 16-bit dtypes, and the declared-geometry limits) beside the palette's.
-FIXED_GEOMETRIES = {"attention": 2, "copy": 10}
+FIXED_GEOMETRIES = {"copy": 10}
 
 
 def _bound(op: str, palette: Any) -> int:
-    """The most specialisations of ``op`` a run drawing from ``palette`` can need: attention its
-    :attr:`~pagedkv.testing.strategies.palette.Palette.bound`, a copy one per shape and pool format
-    (the dtype's, fp8 e4m3, fp8 e5m2), each with the fixed geometries."""
-    if op in _ATTENTION:
-        return palette.bound + FIXED_GEOMETRIES["attention"]
+    """The most specialisations of a copy ``op`` a run drawing from ``palette`` can need: one per shape and
+    pool format (the dtype's, fp8 e4m3, fp8 e5m2), with the fixed geometries (attention's:
+    :class:`AttentionBudget`)."""
     formats = 3 if any("fp8" in s for s in palette.feature_sets) else 1
     return len(palette.shapes) * formats + FIXED_GEOMETRIES["copy"]
 
@@ -265,22 +263,26 @@ def plan_profile(backend: Any, profile: str, *, device: str, workers: int, cores
         if not reason:
             plan.leased_bytes = _leased_bytes(prop, caps)
             plan.seconds = n * example_costs.get(prop.name, DEFAULT_EXAMPLE_S)
-            if prop.kind in ("case", "invalid", "scenario", "limit") and n <= draw_limit:
+            if prop.kind in ("case", "invalid", "scenario", "limit"):
                 seed = palette_seed(profile)
-                for source, explicit in (("generated", False), ("explicit", True)):
+                # the explicit examples are a fixed list: always counted; generated cases up to the draw limit
+                for source, explicit in (("generated", False), ("explicit", True))[0 if n <= draw_limit else 1:]:
                     if prop.kind == "limit":  # one fixed geometry each, whatever the palette
                         source = "fixed"
                     for op, keys in _draw_keys(prop, caps, n, derandomize, seed, explicit).items():
                         union.setdefault(op, set()).update(keys)
                         by_source[source].setdefault(op, set()).update(keys)
+                drawn &= n <= draw_limit
             elif prop.kind != "machine":
                 drawn = False
         plans.append(plan)
     ops = sorted({op for p in plans if not p.skipped for op in p.ops} | set(union))
+    attention = attention_budget(palette, by_source, drawn) if palette is not None else None
     if drawn or palette is None:
         counts = {op: len(union.get(op, ())) for op in ops}
     else:  # past the draw limit: the palette's bound (what a run of that many examples reaches)
-        counts = {op: max(len(union.get(op, ())), _bound(op, palette)) for op in ops}
+        counts = {op: attention.total if op in _ATTENTION else max(len(union.get(op, ())), _bound(op, palette))
+                  for op in ops}
     compile_total = sum(counts[op] * compile_s.get(op, 0.0) for op in counts)
     leased = [(f"test_{p.name}", p.leased_bytes, p.seconds + p.leased_bytes / FILL_BYTES_PER_S)
               for p in plans if p.leased_bytes and not p.skipped]
@@ -288,12 +290,13 @@ def plan_profile(backend: Any, profile: str, *, device: str, workers: int, cores
     examples_s = _makespan([p.seconds for p in plans if not p.leased_bytes and not p.skipped], workers)
     return ProfilePlan(profile, plans, counts, drawn, palette.describe() if palette else "no palette (draws freely)",
                        examples_s, compile_total / max(1, min(workers, cores)), schedule, makespan, WORKER_START_S,
-                       attention_budget(palette, by_source) if palette is not None and drawn else None)
+                       attention)
 
 
-def attention_budget(palette: Any, by_source: dict[str, dict[str, set]]) -> AttentionBudget:
+def attention_budget(palette: Any, by_source: dict[str, dict[str, set]], drawn: bool = True) -> AttentionBudget:
     """The :class:`AttentionBudget` of a run drawing from ``palette``, from the attention keys drawn per
-    source (``generated``, ``explicit``, ``fixed``: op -> keys, as :func:`_draw_keys` returns them)."""
+    source (``generated``, ``explicit``, ``fixed``: op -> keys, as :func:`_draw_keys` returns them); without
+    ``drawn`` (more examples than the plan draws) the palette is counted whole, at its bound."""
     from pagedkv.testing.specialisations import in_palette
 
     def attention(source: str) -> set:
@@ -303,7 +306,8 @@ def attention_budget(palette: Any, by_source: dict[str, dict[str, set]]) -> Atte
     inside = {key for key in generated if in_palette(key, palette)}
     own_explicit = {key for key in explicit if not in_palette(key, palette)} - generated
     own_fixed = {key for key in fixed if not in_palette(key, palette)} - generated - own_explicit
-    return AttentionBudget(palette.bound, len(inside), len(own_explicit), len(own_fixed), sorted(generated - inside))
+    return AttentionBudget(palette.bound, len(inside) if drawn else palette.bound, len(own_explicit), len(own_fixed),
+                           sorted(generated - inside))
 
 
 def measure_example_costs(examples: int = 3, device: str = "cpu") -> dict:
