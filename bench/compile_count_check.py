@@ -1,6 +1,7 @@
 """The GPU session's compile-count check: the specialisations the suite needed (its summary line)
 against the plan made before it (``plan.json``) and the compile budget (under ``ci`` the plan's attention
-budget, the palette's bound plus the explicit examples' own geometries, and at most 150). Exit status 1 when a count is over.
+budget, the palette's bound plus the explicit examples' own geometries, and at most 150). Exit status 1
+when a count is over.
 
     python bench/compile_count_check.py SUITE_LOG PLAN_JSON
 """
