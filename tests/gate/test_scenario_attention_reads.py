@@ -48,3 +48,16 @@ def test_a_wrong_output_for_one_request_of_the_batch_names_that_sequence():
     with pytest.raises(Mismatch, match=r"paged_attention over sequence 1's blocks \[.*\] \(layer 0, 5 written tokens\) "
                                        r"differs from attention over its own tokens' K/V"):
         sharing_isolated(NoGather(skew_batch_row=1), SCENARIO)
+
+
+class FirstBlockOnly(NoGather):
+    """Attention that reads only each sequence's first block (a table walk that never advances)."""
+
+    def paged_attention(self, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *args, **kwargs):
+        clipped = seq_lens.clamp(max=k_cache.shape[1])
+        return INDEXED.paged_attention(query, k_cache, v_cache, block_tables, clipped, query_start_loc, *args, **kwargs)
+
+
+def test_one_decode_row_a_sequence_sees_a_kernel_that_reads_only_the_first_block():
+    with pytest.raises(Mismatch, match=r"sequence 0's blocks .* \(layer 0, 6 written tokens\)"):
+        sharing_isolated(FirstBlockOnly(), SCENARIO)

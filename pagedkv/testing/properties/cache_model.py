@@ -261,30 +261,29 @@ class CacheModel:
                                         {"seq": seq_id, "position": p, "block": block} if p >= 0 else {"seq": seq_id})
 
     def _check_attention(self, live: list, what: str) -> None:
-        """The backend's ``paged_attention`` over the sequences ``live`` (``[(seq_id, SeqModel)]``, each a
-        prefill of every written token, causal) equals the fp64 reference over the K/V the model expects, in
-        every layer: one batch a layer (an interpreted kernel pays its launches per call, not per row)."""
+        """The backend's ``paged_attention`` over the sequences ``live`` (``[(seq_id, SeqModel)]``), each a
+        decode row after its last written token (it reads every key and value the sequence holds), equals
+        the fp64 reference over the K/V the model expects, in every layer. One batch a layer, one row a
+        sequence: an interpreted kernel pays per launch and per row (a decode kernel runs a prefill's
+        tokens as rows), and a wrong key or value anywhere moves the row's output."""
         from pagedkv.attention.dense import reference_attention
         from pagedkv.testing.compare import assert_attention_close
 
         g, ids = self.geometry, [seq_id for seq_id, _ in live]
         ends = [seq.written for _, seq in live]
-        queries = [torch.randn(end, g.num_q_heads, g.head_dim, generator=torch.Generator().manual_seed(
-            self.seed * 7919 + seq_id * 31 + end)).to(g.torch_dtype) for seq_id, end in zip(ids, ends)]
-        starts = [0]
-        for end in ends:
-            starts.append(starts[-1] + end)
+        queries = torch.randn(len(live), g.num_q_heads, g.head_dim, generator=torch.Generator().manual_seed(
+            self.seed * 7919 + sum(ids) * 31 + sum(ends))).to(g.torch_dtype)
         tables = self.cache.block_tables(ids).to(self.device)
         lens = torch.tensor(ends, dtype=torch.int32, device=self.device)
-        qsl = torch.tensor(starts, dtype=torch.int32, device=self.device)
+        qsl = torch.arange(len(live) + 1, dtype=torch.int32, device=self.device)
         for layer in range(self.num_layers):
-            out = self.attention(torch.cat(queries).to(self.device), self.cache.k_cache(layer),
-                                 self.cache.v_cache(layer), tables, lens, qsl).cpu()
+            out = self.attention(queries.to(self.device), self.cache.k_cache(layer), self.cache.v_cache(layer),
+                                 tables, lens, qsl).cpu()
             for i, ((seq_id, seq), end) in enumerate(zip(live, ends)):
                 k_exp, v_exp = self.kv(seq, 0, end, layer)
                 try:
-                    assert_attention_close(out[starts[i]:starts[i + 1]],
-                                           reference_attention(queries[i], [k_exp], [v_exp], [0, end]))
+                    expected = reference_attention(queries[i:i + 1], [k_exp], [v_exp], [0, 1])
+                    assert_attention_close(out[i:i + 1], expected)
                 except AssertionError as exc:
                     table = self.cache.block_table(seq_id).tolist()
                     raise ModelMismatch(f"{what}: paged_attention over sequence {seq_id}'s blocks {table} (layer "
