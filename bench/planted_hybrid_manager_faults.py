@@ -15,11 +15,14 @@ vLLM's tests: the whole ``tests/v1/core`` directory of the CPU-runnable copy (wh
 and speculative tests live, test_scheduler.py above all) without the end-to-end files and with
 ``deselect_env.txt`` deselected (and one test that runs in a fresh interpreter, :data:`_THEIRS_ARGS`),
 ``-x``. Killed: the child fails.
+
+The gate is derandomized as the ``ci`` profile is: one fixed search, the same verdict under any
+PYTHONHASHSEED. ``--seed N`` runs it from Hypothesis seed N instead (another search, for kill rates over
+seeds); ``--without-connector`` builds the peer without its KV connector.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -125,9 +128,10 @@ FAULTS = [
 
 #: The gate: the cache-manager machine on ``pagedkv.tools.peers:vllm_cache_manager`` in its hybrid layouts (every
 #: layout it declares but the one group), as the one-group script runs it: the ``ci`` profile's examples
-#: (at most 100) of 30 steps, derandomized, no shrinking (which does not change a verdict).
+#: (at most 100) of 30 steps, derandomized as ``ci`` is (or from Hypothesis seed ``SEED``), no shrinking
+#: (which does not change a verdict).
 GATE = r'''
-import json, sys, time
+import contextlib, json, sys, time
 if sys.argv[1] != "-":
     install_mutant(sys.argv[1], sys.argv[2], sys.argv[3])
 from hypothesis import Phase, settings
@@ -143,9 +147,12 @@ if WITHOUT_CONNECTOR:  # the peer built without its connector: the machine then 
     factory = lambda config: vm.cache_manager(dataclasses.replace(config, connector=False))  # noqa: E731
 machine = machine_for(factory, windows=vm.cache_manager_windows, layouts=layouts,
                       name="vllm_cache_manager_hybrid_manager")
-s = settings(manager_settings(100, 30, base=suite_settings()), phases=(Phase.explicit, Phase.generate))
+from pagedkv.testing.hypothesis_internals import forced_seed
+s = settings(manager_settings(100, 30, base=suite_settings()), phases=(Phase.explicit, Phase.generate),
+             derandomize=SEED is None)
 t0 = time.perf_counter()
-steps = programs.run_recorded(machine, s)
+with contextlib.nullcontext() if SEED is None else forced_seed(SEED):
+    steps = programs.run_recorded(machine, s)
 print("RESULT " + json.dumps({"killed": steps is not None, "error": steps.error if steps else "",
       "first_failing_example": steps.first_failing_example if steps else None, "examples": machine.examples_run,
       "steps": machine.checks_run, "seconds": round(time.perf_counter() - t0, 1)}))
@@ -166,11 +173,15 @@ def their_args(tests: Path) -> list[str]:
 if __name__ == "__main__":
     import planted_manager_faults as one_group
 
-    # --without-connector: the gate with the peer's connector off (the machine's other features, every layout)
+    # --without-connector: the gate with the peer's connector off (the machine's other features, every layout);
+    # --seed N: the gate's programs from Hypothesis seed N instead of derandomized (the verdict of a
+    # derandomized run is the same under any PYTHONHASHSEED)
     without = "--without-connector" in sys.argv
-    # The machine's runs depend on set order (string and bytes hashes, object ids): one hash seed for every
-    # child narrows the variation between faults (ids still vary). The release passed twice under this one.
-    os.environ.setdefault("PYTHONHASHSEED", "2")
     argv = [a for a in sys.argv[1:] if a != "--without-connector"]
+    seed = None
+    if "--seed" in argv:
+        i = argv.index("--seed")
+        seed = int(argv[i + 1])
+        del argv[i:i + 2]
     sys.exit(one_group.main(argv, faults=FAULTS, their_args=their_args, doc=__doc__,
-                            gate=f"WITHOUT_CONNECTOR = {without}\n" + GATE))
+                            gate=f"WITHOUT_CONNECTOR = {without}\nSEED = {seed!r}\n" + GATE))

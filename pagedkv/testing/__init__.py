@@ -9,8 +9,9 @@ reverse. A map (each folder is one concept; arrows point the way imports go)::
     strategies/   Hypothesis strategies drawing those cases inside a declared space (source: the
                   repository's top-level strategies/), the run's palette of specialising parameters
     properties/   the check functions: data movement, attention, features, invariances, cache scenarios,
-                  rejection of bad input, the cache state machine and its shadow model
-    managers/     the cache-manager protocol, its content oracle and state machine, replayable programs
+                  rejection of bad input, the shadow model the cache scenarios replay through
+    managers/     the cache-manager protocol, its content oracle, the one cache state machine (any manager;
+                  pagedkv's own cache with a candidate's kernels), its API rules, replayable programs
     compare.py    bits, Mismatch, MissingOp, bit-for-bit assertions and the tolerance policy
     guard.py      the output and input contract enforced on every op call; cases judged twice
     registry.py   Property (one entry per property: sentence, ops, check, strategy, examples, skip rules)

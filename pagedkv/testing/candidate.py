@@ -9,8 +9,9 @@ for what it declares, :func:`pagedkv.testing.space.capabilities_under_test` for 
 non-promise (:mod:`pagedkv.testing.non_promises`).
 
 Around the guard, :class:`OpCalls` turns a :class:`~pagedkv.testing.compare.MissingOp` raised from inside
-an op call into :class:`OpRaisedMissingOp`, and a test runner's control signal (``pytest.skip``,
-Hypothesis's ``reject()``, the gate's budget signal) into :class:`OpRaisedControlSignal`: the gate decides
+an op call into :class:`OpRaisedMissingOp`, and a control signal (``pytest.skip`` / ``pytest.exit``,
+Hypothesis's ``reject()``, the gate's budget signal, ``SystemExit`` or any other ``BaseException`` but
+``KeyboardInterrupt``) into :class:`OpRaisedControlSignal`: the gate decides
 what is skipped (:func:`pagedkv.testing.compare.require`, :meth:`pagedkv.testing.registry.Property.cannot_run`), and a
 candidate raising the gate's own signal for an input in its declared space fails.
 """
@@ -33,17 +34,21 @@ class OpRaisedMissingOp(RuntimeError):
 
 class OpRaisedControlSignal(RuntimeError):
     """The candidate raised a test runner's control signal from inside an op call (``pytest.skip`` /
-    ``xfail`` / ``fail``, Hypothesis's ``reject()`` / ``assume(False)``, the gate's budget signal): a
-    failure, never a skip, a rejected case or a partial run."""
+    ``xfail`` / ``fail`` / ``exit``, Hypothesis's ``reject()`` / ``assume(False)``, the gate's budget signal,
+    ``SystemExit``, ``GeneratorExit``, its own ``BaseException``): a failure with its case file, never a skip,
+    a rejected case, a partial run or the end of the session."""
 
 
 def _control_signals() -> tuple[type[BaseException], ...]:
-    """The exception types that steer a test run rather than report an error (read lazily: the gate
-    imports neither pytest nor Hypothesis to replay a case)."""
+    """The ``Exception`` types that steer a test run rather than report an error: pytest's outcomes and
+    ``pytest.exit``, Hypothesis's rejection, the gate's budget signal (read lazily: the gate imports neither
+    pytest nor Hypothesis to replay a case). Every ``BaseException`` that is not an ``Exception``
+    (``SystemExit``, ``GeneratorExit``, a kernel's own) is one too (:class:`OpCalls`): it would otherwise
+    leave the search without a case file. ``KeyboardInterrupt`` is not: Ctrl-C stops the run wherever it lands."""
     signals: list[type[BaseException]] = [BudgetSpent]
     try:
-        from _pytest.outcomes import OutcomeException
-        signals.append(OutcomeException)
+        from _pytest.outcomes import Exit, OutcomeException
+        signals += [OutcomeException, Exit]
     except ImportError:
         pass
     try:
@@ -74,10 +79,14 @@ class OpCalls:
             except MissingOp as exc:
                 raise OpRaisedMissingOp(f"{name} raised MissingOp from inside the call ({exc}): an input in the "
                                         f"declared space must be judged, and only the gate skips") from exc
-            except _control_signals() as exc:
+            except BaseException as exc:
+                if isinstance(exc, KeyboardInterrupt) or (
+                        isinstance(exc, Exception) and not isinstance(exc, _control_signals())):
+                    raise  # an interrupt, or the candidate's error: judged as it is
                 raise OpRaisedControlSignal(
-                    f"{name} raised {type(exc).__name__} from inside the call ({exc}): a test runner's signal "
-                    f"from a kernel is a failure; only the gate skips, rejects a case or stops a search") from exc
+                    f"{name} raised {type(exc).__name__} from inside the call ({exc}): a control signal (a test "
+                    f"runner's, or leaving the process) from a kernel is a failure; only the gate skips, rejects "
+                    f"a case or stops a search") from exc
 
         object.__setattr__(self, name, op)
         return op

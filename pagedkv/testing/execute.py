@@ -452,7 +452,7 @@ def _run_machine(prop: Any, candidate: Candidate, device: str, chosen: Any, outc
     """Run a state-machine property; ``outcome.examples`` is the number of runs of the machine that started."""
     from pagedkv.testing.cases.memory import pool_layout
     from pagedkv.testing.guard import GuardedBackend
-    from pagedkv.testing.properties.machine import RUNS_STARTED
+    from pagedkv.testing.managers.kernel_property import RUNS_STARTED
     from pagedkv.testing.space import as_declared_layout
 
     started = RUNS_STARTED[0]

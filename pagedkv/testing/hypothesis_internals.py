@@ -62,3 +62,29 @@ def forced_seed(seed: int):
         yield
     finally:
         hypothesis.core.global_force_seed = before
+
+
+@contextlib.contextmanager
+def without_local_constants():
+    """Generate inside the block without the constants Hypothesis harvests from every imported local module
+    (``providers._get_local_constants``: the literals of the code under test, drawn now and then): with them
+    a derandomized run draws other examples depending on which modules the process imported first (another
+    test file, a peer), so its verdict is not one fixed search. Hypothesis's own constants stay."""
+    try:
+        from hypothesis.internal.conjecture import providers
+    except ImportError:  # another Hypothesis: nothing to pin
+        yield
+        return
+    harvest = getattr(providers, "_get_local_constants", None)
+    cache = getattr(providers, "CONSTANTS_CACHE", None)
+    if harvest is None or cache is None or not hasattr(cache, "cache"):
+        yield
+        return
+    empty = providers.Constants()
+    providers._get_local_constants = lambda: empty
+    cache.cache.clear()  # (choice type, constraints) -> constants allowed, computed with the harvest
+    try:
+        yield
+    finally:
+        providers._get_local_constants = harvest
+        cache.cache.clear()

@@ -111,6 +111,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
         os.environ.setdefault("PAGEDKV_PALETTE_SEED", str(palette_seed(config.stash[_PROFILE].split(" ")[0]
                                                                        .removeprefix("pagedkv-"))))
+        path = _report_path(config)
+        if path and not config.option.collectonly:  # replaced at the end; left as not passed if the process dies
+            from pagedkv.testing.report import write_unfinished
+
+            write_unfinished(Path(path), impl_spec(config), profile=config.stash[_PROFILE])
     if impl_spec(config):
         candidates(config)  # a candidate that cannot load is a usage error now (exit 4), not at collection
     config.hook.pytest_pagedkv_activated(config=config, spec=impl_spec(config))
@@ -348,7 +353,7 @@ def _write_verdict(session: pytest.Session) -> None:
     """``--pagedkv-report-json`` / ini ``pagedkv_report_json``: the verdict as JSON
     (:func:`pagedkv.testing.report.verdict`)."""
     config = session.config
-    path = config.getoption("pagedkv_report_json", None) or config.getini("pagedkv_report_json") or ""
+    path = _report_path(config)
     if not path:
         return
     from pagedkv.testing.report import write_verdict
@@ -356,3 +361,8 @@ def _write_verdict(session: pytest.Session) -> None:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     write_verdict(Path(path), reporter.stats if reporter else {}, candidates(config), impl_spec(config),
                   profile=config.stash.get(_PROFILE, "?"), exit_status=int(session.exitstatus))
+
+
+def _report_path(config: pytest.Config) -> str:
+    """``--pagedkv-report-json``, else ini ``pagedkv_report_json``, else ``""`` (no JSON verdict)."""
+    return config.getoption("pagedkv_report_json", None) or config.getini("pagedkv_report_json") or ""

@@ -109,7 +109,8 @@ def _fits(case: Any, caps: Any, violating: bool = False) -> bool:
 
 def _declare() -> list[Property]:
     from pagedkv.testing.cases import invalid_call as invalid, known as kc
-    from pagedkv.testing.properties import definitions as checks, features as fc, invariances, machine, rejection
+    from pagedkv.testing.managers import kernel_property
+    from pagedkv.testing.properties import definitions as checks, features as fc, invariances, rejection
     from pagedkv.testing.properties import scenarios
 
     def mixed(**kw):
@@ -228,9 +229,9 @@ def _declare() -> list[Property]:
         props.append(Property(name, sentence, ops, check, _aliased_case, max_examples=1, kind="limit"))
     props.append(Property(
         "cache_state_machine_holds_its_invariants",
-        "driven like a scheduler (add with prefix lookup, reserve, write in part or not at all, commit, fork, "
-        "copy-on-write, preempt, abort, double free), the cache matches a shadow model after every step",
-        ("write_kv",), machine.cache_state_machine, lambda caps=None: None, kind="machine"))
+        "driven like a scheduler (admit with prefix lookup, reserve, write in part or not at all, commit, fork, "
+        "copy-on-write, preempt, abort, double free), every request reads back its own K/V after every step",
+        ("write_kv",), kernel_property.cache_state_machine, lambda caps=None: None, kind="machine"))
     for name, feature, sentence, check, kw, examples in (
             ("a_window_of_at_least_the_context_equals_no_window", "window",
              "a window_left of at least the longest context equals no window, within tolerance",

@@ -212,15 +212,6 @@ def manager_kill_rate_settings(max_examples: int, steps: int = 30) -> settings:
     return settings(kill_rate_settings(max_examples, explicit=False), stateful_step_count=steps)
 
 
-def program_search_settings(max_examples: int, steps: int) -> settings:
-    """A derandomized search for a failing state-machine program (the hybrid cache's shipped programs):
-    ``max_examples`` runs of ``steps`` rules, explicit and generated, no database, no shrinking (the
-    program is cut down by its own replay), the first failure only."""
-    return settings(max_examples=max_examples, derandomize=True, stateful_step_count=steps, deadline=None,
-                    database=None, phases=[Phase.explicit, Phase.generate], report_multiple_bugs=False,
-                    suppress_health_check=SUPPRESSED_HEALTH_CHECKS)
-
-
 def timing_settings(max_examples: int) -> settings:
     """Timing a property's examples (the specialisation plan's cost estimate): the loaded profile as
     :func:`suite_settings` makes it, ``max_examples`` examples, no database."""

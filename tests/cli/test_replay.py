@@ -205,18 +205,24 @@ def test_an_unlocated_mismatch_gets_the_first_differences_from_the_backend():
     assert "gather of sequence 1, position 4: expected" in out.getvalue() and "seq 1 | [0 ] [1*]" in out.getvalue()
 
 
-def test_a_case_whose_run_crashed_replays_in_a_child_and_reports_the_crash(tmp_path):
+@pytest.mark.parametrize("ending, verdict", [
+    ("import ctypes\n    ctypes.string_at(0)", "CRASHED: the backend's process died of SIGSEGV"),
+    # exit status 0 from the backend itself: before, the child's 0 was taken for "the case passes"
+    ("import os\n    os._exit(0)", "CRASHED: the backend's process ended (exit status 0) before the case was judged"),
+], ids=["segfault", "os._exit(0)"])
+def test_a_case_whose_run_crashed_replays_in_a_child_and_reports_the_crash(tmp_path, ending, verdict):
     import os
     import subprocess
     import sys
 
-    (tmp_path / "segv_kv.py").write_text("import ctypes\nname = 'segv_kv'\n\n"
-                                         "def gather(cache, block_table, seq_len):\n    ctypes.string_at(0)\n")
+    (tmp_path / "segv_kv.py").write_text(f"name = 'segv_kv'\n\n"
+                                         f"def gather(cache, block_table, seq_len):\n    {ending}\n")
     path = writing.save_failure(GATHER, "segv_kv", CASE, outcome="running",
                                 path=tmp_path / "crashed.json")
     proc = subprocess.run([sys.executable, "-m", "pagedkv", "replay", str(path), "--impl", "segv_kv"], cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1 and "CRASHED: the backend's process died of SIGSEGV" in proc.stdout, proc.stdout
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and verdict in proc.stdout, proc.stdout
 
 
 def test_a_tail_read_marks_the_unused_slots_it_read_not_the_querys_slot():
@@ -290,3 +296,19 @@ def test_a_failure_that_passes_alone_is_rerun_after_its_history_in_a_fresh_proce
     code, out = _run(path)
     assert code == 3 and "passes alone: rerunning it after the earlier calls" in out, out
     assert "rerunning the 1 earlier case(s)" in out and "did not reproduce" in out, out
+
+
+def test_a_replay_process_that_ends_before_judging_is_not_taken_for_a_pass():
+    """The fresh process of a replay after its history (and of an isolated replay) reads exit status 0 as
+    "passes"; a backend calling ``os._exit(0)`` gives 0 too. Only a child that wrote its status judged."""
+    import sys
+
+    from pagedkv.cli.replay.child import run_judged
+
+    ended, judged = run_judged([sys.executable, "-c", "import os; os._exit(0)"])
+    assert ended.returncode == 0 and not judged
+    done = "from pagedkv.cli.replay.child import report_done; import sys; sys.exit(report_done(0))"
+    ended, judged = run_judged([sys.executable, "-c", done])
+    assert ended.returncode == 0 and judged
+    failed, judged = run_judged([sys.executable, "-c", "import os; os._exit(1)"])
+    assert failed.returncode == 1 and judged  # a failure is a failure, reported or not

@@ -1,17 +1,11 @@
-"""The cache state machine (:mod:`pagedkv.testing.properties.machine`) over pagedkv's own cache, and the cases
-it must always cover: C11 (a request freed between reserve and write leaves no prefix-cache entry),
-namespaces, eviction order."""
+"""The cases pagedkv's own cache must always cover, on its public API: C11 (a request freed between reserve
+and write leaves no prefix-cache entry), namespaces, eviction order. (The cache as a whole runs under the
+cache state machine: ``tests/tools/test_cache_mutants.py``, the real cache beside its planted faults.)"""
 
 from __future__ import annotations
 
-from hypothesis import settings
-
 from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.cache.config import CacheConfig
-from pagedkv.testing.properties.machine import STEPS, CacheMachine
-
-CacheMachine.TestCase.settings = settings(settings(), stateful_step_count=STEPS)
-TestCacheMachine = CacheMachine.TestCase
 
 
 def test_c11_a_request_freed_between_reserve_and_write_leaves_no_prefix_cache_entry():

@@ -17,7 +17,7 @@ FILES = shipped_regressions()
 # Functions of the check modules that take a backend and a case but are helpers, not properties.
 HELPERS = {"run_attention", "run_scenario", "check_live_sequences", "outputs", "inputs", "reference_output",
            "write_slot_mapping", "locate_attention", "describe_attention",
-           "machine_for"}  # machine: builds the state machine the registered cache_state_machine runs
+           "machine_for_backend"}  # builds the state machine the registered cache_state_machine runs
 
 
 def _check_functions(module) -> set:
@@ -38,7 +38,8 @@ def _check_modules() -> list:
 
     import pagedkv.testing.properties as package
 
-    return [importlib.import_module(f"{package.__name__}.{m.name}") for m in pkgutil.iter_modules(package.__path__)]
+    return [importlib.import_module(f"{package.__name__}.{m.name}") for m in pkgutil.iter_modules(package.__path__)] \
+        + [importlib.import_module("pagedkv.testing.managers.kernel_property")]
 
 
 def test_the_scan_covers_every_check_module():

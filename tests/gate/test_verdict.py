@@ -72,6 +72,23 @@ def _suite(pytester, monkeypatch, *, factor: float, drop: bool, non_promises: st
     return result, verdict, candidate
 
 
+def test_a_kernel_that_ends_the_process_leaves_a_verdict_that_did_not_pass(pytester, monkeypatch):
+    """``os._exit(0)`` from inside the kernel ends pytest with status 0 and no summary; nothing in the process
+    can stop that, so the JSON verdict is written as not passed when the run starts and replaced at its end.
+    Before, no verdict was written at all."""
+    ends_process = "\nimport os\n\n\ndef paged_attention(*args, **kwargs):\n    os._exit(0)\n"
+    pytester.makepyfile(candidate=CANDIDATE.format(factor=0.0, drop=False, non_promises="{}", extra="") + ends_process)
+    pytester.makeini("[pytest]\npagedkv_report_json = out/verdict.json\n")
+    monkeypatch.setenv("PAGEDKV_PROFILE", "smoke")
+    monkeypatch.delenv("CI", raising=False)
+    result = pytester.runpytest_subprocess("--pyargs", "pagedkv.testing.suite", "--pagedkv-impl",
+                                           str(pytester.path / "candidate.py"), "-k", f"test_{REFERENCE}",
+                                           "-p", "no:cacheprovider", "-p", "no:xdist")
+    assert result.ret == 0  # what os._exit(0) does to any in-process gate: the JSON has to say it
+    verdict = json.loads((pytester.path / "out" / "verdict.json").read_text())
+    assert verdict["passed"] is False and verdict["exit_status"] is None and verdict["unfinished"], verdict
+
+
 def test_an_honest_kernel_with_a_bounded_non_promise_within_its_bound_is_green_with_a_finding(pytester, monkeypatch):
     """Outputs that differ by a few ulps between a request alone and in a batch, declared "not bit-identical":
     a finding with its case file (replayed at the strict bar it fails again), the run green, the counts
@@ -416,13 +433,29 @@ def _reject():
     reject()
 
 
+class _OwnSignal(BaseException):
+    """A kernel's own exception outside ``Exception`` (as ``SystemExit`` is)."""
+
+
+def _raise(exc):
+    def signal():
+        raise exc
+    return signal
+
+
 @pytest.mark.parametrize("signal", [lambda: pytest.skip("not for this input"), lambda: pytest.xfail("no"),
-                                    _reject, _budget], ids=["pytest.skip", "pytest.xfail", "reject", "budget"])
+                                    _reject, _budget, _raise(SystemExit(0)), _raise(GeneratorExit()),
+                                    _raise(_OwnSignal()), lambda: pytest.exit("done", returncode=0)],
+                         ids=["pytest.skip", "pytest.xfail", "reject", "budget", "SystemExit", "GeneratorExit",
+                              "own-BaseException", "pytest.exit"])
 def test_a_control_signal_from_inside_an_op_call_fails(signal):
     """A kernel raising pytest.skip / xfail, Hypothesis's reject() or the gate's budget signal for the inputs
-    it gets wrong turned the property into a skip, a rejected case or a partial pass before."""
+    it gets wrong turned the property into a skip, a rejected case or a partial pass before. ``SystemExit``,
+    ``GeneratorExit`` and a kernel's own ``BaseException`` left the run as a harness error with no case file,
+    and ``pytest.exit`` ended the session (status 0 with ``returncode=0``)."""
     outcome = _run(REFERENCE, _Signalling(signal), examples=10)
     assert outcome.status == "failed" and "OpRaisedControlSignal" in outcome.first_line, outcome
+    assert outcome.failures[0].case is not None, outcome  # recorded: its case file is written
 
 
 def test_a_failing_regression_case_replays_as_printed_on_the_candidate(pytester, monkeypatch):

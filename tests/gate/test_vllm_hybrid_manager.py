@@ -4,8 +4,11 @@ vLLM's own slot mapping, the connector's loads and stores, and dropped drafts ne
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
+
+from pagedkv.testing.managers import programs
 
 from pagedkv.testing.managers.protocol import HYBRID_LAYOUTS, ManagerConfig, layout_groups
 
@@ -23,15 +26,16 @@ def _manager(layout: str, num_blocks: int = 40, **kwargs):
 
 
 def _prefill(m, rid: int, tokens, chunk: int = 4) -> list:
-    """Admit and prefill in chunks of ``chunk`` tokens (each committed): every step's ``(first position,
-    per-group slots, per-group block tables right after the reservation)``."""
+    """Admit and prefill in chunks of up to ``chunk`` tokens (each committed; a Mamba layout's scheduler may
+    take fewer): every step's ``(first position, per-group slots, per-group block tables right after the
+    reservation)``."""
     _, cached = m.admit(rid, tokens)
     steps, pos = [], cached
     while pos < len(tokens):
-        end = min(pos + chunk, len(tokens))
-        steps.append((pos, m.reserve(rid, tokens[pos:end]), m.block_table(rid)))
-        m.commit(rid, end)
-        pos = end
+        slots = m.reserve(rid, tokens[pos:pos + chunk])
+        steps.append((pos, slots, m.block_table(rid)))
+        pos += len(slots[0])
+        m.commit(rid, pos)
     return steps
 
 
@@ -128,9 +132,12 @@ def test_connector_loads_and_stores(layout):
     assert external == 8 - 8 % lcm
     m.load(2)
     m.load_done(2, ok=True)
-    slots = m.reserve(2, prompt[external:])
-    assert slots is not None and all(len(s) == len(prompt) - external for s in slots)
-    m.commit(2, len(prompt))
+    pos = external
+    while pos < len(prompt):  # a Mamba layout's scheduler may clip the chunk
+        slots = m.reserve(2, prompt[pos:])
+        assert slots is not None and len({len(s) for s in slots}) == 1, slots
+        pos += len(slots[0])
+        m.commit(2, pos)
     _, hit = m.admit(3, prompt)
     assert hit >= external, f"tokens loaded by the connector were not cached: hit {hit}, loaded {external}"
     m.free(3)
@@ -181,3 +188,204 @@ def test_speculative_decoding_is_left_off_where_it_cannot_be_judged(layout):
     assert not m.capabilities.speculative
     _prefill(m, 0, [1, 2, 3, 4, 5])
     _release_all(m, [0])
+
+
+def test_mamba_prefill_chunks_end_where_the_scheduler_caches_a_state():
+    """vLLM's "align" mode writes a Mamba state at a step's end only, so its scheduler clips a prefill chunk
+    to a block boundary (``Scheduler._mamba_block_aligned_split``): the peer takes what it takes. Fails
+    before the split: every chunk taken whole, a block cached as the state at a boundary no step ended at."""
+    m = _manager("jamba")
+    prompt = [1, 2, 3, 1, 2]
+    m.admit(0, prompt)
+    assert m.reserve(0, prompt[:1]) is None, "a chunk ending inside the first block was scheduled"
+    slots = m.reserve(0, prompt[:3])
+    assert [len(s) for s in slots] == [2, 2], slots  # clipped to the block boundary at 2
+    m.commit(0, 2)
+    assert [len(s) for s in m.reserve(0, prompt[2:])] == [2, 2]  # stops at the last cacheable boundary, 4
+    m.commit(0, 4)
+    assert [len(s) for s in m.reserve(0, prompt[4:])] == [1, 1]
+    m.commit(0, 5)
+    _release_all(m, [0])
+
+
+def test_a_clipped_chunk_is_not_a_false_alarm_in_the_machine():
+    """A Mamba chunk ending inside a block, the next one crossing its boundary, then a preemption that
+    re-admits the request: the hit reads the state where a step ended. Fails before the split ("reads wrong
+    state at token 3": vLLM cached block 1 as the state after token 3, which no step ended at)."""
+    steps = [("system_prompts", {"prompts": [[0, 1, 2, 3, 0]]}),
+             ("start", {"num_blocks": 8, "block_size": 0, "num_layers": 1, "window": 0, "layout": 0, "features": 0}),
+             ("add", {"system": [0, 1, 2, 3, 0], "suffix": [], "namespace": None, "extra": None, "chunk": 3,
+                      "write_now": True, "image_at": 0, "stored": 0}),
+             ("step", {"rid": 0, "n": 2, "token": 0, "write_now": True}),
+             ("preempt", {"rid": 0})]
+    programs.run_program(_machine(("jamba",), block_sizes=(2,)), steps)
+
+
+def test_a_loading_request_is_read_at_the_loads_end():
+    """While a connector load is in flight the request's next query is past it: a Mamba group holds the
+    state the load brings, not the one at the local hit. Fails before ("token 0 (written) has no block in
+    its table [-1, 1] (group 1, mamba)": the machine read the state at the local hit)."""
+    steps = [("system_prompts", {"prompts": [[0, 0]]}),
+             ("start", {"num_blocks": 4, "block_size": 0, "num_layers": 1, "window": 0, "layout": 0, "features": 1}),
+             ("add", {"system": [0, 0], "suffix": [], "namespace": None, "extra": None, "chunk": 1,
+                      "write_now": False, "image_at": 0, "stored": 1}),
+             ("evict", {"n": 1}), ("preempt", {"rid": 0}), ("finish_store_rid", {"rid": 0}), ("free", {"rid": 1}),
+             ("finish_load_rid", {"rid": 0, "ok": False}),
+             ("next_turn", {"turn": 0, "suffix": [0, 0], "chunk": 1, "write_now": False, "stored": 2})]
+    programs.run_program(_machine(("jamba",), block_sizes=(1,)), steps)
+
+
+def test_connector_admits_through_the_schedulers_divergent_hit_path():
+    """With a connector that restores a lagging Mamba state (``supports_divergent_local_hybrid_hits``) the
+    scheduler looks up each group alone (``get_computed_blocks_for_connector``): a full-attention hit deeper
+    than the Mamba group's is kept where external tokens back it (the state comes with the load) and
+    reconciled to the agreed hit where none do. Fails before (the peer admitted through
+    ``get_computed_blocks``: the agreed hit of 0 and 8 external tokens)."""
+    m = _manager("jamba", connector=True)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2, 3]
+    _prefill(m, 0, prompt, chunk=9)  # one chunk to the last boundary, 8: the only Mamba state cached there
+    other = prompt[:6] + [0, 0, 0, 0, 0]
+    _, hit = m.admit(1, other)
+    assert hit == 0 and m.num_external(1) == 0  # no external state: the hit every group agrees on
+    m.free(1)
+    m.store_done(1)
+    blocks, hit = m.admit(2, other, num_stored=8)
+    assert (hit, m.num_external(2)) == (6, 2), (hit, m.num_external(2))
+    assert len(blocks[0]) == 3 and len(blocks[1]) < 3, blocks  # the Mamba group lags
+    slots = m.load(2)
+    assert slots[1][-1] >= 0, f"no slot for the state at the load's end: {slots}"
+    m.load_done(2, ok=True)
+    pos = 8
+    while pos < len(other):
+        pos += len(m.reserve(2, other[pos:])[0])
+        m.commit(2, pos)
+    m.self_check()
+    _release_all(m, [0, 2])
+
+
+def test_block_hashes_do_not_depend_on_the_hash_seed(monkeypatch):
+    """vLLM seeds its root block hash from ``$PYTHONHASHSEED``: the peer pins vLLM's default seed, so two
+    processes (and two gate runs) hash a prompt's blocks alike. Fails before (the root followed the seed)."""
+    from vllm.v1.core import kv_cache_utils
+
+    hashes = []
+    for seed in ("0", "5"):
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+        m = _manager("gemma3")
+        hashes.append((kv_cache_utils.NONE_HASH, m._request(0, [1, 2, 3, 4], None, []).block_hashes))
+        assert os.environ["PYTHONHASHSEED"] == seed
+    assert hashes[0] == hashes[1]
+
+
+def _machine(layouts, block_sizes):
+    from pagedkv.testing.managers.machine import machine_for
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    return machine_for(vm.cache_manager, block_sizes=block_sizes, windows=vm.cache_manager_windows, layouts=layouts)
+
+
+def test_a_failed_load_leaves_the_request_an_admitted_hit():
+    """vLLM's ``recompute_kv_load_failures`` frees a request whose load failed and looks its prefix up again;
+    that lookup may hit less than the local hit did (here 4 tokens of 5), and until its next step adopts the
+    hit the request holds no block. Fails before (the machine resumed it at its old local hit: "token 4
+    (written) has no block in its table")."""
+    steps = [("system_prompts", {"prompts": [[0, 0, 0, 0, 0]]}),
+             ("start", {"num_blocks": 12, "block_size": 0, "num_layers": 1, "window": 1, "layout": 0, "features": 1}),
+             ("add", {"system": [0, 0, 0, 0, 0], "suffix": [], "namespace": None, "extra": None, "chunk": 5,
+                      "write_now": True, "image_at": 0, "stored": 0}),
+             ("free", {"rid": 0}), ("finish_store_rid", {"rid": 0}),
+             ("add", {"system": [0, 0, 0, 0, 0], "suffix": [1, 1, 1], "namespace": None, "extra": None, "chunk": 2,
+                      "write_now": True, "image_at": 0, "stored": 7}),
+             ("finish_load_rid", {"rid": 1, "ok": False}),
+             ("step", {"rid": 1, "n": 3, "token": 0, "write_now": True})]
+    programs.run_program(_machine(("gemma3",), block_sizes=(1,)), steps)
+
+
+def test_a_load_completed_after_its_free_is_not_promised():
+    """A request freed (preempted) while its load is in flight: vLLM frees the loaded blocks when the load
+    completes, uncached, so another request may hit them but need not. Fails before (the hit promise:
+    "a hit of 0 tokens, but its first 2 were committed and not evicted since")."""
+    prompt = {"system": [0, 0, 0], "suffix": [], "namespace": (("salt", "a"),), "extra": None, "chunk": 1,
+              "write_now": False, "image_at": 0}
+    steps = [("start", {"num_blocks": 4, "block_size": 0, "num_layers": 1, "window": 1, "layout": 0, "features": 1}),
+             ("system_prompts", {"prompts": [[0, 0, 0]]}), ("add", {**prompt, "stored": 2}),
+             ("preempt", {"rid": 0}), ("finish_load_rid", {"rid": 0, "ok": True}), ("add", {**prompt, "stored": 0})]
+    programs.run_program(_machine(("gemma3",), block_sizes=(1,)), steps)
+
+
+def _gate(layouts: tuple[str, ...], examples: int):
+    """The manager machine on the peer (connector off) in ``layouts``: ``None`` or the failing program."""
+    import dataclasses
+
+    from hypothesis import Phase, settings
+
+    from pagedkv.testing.managers import programs
+    from pagedkv.testing.managers.machine import machine_for
+    from pagedkv.testing.settings import manager_settings
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    machine = machine_for(lambda config: vm.cache_manager(dataclasses.replace(config, connector=False)),
+                          layouts=layouts, name="vllm_hybrid")
+    return programs.run_recorded(machine, settings(manager_settings(examples, 30), derandomize=True,
+                                                   phases=(Phase.explicit, Phase.generate)))
+
+
+@pytest.mark.slow(reason="1-2 min: 150 examples of vLLM's coordinator in three layouts")
+def test_three_attention_types_pass_the_machine():
+    """The release in the layouts with three attention types and two specs of one kind."""
+    steps = _gate(("hymba", "deepseek-v4", "two-window-block-sizes"), 150)
+    assert steps is None, steps.error
+
+
+class _NeverSeen(set):
+    def __contains__(self, item) -> bool:
+        return False
+
+
+@pytest.mark.slow(reason="10-40 s: up to 300 examples of vLLM's coordinator until the search finds it")
+def test_same_step_state_hit_is_caught(monkeypatch):
+    """vLLM's Mamba manager without its same-step check (mamba-same-step-state-served): a state another
+    request's step caches in this scheduler step is served. Fails before: a hit on a state an in-flight step
+    writes was read later, never judged against its step."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    init = MambaManager.__init__
+
+    def forgetful(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.cached_blocks_this_step = _NeverSeen()
+
+    monkeypatch.setattr(MambaManager, "__init__", forgetful)
+    steps = _gate(("jamba", "qwen3-next", "hymba"), 300)
+    assert steps is not None and "same scheduler step" in steps.error, steps and steps.error
+
+
+@pytest.mark.slow(reason="1-10 s: examples of vLLM's coordinator until the search finds it")
+def test_lookahead_slots_not_reserved_is_caught(monkeypatch):
+    """``allocate_slots`` without the lookahead tokens (lookahead-slots-not-reserved): the proposer's drafts
+    land past the request's blocks. Fails before: nothing wrote past a reservation's own tokens."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    allocate = KVCacheManager.allocate_slots
+
+    def no_lookahead(self, *args, **kwargs):
+        return allocate(self, *args, **{**kwargs, "num_lookahead_tokens": 0})
+
+    monkeypatch.setattr(KVCacheManager, "allocate_slots", no_lookahead)
+    steps = _gate(("gemma3", "deepseek-v4", "two-window-block-sizes"), 300)
+    assert steps is not None and "proposer's draft" in steps.error, steps and steps.error
+
+
+@pytest.mark.slow(reason="20-60 s: up to 300 examples of vLLM's coordinator until the search finds it")
+def test_deferred_free_head_first_per_group_is_caught(monkeypatch):
+    """The coordinator's ``pop_blocks_for_free`` with each group's blocks already reversed
+    (deferred-free-head-first-per-group, vllm#48532): a deferred free releases each group head first.
+    Fails before: the hybrid peer promised no eviction order."""
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+
+    def head_first(self, request_id):
+        return [b for m in self.single_type_managers for b in reversed(m.pop_blocks_for_free(request_id))]
+
+    monkeypatch.setattr(KVCacheCoordinator, "pop_blocks_for_free", head_first)
+    steps = _gate(("gemma3", "gpt-oss-2full-sw", "deepseek-v4"), 300)
+    assert steps is not None and "eviction order lru" in steps.error, steps and steps.error

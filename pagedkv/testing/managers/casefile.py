@@ -12,7 +12,7 @@ imported or allocated:
 4. the trust rule: the manager a file names is loaded on its word only when a kernel case file could
    name it (a built-in backend, a shipped mutant, cheat or peer:
    :func:`~pagedkv.testing.casefiles.reading.canonical_backend_spec`) or it is one of pagedkv's own
-   managers (:data:`SHIPPED_MANAGERS`, the planted hybrid faults of :data:`HYBRID_MUTANTS`); any other
+   managers (:data:`SHIPPED_MANAGERS`, the planted faults of :data:`PLANTED_MANAGERS`); any other
    spec runs only when named with ``--impl``.
 
 Each refusal is a :class:`~pagedkv.errors.CaseFileError` naming the field.
@@ -148,6 +148,9 @@ def validate_program(data: Any, *, max_bytes: int | None = None) -> dict:
 
 #: pagedkv's module of planted hybrid-manager faults and the mapping of the names it ships.
 HYBRID_MUTANTS = ("pagedkv.tools.mutants.hybrid_managers", "HYBRID_MANAGER_MUTANTS")
+#: Every module of planted manager faults a program file may name (``module:name``), with its mapping:
+#: the hybrid managers' and pagedkv's faulty hybrid caches gated as managers.
+PLANTED_MANAGERS = (HYBRID_MUTANTS, ("pagedkv.tools.mutants.caches", "HYBRID_CACHE_MUTANTS"))
 
 
 def trusted_manager_spec(spec: object) -> bool:
@@ -159,10 +162,11 @@ def trusted_manager_spec(spec: object) -> bool:
     if spec in SHIPPED_MANAGERS or canonical_backend_spec(spec) is not None:
         return True
     module, _, name = str(spec).partition(":")
-    if module != HYBRID_MUTANTS[0]:
+    mapping = dict(PLANTED_MANAGERS).get(module)
+    if mapping is None:
         return False
     try:  # a fixed module of pagedkv's own, where this version has it
-        return name in getattr(importlib.import_module(module), HYBRID_MUTANTS[1], {})
+        return name in getattr(importlib.import_module(module), mapping, {})
     except ImportError:
         return False
 

@@ -32,7 +32,10 @@ chunked-local group its current chunk, a Mamba group the state after the last wr
 writes the state after its last token only, and after its last verified and each draft token), which a
 hit must serve as the digest of exactly that prefix. Invariants: no block held by two groups, every
 group's admitted blocks truncated to the one agreed hit, the manager's reference counts (where exposed)
-equal to the tables holding each block. A one-group manager runs as today behind
+equal to the tables holding each block, the ``"lru"`` order per group (:class:`Chains`), no recurrent-state
+hit on a state a reservation of the same scheduler step writes (reservations between two commits are one
+step), and, with ``capabilities.lookahead``, the proposer's drafts written past each step in the request's
+own blocks. A one-group manager runs as today behind
 :class:`~.protocol.GroupedView`.
 
 A KV connector (the machine is the external store: it holds any prefix, so it offers whole blocks of the
@@ -55,8 +58,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple,
                                  precondition, rule)
 
-from pagedkv import get_backend
-from pagedkv.testing.managers.oracle import expected_kv, stable_hash, token_identity
+from pagedkv.testing.managers.kv_io import KVIO
+from pagedkv.testing.managers.oracle import stable_hash, token_identity
 from pagedkv.testing.managers.protocol import ONE_GROUP, ManagerConfig, as_grouped, layout_groups
 
 VOCAB = st.integers(0, 3)  # small: equal blocks, hits and near-misses are common
@@ -88,6 +91,7 @@ class Step:
     end: int
     slots: tuple  # one slot list per group
     reads: frozenset
+    epoch: int = 0  # the scheduler step it was reserved in (ManagerMachine.epoch)
 
 
 @dataclasses.dataclass
@@ -125,6 +129,25 @@ class Request:
             self.tokens.append(t)
 
 
+class Chains:
+    """Cached blocks one call released in several KV-cache groups: each group's in its release order (tail
+    first), the groups' order among themselves not promised (vLLM frees group by group, a deferred free in
+    reverse group order). Taking a block from the free queue here takes the head of one group's chain."""
+
+    def __init__(self, chains) -> None:
+        self.chains = [list(c) for c in chains if c]
+
+    def blocks(self) -> set[int]:
+        return {b for c in self.chains for b in c}
+
+    def discard(self, block: int) -> None:
+        self.chains = [[b for b in c if b != block] for c in self.chains]
+        self.chains = [c for c in self.chains if c]
+
+    def __bool__(self) -> bool:
+        return bool(self.chains)
+
+
 class ManagerMachine(RuleBasedStateMachine):
     """The machine over ``make_manager(ManagerConfig)``; subclass with :func:`machine_for`."""
 
@@ -136,12 +159,15 @@ class ManagerMachine(RuleBasedStateMachine):
     checks_run = 0  # steps judged, over every run of this class (for steps per second)
     tokens_read = 0  # written tokens whose K/V the checks compared with the oracle, over every run of this class
     prefix_hits = 0  # admissions served partly from the prefix cache, over every run of this class
+    # K/V moves through a kernel backend's write_kv and gather (kv_io.KVIO; None: pagedkv's indexed)
+    kv_backend = None
+    num_kv_heads, head_dim, dtype = NUM_KV_HEADS, HEAD_DIM, torch.float32
 
     reqs = Bundle("reqs")
     systems = Bundle("systems")
 
     @initialize(num_blocks=st.integers(4, 12), block_size=st.integers(0, 2), num_layers=st.integers(1, 2),
-                window=st.integers(0, 3), layout=st.integers(0, 7), features=st.integers(0, 3))
+                window=st.integers(0, 3), layout=st.integers(0, 11), features=st.integers(0, 3))
     def start(self, num_blocks, block_size, num_layers, window, layout=0, features=0):
         """The pool: ``block_size`` and ``window`` index the sizes the manager takes, ``layout`` its
         layouts (a hybrid one takes ``block_size`` as its hash block size and ``window`` as its
@@ -152,12 +178,14 @@ class ManagerMachine(RuleBasedStateMachine):
         groups = layout_groups(self.layouts[layout % len(self.layouts)], bs, window)
         if groups:
             num_layers = max(g.num_layers for g in groups)
-        config = ManagerConfig(num_blocks, bs, self.windows[window % len(self.windows)], num_layers, NUM_KV_HEADS,
-                               HEAD_DIM, groups=groups, connector=bool(features & 1),
+        config = ManagerConfig(num_blocks, bs, self.windows[window % len(self.windows)], num_layers, self.num_kv_heads,
+                               self.head_dim, groups=groups, connector=bool(features & 1),
                                num_speculative_tokens=MAX_DRAFTS if features & 2 else 0)
         self.m = as_grouped(type(self).make_manager(config))
         self.caps = self.m.capabilities
         self.groups = self.caps.groups
+        if not groups:  # one group serves every layer asked for (a GroupedView's group says one)
+            self.groups = tuple(dataclasses.replace(g, num_layers=num_layers) for g in self.groups)
         self.grouped = bool(groups)
         self.connector = self.caps.connector and config.connector
         self.speculative = self.caps.speculative and config.num_speculative_tokens > 0
@@ -170,13 +198,14 @@ class ManagerMachine(RuleBasedStateMachine):
             self.page = self.pools[0][0].shape[1]
         else:
             total = self.m.counts()[2] + getattr(self.m, "reserved_blocks", 0)
-            shape = (total, self.page, NUM_KV_HEADS, HEAD_DIM)
+            shape = (total, self.page, self.num_kv_heads, self.head_dim)
             self.pools = [(torch.full(shape, float("nan")), torch.full(shape, float("nan"))) for _ in range(num_layers)]
-        self.write_kv = get_backend("indexed").write_kv
+        self.io = KVIO(type(self).kv_backend, self.num_kv_heads, self.head_dim, self.dtype)
         self.live: dict[int, Request] = {}
         self.zombies: dict[int, Request] = {}  # freed with steps, a load or a store pending (their free deferred)
         self.committed_prefixes: set[int] = set()  # identities of the last token of committed full blocks
         self.next_id = 0
+        self.epoch = 0  # scheduler steps so far: a commit ends one (reservations between two commits share one)
         self.history: list[tuple] = []  # finished conversations (namespace, tokens, extras), newest last
         self.rejected: list[tuple] = []  # timelines ending in rejected drafts (namespace, tokens, extras)
         # the model of what the manager declares: block -> identity its cached full block holds (hit
@@ -212,33 +241,66 @@ class ManagerMachine(RuleBasedStateMachine):
             keep = [i for i in range(n) if slots[g][i] >= 0 and (group.kind != "mamba" or i >= n - 1 - drafts)]
             if not keep:
                 continue
-            mapping = torch.tensor([self.flat(g, slots[g][i]) for i in keep], dtype=torch.int64)
+            mapping = [self.flat(g, slots[g][i]) for i in keep]
             for layer in range(group.num_layers):
                 k_pool, v_pool = self.pools[layer]
-                k, v = expected_kv([identities[i] for i in keep], layer_key(g, layer), NUM_KV_HEADS, HEAD_DIM)
-                self.write_kv(k_pool, v_pool, k, v, mapping)
+                self.io.write(k_pool, v_pool, [identities[i] for i in keep], layer_key(g, layer), mapping)
         req.written = max(req.written, end)
+
+    def propose(self, rid: int, req: Request) -> None:
+        """The proposer's step (``capabilities.lookahead``): draft K/V written at the positions just past the
+        request's reserved tokens, through its block tables (as vLLM's drafter computes its slots): each in a
+        block of the request's own table that no other request or group holds. Later reservations write the
+        real tokens there before anyone reads them."""
+        k = self.caps.lookahead if self.speculative else 0
+        if not k:
+            return
+        tables, others, end = self.m.block_table(rid), self.others(rid), req.reserved
+        for g, group in enumerate(self.groups):
+            if group.kind == "mamba":  # draft states live in the manager's scratch blocks
+                continue
+            bs, table = self.gbs[g], tables[g]
+            mine = {b for h, t in enumerate(tables) if h != g for b in t if b >= 0}
+            pages = []
+            for p in range(end, end + k):
+                block = table[p // bs] if p // bs < len(table) else -1
+                assert block >= 0 and block not in others and block not in mine, \
+                    f"request {rid}: the proposer's draft at position {p} (lookahead {k} past {end} reserved " \
+                    f"tokens) has " + (f"block {block}, which another request or group holds" if block >= 0 else
+                                       f"no block in group {g}'s table {table}")
+                pages.append(block * self.page + p % bs)
+            draft = [stable_hash(("draft", req.identities[end - 1] if end else 0, i)) for i in range(k)]
+            for layer in range(group.num_layers):
+                k_pool, v_pool = self.pools[layer]
+                self.io.write(k_pool, v_pool, draft, layer_key(g, layer), pages)
 
     def flat(self, group: int, slot: int) -> int:
         """A group's slot as an index into the machine's pages."""
         block, offset = divmod(slot, self.gbs[group])
         return block * self.page + offset
 
-    def register(self, rid: int, req: Request, upto: int) -> None:
-        """Tokens below ``upto`` are cached by the manager: their full blocks are hittable."""
+    def register(self, rid: int, req: Request, upto: int, promised: bool = True) -> None:
+        """Tokens below ``upto`` are cached by the manager: their full blocks are hittable (a sliding-window
+        or chunked-local group's where a hit of whole blocks of every group needs them; and, where
+        ``promised``, must hit)."""
         tables = self.m.block_table(rid) if rid in self.live else req.table  # a deferred free: as it was freed
         for end in range(self.bs, upto + 1, self.bs):
             self.committed_prefixes.add(req.identities[end - 1])
+        if not promised:
+            return
         for g, (group, table) in enumerate(zip(self.groups, tables)):
-            bs = self.gbs[g]
-            for end in range(bs, upto + 1, bs):
+            bs, aligned = self.gbs[g], upto // self.bs * self.bs
+            reachable = {i for hit in range(self.bs, aligned + 1, self.bs)
+                         for i in range(min(group.first_read(hit), hit - 1) // bs, hit // bs)}
+            for end in range(bs, aligned + 1, bs):
                 block = table[end // bs - 1] if end // bs - 1 < len(table) else -1
-                if block >= 0 and group.kind != "mamba":
+                if block >= 0 and group.kind != "mamba" and (end // bs - 1 in reachable or group.kind == "full"):
                     self.cached[block] = (g, req.identities[end - 1])
 
     def commit(self, rid: int, req: Request) -> None:
         before = self.holdings()
         self.m.commit(rid, req.written)
+        self.epoch += 1
         req.committed = req.written
         if self.caps.defers_commit and rid in self.live:
             self.register(rid, req, req.committed)
@@ -285,7 +347,11 @@ class ManagerMachine(RuleBasedStateMachine):
             uncached = {b for b in released if b not in self.cached}
             if uncached:
                 self.queue.insert(0, ("blocks", uncached))
-            self.queue.extend(("blocks", {b}) for b in released if b in self.cached)
+            if self.grouped and len(self.groups) > 1:
+                self.queue.append(("chains", Chains([b for b in released if b in self.cached and before[b][0] == g]
+                                                    for g in range(len(self.groups)))))
+            else:
+                self.queue.extend(("blocks", {b}) for b in released if b in self.cached)
         for b in hits:  # adopted hits leave the free queue wherever they are
             for _, tier in self.queue:
                 tier.discard(b)
@@ -322,6 +388,11 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.ever_used |= never
                 queue.pop(0)
                 continue
+            if kind == "chains":
+                if self.judge_chains(call, need, tier):
+                    return
+                queue.pop(0)
+                continue
             front = sorted(tier)
             if tier <= need:
                 need -= tier
@@ -335,6 +406,27 @@ class ManagerMachine(RuleBasedStateMachine):
                     f"{call}: blocks {held_back} handed out while {front} (released earlier, or uncached) are "
                     f"at the front of the free queue (eviction order lru: least recently released first, a "
                     f"request's blocks tail first, uncached blocks before cached ones)")
+
+    def judge_chains(self, call: str, need: set, tier: Chains) -> bool:
+        """Take ``need``'s blocks from a :class:`Chains` tier (each group's taken blocks the head of its
+        chain); True when ``need`` is met inside it, False when the tier is used up (``need`` reduced)."""
+        taken = need & tier.blocks()
+        for chain in tier.chains:
+            head = next((i for i, b in enumerate(chain) if b not in taken), len(chain))
+            late = sorted(b for b in chain[head:] if b in taken)
+            assert not late, (
+                f"{call}: blocks {late} handed out while {[b for b in chain if b not in taken]} of "
+                f"the same KV-cache group, released with them, are ahead of them in the free queue (eviction "
+                f"order lru: a request's blocks are released tail first in each group)")
+        for b in taken:
+            tier.discard(b)
+        need -= taken
+        if not need:
+            return True
+        assert not tier, \
+            f"{call}: blocks {sorted(need)} handed out while {sorted(tier.blocks())} (released earlier) are at the " \
+            f"front of the free queue (eviction order lru: least recently released first)"
+        return False
 
     def promised_hit(self, req: Request) -> int:
         """The hit the promise guarantees: the longest whole-block prefix, up to the computed minimum,
@@ -403,12 +495,22 @@ class ManagerMachine(RuleBasedStateMachine):
         reserve only): adopted now, not handed out afresh."""
         start = req.reserved
         before = self.holdings()
+        if not req.adopted:  # its admitted hit (again, after a failed load) is adopted, not handed out afresh
+            hits = [*hits, *(b for table in self.m.block_table(rid) for b in table if b >= 0)]
         slots = self.m.reserve(rid, token_ids, num_draft=drafts) if drafts else self.m.reserve(rid, token_ids)
         if slots is None:
             self.account(before, f"reserve (refused) of request {rid}")
             return False
         req.adopted = True
         self.account(before, f"reserve of request {rid}", hits=hits)
+        taken = len(slots[0]) if isinstance(slots, tuple) and slots else len(token_ids)
+        if taken < len(token_ids):  # its scheduler clipped a prompt chunk: the rest is reserved later
+            assert 0 < taken and not drafts and start + len(token_ids) <= req.num_prompt, \
+                f"request {rid}: reserve returned slots for {taken} of {len(token_ids)} tokens (only a prompt " \
+                f"chunk may be clipped, to at least one token)"
+            token_ids = token_ids[:taken]
+        if hits:
+            self.check_same_step_state(rid, req, start)
         if start + len(token_ids) > len(req.tokens):
             req.extend(token_ids[len(req.tokens) - start:])
         n = len(token_ids)
@@ -423,13 +525,33 @@ class ManagerMachine(RuleBasedStateMachine):
             self.register(rid, req, req.reserved - drafts)  # cached at reserve time, K/V written in the same step
         if drafts or write_now and not req.in_flight or not (self.caps.defers_commit or self.caps.async_steps):
             self.write(rid, req, slots, start, drafts)
+            self.propose(rid, req)
             if not drafts:
                 self.commit(rid, req)
         else:
             req.table = table
             req.in_flight.append(Step(start, req.reserved, tuple(list(s) for s in slots),
-                                      self.read_blocks(table, start, req.reserved)))
+                                      self.read_blocks(table, start, req.reserved), self.epoch))
         return True
+
+    def check_same_step_state(self, rid: int, req: Request, start: int) -> None:
+        """A recurrent-state hit of ``start`` tokens, adopted now, must not be a state that a step reserved in
+        this same scheduler step writes: that step's forward computes it while this one reads it (vLLM's
+        ``cached_blocks_this_step``; SGLang #37836's class)."""
+        tables = self.m.block_table(rid)
+        for g, group in enumerate(self.groups):
+            if group.kind != "mamba" or not start:
+                continue
+            bs, table = self.gbs[g], tables[g]
+            if (start - 1) // bs >= len(table) or table[(start - 1) // bs] < 0:
+                continue  # no state block: check_reads names it
+            page = self.flat(g, table[(start - 1) // bs] * bs + (start - 1) % bs)
+            for other, q in (*self.live.items(), *self.zombies.items()):
+                for step in (step for step in q.in_flight if step.epoch == self.epoch):
+                    assert page not in {self.flat(g, x) for x in step.slots[g] if x >= 0}, \
+                        f"request {rid}: a hit of {start} tokens resumes group {g}'s state (block " \
+                        f"{table[(start - 1) // bs]}) that request {other}'s step writes in this same scheduler " \
+                        f"step (tokens {step.start}..{step.end - 1}): its forward has not computed it yet"
 
     def others(self, rid: int) -> set[int]:
         held = {b for r in self.live if r != rid for t in self.m.block_table(r) for b in t if b >= 0}
@@ -461,18 +583,23 @@ class ManagerMachine(RuleBasedStateMachine):
             f"request {rid}: a hit of {cached} tokens, but its first {promised} were committed and not evicted " \
             f"since (the hit promise: what is cached hits)"
         tables = self.m.block_table(rid)
+        external = self.m.num_external(rid) if stored else 0
         for g, blocks in enumerate(block_ids):
             assert list(blocks) == tables[g][:len(blocks)], \
                 f"request {rid}: admit returned blocks {list(blocks)}" + (f" in group {g}" if self.grouped else "") + \
                 f", its block table is {tables[g]}"
-            assert not self.grouped or len(blocks) == len(tables[g]) == cached // self.gbs[g], \
+            # a state group may hit less where the load restores its state (at the load's end): vLLM's divergent
+            # local hybrid hit; without external tokens every group holds exactly the agreed hit
+            short = external and self.groups[g].kind == "mamba"
+            assert not self.grouped or len(blocks) == len(tables[g]) and (
+                    len(blocks) == cached // self.gbs[g] or short and len(blocks) < cached // self.gbs[g]), \
                 f"request {rid}: group {g} admitted blocks {list(blocks)} (table {tables[g]}) of {self.gbs[g]} " \
-                f"tokens for the agreed hit of {cached} tokens (every group's hit truncated to the agreed length)"
+                f"tokens for the agreed hit of {cached} tokens (every group's hit truncated to the agreed length" + \
+                (f"; {external} external tokens to load" if external else "") + ")"
         req.reserved = req.written = req.committed = cached
         req.table = tables
         self.live[rid] = req
         hits = [b for blocks in block_ids for b in blocks if b >= 0]  # the first reserve adopts them
-        external = self.m.num_external(rid) if stored else 0
         if external:
             return self.start_load(rid, req, cached, external, stored, hits)
         if chunk and not self.reserve(rid, req, tokens[cached:cached + chunk], write_now, hits=hits):
@@ -620,6 +747,8 @@ class ManagerMachine(RuleBasedStateMachine):
         req = self.live.get(rid) or self.zombies[rid]
         step = req.in_flight.pop(0)
         self.write(rid, req, step.slots, step.start)
+        if rid in self.live and not req.in_flight:
+            self.propose(rid, req)
         self.commit(rid, req)
 
     @precondition(lambda self: self.speculative)
@@ -672,11 +801,16 @@ class ManagerMachine(RuleBasedStateMachine):
         self.write(rid, req, slots, start, identities=garbage)
         before = self.holdings()
         req.loading = None
-        self.m.load_done(rid, ok)
+        again = self.m.load_done(rid, ok)
         req.written = end if ok else start
+        if ok:  # valid K/V: hittable even where the request was freed meanwhile (not promised then: vLLM
+            self.register(rid, req, end, promised=rid in self.live)  # frees such a load's blocks uncached)
+        elif again is not None and rid in self.live:  # let go and looked up again: an admitted hit, held
+            assert 0 <= again <= start and (again == 0 or req.identities[again - 1] in self.committed_prefixes), \
+                f"request {rid}: after its failed load a hit of {again} tokens (its local hit was {start}), " \
+                f"which no request committed"
+            req.written, req.adopted = again, self.m.holds(rid)  # from its next reserve
         req.reserved = req.committed = req.written
-        if ok:  # valid K/V: cacheable even where the request was freed meanwhile
-            self.register(rid, req, end)
         self.settle(rid)
         self.account(before, f"load_done of request {rid}")
 
@@ -694,6 +828,16 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.store_done(rid)
         self.settle(rid)
         self.account(before, f"store_done of request {rid}")
+
+    def pressure(self, n):
+        """Memory pressure: a request of ``n`` blocks of every group's size, prompt tokens no other request
+        has, prefilled in one step and finished: the free queue's front ``n`` blocks per group are handed
+        out (what they cached evicted, in the order the manager promises) and come back holding its prefix."""
+        rid = self.new_id()
+        tokens, history = [1000 + rid] + [0] * (n * self.bs - 1), self.history
+        if self.admit(rid, tokens, None, {}, len(tokens), True):
+            self.release(rid)
+        self.history = history  # not a conversation to continue
 
     @rule(rid=consumes(reqs))
     def free(self, rid):
@@ -731,10 +875,13 @@ class ManagerMachine(RuleBasedStateMachine):
         return child
 
     @precondition(lambda self: self.caps.evict and self.next_id > 0)  # nothing is cached before a request
-    @rule(n=st.integers(1, 4))
-    def evict(self, n):
-        """Evict up to ``n`` unreferenced cached blocks (what the manager evicted is no longer promised)."""
-        self.log("evict", n=n)
+    @rule(n=st.integers(1, 4), by_allocation=st.booleans())
+    def evict(self, n, by_allocation=False):
+        """Evict up to ``n`` unreferenced cached blocks (what the manager evicted is no longer promised), or
+        ``by_allocation``: memory pressure (:meth:`pressure`) of ``2 * n`` blocks per group."""
+        self.log("evict", n=n, by_allocation=by_allocation)
+        if by_allocation:
+            return self.pressure(2 * n)
         evicted = self.m.evict(n)
         if evicted is None:
             self.model_known = False
@@ -762,10 +909,11 @@ class ManagerMachine(RuleBasedStateMachine):
         pending = self.pending_slots()
         for rid, req in self.live.items():
             tables = self.m.block_table(rid)
+            # a loading request's next query is past the load: of what it reads there, only the tokens
+            # below the load are written yet (a window or chunk may start past them, a state is the load's)
+            at = None if req.loading is None else req.loading[0] + len(req.loading[1][0])
             for g, group in enumerate(self.groups):
-                if req.loading is not None and group.kind == "chunked_local":
-                    continue  # its next query is past the load: its chunk may start after what was written
-                self.check_reads(rid, req, g, group, tables[g], pending)
+                self.check_reads(rid, req, g, group, tables[g], pending, at=at, below=req.written)
         owner: dict[int, int] = {}
         refs: dict[int, int] = {}
         for rid, tables in self.tables():
@@ -795,17 +943,18 @@ class ManagerMachine(RuleBasedStateMachine):
                 for g, slots in enumerate(step.slots) for s in slots if s >= 0}
 
     def check_reads(self, rid: int, req: Request, g: int, group, table: list[int], pending: set,
-                    at: int | None = None) -> None:
+                    at: int | None = None, below: int | None = None) -> None:
         """What request ``rid``'s query at position ``at`` (default: its next, ``req.written``) reads in
-        group ``g`` equals the oracle's K/V (or, Mamba, the state it continues from)."""
+        group ``g`` below position ``below`` (default ``at``) equals the oracle's K/V (or, Mamba, the state
+        it continues from)."""
         bs, at = self.gbs[g], req.written if at is None else at
         if group.kind == "mamba":
-            need = range(at - 1, at) if at else range(0)
+            first = at - 1 if at else at
         else:
             first = group.first_read(at)
             if not self.grouped:
                 first = 0 if self.window is None else max(0, at - self.window)
-            need = range(first, at)
+        need = range(first, at if below is None else min(at, below))
         positions, slots = [], []
         for p in need:
             assert p // bs < len(table) and table[p // bs] >= 0, \
@@ -818,14 +967,12 @@ class ManagerMachine(RuleBasedStateMachine):
         if not slots:
             return
         type(self).tokens_read += len(slots)
-        index = torch.tensor(slots, dtype=torch.int64)
         for layer in range(group.num_layers):
             k_pool, v_pool = self.pools[layer]
-            k, v = expected_kv([req.identities[p] for p in positions], layer_key(g, layer), NUM_KV_HEADS, HEAD_DIM)
-            got_k = k_pool.reshape(-1, NUM_KV_HEADS, HEAD_DIM)[index]
-            got_v = v_pool.reshape(-1, NUM_KV_HEADS, HEAD_DIM)[index]
+            k, v = self.io.expected([req.identities[p] for p in positions], layer_key(g, layer))
+            got_k, got_v = self.io.read(k_pool, v_pool, slots, None if self.grouped else table, positions)
             for name, want, got in (("K", k, got_k), ("V", v, got_v)):
-                bad = (want.view(torch.int32) != got.view(torch.int32)).flatten(1).any(1)
+                bad = self.io.differs(want, got)
                 if bool(bad.any()):
                     i = int(bad.nonzero()[0])
                     where = f"group {g} ({group.kind}) layer {layer}" if self.grouped else f"layer {layer}"
@@ -854,14 +1001,17 @@ class ManagerMachine(RuleBasedStateMachine):
 
 
 def machine_for(make_manager: Callable, *, block_sizes=(1, 2, 4), windows=(None,), layouts=(ONE_GROUP,),
-                name: str = "Machine"):
+                name: str = "Machine", rule_sets: tuple = (), **attributes):
     """A :class:`ManagerMachine` subclass over ``make_manager`` (a factory taking :class:`ManagerConfig`)
-    in ``layouts`` (:data:`~.protocol.HYBRID_LAYOUTS` names or :data:`~.protocol.ONE_GROUP`).
+    in ``layouts`` (:data:`~.protocol.HYBRID_LAYOUTS` names or :data:`~.protocol.ONE_GROUP`), with the
+    rules of ``rule_sets`` mixed in (e.g. :class:`~.api_rules.ApiRules`) and class ``attributes`` set
+    (``kv_backend``, ``num_kv_heads``, ``head_dim``, ``dtype``).
 
     Raises:
         ValueError: an unknown layout name.
     """
     for layout in layouts:
         layout_groups(layout, 1, 0)  # ValueError for an unknown name, before any run
-    return type(name, (ManagerMachine,), {"make_manager": staticmethod(make_manager), "block_sizes": tuple(block_sizes),
-                                          "windows": tuple(windows), "layouts": tuple(layouts)})
+    return type(name, (*rule_sets, ManagerMachine), {"make_manager": staticmethod(make_manager),
+                                                     "block_sizes": tuple(block_sizes), "windows": tuple(windows),
+                                                     "layouts": tuple(layouts), **attributes})

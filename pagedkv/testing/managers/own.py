@@ -18,7 +18,7 @@ import torch
 from pagedkv.cache.config import CacheConfig
 from pagedkv.cache.hybrid import HybridKVCache
 from pagedkv.cache.paged_cache import PagedKVCache
-from pagedkv.errors import OutOfBlocksError
+from pagedkv.errors import ArgumentTypeError, DoubleFreeError, OutOfBlocksError, ShapeError, UnknownBlockError
 from pagedkv.testing.managers.protocol import ONE_GROUP, ExtraKey, ManagerCapabilities, ManagerConfig
 
 
@@ -32,13 +32,16 @@ class OwnCacheManager:
     cache_class = PagedKVCache
 
     def __init__(self, config: ManagerConfig) -> None:
-        cache_config = CacheConfig(num_layers=config.num_layers, num_blocks=config.num_blocks,
-                                   block_size=config.block_size, num_kv_heads=config.num_kv_heads,
-                                   head_dim=config.head_dim, dtype=torch.float32, window_left=config.window_left,
-                                   debug_poison="nan")
-        self.cache = self.cache_class(cache_config)
+        self.cache = self.cache_class(self.cache_config(config))
         self.capabilities = ManagerCapabilities(block_size=config.block_size, fork=True, window=config.window_left,
-                                                extra_keys=True, defers_commit=True, owns_pools=True)
+                                                extra_keys=True, defers_commit=True, owns_pools=True, misuse=True)
+
+    def cache_config(self, config: ManagerConfig) -> CacheConfig:
+        """The cache's configuration: float32 pools on the CPU, poisoned with NaN (a subclass serves a
+        kernel's geometry: :mod:`.kernel_property`)."""
+        return CacheConfig(num_layers=config.num_layers, num_blocks=config.num_blocks, block_size=config.block_size,
+                           num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=torch.float32,
+                           window_left=config.window_left, debug_poison="nan")
 
     def kv_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.k_cache(layer), self.cache.v_cache(layer)
@@ -75,6 +78,41 @@ class OwnCacheManager:
 
     def self_check(self) -> None:
         self.cache.check_invariants()
+
+    def evictable_blocks(self) -> list[int]:
+        """Released blocks that still cache a prefix, next evicted first (``ApiRules`` judges the order)."""
+        return self.cache.allocator.evictable_blocks()
+
+    def snapshot(self) -> tuple:
+        """The allocator, every sequence and the pools' bits (for calls that must change nothing)."""
+        from pagedkv.testing.compare import bits
+
+        c = self.cache
+        return (c.allocator.snapshot(), {s: (list(q.block_table), list(q.token_ids), q.num_written, q.cache_key)
+                                         for s, q in c.sequences.items()}, bits(c.kv).cpu().clone())
+
+    def misuses(self, request_id: int, freed_id: int | None) -> dict:
+        """pagedkv's documented refusals (``ManagerCapabilities.misuse``): ``{name: (call, exception types)}``
+        about live request ``request_id`` and a freed one (``None``: none freed yet)."""
+        c, a = self.cache, self.cache.allocator
+        unknown = max([*c.sequences, request_id, freed_id or 0]) + 1000
+
+        def over_release(block: int = max(request_id, 0) % a.num_blocks):
+            a.free(block) if a.is_free(block) else a.free_all([block] * (a.ref_count(block) + 1))
+
+        out = {"append_to_unknown_request": (lambda: c.append(unknown, [1]), UnknownBlockError),
+               "allocate_a_negative_count": (lambda: a.allocate(-1), ValueError),
+               "free_a_block_past_the_pool": (lambda: a.free(a.num_blocks), UnknownBlockError),
+               "release_a_block_once_too_often": (over_release, DoubleFreeError),
+               "unhashable_cache_key": (lambda: c.add_sequence(unknown, [1, 2], cache_key=["not", "hashable"]),
+                                        ArgumentTypeError),
+               "float_token": (lambda: c.append(request_id, [1, 2.5]), ArgumentTypeError),
+               "commit_past_the_end": (lambda: c.mark_written(request_id, c.seq_len(request_id) + 1), ShapeError),
+               "commit_a_negative_count": (lambda: c.mark_written(request_id, -1), ShapeError),
+               "slots_past_the_end": (lambda: c.slot_mapping(request_id, 0, c.seq_len(request_id) + 1), ShapeError)}
+        if freed_id is not None:
+            out["double_free"] = (lambda: c.free(freed_id), DoubleFreeError)
+        return out
 
 
 class OwnHybridManager(OwnCacheManager):

@@ -69,13 +69,16 @@ def _arguments(kwargs: dict) -> dict:
 
 
 def run_program(machine_class: type[ManagerMachine], steps: list) -> None:
-    """Run ``steps`` on a fresh machine, the checks after each; raises what the machine raises."""
+    """Run ``steps`` on a fresh machine, its invariants after each; raises what the machine raises."""
     machine = machine_class()
     machine.record = None
+    invariants = [getattr(machine, n) for n in dir(machine_class)
+                  if getattr(getattr(machine_class, n, None), "hypothesis_stateful_invariant", None)]
     try:
         for name, kwargs in steps:
             getattr(machine, name)(**_arguments(kwargs))
-            machine.check()
+            for check in invariants:  # check() and any rule set's
+                check()
     finally:
         machine.teardown()
 
@@ -84,12 +87,13 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings, datab
                  ) -> list | None:
     """Run the machine under Hypothesis; ``None`` when it passes, else the shrunk program's steps
     (the last example Hypothesis runs is the shrunk failure) with the error attached as ``.error`` and
-    the example at which the search first failed as ``.first_failing_example`` (1-based). Either way
+    the example at which the search first failed as ``.first_failing_example`` (1-based) and the exception
+    as ``.exception``. Either way
     ``machine_class.checks_run`` grows by the steps judged and ``machine_class.examples_run`` is the
     number of examples this call ran. ``database_key``: the example database key of the run (the
     settings' database keeps a failing program and replays it first next time; see
     :func:`pagedkv.testing.databases.property_key`), else Hypothesis's digest of the machine class."""
-    from pagedkv.testing.hypothesis_internals import state_machine_test
+    from pagedkv.testing.hypothesis_internals import state_machine_test, without_local_constants
 
     programs: list[list] = []
     failed_at: list[int] = []
@@ -119,14 +123,16 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings, datab
 
     Recorded.__name__ = machine_class.__name__
     try:
-        if database_key is None:
-            run_state_machine_as_test(Recorded, settings=settings_)
-        else:
-            state_machine_test(Recorded, settings_, database_key)()
+        with without_local_constants():  # one search whatever the process imported before
+            if database_key is None:
+                run_state_machine_as_test(Recorded, settings=settings_)
+            else:
+                state_machine_test(Recorded, settings_, database_key)()
     except Exception as exc:  # noqa: BLE001 - any failure of the manager is the finding
         steps = _Program(programs[-1] if programs else [])
         steps.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         steps.first_failing_example = failed_at[0] if failed_at else len(programs)
+        steps.exception = exc
         return steps
     finally:
         for counter in ("checks_run", "tokens_read", "prefix_hits"):
@@ -140,13 +146,16 @@ def _is_rule(name: str) -> bool:
     and their replayable forms), not one of Hypothesis's state machine."""
     from hypothesis.stateful import RuleBasedStateMachine
 
-    return not name.startswith("_") and callable(getattr(ManagerMachine, name, None)) and \
-        not hasattr(RuleBasedStateMachine, name) and name != "log"
+    from pagedkv.testing.managers.api_rules import ApiRules
+
+    return not name.startswith("_") and any(callable(getattr(c, name, None)) for c in (ManagerMachine, ApiRules)) \
+        and not hasattr(RuleBasedStateMachine, name) and name != "log"
 
 
 class _Program(list):
     error = ""
     first_failing_example = 0
+    exception: BaseException | None = None  # what the shrunk program raised
 
 
 def save(path: Path | str, spec: str, machine_class: type[ManagerMachine], steps: list, error: str = "",
@@ -204,9 +213,12 @@ def replay_file(path: str, *, impl: str | None = None, quiet: bool = False, out=
         print(f"replay: refused case file {path}: steps: {unknown!r} is not a rule of the manager machine", file=out)
         return 2
     try:
+        from pagedkv.testing.managers.api_rules import ApiRules
+
         machine_class = machine_for(load_manager(spec), block_sizes=data["block_sizes"],
                                     windows=[w for w in data["windows"]],
-                                    layouts=[str(name) for name in data.get("layouts", [ONE_GROUP])])
+                                    layouts=[str(name) for name in data.get("layouts", [ONE_GROUP])],
+                                    rule_sets=(ApiRules,))  # a program of either machine replays
     except Exception as exc:  # noqa: BLE001 - one line, no traceback, for any backend that cannot load
         print(f"replay: cannot load manager {spec!r}: {type(exc).__name__}: {exc}", file=out)
         return 2

@@ -131,6 +131,16 @@ HYBRID_LAYOUTS = {
                                        GroupSpec("sliding_window", bs, window=w)),
     # Groups of different block sizes, each a multiple of the hash block size.
     "mixed-block-sizes": lambda bs, w: (GroupSpec("full", 2 * bs), GroupSpec("sliding_window", bs, window=w)),
+    # Three attention types: Hymba's full-attention and sliding-window layers beside Mamba layers.
+    "hymba": lambda bs, w: (GroupSpec("full", bs), GroupSpec("sliding_window", bs, window=w),
+                            GroupSpec("mamba", bs)),
+    # DeepSeek-V4: one full (MLA) group and sliding-window groups of different windows (the second one odd:
+    # not a multiple of an even block size).
+    "deepseek-v4": lambda bs, w: (GroupSpec("full", bs), GroupSpec("sliding_window", bs, window=w),
+                                  GroupSpec("sliding_window", bs, window=2 * w + bs + 1)),
+    # Two sliding-window groups of one window and different block sizes: two specs of one kind.
+    "two-window-block-sizes": lambda bs, w: (GroupSpec("full", 2 * bs), GroupSpec("sliding_window", bs, window=w),
+                                             GroupSpec("sliding_window", 2 * bs, window=w)),
 }
 
 
@@ -190,6 +200,13 @@ class ManagerCapabilities:
         connector: a KV connector (``num_stored`` on admit, ``num_external``, ``load``, ``load_done``,
             ``store_done``); see :class:`CacheManager`.
         speculative: draft tokens (``reserve(..., num_draft=k)``, ``drop``).
+        misuse: the manager declares how it refuses misuse: ``misuses(request_id, freed_id)`` maps a
+            name to ``(call, exception types)`` (a double free, a bad argument, ...), and ``snapshot()``
+            returns its whole state (comparable with ``==``); each call must raise one of its types and
+            change nothing, and so must a refused reservation (:mod:`.api_rules`).
+        lookahead: with speculative decoding on, each reservation also holds blocks for this many positions
+            past its tokens, where the proposer (EAGLE / MTP drafter) writes its next drafts' K/V in the same
+            step, before any later reservation (vLLM's ``num_lookahead_tokens``); the machine writes there.
     """
 
     block_size: int
@@ -209,6 +226,8 @@ class ManagerCapabilities:
     groups: tuple[GroupSpec, ...] = ()
     connector: bool = False
     speculative: bool = False
+    misuse: bool = False
+    lookahead: int = 0
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""
@@ -352,11 +371,15 @@ class ConnectorCalls(Protocol):
         external token (grouped: a tuple of per-group lists), or ``None`` when refused (nothing changed,
         the request is then freed). Until :meth:`load_done`, the request is not stepped."""
 
-    def load_done(self, request_id: int, ok: bool) -> None:
+    def load_done(self, request_id: int, ok: bool) -> int | None:
         """The load finished: ``ok`` (its K/V is written, the tokens are computed and cacheable) or
         failed (the external tokens are recomputed: the request's computed length is its local hit and
         its next ``reserve`` starts there; nothing the failed load wrote is ever served). Also called
-        for a request freed while its load was in flight (its blocks stay unusable until then)."""
+        for a request freed while its load was in flight (its blocks stay unusable until then).
+
+        A manager that lets a request whose load failed go and looks its prefix up again (vLLM's
+        ``recompute_kv_load_failures``) returns the new hit (at most the local hit; its blocks held from
+        the next ``reserve``, as after ``admit``); ``None``: the local hit, as it was."""
 
     def store_done(self, request_id: int) -> None:
         """A freed request's blocks are stored externally: a free deferred for the store (vLLM's

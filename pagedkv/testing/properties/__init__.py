@@ -7,5 +7,9 @@ raises :class:`~pagedkv.testing.compare.Mismatch` when its property fails. Run t
 - :mod:`.invariances`: outputs unchanged under renumbering, padding, poison, dtypes, layouts, batch order;
 - :mod:`.scenarios`: forks, copy-on-write and prefix caching never leak one sequence into another;
 - :mod:`.rejection`: bad input raises the contract's error and writes nothing;
-- :mod:`.machine` and :mod:`.cache_model`: the cache as a Hypothesis state machine against a shadow model.
+- :mod:`.cache_model` and :mod:`.window_rules`: the shadow model the scenarios replay through, and its window rules.
+
+The cache as a Hypothesis state machine is the cache-manager machine (:mod:`pagedkv.testing.managers`; the
+property ``cache_state_machine_holds_its_invariants`` runs it with a candidate's ops:
+:mod:`pagedkv.testing.managers.kernel_property`).
 """

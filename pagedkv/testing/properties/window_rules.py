@@ -1,4 +1,4 @@
-"""The sliding-window rules a cache state machine checks, kept apart so that a machine can adopt them.
+"""The sliding-window rules the shadow model (:class:`.cache_model.CacheModel`) and the window tests check.
 
 A cache built with ``CacheConfig(window_left=W)`` releases, at an append or a prefix hit, the leading
 blocks no later query reads (:mod:`pagedkv.cache.window`). :func:`check_windowed_sequence` is what must hold
@@ -7,12 +7,11 @@ cache, released blocks included (:class:`WindowMachine` in ``tests/library/test_
 cache through adds with prefix hits under namespaces, appends written whole, in part or not at all,
 forks and frees, and runs both after every rule).
 
-The cache state machine adopts them (:class:`.machine.CacheMachine`, with
-:class:`.cache_model.CacheModel`):
+:class:`.cache_model.CacheModel` adopts them (items 2-4; items 1 and 5 are what a machine driving it
+does, as ``WindowMachine`` does):
 
 1. ``start`` draws ``window_left`` from ``None`` or ``0 .. 9`` and builds the config with
-   ``dataclasses.replace(config, window_left=window_left, debug_poison="nan")`` (a backend read through
-   its ``paged_attention`` only runs without a window: ``FullAttentionCacheMachine``);
+   ``dataclasses.replace(config, window_left=window_left, debug_poison="nan")``;
 2. ``CacheModel.reserve``: the append may first release entries ``r0 .. r1 - 1`` (``r = first_held_position
    // block_size`` before and after); every other entry is unchanged (but a copied shared partial last
    block), those in ``r0 .. r1 - 1`` become ``-1``, and ``r1 <= releasable_blocks(written, window_left,

@@ -46,6 +46,7 @@ def test_cache_manager(pagedkv_run, backend):
     spec = pagedkv_run.spec or backend_name(backend)
     windows = getattr(backend, "cache_manager_windows", (None,))
     machine = machine_for(factory, windows=windows, layouts=manager_layouts(backend),
+                          block_sizes=getattr(backend, "cache_manager_block_sizes", (1, 2, 4)),
                           name=f"{backend_name(backend)}_manager")
     # a manager whose behaviour unfolds over long decodes (sliding-window eviction) asks for longer programs
     program_steps = getattr(backend, "cache_manager_steps", STEPS)

@@ -15,6 +15,7 @@ replay scenarios through :class:`~pagedkv.testing.properties.cache_model.CacheMo
 
 from __future__ import annotations
 
+import types
 from collections.abc import Hashable
 
 from pagedkv.cache.allocator import BlockAllocator, check_cache_key
@@ -277,7 +278,8 @@ class WindowOffByOneCache(HybridKVCache):
     group_class = _WindowSizeGroup
 
 
-#: ``{name: faulty hybrid cache class}`` (:class:`~pagedkv.testing.properties.hybrid_machine.HybridCacheMachine`).
+#: ``{name: faulty hybrid cache class}``, gated as managers (:class:`~pagedkv.testing.managers.own.OwnHybridManager`
+#: over the class) by the cache-manager machine in the ``"gemma3"`` layout.
 HYBRID_CACHE_MUTANTS: dict[str, type] = {
     "full_group_untruncated": FullGroupUntruncatedCache,
     "window_on_full_layers": WindowOnFullLayersCache,
@@ -285,6 +287,17 @@ HYBRID_CACHE_MUTANTS: dict[str, type] = {
     "window_lookup_needs_chain": WindowLookupNeedsChainCache,
     "window_off_by_one": WindowOffByOneCache,
 }
+
+
+def _hybrid_manager(name: str, cache_class: type) -> types.SimpleNamespace:
+    from pagedkv.testing.managers.own import OwnHybridManager, with_cache_class
+
+    return types.SimpleNamespace(name=name, cache_manager=with_cache_class(cache_class, OwnHybridManager),
+                                 cache_manager_layouts=("gemma3",))
+
+
+for _name, _cls in HYBRID_CACHE_MUTANTS.items():  # candidates for --pagedkv-impl and program files
+    globals()[_name] = _hybrid_manager(_name, _cls)
 
 
 def _backend_class(name: str, cache_class: type) -> type:

@@ -17,6 +17,7 @@ with the reason when the project (or the device it needs) is absent::
     pytest --pagedkv-impl=pagedkv.tools.peers:sglang_radix_cache         # SGLang's RadixCache (a manager)
     pytest --pagedkv-impl=pagedkv.tools.peers:sglang_swa_radix_cache     # SGLang's full + SWA radix cache (a manager)
     pytest --pagedkv-impl=pagedkv.tools.peers:sglang_pure_swa_radix_cache  # SGLang's PureSWARadixCache (a manager)
+    pytest --pagedkv-impl=pagedkv.tools.peers:sglang_mamba_radix_cache  # SGLang's full + Mamba radix cache (a manager)
 
 The two vLLM CPU peers live in :mod:`pagedkv.tools.peers.vllm` (install recipe: ``docs/peers.md``);
 ``python -m pagedkv peers`` prints every peer's conformance table.
@@ -36,7 +37,7 @@ import torch
 
 from pagedkv.cache.config import blocks_needed
 from pagedkv.errors import BackendUnavailableError
-from pagedkv.tools.peers import sglang_hybrid_manager, sglang_manager, vllm_hybrid_manager
+from pagedkv.tools.peers import sglang_hybrid_manager, sglang_mamba_manager, sglang_manager, vllm_hybrid_manager
 from pagedkv.tools.peers.mla import peer_classes as mla_peers
 from pagedkv.tools.peers.sglang import peer_classes as sglang_peers
 from pagedkv.tools.peers.transformers import peer_classes as transformers_peers
@@ -239,6 +240,8 @@ PEERS: dict[str, Callable[[], Any]] = {
     "sglang_swa_radix_cache": sglang_hybrid_manager.hybrid_peer,
     "sglang_pure_swa_radix_cache": sglang_hybrid_manager.peer,
     "sglang_pure_swa_radix_cache_prefill_aware": sglang_hybrid_manager.prefill_aware_peer,
+    "sglang_mamba_radix_cache": sglang_mamba_manager.peer,
+    "sglang_mamba_radix_cache_path_cap": sglang_mamba_manager.path_cap_peer,
 }
 
 

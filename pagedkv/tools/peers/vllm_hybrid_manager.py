@@ -5,8 +5,12 @@ driven as vLLM's scheduler drives them (``vllm/v1/core/sched/scheduler.py``).
 The layouts are the protocol's real-model layouts (:data:`~pagedkv.testing.managers.protocol.HYBRID_LAYOUTS`):
 full + sliding window (Gemma 3), full + chunked local (Llama 4), full + Mamba (Jamba, Qwen3-Next: vLLM's
 ``mamba_cache_mode="align"``, a state kept at every block boundary so that a hit resumes it), two full groups
-+ sliding window (GPT-OSS as vLLM splits it) and groups of different block sizes (``hash_block_size`` their
-gcd, ``scheduler_block_size`` their lcm, as vLLM sizes them).
++ sliding window (GPT-OSS as vLLM splits it), groups of different block sizes (``hash_block_size`` their
+gcd, ``scheduler_block_size`` their lcm, as vLLM sizes them), and three attention types (Hymba's full +
+sliding window + Mamba, DeepSeek-V4's full + two windows, two windows of different block sizes: the
+coordinator's fixed-point hit loop and its spec groups of one manager class). vLLM's LRU eviction order is
+declared where the machine knows what vLLM caches (no Mamba group, no EAGLE), and the lookahead slots
+(``num_lookahead_tokens``) where drafts are on.
 
 - ``admit``: ``get_computed_blocks`` (one hit every group agrees on, each group's blocks); with a connector,
   its ``get_num_new_matched_tokens(request, block_aligned_local_hit)`` names the external tokens past it.
@@ -92,6 +96,13 @@ def _connector_class():
             self.load_plans: dict[str, int] = {}  # request -> external tokens allocated for its load
             self.storing: dict[str, tuple[list[int], ...]] = {}  # request -> block ids being stored
 
+        @property
+        def supports_divergent_local_hybrid_hits(self) -> bool:
+            # the store holds every group's state of the prompt (a Mamba one with its tokens); claimed for the
+            # models vLLM's per-group lookup is written for, full attention and Mamba groups only
+            specs = [g.kv_cache_spec for g in self._kv_cache_config.kv_cache_groups]
+            return all(type(spec).__name__ in ("FullAttentionSpec", "MambaSpec") for spec in specs)
+
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
             end = min(self.stored.pop(request.request_id, 0), request.num_tokens - 1)
             end -= end % self.block_size
@@ -167,6 +178,42 @@ class _SlotMapping:
                 for bt, mode in zip(self.table.block_tables, self.modes)]
 
 
+class _MambaSplit:
+    """The scheduler's clip of a prefill chunk to where a Mamba state must be cached ("align" mode: a state is
+    written at a step's end, so a chunk ends on a block boundary): vLLM's own
+    ``Scheduler._mamba_block_aligned_split`` on the scheduler state it reads, as ``Scheduler.__init__`` sets
+    it for this layout (no EAGLE, a token budget of ``MAX_MODEL_LEN``). ``split(request, n, num_local)``:
+    how many of ``n`` tokens the step takes (0: none this step)."""
+
+    def __init__(self, manager, block_size: int, hash_block_size: int) -> None:
+        import types
+
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        package = sys.modules.get("vllm.v1.structured_output")
+        if package is not None and not hasattr(package, "StructuredOutputManager"):
+            # the package entered without its __init__ (vllm_manager._import_vllm): the scheduler module
+            # names the class at import and never calls it here
+            package.StructuredOutputManager = None
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        self.method = Scheduler._mamba_block_aligned_split
+        specs = [g.kv_cache_spec for g in manager.kv_cache_config.kv_cache_groups]
+        mamba = [spec for spec in specs if isinstance(spec, MambaSpec)]
+        partial = hash_block_size < block_size and manager.coordinator.enable_partial_hash_hits
+        self.state = types.SimpleNamespace(
+            cache_config=types.SimpleNamespace(block_size=block_size), block_size=block_size,
+            hash_block_size=hash_block_size, mamba_partial_cache_hit=partial, use_eagle_block_drop=False,
+            mamba_has_prefill_checkpoint_blocks=all(spec.num_prefill_checkpoint_blocks > 0 for spec in mamba),
+            mamba_prefill_checkpoint_alignment=mamba[0].prefill_checkpoint_alignment,
+            max_num_scheduled_tokens=MAX_MODEL_LEN,
+            scheduler_config=types.SimpleNamespace(long_prefill_token_threshold=0),
+            mamba_shared_prefix_checkpoint=partial and manager.mamba_shared_prefix_checkpoint)
+
+    def __call__(self, request, num_new_tokens: int, num_local: int) -> int:
+        return self.method(self.state, request, num_new_tokens, num_local)
+
+
 class VllmHybridCacheManager(VllmCacheManager):
     """``KVCacheManager`` with the KV-cache groups of ``config.groups`` in one pool of ``config.num_blocks``
     blocks (plus vLLM's null block 0), a fake connector where ``config.connector`` and EAGLE-style drafts
@@ -186,7 +233,7 @@ class VllmHybridCacheManager(VllmCacheManager):
             v.KVCacheGroupSpec([f"layer{i}"], _vllm_spec(v, g)) for i, g in enumerate(self.groups)])
         sizes = [g.block_size for g in self.groups]
         self.hash_block_size, self.scheduler_block_size = math.gcd(*sizes), math.lcm(*sizes)
-        v.init_none_hash(v.sha256)
+        vllm_manager.init_block_hashes(v)
         self.block_hasher = v.get_request_block_hasher(self.hash_block_size, v.sha256)
         self.manager = v.KVCacheManager(kv_config, max_model_len=MAX_MODEL_LEN,
                                         scheduler_block_size=self.scheduler_block_size,
@@ -197,6 +244,8 @@ class VllmHybridCacheManager(VllmCacheManager):
         self.num_lookahead = config.num_speculative_tokens if speculative else 0
         self.connector = _connector_class()(kv_config, self.scheduler_block_size) if config.connector else None
         self.slot_mapping = _SlotMapping(self.groups, MAX_MODEL_LEN)
+        self.split = (_MambaSplit(self.manager, self.scheduler_block_size, self.hash_block_size)
+                      if any(g.kind == "mamba" for g in self.groups) else None)
         self.requests, self.pending, self.settled, self.deferred = {}, {}, {}, {}
         self.admitted: dict[int, tuple] = {}  # request -> admit's arguments (a failed load looks up again)
         self.external: dict[int, int] = {}  # request -> external tokens the connector promised
@@ -208,20 +257,43 @@ class VllmHybridCacheManager(VllmCacheManager):
         # cached block even where a hit needs none), as in one group; with EAGLE every hit drops its last
         # block (the draft model's K/V there is written with the next token)
         caches = not speculative and all(g.kind != "sliding_window" or g.window >= 1 for g in self.groups)
+        # vLLM's LRU order (FreeKVCacheBlockQueue: uncached blocks first, cached ones in release order, each
+        # group's blocks tail first) is judged where the machine knows what is cached: not where a Mamba
+        # group caches states at boundaries of its own choosing, nor where EAGLE caches one block less
+        lru = caches and all(g.kind != "mamba" for g in self.groups)
         self.capabilities = ManagerCapabilities(block_size=self.hash_block_size, extra_keys=True, evict=True,
                                                 reset=True, async_steps=True, hit_promise=caches, groups=self.groups,
-                                                connector=config.connector, speculative=speculative)
+                                                connector=config.connector, speculative=speculative,
+                                                lookahead=self.num_lookahead, eviction_order="lru" if lru else None)
 
     # -- admission and the connector --------------------------------------------------------------------
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
               extra_keys: Sequence[ExtraKey] = (), *, num_stored: int = 0):
+        """The local hit and the connector's external tokens as the scheduler's waiting-request step finds
+        them (``Scheduler.schedule``): ``_get_local_prefix_cache_hit`` (the connector's path,
+        ``get_computed_blocks_for_connector``, where it ``supports_divergent_local_hybrid_hits``), then
+        ``get_num_new_matched_tokens`` on the block-aligned local hit, and back to ``get_computed_blocks``
+        where the local hit ran deeper than a lagging group and no external tokens back it."""
         request = self._request(request_id, token_ids, namespace, extra_keys)
-        blocks, num_local, _ = self.manager.get_computed_blocks(request)
+        diverged = False
+        if self.connector is not None and self.connector.supports_divergent_local_hybrid_hits:
+            blocks, num_local, boundary, diverged = self.manager.get_computed_blocks_for_connector(request)
+        else:
+            blocks, num_local, boundary = self.manager.get_computed_blocks(request)
         num_external = 0
         if self.connector is not None:
             self.connector.stored[request.request_id] = num_stored
-            num_external, _ = self.connector.get_num_new_matched_tokens(request, num_local)
+            partial_tail = num_local % self.scheduler_block_size
+            aligned = num_local - partial_tail
+            num_external, _ = self.connector.get_num_new_matched_tokens(request, aligned)
+            if partial_tail and num_external > partial_tail:  # the load covers the local hit's partial block
+                blocks, num_local = self.manager.truncate_computed_blocks(blocks, aligned), aligned
+            elif partial_tail:
+                num_external = 0
+            if diverged and num_external == 0:  # no external state backs the deeper hit: the agreed one
+                blocks, num_local, boundary = self.manager.get_computed_blocks(request)
         request.num_computed_tokens = 0
+        request.shared_prefix_boundary = boundary
         self.requests[request_id] = request
         self.admitted[request_id] = (list(token_ids), namespace, list(extra_keys))
         self.pending[request_id] = (blocks, num_local)
@@ -249,20 +321,20 @@ class VllmHybridCacheManager(VllmCacheManager):
         self.loading[request_id] = num_local
         return self._slots(request_id, num_local, num_local + num_external)
 
-    def load_done(self, request_id: int, ok: bool) -> None:
+    def load_done(self, request_id: int, ok: bool) -> int | None:
         num_local = self.loading.pop(request_id)
         self.connector.load_plans.pop(str(request_id), None)
         waits = self.waits.get(request_id)
         if waits is not None:  # freed while loading: finished_recving frees its blocks now
             waits.discard("load")
             self._release(request_id)
-            return
+            return None
         request = self.requests[request_id]
         self.external[request_id] = 0
         if ok:
             self.manager.cache_blocks(request, request.num_computed_tokens)
             self.settled[request_id] = request.num_computed_tokens
-            return
+            return None
         # recompute_kv_load_failures: the request's blocks are freed, its prefix looked up again
         request.num_computed_tokens = 0
         self.manager.free(request)
@@ -271,6 +343,7 @@ class VllmHybridCacheManager(VllmCacheManager):
             blocks, num_hit = self.manager.truncate_computed_blocks(blocks, num_local), num_local
         self.pending[request_id] = (blocks, num_hit)
         self.settled[request_id] = num_hit
+        return num_hit
 
     def store_done(self, request_id: int) -> None:
         waits = self.waits.get(request_id)
@@ -286,6 +359,10 @@ class VllmHybridCacheManager(VllmCacheManager):
         request = self.requests[request_id]
         blocks, num_local = self.pending.get(request_id, (None, 0))
         start = request.num_computed_tokens + num_local
+        if self.split is not None and not num_draft:  # the scheduler clips a prefill chunk (Mamba "align")
+            token_ids = token_ids[:self.split(request, len(token_ids), num_local)]
+            if not token_ids:
+                return None
         verified = list(token_ids[:len(token_ids) - num_draft])
         extra = start + len(verified) - request.num_tokens
         if extra > 0:
@@ -437,7 +514,7 @@ cache_manager_windows = vllm_manager.cache_manager_windows
 
 #: The layouts the suite draws for this manager: one group, and the hybrid coordinator in every real-model layout.
 cache_manager_layouts = ("one-group", "gemma3", "llama4", "jamba", "qwen3-next", "gpt-oss-2full-sw",
-                         "mixed-block-sizes")
+                         "mixed-block-sizes", "hymba", "deepseek-v4", "two-window-block-sizes")
 
 
 def peer():

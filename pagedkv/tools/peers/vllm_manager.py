@@ -84,6 +84,17 @@ def _import_vllm():
         SlidingWindowSpec=SlidingWindowSpec, Request=Request)
 
 
+def init_block_hashes(v) -> None:
+    """vLLM's root block hash (``NONE_HASH``) with ``sha256``, from vLLM's default seed even where
+    ``$PYTHONHASHSEED`` is set (vLLM seeds it from there): every process hashes a prompt's blocks alike."""
+    seed = os.environ.pop("PYTHONHASHSEED", None)
+    try:
+        v.init_none_hash(v.sha256)
+    finally:
+        if seed is not None:
+            os.environ["PYTHONHASHSEED"] = seed
+
+
 class VllmCacheManager:
     """One ``KVCacheManager`` with a single KV cache group (full attention, or sliding window)."""
 
@@ -98,7 +109,7 @@ class VllmCacheManager:
         # +1: block 0 is vLLM's null block, so the pool offers config.num_blocks to requests
         kv_config = v.KVCacheConfig(num_blocks=config.num_blocks + 1, kv_cache_tensors=[],
                                     kv_cache_groups=[v.KVCacheGroupSpec(["layer"], spec)])
-        v.init_none_hash(v.sha256)
+        init_block_hashes(v)
         self.block_hasher = v.get_request_block_hasher(bs, v.sha256)
         self.manager = v.KVCacheManager(kv_config, max_model_len=MAX_MODEL_LEN, scheduler_block_size=bs,
                                         hash_block_size=bs, enable_caching=True)
