@@ -1,6 +1,7 @@
 """The GPU session's compile-count check: the specialisations the suite needed (its summary line)
-against the plan made before it (``plan.json``) and the compile budget (at most 150 attention
-specialisations under ``ci``). Exit status 1 when a count is over.
+against the plan made before it (``plan.json``) and the compile budget (under ``ci`` the plan's attention
+budget, the palette's bound plus the explicit examples' own geometries, and at most 150). Exit status 1
+when a count is over.
 
     python bench/compile_count_check.py SUITE_LOG PLAN_JSON
 """
@@ -21,6 +22,11 @@ def main(suite_log: str, plan_json: str) -> int:
     over = planned.get("ci", {}).get("paged_attention", 0) > CI_ATTENTION_BUDGET
     if over:
         print(f"compile-count check: ci plans more than {CI_ATTENTION_BUDGET} attention specialisations: OVER")
+    budget = plan.get("ci", {}).get("attention_budget")
+    if budget and not budget["within"]:  # a generated case outside the palette, or more than it declares
+        over = True
+        print(f"compile-count check: ci plans {budget['total']} attention specialisations, {len(budget['outside'])} "
+              f"drawn outside the palette, against its budget of {budget['limit']}: OVER")
     try:
         suite = open(suite_log).read()
     except OSError:

@@ -103,17 +103,25 @@ GATE_PROPERTIES = {
 THEIR_TESTS = {DECODE: "test_triton_decode_attention.py", MERGE: "test_merge_attn_states.py"}
 
 _GATE = r'''
-import json, sys, time
+import json, os, sys, time
 if sys.argv[1] != "-":
     install_mutant(sys.argv[1], sys.argv[2], sys.argv[3])
+from hypothesis import settings
 from pagedkv.backends import load_backend
+from pagedkv.testing.execute import run
 from pagedkv.testing.registry import properties
+from pagedkv.testing.settings import mutant_settings
 from pagedkv.tools.mutants.kill_table import case_summary, run_property
 backend = load_backend(sys.argv[4])
 props = properties()
+seed = os.environ.get("PLANTED_SEED")
 for name in sys.argv[5:]:
     t0 = time.perf_counter()
-    outcome = run_property(backend, props[name], "ci", shrink=False)
+    if seed is None:
+        outcome = run_property(backend, props[name], "ci", shrink=False)
+    else:  # the ci example count, drawn at random from this seed
+        outcome = run(props[name], (backend,), "cpu", settings(mutant_settings("ci", shrink=False), derandomize=False),
+                      seed=int(seed))
     row = {"property": name, "killed": bool(outcome.failed), "status": outcome.status, "examples": outcome.examples,
            "seconds": round(time.perf_counter() - t0, 1),
            "case": case_summary(outcome)[:300],
@@ -171,6 +179,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-theirs", action="store_true", help="run the gate only")
     parser.add_argument("--skip-gate", action="store_true", help="run vLLM's tests only")
     parser.add_argument("--theirs-from", type=Path, help="a JSON this script wrote with --skip-gate: its verdicts")
+    parser.add_argument("--seed", type=int, help="draw the gate's examples at random from this seed (default: ci's "
+                                                 "derandomized draw)")
     parser.add_argument("--json", required=True)
     parser.add_argument("--md")
     args = parser.parse_args(argv)
@@ -179,7 +189,7 @@ def main(argv=None) -> int:
     ops_dir = Path(vllm.__file__).parent / "v1" / "attention" / "ops"
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "PAGEDKV_PROFILE": "ci",
-           "TRITON_INTERPRET": "1",
+           "TRITON_INTERPRET": "1", **({"PLANTED_SEED": str(args.seed)} if args.seed is not None else {}),
            "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
     tests = {DECODE: args.decode_tests, MERGE: args.merge_tests}
     earlier = {r["id"]: r["theirs"] for r in json.loads(args.theirs_from.read_text())["rows"]} \

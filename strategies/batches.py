@@ -190,7 +190,7 @@ def _extras(draw, geometry: Geometry, seqs, *, read_only: bool, caps=None, poiso
         seed=draw(st.integers(0, 2**16)),
         **draw(feature_fields(geometry, seqs, allowed=declared_features(caps, features), force=force,
                               palette=run_palette(caps), lse=lse)),
-        num_splits=draw(split_counts(caps)),
+        num_splits=draw(split_counts(caps, row_key_counts(seqs))),
     )
     return case.replace(**draw(latent_view(case, caps)))
 
@@ -215,15 +215,39 @@ def latent_view(draw, case: Case, caps) -> dict:
 #: outnumber the key tiles (16 to 64 keys) of most drawn contexts, so empty parts are drawn too; more
 #: parts only add empty programs, which cost Triton's interpreter as much as full ones.
 SPLIT_COUNTS = (1, 2, 3)
+#: The largest split count drawn at a split edge (:func:`empty_split_counts`).
+MAX_EDGE_SPLITS = 6
 
 
-def split_counts(caps=None) -> st.SearchStrategy:
+def empty_split_counts(key_counts, most: int = MAX_EDGE_SPLITS) -> list[int]:
+    """Split counts ``S`` in ``2 .. most`` at which flash-decoding's cut of a row of ``n`` keys (``n`` one of
+    ``key_counts``) into ``S`` splits of ``ceil(n / S)`` keys (vLLM's, SGLang's and pagedkv's split-K
+    kernels) leaves a split that starts exactly at the row's end: the edge of an empty split, whose
+    scratch the first stage never writes and the merge must skip (vllm#47188), as a block boundary is the
+    edge of a block. Each row's smallest such count: one key and two splits, two keys and three, four and
+    three, six and four, ...; every ``n`` below ``most`` has one (``n + 1`` at most)."""
+    edges = ({s for s in range(2, most + 1) if any(k * -(-n // s) == n for k in range(1, s))} for n in set(key_counts)
+             if n > 0)
+    return sorted({min(e) for e in edges if e})  # each row's fewest: more splits only cost interpreted programs
+
+
+def split_counts(caps=None, key_counts=()) -> st.SearchStrategy:
     """``Case.num_splits``: ``None`` (the backend's heuristic) for a backend without ``split_k``; for one
-    with it, ``None`` in about half the cases (shrinks there), else a count from :data:`SPLIT_COUNTS`,
-    so split decodes are drawn on every device (the CUDA heuristic never splits on a CPU)."""
+    with it, ``None`` in about a quarter of the cases (shrinks there), a count from :data:`SPLIT_COUNTS` in
+    another and, where the rows' ``key_counts`` have one, a count at a split edge (:func:`empty_split_counts`)
+    in half, as lengths are biased to block boundaries, so
+    split decodes and empty splits are drawn on every device (the CUDA heuristic never splits on a CPU)."""
     if caps is None or not getattr(caps, "split_k", False):
         return st.none()
-    return st.one_of(st.none(), st.sampled_from(SPLIT_COUNTS))
+    edges = empty_split_counts(key_counts)
+    plain = (None, *SPLIT_COUNTS)  # None first: a failure shrinks toward the backend's own count
+    at_edges = tuple(edges[i % len(edges)] for i in range(len(plain))) if edges else ()
+    return st.sampled_from(plain[:1] + at_edges + plain[1:])
+
+
+def row_key_counts(seqs) -> list[int]:
+    """The keys each query row sees under causality, per sequence ``seq_len - q_len + 1 .. seq_len``."""
+    return [n for s in seqs for n in range(s.seq_len - s.q_len + 1, s.seq_len + 1)]
 
 
 def _scaled(block_size: int, max_seqs: int, max_len: int) -> tuple[int, int]:

@@ -6,7 +6,23 @@ from hypothesis import strategies as st
 
 from pagedkv.testing.cases.case import CacheScenario, Geometry
 
-from .geometry import allowed_dtypes, seq_lens, sized
+from .geometry import allowed_dtypes, run_palette, seq_lens, sized
+
+#: The block sizes a scenario draws (its cost grows with the block size).
+SCENARIO_BLOCK_SIZES = (1, 2, 3, 4, 5, 8)
+
+
+def _palette_shape(caps) -> st.SearchStrategy[dict | None]:
+    """A shape of the run's palette for a scenario (its attention is a compiled kernel like any other:
+    drawing its geometry freely would compile specialisations past the run's budget): those of
+    :data:`SCENARIO_BLOCK_SIZES` with V as wide as K, else those of the smallest block size; ``None``
+    (draw freely) without a palette or where no shape has one V width."""
+    palette = run_palette(caps)
+    shapes = [s for s in (palette.shapes if palette else ())
+              if s.get("head_dim_v", s.get("head_dim")) == s.get("head_dim")]
+    small = [s for s in shapes if s.get("block_size", 1) <= max(SCENARIO_BLOCK_SIZES)]
+    smallest = [s for s in shapes if s.get("block_size") == min(t.get("block_size", 1) for t in shapes)]
+    return st.sampled_from(small or smallest) if shapes else st.none()
 
 
 @st.composite
@@ -19,14 +35,18 @@ def scenarios(draw, *, max_ops: int = 14, max_seqs: int = 6, constant_hash: bool
     shared partial blocks (copy-on-write), evictions and out-of-blocks refusals all happen. Half the
     forks are followed at once by an append to the parent and one to the child (parallel sampling):
     both write into a block they still share. ``caps`` keeps the geometry inside a backend's declared
-    space (its smallest allowed sizes: scenario cost grows with the block size)."""
-    bs = draw(sized((1, 2, 3, 4, 5, 8), (), caps.block_sizes if caps else None))
+    space (its smallest allowed sizes: scenario cost grows with the block size) and, where the space declares a
+    compile budget, inside the run's palette (:func:`_palette_shape`)."""
+    shape = draw(_palette_shape(caps)) or {}
+    bs = shape.get("block_size") or draw(sized(SCENARIO_BLOCK_SIZES, (), caps.block_sizes if caps else None))
     small_pools = st.integers(2, 8)  # half the pools are small: evictions and refusals are common
     geometry = Geometry(num_blocks=draw(small_pools | st.integers(2, 24)), block_size=bs,
                         num_kv_heads=draw(sized((1, 2), (), caps.num_kv_heads if caps else None)),
-                        head_dim=draw(sized((1, 2, 4), (), caps.head_dims if caps else None)),
-                        num_queries_per_kv=draw(sized((1, 3), (), caps.gqa_groups if caps else None)),
-                        dtype=draw(st.sampled_from(allowed_dtypes(("float32", "bfloat16"), caps))))
+                        head_dim=shape.get("head_dim") or draw(sized((1, 2, 4), (), caps.head_dims if caps else None)),
+                        num_queries_per_kv=shape.get("gqa_group") or draw(sized((1, 3), (),
+                                                                                 caps.gqa_groups if caps else None)),
+                        dtype=shape.get("dtype") or draw(st.sampled_from(allowed_dtypes(("float32", "bfloat16"),
+                                                                                          caps))))
     vocab = st.integers(0, 7)  # a small vocabulary makes equal blocks (and hash hits) likely
     systems = draw(st.lists(st.lists(vocab, min_size=0, max_size=0).flatmap(
         lambda _: st.integers(0, 3 * bs + 1).flatmap(lambda n: st.lists(vocab, min_size=n, max_size=n))),

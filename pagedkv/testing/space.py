@@ -63,8 +63,7 @@ def runs_triton_in_interpreter(backend: Any) -> bool:
     module = _module_of(backend)
     if module is None or module.__name__ == _OWN_TRITON:
         return False
-    return any(getattr(v, "__module__", "").startswith("triton") or getattr(v, "__name__", "") == "triton"
-               for v in vars(module).values())
+    return launches_triton(backend)
 
 
 def interpreted(backend: Any) -> bool:
@@ -116,7 +115,12 @@ def _at_most(sizes, top: int):
 
 
 def launches_triton(backend: Any) -> bool:
-    """Whether ``backend``'s module holds Triton objects (its kernels compile one variant per specialisation)."""
+    """Whether ``backend`` launches Triton kernels (each compiles one variant per specialisation): it says so
+    (``LAUNCHES_TRITON = True``, an adapter whose kernels live in another package's modules: vLLM's and
+    SGLang's peers), or its module holds Triton objects."""
+    declared = getattr(backend, "LAUNCHES_TRITON", None)
+    if declared is not None:
+        return bool(declared)
     module = _module_of(backend)
     return module is not None and any(getattr(v, "__module__", "").startswith("triton")
                                       or getattr(v, "__name__", "") == "triton" for v in vars(module).values())

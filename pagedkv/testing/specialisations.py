@@ -53,6 +53,24 @@ def key_of(op: str, case: Any, names: frozenset) -> tuple | None:
     return tuple((n, v) for n, v in key if n in names or n == "features")
 
 
+def in_palette(key: tuple, palette: Any) -> bool:
+    """Whether an attention specialisation ``key`` (:func:`key_of`) is one of ``palette``'s: its shape one of
+    the palette's shapes (V's width with it) and its feature set one of the palette's (fp8 in either format)."""
+    values = dict(key)
+    features = frozenset(f for f in values.pop("features", "-").split("+") if f not in ("-", "fp8_e4m3", "fp8_e5m2"))
+    if palette.feature_sets and features not in palette.feature_sets:
+        return False
+    for shape in palette.shapes:
+        width = shape.get("head_dim")
+        if shape.get("head_dim_v", width) != width:
+            width = f"{width}/{shape['head_dim_v']}"
+        wanted = {**{n: shape[n] for n in ("block_size", "gqa_group", "dtype") if n in shape},
+                  **({"head_dim": width} if "head_dim" in shape else {})}
+        if all(values.get(n) == v for n, v in wanted.items()):
+            return True
+    return not palette.shapes
+
+
 def record(ops, case: Any, caps: Any) -> None:
     """Note the specialisations ``case`` needs of each op in ``ops`` (this process's tally)."""
     from pagedkv.backends.capabilities import SPECIALIZATION_NAMES

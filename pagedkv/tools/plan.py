@@ -48,6 +48,48 @@ class PropertyPlan:
 
 
 @dataclasses.dataclass
+class AttentionBudget:
+    """The attention specialisations a run may compile, known before it: the palette's bound (shapes x
+    feature sets), plus the explicit examples' own geometries (a fixed list, the same every run) and the
+    fixed geometries of the limit properties, each counted where they lie outside the palette.
+
+    Attributes:
+        palette_bound: :attr:`~pagedkv.testing.strategies.palette.Palette.bound`.
+        palette_drawn: distinct specialisations the generated cases drew inside the palette.
+        explicit: the explicit examples' specialisations outside the palette (each a fixed geometry).
+        fixed: the limit properties' specialisations outside the palette and the explicit examples'.
+        outside: generated cases' specialisations outside the palette (a strategy leaking past the
+            budget: a compile storm growing with the example count; must be empty).
+    """
+
+    palette_bound: int
+    palette_drawn: int
+    explicit: int
+    fixed: int
+    outside: list
+
+    @property
+    def limit(self) -> int:
+        """The budget: the palette's bound plus the explicit examples' and the limit properties' own."""
+        return self.palette_bound + self.explicit + self.fixed
+
+    @property
+    def total(self) -> int:
+        return self.palette_drawn + self.explicit + self.fixed + len(self.outside)
+
+    @property
+    def within(self) -> bool:
+        return not self.outside and self.total <= self.limit
+
+    def describe(self) -> str:
+        verdict = "within" if self.within else "OVER"
+        line = (f"attention budget: {self.total} = {self.palette_drawn} of the palette's {self.palette_bound} + "
+                f"{self.explicit} explicit examples' own + {self.fixed} fixed geometries + {len(self.outside)} drawn "
+                f"outside the palette; {verdict} the budget of {self.limit}")
+        return line + ("" if not self.outside else "; outside: " + "; ".join(map(str, self.outside[:3])))
+
+
+@dataclasses.dataclass
 class ProfilePlan:
     """One profile's plan (see :func:`make_plan`)."""
 
@@ -61,6 +103,7 @@ class ProfilePlan:
     leases: list  # (test, bytes, start_s, end_s, worker)
     lease_s: float
     startup_s: float
+    budget: AttentionBudget | None = None
 
     @property
     def wall_s(self) -> float:
@@ -116,8 +159,10 @@ def _leased_bytes(prop: Any, caps: Any) -> int:
     return 0 if case is None else int(bytes_of(case))
 
 
-def _draw_keys(prop: Any, caps: Any, max_examples: int, derandomize: bool, seed: int) -> dict[str, set]:
-    """The specialisation keys of ``max_examples`` cases drawn as the suite draws them (no kernel runs)."""
+def _draw_keys(prop: Any, caps: Any, max_examples: int, derandomize: bool, seed: int,
+               explicit: bool = False) -> dict[str, set]:
+    """The specialisation keys of ``max_examples`` cases drawn as the suite draws them (no kernel runs);
+    with ``explicit``, of the property's explicit examples instead."""
     import hypothesis
     from hypothesis import given
 
@@ -134,10 +179,11 @@ def _draw_keys(prop: Any, caps: Any, max_examples: int, derandomize: bool, seed:
             if key is not None:
                 keys[op].add(key)
 
-    test = given(prop.strategy_in(caps))(body)
-    for case in prop.examples_in(caps):
-        test = hypothesis.example(case)(test)
-    test = drawing_settings(max_examples, derandomize)(test)
+    if explicit:
+        for case in prop.examples_in(caps):
+            body(case)
+        return keys
+    test = drawing_settings(max_examples, derandomize)(given(prop.strategy_in(caps))(body))
     if not derandomize:
         test = hypothesis.seed(seed)(test)
     test()
@@ -176,15 +222,13 @@ def _schedule(leased: list[tuple[str, int, float]], budget: int, workers: int) -
 
 #: Specialisations of the fixed geometries (the large-pool and limit cases: head_dim 1, one kv head, block
 #: sizes 1 / 16 / 64 / 256 in two 16-bit dtypes, and the declared-geometry limits) beside the palette's.
-FIXED_GEOMETRIES = {"attention": 2, "copy": 10}
+FIXED_GEOMETRIES = {"copy": 10}
 
 
 def _bound(op: str, palette: Any) -> int:
-    """The most specialisations of ``op`` a run drawing from ``palette`` can need: attention its
-    :attr:`~pagedkv.testing.strategies.palette.Palette.bound`, a copy one per shape and pool format
-    (the dtype's, fp8 e4m3, fp8 e5m2), each with the fixed geometries."""
-    if op in _ATTENTION:
-        return palette.bound + FIXED_GEOMETRIES["attention"]
+    """The most specialisations of a copy ``op`` a run drawing from ``palette`` can need: one per shape and
+    pool format (the dtype's, fp8 e4m3, fp8 e5m2), with the fixed geometries (attention's:
+    :class:`AttentionBudget`)."""
     formats = 3 if any("fp8" in s for s in palette.feature_sets) else 1
     return len(palette.shapes) * formats + FIXED_GEOMETRIES["copy"]
 
@@ -208,7 +252,9 @@ def plan_profile(backend: Any, profile: str, *, device: str, workers: int, cores
     count = PROFILES[profile]["max_examples"]
     derandomize = PROFILES[profile].get("derandomize", False)
     cap = None if str(device).startswith("cuda") else example_cap([backend], count)
-    plans, union, drawn = [], {}, True
+    plans, drawn = [], True
+    union: dict[str, set] = {}  # op -> keys, every draw
+    by_source: dict[str, dict[str, set]] = {"generated": {}, "explicit": {}, "fixed": {}}  # attention keys
     for prop in properties().values():
         backends = _with_reference(prop, (backend,))
         reason = prop.cannot_run(backends, caps)
@@ -217,24 +263,51 @@ def plan_profile(backend: Any, profile: str, *, device: str, workers: int, cores
         if not reason:
             plan.leased_bytes = _leased_bytes(prop, caps)
             plan.seconds = n * example_costs.get(prop.name, DEFAULT_EXAMPLE_S)
-            if prop.kind in ("case", "invalid", "scenario", "limit") and n <= draw_limit:
-                for op, keys in _draw_keys(prop, caps, n, derandomize, palette_seed(profile)).items():
-                    union.setdefault(op, set()).update(keys)
+            if prop.kind in ("case", "invalid", "scenario", "limit"):
+                seed = palette_seed(profile)
+                # the explicit examples are a fixed list: always counted; generated cases up to the draw limit
+                for source, explicit in (("generated", False), ("explicit", True))[0 if n <= draw_limit else 1:]:
+                    if prop.kind == "limit":  # one fixed geometry each, whatever the palette
+                        source = "fixed"
+                    for op, keys in _draw_keys(prop, caps, n, derandomize, seed, explicit).items():
+                        union.setdefault(op, set()).update(keys)
+                        by_source[source].setdefault(op, set()).update(keys)
+                drawn &= n <= draw_limit
             elif prop.kind != "machine":
                 drawn = False
         plans.append(plan)
     ops = sorted({op for p in plans if not p.skipped for op in p.ops} | set(union))
+    attention = attention_budget(palette, by_source, drawn) if palette is not None else None
     if drawn or palette is None:
         counts = {op: len(union.get(op, ())) for op in ops}
     else:  # past the draw limit: the palette's bound (what a run of that many examples reaches)
-        counts = {op: max(len(union.get(op, ())), _bound(op, palette)) for op in ops}
+        counts = {op: attention.total if op in _ATTENTION else max(len(union.get(op, ())), _bound(op, palette))
+                  for op in ops}
     compile_total = sum(counts[op] * compile_s.get(op, 0.0) for op in counts)
     leased = [(f"test_{p.name}", p.leased_bytes, p.seconds + p.leased_bytes / FILL_BYTES_PER_S)
               for p in plans if p.leased_bytes and not p.skipped]
     schedule, makespan = _schedule(leased, budget, workers)
     examples_s = _makespan([p.seconds for p in plans if not p.leased_bytes and not p.skipped], workers)
     return ProfilePlan(profile, plans, counts, drawn, palette.describe() if palette else "no palette (draws freely)",
-                       examples_s, compile_total / max(1, min(workers, cores)), schedule, makespan, WORKER_START_S)
+                       examples_s, compile_total / max(1, min(workers, cores)), schedule, makespan, WORKER_START_S,
+                       attention)
+
+
+def attention_budget(palette: Any, by_source: dict[str, dict[str, set]], drawn: bool = True) -> AttentionBudget:
+    """The :class:`AttentionBudget` of a run drawing from ``palette``, from the attention keys drawn per
+    source (``generated``, ``explicit``, ``fixed``: op -> keys, as :func:`_draw_keys` returns them); without
+    ``drawn`` (more examples than the plan draws) the palette is counted whole, at its bound."""
+    from pagedkv.testing.specialisations import in_palette
+
+    def attention(source: str) -> set:
+        return {key for op in _ATTENTION for key in by_source.get(source, {}).get(op, ())}
+
+    generated, explicit, fixed = attention("generated"), attention("explicit"), attention("fixed")
+    inside = {key for key in generated if in_palette(key, palette)}
+    own_explicit = {key for key in explicit if not in_palette(key, palette)} - generated
+    own_fixed = {key for key in fixed if not in_palette(key, palette)} - generated - own_explicit
+    return AttentionBudget(palette.bound, len(inside) if drawn else palette.bound, len(own_explicit), len(own_fixed),
+                           sorted(generated - inside))
 
 
 def measure_example_costs(examples: int = 3, device: str = "cpu") -> dict:
@@ -271,6 +344,8 @@ def format_plan(spec: str, backend_caps: str, plans: list[ProfilePlan], *, devic
                                                         " (palette bound: more examples than were drawn)") + ": "
                   + ", ".join(f"{op} {n}" for op, n in sorted(p.specialisations.items(),
                                                                key=lambda kv: (kv[0] not in _ATTENTION, kv[0])))]
+        if p.budget is not None:
+            lines.append("  " + p.budget.describe())
         lines.append("  examples per property: " + ", ".join(f"{q.name} {q.examples}" for q in run))
         skipped = [q for q in p.properties if q.skipped]
         if skipped:
@@ -293,6 +368,9 @@ def plan_json(plans: list[ProfilePlan]) -> dict:
     return {p.profile: {"wall_s": round(p.wall_s, 1), "startup_s": p.startup_s, "examples_s": round(p.examples_s, 1),
                         "compile_s": round(p.compile_s, 1), "lease_s": round(p.lease_s, 1),
                         "specialisations": p.specialisations, "specialisations_drawn": p.specialisations_drawn,
+                        "attention_budget": None if p.budget is None else {
+                            **dataclasses.asdict(p.budget), "outside": [list(k) for k in p.budget.outside],
+                            "limit": p.budget.limit, "total": p.budget.total, "within": p.budget.within},
                         "palette": p.palette,
                         "properties": [dataclasses.asdict(q) for q in p.properties],
                         "leases": [list(x) for x in p.leases]} for p in plans}

@@ -114,3 +114,82 @@ def test_the_ci_palette_of_an_mla_space_has_v_widths_of_their_own_and_stays_with
     assert (576, 512) in widths and any(k != v for k, v in widths - {(576, 512)})
     assert palette.shapes[0]["head_dim_v"] == palette.shapes[0]["head_dim"]  # the smallest shape: one width
     assert palette.bound <= 110
+
+
+def _attention_properties():
+    from pagedkv.testing.registry import properties
+
+    return [p for p in properties().values() if "paged_attention" in p.ops and p.kind in ("case", "scenario")]
+
+
+@pytest.mark.parametrize("prop", _attention_properties(), ids=lambda p: p.name)
+def test_every_generated_attention_case_is_one_of_the_palettes_specialisations(prop):
+    """A strategy drawing its geometry past the palette compiles more kernels the more examples a run
+    draws (a compile storm on a GPU): every generated attention case, the cache scenarios' too, must be
+    a palette shape with a palette feature set."""
+    from pagedkv.testing.specialisations import in_palette
+    from pagedkv.tools.plan import _draw_keys
+
+    if prop.requires(MLA_LIKE):
+        pytest.skip(str(prop.requires(MLA_LIKE)))
+    palette = run_palette(MLA_LIKE)
+    keys = _draw_keys(prop, MLA_LIKE, 8, True, 0)["paged_attention"]
+    assert keys and [k for k in keys if not in_palette(k, palette)] == []
+
+
+def test_the_attention_budget_counts_the_explicit_examples_and_flags_a_draw_outside_the_palette():
+    from pagedkv.tools.plan import attention_budget
+
+    palette = run_palette(TRITON_LIKE)
+    shape = palette.shapes[0]
+    inside = (("block_size", shape["block_size"]), ("head_dim", shape["head_dim"]),
+              ("gqa_group", shape["gqa_group"]), ("dtype", shape["dtype"]), ("features", "-"))
+    own = (("block_size", 3), ("head_dim", 3), ("gqa_group", 3), ("dtype", "float32"), ("features", "-"))
+    budget = attention_budget(palette, {"generated": {"paged_attention": {inside}},
+                                        "explicit": {"paged_attention": {inside, own}}})
+    assert (budget.palette_drawn, budget.explicit, budget.fixed, budget.outside) == (1, 1, 0, [])
+    assert budget.within and budget.limit == palette.bound + 1
+    leak = attention_budget(palette, {"generated": {"paged_attention": {inside, own}}})
+    assert not leak.within and leak.outside == [own] and "OVER" in leak.describe()
+
+
+@pytest.mark.slow(reason="25-60 s: draws every property's ci examples")
+def test_the_ci_plan_of_the_triton_backend_stays_within_its_attention_budget():
+    """The committed GPU plan's promise: under ``ci`` the run compiles at most the palette's bound plus the
+    explicit examples' and the limit properties' own geometries, and at most the compile-count check's 150."""
+    import sys
+
+    import pagedkv
+    from pagedkv.tools.plan import plan_profile
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "bench"))
+    from compile_count_check import CI_ATTENTION_BUDGET
+
+    plan = plan_profile(pagedkv.get_backend("triton"), "ci", device="cuda", workers=16, cores=16, budget=2**40,
+                        compile_s={}, example_costs={}, draw_limit=200)
+    assert plan.budget is not None and plan.budget.within, plan.budget.describe()
+    assert plan.specialisations["paged_attention"] == plan.budget.total <= plan.budget.limit <= CI_ATTENTION_BUDGET
+
+
+class _ForeignKernels:
+    """An adapter whose Triton kernels live in another package's modules (as vLLM's and SGLang's peers)."""
+
+    name = "foreign"
+    capabilities = Capabilities(split_k=True)
+
+    def paged_attention(self, *args, **kwargs):
+        raise NotImplementedError
+
+
+def test_an_adapter_declaring_triton_launches_gets_a_palette_and_the_interpreters_example_count(monkeypatch):
+    import triton  # noqa: F401  (the interpreter's decision needs Triton imported)
+
+    from pagedkv.testing import space
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    plain = _ForeignKernels()
+    assert not space.launches_triton(plain) and space.example_cap([plain], 100) is None
+    monkeypatch.setattr(_ForeignKernels, "LAUNCHES_TRITON", True, raising=False)
+    caps = space.capabilities_under_test(plain, for_drawing=True)
+    assert space.example_cap([plain], 100) == 10 and caps.specialize_on == SPECIALIZATION_NAMES
+    assert caps.gqa_groups.allows(17) and not caps.gqa_groups.allows(18)  # an interpreted split-K peer's groups

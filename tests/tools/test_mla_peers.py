@@ -163,7 +163,7 @@ def test_a_merge_alone_loads_as_a_candidate():
         load_backend("pagedkv.tools.peers.mla:SGLANG_CORE_COUNT")  # an int: no op at all
 
 
-@pytest.mark.parametrize("name", DECODE_PEERS + ["vllm_merge_attn_states"])
+@pytest.mark.parametrize("name", DECODE_PEERS + ["vllm_merge_attn_states", "vllm_triton", "sglang_triton"])
 def test_the_suite_knows_the_peers_launch_triton_kernels(name, monkeypatch):
     """On a CPU the suite gives an interpreted peer the interpreter's example count (a tenth of the profile's)
     and a palette of specialisations; a split-K decode peer draws GQA groups up to one past its 16-head tile."""

@@ -260,28 +260,35 @@ class CacheModel:
                                         f"{p} (block {block}) of {end} written tokens",
                                         {"seq": seq_id, "position": p, "block": block} if p >= 0 else {"seq": seq_id})
 
-    def _check_attention(self, seq_id: int, seq: SeqModel, what: str) -> None:
-        """The backend's ``paged_attention`` over the sequence's table (a prefill of every written
-        token, causal) equals the fp64 reference over the K/V the model expects, in every layer."""
+    def _check_attention(self, live: list, what: str) -> None:
+        """The backend's ``paged_attention`` over the sequences ``live`` (``[(seq_id, SeqModel)]``), each a
+        decode row after its last written token (it reads every key and value the sequence holds), equals
+        the fp64 reference over the K/V the model expects, in every layer. One batch a layer, one row a
+        sequence: an interpreted kernel pays per launch and per row (a decode kernel runs a prefill's
+        tokens as rows), and a wrong key or value anywhere moves the row's output."""
         from pagedkv.attention.dense import reference_attention
         from pagedkv.testing.compare import assert_attention_close
 
-        g, end = self.geometry, seq.written
-        table = self.cache.block_table(seq_id).to(self.device).view(1, -1)
-        gen = torch.Generator().manual_seed(self.seed * 7919 + seq_id * 31 + end)
-        query = torch.randn(end, g.num_q_heads, g.head_dim, generator=gen).to(g.torch_dtype)
-        lens = torch.tensor([end], dtype=torch.int32, device=self.device)
-        qsl = torch.tensor([0, end], dtype=torch.int32, device=self.device)
+        g, ids = self.geometry, [seq_id for seq_id, _ in live]
+        ends = [seq.written for _, seq in live]
+        queries = torch.randn(len(live), g.num_q_heads, g.head_dim, generator=torch.Generator().manual_seed(
+            self.seed * 7919 + sum(ids) * 31 + sum(ends))).to(g.torch_dtype)
+        tables = self.cache.block_tables(ids).to(self.device)
+        lens = torch.tensor(ends, dtype=torch.int32, device=self.device)
+        qsl = torch.arange(len(live) + 1, dtype=torch.int32, device=self.device)
         for layer in range(self.num_layers):
-            k_exp, v_exp = self.kv(seq, 0, end, layer)
-            out = self.attention(query.to(self.device), self.cache.k_cache(layer), self.cache.v_cache(layer),
-                                 table, lens, qsl)
-            try:
-                assert_attention_close(out.cpu(), reference_attention(query, [k_exp], [v_exp], [0, end]))
-            except AssertionError as exc:
-                raise ModelMismatch(f"{what}: paged_attention over sequence {seq_id}'s blocks {table.tolist()[0]} "
-                                    f"(layer {layer}, {end} written tokens) differs from attention over its own "
-                                    f"tokens' K/V: {str(exc).splitlines()[0]}", {"seq": seq_id}) from None
+            out = self.attention(queries.to(self.device), self.cache.k_cache(layer), self.cache.v_cache(layer),
+                                 tables, lens, qsl).cpu()
+            for i, ((seq_id, seq), end) in enumerate(zip(live, ends)):
+                k_exp, v_exp = self.kv(seq, 0, end, layer)
+                try:
+                    expected = reference_attention(queries[i:i + 1], [k_exp], [v_exp], [0, 1])
+                    assert_attention_close(out[i:i + 1], expected)
+                except AssertionError as exc:
+                    table = self.cache.block_table(seq_id).tolist()
+                    raise ModelMismatch(f"{what}: paged_attention over sequence {seq_id}'s blocks {table} (layer "
+                                        f"{layer}, {end} written tokens) differs from attention over its own "
+                                        f"tokens' K/V: {str(exc).splitlines()[0]}", {"seq": seq_id}) from None
 
     def check(self, what: str = "after an op") -> None:
         """Every property of the module docstring, now."""
@@ -293,8 +300,9 @@ class CacheModel:
                                     f"{self.cache.num_written(seq_id)} committed; the model: {len(seq.tokens)}, "
                                     f"{seq.written}")
             self._check_reads(seq_id, 0, seq.written, what)
-            if self.attention is not None and seq.written:
-                self._check_attention(seq_id, seq, what)
+        live = [(seq_id, seq) for seq_id, seq in self.seqs.items() if seq.written]
+        if self.attention is not None and live:
+            self._check_attention(live, what)
         entries = self.alloc.cached_entries()
         for block, entry in entries.items():
             prefix = self.alloc.cached_prefix(block)

@@ -109,6 +109,8 @@ class SglangTriton:
     ``page_size``.
     """
 
+    LAUNCHES_TRITON = True  # SGLang's kernels: a palette of specialisations, interpreted on a CPU (fewer examples)
+
     def __init__(self, page_size: str = "one", deterministic: bool = False) -> None:
         if page_size not in ("one", "block"):
             raise ValueError(f"page_size must be 'one' or 'block', got {page_size!r}")

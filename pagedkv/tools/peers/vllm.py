@@ -114,6 +114,7 @@ class VllmTriton:
     """
 
     name = "vllm_triton"
+    LAUNCHES_TRITON = True  # vLLM's kernels: a palette of specialisations, interpreted on a CPU (fewer examples)
     use_td = False  # unified_attention's tensor-descriptor path (the vllm_triton_td variant)
     segments = NUM_PAR_SOFTMAX_SEGMENTS  # the 3D path's softmax segments (0: never the 3D path)
     preconditions: frozenset = frozenset()
