@@ -170,18 +170,16 @@ def their_args(tests: Path) -> list[str]:
     return _THEIRS_ARGS + [f"--deselect={ln.strip()}" for ln in lines if ln.strip() and not ln.startswith("#")]
 
 
+def _options(parser) -> None:
+    parser.add_argument("--without-connector", action="store_true",
+                        help="the gate with the peer's KV connector off (every other feature, every layout)")
+    parser.add_argument("--seed", type=int, help="the gate's programs from this Hypothesis seed instead of "
+                        "derandomized (a derandomized verdict is the same under any PYTHONHASHSEED)")
+
+
 if __name__ == "__main__":
     import planted_manager_faults as one_group
 
-    # --without-connector: the gate with the peer's connector off (the machine's other features, every layout);
-    # --seed N: the gate's programs from Hypothesis seed N instead of derandomized (the verdict of a
-    # derandomized run is the same under any PYTHONHASHSEED)
-    without = "--without-connector" in sys.argv
-    argv = [a for a in sys.argv[1:] if a != "--without-connector"]
-    seed = None
-    if "--seed" in argv:
-        i = argv.index("--seed")
-        seed = int(argv[i + 1])
-        del argv[i:i + 2]
-    sys.exit(one_group.main(argv, faults=FAULTS, their_args=their_args, doc=__doc__,
-                            gate=f"WITHOUT_CONNECTOR = {without}\nSEED = {seed!r}\n" + GATE))
+    sys.exit(one_group.main(sys.argv[1:], faults=FAULTS, their_args=their_args, doc=__doc__, options=_options,
+                            gate=lambda args: f"WITHOUT_CONNECTOR = {args.without_connector}\n"
+                                              f"SEED = {args.seed!r}\n" + GATE))

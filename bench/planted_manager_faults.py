@@ -134,9 +134,10 @@ def _child(code: str, args: list[str], cwd: Path, env: dict, timeout: int) -> tu
     return rc, out, time.monotonic() - t0
 
 
-def main(argv=None, *, faults=None, their_args=None, gate=None, doc=None) -> int:
-    """Run ``faults`` (default :data:`FAULTS`) under ``gate`` (the child's code, default the one-group gate) and
-    under vLLM's tests (``their_args(tests)``: pytest arguments, default the cache subset)."""
+def main(argv=None, *, faults=None, their_args=None, gate=None, doc=None, options=None) -> int:
+    """Run ``faults`` (default :data:`FAULTS`) under ``gate`` (the child's code, default the one-group gate; a
+    callable: built from the parsed arguments) and under vLLM's tests (``their_args(tests)``: pytest
+    arguments, default the cache subset). ``options(parser)`` adds a caller's own arguments."""
     parser = argparse.ArgumentParser(description=(doc or __doc__).splitlines()[0])
     parser.add_argument("--tests", required=True, type=Path, help="the CPU-runnable copy of vLLM's tests/v1/core")
     parser.add_argument("--only", nargs="*", help="fault ids (default: all)")
@@ -145,7 +146,11 @@ def main(argv=None, *, faults=None, their_args=None, gate=None, doc=None) -> int
     parser.add_argument("--skip-gate", action="store_true", help="run vLLM's tests only")
     parser.add_argument("--json", required=True)
     parser.add_argument("--md")
+    if options:
+        options(parser)
     args = parser.parse_args(argv)
+    if callable(gate):
+        gate = gate(args)
     import vllm
 
     vllm_dir = Path(vllm.__file__).parent
