@@ -127,8 +127,8 @@ FAULTS = [
 ]
 
 #: The gate: the cache-manager machine on ``pagedkv.tools.peers:vllm_cache_manager`` in its hybrid layouts (every
-#: layout it declares but the one group), as the one-group script runs it: the ``ci`` profile's examples
-#: (at most 100) of 30 steps, derandomized as ``ci`` is (or from Hypothesis seed ``SEED``), no shrinking
+#: layout it declares but the one group), as the one-group script runs it: ``EXAMPLES`` programs (the ``ci``
+#: profile's 100 unless ``--examples``) of 30 steps, derandomized as ``ci`` is (or from Hypothesis seed ``SEED``), no shrinking
 #: (which does not change a verdict).
 GATE = r'''
 import contextlib, json, sys, time
@@ -138,7 +138,7 @@ from hypothesis import Phase, settings
 from pagedkv.testing.managers import programs
 from pagedkv.testing.managers.machine import machine_for
 from pagedkv.testing.managers.protocol import ONE_GROUP
-from pagedkv.testing.settings import manager_settings, suite_settings
+from pagedkv.testing.settings import manager_settings
 from pagedkv.tools.peers import vllm_hybrid_manager as vm
 layouts = tuple(name for name in vm.cache_manager_layouts if name != ONE_GROUP)
 factory = vm.cache_manager
@@ -148,7 +148,7 @@ if WITHOUT_CONNECTOR:  # the peer built without its connector: the machine then 
 machine = machine_for(factory, windows=vm.cache_manager_windows, layouts=layouts,
                       name="vllm_cache_manager_hybrid_manager")
 from pagedkv.testing.hypothesis_internals import forced_seed
-s = settings(manager_settings(100, 30, base=suite_settings()), phases=(Phase.explicit, Phase.generate),
+s = settings(manager_settings(EXAMPLES, 30), phases=(Phase.explicit, Phase.generate),
              derandomize=SEED is None)
 t0 = time.perf_counter()
 with contextlib.nullcontext() if SEED is None else forced_seed(SEED):
@@ -175,6 +175,8 @@ def _options(parser) -> None:
                         help="the gate with the peer's KV connector off (every other feature, every layout)")
     parser.add_argument("--seed", type=int, help="the gate's programs from this Hypothesis seed instead of "
                         "derandomized (a derandomized verdict is the same under any PYTHONHASHSEED)")
+    parser.add_argument("--examples", type=int, default=100,
+                        help="programs of 30 steps per fault (default 100: the ci profile's; nightly's is 2000)")
 
 
 if __name__ == "__main__":
@@ -182,4 +184,4 @@ if __name__ == "__main__":
 
     sys.exit(one_group.main(sys.argv[1:], faults=FAULTS, their_args=their_args, doc=__doc__, options=_options,
                             gate=lambda args: f"WITHOUT_CONNECTOR = {args.without_connector}\n"
-                                              f"SEED = {args.seed!r}\n" + GATE))
+                                              f"SEED = {args.seed!r}\nEXAMPLES = {args.examples}\n" + GATE))
