@@ -37,7 +37,7 @@ def scenarios(draw, *, max_ops: int = 14, max_seqs: int = 6, constant_hash: bool
     both write into a block they still share. ``caps`` keeps the geometry inside a backend's declared
     space (its smallest allowed sizes: scenario cost grows with the block size) and, where the space declares a
     compile budget, inside the run's palette (:func:`_palette_shape`)."""
-    shape = draw(_palette_shape(caps)) or {}
+    shape = (draw(_palette_shape(caps)) or {}) if run_palette(caps) else {}  # no palette: no draw spent
     bs = shape.get("block_size") or draw(sized(SCENARIO_BLOCK_SIZES, (), caps.block_sizes if caps else None))
     small_pools = st.integers(2, 8)  # half the pools are small: evictions and refusals are common
     geometry = Geometry(num_blocks=draw(small_pools | st.integers(2, 24)), block_size=bs,
