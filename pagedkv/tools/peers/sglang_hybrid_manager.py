@@ -124,6 +124,17 @@ class _Req:
     released: set = dataclasses.field(default_factory=set)  # row positions the window freed
 
 
+def extend_row(pool, r, start: int, slots, token_ids: Sequence[int]) -> None:
+    """A reservation of ``slots`` (an int64 tensor) for ``token_ids`` at row position ``start`` of ``r``, as
+    SGLang's scheduler records it: the request's ``req_to_token`` row, its allocated length, and its fill
+    ids (image placeholders padded as :func:`~.sglang_manager.radix_identity` keys them)."""
+    pool.write((r.kv.req_pool_idx, slice(start, start + len(slots))), slots.int())
+    r.kv.kv_allocated_len = start + len(slots)
+    for t in token_ids[len(r.full_untruncated_fill_ids) - start:]:
+        p = len(r.full_untruncated_fill_ids)
+        r.full_untruncated_fill_ids.append(_pad(r.pads[p], t) if p in r.pads else t)
+
+
 class SglangSwaRadixCache:
     """One ``PureSWARadixCache`` over ``num_blocks`` token slots, window ``window_left``."""
 
@@ -188,11 +199,7 @@ class SglangSwaRadixCache:
             if decode:
                 r.decode_batch_idx -= 1
             return None
-        self.pool.write((r.kv.req_pool_idx, slice(start, start + n)), got.to(s.torch.int32))
-        r.kv.kv_allocated_len = start + n
-        for t in token_ids[len(r.full_untruncated_fill_ids) - start:]:
-            p = len(r.full_untruncated_fill_ids)
-            r.full_untruncated_fill_ids.append(_pad(r.pads[p], t) if p in r.pads else t)
+        extend_row(self.pool, r, start, got, token_ids)
         if not decode and self.prefill_aware:
             r.kv.swa_evict_floor = r.kv.kv_allocated_len  # extend_end
         return got.tolist()
@@ -510,11 +517,7 @@ class SglangHybridSwaRadixCache:
             if decode:
                 r.decode_batch_idx -= 1
             return None
-        self.pool.write((r.kv.req_pool_idx, slice(start, start + n)), got.to(s.torch.int32))
-        r.kv.kv_allocated_len = start + n
-        for t in token_ids[len(r.full_untruncated_fill_ids) - start:]:
-            p = len(r.full_untruncated_fill_ids)
-            r.full_untruncated_fill_ids.append(_pad(r.pads[p], t) if p in r.pads else t)
+        extend_row(self.pool, r, start, got, token_ids)
         if not decode:
             r.extend_end = r.kv.kv_allocated_len
         full = got.tolist()

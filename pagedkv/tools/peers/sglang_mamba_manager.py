@@ -77,8 +77,9 @@ from collections.abc import Hashable, Sequence
 
 from pagedkv.errors import BackendUnavailableError
 from pagedkv.testing.managers.protocol import ExtraKey, ManagerCapabilities, ManagerConfig
-from pagedkv.tools.peers.sglang_hybrid_manager import MAX_ROW, _import_unified, _UnifiedReq
-from pagedkv.tools.peers.sglang_manager import RECIPE, _pad, radix_identity
+from pagedkv.tools.peers.sglang_hybrid_manager import (MAX_ROW, SglangHybridSwaRadixCache, _import_unified,
+                                                       _UnifiedReq, extend_row)
+from pagedkv.tools.peers.sglang_manager import RECIPE, radix_identity
 
 name = "sglang_mamba_radix_cache"
 #: SGLang's Mamba cache chunk without a model config (FLA's ``CHUNK_SIZE``; only the extra-buffer
@@ -180,6 +181,8 @@ class SglangMambaRadixCache:
     #: SGLang's tree core (``CacheInitParams.tree_core_backend``): ``None`` its default, the Rust core;
     #: ``"python"`` the Python one.
     tree_core_backend = None
+    #: one token a page: the ``no_buffer`` strategy takes no other (``free`` reads it)
+    page_size = 1
 
     def __init__(self, config: ManagerConfig) -> None:
         s = self.s = _import_mamba()
@@ -214,7 +217,7 @@ class SglangMambaRadixCache:
         mamba_pool.mamba_cache = type(mamba_pool.mamba_cache)(conv=[self.v_all[:mamba_layers, self.mamba_base:, 0]],
                                                               temporal=self.k_all[:mamba_layers, self.mamba_base:])
         self.allocator = s.TokenToKVPoolAllocator(n, torch.float32, "cpu", None, need_sort=False)
-        params = s.CacheInitParams(disable=False, req_to_token_pool=self.pool, page_size=1,
+        params = s.CacheInitParams(disable=False, req_to_token_pool=self.pool, page_size=self.page_size,
                                    token_to_kv_pool_allocator=self.allocator, enable_mamba_extra_buffer=False)
         params.tree_components = (s.FULL, s.MAMBA)
         params.tree_core_backend = self.tree_core_backend
@@ -285,36 +288,15 @@ class SglangMambaRadixCache:
         if got is None:
             return None
         self._forward(r)
-        self.pool.write((r.kv.req_pool_idx, slice(start, start + n)), got.to(s.torch.int32))
-        r.kv.kv_allocated_len = start + n
-        for t in token_ids[len(r.full_untruncated_fill_ids) - start:]:
-            p = len(r.full_untruncated_fill_ids)
-            r.full_untruncated_fill_ids.append(_pad(r.pads[p], t) if p in r.pads else t)
+        extend_row(self.pool, r, start, got, token_ids)
         if start < len(r.origin_input_ids):
             r.extend_end = r.kv.kv_allocated_len
         state = self._mamba_block(r.kv.mamba_pool_idx)
         return got.tolist(), [-1] * (n - 1) + [state]
 
-    def commit(self, request_id: int, num_tokens: int) -> None:
-        r = self.reqs[request_id]
-        r.kv.kv_committed_len = num_tokens
-        if num_tokens <= len(r.origin_input_ids):  # a prefill chunk: cache_unfinished_req
-            self.tree.checkpoint(r, up_to=num_tokens)
-
-    def free(self, request_id: int) -> None:
-        """``release_kv_cache(checkpoint=True)`` of a finished request."""
-        r = self.reqs.pop(request_id)
-        kv, owned = r.kv, r.kv.kv_committed_len
-        r.is_finished = True
-        self.tree.checkpoint(r, up_to=owned)
-        self.tree.free_kv_row(kv, [(kv.cache_protected_len, owned)])
-        self.tree.unlock(r.lock)
-        if kv.kv_allocated_len > owned:  # a reservation never written (the request aborted)
-            unwritten = self.pool.req_to_token[kv.req_pool_idx, owned:kv.kv_allocated_len]
-            self.allocator.free(unwritten.to(self.s.torch.int64))
-        self.tree.on_release(r, checkpointed=True)
-        self.pool.free(r)
-        kv.mark_kv_released()
+    # SGLang's cache_unfinished_req / release_kv_cache as the hybrid SWA adapter drives them (one token a page)
+    commit = SglangHybridSwaRadixCache.commit
+    free = SglangHybridSwaRadixCache.free
 
     def block_table(self, request_id: int):
         r = self.reqs[request_id]
