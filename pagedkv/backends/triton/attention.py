@@ -253,33 +253,48 @@ def _paged_attention_kernel(
 @triton.jit
 def _merge_splits_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, lse_ptr, num_splits, total_q, num_q_heads,
                          stride_ot, stride_oh, stride_od, stride_lse_t, stride_lse_h, HEAD_DIM: tl.constexpr,
-                         HEAD_DIM_PAD: tl.constexpr, RETURN_LSE: tl.constexpr = False):
-    # One program: one query token x one query head; the partials of its num_splits parts.
+                         HEAD_DIM_PAD: tl.constexpr, BLOCK_H: tl.constexpr, RETURN_LSE: tl.constexpr = False):
+    # One program: one query token x BLOCK_H query heads; the partials of their num_splits parts. Each head's
+    # row is merged on its own, in the same order (a tile of heads, not one program a head: Triton's
+    # interpreter pays per program and per op, a GPU reads the same bytes either way).
     tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = head < num_q_heads
     row = tok * num_q_heads + head
     rows_per_split = total_q * num_q_heads
-    m_max = tl.full([], float("-inf"), tl.float32)
+    m_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     for s in range(num_splits):
-        m_max = tl.maximum(m_max, tl.load(part_m_ptr + s * rows_per_split + row))
+        m_max = tl.maximum(m_max, tl.load(part_m_ptr + s * rows_per_split + row, mask=h_ok, other=float("-inf")))
     m_shift = tl.where(m_max == float("-inf"), 0.0, m_max)
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < HEAD_DIM
-    l_sum = tl.zeros([], tl.float32)
-    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    tile_ok = h_ok[:, None] & d_ok[None, :]
+    l_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM_PAD], tl.float32)
     for s in range(num_splits):
         r = s * rows_per_split + row
-        m_s = tl.load(part_m_ptr + r)
+        m_s = tl.load(part_m_ptr + r, mask=h_ok, other=float("-inf"))
         # a part that saw no key (m = -inf) weighs 0; NaN partials stay NaN
         w = tl.where(m_s == float("-inf"), 0.0, tl.exp2(m_s - m_shift))
-        l_sum += w * tl.load(part_l_ptr + r)
-        acc += w * tl.load(part_acc_ptr + r * HEAD_DIM + d, mask=d_ok, other=0.0)
-    out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + d * stride_od, out.to(out_ptr.dtype.element_ty),
-             mask=d_ok)
+        l_sum += w * tl.load(part_l_ptr + r, mask=h_ok, other=0.0)
+        acc += w[:, None] * tl.load(part_acc_ptr + r[:, None] * HEAD_DIM + d[None, :], mask=tile_ok, other=0.0)
+    out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+    tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=tile_ok)
     if RETURN_LSE:  # an empty split weighs 0 above; all empty: -inf
         lse = tl.where(l_sum == 0.0, float("-inf"), m_shift + tl.log2(tl.where(l_sum == 0.0, 1.0, l_sum)))
-        tl.store(lse_ptr + tok * stride_lse_t + head * stride_lse_h, lse)
+        tl.store(lse_ptr + tok * stride_lse_t + head * stride_lse_h, lse, mask=h_ok)
+
+
+#: Elements of a split-K merge program's accumulator tile (query heads x V's padded width): 16 heads of
+#: 128 a program, 4 of MLA's 512.
+MERGE_TILE = 2048
+
+
+def merge_heads_per_program(head_dim_v_pad: int) -> int:
+    """Query heads one split-K merge program combines: :data:`MERGE_TILE` elements, 16 heads at most (a
+    constant of V's width, so the merge compiles no variant per head count)."""
+    return max(1, min(16, MERGE_TILE // head_dim_v_pad))
 
 
 def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype, max_q_len: int,
@@ -439,8 +454,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         BLOCK_SIZE=block_size, **cfg, **flags,
     )
     if splits > 1:
-        _merge_splits_kernel[merge_grid(total_q, num_q_heads)](
+        block_h = merge_heads_per_program(cfg["HEAD_DIM_V_PAD"])
+        _merge_splits_kernel[merge_grid(total_q, num_q_heads, block_h)](
             out, part_m, part_l, part_acc, lse_arg, splits, total_q, num_q_heads, *out.stride(), *lse_strides,
-            HEAD_DIM=head_dim_v, HEAD_DIM_PAD=cfg["HEAD_DIM_V_PAD"], RETURN_LSE=return_lse,
-            num_warps=1 if cfg["HEAD_DIM_V_PAD"] <= 128 else 2)
+            HEAD_DIM=head_dim_v, HEAD_DIM_PAD=cfg["HEAD_DIM_V_PAD"], BLOCK_H=block_h, RETURN_LSE=return_lse,
+            num_warps=4 if block_h * cfg["HEAD_DIM_V_PAD"] >= 1024 else 2)
     return result

@@ -63,9 +63,9 @@ def attention_grid(batch: int, total_q: int, num_kv_heads: int, max_q_len: int, 
     return check_grid((programs, num_kv_heads, num_splits), "attention"), search
 
 
-def merge_grid(total_q: int, num_q_heads: int) -> tuple[int, int]:
-    """One program per (query token, query head) of the split-K merge."""
-    return check_grid((total_q, num_q_heads), "split-K merge")
+def merge_grid(total_q: int, num_q_heads: int, block_h: int = 1) -> tuple[int, int]:
+    """One program per query token and ``block_h`` query heads of a merge (one head a program by default)."""
+    return check_grid((total_q, cdiv(num_q_heads, block_h)), "split-K merge")
 
 
 def copy_grid(num_tokens: int, num_kv_heads: int, block_t: int, block_h: int) -> tuple[int, int]:
