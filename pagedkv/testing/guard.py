@@ -460,7 +460,9 @@ class GuardedBackend:
                     first = c.output_bits.view(c.output.dtype)
                     if not isinstance(out, torch.Tensor) or out.shape != c.output.shape or out.dtype != first.dtype:
                         raise ContractViolation(_again_message(c.op, out, c.output_bits, ulps))
-                    scale = rerun_scale(first, out, *(t for name, t in named if name in SUMMED_ARGS))
+                    # the scale matters only within a declared tolerance (bit for bit otherwise): it reads every
+                    # pool the output sums, gigabytes on the large-pool cases
+                    scale = rerun_scale(first, out, *(t for name, t in named if name in SUMMED_ARGS)) if ulps else 0.0
                     differs = rerun_differs(out, first, ulps, scale)
                     if bool(differs.any()):
                         raise ContractViolation(_again_message(c.op, out, c.output_bits, ulps, differs, scale))

@@ -184,7 +184,7 @@ def nan_value_shows_exactly_where_it_is_read(backend: Any, case: Case, device: s
     # a kernel nondeterministic by design: the two runs agree within its declared ulps of the values summed
     # (NaN and infinities exactly); bit for bit otherwise
     ulps = capabilities_of(backend).rerun_ulps(after.dtype)
-    unchanged = ~rerun_differs(after, before, ulps, rerun_scale(before, after, v_cache))
+    unchanged = ~rerun_differs(after, before, ulps, rerun_scale(before, after, v_cache) if ulps else 0.0)
     wrong = ~reads & ~unchanged & ~(masked & after.isnan())  # a masked output: unchanged, or IEEE's 0 * NaN
     if bool(wrong.any()):
         row, head, d = (int(x) for x in torch.nonzero(wrong)[0])
