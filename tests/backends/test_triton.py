@@ -557,6 +557,9 @@ SPLIT_PROPERTIES = ["paged_attention_matches_fp64_dense_reference",
 SPLIT_EXAMPLES = None if os.environ.get("PAGEDKV_PROFILE") in ("gpu", "nightly") else 8
 
 
+@pytest.mark.slow(reason="every push runs these properties on the triton backend at drawn split counts (1, 2, 3 and "
+                        "the empty-split edge) and test_split_k_equals_unsplit_and_the_reference at 2, 3 and 8 splits; "
+                        "every launch of a run split in 3 waits for the nightly tier")
 @pytest.mark.parametrize("prop", SPLIT_PROPERTIES)
 def test_suite_attention_properties_hold_for_a_fixed_split(prop):
     import dataclasses
