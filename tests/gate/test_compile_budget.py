@@ -193,3 +193,25 @@ def test_an_adapter_declaring_triton_launches_gets_a_palette_and_the_interpreter
     caps = space.capabilities_under_test(plain, for_drawing=True)
     assert space.example_cap([plain], 100) == 10 and caps.specialize_on == SPECIALIZATION_NAMES
     assert caps.gqa_groups.allows(17) and not caps.gqa_groups.allows(18)  # an interpreted split-K peer's groups
+
+
+def test_an_mla_space_draws_the_mla_shape_in_about_half_its_cases():
+    """A candidate declaring V widths of its own draws MLA's shape (K 576, V its first 512: the width its
+    deployments run, and where vLLM's and SGLang's decode kernels take their rope tile) in about half its
+    cases, not as one palette shape of ten (a fault in the rope tile survived 10 examples in two runs of three);
+    a space with equal widths keeps the palette's even draw."""
+    from hypothesis import HealthCheck
+
+    def share(caps):
+        drawn = []
+
+        @settings(max_examples=100, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(cases(caps=caps))
+        def draw(case):
+            drawn.append(case.geometry.head_dim == 576)
+        draw()
+        return sum(drawn) / len(drawn)
+
+    assert share(MLA_LIKE) > 0.4
+    assert share(TRITON_LIKE) < 0.25
