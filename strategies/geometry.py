@@ -117,9 +117,11 @@ def _palette_shape(draw, caps, realistic: bool, **lists) -> dict | None:
     fits = [s for s in palette.shapes if shape_fits(s, **lists)]
     if not fits:
         return None
-    mla = [s for s in fits if is_mla_shape(s)]  # where the candidate runs MLA: half the draws, its deployed width
-    return draw(st.sampled_from(fits) | st.sampled_from(mla)) if mla and declares_v_widths(caps) else \
-        draw(st.sampled_from(fits))
+    mla = [s for s in fits if is_mla_shape(s)] if declares_v_widths(caps) else []
+    rest = [s for s in fits if s not in mla]
+    if mla and rest:  # a candidate that runs MLA: its deployed width one case in three, the other shapes as often
+        return draw(st.sampled_from(rest) | st.sampled_from(rest) | st.sampled_from(mla))
+    return draw(st.sampled_from(fits))
 
 
 def seq_lens(block_size: int, max_len: int, *, min_len: int = 0) -> st.SearchStrategy[int]:

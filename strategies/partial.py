@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from hypothesis import assume
 from hypothesis import strategies as st
 
 from pagedkv.testing.cases.case import Case
@@ -46,9 +47,11 @@ def partial_cases(draw, *, caps=None, poisons=None, parts: tuple[int, ...] = (2,
     """A :class:`Case` with :attr:`Case.cuts` (``parts - 1`` cuts a sequence, a count drawn from ``parts``;
     ``parts=()``: no cuts, and the feature sets of whole attention). V's width and MLA's latent view are
     drawn as :func:`cases` draws them for ``caps`` (the palette's V widths where the run has one);
-    ``caps=None`` draws any width and the latent view half the time."""
+    ``caps=None`` draws any width and the latent view half the time. With ``parts``, a batch has a query row."""
     case = draw(cases(caps=caps, poisons=poisons, max_seqs=max_seqs, max_len=max_len, max_q_len=max_q_len,
                       lse=bool(parts)))
+    if parts:  # a row to judge (an LSE, a merge): an empty batch is the whole-attention properties' to draw
+        assume(any(s.q_len for s in case.seqs))
     if caps is None:  # the undeclared space: every width and the latent view
         g = case.geometry
         head_dim_v = draw(st.sampled_from(v_width_options(g.head_dim, None)))
