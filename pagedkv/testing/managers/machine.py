@@ -687,6 +687,21 @@ class ManagerMachine(RuleBasedStateMachine):
         ok = self.admit(rid, [*tokens, *suffix] or [0], namespace, extras, chunk, write_now, stored)
         return rid if ok else multiple()
 
+    @rule(target=reqs, system=systems, suffix=st.lists(VOCAB, max_size=6), n=st.integers(2, 3),
+          chunk=st.integers(1, 12))
+    def parallel(self, system, suffix, n, chunk):
+        """Parallel sampling (``n`` > 1): ``n`` requests of one prompt admitted in one scheduler step, each's
+        first prefill chunk reserved before any is written (one prefill batch): a later one may hit what an
+        earlier one caches in this step, whose K/V or recurrent state that step's forward has not written yet
+        (vLLM's ``cached_blocks_this_step``; SGLang #37836's batch)."""
+        self.log("parallel", system=system, suffix=suffix, n=n, chunk=chunk)
+        tokens, admitted = list(system) + list(suffix), []
+        for _ in range(n):
+            rid = self.new_id()
+            if self.admit(rid, tokens, None, {}, chunk, False):
+                admitted.append(rid)
+        return multiple(*admitted)
+
     @rule(target=reqs, rid=reqs, change=st.sampled_from(("image", "namespace")), chunk=st.integers(1, 12),
           write_now=st.booleans())
     def variant(self, rid, change, chunk, write_now):
