@@ -74,8 +74,6 @@ IMAGE_LENGTHS = {"image-0": 2, "image-1": 3}  # one input, one length (its place
 PLACEHOLDER = 0  # the token id of a multimodal input's placeholder run (what an engine's processor writes)
 NUM_KV_HEADS, HEAD_DIM = 1, 2
 MAX_DRAFTS = 3  # num_speculative_tokens the machine asks for
-#: A connector store drawn this large holds the whole prompt (disaggregated prefill: another instance computed it).
-STORE_ALL = 3
 
 
 def layer_key(group: int, layer: int) -> int:
@@ -563,8 +561,7 @@ class ManagerMachine(RuleBasedStateMachine):
               stored: int = 0) -> bool:
         req = Request(namespace, [], dict(extras), [], len(tokens))
         req.extend(tokens)
-        stored = len(tokens) if stored >= STORE_ALL else stored * self.bs
-        stored = min(stored, len(tokens) // self.bs * self.bs) if self.connector else 0
+        stored = min(stored * self.bs, len(tokens) // self.bs * self.bs) if self.connector else 0
         if stored:
             got = self.m.admit(rid, tokens, namespace, sorted(extras.items()), num_stored=stored)
         else:
@@ -663,8 +660,7 @@ class ManagerMachine(RuleBasedStateMachine):
         """A request: a system prompt and its own suffix, under a namespace, with a multimodal input
         ``extra`` (its placeholder run, as long as :data:`IMAGE_LENGTHS` says, ``image_at`` into the suffix);
         the first prefill chunk reserved (written now or later). With a connector, the store holds the
-        prompt's first ``stored`` hit-sized blocks, or every full block from :data:`STORE_ALL` on (its tokens past the
-        local hit are loaded first)."""
+        prompt's first ``stored`` hit-sized blocks (its tokens past the local hit are loaded first)."""
         self.log("add", system=system, suffix=suffix, namespace=namespace, extra=extra, chunk=chunk,
                  write_now=write_now, image_at=image_at, stored=stored)
         namespace = namespace if self.caps.namespaces else None
@@ -907,19 +903,6 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             for b in evicted:
                 self.cached.pop(b, None)
-
-    @precondition(lambda self: self.total is not None and self.next_id > 0)
-    @rule()
-    def drain(self):
-        """A busy pool: requests take every block never handed out yet (and finish), so that the next
-        allocation evicts cached blocks, least recently released first, while a later admission may still
-        hit them: a group's allocation must not take another group's hit before it is held."""
-        self.log("drain")
-        for _ in range(3):
-            never = self.total - len(self.ever_used)
-            if never <= 0 or self.m.counts()[0] < never:
-                return
-            self.pressure(max(1, never // len(self.groups)))
 
     @precondition(lambda self: self.caps.reset and self.next_id > 0)
     @rule()
