@@ -152,7 +152,7 @@ s = settings(manager_settings(EXAMPLES, 30), phases=(Phase.explicit, Phase.gener
              derandomize=SEED is None)
 t0 = time.perf_counter()
 with contextlib.nullcontext() if SEED is None else forced_seed(SEED):
-    steps = programs.run_recorded(machine, s)
+    steps = programs.run_per_layout(machine, s)
 print("RESULT " + json.dumps({"killed": steps is not None, "error": steps.error if steps else "",
       "first_failing_example": steps.first_failing_example if steps else None, "examples": machine.examples_run,
       "steps": machine.checks_run, "seconds": round(time.perf_counter() - t0, 1)}))

@@ -178,6 +178,7 @@ class ManagerMachine(RuleBasedStateMachine):
         groups = layout_groups(self.layouts[layout % len(self.layouts)], bs, window)
         if groups:
             num_layers = max(g.num_layers for g in groups)
+            num_blocks *= len(groups)  # one page serves one group: each group's share as one group's pool
         config = ManagerConfig(num_blocks, bs, self.windows[window % len(self.windows)], num_layers, self.num_kv_heads,
                                self.head_dim, groups=groups, connector=bool(features & 1),
                                num_speculative_tokens=MAX_DRAFTS if features & 2 else 0)
