@@ -875,6 +875,30 @@ class ManagerMachine(RuleBasedStateMachine):
         self.account(before, f"fork of request {rid}")
         return child
 
+    @precondition(lambda self: self.history)
+    @rule(target=reqs, turn=st.integers(0, 7), cut=st.integers(0, 15), suffix=st.lists(VOCAB, max_size=4),
+          chunk=st.integers(1, 12), write_now=st.booleans())
+    def branch(self, turn, cut, suffix, chunk, write_now):
+        """A finished conversation branched at an earlier point (a message edited, a reply regenerated): its
+        first ``cut`` tokens and a new ``suffix``. Its hit ends inside the conversation, where a window's
+        blocks were released while the conversation ran on (the free queue's front, evicted first)."""
+        self.log("branch", turn=turn, cut=cut, suffix=suffix, chunk=chunk, write_now=write_now)
+        namespace, tokens, extras = self.history[-1 - turn % len(self.history)]
+        cut = 1 + cut % len(tokens)
+        rid = self.new_id()
+        ok = self.admit(rid, [*tokens[:cut], *suffix], namespace, {p: k for p, k in extras.items() if p < cut},
+                        chunk, write_now)
+        return rid if ok else multiple()
+
+    @precondition(lambda self: self.next_id > 0 and self.total is not None)
+    @rule(n=st.integers(1, 4))
+    def evict_cached(self, n):
+        """Memory pressure that reaches ``n`` blocks past the never-used ones (:meth:`pressure` sized from
+        the pool): the first cached blocks the manager's eviction order gives up are evicted, the rest stay."""
+        self.log("evict_cached", n=n)
+        never_used = max(0, self.total - len(self.ever_used))
+        self.pressure(-(-(never_used + n) // len(self.groups)))
+
     @precondition(lambda self: self.caps.evict and self.next_id > 0)  # nothing is cached before a request
     @rule(n=st.integers(1, 4), by_allocation=st.booleans())
     def evict(self, n, by_allocation=False):
