@@ -167,18 +167,21 @@ class ManagerMachine(RuleBasedStateMachine):
     systems = Bundle("systems")
 
     @initialize(num_blocks=st.integers(4, 12), block_size=st.integers(0, 2), num_layers=st.integers(1, 2),
-                window=st.integers(0, 3), layout=st.integers(0, 11), features=st.integers(0, 3))
-    def start(self, num_blocks, block_size, num_layers, window, layout=0, features=0):
+                window=st.integers(0, 3), layout=st.integers(0, 11), features=st.integers(0, 3),
+                pool_per_group=st.booleans())
+    def start(self, num_blocks, block_size, num_layers, window, layout=0, features=0, pool_per_group=False):
         """The pool: ``block_size`` and ``window`` index the sizes the manager takes, ``layout`` its
         layouts (a hybrid one takes ``block_size`` as its hash block size and ``window`` as its
-        window); ``features`` asks for a connector (bit 0) and speculative decoding (bit 1)."""
+        window); ``features`` asks for a connector (bit 0) and speculative decoding (bit 1);
+        ``pool_per_group``: a hybrid layout's pool holds ``num_blocks`` per group (a roomy pool where three
+        groups' prompts fit and hit) rather than in all (pressure on every allocation)."""
         self.log("start", num_blocks=num_blocks, block_size=block_size, num_layers=num_layers, window=window,
-                 layout=layout, features=features)
+                 layout=layout, features=features, **({"pool_per_group": True} if pool_per_group else {}))
         bs = self.block_sizes[block_size % len(self.block_sizes)]
         groups = layout_groups(self.layouts[layout % len(self.layouts)], bs, window)
         if groups:
             num_layers = max(g.num_layers for g in groups)
-            num_blocks *= len(groups)  # one page serves one group: each group's share as one group's pool
+            num_blocks *= len(groups) if pool_per_group else 1
         config = ManagerConfig(num_blocks, bs, self.windows[window % len(self.windows)], num_layers, self.num_kv_heads,
                                self.head_dim, groups=groups, connector=bool(features & 1),
                                num_speculative_tokens=MAX_DRAFTS if features & 2 else 0)
