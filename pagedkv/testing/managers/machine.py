@@ -893,23 +893,17 @@ class ManagerMachine(RuleBasedStateMachine):
                         chunk, write_now)
         return rid if ok else multiple()
 
-    @precondition(lambda self: self.caps.eviction_order == "lru" and self.model_known and self.next_id > 0
-                  and self.total is not None)
-    @rule(n=st.integers(1, 4))
-    def evict_cached(self, n):
-        """Memory pressure reaching ``n`` blocks past the never-used ones (:meth:`pressure` sized from the pool,
-        where the manager promises that never-used blocks go first): the first cached blocks its eviction
-        order gives up are evicted, the rest stay (a window's tail, say, while the full group's stays)."""
-        self.log("evict_cached", n=n)
-        never_used = max(0, self.total - len(self.ever_used))
-        self.pressure(-(-(never_used + n) // len(self.groups)))
-
     @precondition(lambda self: self.caps.evict and self.next_id > 0)  # nothing is cached before a request
     @rule(n=st.integers(1, 4), by_allocation=st.booleans())
     def evict(self, n, by_allocation=False):
         """Evict up to ``n`` unreferenced cached blocks (what the manager evicted is no longer promised), or
-        ``by_allocation``: memory pressure (:meth:`pressure`) of ``2 * n`` blocks per group."""
+        ``by_allocation``: memory pressure (:meth:`pressure`) of ``2 * n`` blocks per group, or, where the
+        manager promises the ``"lru"`` order (never-used blocks go first), sized to reach ``n`` blocks past the
+        never-used ones: the first cached blocks that order gives up are evicted, the rest stay (a window's
+        tail, say, while the full group's stays)."""
         self.log("evict", n=n, by_allocation=by_allocation)
+        if by_allocation and self.caps.eviction_order == "lru" and self.model_known and self.total is not None:
+            return self.pressure(-(-(max(0, self.total - len(self.ever_used)) + n) // len(self.groups)))
         if by_allocation:
             return self.pressure(2 * n)
         evicted = self.m.evict(n)
