@@ -127,9 +127,10 @@ FAULTS = [
 ]
 
 #: The gate: the cache-manager machine on ``pagedkv.tools.peers:vllm_cache_manager`` in its hybrid layouts (every
-#: layout it declares but the one group), as the one-group script runs it: ``EXAMPLES`` programs (the ``ci``
-#: profile's 100 unless ``--examples``) of 30 steps, derandomized as ``ci`` is (or from Hypothesis seed
-#: ``SEED``), no shrinking (which does not change a verdict).
+#: layout it declares but the one group), as the suite runs it: one search per layout with its share of
+#: ``EXAMPLES`` programs (the ``ci`` profile's 100 unless ``--examples``; ``programs.run_per_layout``) of 30
+#: steps, derandomized as ``ci`` is (or from Hypothesis seed ``SEED``), no shrinking (which does not change a
+#: verdict).
 GATE = r'''
 import contextlib, json, sys, time
 if sys.argv[1] != "-":
