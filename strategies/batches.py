@@ -11,6 +11,7 @@ from pagedkv.backends.capabilities import FEATURE_NAMES
 from pagedkv.testing.cases.case import FINITE_POISONS, LAYOUTS, POISONS, VALUE_PATTERNS, Case, Geometry, SeqSpec
 from pagedkv.cache.config import blocks_needed
 
+from .palette import MLA_WIDTHS
 from .geometry import BLOCK_SIZES, DTYPES, REALISTIC_BLOCK_SIZES, geometries, positions_in, run_palette, seq_lens
 
 
@@ -199,14 +200,18 @@ def _extras(draw, geometry: Geometry, seqs, *, read_only: bool, caps=None, poiso
 def latent_view(draw, case: Case, caps) -> dict:
     """The fields that make ``case`` MLA's latent cache (``v_cache = k_cache[..., :head_dim_v]``, layout
     ``"latent"``), or ``{}``: always for a backend declaring ``shared_kv_storage`` (an fp8 pool then takes
-    V's scale from K's: one storage, one scale); one case in two where ``caps`` declares V widths of
-    their own, V is at most K's width and the pool is not fp8 (a scale moved onto K alone would move V's)."""
+    V's scale from K's: one storage, one scale); where ``caps`` declares V widths of their own, V is at most
+    K's width and the pool is not fp8 (a scale moved onto K alone would move V's): always at MLA's widths
+    (576 / 512: MLA's cache is the latent one, and a kernel's MLA path, vLLM's ``is_mla`` with its rope tile,
+    runs only on it), else one case in two."""
     g = case.geometry
     if caps is None or g.v_dim > g.head_dim:
         return {}
     if caps.shared_kv_storage:
         return {"layout": "latent", "v_scale": case.k_scale}
-    if caps.head_dims_v is None or case.kv_cache_dtype != "auto" or not draw(st.booleans()):
+    if caps.head_dims_v is None or case.kv_cache_dtype != "auto":
+        return {}
+    if MLA_WIDTHS.get(g.head_dim) != g.v_dim and not draw(st.booleans()):
         return {}
     return {"layout": "latent"}
 

@@ -107,7 +107,7 @@ def run_palette(caps):
 def _palette_shape(draw, caps, realistic: bool, **lists) -> dict | None:
     """A shape of the run's palette (:mod:`pagedkv.testing.strategies.palette`) inside the lists this
     draw allows, or ``None`` (no palette, or none of its shapes fits: then the parameters are drawn freely)."""
-    from pagedkv.testing.strategies.palette import shape_fits
+    from pagedkv.testing.strategies.palette import declares_v_widths, is_mla_shape, shape_fits
 
     palette = run_palette(caps)
     if palette is None:
@@ -115,7 +115,13 @@ def _palette_shape(draw, caps, realistic: bool, **lists) -> dict | None:
     extra = {"block_size": REALISTIC_BLOCK_SIZES, "head_dim": REALISTIC_HEAD_DIMS, "gqa_group": REALISTIC_GROUP_SIZES}
     lists = {n: tuple(v) + (extra.get(n, ()) if realistic else ()) for n, v in lists.items()}
     fits = [s for s in palette.shapes if shape_fits(s, **lists)]
-    return draw(st.sampled_from(fits)) if fits else None
+    if not fits:
+        return None
+    mla = [s for s in fits if is_mla_shape(s)] if declares_v_widths(caps) else []
+    rest = [s for s in fits if s not in mla]
+    if mla and rest:  # a candidate that runs MLA: its deployed width one case in three, the other shapes as often
+        return draw(st.sampled_from(rest) | st.sampled_from(rest) | st.sampled_from(mla))
+    return draw(st.sampled_from(fits))
 
 
 def seq_lens(block_size: int, max_len: int, *, min_len: int = 0) -> st.SearchStrategy[int]:

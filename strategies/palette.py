@@ -16,7 +16,8 @@ The palette is seeded by the run (:func:`palette_seed`): fixed under ``ci`` (and
 holds every parameter's smallest allowed value, the second every largest (each declared dtype is
 drawn as often), and each feature is in a set alone and in the set of all of them. A V width of its own
 (:func:`v_width_options`) is part of a shape, never a kernel of its own: MLA's 512 for a 576-wide K, and
-for about half the other shapes a narrower or wider V; the LSE (``return_lse``, a kernel variant) is
+for about half the other shapes a narrower or wider V (a candidate that declares V widths draws the
+MLA shape one case in three, :func:`is_mla_shape`); the LSE (``return_lse``, a kernel variant) is
 drawn in two sets of its own, alone and with every non-fp8 feature. At most
 ``len(shapes) * len(feature_sets)`` attention specialisations (fp8 sets twice: e4m3 and e5m2),
 :data:`PALETTE_SIZES` per profile.
@@ -212,6 +213,13 @@ def palette_for(caps: Any, universe: dict) -> Palette | None:
         return _cached(frozenset(names), caps, profile, palette_seed(profile), tuple(sorted(universe.items())))
     except TypeError:  # a declared space that cannot be hashed (a custom layout object)
         return build_palette(frozenset(names), caps, profile, palette_seed(profile), universe)
+
+
+def is_mla_shape(shape: dict) -> bool:
+    """Whether ``shape`` is MLA's latent cache (:data:`MLA_WIDTHS`: K 576 wide, V its first 512 columns), the
+    width DeepSeek V3/R1, Kimi K2 and GLM ship and the one where vLLM's and SGLang's MLA decode kernels take
+    their rope tile (``BLOCK_DPE``): a candidate that declares V widths of its own draws it one case in three."""
+    return MLA_WIDTHS.get(shape.get("head_dim")) == shape.get("head_dim_v") is not None
 
 
 def shape_fits(shape: dict, **lists) -> bool:

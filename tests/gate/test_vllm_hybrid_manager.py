@@ -360,6 +360,30 @@ def test_same_step_state_hit_is_caught(monkeypatch):
     assert steps is not None and "same scheduler step" in steps.error, steps and steps.error
 
 
+@pytest.mark.slow(reason="10-40 s: up to 150 examples of vLLM's coordinator until the search finds it")
+def test_same_step_check_on_the_first_block_is_caught(monkeypatch):
+    """vLLM's Mamba same-step check on the hit's first block instead of its last (mamba-same-step-state-served):
+    a hit of two or more blocks starts with null blocks, so a state cached in this scheduler step is served.
+    Fails before: no program admitted a request of one prompt while another's reservation of it was unwritten
+    in the same step (parallel sampling, ``add``'s ``n``)."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    blocks_to_allocate = MambaManager.get_num_blocks_to_allocate
+
+    def first_block_only(self, request_id, num_tokens, new_computed_blocks, *args, **kwargs):
+        seen = self.cached_blocks_this_step
+        if new_computed_blocks and new_computed_blocks[0].block_hash not in seen:
+            self.cached_blocks_this_step = set()
+        try:
+            return blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, *args, **kwargs)
+        finally:
+            self.cached_blocks_this_step = seen
+
+    monkeypatch.setattr(MambaManager, "get_num_blocks_to_allocate", first_block_only)
+    steps = _gate(("jamba", "qwen3-next", "hymba"), 150)
+    assert steps is not None and "same scheduler step" in steps.error, steps and steps.error
+
+
 @pytest.mark.slow(reason="1-10 s: examples of vLLM's coordinator until the search finds it")
 def test_lookahead_slots_not_reserved_is_caught(monkeypatch):
     """``allocate_slots`` without the lookahead tokens (lookahead-slots-not-reserved): the proposer's drafts

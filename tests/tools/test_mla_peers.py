@@ -176,3 +176,21 @@ def test_the_suite_knows_the_peers_launch_triton_kernels(name, monkeypatch):
     assert caps.specialize_on
     if caps.split_k:
         assert caps.gqa_groups.allows(17) and not caps.gqa_groups.allows(18)
+
+
+def test_sglang_decode_declares_the_int32_token_table_as_its_pool_limit():
+    """SGLang's ``ReqToTokenPool.req_to_token`` is int32 and its slots are the CSR ``kv_indices``, so a pool past
+    2**31 slots cannot be named in SGLang itself: the decode peer declares ``sglang_triton``'s ``max_pool_bytes``
+    (the 2**31-element case is then outside its space, said so), and a slot the int32 table wraps is refused
+    before the kernel reads (``BlockIndexError``), never read."""
+    from pagedkv.errors import BlockIndexError
+    from pagedkv.testing.cases.limit import LimitCase
+
+    peer = _peer("sglang_triton_decode")
+    assert peer.capabilities.max_pool_bytes == peers.PEERS["sglang_triton"]().capabilities.max_pool_bytes == 2**32
+    case, why = LimitCase.for_space("2_31_elements", peer.capabilities)
+    assert case is None and "max_pool_bytes" in why
+    assert LimitCase.for_space("2_24_slots", peer.capabilities)[0] is not None  # a pool SGLang allocates: judged
+    past = 2**31 // 16 + 1  # block 134217729 of 16 slots: its first slot is 2**31 + 16, which int32 wraps
+    with pytest.raises(BlockIndexError):
+        peer._kv_indices(torch.tensor([[past]]), [0], [1], 16, (past + 1) * 16)

@@ -659,14 +659,18 @@ class ManagerMachine(RuleBasedStateMachine):
     # -- rules ---------------------------------------------------------------------------------------
     @rule(target=reqs, system=systems, suffix=st.lists(VOCAB, max_size=6), namespace=st.sampled_from(NAMESPACES),
           extra=st.sampled_from(EXTRA_KEYS), chunk=st.integers(1, 12), write_now=st.booleans(),
-          image_at=st.integers(0, 3), stored=st.integers(0, 3))
-    def add(self, system, suffix, namespace, extra, chunk, write_now, image_at=0, stored=0):
+          image_at=st.integers(0, 3), stored=st.integers(0, 3), n=st.integers(1, 3))
+    def add(self, system, suffix, namespace, extra, chunk, write_now, image_at=0, stored=0, n=1):
         """A request: a system prompt and its own suffix, under a namespace, with a multimodal input
         ``extra`` (its placeholder run, as long as :data:`IMAGE_LENGTHS` says, ``image_at`` into the suffix);
         the first prefill chunk reserved (written now or later). With a connector, the store holds the
-        prompt's first ``stored`` hit-sized blocks (its tokens past the local hit are loaded first)."""
+        prompt's first ``stored`` hit-sized blocks (its tokens past the local hit are loaded first).
+        ``n`` > 1: parallel sampling, ``n`` requests of the prompt admitted in one scheduler step, each's
+        first chunk reserved before any is written (one prefill batch): a later one may hit what an earlier
+        one cached in this step, whose K/V or recurrent state that step's forward has not written yet
+        (vLLM's ``cached_blocks_this_step``; SGLang #37836's batch)."""
         self.log("add", system=system, suffix=suffix, namespace=namespace, extra=extra, chunk=chunk,
-                 write_now=write_now, image_at=image_at, stored=stored)
+                 write_now=write_now, image_at=image_at, stored=stored, **({"n": n} if n > 1 else {}))
         namespace = namespace if self.caps.namespaces else None
         tokens = list(system) + list(suffix)
         extras = {}
@@ -676,8 +680,12 @@ class ManagerMachine(RuleBasedStateMachine):
             for i in range(min(length, len(tokens) - first)):
                 extras[first + i] = ("mm", extra, i)
                 tokens[first + i] = PLACEHOLDER
-        rid = self.new_id()
-        return rid if self.admit(rid, tokens, namespace, extras, chunk, write_now, stored) else multiple()
+        admitted = []
+        for _ in range(max(1, n)):
+            rid = self.new_id()
+            if self.admit(rid, tokens, namespace, extras, chunk, write_now and n <= 1, stored):
+                admitted.append(rid)
+        return multiple(*admitted)
 
     @precondition(lambda self: self.history)
     @rule(target=reqs, turn=st.integers(0, 7), suffix=st.lists(VOCAB, max_size=4), chunk=st.integers(1, 12),
@@ -759,10 +767,15 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(rid=reqs, token=VOCAB, drafts=st.lists(VOCAB, min_size=1, max_size=MAX_DRAFTS), rejected=st.integers(0, 3))
     def speculate(self, rid, token, drafts, rejected):
         """A decode step with draft tokens: the next token and ``drafts`` reserved, their K/V (and each
-        draft's state) written, then the last ``rejected`` drafts dropped (verification)."""
+        draft's state) written, then the last ``rejected`` drafts dropped (verification). A request still in
+        prefill is brought to decode first: its steps in flight complete and the rest of its prompt is prefilled."""
         self.log("speculate", rid=rid, token=token, drafts=drafts, rejected=rejected)
         req = self.live[rid]
-        if req.loading is not None or req.in_flight or req.reserved < req.num_prompt:
+        while req.loading is None and req.in_flight and rid in self.live:
+            self.write_pending_rid(rid)
+        if rid in self.live and req.loading is None and req.reserved < req.num_prompt:
+            self.reserve(rid, req, req.tokens[req.reserved:req.num_prompt], True)
+        if rid not in self.live or req.loading is not None or req.in_flight or req.reserved < req.num_prompt:
             return
         rejected = min(rejected, len(drafts))
         token = token if req.correction is None else req.correction

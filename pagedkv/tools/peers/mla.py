@@ -234,6 +234,8 @@ class SglangTritonDecode(SglangTriton):
     SGLang's ``get_num_kv_splits_triton`` on the rows' key counts with :data:`SGLANG_CORE_COUNT` cores, so
     requests of one batch get different counts, as on a GPU. SGLang's stage 2 writes no LSE: none is
     declared. No features (the decode kernel's window is the caller's buffer; see ``sglang_triton``).
+    ``max_pool_bytes`` as ``sglang_triton``'s at page size 1 (2**32): SGLang's ``ReqToTokenPool.req_to_token``,
+    which the token slots come from, is int32, so SGLang names no slot past 2**31 (``INT32_TOKEN_TABLE``).
     ``write_kv`` is SGLang's, as in :class:`~pagedkv.tools.peers.sglang.SglangTriton`.
     """
 
@@ -246,7 +248,9 @@ class SglangTritonDecode(SglangTriton):
                                           f"{SGLANG_RECIPE}") from exc
         self._num_splits = get_num_kv_splits_triton
         self.name = "sglang_triton_decode"
-        self.capabilities = Capabilities(dtypes=self.capabilities.dtypes, split_k=True, head_dims_v=ANY)
+        # the token table is SGLang's int32 req_to_token (INT32_TOKEN_TABLE): the parent's max_pool_bytes holds
+        self.capabilities = Capabilities(dtypes=self.capabilities.dtypes, split_k=True, head_dims_v=ANY,
+                                         max_pool_bytes=self.capabilities.max_pool_bytes)
 
     def split_counts(self, keys: torch.Tensor, heads: int, kv_heads: int, max_splits: int) -> torch.Tensor:
         """Per-row split counts, ``int32 [rows]``, from SGLang's ``get_num_kv_splits_triton``."""
