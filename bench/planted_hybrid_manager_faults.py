@@ -127,9 +127,10 @@ FAULTS = [
 ]
 
 #: The gate: the cache-manager machine on ``pagedkv.tools.peers:vllm_cache_manager`` in its hybrid layouts (every
-#: layout it declares but the one group), as the one-group script runs it: ``EXAMPLES`` programs (the ``ci``
-#: profile's 100 unless ``--examples``) of 30 steps, derandomized as ``ci`` is (or from Hypothesis seed
-#: ``SEED``), no shrinking (which does not change a verdict).
+#: layout it declares but the one group), as the suite runs it: one search per layout with its share of
+#: ``EXAMPLES`` programs (the ``ci`` profile's 100 unless ``--examples``; ``programs.run_per_layout``) of 30
+#: steps, derandomized as ``ci`` is (or from Hypothesis seed ``SEED``), no shrinking (which does not change a
+#: verdict).
 GATE = r'''
 import contextlib, json, sys, time
 if sys.argv[1] != "-":
@@ -152,7 +153,7 @@ s = settings(manager_settings(EXAMPLES, 30), phases=(Phase.explicit, Phase.gener
              derandomize=SEED is None)
 t0 = time.perf_counter()
 with contextlib.nullcontext() if SEED is None else forced_seed(SEED):
-    steps = programs.run_recorded(machine, s)
+    steps = programs.run_per_layout(machine, s)
 print("RESULT " + json.dumps({"killed": steps is not None, "error": steps.error if steps else "",
       "first_failing_example": steps.first_failing_example if steps else None, "examples": machine.examples_run,
       "steps": machine.checks_run, "seconds": round(time.perf_counter() - t0, 1)}))

@@ -413,3 +413,50 @@ def test_deferred_free_head_first_per_group_is_caught(monkeypatch):
     monkeypatch.setattr(KVCacheCoordinator, "pop_blocks_for_free", head_first)
     steps = _gate(("gemma3", "gpt-oss-2full-sw", "deepseek-v4"), 300)
     assert steps is not None and "eviction order lru" in steps.error, steps and steps.error
+
+
+def test_a_deferred_free_drains_through_vllms_scheduler(monkeypatch):
+    """A stored request's blocks return to the pool through ``Scheduler._drain_deferred_frees``, vLLM's own
+    drain (tail blocks first), not a drain of the peer's. Fails before: the peer freed them itself, so a fault
+    in the scheduler's drain (deferred-drain-head-first) was out of reach."""
+    from pagedkv.tools.peers.vllm_hybrid_manager import _scheduler_class
+
+    scheduler = _scheduler_class()
+    drain, drained = scheduler._drain_deferred_frees, []
+
+    def recorded(self):
+        drained.append([b.block_id for _, blocks in self.deferred_frees for b in blocks])
+        drain(self)
+
+    monkeypatch.setattr(scheduler, "_drain_deferred_frees", recorded)
+    m = _manager("gemma3", connector=True)
+    _prefill(m, 0, [1, 2, 3, 1, 2])
+    tables = m.block_table(0)
+    m.free(0)
+    assert not drained, "freed before its store completed"
+    m.store_done(0)
+    assert drained == [[b for t in tables for b in t if b >= 0]]
+    queue = [b.block_id for b in m.pool.free_block_queue.get_all_free_blocks()]
+    # each group's cached blocks tail first, the last group's first (vLLM reverses the whole popped list), at
+    # the back of the free queue (uncached ones went to its front)
+    released = [b for t in reversed(tables) for b in reversed(t) if b >= 0 and m.pool.blocks[b].block_hash]
+    assert len(released) >= 4
+    assert queue[-len(released):] == released, (queue, tables)
+    _release_all(m, [])
+
+
+@pytest.mark.slow(reason="20-60 s: examples of vLLM's coordinator until the search finds it")
+def test_deferred_drain_head_first_is_caught(monkeypatch):
+    """vLLM's scheduler draining a deferred free head first (deferred-drain-head-first, vllm#48532): the
+    prefix a finished request shares is evicted before its tail. Fails before: the peer drained deferred
+    frees itself, never through the scheduler."""
+    from pagedkv.tools.peers.vllm_hybrid_manager import _scheduler_class
+
+    def head_first(self):
+        while self.deferred_frees:
+            _, blocks = self.deferred_frees.popleft()
+            self.kv_cache_manager.block_pool.free_blocks(blocks)
+
+    monkeypatch.setattr(_scheduler_class(), "_drain_deferred_frees", head_first)
+    steps = _gate(("gemma3", "gpt-oss-2full-sw", "deepseek-v4"), 300)
+    assert steps is not None and "eviction order lru" in steps.error, steps and steps.error

@@ -167,17 +167,21 @@ class ManagerMachine(RuleBasedStateMachine):
     systems = Bundle("systems")
 
     @initialize(num_blocks=st.integers(4, 12), block_size=st.integers(0, 2), num_layers=st.integers(1, 2),
-                window=st.integers(0, 3), layout=st.integers(0, 11), features=st.integers(0, 3))
-    def start(self, num_blocks, block_size, num_layers, window, layout=0, features=0):
+                window=st.integers(0, 3), layout=st.integers(0, 11), features=st.integers(0, 3),
+                pool_per_group=st.booleans())
+    def start(self, num_blocks, block_size, num_layers, window, layout=0, features=0, pool_per_group=False):
         """The pool: ``block_size`` and ``window`` index the sizes the manager takes, ``layout`` its
         layouts (a hybrid one takes ``block_size`` as its hash block size and ``window`` as its
-        window); ``features`` asks for a connector (bit 0) and speculative decoding (bit 1)."""
+        window); ``features`` asks for a connector (bit 0) and speculative decoding (bit 1);
+        ``pool_per_group``: a hybrid layout's pool holds ``num_blocks`` per group (a roomy pool where three
+        groups' prompts fit and hit) rather than in all (pressure on every allocation)."""
         self.log("start", num_blocks=num_blocks, block_size=block_size, num_layers=num_layers, window=window,
-                 layout=layout, features=features)
+                 layout=layout, features=features, **({"pool_per_group": True} if pool_per_group else {}))
         bs = self.block_sizes[block_size % len(self.block_sizes)]
         groups = layout_groups(self.layouts[layout % len(self.layouts)], bs, window)
         if groups:
             num_layers = max(g.num_layers for g in groups)
+            num_blocks *= len(groups) if pool_per_group else 1
         config = ManagerConfig(num_blocks, bs, self.windows[window % len(self.windows)], num_layers, self.num_kv_heads,
                                self.head_dim, groups=groups, connector=bool(features & 1),
                                num_speculative_tokens=MAX_DRAFTS if features & 2 else 0)
@@ -887,12 +891,32 @@ class ManagerMachine(RuleBasedStateMachine):
         self.account(before, f"fork of request {rid}")
         return child
 
+    @precondition(lambda self: self.history)
+    @rule(target=reqs, turn=st.integers(0, 7), cut=st.integers(0, 15), suffix=st.lists(VOCAB, max_size=4),
+          chunk=st.integers(1, 12), write_now=st.booleans())
+    def branch(self, turn, cut, suffix, chunk, write_now):
+        """A finished conversation branched at an earlier point (a message edited, a reply regenerated): its
+        first ``cut`` tokens and a new ``suffix``. Its hit ends inside the conversation, where a window's
+        blocks were released while the conversation ran on (the free queue's front, evicted first)."""
+        self.log("branch", turn=turn, cut=cut, suffix=suffix, chunk=chunk, write_now=write_now)
+        namespace, tokens, extras = self.history[-1 - turn % len(self.history)]
+        cut = 1 + cut % len(tokens)
+        rid = self.new_id()
+        ok = self.admit(rid, [*tokens[:cut], *suffix], namespace, {p: k for p, k in extras.items() if p < cut},
+                        chunk, write_now)
+        return rid if ok else multiple()
+
     @precondition(lambda self: self.caps.evict and self.next_id > 0)  # nothing is cached before a request
     @rule(n=st.integers(1, 4), by_allocation=st.booleans())
     def evict(self, n, by_allocation=False):
         """Evict up to ``n`` unreferenced cached blocks (what the manager evicted is no longer promised), or
-        ``by_allocation``: memory pressure (:meth:`pressure`) of ``2 * n`` blocks per group."""
+        ``by_allocation``: memory pressure (:meth:`pressure`) of ``2 * n`` blocks per group, or, where the
+        manager promises the ``"lru"`` order (never-used blocks go first), sized to reach ``n`` blocks past the
+        never-used ones: the first cached blocks that order gives up are evicted, the rest stay (a window's
+        tail, say, while the full group's stays)."""
         self.log("evict", n=n, by_allocation=by_allocation)
+        if by_allocation and self.caps.eviction_order == "lru" and self.model_known and self.total is not None:
+            return self.pressure(-(-(max(0, self.total - len(self.ever_used)) + n) // len(self.groups)))
         if by_allocation:
             return self.pressure(2 * n)
         evicted = self.m.evict(n)

@@ -141,6 +141,51 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings, datab
     return None
 
 
+def layout_shares(layouts, max_examples: int) -> list[tuple[str, int]]:
+    """Each layout's share of ``max_examples`` programs: in proportion to its KV-cache groups (a layout of
+    three groups exercises more meetings of groups than one of two; one group counts one), at least one
+    program each. A fault living in one layout gets that layout's share, whatever the others are."""
+    from pagedkv.testing.managers.protocol import layout_groups
+
+    weights = [max(1, len(layout_groups(name, 1, 1))) for name in layouts]
+    return [(name, max(1, round(max_examples * w / sum(weights)))) for name, w in zip(layouts, weights)]
+
+
+def run_per_layout(machine_class: type[ManagerMachine], settings_: settings, database_key: bytes | None = None
+                   ) -> list | None:
+    """:func:`run_recorded`, one search per layout of ``machine_class.layouts`` with its share of the
+    settings' programs (:func:`layout_shares`), in declared order, stopping at the first failure. One search
+    over every layout spends most programs where its draws happen to fall (Hypothesis favours small
+    indices), so a layout drawn rarely is barely searched. A failure is returned as :func:`run_recorded`
+    returns it, with ``.machine_class`` the one-layout machine it ran on (what a case file records) and
+    ``.first_failing_example`` counted over every search so far. ``machine_class``'s counters (steps,
+    ``examples_run``) add up every search's."""
+    layouts = tuple(machine_class.layouts)
+    if len(layouts) < 2:
+        steps = run_recorded(machine_class, settings_, database_key)
+        if steps is not None:
+            steps.machine_class = machine_class
+        return steps
+    examples = 0
+    counters = ("checks_run", "tokens_read", "prefix_hits")
+    try:
+        for name, share in layout_shares(layouts, settings_.max_examples):
+            one = type(f"{machine_class.__name__}[{name}]", (machine_class,),
+                       {"layouts": (name,), **{c: 0 for c in counters}})
+            key = None if database_key is None else database_key + b"/" + name.encode()
+            steps = run_recorded(one, settings(settings_, max_examples=share), key)
+            for counter in counters:
+                setattr(machine_class, counter, getattr(machine_class, counter) + getattr(one, counter))
+            examples += one.examples_run
+            if steps is not None:
+                steps.machine_class = one
+                steps.first_failing_example += examples - one.examples_run
+                return steps
+        return None
+    finally:
+        machine_class.examples_run = examples
+
+
 def _is_rule(name: str) -> bool:
     """Whether ``name`` is a step the machine logs: a public method of the manager machine's own (its rules
     and their replayable forms), not one of Hypothesis's state machine."""
@@ -154,6 +199,7 @@ def _is_rule(name: str) -> bool:
 
 class _Program(list):
     error = ""
+    machine_class: type | None = None  # the machine it failed on (run_per_layout: one layout's)
     first_failing_example = 0
     exception: BaseException | None = None  # what the shrunk program raised
 

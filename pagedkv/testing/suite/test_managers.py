@@ -52,8 +52,9 @@ def test_cache_manager(pagedkv_run, backend):
     program_steps = getattr(backend, "cache_manager_steps", STEPS)
     path = pagedkv_run.case_file
     start = time.perf_counter()
-    steps = programs.run_recorded(machine, manager_suite_settings(program_steps),
-                                  database_key=property_key(PROPERTY, backend_name(backend)))
+    # one search per declared layout, each with its share of the profile's programs
+    steps = programs.run_per_layout(machine, manager_suite_settings(program_steps),
+                                    database_key=property_key(PROPERTY, backend_name(backend)))
     measured = dict(examples=machine.examples_run, steps=machine.checks_run, seconds=time.perf_counter() - start)
     if steps is None:
         if is_program_file(str(path)):
@@ -63,7 +64,7 @@ def test_cache_manager(pagedkv_run, backend):
                                     f"{measured['seconds']:.1f} s", **measured), kind="manager"))
         return
     measured["first_failing_example"] = steps.first_failing_example
-    programs.save(path, spec, machine, steps, steps.error, test_id=pagedkv_run.node.nodeid,
+    programs.save(path, spec, steps.machine_class, steps, steps.error, test_id=pagedkv_run.node.nodeid,
                   examples=machine.examples_run, first_failing_example=steps.first_failing_example)
     replay = programs.replay_line(path, spec)
     failure = Failure(None, AssertionError(f"{steps.error} (program {steps.first_failing_example})"),

@@ -31,8 +31,9 @@ declared where the machine knows what vLLM caches (no Mamba group, no EAGLE), an
 - ``free``: the connector's ``request_finished_all_groups`` (without the ``remove_skipped_blocks`` vLLM's
   scheduler calls first: the protocol holds every block of a stored request until its store completes, so
   a window's out-of-window blocks are stored too); the fake connector stores every finished request, so the
-  blocks are popped (``pop_blocks_for_free``) and freed, tail first, at ``store_done`` (vLLM's
-  ``finished_sending``); a request freed while its load is in flight keeps its blocks until ``load_done``
+  blocks are popped (``pop_blocks_for_free``) and freed at ``store_done`` (vLLM's ``finished_sending``) through
+  the scheduler's own deferred-free drain (``Scheduler._drain_deferred_frees``: tail first); a request freed
+  while its load is in flight keeps its blocks until ``load_done``
   (``finished_recving``); steps in flight defer the free as in :mod:`.vllm_manager`.
 
 Speculative decoding is on in the layouts without chunked local attention (vLLM refuses EAGLE there) and
@@ -178,6 +179,30 @@ class _SlotMapping:
                 for bt, mode in zip(self.table.block_tables, self.modes)]
 
 
+def _scheduler_class():
+    """vLLM's ``Scheduler`` class (its methods run here on the few attributes they read)."""
+    package = sys.modules.get("vllm.v1.structured_output")
+    if package is not None and not hasattr(package, "StructuredOutputManager"):
+        # the package entered without its __init__ (vllm_manager._import_vllm): the scheduler module
+        # names the class at import and never calls it here
+        package.StructuredOutputManager = None
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return Scheduler
+
+
+def _drain_deferred_free(manager, blocks) -> None:
+    """Return a deferred free's ``blocks`` (``pop_blocks_for_free``'s, allocation order) to the pool as vLLM's
+    scheduler does once the step fencing them completed: its own ``Scheduler._drain_deferred_frees`` (tail
+    blocks evicted first) on the one fenced entry."""
+    import collections
+    import types
+
+    state = types.SimpleNamespace(deferred_frees=collections.deque([(0, blocks)]), processed_step_seq=0,
+                                  kv_cache_manager=manager)
+    _scheduler_class()._drain_deferred_frees(state)
+
+
 class _MambaSplit:
     """The scheduler's clip of a prefill chunk to where a Mamba state must be cached ("align" mode: a state is
     written at a step's end, so a chunk ends on a block boundary): vLLM's own
@@ -190,14 +215,7 @@ class _MambaSplit:
 
         from vllm.v1.kv_cache_interface import MambaSpec
 
-        package = sys.modules.get("vllm.v1.structured_output")
-        if package is not None and not hasattr(package, "StructuredOutputManager"):
-            # the package entered without its __init__ (vllm_manager._import_vllm): the scheduler module
-            # names the class at import and never calls it here
-            package.StructuredOutputManager = None
-        from vllm.v1.core.sched.scheduler import Scheduler
-
-        self.method = Scheduler._mamba_block_aligned_split
+        self.method = _scheduler_class()._mamba_block_aligned_split
         specs = [g.kv_cache_spec for g in manager.kv_cache_config.kv_cache_groups]
         mamba = [spec for spec in specs if isinstance(spec, MambaSpec)]
         partial = hash_block_size < block_size and manager.coordinator.enable_partial_hash_hits
@@ -442,7 +460,7 @@ class VllmHybridCacheManager(VllmCacheManager):
             del self.waits[request_id]
             blocks, _ = self.deferred.pop(request_id)
             self.settled.pop(request_id, None)
-            self.pool.free_blocks(reversed(blocks))
+            _drain_deferred_free(self.manager, blocks)
 
     def holds(self, request_id: int) -> bool:
         managers = self.manager.coordinator.single_type_managers
