@@ -221,6 +221,20 @@ def test_a_clipped_chunk_is_not_a_false_alarm_in_the_machine():
     programs.run_program(_machine(("jamba",), block_sizes=(2,)), steps)
 
 
+def test_a_refused_decode_step_leaves_no_block_hash_of_its_token():
+    """A decode step the pool refuses takes its token back, and the block hash the token completed with it:
+    the request's next token fills that block instead. Fails before ("request 2: a hit on its first 2 tokens,
+    which no request committed": request 1 cached ``[0, 0]`` under the hash of the refused ``[0, 3]``)."""
+    add = {"system": [0], "suffix": [], "namespace": None, "extra": None, "chunk": 1, "write_now": False,
+           "image_at": 0, "stored": 0}
+    steps = [("start", {"num_blocks": 4, "block_size": 0, "num_layers": 2, "window": 0, "layout": 0, "features": 0}),
+             ("system_prompts", {"prompts": [[0]]}), ("add", add), ("add", add), ("write_pending_rid", {"rid": 0}),
+             ("step", {"rid": 1, "n": 1, "token": 3, "write_now": False}), ("free", {"rid": 0}),
+             ("step", {"rid": 1, "n": 1, "token": 0, "write_now": False}),
+             ("next_turn", {"turn": 0, "suffix": [3, 0], "chunk": 1, "write_now": False, "stored": 0})]
+    programs.run_program(_machine(("jamba",), block_sizes=(1,)), steps)
+
+
 def test_a_loading_request_is_read_at_the_loads_end():
     """While a connector load is in flight the request's next query is past it: a Mamba group holds the
     state the load brings, not the one at the local hit. Fails before ("token 0 (written) has no block in

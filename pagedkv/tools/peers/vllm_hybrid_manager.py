@@ -393,6 +393,8 @@ class VllmHybridCacheManager(VllmCacheManager):
             if extra > 0:
                 del request._output_token_ids[-extra:]
                 del request._all_token_ids[-extra:]
+                # the append hashed the full blocks it completed: a later token must not inherit their hashes
+                del request.block_hashes[request.num_tokens // self.hash_block_size:]
             request.spec_token_ids = []
             return None
         self.pending.pop(request_id, None)

@@ -169,6 +169,8 @@ class VllmCacheManager:
             if extra > 0:  # a refused decode step: the token was never scheduled
                 del request._output_token_ids[-extra:]
                 del request._all_token_ids[-extra:]
+                # the append hashed the full blocks it completed: a later token must not inherit their hashes
+                del request.block_hashes[request.num_tokens // self.block_size:]
             return None
         self.pending.pop(request_id, None)
         request.num_computed_tokens = start + len(token_ids)
