@@ -297,6 +297,11 @@ def merge_heads_per_program(head_dim_v_pad: int) -> int:
     return max(1, min(16, MERGE_TILE // head_dim_v_pad))
 
 
+def merge_num_warps(block_h: int, head_dim_v_pad: int) -> int:
+    """Warps of a merge program over ``block_h`` heads of ``head_dim_v_pad`` elements: 4 from 1024 elements on."""
+    return 4 if block_h * head_dim_v_pad >= 1024 else 2
+
+
 def attention_config(num_queries_per_kv: int, head_dim: int, dtype: torch.dtype, max_q_len: int,
                      fp8: bool = False, head_dim_v: int | None = None) -> dict:
     """Tile sizes and launch options of :func:`paged_attention` (``python -m bench.compile_report`` checks them).
@@ -458,5 +463,5 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         _merge_splits_kernel[merge_grid(total_q, num_q_heads, block_h)](
             out, part_m, part_l, part_acc, lse_arg, splits, total_q, num_q_heads, *out.stride(), *lse_strides,
             HEAD_DIM=head_dim_v, HEAD_DIM_PAD=cfg["HEAD_DIM_V_PAD"], BLOCK_H=block_h, RETURN_LSE=return_lse,
-            num_warps=4 if block_h * cfg["HEAD_DIM_V_PAD"] >= 1024 else 2)
+            num_warps=merge_num_warps(block_h, cfg["HEAD_DIM_V_PAD"]))
     return result

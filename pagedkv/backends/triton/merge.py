@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pagedkv.backends.triton.common import tl, triton
-from pagedkv.backends.triton.attention import merge_heads_per_program
+from pagedkv.backends.triton.attention import merge_heads_per_program, merge_num_warps
 from pagedkv.backends.triton.launch_grid import merge_grid
 
 
@@ -71,5 +71,5 @@ def merge_attn_states(prefix_out: torch.Tensor, prefix_lse: torch.Tensor, suffix
     _merge_states_kernel[merge_grid(total_q, num_heads, block_h)](
         out, lse, prefix_out, prefix_lse, suffix_out, suffix_lse, total_q, num_heads, *out.stride(),
         *prefix_out.stride(), *suffix_out.stride(), *prefix_lse.stride(), *suffix_lse.stride(), HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=pad, BLOCK_H=block_h, num_warps=4 if block_h * pad >= 1024 else 2)
+        HEAD_DIM_PAD=pad, BLOCK_H=block_h, num_warps=merge_num_warps(block_h, pad))
     return out, lse

@@ -391,10 +391,7 @@ class VllmHybridCacheManager(VllmCacheManager):
                                           new_computed_blocks=blocks, num_lookahead_tokens=self.num_lookahead)
         if got is None:
             if extra > 0:
-                del request._output_token_ids[-extra:]
-                del request._all_token_ids[-extra:]
-                # the append hashed the full blocks it completed: a later token must not inherit their hashes
-                del request.block_hashes[request.num_tokens // self.hash_block_size:]
+                self._take_back_tokens(request, extra)  # self.block_size is the hash block size here
             request.spec_token_ids = []
             return None
         self.pending.pop(request_id, None)

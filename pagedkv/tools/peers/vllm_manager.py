@@ -155,6 +155,13 @@ class VllmCacheManager:
         null = self.pool.null_block.block_id
         return [-1 if b == null else b for b in ids]
 
+    def _take_back_tokens(self, request, extra: int) -> None:
+        """Undo the last ``extra`` appended tokens of a refused step, with the block hashes the append computed
+        for the full blocks they completed (vLLM hashes on append): a later token must not inherit them."""
+        del request._output_token_ids[-extra:]
+        del request._all_token_ids[-extra:]
+        del request.block_hashes[request.num_tokens // self.block_size:]
+
     def reserve(self, request_id: int, token_ids: Sequence[int]):
         request = self.requests[request_id]
         blocks, num_cached = self.pending.get(request_id, (None, 0))
@@ -167,10 +174,7 @@ class VllmCacheManager:
                                           new_computed_blocks=blocks)
         if got is None:
             if extra > 0:  # a refused decode step: the token was never scheduled
-                del request._output_token_ids[-extra:]
-                del request._all_token_ids[-extra:]
-                # the append hashed the full blocks it completed: a later token must not inherit their hashes
-                del request.block_hashes[request.num_tokens // self.block_size:]
+                self._take_back_tokens(request, extra)
             return None
         self.pending.pop(request_id, None)
         request.num_computed_tokens = start + len(token_ids)
