@@ -2,10 +2,12 @@
 and ``bench/engine_tests_vs_mutants.py --json`` (the engine's own tests).
 
     python bench/side_by_side_kill_table.py MUTATE.json ENGINE.json --arguments ARGS.json --json OUT.json \
-        --markdown OUT.md --title TITLE
+        --markdown OUT.md --title TITLE [--more MUTATE2.json ENGINE2.json] [--sample TEXT]
 
 ``ARGS.json`` maps a mutant id to the argument for a survivor (why it is equivalent under the adapter's
-configuration, or what no check reaches); a survivor without one is listed as unargued.
+configuration, or what no check reaches); a survivor without one is listed as unargued. ``--more`` adds the
+rows of a second pair of runs on other mutants of the same sources (a sample run in two parts); ``--sample``
+says how the mutants were chosen (``--only`` alone records ``all``).
 """
 
 from __future__ import annotations
@@ -71,6 +73,15 @@ def markdown(table: list[dict], t: dict, title: str, mutate: dict, engine: dict,
     return "\n".join(lines) + "\n"
 
 
+def _load(path: str) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def merged(first: dict, more: list[dict], key: str) -> dict:
+    """``first`` with the ``key`` rows of every run in ``more`` appended (later runs on other mutants)."""
+    return {**first, key: [row for run in (first, *more) for row in run[key]]}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mutate_json")
@@ -81,8 +92,14 @@ def main(argv=None) -> int:
     parser.add_argument("--title", default="Mutants: pagedkv's state machine beside the engine's own tests")
     parser.add_argument("--gate", default="state machine", help="what ran on pagedkv's side, for the text")
     parser.add_argument("--tests-name", default="`tests/v1/core`", help="the engine's tests, for the text")
+    parser.add_argument("--more", nargs=2, action="append", default=[], metavar=("MUTATE_JSON", "ENGINE_JSON"),
+                        help="another pair of runs on other mutants of the same sources (repeatable)")
+    parser.add_argument("--sample", help="how the mutants were chosen, for the header (default: the run's own)")
     args = parser.parse_args(argv)
-    mutate, engine = json.loads(Path(args.mutate_json).read_text()), json.loads(Path(args.engine_json).read_text())
+    mutate = merged(_load(args.mutate_json), [_load(m) for m, _ in args.more], "mutants")
+    engine = merged(_load(args.engine_json), [_load(e) for _, e in args.more], "rows")
+    if args.sample:
+        mutate["config"] = {**mutate["config"], "sample": args.sample}
     arguments = json.loads(Path(args.arguments).read_text()) if args.arguments else {}
     table = rows(mutate, engine, arguments)
     t = totals(table)
