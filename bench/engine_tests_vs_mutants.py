@@ -84,6 +84,12 @@ def main(argv=None) -> int:
     passed, failed = passing_tests(args.tests.resolve(), deselect)
     print(f"baseline: {len(passed)} tests pass, {len(failed)} fail or error on the unmutated package (left out)")
     rows = []
+
+    def write() -> None:  # after every mutant too: a run stopped early keeps its rows
+        Path(args.json).write_text(json.dumps({"tests": str(args.tests), "passing_tests": passed,
+                                               "left_out_tests": failed, "deselected": deselect, "rows": rows},
+                                              indent=1))
+
     with tempfile.TemporaryDirectory(prefix="engine-tests-") as work:
         for m in mutants:
             path = write_mutant(m, Path(work) / "src")
@@ -93,8 +99,8 @@ def main(argv=None) -> int:
             rows.append({"id": m.id, "killed": killed, "seconds": round(seconds, 2), "returncode": rc,
                          "first_failure": first[:200]})
             print(f"{m.id:34} {'killed' if killed else 'survived':8} {seconds:6.1f}s {first[:100]}", flush=True)
-    Path(args.json).write_text(json.dumps({"tests": str(args.tests), "passing_tests": passed,
-                                           "left_out_tests": failed, "deselected": deselect, "rows": rows}, indent=1))
+            write()
+    write()
     return 0
 
 
