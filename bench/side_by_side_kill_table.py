@@ -2,12 +2,13 @@
 and ``bench/engine_tests_vs_mutants.py --json`` (the engine's own tests).
 
     python bench/side_by_side_kill_table.py MUTATE.json ENGINE.json --arguments ARGS.json --json OUT.json \
-        --markdown OUT.md --title TITLE [--more MUTATE2.json ENGINE2.json] [--sample TEXT]
+        --markdown OUT.md --title TITLE [--more-mutate MUTATE2.json] [--more-engine ENGINE2.json] [--sample TEXT]
 
 ``ARGS.json`` maps a mutant id to the argument for a survivor (why it is equivalent under the adapter's
-configuration, or what no check reaches); a survivor without one is listed as unargued. ``--more`` adds the
-rows of a second pair of runs on other mutants of the same sources (a sample run in two parts); ``--sample``
-says how the mutants were chosen (``--only`` alone records ``all``).
+configuration, or what no check reaches); a survivor without one is listed as unargued. ``--more-mutate`` and
+``--more-engine`` add the rows of further runs on other mutants of the same sources (a sample run in parts;
+the first run's settings head the table); ``--sample`` says how the mutants were chosen (``--only`` alone
+records ``all``).
 """
 
 from __future__ import annotations
@@ -92,12 +93,14 @@ def main(argv=None) -> int:
     parser.add_argument("--title", default="Mutants: pagedkv's state machine beside the engine's own tests")
     parser.add_argument("--gate", default="state machine", help="what ran on pagedkv's side, for the text")
     parser.add_argument("--tests-name", default="`tests/v1/core`", help="the engine's tests, for the text")
-    parser.add_argument("--more", nargs=2, action="append", default=[], metavar=("MUTATE_JSON", "ENGINE_JSON"),
-                        help="another pair of runs on other mutants of the same sources (repeatable)")
+    parser.add_argument("--more-mutate", action="append", default=[], metavar="MUTATE_JSON",
+                        help="another mutate run on other mutants of the same sources (repeatable)")
+    parser.add_argument("--more-engine", action="append", default=[], metavar="ENGINE_JSON",
+                        help="another engine-tests run on other mutants of the same sources (repeatable)")
     parser.add_argument("--sample", help="how the mutants were chosen, for the header (default: the run's own)")
     args = parser.parse_args(argv)
-    mutate = merged(_load(args.mutate_json), [_load(m) for m, _ in args.more], "mutants")
-    engine = merged(_load(args.engine_json), [_load(e) for _, e in args.more], "rows")
+    mutate = merged(_load(args.mutate_json), [_load(m) for m in args.more_mutate], "mutants")
+    engine = merged(_load(args.engine_json), [_load(e) for e in args.more_engine], "rows")
     if args.sample:
         mutate["config"] = {**mutate["config"], "sample": args.sample}
     arguments = json.loads(Path(args.arguments).read_text()) if args.arguments else {}
