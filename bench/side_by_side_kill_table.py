@@ -24,6 +24,8 @@ def rows(mutate: dict, engine: dict, arguments: dict) -> list[dict]:
     for m in mutate["mutants"]:
         runs = [r for r in m["runs"] if not r["explicit"]]
         t = theirs.get(m["id"])
+        if not runs and m["status"] == "killed":  # before any run: the candidate does not load with the mutant
+            runs = [{"killed": True, "seconds": 0.0, "error": m["note"]}]
         out.append({
             "id": m["id"], "function": m["function"], "diff": m["diff"],
             "machine_killed": sum(r["killed"] for r in runs), "machine_runs": len(runs),
