@@ -76,7 +76,7 @@ FAULTS = [
      "num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens,",
      "num_computed_tokens - self.sliding_window + 2 - self.extra_retained_tokens,",
      "the window releases its oldest token's block one token early"),
-    # Written from vLLM's code and its public record alone, apart from the gate.
+    # From vLLM's code and its public record (a reverted fix names its pull request).
     ("mm-hash-resumes-at-last-item", "encoding", "kv_cache_utils.py",
      "curr_mm_idx, _ = get_mm_features_in_window(\n                    mm_features,\n"
      "                    start_token_idx,\n                    start_token_idx + hash_block_size,\n                )",
