@@ -100,6 +100,7 @@ def main(argv=None) -> int:
     parser.add_argument("--more-engine", action="append", default=[], metavar="ENGINE_JSON",
                         help="another engine-tests run on other mutants of the same sources (repeatable)")
     parser.add_argument("--sample", help="how the mutants were chosen, for the header (default: the run's own)")
+    parser.add_argument("--notes", type=Path, help="markdown appended below the table (how the runs were made)")
     args = parser.parse_args(argv)
     mutate = merged(_load(args.mutate_json), [_load(m) for m in args.more_mutate], "mutants")
     engine = merged(_load(args.engine_json), [_load(e) for e in args.more_engine], "rows")
@@ -110,7 +111,8 @@ def main(argv=None) -> int:
     t = totals(table)
     Path(args.json).write_text(json.dumps({"config": mutate["config"], "engine_tests": {
         k: engine[k] for k in ("tests", "passing_tests", "left_out_tests")}, "totals": t, "mutants": table}, indent=1))
-    Path(args.markdown).write_text(markdown(table, t, args.title, mutate, engine, args.gate, args.tests_name))
+    notes = "\n" + args.notes.read_text() if args.notes else ""
+    Path(args.markdown).write_text(markdown(table, t, args.title, mutate, engine, args.gate, args.tests_name) + notes)
     print(json.dumps(t))
     return 0
 
