@@ -60,14 +60,21 @@ def passing_tests(tests: Path, deselect: Sequence[str] = ()) -> tuple[list[str],
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", str(tests),
                            *(f"--deselect={node}" for node in deselect)],
                           cwd=tests, env=env, capture_output=True, text=True, timeout=600)
+    return parse_report(done.stdout)
+
+
+def parse_report(stdout: str) -> tuple[list[str], list[str]]:
+    """``(passed, failed)`` node ids of a ``pytest -rA`` report: a ``PASSED`` line is the whole id (a
+    parametrize id may hold spaces), a ``FAILED`` or ``ERROR`` one ends at `` - ``; an ``ERROR ...`` line
+    the engine's logger printed (no ``::``, no ``.py``) is not a test."""
     passed, failed = [], []
-    for line in done.stdout.splitlines():
+    for line in stdout.splitlines():
         word, _, rest = line.partition(" ")
         if word == "PASSED":
             passed.append(rest.strip())
         elif word in ("FAILED", "ERROR"):
             node = rest.split(" - ")[0].strip()
-            if "::" in node or node.endswith(".py"):  # not an "ERROR ..." line the engine's logger printed
+            if "::" in node or node.endswith(".py"):
                 failed.append(node)
     return passed, failed
 
