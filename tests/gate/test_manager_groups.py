@@ -214,13 +214,14 @@ def test_committed_hybrid_program_replays_its_fault(case, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
-def test_each_declared_layout_is_searched_with_its_share(tmp_path):
-    """``run_per_layout``: one search per declared layout with a share of the programs by its KV-cache groups,
-    so a fault living in one layout of nine is searched there with that share (gpt-oss-2full-sw's planted
+def test_each_declared_layout_is_searched_with_the_whole_budget(tmp_path):
+    """``run_per_layout``: one search per declared layout with the profile's whole program count, so a fault
+    living in one layout of nine is searched there as fully as a one-group manager's (gpt-oss-2full-sw's planted
     second_full_group_untruncated), and its case file records that one layout and replays the failure. Fails
-    before: one search over every layout, whose draws favour the first layouts listed."""
-    assert programs.layout_shares((ONE_GROUP, "gemma3", "hymba"), 60) == [(ONE_GROUP, 10), ("gemma3", 20),
-                                                                          ("hymba", 30)]
+    before: one budget shared among the layouts by their KV-cache groups (60 programs over these three: 10, 20
+    and 30)."""
+    assert programs.layout_shares((ONE_GROUP, "gemma3", "hymba"), 60) == [(ONE_GROUP, 60), ("gemma3", 60),
+                                                                          ("hymba", 60)]
     drawn = set()
 
     def make(config):
@@ -228,12 +229,12 @@ def test_each_declared_layout_is_searched_with_its_share(tmp_path):
         return reference.cache_manager(config)
 
     machine = machine_for(make, layouts=reference.cache_manager_layouts, name="PerLayout")
-    assert programs.run_per_layout(machine, _settings(10)) is None  # at least one program each
+    assert programs.run_per_layout(machine, _settings(2)) is None  # two programs each
     assert drawn == {tuple(g.kind for g in layout_groups(n, 1, 1)) for n in reference.cache_manager_layouts}
-    assert machine.examples_run >= 9 and machine.checks_run > machine.examples_run
+    assert machine.examples_run >= 18 and machine.checks_run > machine.examples_run
     faulty = machine_for(HYBRID_MANAGER_MUTANTS["second_full_group_untruncated"],
                          layouts=reference.cache_manager_layouts, name="PerLayout")
-    steps = programs.run_per_layout(faulty, _settings(44))
+    steps = programs.run_per_layout(faulty, _settings(6))
     assert steps is not None and "agreed hit" in steps.error, steps and steps.error
     assert steps.machine_class.layouts == ("gpt-oss-2full-sw",) and steps.first_failing_example <= faulty.examples_run
     path = programs.save(tmp_path / "case.json", "pagedkv.tools.mutants.hybrid_managers:second_full_group_untruncated",
