@@ -565,9 +565,11 @@ class ManagerMachine(RuleBasedStateMachine):
         return held | {b for z in self.zombies.values() for t in z.table for b in t if b >= 0}
 
     def admit(self, rid: int, tokens: list[int], namespace, extras: dict, chunk: int, write_now: bool,
-              stored: int = 0) -> bool:
+              stored: int = 0, store_ahead: bool = False) -> bool:
         req = Request(namespace, [], dict(extras), [], len(tokens))
         req.extend(tokens)
+        if store_ahead:
+            stored = len(tokens) // self.bs
         stored = min(stored * self.bs, len(tokens) // self.bs * self.bs) if self.connector else 0
         if stored:
             got = self.m.admit(rid, tokens, namespace, sorted(extras.items()), num_stored=stored)
@@ -662,18 +664,22 @@ class ManagerMachine(RuleBasedStateMachine):
     # -- rules ---------------------------------------------------------------------------------------
     @rule(target=reqs, system=systems, suffix=st.lists(VOCAB, max_size=6), namespace=st.sampled_from(NAMESPACES),
           extra=st.sampled_from(EXTRA_KEYS), chunk=st.integers(1, 12), write_now=st.booleans(),
-          image_at=st.integers(0, 3), stored=st.integers(0, 3), n=st.integers(1, 3))
-    def add(self, system, suffix, namespace, extra, chunk, write_now, image_at=0, stored=0, n=1):
+          image_at=st.integers(0, 3), stored=st.integers(0, 3), n=st.integers(1, 3), store_ahead=st.booleans())
+    def add(self, system, suffix, namespace, extra, chunk, write_now, image_at=0, stored=0, n=1, store_ahead=False):
         """A request: a system prompt and its own suffix, under a namespace, with a multimodal input
         ``extra`` (its placeholder run, as long as :data:`IMAGE_LENGTHS` says, ``image_at`` into the suffix);
         the first prefill chunk reserved (written now or later). With a connector, the store holds the
-        prompt's first ``stored`` hit-sized blocks (its tokens past the local hit are loaded first).
+        prompt's first ``stored`` hit-sized blocks (its tokens past the local hit are loaded first); with
+        ``store_ahead``, the whole prompt (a store shared with other instances, ahead of the device cache):
+        every local hit short of the prompt then meets a load, whose blocks are allocated while the hit's
+        may still sit in the free queue.
         ``n`` > 1: parallel sampling, ``n`` requests of the prompt admitted in one scheduler step, each's
         first chunk reserved before any is written (one prefill batch): a later one may hit what an earlier
         one cached in this step, whose K/V or recurrent state that step's forward has not written yet
         (vLLM's ``cached_blocks_this_step``; SGLang #37836's batch)."""
         self.log("add", system=system, suffix=suffix, namespace=namespace, extra=extra, chunk=chunk,
-                 write_now=write_now, image_at=image_at, stored=stored, **({"n": n} if n > 1 else {}))
+                 write_now=write_now, image_at=image_at, stored=stored, **({"n": n} if n > 1 else {}),
+                 **({"store_ahead": True} if store_ahead else {}))
         namespace = namespace if self.caps.namespaces else None
         tokens = list(system) + list(suffix)
         extras = {}
@@ -686,20 +692,22 @@ class ManagerMachine(RuleBasedStateMachine):
         admitted = []
         for _ in range(max(1, n)):
             rid = self.new_id()
-            if self.admit(rid, tokens, namespace, extras, chunk, write_now and n <= 1, stored):
+            if self.admit(rid, tokens, namespace, extras, chunk, write_now and n <= 1, stored, store_ahead):
                 admitted.append(rid)
         return multiple(*admitted)
 
     @precondition(lambda self: self.history)
     @rule(target=reqs, turn=st.integers(0, 7), suffix=st.lists(VOCAB, max_size=4), chunk=st.integers(1, 12),
-          write_now=st.booleans(), stored=st.integers(0, 3))
-    def next_turn(self, turn, suffix, chunk, write_now, stored=0):
+          write_now=st.booleans(), stored=st.integers(0, 3), store_ahead=st.booleans())
+    def next_turn(self, turn, suffix, chunk, write_now, stored=0, store_ahead=False):
         """The next turn of a finished conversation: its tokens so far (prompt and output) and a new
-        message ``suffix``, under its namespace (a multi-turn chat: the hits reach past the system prompt)."""
-        self.log("next_turn", turn=turn, suffix=suffix, chunk=chunk, write_now=write_now, stored=stored)
+        message ``suffix``, under its namespace (a multi-turn chat: the hits reach past the system prompt);
+        ``stored`` and ``store_ahead`` as :meth:`add`'s."""
+        self.log("next_turn", turn=turn, suffix=suffix, chunk=chunk, write_now=write_now, stored=stored,
+                 **({"store_ahead": True} if store_ahead else {}))
         namespace, tokens, extras = self.history[-1 - turn % len(self.history)]
         rid = self.new_id()
-        ok = self.admit(rid, [*tokens, *suffix] or [0], namespace, extras, chunk, write_now, stored)
+        ok = self.admit(rid, [*tokens, *suffix] or [0], namespace, extras, chunk, write_now, stored, store_ahead)
         return rid if ok else multiple()
 
     @rule(target=reqs, rid=reqs, change=st.sampled_from(("image", "namespace")), chunk=st.integers(1, 12),
