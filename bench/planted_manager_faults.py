@@ -8,8 +8,9 @@ identities that collide only in their encoding, the declared eviction order, pre
 blocks freed while an in-flight step reads them. A fault's file is loaded in a child process with pagedkv's
 mutant finder (the installed package is never edited). The gate: the cache-manager machine on
 ``pagedkv.tools.peers:vllm_cache_manager`` as the suite runs it under the ``ci`` profile (100 derandomized
-examples of 30 steps; no shrinking, which does not change a verdict). vLLM's tests: the cache subset of
-``tests/v1/core`` its README lists (637 tests), ``-x``. Killed: the child fails.
+examples of 30 steps, or drawn from Hypothesis seed N with ``--seed N``; no shrinking, which does not change
+a verdict). vLLM's tests: the cache subset of ``tests/v1/core`` its README lists (637 tests), ``-x``. Killed:
+the child fails.
 """
 
 from __future__ import annotations
@@ -77,19 +78,25 @@ FAULTS = [
      "the window releases its oldest token's block one token early"),
 ]
 
+#: The gate's child; ``SEED`` (prepended by ``--seed``) draws its programs from that Hypothesis seed instead of
+#: derandomized.
 _GATE = r'''
-import json, sys, time
+import contextlib, json, sys, time
 if sys.argv[1] != "-":
     install_mutant(sys.argv[1], sys.argv[2], sys.argv[3])
 from hypothesis import Phase, settings
+from pagedkv.testing.hypothesis_internals import forced_seed
 from pagedkv.testing.managers import programs
 from pagedkv.testing.managers.machine import machine_for
 from pagedkv.testing.settings import manager_settings, suite_settings
 from pagedkv.tools.peers import vllm_hybrid_manager as vm
 machine = machine_for(vm.cache_manager, windows=vm.cache_manager_windows, name="vllm_cache_manager_manager")
-s = settings(manager_settings(100, 30, base=suite_settings()), phases=(Phase.explicit, Phase.generate))
+seed = globals().get("SEED")
+s = settings(manager_settings(100, 30, base=suite_settings()), phases=(Phase.explicit, Phase.generate),
+             derandomize=seed is None)
 t0 = time.perf_counter()
-steps = programs.run_recorded(machine, s)
+with contextlib.nullcontext() if seed is None else forced_seed(seed):
+    steps = programs.run_recorded(machine, s)
 print("RESULT " + json.dumps({"killed": steps is not None, "error": steps.error if steps else "",
       "first_failing_example": steps.first_failing_example if steps else None, "examples": machine.examples_run,
       "steps": machine.checks_run, "seconds": round(time.perf_counter() - t0, 1)}))
@@ -208,5 +215,10 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _options(parser) -> None:
+    parser.add_argument("--seed", type=int, help="the gate's programs from this Hypothesis seed instead of "
+                        "derandomized (a derandomized verdict is the same under any PYTHONHASHSEED)")
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(options=_options, gate=lambda args: f"SEED = {args.seed!r}\n" + _GATE))
