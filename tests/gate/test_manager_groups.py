@@ -224,6 +224,30 @@ def test_committed_hybrid_program_replays_its_fault(case, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
+def test_a_store_ahead_of_the_device_cache_meets_a_local_hit_with_a_load():
+    """``store_ahead``: the connector's store holds the whole prompt, so a prompt whose leading blocks hit the
+    device cache loads the rest beside that hit (the ground of vllm#44409, a load's blocks allocated while the
+    hit's still sit in the free queue). Fails before: no such draw; a store held the prompt's first 0-3 blocks,
+    which a local hit mostly covers already (no load)."""
+    loads = []
+    for ahead in (False, True):
+        machine = machine_for(reference.cache_manager, layouts=("gemma3",), name="StoreAhead")()
+        machine.start(num_blocks=12, block_size=1, num_layers=2, window=3, layout=0, features=1)
+        (first,) = machine.add(system=[1, 2, 3, 0], suffix=[], namespace=None, extra=None, chunk=12,
+                               write_now=True).values
+        machine.free(first)
+        (second,) = machine.add(system=[1, 2, 3, 0], suffix=[1, 2, 3], namespace=None, extra=None, chunk=12,
+                                write_now=True, store_ahead=ahead).values
+        loading = machine.live[second].loading
+        loads.append(loading and (loading[0], machine.m.num_external(second)))
+        machine.check()
+        if loading:
+            machine.finish_load_rid(second, True)
+            machine.check()
+        machine.teardown()
+    assert loads == [None, (4, 2)], loads  # a 4-token local hit, the 2 tokens past it loaded
+
+
 def test_each_declared_layout_is_searched_with_the_whole_budget(tmp_path):
     """``run_per_layout``: one search per declared layout with the profile's whole program count, so a fault
     living in one layout of nine is searched there as fully as a one-group manager's (gpt-oss-2full-sw's planted
