@@ -76,6 +76,44 @@ FAULTS = [
      "num_computed_tokens - self.sliding_window + 1 - self.extra_retained_tokens,",
      "num_computed_tokens - self.sliding_window + 2 - self.extra_retained_tokens,",
      "the window releases its oldest token's block one token early"),
+    # From vLLM's code and its public record (a reverted fix names its pull request).
+    ("mm-hash-resumes-at-last-item", "encoding", "kv_cache_utils.py",
+     "curr_mm_idx, _ = get_mm_features_in_window(\n                    mm_features,\n"
+     "                    start_token_idx,\n                    start_token_idx + hash_block_size,\n                )",
+     "curr_mm_idx = -1",
+     "a block completed by appended tokens is hashed from the last multimodal item only (the incremental "
+     "path before vllm#51694, issue #49377): an earlier item in that block is left out of its key"),
+    ("prompt-embeds-not-in-key", "encoding", "kv_cache_utils.py",
+     "lora_extra_keys + mm_extra_keys + cache_salt_keys + prompt_embeds_keys",
+     "lora_extra_keys + mm_extra_keys + cache_salt_keys",
+     "prompt embeddings left out of the block key (the key vllm#27219 added): two embedding payloads over "
+     "the same placeholder ids share cache entries"),
+    ("hit-evictable-not-reserved", "accounting", "single_type_kv_cache_manager.py",
+     "return num_new_blocks + num_evictable_blocks",
+     "return num_new_blocks",
+     "the admission check forgets that touching a hit block still in the free queue takes it from the free "
+     "count (vllm#11565, issue #11562 reverted): an admitted allocation runs the pool dry halfway"),
+    ("free-queue-remove-keeps-count", "accounting", "kv_cache_utils.py",
+     "        block.prev_free_block = block.next_free_block = None\n        self.num_free_blocks -= 1",
+     "        block.prev_free_block = block.next_free_block = None",
+     "a hit block taken out of the free queue stays in its counter: the pool reports blocks it does not have"),
+    ("resumed-hit-capped-at-prompt", "hit promise", "kv_cache_manager.py",
+     "max_cache_hit_length = request.num_tokens - 1",
+     "max_cache_hit_length = request.num_prompt_tokens - 1",
+     "the hit limit taken from the prompt, not all tokens: a preempted request no longer hits the blocks its "
+     "own output filled"),
+    ("window-released-head-first", "eviction order", "single_type_kv_cache_manager.py",
+     "                break\n            freed.append(blocks[i])\n            blocks[i] = self._null_block\n"
+     "        if freed:\n            self.block_pool.free_blocks(freed)",
+     "                break\n            freed.append(blocks[i])\n            blocks[i] = self._null_block\n"
+     "        if freed:\n            self.block_pool.free_blocks(reversed(freed))",
+     "blocks leaving the sliding window released head first: the oldest block of the run is evicted before "
+     "the newer ones"),
+    ("index-drops-last-duplicate", "hit promise", "block_pool.py",
+     "            block = blocks.pop(block_id, None)\n            if len(blocks) > 0:",
+     "            block = blocks.pop(block_id, None)\n            if len(blocks) > 1:",
+     "evicting one of two blocks of one hash drops the other from the index too: a cached block that was "
+     "never evicted no longer hits"),
 ]
 
 #: The gate's child; ``SEED`` (prepended by ``--seed``) draws its programs from that Hypothesis seed instead of
