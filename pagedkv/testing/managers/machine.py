@@ -70,7 +70,10 @@ EXTRA_KEYS = (None, "image-0", "image-1")
 #: A namespace and one whose encoding is near it (a salt spelled like a LoRA name, the LoRA name at another path).
 SIBLINGS = {NAMESPACES[0]: NAMESPACES[2], NAMESPACES[1]: NAMESPACES[5], NAMESPACES[2]: NAMESPACES[3],
             NAMESPACES[3]: NAMESPACES[4], NAMESPACES[4]: NAMESPACES[2], NAMESPACES[5]: NAMESPACES[1]}
-IMAGE_LENGTHS = {"image-0": 2, "image-1": 3}  # one input, one length (its placeholder run)
+IMAGE_LENGTHS = {"image-0": 2, "image-1": 3, "image-2": 1}  # one input, one length (its placeholder run)
+#: The further inputs a request may carry after its first (``add``'s ``more``): a one-token input too, so that
+#: two inputs fit in one small block beside other tokens.
+MORE_ITEMS = ("image-0", "image-1", "image-2")
 PLACEHOLDER = 0  # the token id of a multimodal input's placeholder run (what an engine's processor writes)
 NUM_KV_HEADS, HEAD_DIM = 1, 2
 MAX_DRAFTS = 3  # num_speculative_tokens the machine asks for
@@ -565,11 +568,14 @@ class ManagerMachine(RuleBasedStateMachine):
         return held | {b for z in self.zombies.values() for t in z.table for b in t if b >= 0}
 
     def admit(self, rid: int, tokens: list[int], namespace, extras: dict, chunk: int, write_now: bool,
-              stored: int = 0) -> bool:
+              stored: int = 0, resumed: dict | None = None) -> bool:
         req = Request(namespace, [], dict(extras), [], len(tokens))
         req.extend(tokens)
         stored = min(stored * self.bs, len(tokens) // self.bs * self.bs) if self.connector else 0
-        if stored:
+        if resumed is not None:  # the holdings before: the preemption frees what it held, then looks it up again
+            got = self.m.resume(rid)
+            self.account(resumed, f"resume of request {rid}")
+        elif stored:
             got = self.m.admit(rid, tokens, namespace, sorted(extras.items()), num_stored=stored)
         else:
             got = self.m.admit(rid, tokens, namespace, sorted(extras.items()))
@@ -662,8 +668,9 @@ class ManagerMachine(RuleBasedStateMachine):
     # -- rules ---------------------------------------------------------------------------------------
     @rule(target=reqs, system=systems, suffix=st.lists(VOCAB, max_size=6), namespace=st.sampled_from(NAMESPACES),
           extra=st.sampled_from(EXTRA_KEYS), chunk=st.integers(1, 12), write_now=st.booleans(),
-          image_at=st.integers(0, 3), stored=st.integers(0, 3), n=st.integers(1, 3))
-    def add(self, system, suffix, namespace, extra, chunk, write_now, image_at=0, stored=0, n=1):
+          image_at=st.integers(0, 3), stored=st.integers(0, 3), n=st.integers(1, 3),
+          more=st.lists(st.tuples(st.sampled_from(MORE_ITEMS), st.integers(0, 2)), max_size=2))
+    def add(self, system, suffix, namespace, extra, chunk, write_now, image_at=0, stored=0, n=1, more=()):
         """A request: a system prompt and its own suffix, under a namespace, with a multimodal input
         ``extra`` (its placeholder run, as long as :data:`IMAGE_LENGTHS` says, ``image_at`` into the suffix);
         the first prefill chunk reserved (written now or later). With a connector, the store holds the
@@ -671,9 +678,13 @@ class ManagerMachine(RuleBasedStateMachine):
         ``n`` > 1: parallel sampling, ``n`` requests of the prompt admitted in one scheduler step, each's
         first chunk reserved before any is written (one prefill batch): a later one may hit what an earlier
         one cached in this step, whose K/V or recurrent state that step's forward has not written yet
-        (vLLM's ``cached_blocks_this_step``; SGLang #37836's batch)."""
+        (vLLM's ``cached_blocks_this_step``; SGLang #37836's batch). ``more``: further multimodal inputs
+        ``(input, gap)``, each ``gap`` tokens after the previous one's end (the first one's, or ``image_at``
+        into the suffix), where it fits in the suffix: several inputs in one block, the prompt's partial
+        last block among them, whose key must name every input it overlaps (also when decode completes it)."""
         self.log("add", system=system, suffix=suffix, namespace=namespace, extra=extra, chunk=chunk,
-                 write_now=write_now, image_at=image_at, stored=stored, **({"n": n} if n > 1 else {}))
+                 write_now=write_now, image_at=image_at, stored=stored, **({"n": n} if n > 1 else {}),
+                 **({"more": [list(m) for m in more]} if more else {}))
         namespace = namespace if self.caps.namespaces else None
         tokens = list(system) + list(suffix)
         extras = {}
@@ -683,6 +694,16 @@ class ManagerMachine(RuleBasedStateMachine):
             for i in range(min(length, len(tokens) - first)):
                 extras[first + i] = ("mm", extra, i)
                 tokens[first + i] = PLACEHOLDER
+        if more and suffix and self.caps.extra_keys:
+            at = max(extras, default=len(system) + image_at % len(suffix) - 1) + 1
+            for item, gap in more:
+                at += gap
+                if at + IMAGE_LENGTHS[item] > len(tokens):
+                    break
+                for i in range(IMAGE_LENGTHS[item]):
+                    extras[at + i] = ("mm", item, i)
+                    tokens[at + i] = PLACEHOLDER
+                at += IMAGE_LENGTHS[item]
         admitted = []
         for _ in range(max(1, n)):
             rid = self.new_id()
@@ -702,13 +723,14 @@ class ManagerMachine(RuleBasedStateMachine):
         ok = self.admit(rid, [*tokens, *suffix] or [0], namespace, extras, chunk, write_now, stored)
         return rid if ok else multiple()
 
-    @rule(target=reqs, rid=reqs, change=st.sampled_from(("image", "namespace")), chunk=st.integers(1, 12),
+    @rule(target=reqs, rid=reqs, change=st.sampled_from(("image", "namespace", "content")), chunk=st.integers(1, 12),
           write_now=st.booleans())
     def variant(self, rid, change, chunk, write_now):
         """A request whose prompt is a live one's with one identity part moved so that encodings may
         collide: its multimodal input one token later (or else earlier), the token it moves over now a
         placeholder (so every block before that token keeps its token ids and differs from the live one's
-        only in the input's offset), or its namespace swapped for a sibling."""
+        only in the input's offset), or its namespace swapped for a sibling, or (``"content"``) its first
+        input another one of the same size (same placeholder run, other content: only the key differs)."""
         self.log("variant", rid=rid, change=change, chunk=chunk, write_now=write_now)
         req = self.live[rid]
         tokens, extras, namespace = list(req.tokens[:req.num_prompt]), dict(req.extras), req.namespace
@@ -716,14 +738,27 @@ class ManagerMachine(RuleBasedStateMachine):
             if not self.caps.namespaces:
                 return multiple()
             namespace = SIBLINGS.get(namespace, None)
+        elif change == "content":
+            first = min((p for p, key in extras.items() if key[2] == 0), default=None)
+            if first is None:
+                return multiple()
+            ident = extras[first][1]
+            other = ident[:-1] if ident.endswith("'") else ident + "'"
+            for p in range(first, len(tokens)):
+                if extras.get(p) != ("mm", ident, p - first):
+                    break
+                extras[p] = ("mm", other, p - first)
         else:
             starts = sorted(p for p, key in extras.items() if key[2] == 0)
             if not starts:
                 return multiple()
             ident = extras[starts[0]][1]
-            run = sorted(p for p, key in extras.items() if key[1] == ident)
+            run = [p for p in range(starts[0], len(tokens)) if extras.get(p) == ("mm", ident, p - starts[0])]
+            if not run:  # the input lies past the prompt (a preempted request's truncated one)
+                return multiple()
             for moved in ([p + 1 for p in run], [p - 1 for p in run]):
-                if min(moved) >= 0 and max(moved) < len(tokens):
+                # not onto another input: a cut input's key would name a placeholder run it does not have
+                if min(moved) >= 0 and max(moved) < len(tokens) and all(p in run or p not in extras for p in moved):
                     break
             else:
                 return multiple()
@@ -869,9 +904,17 @@ class ManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.caps.preempt)
     @rule(target=reqs, rid=consumes(reqs))
     def preempt(self, rid):
-        """Preempt (free) and resume by recompute: re-admit every token so far under a new id."""
+        """Preempt (free) and resume by recompute: re-admit every token so far under a new id, or, where the
+        manager resumes (``capabilities.resume``) and the request has nothing pending, the same request
+        looked up again with its output, as vLLM's scheduler resumes it (its hit may reach past the prompt)."""
         self.log("preempt", rid=rid)
         req = self.live[rid]
+        if (self.caps.resume and req.adopted and not req.pending() and req.correction is None
+                and req.written == req.reserved == len(req.tokens)):
+            before = self.holdings()
+            del self.live[rid]
+            ok = self.admit(rid, list(req.tokens), req.namespace, req.extras, len(req.tokens), True, resumed=before)
+            return rid if ok else multiple()
         self.release(rid)
         new = self.new_id()
         ok = self.admit(new, req.tokens[:max(req.written, 1)] if req.tokens else [0], req.namespace, req.extras,
