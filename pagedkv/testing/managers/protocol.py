@@ -333,12 +333,6 @@ class CacheManager(Protocol):
         """The request's block ids in order; ``-1`` where the window released a block (or a chunked-local
         or Mamba group holds none). Grouped: a tuple of per-group lists."""
 
-    def resume(self, request_id: int) -> tuple[list[int], int] | None:
-        """Optional (``capabilities.resume``): preempt the request (nothing in flight, no pending hit) and
-        look it up again under the same id with every token so far (prompt and output) as its prompt:
-        ``(block_ids, num_cached_tokens)`` as :meth:`admit` returns them (grouped: per group), the hit
-        adopted by the next ``reserve``; ``None``: refused (the manager then keeps nothing of the request)."""
-
     def holds(self, request_id: int) -> bool:
         """Whether the manager still keeps any state of the request (after ``free``: only while a
         connector's store or load of it is pending)."""
@@ -364,6 +358,17 @@ class SpeculativeCalls(Protocol):
 
         Raises:
             ValueError: ``num_rejected`` negative or above the last reservation's ``num_draft``."""
+
+
+@runtime_checkable
+class ResumeCalls(Protocol):
+    """What a manager with ``capabilities.resume`` answers besides :class:`CacheManager`."""
+
+    def resume(self, request_id: int) -> tuple[list[int], int] | None:
+        """Preempt the request (nothing in flight, no pending hit) and look it up again under the same id
+        with every token so far (prompt and output) as its prompt: ``(block_ids, num_cached_tokens)`` as
+        :meth:`CacheManager.admit` returns them (grouped: per group), the hit adopted by the next
+        ``reserve``; ``None``: refused (the manager then keeps nothing of the request)."""
 
 
 @runtime_checkable
