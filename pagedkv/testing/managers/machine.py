@@ -784,6 +784,22 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.reserve(rid, req, tokens, write_now):
             req.correction = None
 
+    @rule(rid=reqs, tokens=st.lists(VOCAB, min_size=2, max_size=6))
+    def decode(self, rid, tokens):
+        """A generation running on: the prompt's unreserved rest in one chunk, then one decode step per token
+        of ``tokens``, each written and committed before the next (most of a request's life), so that output
+        fills blocks: a block completed by decode, a window passing a long chunk's blocks at once, a
+        preemption with output. Nothing happens while a step is in flight or a load pending."""
+        self.log("decode", rid=rid, tokens=tokens)
+        req = self.live[rid]
+        if req.loading is not None or req.in_flight or req.correction is not None:
+            return
+        if req.reserved < req.num_prompt and not self.reserve(rid, req, req.tokens[req.reserved:req.num_prompt], True):
+            return
+        for token in tokens:
+            if req.in_flight or not self.reserve(rid, req, [token], True):
+                return
+
     @precondition(lambda self: any(q.in_flight for q in (*self.live.values(), *self.zombies.values())))
     @rule(data=st.data())
     def write_pending(self, data):
