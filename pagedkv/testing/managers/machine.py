@@ -679,9 +679,10 @@ class ManagerMachine(RuleBasedStateMachine):
         first chunk reserved before any is written (one prefill batch): a later one may hit what an earlier
         one cached in this step, whose K/V or recurrent state that step's forward has not written yet
         (vLLM's ``cached_blocks_this_step``; SGLang #37836's batch). ``more``: further multimodal inputs
-        ``(input, gap)``, each ``gap`` tokens after the previous one's end (the first one's, or ``image_at``
-        into the suffix), where it fits in the suffix: several inputs in one block, the prompt's partial
-        last block among them, whose key must name every input it overlaps (also when decode completes it)."""
+        ``(input, gap)`` at the suffix's end (attachments after a message), the first ending ``gap`` tokens
+        before the prompt's end, each next one ``gap`` tokens before the previous one, while they fit in the
+        suffix beside ``extra``: several inputs in one block, the prompt's partial last block among them,
+        whose key must name every input it overlaps (also where decode completes it)."""
         self.log("add", system=system, suffix=suffix, namespace=namespace, extra=extra, chunk=chunk,
                  write_now=write_now, image_at=image_at, stored=stored, **({"n": n} if n > 1 else {}),
                  **({"more": [list(m) for m in more]} if more else {}))
@@ -694,16 +695,16 @@ class ManagerMachine(RuleBasedStateMachine):
             for i in range(min(length, len(tokens) - first)):
                 extras[first + i] = ("mm", extra, i)
                 tokens[first + i] = PLACEHOLDER
-        if more and suffix and self.caps.extra_keys:
-            at = max(extras, default=len(system) + image_at % len(suffix) - 1) + 1
-            for item, gap in more:
-                at += gap
-                if at + IMAGE_LENGTHS[item] > len(tokens):
-                    break
-                for i in range(IMAGE_LENGTHS[item]):
-                    extras[at + i] = ("mm", item, i)
-                    tokens[at + i] = PLACEHOLDER
-                at += IMAGE_LENGTHS[item]
+        end = len(tokens)
+        for item, gap in more if suffix and self.caps.extra_keys else ():
+            end -= gap
+            start = end - IMAGE_LENGTHS[item]
+            if start < len(system) or any(p in extras for p in range(start, end)):
+                break
+            for i in range(IMAGE_LENGTHS[item]):
+                extras[start + i] = ("mm", item, i)
+                tokens[start + i] = PLACEHOLDER
+            end = start
         admitted = []
         for _ in range(max(1, n)):
             rid = self.new_id()
@@ -725,13 +726,15 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(target=reqs, rid=reqs, change=st.sampled_from(("image", "namespace", "content")), chunk=st.integers(1, 12),
           write_now=st.booleans())
-    def variant(self, rid, change, chunk, write_now):
+    def variant(self, rid, change, chunk, write_now, which=0):
         """A request whose prompt is a live one's with one identity part moved so that encodings may
         collide: its multimodal input one token later (or else earlier), the token it moves over now a
         placeholder (so every block before that token keeps its token ids and differs from the live one's
-        only in the input's offset), or its namespace swapped for a sibling, or (``"content"``) its first
-        input another one of the same size (same placeholder run, other content: only the key differs)."""
-        self.log("variant", rid=rid, change=change, chunk=chunk, write_now=write_now)
+        only in the input's offset), or its namespace swapped for a sibling, or (``"content"``) its input
+        number ``which`` (of those it has, in order) another one of the same size (same placeholder run,
+        other content: only the key differs)."""
+        self.log("variant", rid=rid, change=change, chunk=chunk, write_now=write_now,
+                 **({"which": which} if change == "content" else {}))
         req = self.live[rid]
         tokens, extras, namespace = list(req.tokens[:req.num_prompt]), dict(req.extras), req.namespace
         if change == "namespace":
@@ -739,9 +742,10 @@ class ManagerMachine(RuleBasedStateMachine):
                 return multiple()
             namespace = SIBLINGS.get(namespace, None)
         elif change == "content":
-            first = min((p for p, key in extras.items() if key[2] == 0), default=None)
-            if first is None:
+            starts = sorted(p for p, key in extras.items() if key[2] == 0 and p < len(tokens))
+            if not starts:
                 return multiple()
+            first = starts[which % len(starts)]
             ident = extras[first][1]
             other = ident[:-1] if ident.endswith("'") else ident + "'"
             for p in range(first, len(tokens)):
