@@ -7,6 +7,7 @@ CPU in the interpreter; a user who set the variable keeps their choice.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 
@@ -72,11 +73,28 @@ def _patch_once_per_launch(patch_lang, empty_scope):
     return patch
 
 
+# -- integer overflow checks that assert nothing ---------------------------------------------------------------
+# With ``sanitize_overflow`` on (the interpreter's fixed default), every add, sub and mul of 8- to 32-bit ints
+# is done a second time in int64 and compared with the type's bounds, and the result goes to a
+# ``device_assert`` that returns at once unless ``debug`` is on, which the interpreter's options never turn
+# on. The check asserted nothing and was about a third of an interpreted attention launch. Off only while
+# ``debug`` is off: with it on (a Triton that lets the interpreter debug), the check asserts and stays.
+
+
+def _skip_unasserted_overflow_checks(triton_interpreter) -> None:
+    builder = getattr(triton_interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if dataclasses.is_dataclass(options) and getattr(options, "debug", True) is False \
+            and getattr(options, "sanitize_overflow", False) is True:
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
 def wrap_interpreted_launches() -> bool:
     """Wrap Triton's interpreted launches (pagedkv's kernels and a peer's alike) once: every launch runs on
-    a fresh CPython data-stack chunk, and patches ``triton.language`` once per function it calls (both
-    above). Call it after ``triton`` is imported; it does nothing when Triton compiles kernels, and the
-    patching stays Triton's own where its interpreter lacks the internals named above.
+    a fresh CPython data-stack chunk, and patches ``triton.language`` once per function it calls, and the
+    interpreter skips the integer overflow checks whose assert never runs (all above). Call it after
+    ``triton`` is imported; it does nothing when Triton compiles kernels, and the patching stays Triton's
+    own where its interpreter lacks the internals named above.
 
     Returns:
         Whether interpreted launches are wrapped.
@@ -88,6 +106,7 @@ def wrap_interpreted_launches() -> bool:
         from triton.runtime.interpreter import GridExecutor
     except ImportError:
         return False
+    _skip_unasserted_overflow_checks(triton_interpreter)
     launch = GridExecutor.__call__
     if getattr(launch, "_pagedkv_wrapped", False):
         return True

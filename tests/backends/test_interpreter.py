@@ -1,6 +1,7 @@
 """Triton's interpreter as pagedkv runs it (:func:`pagedkv.backends.interpreter.wrap_interpreted_launches`):
-every interpreted launch starts on a fresh CPython data-stack chunk and patches ``triton.language`` once
-per function it calls, and the launch still computes the same thing."""
+every interpreted launch starts on a fresh CPython data-stack chunk, patches ``triton.language`` once
+per function it calls and forms no integer overflow check whose assert never runs, and the launch still
+computes the same thing."""
 
 from __future__ import annotations
 
@@ -27,6 +28,12 @@ if interpreter.interpreting():
         for _ in range(N):
             x = _add_one(x)
         tl.store(out_ptr + tl.arange(0, 4), tl.maximum(x, tl.sum(x, axis=0) / 4))
+
+    @triton.jit
+    def _int32_sums(out_ptr, base):
+        """``out[i] = base + i`` in int32 (wrapping past 2**31 - 1)."""
+        i = tl.arange(0, 4)
+        tl.store(out_ptr + i, base + i)
 
 
 def test_interpreted_launches_are_wrapped_once_and_still_compute():
@@ -92,3 +99,21 @@ def test_a_candidates_own_interpreted_kernels_are_wrapped_when_it_is_loaded(tmp_
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "True", "False"], done.stdout
+
+
+def test_overflow_checks_that_assert_nothing_are_not_formed_and_results_stay(monkeypatch):
+    import dataclasses
+
+    from triton.runtime import interpreter as triton_interpreter
+
+    from pagedkv.backends.triton import kernels  # noqa: F401  (importing the backend wraps the launches)
+
+    options = triton_interpreter.interpreter_builder.options
+    assert options.debug is False and options.sanitize_overflow is False, options
+    fast = torch.empty(4, dtype=torch.int32)
+    _int32_sums[(1,)](fast, 2**31 - 2)
+    monkeypatch.setattr(triton_interpreter.interpreter_builder, "options",
+                        dataclasses.replace(options, sanitize_overflow=True))
+    checked = torch.empty(4, dtype=torch.int32)
+    _int32_sums[(1,)](checked, 2**31 - 2)  # the check formed: debug is off, so it asserts nothing either
+    assert torch.equal(fast, checked) and fast.tolist() == [2**31 - 2, 2**31 - 1, -(2**31), -(2**31) + 1]

@@ -17,7 +17,8 @@ Split-K decode (flash-decoding, ``SPLIT``): each query tile's keys are cut into 
 whole ``BLOCK_N`` steps, one program each; every program stores its rows' partial running max ``m``,
 sum ``l`` and accumulator (a part with no visible key stores ``m = -inf, l = 0``), and
 :func:`_merge_splits_kernel` combines them: ``M = max m_s``, ``out = sum 2**(m_s - M) acc_s /
-sum 2**(m_s - M) l_s``. The sink, when there is one, starts the first part only. Grids and the split
+sum 2**(m_s - M) l_s``. The sink, when there is one, starts the first part only. A later part with no
+key stores its empty partial before loading anything. Grids and the split
 count: :mod:`pagedkv.backends.triton.launch_grid`.
 
 The launcher does no argument checking (``pagedkv.backends.triton.backend`` validates first), reads nothing
@@ -126,6 +127,24 @@ def _paged_attention_kernel(
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < HEAD_DIM
     q_rows = (q_start + q_tok).to(tl.int64)
+    dv = tl.arange(0, HEAD_DIM_V_PAD)
+    dv_ok = dv < HEAD_DIM_V
+    if SPLIT:
+        # A later split whose part starts at or past the tile's last key has no key: it stores the partial it
+        # would reach with nothing loaded (m = -inf, l = 0, acc = 0; a sink starts split 0 only), at once.
+        # Short contexts cut in whole BLOCK_N steps leave most splits so.
+        first_key = 0
+        if HAS_WINDOW:
+            first_key = tl.maximum(context_len + q_tile * BLOCK_Q - window_left, 0)
+        tile_end = context_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
+        if split > 0 and first_key + split * (tl.cdiv(tl.cdiv(tile_end - first_key, num_splits), BLOCK_N) * BLOCK_N) \
+                >= tile_end:
+            part = (split * total_q + q_rows) * (num_kv_heads * QUERIES_PER_KV) + q_head
+            tl.store(part_m_ptr + part, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+            tl.store(part_l_ptr + part, tl.zeros([BLOCK_M], tl.float32), mask=row_ok)
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_V + dv[None, :],
+                     tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], tl.float32), mask=row_ok[:, None] & dv_ok[None, :])
+            return
     q_off = q_rows[:, None] * stride_qt + q_head[:, None] * stride_qh + d[None, :] * stride_qd
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
@@ -137,8 +156,6 @@ def _paged_attention_kernel(
                      * stride_qd, mask=row_ok[:, None] & dr_ok[None, :], other=0.0)
         if UPCAST:
             qr = qr.to(tl.float32)
-    dv = tl.arange(0, HEAD_DIM_V_PAD)
-    dv_ok = dv < HEAD_DIM_V
 
     if HAS_SINKS:
         # A sink is one more logit with no value: start the row at m = sink, l = exp2(sink - m) = 1. A -inf

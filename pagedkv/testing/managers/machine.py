@@ -70,7 +70,10 @@ EXTRA_KEYS = (None, "image-0", "image-1")
 #: A namespace and one whose encoding is near it (a salt spelled like a LoRA name, the LoRA name at another path).
 SIBLINGS = {NAMESPACES[0]: NAMESPACES[2], NAMESPACES[1]: NAMESPACES[5], NAMESPACES[2]: NAMESPACES[3],
             NAMESPACES[3]: NAMESPACES[4], NAMESPACES[4]: NAMESPACES[2], NAMESPACES[5]: NAMESPACES[1]}
-IMAGE_LENGTHS = {"image-0": 2, "image-1": 3}  # one input, one length (its placeholder run)
+IMAGE_LENGTHS = {"image-0": 2, "image-1": 3, "image-2": 1}  # one input, one length (its placeholder run)
+#: The further inputs a request may carry after its first (``add``'s ``more``): a one-token input too, so that
+#: two inputs fit in one small block beside other tokens.
+MORE_ITEMS = ("image-0", "image-1", "image-2")
 PLACEHOLDER = 0  # the token id of a multimodal input's placeholder run (what an engine's processor writes)
 NUM_KV_HEADS, HEAD_DIM = 1, 2
 MAX_DRAFTS = 3  # num_speculative_tokens the machine asks for
@@ -565,11 +568,16 @@ class ManagerMachine(RuleBasedStateMachine):
         return held | {b for z in self.zombies.values() for t in z.table for b in t if b >= 0}
 
     def admit(self, rid: int, tokens: list[int], namespace, extras: dict, chunk: int, write_now: bool,
-              stored: int = 0) -> bool:
+              stored: int = 0, store_ahead: bool = False, resumed: dict | None = None) -> bool:
         req = Request(namespace, [], dict(extras), [], len(tokens))
         req.extend(tokens)
+        if store_ahead:
+            stored = len(tokens) // self.bs
         stored = min(stored * self.bs, len(tokens) // self.bs * self.bs) if self.connector else 0
-        if stored:
+        if resumed is not None:  # the holdings before: the preemption frees what it held, then looks it up again
+            got = self.m.resume(rid)
+            self.account(resumed, f"resume of request {rid}")
+        elif stored:
             got = self.m.admit(rid, tokens, namespace, sorted(extras.items()), num_stored=stored)
         else:
             got = self.m.admit(rid, tokens, namespace, sorted(extras.items()))
@@ -662,18 +670,29 @@ class ManagerMachine(RuleBasedStateMachine):
     # -- rules ---------------------------------------------------------------------------------------
     @rule(target=reqs, system=systems, suffix=st.lists(VOCAB, max_size=6), namespace=st.sampled_from(NAMESPACES),
           extra=st.sampled_from(EXTRA_KEYS), chunk=st.integers(1, 12), write_now=st.booleans(),
-          image_at=st.integers(0, 3), stored=st.integers(0, 3), n=st.integers(1, 3))
-    def add(self, system, suffix, namespace, extra, chunk, write_now, image_at=0, stored=0, n=1):
+          image_at=st.integers(0, 3), stored=st.integers(0, 3), n=st.integers(1, 3), store_ahead=st.booleans(),
+          more=st.lists(st.tuples(st.sampled_from(MORE_ITEMS), st.integers(0, 2)), max_size=2))
+    def add(self, system, suffix, namespace, extra, chunk, write_now, image_at=0, stored=0, n=1, store_ahead=False,
+            more=()):
         """A request: a system prompt and its own suffix, under a namespace, with a multimodal input
         ``extra`` (its placeholder run, as long as :data:`IMAGE_LENGTHS` says, ``image_at`` into the suffix);
         the first prefill chunk reserved (written now or later). With a connector, the store holds the
-        prompt's first ``stored`` hit-sized blocks (its tokens past the local hit are loaded first).
+        prompt's first ``stored`` hit-sized blocks (its tokens past the local hit are loaded first); with
+        ``store_ahead``, the whole prompt (a store shared with other instances, ahead of the device cache):
+        every local hit short of the prompt then meets a load, whose blocks are allocated while the hit's
+        may still sit in the free queue.
         ``n`` > 1: parallel sampling, ``n`` requests of the prompt admitted in one scheduler step, each's
         first chunk reserved before any is written (one prefill batch): a later one may hit what an earlier
         one cached in this step, whose K/V or recurrent state that step's forward has not written yet
-        (vLLM's ``cached_blocks_this_step``; SGLang #37836's batch)."""
+        (vLLM's ``cached_blocks_this_step``; SGLang #37836's batch). ``more``: further multimodal inputs
+        ``(input, gap)`` at the suffix's end (attachments after a message), the first ending ``gap`` tokens
+        before the prompt's end, each next one ``gap`` tokens before the previous one, while they fit in the
+        suffix beside ``extra``: several inputs in one block, the prompt's partial last block among them,
+        whose key must name every input it overlaps (also where decode completes it)."""
         self.log("add", system=system, suffix=suffix, namespace=namespace, extra=extra, chunk=chunk,
-                 write_now=write_now, image_at=image_at, stored=stored, **({"n": n} if n > 1 else {}))
+                 write_now=write_now, image_at=image_at, stored=stored, **({"n": n} if n > 1 else {}),
+                 **({"store_ahead": True} if store_ahead else {}),
+                 **({"more": [list(m) for m in more]} if more else {}))
         namespace = namespace if self.caps.namespaces else None
         tokens = list(system) + list(suffix)
         extras = {}
@@ -683,47 +702,76 @@ class ManagerMachine(RuleBasedStateMachine):
             for i in range(min(length, len(tokens) - first)):
                 extras[first + i] = ("mm", extra, i)
                 tokens[first + i] = PLACEHOLDER
+        end = len(tokens)
+        for item, gap in more if suffix and self.caps.extra_keys else ():
+            end -= gap
+            start = end - IMAGE_LENGTHS[item]
+            if start < len(system) or any(p in extras for p in range(start, end)):
+                break
+            for i in range(IMAGE_LENGTHS[item]):
+                extras[start + i] = ("mm", item, i)
+                tokens[start + i] = PLACEHOLDER
+            end = start
         admitted = []
         for _ in range(max(1, n)):
             rid = self.new_id()
-            if self.admit(rid, tokens, namespace, extras, chunk, write_now and n <= 1, stored):
+            if self.admit(rid, tokens, namespace, extras, chunk, write_now and n <= 1, stored, store_ahead):
                 admitted.append(rid)
         return multiple(*admitted)
 
     @precondition(lambda self: self.history)
     @rule(target=reqs, turn=st.integers(0, 7), suffix=st.lists(VOCAB, max_size=4), chunk=st.integers(1, 12),
-          write_now=st.booleans(), stored=st.integers(0, 3))
-    def next_turn(self, turn, suffix, chunk, write_now, stored=0):
+          write_now=st.booleans(), stored=st.integers(0, 3), store_ahead=st.booleans())
+    def next_turn(self, turn, suffix, chunk, write_now, stored=0, store_ahead=False):
         """The next turn of a finished conversation: its tokens so far (prompt and output) and a new
-        message ``suffix``, under its namespace (a multi-turn chat: the hits reach past the system prompt)."""
-        self.log("next_turn", turn=turn, suffix=suffix, chunk=chunk, write_now=write_now, stored=stored)
+        message ``suffix``, under its namespace (a multi-turn chat: the hits reach past the system prompt);
+        ``stored`` and ``store_ahead`` as :meth:`add`'s."""
+        self.log("next_turn", turn=turn, suffix=suffix, chunk=chunk, write_now=write_now, stored=stored,
+                 **({"store_ahead": True} if store_ahead else {}))
         namespace, tokens, extras = self.history[-1 - turn % len(self.history)]
         rid = self.new_id()
-        ok = self.admit(rid, [*tokens, *suffix] or [0], namespace, extras, chunk, write_now, stored)
+        ok = self.admit(rid, [*tokens, *suffix] or [0], namespace, extras, chunk, write_now, stored, store_ahead)
         return rid if ok else multiple()
 
-    @rule(target=reqs, rid=reqs, change=st.sampled_from(("image", "namespace")), chunk=st.integers(1, 12),
+    @rule(target=reqs, rid=reqs, change=st.sampled_from(("image", "namespace", "content")), chunk=st.integers(1, 12),
           write_now=st.booleans())
-    def variant(self, rid, change, chunk, write_now):
+    def variant(self, rid, change, chunk, write_now, which=0):
         """A request whose prompt is a live one's with one identity part moved so that encodings may
         collide: its multimodal input one token later (or else earlier), the token it moves over now a
         placeholder (so every block before that token keeps its token ids and differs from the live one's
-        only in the input's offset), or its namespace swapped for a sibling."""
-        self.log("variant", rid=rid, change=change, chunk=chunk, write_now=write_now)
+        only in the input's offset), or its namespace swapped for a sibling, or (``"content"``) its input
+        number ``which`` (of those it has, in order) another one of the same size (same placeholder run,
+        other content: only the key differs)."""
+        self.log("variant", rid=rid, change=change, chunk=chunk, write_now=write_now,
+                 **({"which": which} if change == "content" else {}))
         req = self.live[rid]
         tokens, extras, namespace = list(req.tokens[:req.num_prompt]), dict(req.extras), req.namespace
         if change == "namespace":
             if not self.caps.namespaces:
                 return multiple()
             namespace = SIBLINGS.get(namespace, None)
+        elif change == "content":
+            starts = sorted(p for p, key in extras.items() if key[2] == 0 and p < len(tokens))
+            if not starts:
+                return multiple()
+            first = starts[which % len(starts)]
+            ident = extras[first][1]
+            other = ident[:-1] if ident.endswith("'") else ident + "'"
+            for p in range(first, len(tokens)):
+                if extras.get(p) != ("mm", ident, p - first):
+                    break
+                extras[p] = ("mm", other, p - first)
         else:
             starts = sorted(p for p, key in extras.items() if key[2] == 0)
             if not starts:
                 return multiple()
             ident = extras[starts[0]][1]
-            run = sorted(p for p, key in extras.items() if key[1] == ident)
+            run = [p for p in range(starts[0], len(tokens)) if extras.get(p) == ("mm", ident, p - starts[0])]
+            if not run:  # the input lies past the prompt (a preempted request's truncated one)
+                return multiple()
             for moved in ([p + 1 for p in run], [p - 1 for p in run]):
-                if min(moved) >= 0 and max(moved) < len(tokens):
+                # not onto another input: a cut input's key would name a placeholder run it does not have
+                if min(moved) >= 0 and max(moved) < len(tokens) and all(p in run or p not in extras for p in moved):
                     break
             else:
                 return multiple()
@@ -748,6 +796,22 @@ class ManagerMachine(RuleBasedStateMachine):
             tokens = [token if req.correction is None else req.correction]
         if self.reserve(rid, req, tokens, write_now):
             req.correction = None
+
+    @rule(rid=reqs, tokens=st.lists(VOCAB, min_size=2, max_size=6))
+    def decode(self, rid, tokens):
+        """A generation running on: the prompt's unreserved rest in one chunk, then one decode step per token
+        of ``tokens``, each written and committed before the next (most of a request's life), so that output
+        fills blocks: a block completed by decode, a window passing a long chunk's blocks at once, a
+        preemption with output. Nothing happens while a step is in flight or a load pending."""
+        self.log("decode", rid=rid, tokens=tokens)
+        req = self.live[rid]
+        if req.loading is not None or req.in_flight or req.correction is not None:
+            return
+        if req.reserved < req.num_prompt and not self.reserve(rid, req, req.tokens[req.reserved:req.num_prompt], True):
+            return
+        for token in tokens:
+            if req.in_flight or not self.reserve(rid, req, [token], True):
+                return
 
     @precondition(lambda self: any(q.in_flight for q in (*self.live.values(), *self.zombies.values())))
     @rule(data=st.data())
@@ -869,9 +933,17 @@ class ManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.caps.preempt)
     @rule(target=reqs, rid=consumes(reqs))
     def preempt(self, rid):
-        """Preempt (free) and resume by recompute: re-admit every token so far under a new id."""
+        """Preempt (free) and resume by recompute: re-admit every token so far under a new id, or, where the
+        manager resumes (``capabilities.resume``) and the request has nothing pending, the same request
+        looked up again with its output, as vLLM's scheduler resumes it (its hit may reach past the prompt)."""
         self.log("preempt", rid=rid)
         req = self.live[rid]
+        if (self.caps.resume and req.adopted and not req.pending() and req.correction is None
+                and req.written == req.reserved == len(req.tokens)):
+            before = self.holdings()
+            del self.live[rid]
+            ok = self.admit(rid, list(req.tokens), req.namespace, req.extras, len(req.tokens), True, resumed=before)
+            return rid if ok else multiple()
         self.release(rid)
         new = self.new_id()
         ok = self.admit(new, req.tokens[:max(req.written, 1)] if req.tokens else [0], req.namespace, req.extras,

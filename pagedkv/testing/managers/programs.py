@@ -142,19 +142,18 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings, datab
 
 
 def layout_shares(layouts, max_examples: int) -> list[tuple[str, int]]:
-    """Each layout's share of ``max_examples`` programs: in proportion to its KV-cache groups (a layout of
-    three groups exercises more meetings of groups than one of two; one group counts one), at least one
-    program each. A fault living in one layout gets that layout's share, whatever the others are."""
-    from pagedkv.testing.managers.protocol import layout_groups
-
-    weights = [max(1, len(layout_groups(name, 1, 1))) for name in layouts]
-    return [(name, max(1, round(max_examples * w / sum(weights)))) for name, w in zip(layouts, weights)]
+    """Each layout's programs: the profile's whole ``max_examples`` for every declared layout (``ci`` 100
+    programs each, ``nightly`` 2000), as a kernel property gets the profile's examples for each backend it
+    gates. A fault living in one layout gets a whole search there, whatever else the manager declares: a
+    share of one budget left each of nine layouts 9-14 programs, too few for the faults only a pool under
+    pressure, a connector load beside a local hit or a third group's meeting reaches."""
+    return [(name, max(1, max_examples)) for name in layouts]
 
 
 def run_per_layout(machine_class: type[ManagerMachine], settings_: settings, database_key: bytes | None = None
                    ) -> list | None:
-    """:func:`run_recorded`, one search per layout of ``machine_class.layouts`` with its share of the
-    settings' programs (:func:`layout_shares`), in declared order, stopping at the first failure. One search
+    """:func:`run_recorded`, one search per layout of ``machine_class.layouts`` with the settings' programs
+    each (:func:`layout_shares`), in declared order, stopping at the first failure. One search
     over every layout spends most programs where its draws happen to fall (Hypothesis favours small
     indices), so a layout drawn rarely is barely searched. A failure is returned as :func:`run_recorded`
     returns it, with ``.machine_class`` the one-layout machine it ran on (what a case file records) and

@@ -170,6 +170,9 @@ class ManagerCapabilities:
         namespaces: a namespace (cache salt, LoRA adapter) separates prefix-cache entries.
         extra_keys: extra keys at token positions (multimodal hashes) are part of a token's identity.
         preempt: ``preempt(rid)`` frees a request that is later re-admitted (recompute).
+        resume: ``resume(rid)`` preempts a request and looks it up again as the same request, its output
+            kept (vLLM's ``Scheduler._preempt_request``: the blocks freed, ``num_computed_tokens`` 0, the
+            waiting request's ``get_computed_blocks`` over every token so far, prompt and output).
         evict: ``evict(num_blocks)`` drops unreferenced cached blocks on request.
         reset: ``reset()`` empties the prefix cache (no live request may read a dropped entry).
         eviction_order: the eviction order the manager promises, or ``None`` (not promised). ``"lru"`` is
@@ -215,6 +218,7 @@ class ManagerCapabilities:
     namespaces: bool = True
     extra_keys: bool = False
     preempt: bool = True
+    resume: bool = False
     evict: bool = False
     reset: bool = False
     eviction_order: str | None = None
@@ -231,7 +235,7 @@ class ManagerCapabilities:
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""
-        have = [n for n in ("fork", "namespaces", "extra_keys", "preempt", "evict", "reset", "defers_commit",
+        have = [n for n in ("fork", "namespaces", "extra_keys", "preempt", "resume", "evict", "reset", "defers_commit",
                             "hit_promise", "async_steps", "connector", "speculative")
                 if getattr(self, n)]
         layout = (f"groups {', '.join(_group_name(g) for g in self.groups)}" if self.groups else
@@ -357,6 +361,17 @@ class SpeculativeCalls(Protocol):
 
 
 @runtime_checkable
+class ResumeCalls(Protocol):
+    """What a manager with ``capabilities.resume`` answers besides :class:`CacheManager`."""
+
+    def resume(self, request_id: int) -> tuple[list[int], int] | None:
+        """Preempt the request (nothing in flight, no pending hit) and look it up again under the same id
+        with every token so far (prompt and output) as its prompt: ``(block_ids, num_cached_tokens)`` as
+        :meth:`CacheManager.admit` returns them (grouped: per group), the hit adopted by the next
+        ``reserve``; ``None``: refused (the manager then keeps nothing of the request)."""
+
+
+@runtime_checkable
 class ConnectorCalls(Protocol):
     """What a manager with ``capabilities.connector`` answers besides :class:`CacheManager`: the
     scheduler side of a KV connector, the machine playing the external store."""
@@ -462,6 +477,10 @@ class GroupedView:
 
     def admit(self, *args, **kwargs):
         got = self.inner.admit(*args, **kwargs)
+        return None if got is None else ((list(got[0]),), got[1])
+
+    def resume(self, request_id: int):
+        got = self.inner.resume(request_id)
         return None if got is None else ((list(got[0]),), got[1])
 
     def reserve(self, *args, **kwargs):

@@ -52,7 +52,7 @@ def test_cache_manager(pagedkv_run, backend):
     program_steps = getattr(backend, "cache_manager_steps", STEPS)
     path = pagedkv_run.case_file
     start = time.perf_counter()
-    # one search per declared layout, each with its share of the profile's programs
+    # one search per declared layout, each with the profile's programs
     steps = programs.run_per_layout(machine, manager_suite_settings(program_steps),
                                     database_key=property_key(PROPERTY, backend_name(backend)))
     measured = dict(examples=machine.examples_run, steps=machine.checks_run, seconds=time.perf_counter() - start)

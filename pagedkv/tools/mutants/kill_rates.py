@@ -186,7 +186,7 @@ def _run_manager_machine(backend: Any, seed: int, max_examples: int) -> Outcome:
     machine = machine_for(manager_factory(backend), windows=getattr(backend, "cache_manager_windows", (None,)),
                           layouts=manager_layouts(backend))
     with forced_seed(property_seed(seed, MANAGER_MACHINE)):
-        steps = programs.run_per_layout(machine, manager_kill_rate_settings(max_examples))  # each layout its share
+        steps = programs.run_per_layout(machine, manager_kill_rate_settings(max_examples))  # each layout all of them
     outcome = Outcome(MANAGER_MACHINE, examples=machine.examples_run)
     if steps is not None:
         outcome.status, outcome.first_failing_example = "failed", steps.first_failing_example

@@ -11,7 +11,9 @@ Each protocol call is what vLLM's scheduler does (``vllm/v1/core/sched/scheduler
 - ``reserve``: decode tokens are appended as output tokens, then ``allocate_slots(request, n)``
   (``None``: refused); ``num_computed_tokens`` advances. vLLM caches full blocks here, so the machine
   writes every reservation at once (``defers_commit=False``); ``commit`` has nothing to do.
-- ``free``: ``free(request)``; ``preempt`` is a free and a re-admission (recompute). With steps in flight
+- ``free``: ``free(request)``; ``preempt`` is a free and a re-admission (recompute); ``resume`` is the
+  scheduler's own preemption (``_preempt_request``: ``free``, ``num_computed_tokens = 0``), then the same
+  request, its output kept, looked up again (``get_computed_blocks``) as a waiting request is. With steps in flight
   (asynchronous scheduling: ``request.num_in_flight_tokens`` counts the tokens reserved but not committed,
   so a window frees on the processed-token basis) the free is deferred as vLLM's scheduler defers it
   (``pop_blocks_for_free``, then ``block_pool.free_blocks(reversed(blocks))`` once the steps complete).
@@ -71,7 +73,7 @@ def _import_vllm():
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
                                                 SlidingWindowSpec)
-        from vllm.v1.request import Request
+        from vllm.v1.request import Request, RequestStatus
     except ImportError as exc:
         raise BackendUnavailableError(f"vllm is not installed or lacks its v1 KVCacheManager "
                                       f"({type(exc).__name__}: {exc}); install: {RECIPE}") from exc
@@ -81,7 +83,7 @@ def _import_vllm():
         PlaceholderRange=PlaceholderRange, SamplingParams=SamplingParams, sha256=sha256, KVCacheManager=KVCacheManager,
         get_request_block_hasher=get_request_block_hasher, init_none_hash=init_none_hash,
         FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
-        SlidingWindowSpec=SlidingWindowSpec, Request=Request)
+        SlidingWindowSpec=SlidingWindowSpec, Request=Request, RequestStatus=RequestStatus)
 
 
 def init_block_hashes(v) -> None:
@@ -124,7 +126,7 @@ class VllmCacheManager:
         caches = config.window_left is None or config.window_left >= 1
         self.capabilities = ManagerCapabilities(block_size=bs, window=config.window_left, extra_keys=True,
                                                 evict=True, reset=True, eviction_order="lru" if caches else None,
-                                                hit_promise=caches, async_steps=True)
+                                                hit_promise=caches, async_steps=True, resume=True)
 
     def _request(self, request_id, token_ids, namespace, extra_keys):
         v = self.v
@@ -150,6 +152,18 @@ class VllmCacheManager:
         self.settled[request_id] = num_cached
         request.num_computed_tokens = 0
         return [b if b >= 0 else -1 for b in self._ids(blocks.get_block_ids()[0])], num_cached
+
+    def resume(self, request_id: int):
+        """Preempt as vLLM's scheduler does and look the same ``Request`` up again (every token so far)."""
+        request = self.requests[request_id]
+        self.manager.free(request)
+        request.status = self.v.RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        blocks, num_cached, _ = self.manager.get_computed_blocks(request)
+        self.pending[request_id] = (blocks, num_cached)
+        self.settled[request_id] = num_cached
+        return self._ids(blocks.get_block_ids()[0]), num_cached
 
     def _ids(self, ids):
         null = self.pool.null_block.block_id
