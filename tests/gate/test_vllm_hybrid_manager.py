@@ -327,6 +327,36 @@ def test_a_load_completed_after_its_free_is_not_promised():
     programs.run_program(_machine(("gemma3",), block_sizes=(1,)), steps)
 
 
+def test_a_failed_loads_hit_is_taken_in_the_same_pass():
+    """vLLM's scheduler frees a request whose load failed, looks it up and allocates its hit in one pass of its
+    waiting queue; the peer takes the hit at ``load_done``, so no later allocation (here the next request's)
+    hands its blocks to another request first. Fails before ("request 6: token 0 is to be written into block
+    4, which another live request holds": request 4's hit, looked up but not taken, still named block 4)."""
+    prompt = {"system": [0], "suffix": [0], "extra": None, "chunk": 1, "write_now": True, "image_at": 0}
+    steps = [("start", {"num_blocks": 4, "block_size": 0, "num_layers": 1, "window": 0, "layout": 0, "features": 1,
+                        "pool_per_group": True}),
+             ("add", {**prompt, "namespace": None, "stored": 1}), ("preempt", {"rid": 0}), ("free", {"rid": 1}),
+             ("evict", {"n": 1, "by_allocation": True}), ("evict", {"n": 4, "by_allocation": True}),
+             ("finish_store_rid", {"rid": 1}),
+             ("next_turn", {"turn": 0, "suffix": [3, 1, 1, 2], "chunk": 1, "write_now": True, "stored": 2}),
+             ("finish_load_rid", {"rid": 4, "ok": False}),
+             ("add", {**prompt, "namespace": (("salt", "lora-a"),), "stored": 2, "n": 2})]
+    programs.run_program(_machine(("jamba",), block_sizes=(1,)), steps)
+
+
+def test_a_prompt_cut_inside_a_multimodal_input_carries_no_part_of_it():
+    """A branch cut inside an image's placeholder run: vLLM's block key names the input and its offset, not its
+    length (one input has one run length), so the machine sends no part of an input. Fails before ("request 1:
+    a hit on its first 6 tokens, which no request committed": the cut image's first token keyed the block as
+    the whole image's did)."""
+    steps = [("start", {"num_blocks": 12, "block_size": 0, "num_layers": 1, "window": 0, "layout": 0, "features": 0}),
+             ("add", {"system": [1, 1], "suffix": [3, 2, 1, 0, 0, 2], "namespace": None, "extra": None, "chunk": 10,
+                      "write_now": True, "image_at": 0, "stored": 0, "more": [["image-1", 1]]}),
+             ("free", {"rid": 0}),
+             ("branch", {"turn": 0, "cut": 4, "suffix": [0, 1, 3], "chunk": 1, "write_now": True})]
+    programs.run_program(_machine(("one-group",), block_sizes=(2,)), steps)
+
+
 def _gate(layouts: tuple[str, ...], examples: int):
     """The manager machine on the peer (connector off) in ``layouts``: ``None`` or the failing program."""
     import dataclasses

@@ -151,6 +151,20 @@ class Chains:
         return bool(self.chains)
 
 
+def whole_inputs(extras: dict, num_tokens: int) -> dict:
+    """``extras`` less each multimodal input cut short (a prompt taken up to a point inside its placeholder
+    run: a turn, a branch or a preemption's prefix): an engine's processor expands one input to one run
+    length, and vLLM's block key names the input and its offset, not its length; the cut run's placeholder
+    tokens stay, as text."""
+    def whole(p, key):
+        start = p - key[2]
+        return all(start + i < num_tokens and extras.get(start + i) == ("mm", key[1], i)
+                   for i in range(IMAGE_LENGTHS[key[1]]))
+    return {p: key for p, key in extras.items()
+            if not (isinstance(key, tuple) and len(key) == 3 and key[0] == "mm" and key[1] in IMAGE_LENGTHS)
+            or whole(p, key)}
+
+
 class ManagerMachine(RuleBasedStateMachine):
     """The machine over ``make_manager(ManagerConfig)``; subclass with :func:`machine_for`."""
 
@@ -569,6 +583,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def admit(self, rid: int, tokens: list[int], namespace, extras: dict, chunk: int, write_now: bool,
               stored: int = 0, store_ahead: bool = False, resumed: dict | None = None) -> bool:
+        extras = whole_inputs(extras, len(tokens))
         req = Request(namespace, [], dict(extras), [], len(tokens))
         req.extend(tokens)
         if store_ahead:
@@ -885,7 +900,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.write(rid, req, slots, start, identities=garbage)
         before = self.holdings()
         req.loading = None
-        again = self.m.load_done(rid, ok)
+        again, hits = self.m.load_done(rid, ok), ()
         req.written = end if ok else start
         if ok:  # valid K/V: hittable even where the request was freed meanwhile (not promised then: vLLM
             self.register(rid, req, end, promised=rid in self.live)  # frees such a load's blocks uncached)
@@ -894,9 +909,11 @@ class ManagerMachine(RuleBasedStateMachine):
                 f"request {rid}: after its failed load a hit of {again} tokens (its local hit was {start}), " \
                 f"which no request committed"
             req.written, req.adopted = again, self.m.holds(rid)  # from its next reserve
+            if req.adopted:  # held at once (a scheduler looks up and allocates in one pass): hit, not handed out
+                hits = [b for table in self.m.block_table(rid) for b in table if b >= 0]
         req.reserved = req.committed = req.written
         self.settle(rid)
-        self.account(before, f"load_done of request {rid}")
+        self.account(before, f"load_done of request {rid}", hits=hits)
 
     @precondition(lambda self: any(q.storing for q in self.zombies.values()))
     @rule(data=st.data())

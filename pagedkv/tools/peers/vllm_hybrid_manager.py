@@ -359,7 +359,15 @@ class VllmHybridCacheManager(VllmCacheManager):
         blocks, num_hit, _ = self.manager.get_computed_blocks(request)
         if num_hit > num_local:
             blocks, num_hit = self.manager.truncate_computed_blocks(blocks, num_local), num_local
-        self.pending[request_id] = (blocks, num_hit)
+        # the scheduler frees, looks up and allocates in one waiting-queue pass (_handle_blocked_waiting_request
+        # then allocate_slots): the hit is taken now, never left as a lookup that a reset, an eviction or
+        # another request's allocation makes stale before the request's next step; refused, nothing is hit
+        if num_hit and self.manager.allocate_slots(request, 0, num_new_computed_tokens=num_hit,
+                                                   new_computed_blocks=blocks) is not None:
+            request.num_computed_tokens = num_hit
+        else:
+            num_hit = 0
+            self.pending[request_id] = (self.manager.empty_kv_cache_blocks, 0)
         self.settled[request_id] = num_hit
         return num_hit
 
