@@ -394,7 +394,8 @@ class ConnectorCalls(Protocol):
 
         A manager that lets a request whose load failed go and looks its prefix up again (vLLM's
         ``recompute_kv_load_failures``) returns the new hit (at most the local hit; its blocks held from
-        the next ``reserve``, as after ``admit``); ``None``: the local hit, as it was."""
+        the next ``reserve``, as after ``admit``, or at once where ``holds`` says so); ``None``: the local
+        hit, as it was."""
 
     def store_done(self, request_id: int) -> None:
         """A freed request's blocks are stored externally: a free deferred for the store (vLLM's

@@ -18,7 +18,7 @@ declared where the machine knows what vLLM caches (no Mamba group, no EAGLE), an
   ``update_state_after_alloc``, as for an asynchronous load (``WAITING_FOR_REMOTE_KVS``); ``load_done(ok)``:
   ``cache_blocks`` of the loaded tokens, or, failed, vLLM's ``recompute_kv_load_failures``:
   ``num_computed_tokens = 0``, the request's blocks freed and its prefix looked up afresh (the hit kept to
-  the local one it had).
+  the local one it had) and allocated at once, as the scheduler's waiting-queue pass does.
 - ``reserve``: ``allocate_slots(request, n, num_lookahead_tokens=num_speculative_tokens)``; draft tokens are
   the request's ``spec_token_ids`` (never cached: ``allocate_slots`` caches up to ``request.num_tokens``);
   ``drop`` rolls ``num_computed_tokens`` back over the rejected drafts and appends the accepted ones as output
