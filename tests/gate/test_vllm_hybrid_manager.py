@@ -300,8 +300,8 @@ def _machine(layouts, block_sizes):
 
 def test_a_failed_load_leaves_the_request_an_admitted_hit():
     """vLLM's ``recompute_kv_load_failures`` frees a request whose load failed and looks its prefix up again;
-    that lookup may hit less than the local hit did (here 4 tokens of 5). Fails before (the machine resumed it at its old local hit: "token 4
-    (written) has no block in its table")."""
+    that lookup may hit less than the local hit did (here 4 tokens of 5). Fails before (the machine resumed it
+    at its old local hit: "token 4 (written) has no block in its table")."""
     steps = [("system_prompts", {"prompts": [[0, 0, 0, 0, 0]]}),
              ("start", {"num_blocks": 12, "block_size": 0, "num_layers": 1, "window": 1, "layout": 0, "features": 1}),
              ("add", {"system": [0, 0, 0, 0, 0], "suffix": [], "namespace": None, "extra": None, "chunk": 5,
