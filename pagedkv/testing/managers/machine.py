@@ -152,17 +152,16 @@ class Chains:
 
 
 def whole_inputs(extras: dict, num_tokens: int) -> dict:
-    """``extras`` less each multimodal input cut short (a prompt taken up to a point inside its placeholder
-    run: a turn, a branch or a preemption's prefix): an engine's processor expands one input to one run
-    length, and vLLM's block key names the input and its offset, not its length; the cut run's placeholder
-    tokens stay, as text."""
+    """``extras`` of the first ``num_tokens`` tokens less each multimodal input cut there (a branch inside its
+    placeholder run): an engine's processor expands one input to one run length, and vLLM's block key names
+    the input and its offset, not its length; the cut run's placeholder tokens stay, as text."""
     def whole(p, key):
         start = p - key[2]
         return all(start + i < num_tokens and extras.get(start + i) == ("mm", key[1], i)
                    for i in range(IMAGE_LENGTHS[key[1]]))
-    return {p: key for p, key in extras.items()
-            if not (isinstance(key, tuple) and len(key) == 3 and key[0] == "mm" and key[1] in IMAGE_LENGTHS)
-            or whole(p, key)}
+    return {p: key for p, key in extras.items() if p < num_tokens and (
+            not (isinstance(key, tuple) and len(key) == 3 and key[0] == "mm" and key[1] in IMAGE_LENGTHS)
+            or whole(p, key))}
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -583,7 +582,6 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def admit(self, rid: int, tokens: list[int], namespace, extras: dict, chunk: int, write_now: bool,
               stored: int = 0, store_ahead: bool = False, resumed: dict | None = None) -> bool:
-        extras = whole_inputs(extras, len(tokens))
         req = Request(namespace, [], dict(extras), [], len(tokens))
         req.extend(tokens)
         if store_ahead:
@@ -994,8 +992,7 @@ class ManagerMachine(RuleBasedStateMachine):
         namespace, tokens, extras = self.history[-1 - turn % len(self.history)]
         cut = 1 + cut % len(tokens)
         rid = self.new_id()
-        ok = self.admit(rid, [*tokens[:cut], *suffix], namespace, {p: k for p, k in extras.items() if p < cut},
-                        chunk, write_now)
+        ok = self.admit(rid, [*tokens[:cut], *suffix], namespace, whole_inputs(extras, cut), chunk, write_now)
         return rid if ok else multiple()
 
     @precondition(lambda self: self.caps.evict and self.next_id > 0)  # nothing is cached before a request
