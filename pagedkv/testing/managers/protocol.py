@@ -476,13 +476,16 @@ class GroupedView:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def admit(self, *args, **kwargs):
-        got = self.inner.admit(*args, **kwargs)
+    @staticmethod
+    def _grouped_hit(got):
+        """An ``admit``-shaped answer ``(block_ids, num_cached_tokens)`` with its block ids as one group's."""
         return None if got is None else ((list(got[0]),), got[1])
 
+    def admit(self, *args, **kwargs):
+        return self._grouped_hit(self.inner.admit(*args, **kwargs))
+
     def resume(self, request_id: int):
-        got = self.inner.resume(request_id)
-        return None if got is None else ((list(got[0]),), got[1])
+        return self._grouped_hit(self.inner.resume(request_id))
 
     def reserve(self, *args, **kwargs):
         got = self.inner.reserve(*args, **kwargs)

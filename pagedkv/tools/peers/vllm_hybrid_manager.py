@@ -47,9 +47,11 @@ scheduler blocks), and records the loads and stores it was asked for.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import sys
+import types
 from collections.abc import Hashable, Sequence
 
 from pagedkv.errors import BackendUnavailableError
@@ -195,9 +197,6 @@ def _drain_deferred_free(manager, blocks) -> None:
     """Return a deferred free's ``blocks`` (``pop_blocks_for_free``'s, allocation order) to the pool as vLLM's
     scheduler does once the step fencing them completed: its own ``Scheduler._drain_deferred_frees`` (tail
     blocks evicted first) on the one fenced entry."""
-    import collections
-    import types
-
     state = types.SimpleNamespace(deferred_frees=collections.deque([(0, blocks)]), processed_step_seq=0,
                                   kv_cache_manager=manager)
     _scheduler_class()._drain_deferred_frees(state)
