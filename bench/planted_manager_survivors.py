@@ -10,7 +10,8 @@ count, per fault, the state where the fault's code and the release's part ways:
   than the request's last overlaps (requests with two or more items counted too);
 - ``prompt-embeds-not-in-key``: a request with prompt embeddings;
 - ``resumed-hit-capped-at-prompt``: a prefix lookup of a request with tokens past its prompt
-  (``num_tokens > num_prompt_tokens``), and the preemptions of a request that had decoded;
+  (``num_tokens > num_prompt_tokens``), the preemptions of a request that had decoded, the resumes (the same
+  request looked up again) with output, and those whose hit reaches past the prompt (the mutant stops short);
 - ``window-released-head-first``: a window releasing two or more blocks at once, and an allocation that
   takes some but not all of such a run (the mutant takes others);
 - ``index-drops-last-duplicate``: two blocks filed under one hash, one of them evicted while the other stays
@@ -105,6 +106,21 @@ def main(argv=None) -> int:
             seen("resumed-hit: a lookup past the prompt")
         return lookup(self, request)
     kv_cache_manager.KVCacheManager.get_computed_blocks = counting_lookup
+
+    peer_resume = vllm_manager.VllmCacheManager.resume
+
+    def counting_resume(self, request_id):
+        request = self.requests[request_id]
+        seen("resumed-hit: resume calls")
+        if request.num_tokens > request.num_prompt_tokens:
+            seen("resumed-hit: resumes of a request with output")
+        if (request.num_tokens - 1) // self.block_size > (request.num_prompt_tokens - 1) // self.block_size:
+            seen("resumed-hit: resumes whose output completes a block past the prompt's hit limit")
+        got = peer_resume(self, request_id)
+        if got[1] > request.num_prompt_tokens - 1:
+            seen(f"resumed-hit: resumed hits past the prompt (the mutant stops short; window_left={window[0]})")
+        return got
+    vllm_manager.VllmCacheManager.resume = counting_resume
 
     # window-released-head-first: runs of two or more blocks a window releases at once, then a partial take
     runs: list[list] = []

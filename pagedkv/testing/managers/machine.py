@@ -462,7 +462,7 @@ class ManagerMachine(RuleBasedStateMachine):
         still = [set() for _ in self.groups]
         for g, ident in self.cached.values():
             still[g].add(ident)
-        if not self.grouped:
+        if not self.grouped and self.window is None:  # a window's hit needs only the blocks it reads (below)
             hit = 0
             while hit + self.bs <= cap and req.identities[hit + self.bs - 1] in still[0]:
                 hit += self.bs
@@ -815,10 +815,13 @@ class ManagerMachine(RuleBasedStateMachine):
         """A generation running on: the prompt's unreserved rest in one chunk, then one decode step per token
         of ``tokens``, each written and committed before the next (most of a request's life), so that output
         fills blocks: a block completed by decode, a window passing a long chunk's blocks at once, a
-        preemption with output. Nothing happens while a step is in flight or a load pending."""
+        preemption with output. The request's steps in flight complete first (a running request's next
+        step follows them); nothing happens while a load is pending."""
         self.log("decode", rid=rid, tokens=tokens)
         req = self.live[rid]
-        if req.loading is not None or req.in_flight or req.correction is not None:
+        while req.loading is None and req.in_flight:
+            self.write_pending_rid(rid)
+        if req.loading is not None or req.correction is not None:
             return
         if req.reserved < req.num_prompt and not self.reserve(rid, req, req.tokens[req.reserved:req.num_prompt], True):
             return
