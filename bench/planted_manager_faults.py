@@ -7,10 +7,10 @@ Each fault is one edit (a reverted fix or a plausible slip) in the classes the o
 identities that collide only in their encoding, the declared eviction order, prefix hits that silently stop,
 blocks freed while an in-flight step reads them. A fault's file is loaded in a child process with pagedkv's
 mutant finder (the installed package is never edited). The gate: the cache-manager machine on
-``pagedkv.tools.peers:vllm_cache_manager`` as the suite runs it under the ``ci`` profile (100 derandomized
-examples of 30 steps, or drawn from Hypothesis seed N with ``--seed N``; no shrinking, which does not change
-a verdict). vLLM's tests: the cache subset of ``tests/v1/core`` its README lists (637 tests), ``-x``. Killed:
-the child fails.
+``pagedkv.tools.peers:vllm_cache_manager`` as the suite runs its one-group layout under the ``ci`` profile
+(``programs.one_group_programs``: 400 derandomized programs of 30 steps, or drawn from Hypothesis seed N with
+``--seed N``; no shrinking, which does not change a verdict). vLLM's tests: the cache subset of
+``tests/v1/core`` its README lists (637 tests), ``-x``. Killed: the child fails.
 """
 
 from __future__ import annotations
@@ -130,8 +130,9 @@ from pagedkv.testing.settings import manager_settings, suite_settings
 from pagedkv.tools.peers import vllm_hybrid_manager as vm
 machine = machine_for(vm.cache_manager, windows=vm.cache_manager_windows, name="vllm_cache_manager_manager")
 seed = globals().get("SEED")
-s = settings(manager_settings(100, 30, base=suite_settings()), phases=(Phase.explicit, Phase.generate),
-             derandomize=seed is None)
+base = manager_settings(100, 30, base=suite_settings())
+s = settings(base, max_examples=programs.one_group_programs(base.max_examples),
+             phases=(Phase.explicit, Phase.generate), derandomize=seed is None)
 t0 = time.perf_counter()
 with contextlib.nullcontext() if seed is None else forced_seed(seed):
     steps = programs.run_recorded(machine, s)

@@ -746,20 +746,24 @@ class ManagerMachine(RuleBasedStateMachine):
         ok = self.admit(rid, [*tokens, *suffix] or [0], namespace, extras, chunk, write_now, stored, store_ahead)
         return rid if ok else multiple()
 
-    @rule(target=reqs, rid=reqs, change=st.sampled_from(("image", "namespace", "content")), chunk=st.integers(1, 12),
-          write_now=st.booleans())
+    @rule(target=reqs, rid=reqs, change=st.sampled_from(("image", "namespace", "content", "same")),
+          chunk=st.integers(1, 12), write_now=st.booleans())
     def variant(self, rid, change, chunk, write_now, which=0):
         """A request whose prompt is a live one's with one identity part moved so that encodings may
         collide: its multimodal input one token later (or else earlier), the token it moves over now a
         placeholder (so every block before that token keeps its token ids and differs from the live one's
         only in the input's offset), or its namespace swapped for a sibling, or (``"content"``) its input
         number ``which`` (of those it has, in order) another one of the same size (same placeholder run,
-        other content: only the key differs)."""
+        other content: only the key differs), or (``"same"``) nothing: the same prompt again (a client's retry, one
+        prompt sent twice) while the live one may still be in prefill, so that both compute its blocks and a
+        cache files two blocks under one hash."""
         self.log("variant", rid=rid, change=change, chunk=chunk, write_now=write_now,
                  **({"which": which} if change == "content" else {}))
         req = self.live[rid]
         tokens, extras, namespace = list(req.tokens[:req.num_prompt]), dict(req.extras), req.namespace
-        if change == "namespace":
+        if change == "same":
+            pass
+        elif change == "namespace":
             if not self.caps.namespaces:
                 return multiple()
             namespace = SIBLINGS.get(namespace, None)

@@ -141,27 +141,47 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings, datab
     return None
 
 
+#: The one-group layout's programs, as a multiple of the profile's and up to a floor of :data:`ONE_GROUP_PROGRAMS`
+#: (:func:`one_group_programs`).
+ONE_GROUP_FACTOR = 4
+ONE_GROUP_PROGRAMS = 400
+
+
+def one_group_programs(max_examples: int) -> int:
+    """The one-group layout's programs: ``ONE_GROUP_FACTOR`` times the profile's, up to ``ONE_GROUP_PROGRAMS``
+    where the profile asks for fewer (``ci`` 400, ``nightly`` its 2000; a test's 10 programs 40). Its faults
+    (a hit block still in the free queue not counted at admission, a hash index losing a block's duplicate,
+    a window releasing a run of blocks) need a chain of three draws each (a pool under pressure, two blocks
+    under one hash, one evicted, the other looked up), which 100 programs reach in one search of two or three;
+    its programs are the cheapest (one group, ~5 s per 100 on one core), so four times as many keep a hybrid
+    manager's whole ``ci`` gate within its two minutes."""
+    return max(max_examples, min(ONE_GROUP_FACTOR * max_examples, ONE_GROUP_PROGRAMS))
+
+
 def layout_shares(layouts, max_examples: int) -> list[tuple[str, int]]:
     """Each layout's programs: the profile's whole ``max_examples`` for every declared layout (``ci`` 100
     programs each, ``nightly`` 2000), as a kernel property gets the profile's examples for each backend it
-    gates. A fault living in one layout gets a whole search there, whatever else the manager declares: a
-    share of one budget left each of nine layouts 9-14 programs, too few for the faults only a pool under
-    pressure, a connector load beside a local hit or a third group's meeting reaches."""
-    return [(name, max(1, max_examples)) for name in layouts]
+    gates, and the one-group layout more (:func:`one_group_programs`). A fault living in one layout gets a
+    whole search there, whatever else the manager declares: a share of one budget left each of nine layouts
+    9-14 programs, too few for the faults only a pool under pressure, a connector load beside a local hit or a
+    third group's meeting reaches."""
+    return [(name, one_group_programs(max(1, max_examples)) if name == ONE_GROUP else max(1, max_examples))
+            for name in layouts]
 
 
 def run_per_layout(machine_class: type[ManagerMachine], settings_: settings, database_key: bytes | None = None
                    ) -> list | None:
     """:func:`run_recorded`, one search per layout of ``machine_class.layouts`` with the settings' programs
-    each (:func:`layout_shares`), in declared order, stopping at the first failure. One search
-    over every layout spends most programs where its draws happen to fall (Hypothesis favours small
+    each (:func:`layout_shares`: the one-group layout more), in declared order, stopping at the first failure.
+    One search over every layout spends most programs where its draws happen to fall (Hypothesis favours small
     indices), so a layout drawn rarely is barely searched. A failure is returned as :func:`run_recorded`
     returns it, with ``.machine_class`` the one-layout machine it ran on (what a case file records) and
     ``.first_failing_example`` counted over every search so far. ``machine_class``'s counters (steps,
     ``examples_run``) add up every search's."""
     layouts = tuple(machine_class.layouts)
     if len(layouts) < 2:
-        steps = run_recorded(machine_class, settings_, database_key)
+        ((_, share),) = layout_shares(layouts, settings_.max_examples)
+        steps = run_recorded(machine_class, settings(settings_, max_examples=share), database_key)
         if steps is not None:
             steps.machine_class = machine_class
         return steps
