@@ -253,9 +253,11 @@ def test_each_declared_layout_is_searched_with_the_whole_budget(tmp_path):
     living in one layout of nine is searched there as fully as a one-group manager's (gpt-oss-2full-sw's planted
     second_full_group_untruncated), and its case file records that one layout and replays the failure. Fails
     before: one budget shared among the layouts by their KV-cache groups (60 programs over these three: 10, 20
-    and 30)."""
-    assert programs.layout_shares((ONE_GROUP, "gemma3", "hymba"), 60) == [(ONE_GROUP, 60), ("gemma3", 60),
+    and 30). The one-group layout gets four times the profile's programs up to 400 (``ci``: 400; ``nightly``:
+    its 2000); fails before that: 60 there too."""
+    assert programs.layout_shares((ONE_GROUP, "gemma3", "hymba"), 60) == [(ONE_GROUP, 240), ("gemma3", 60),
                                                                           ("hymba", 60)]
+    assert [programs.one_group_programs(n) for n in (2, 100, 150, 2000)] == [8, 400, 400, 2000]
     drawn = set()
 
     def make(config):

@@ -32,6 +32,44 @@ def test_steps_and_first_failing_example_are_measured():
     assert steps is not None and 1 <= steps.first_failing_example <= faulty.examples_run <= 101  # +1: the replay
 
 
+def test_decode_runs_on_after_the_steps_in_flight_complete():
+    """``decode``: a request whose prefill step is still in flight (a manager that defers commits) completes it
+    and then decodes, so output fills blocks (a preemption with output, a window passing a long chunk's blocks).
+    Fails before: nothing happened while a step was in flight (most decode draws did nothing)."""
+    machine = machine_for(OwnCacheManager, name="DecodeInFlight")()  # defers commits: a step stays in flight
+    machine.start(num_blocks=12, block_size=1, num_layers=2, window=0)
+    (rid,) = machine.add(system=[1, 2, 3], suffix=[0], namespace=None, extra=None, chunk=12, write_now=False).values
+    assert machine.live[rid].in_flight  # the prefill step not written yet
+    machine.decode(rid, tokens=[3, 1, 2])
+    req = machine.live[rid]
+    assert not req.in_flight and req.tokens == [1, 2, 3, 0, 3, 1, 2] and req.written == req.committed == 7
+    machine.check()
+    machine.teardown()
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (see docs/peers.md)")
+def test_a_one_group_window_promises_the_blocks_its_hit_reads():
+    """A sliding-window manager's hit promise: the blocks a hit's window reads, as a hybrid layout's window
+    group's (vLLM's ``SlidingWindowManager`` serves a hit whose leading blocks were evicted). Fails before: one
+    group promised a hit only where every leading block was still cached, so a window's request promised 0."""
+    from pagedkv.testing.managers.machine import Request
+    from pagedkv.tools.peers import vllm_manager
+
+    machine = machine_for(vllm_manager.cache_manager, windows=(1,), block_sizes=(2,), name="WindowPromise")()
+    machine.start(num_blocks=8, block_size=0, num_layers=2, window=0)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 0]
+    (first,) = machine.add(system=prompt, suffix=[], namespace=None, extra=None, chunk=12, write_now=True).values
+    machine.free(first)
+    machine.evict(n=1)  # the lowest cached block: the prompt's first, tokens 0..1
+    req = Request(None, [], {}, [], len(prompt))
+    req.extend(prompt)
+    # a hit of 6 tokens reads tokens 5.. (window_left 1): block 2 (tokens 4..5) is still cached
+    assert machine.promised_hit(req) == 6
+    machine.add(system=prompt, suffix=[], namespace=None, extra=None, chunk=12, write_now=True)  # vLLM hits them
+    machine.check()
+    machine.teardown()
+
+
 def _vllm_fault(name: str):
     from pagedkv.tools.peers import vllm_manager
 
