@@ -52,7 +52,7 @@ class _WindowKeepsEverything(reference.ReferenceManager):
 def test_reference_declares_and_keeps_both_promises():
     """The reference manager declares both promises and keeps them (with a connector and drafts)."""
     m = reference.cache_manager(ManagerConfig(8, 2, groups=layout_groups("gemma3", 2, 1)))
-    assert m.capabilities.admission == "chunk" and m.capabilities.window_release
+    assert m.capabilities.admission == "whole-hit" and m.capabilities.window_release
     assert _search(reference.cache_manager, reference.cache_manager_layouts, 30) is None
 
 

@@ -523,7 +523,7 @@ class ManagerMachine(RuleBasedStateMachine):
         before = self.holdings()
         if not req.adopted:  # its admitted hit (again, after a failed load) is adopted, not handed out afresh
             hits = [*hits, *(b for table in self.m.block_table(rid) for b in table if b >= 0)]
-        need = self.admission_need(rid, req, start, start + len(token_ids), start)
+        need = self.admission_need(rid, req, start, start + len(token_ids), 0)
         slots = self.m.reserve(rid, token_ids, num_draft=drafts) if drafts else self.m.reserve(rid, token_ids)
         if slots is None:
             self.check_refusal(rid, need, f"reserve of tokens {start}..{start + len(token_ids) - 1}")
@@ -564,12 +564,13 @@ class ManagerMachine(RuleBasedStateMachine):
         return True
 
     def admission_need(self, rid: int, req: Request, start: int, end: int, computed: int) -> tuple | None:
-        """``(free blocks, blocks needed)`` of a reservation or load of tokens ``start..end`` whose first
-        token computed after it is ``computed`` (``capabilities.admission``), before the call; ``None`` where
-        not promised or no counts are exposed. Per group: the blocks its tokens (and the lookahead) reach
-        past the table held, and, on the first reservation or load, the hit blocks nobody holds (in the free
-        queue: touching one takes it from there), less a window's or chunk's hit blocks wholly before
-        ``computed`` (never touched; counted with drafts on); ``"sequence"``: the whole prompt first."""
+        """``(free blocks, blocks needed)`` of a reservation or load of tokens ``start..end``
+        (``capabilities.admission``), before the call; ``None`` where not promised or no counts are exposed.
+        Per group: the blocks its tokens (and the lookahead) lie in that its table does not hold, and, on the first
+        reservation or load, the hit blocks nobody holds (in the free queue: touching one takes it from
+        there), less, for a load whose first token computed after it is ``computed``, a window's or chunk's
+        hit blocks wholly before that token (the external tokens moved the window past them: never touched;
+        counted with drafts on); ``"sequence"``: the whole prompt first."""
         counts = self.m.counts() if self.caps.admission else None
         if counts is None:
             return None
@@ -580,9 +581,10 @@ class ManagerMachine(RuleBasedStateMachine):
         held, need = self.holdings(), 0
         for g, (group, table) in enumerate(zip(self.groups, self.m.block_table(rid))):
             bs = self.gbs[g]
-            need += max(0, -(-end // bs) - len(table))
+            need += sum(1 for i in range(start // bs, -(-end // bs)) if i >= len(table) or table[i] < 0)
             if first:
-                skipped = 0 if group.kind == "full" or self.speculative else group.first_read(computed) // bs
+                skipped = (0 if group.kind == "full" or self.speculative or self.caps.admission == "whole-hit"
+                           else group.first_read(computed) // bs)
                 need += sum(1 for i, b in enumerate(table) if b >= 0 and b not in held and i >= skipped)
         return counts[0], need
 

@@ -211,14 +211,16 @@ class ManagerCapabilities:
             past its tokens, where the proposer (EAGLE / MTP drafter) writes its next drafts' K/V in the same
             step, before any later reservation (vLLM's ``num_lookahead_tokens``); the machine writes there.
         admission: the admission promise, ``None`` (not promised): a ``reserve`` or ``load`` is refused only
-            when the pool is short. Its need is, per group, the blocks its tokens (and the lookahead) reach
-            past the table it holds, plus, on a request's first reservation or load, the hit blocks no live
+            when the pool is short. Its need is, per group, the blocks its tokens (and the lookahead) lie in
+            that its table does not hold, plus, on a request's first reservation or load, the hit blocks no live
             request holds (touching one takes it from the free queue), less a window's or chunk's hit blocks
             wholly before the first token computed after it (never touched; all counted with drafts on, as
             vLLM's EAGLE window keeps one block more); a refusal while ``counts()`` shows that many free
             fails. ``"chunk"``: the need of the call's own tokens (vLLM's ``allocate_slots``);
             ``"sequence"``: a first reservation or load also needs the blocks of the whole prompt
-            (``ManagerConfig.full_sequence_must_fit``: vLLM's ``scheduler_reserve_full_isl``).
+            (``ManagerConfig.full_sequence_must_fit``: vLLM's ``scheduler_reserve_full_isl``);
+            ``"whole-hit"``: as ``"chunk"``, but a load touches every block of its hit (kept for a recompute
+            from the hit should the load fail).
         window_release: a sliding-window or chunked-local group releases the blocks a request's next query
             never reads: right after a ``reserve``, every block wholly before the group's first read of the
             request's first uncommitted token is ``-1`` in its table (vLLM's ``remove_skipped_blocks`` at

@@ -71,7 +71,7 @@ class ReferenceManager:
         self.capabilities = ManagerCapabilities(
             block_size=min(g.block_size for g in self.groups), extra_keys=True, defers_commit=True,
             hit_promise=True, groups=self.groups, connector=config.connector,
-            speculative=config.num_speculative_tokens > 0, admission="chunk", window_release=True)
+            speculative=config.num_speculative_tokens > 0, admission="whole-hit", window_release=True)
 
     # -- the pool -----------------------------------------------------------------------------------
     def _take(self) -> int:
@@ -218,19 +218,10 @@ class ReferenceManager:
     def load(self, request_id: int):
         req = self.requests[request_id]
         start, end = req.hit, req.hit + req.external
-        kept = [list(t) for t in req.tables], list(req.pending_hits)  # restored where refused
-        for g, group in enumerate(self.groups):  # hit blocks wholly before what the load's end reads: never adopted
-            skipped = 0 if group.kind == "full" else min(group.first_read(end), end - 1) // group.block_size
-            table = req.tables[g]
-            req.pending_hits = [(h, b) for h, b in req.pending_hits
-                                if h != g or b not in table[:skipped]]
-            table[:skipped] = [-1] * min(skipped, len(table))
         slots = self._grow(req, start, end, lambda g: min(self.groups[g].first_read(end), end - 1)
                            if self.groups[g].kind != "full" else 0)
         if slots is not None:
             req.loading, req.reserved = True, end
-        else:
-            req.tables, req.pending_hits = kept
         return slots
 
     def load_done(self, request_id: int, ok: bool) -> None:
