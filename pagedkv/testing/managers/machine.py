@@ -19,7 +19,9 @@ What a manager declares is judged too (:class:`~.protocol.ManagerCapabilities`):
 order (every block handed out afresh is the front of the machine's model of the free queue), the hit
 promise (an admit hits every committed leading block not evicted since), and asynchronous steps (a next
 step reserved while the previous one's writes are in flight; no block an in-flight step reads or writes
-handed to anyone, a free deferred until its steps complete). Namespaces are drawn so that their encodings
+handed to anyone, a free deferred until its steps complete), the admission promise (a reservation or load
+refused only when the pool is short of its need) and the window release promise (no block wholly before what
+the next query reads kept past a reservation). Namespaces are drawn so that their encodings
 collide (a cache salt spelled like a LoRA name, one LoRA name at two paths) and multimodal inputs as
 placeholder runs, so one image at two offsets in one block differs only in its offset.
 
