@@ -19,7 +19,9 @@ What a manager declares is judged too (:class:`~.protocol.ManagerCapabilities`):
 order (every block handed out afresh is the front of the machine's model of the free queue), the hit
 promise (an admit hits every committed leading block not evicted since), and asynchronous steps (a next
 step reserved while the previous one's writes are in flight; no block an in-flight step reads or writes
-handed to anyone, a free deferred until its steps complete). Namespaces are drawn so that their encodings
+handed to anyone, a free deferred until its steps complete), the admission promise (a reservation or load
+refused only when the pool is short of its need) and the window release promise (no block wholly before what
+the next query reads kept past a reservation). Namespaces are drawn so that their encodings
 collide (a cache salt spelled like a LoRA name, one LoRA name at two paths) and multimodal inputs as
 placeholder runs, so one image at two offsets in one block differs only in its offset.
 
@@ -203,7 +205,10 @@ class ManagerMachine(RuleBasedStateMachine):
             num_blocks *= len(groups) if pool_per_group else 1
         config = ManagerConfig(num_blocks, bs, self.windows[window % len(self.windows)], num_layers, self.num_kv_heads,
                                self.head_dim, groups=groups, connector=bool(features & 1),
-                               num_speculative_tokens=MAX_DRAFTS if features & 2 else 0)
+                               num_speculative_tokens=MAX_DRAFTS if features & 2 else 0,
+                               # whole-prompt admission on half the pools, read off a draw every program
+                               # has (so that no other draw moves)
+                               full_sequence_must_fit=bool(num_blocks % 2))
         self.m = as_grouped(type(self).make_manager(config))
         self.caps = self.m.capabilities
         self.groups = self.caps.groups
@@ -520,10 +525,13 @@ class ManagerMachine(RuleBasedStateMachine):
         before = self.holdings()
         if not req.adopted:  # its admitted hit (again, after a failed load) is adopted, not handed out afresh
             hits = [*hits, *(b for table in self.m.block_table(rid) for b in table if b >= 0)]
+        need = self.admission_need(rid, req, start, start + len(token_ids), 0)
         slots = self.m.reserve(rid, token_ids, num_draft=drafts) if drafts else self.m.reserve(rid, token_ids)
         if slots is None:
+            self.check_refusal(rid, need, f"reserve of tokens {start}..{start + len(token_ids) - 1}")
             self.account(before, f"reserve (refused) of request {rid}")
             return False
+        self.check_window_release(rid, req)
         req.adopted = True
         self.account(before, f"reserve of request {rid}", hits=hits)
         taken = len(slots[0]) if isinstance(slots, tuple) and slots else len(token_ids)
@@ -556,6 +564,57 @@ class ManagerMachine(RuleBasedStateMachine):
             req.in_flight.append(Step(start, req.reserved, tuple(list(s) for s in slots),
                                       self.read_blocks(table, start, req.reserved), self.epoch))
         return True
+
+    def admission_need(self, rid: int, req: Request, start: int, end: int, computed: int) -> tuple | None:
+        """``(free blocks, blocks needed)`` of a reservation or load of tokens ``start..end``
+        (``capabilities.admission``), before the call; ``None`` where not promised or no counts are exposed.
+        Per group: the blocks its tokens (and the lookahead) lie in that its table does not hold, and, on the first
+        reservation or load, the hit blocks nobody holds (in the free queue: touching one takes it from
+        there), less, for a load whose first token computed after it is ``computed``, a window's or chunk's
+        hit blocks wholly before that token (the external tokens moved the window past them: never touched;
+        counted with drafts on); ``"sequence"``: the whole prompt first."""
+        counts = self.m.counts() if self.caps.admission else None
+        if counts is None:
+            return None
+        first = not req.adopted
+        end += self.caps.lookahead if self.speculative else 0
+        if first and self.caps.admission == "sequence":
+            end = max(end, req.num_prompt)
+        held, need = self.holdings(), 0
+        for g, (group, table) in enumerate(zip(self.groups, self.m.block_table(rid))):
+            bs = self.gbs[g]
+            need += sum(1 for i in range(start // bs, -(-end // bs)) if i >= len(table) or table[i] < 0)
+            if first:
+                skipped = (0 if group.kind == "full" or self.speculative or self.caps.admission == "whole-hit"
+                           else group.first_read(computed) // bs)
+                need += sum(1 for i, b in enumerate(table) if b >= 0 and b not in held and i >= skipped)
+        return counts[0], need
+
+    def check_refusal(self, rid: int, need: tuple | None, call: str) -> None:
+        """A refused reservation or load (the admission promise): the pool was short of its need."""
+        if need is not None:
+            free, blocks = need
+            assert blocks > free, \
+                f"request {rid}: {call} refused with {free} blocks free, but it needs {blocks} (the admission " \
+                f"promise {self.caps.admission!r}: refused only when the pool is short)"
+
+    def check_window_release(self, rid: int, req: Request) -> None:
+        """The window release promise (``capabilities.window_release``): right after a reservation, a
+        sliding-window or chunked-local group holds no block wholly before what the request's first
+        uncommitted token reads."""
+        if not self.caps.window_release:
+            return
+        for g, (group, table) in enumerate(zip(self.groups, self.m.block_table(rid))):
+            if group.kind not in ("sliding_window", "chunked_local"):
+                continue
+            first = group.first_read(req.committed)
+            if not self.grouped:
+                first = max(0, req.committed - self.window)
+            kept = [i for i in range(min(first // self.gbs[g], len(table))) if table[i] >= 0]
+            assert not kept, \
+                f"request {rid}: group {g} ({group.kind}) still holds blocks {[table[i] for i in kept]} (table " \
+                f"{table}) wholly before token {first}, the first its query at token {req.committed} reads (the " \
+                f"window release promise: released by the next step)"
 
     def check_same_step_state(self, rid: int, req: Request, start: int) -> None:
         """A recurrent-state hit of ``start`` tokens, adopted now, must not be a state that a step reserved in
@@ -643,8 +702,10 @@ class ManagerMachine(RuleBasedStateMachine):
             f"request {rid}: the connector takes {external} tokens past a local hit of {cached}, beyond the " \
             f"{stored} the store holds (or the prompt's last token, or not whole blocks)"
         before = self.holdings()
+        need = self.admission_need(rid, req, cached, end, end)
         slots = self.m.load(rid)
         if slots is None:
+            self.check_refusal(rid, need, f"load of tokens {cached}..{end - 1}")
             self.account(before, f"load (refused) of request {rid}")
             self.release(rid)
             return False

@@ -210,6 +210,21 @@ class ManagerCapabilities:
         lookahead: with speculative decoding on, each reservation also holds blocks for this many positions
             past its tokens, where the proposer (EAGLE / MTP drafter) writes its next drafts' K/V in the same
             step, before any later reservation (vLLM's ``num_lookahead_tokens``); the machine writes there.
+        admission: the admission promise, ``None`` (not promised): a ``reserve`` or ``load`` is refused only
+            when the pool is short. Its need is, per group, the blocks its tokens (and the lookahead) lie in
+            that its table does not hold, plus, on a request's first reservation or load, the hit blocks no live
+            request holds (touching one takes it from the free queue), less a window's or chunk's hit blocks
+            wholly before the first token computed after it (never touched; all counted with drafts on, as
+            vLLM's EAGLE window keeps one block more); a refusal while ``counts()`` shows that many free
+            fails. ``"chunk"``: the need of the call's own tokens (vLLM's ``allocate_slots``);
+            ``"sequence"``: a first reservation or load also needs the blocks of the whole prompt
+            (``ManagerConfig.full_sequence_must_fit``: vLLM's ``scheduler_reserve_full_isl``);
+            ``"whole-hit"``: as ``"chunk"``, but a load touches every block of its hit (kept for a recompute
+            from the hit should the load fail).
+        window_release: a sliding-window or chunked-local group releases the blocks a request's next query
+            never reads: right after a ``reserve``, every block wholly before the group's first read of the
+            request's first uncommitted token is ``-1`` in its table (vLLM's ``remove_skipped_blocks`` at
+            the start of ``allocate_slots``, on the processed-token basis).
     """
 
     block_size: int
@@ -232,6 +247,8 @@ class ManagerCapabilities:
     speculative: bool = False
     misuse: bool = False
     lookahead: int = 0
+    admission: str | None = None
+    window_release: bool = False
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""
@@ -262,6 +279,9 @@ class ManagerConfig:
     ``num_layers`` the layer slots: the largest group's ``num_layers``), all groups on one pool of
     ``num_blocks`` blocks. ``connector``: a KV connector is attached (the machine is its store).
     ``num_speculative_tokens``: the most draft tokens one step reserves (0: no speculative decoding).
+    ``full_sequence_must_fit``: admit a request (its first reservation or load) only where the blocks of
+    its whole prompt fit (vLLM's ``scheduler_reserve_full_isl``, on by default there); a manager that
+    honours it declares ``capabilities.admission == "sequence"``.
     A manager that cannot serve what is asked raises ``ValueError`` naming it (the machine does not
     ask a manager for a layout it does not list), or leaves the capability off."""
 
@@ -274,6 +294,7 @@ class ManagerConfig:
     groups: tuple[GroupSpec, ...] = ()
     connector: bool = False
     num_speculative_tokens: int = 0
+    full_sequence_must_fit: bool = False
 
 
 @runtime_checkable

@@ -71,7 +71,7 @@ class ReferenceManager:
         self.capabilities = ManagerCapabilities(
             block_size=min(g.block_size for g in self.groups), extra_keys=True, defers_commit=True,
             hit_promise=True, groups=self.groups, connector=config.connector,
-            speculative=config.num_speculative_tokens > 0)
+            speculative=config.num_speculative_tokens > 0, admission="whole-hit", window_release=True)
 
     # -- the pool -----------------------------------------------------------------------------------
     def _take(self) -> int:

@@ -278,10 +278,16 @@ class VllmHybridCacheManager(VllmCacheManager):
         # group's blocks tail first) is judged where the machine knows what is cached: not where a Mamba
         # group caches states at boundaries of its own choosing, nor where EAGLE caches one block less
         lru = caches and all(g.kind != "mamba" for g in self.groups)
+        # the admission promise where every group needs the blocks its tokens reach: not beside a Mamba group
+        # (its "align" mode holds checkpoint and draft scratch blocks, and the scheduler may clip a chunk to
+        # nothing); a waiting request's allocation checks its whole prompt where the scheduler reserves it
+        self.full_sequence_must_fit = config.full_sequence_must_fit
+        admission = None if self.split is not None else "sequence" if config.full_sequence_must_fit else "chunk"
         self.capabilities = ManagerCapabilities(block_size=self.hash_block_size, extra_keys=True, evict=True,
                                                 reset=True, async_steps=True, hit_promise=caches, groups=self.groups,
                                                 connector=config.connector, speculative=speculative,
-                                                lookahead=self.num_lookahead, eviction_order="lru" if lru else None)
+                                                lookahead=self.num_lookahead, eviction_order="lru" if lru else None,
+                                                admission=admission, window_release=True)
 
     # -- admission and the connector --------------------------------------------------------------------
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
@@ -329,7 +335,8 @@ class VllmHybridCacheManager(VllmCacheManager):
         blocks, num_local = self.pending[request_id]
         num_external = self.external[request_id]
         got = self.manager.allocate_slots(request, 0, num_new_computed_tokens=num_local, new_computed_blocks=blocks,
-                                          num_external_computed_tokens=num_external, delay_cache_blocks=True)
+                                          num_external_computed_tokens=num_external, delay_cache_blocks=True,
+                                          full_sequence_must_fit=self.full_sequence_must_fit)
         if got is None:
             return None
         del self.pending[request_id]
@@ -362,7 +369,8 @@ class VllmHybridCacheManager(VllmCacheManager):
         # then allocate_slots): the hit is taken now, never left as a lookup that a reset, an eviction or
         # another request's allocation makes stale before the request's next step; refused, nothing is hit
         if num_hit and self.manager.allocate_slots(request, 0, num_new_computed_tokens=num_hit,
-                                                   new_computed_blocks=blocks) is not None:
+                                                   new_computed_blocks=blocks,
+                                                   full_sequence_must_fit=self.full_sequence_must_fit) is not None:
             request.num_computed_tokens = num_hit
         else:
             num_hit = 0
@@ -395,7 +403,8 @@ class VllmHybridCacheManager(VllmCacheManager):
         request.spec_token_ids = list(token_ids[len(verified):])
         request.num_in_flight_tokens = max(0, start - self.settled[request_id])
         got = self.manager.allocate_slots(request, len(token_ids), num_new_computed_tokens=num_local,
-                                          new_computed_blocks=blocks, num_lookahead_tokens=self.num_lookahead)
+                                          new_computed_blocks=blocks, num_lookahead_tokens=self.num_lookahead,
+                                          full_sequence_must_fit=self.full_sequence_must_fit and blocks is not None)
         if got is None:
             if extra > 0:
                 self._take_back_tokens(request, extra)  # self.block_size is the hash block size here

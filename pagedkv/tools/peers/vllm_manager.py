@@ -124,9 +124,14 @@ class VllmCacheManager:
         self.deferred: dict[int, list] = {}  # freed with steps in flight -> blocks popped for the free
         # a 1-token window (sliding_window 1) caches no block (no hit needs one): nothing to promise there
         caches = config.window_left is None or config.window_left >= 1
+        # a waiting request's allocation checks its whole prompt where the scheduler reserves it
+        # (scheduler_reserve_full_isl, vLLM's default)
+        self.full_sequence_must_fit = config.full_sequence_must_fit
         self.capabilities = ManagerCapabilities(block_size=bs, window=config.window_left, extra_keys=True,
                                                 evict=True, reset=True, eviction_order="lru" if caches else None,
-                                                hit_promise=caches, async_steps=True, resume=True)
+                                                hit_promise=caches, async_steps=True, resume=True,
+                                                admission="sequence" if config.full_sequence_must_fit else "chunk",
+                                                window_release=True)
 
     def _request(self, request_id, token_ids, namespace, extra_keys):
         v = self.v
@@ -185,7 +190,8 @@ class VllmCacheManager:
             request.append_output_token_ids(list(token_ids[len(token_ids) - extra:]))
         request.num_in_flight_tokens = max(0, start - self.settled[request_id])
         got = self.manager.allocate_slots(request, len(token_ids), num_new_computed_tokens=num_cached,
-                                          new_computed_blocks=blocks)
+                                          new_computed_blocks=blocks,
+                                          full_sequence_must_fit=self.full_sequence_must_fit and blocks is not None)
         if got is None:
             if extra > 0:  # a refused decode step: the token was never scheduled
                 self._take_back_tokens(request, extra)
