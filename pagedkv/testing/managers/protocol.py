@@ -43,6 +43,7 @@ A freed request's blocks may be stored: none of them is handed to anyone before 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Hashable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -144,6 +145,24 @@ HYBRID_LAYOUTS = {
 }
 
 
+#: Layouts served with sparse prefix-cache retention (vLLM's ``prefix_cache_retention_interval``, in scheduler
+#: blocks: the lcm of the groups' block sizes): a sliding-window group caches only the blocks a hit at a kept
+#: boundary needs. ``0`` is vLLM 0.32's engine default (``--prefix-cache-retention-interval``: only the replay
+#: boundary, the prompt less its last token, and a shared-prefix junction are kept); ``n > 0`` also keeps one
+#: boundary every ``n`` scheduler blocks. Every other layout is dense (every block cached, ``None``).
+LAYOUT_RETENTION = {"gemma3-sparse": 0, "gemma3-interval": 3}
+HYBRID_LAYOUTS["gemma3-sparse"] = HYBRID_LAYOUTS["gemma3-interval"] = HYBRID_LAYOUTS["gemma3"]
+
+
+def layout_retention(name: str, block_size: int, window: int) -> int | None:
+    """Layout ``name``'s retention interval in tokens (``None``: dense; 0: replay boundaries and junctions
+    only), at hash block size ``block_size`` and window ``window`` as :func:`layout_groups` takes them."""
+    if name not in LAYOUT_RETENTION:
+        return None
+    sizes = [g.block_size for g in layout_groups(name, block_size, window)]
+    return LAYOUT_RETENTION[name] * math.lcm(*sizes)
+
+
 def layout_groups(name: str, block_size: int, window: int) -> tuple[GroupSpec, ...]:
     """The groups of layout ``name`` (``()`` for :data:`ONE_GROUP`) at hash block size ``block_size``
     and sliding window ``window`` (``window_left``).
@@ -210,6 +229,11 @@ class ManagerCapabilities:
         lookahead: with speculative decoding on, each reservation also holds blocks for this many positions
             past its tokens, where the proposer (EAGLE / MTP drafter) writes its next drafts' K/V in the same
             step, before any later reservation (vLLM's ``num_lookahead_tokens``); the machine writes there.
+        retention_interval: sparse prefix-cache retention the hit promise follows (``ManagerConfig``'s,
+            vLLM's ``prefix_cache_retention_interval``): ``None`` (dense) every block of a sliding-window
+            group a whole-block hit needs is cached; otherwise only the blocks a hit needs at a kept boundary
+            (each multiple of a positive interval, the prompt's replay boundary ``num_prompt - 1`` and a
+            shared-prefix junction, each rounded down to whole scheduler blocks).
     """
 
     block_size: int
@@ -232,6 +256,7 @@ class ManagerCapabilities:
     speculative: bool = False
     misuse: bool = False
     lookahead: int = 0
+    retention_interval: int | None = None
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""
@@ -262,6 +287,7 @@ class ManagerConfig:
     ``num_layers`` the layer slots: the largest group's ``num_layers``), all groups on one pool of
     ``num_blocks`` blocks. ``connector``: a KV connector is attached (the machine is its store).
     ``num_speculative_tokens``: the most draft tokens one step reserves (0: no speculative decoding).
+    ``retention_interval``: sparse prefix-cache retention in tokens (:data:`LAYOUT_RETENTION`; ``None``: dense).
     A manager that cannot serve what is asked raises ``ValueError`` naming it (the machine does not
     ask a manager for a layout it does not list), or leaves the capability off."""
 
@@ -274,6 +300,7 @@ class ManagerConfig:
     groups: tuple[GroupSpec, ...] = ()
     connector: bool = False
     num_speculative_tokens: int = 0
+    retention_interval: int | None = None
 
 
 @runtime_checkable

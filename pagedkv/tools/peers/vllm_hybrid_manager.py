@@ -247,7 +247,8 @@ class VllmHybridCacheManager(VllmCacheManager):
         speculative = config.num_speculative_tokens > 0 and all(g.kind not in ("chunked_local", "mamba")
                                                                 for g in self.groups)
         kv_config = v.KVCacheConfig(num_blocks=config.num_blocks + 1, kv_cache_tensors=[], kv_cache_groups=[
-            v.KVCacheGroupSpec([f"layer{i}"], _vllm_spec(v, g)) for i, g in enumerate(self.groups)])
+            v.KVCacheGroupSpec([f"layer{i}"], _vllm_spec(v, g)) for i, g in enumerate(self.groups)],
+            prefix_cache_retention_interval=config.retention_interval)  # engine: --prefix-cache-retention-interval
         sizes = [g.block_size for g in self.groups]
         self.hash_block_size, self.scheduler_block_size = math.gcd(*sizes), math.lcm(*sizes)
         vllm_manager.init_block_hashes(v)
@@ -281,7 +282,8 @@ class VllmHybridCacheManager(VllmCacheManager):
         self.capabilities = ManagerCapabilities(block_size=self.hash_block_size, extra_keys=True, evict=True,
                                                 reset=True, async_steps=True, hit_promise=caches, groups=self.groups,
                                                 connector=config.connector, speculative=speculative,
-                                                lookahead=self.num_lookahead, eviction_order="lru" if lru else None)
+                                                lookahead=self.num_lookahead, eviction_order="lru" if lru else None,
+                                                retention_interval=config.retention_interval)
 
     # -- admission and the connector --------------------------------------------------------------------
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
@@ -538,7 +540,8 @@ cache_manager_windows = vllm_manager.cache_manager_windows
 
 #: The layouts the suite draws for this manager: one group, and the hybrid coordinator in every real-model layout.
 cache_manager_layouts = ("one-group", "gemma3", "llama4", "jamba", "qwen3-next", "gpt-oss-2full-sw",
-                         "mixed-block-sizes", "hymba", "deepseek-v4", "two-window-block-sizes")
+                         "mixed-block-sizes", "hymba", "deepseek-v4", "two-window-block-sizes", "gemma3-sparse",
+                         "gemma3-interval")
 
 
 def peer():
