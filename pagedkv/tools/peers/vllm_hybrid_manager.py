@@ -8,7 +8,11 @@ full + sliding window (Gemma 3), full + chunked local (Llama 4), full + Mamba (J
 + sliding window (GPT-OSS as vLLM splits it), groups of different block sizes (``hash_block_size`` their
 gcd, ``scheduler_block_size`` their lcm, as vLLM sizes them), and three attention types (Hymba's full +
 sliding window + Mamba, DeepSeek-V4's full + two windows, two windows of different block sizes: the
-coordinator's fixed-point hit loop and its spec groups of one manager class). vLLM's LRU eviction order is
+coordinator's fixed-point hit loop and its spec groups of one manager class), and Gemma 3 under sparse
+prefix-cache retention (``gemma3-sparse``: vLLM 0.32's engine default ``--prefix-cache-retention-interval 0``,
+a window group keeping only the blocks a hit at the replay boundary or a shared-prefix junction needs;
+``gemma3-interval``: also one boundary every 3 scheduler blocks; ``KVCacheConfig.prefix_cache_retention_interval``,
+declared so the hit promise and the eviction model follow it). vLLM's LRU eviction order is
 declared where the machine knows what vLLM caches (no Mamba group, no EAGLE), and the lookahead slots
 (``num_lookahead_tokens``) where drafts are on.
 
