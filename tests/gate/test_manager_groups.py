@@ -57,7 +57,9 @@ def test_sparse_retention_layouts_give_vllms_interval_in_tokens():
     assert layout_retention("gemma3-sparse", 2, 1) == 0
     assert layout_retention("gemma3-interval", 2, 1) == 6 and layout_retention("gemma3-interval", 4, 3) == 12
     assert layout_retention("gemma3", 2, 1) is None and layout_retention(ONE_GROUP, 2, 1) is None
-    assert all(layout_groups(name, 2, 1) == layout_groups("gemma3", 2, 1) for name in LAYOUT_RETENTION)
+    assert layout_retention("qwen3-next-sparse", 4, 1) == 0
+    # each is a dense layout's model under another retention
+    assert all(layout_groups(name, 2, 1) == layout_groups(name.rsplit("-", 1)[0], 2, 1) for name in LAYOUT_RETENTION)
 
 
 def test_layouts_with_three_attention_types_and_two_specs_of_one_kind():

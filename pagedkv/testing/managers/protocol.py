@@ -149,9 +149,11 @@ HYBRID_LAYOUTS = {
 #: blocks: the lcm of the groups' block sizes): a sliding-window group caches only the blocks a hit at a kept
 #: boundary needs. ``0`` is vLLM 0.32's engine default (``--prefix-cache-retention-interval``: only the replay
 #: boundary, the prompt less its last token, and a shared-prefix junction are kept); ``n > 0`` also keeps one
-#: boundary every ``n`` scheduler blocks. Every other layout is dense (every block cached, ``None``).
-LAYOUT_RETENTION = {"gemma3-sparse": 0, "gemma3-interval": 3}
+#: boundary every ``n`` scheduler blocks; a Mamba group keeps only those boundaries' states. Every other layout is
+#: dense (every block cached, ``None``).
+LAYOUT_RETENTION = {"gemma3-sparse": 0, "gemma3-interval": 3, "qwen3-next-sparse": 0}
 HYBRID_LAYOUTS["gemma3-sparse"] = HYBRID_LAYOUTS["gemma3-interval"] = HYBRID_LAYOUTS["gemma3"]
+HYBRID_LAYOUTS["qwen3-next-sparse"] = HYBRID_LAYOUTS["qwen3-next"]
 
 
 def layout_retention(name: str, block_size: int, window: int) -> int | None:
