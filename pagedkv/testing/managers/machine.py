@@ -647,6 +647,14 @@ class ManagerMachine(RuleBasedStateMachine):
         promised = self.promised_hit(req)
         if self.caps.retention_interval is not None:
             req.junction = self.junction(req, cached)
+            # sparse retention keeps a window's blocks at known boundaries only: where the model knows every
+            # cached block, the promised hit is the longest there is, so a longer one read a block retention
+            # should not have kept (a mask keeping the wrong blocks)
+            exact = promised or self.caps.hit_promise and self.model_known and req.junction is not None and all(
+                g.kind != "mamba" for g in self.groups)
+            assert not exact or cached <= promised, \
+                f"request {rid}: a hit of {cached} tokens, but sparse retention (interval " \
+                f"{self.caps.retention_interval}) kept window blocks for a hit of at most {promised}"
         assert cached >= promised, \
             f"request {rid}: a hit of {cached} tokens, but its first {promised} were committed and not evicted " \
             f"since (the hit promise: what is cached hits)"
