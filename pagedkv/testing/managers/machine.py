@@ -17,7 +17,8 @@ to compute; a freed request is not held; the manager's own ``self_check``.
 
 What a manager declares is judged too (:class:`~.protocol.ManagerCapabilities`): the ``"lru"`` eviction
 order (every block handed out afresh is the front of the machine's model of the free queue), the hit
-promise (an admit hits every committed leading block not evicted since), and asynchronous steps (a next
+promise (an admit hits every committed leading block not evicted since; under sparse retention only the window
+blocks a hit at a kept boundary needs, and no more where every cached block is known), and asynchronous steps (a next
 step reserved while the previous one's writes are in flight; no block an in-flight step reads or writes
 handed to anyone, a free deferred until its steps complete), the admission promise (a reservation or load
 refused only when the pool is short of its need) and the window release promise (no block wholly before what
@@ -62,7 +63,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
 
 from pagedkv.testing.managers.kv_io import KVIO
 from pagedkv.testing.managers.oracle import stable_hash, token_identity
-from pagedkv.testing.managers.protocol import ONE_GROUP, ManagerConfig, as_grouped, layout_groups
+from pagedkv.testing.managers.protocol import ONE_GROUP, ManagerConfig, as_grouped, layout_groups, layout_retention
 
 VOCAB = st.integers(0, 3)  # small: equal blocks, hits and near-misses are common
 #: Namespaces whose encodings collide where an engine flattens them (protocol.namespace_parts).
@@ -117,6 +118,7 @@ class Request:
     loading: tuple | None = None  # a connector load in flight: (first token, its slots per group)
     correction: int | None = None  # the token verification put where a draft was rejected (decoded next)
     storing: bool = False  # freed, its connector store pending
+    junction: int | None = 0  # the shared-prefix junction its sparse groups keep (None: not known)
 
     def pending(self) -> bool:
         return bool(self.in_flight) or self.loading is not None or self.storing
@@ -208,7 +210,9 @@ class ManagerMachine(RuleBasedStateMachine):
                                num_speculative_tokens=MAX_DRAFTS if features & 2 else 0,
                                # whole-prompt admission on half the pools, read off a draw every program
                                # has (so that no other draw moves)
-                               full_sequence_must_fit=bool(num_blocks % 2))
+                               full_sequence_must_fit=bool(num_blocks % 2),
+                               retention_interval=layout_retention(self.layouts[layout % len(self.layouts)], bs,
+                                                                   window))
         self.m = as_grouped(type(self).make_manager(config))
         self.caps = self.m.capabilities
         self.groups = self.caps.groups
@@ -320,10 +324,45 @@ class ManagerMachine(RuleBasedStateMachine):
             bs, aligned = self.gbs[g], upto // self.bs * self.bs
             reachable = {i for hit in range(self.bs, aligned + 1, self.bs)
                          for i in range(min(group.first_read(hit), hit - 1) // bs, hit // bs)}
+            if group.kind == "sliding_window" and self.caps.retention_interval is not None:
+                reachable = self.retained(g, req, aligned, reachable)
             for end in range(bs, aligned + 1, bs):
                 block = table[end // bs - 1] if end // bs - 1 < len(table) else -1
                 if block >= 0 and group.kind != "mamba" and (end // bs - 1 in reachable or group.kind == "full"):
                     self.cached[block] = (g, req.identities[end - 1])
+
+    def retained(self, g: int, req: Request, aligned: int, dense: set[int]) -> set[int]:
+        """The blocks below ``aligned`` tokens that sparse retention keeps in sliding-window group ``g``
+        (vLLM's ``SlidingWindowManager.reachable_block_mask``): the ``need`` blocks a hit ending at each kept
+        boundary reads (each multiple of a positive interval, the replay boundary ``num_prompt - 1`` and the
+        request's shared-prefix junction, rounded down to whole scheduler blocks); ``dense`` where an interval's
+        segment is no longer than ``need`` (every block reachable)."""
+        bs, interval = self.gbs[g], self.caps.retention_interval
+        need = -(-self.groups[g].window // bs)  # cdiv(sliding_window - 1, block_size)
+        if req.junction is None:  # its junction depends on what was cached when the model did not know
+            self.model_known = False
+        per_segment = interval // bs
+        if interval and need >= per_segment:
+            return dense
+        kept = {i for i in range(aligned // bs) if interval and i % per_segment >= per_segment - need}
+        for boundary in (req.num_prompt - 1, req.junction or 0):
+            end = boundary // self.bs * self.bs // bs
+            kept |= set(range(max(0, end - need), min(end, aligned // bs)))
+        return kept
+
+    def junction(self, req: Request, cached: int) -> int | None:
+        """vLLM's shared-prefix junction of an admission with agreed hit ``cached``: the full-attention groups'
+        own hit (whole scheduler blocks, the last token left to compute) where it runs past ``cached`` (a
+        sparse group kept no boundary there), else 0; ``None`` where the model does not know what is cached."""
+        if not self.model_known:
+            return None
+        full = [g for g, group in enumerate(self.groups) if group.kind == "full"]
+        still = {g: {ident for h, ident in self.cached.values() if h == g} for g in full}
+        cap, hit = len(req.tokens) - self.caps.min_computed_on_full_hit, 0
+        while hit + self.bs <= cap and all(req.identities[end - 1] in still[g] for g in full
+                                           for end in range(hit + self.gbs[g], hit + self.bs + 1, self.gbs[g])):
+            hit += self.bs
+        return hit if hit > cached else 0
 
     def commit(self, rid: int, req: Request) -> None:
         before = self.holdings()
@@ -666,6 +705,16 @@ class ManagerMachine(RuleBasedStateMachine):
                 f"request {rid}: a hit on its first {cached} tokens, which no request committed under namespace " \
                 f"{namespace!r} with these extra keys"
         promised = self.promised_hit(req)
+        if self.caps.retention_interval is not None:
+            req.junction = self.junction(req, cached)
+            # sparse retention keeps a window's blocks at known boundaries only: where the model knows every
+            # cached block, the promised hit is the longest there is, so a longer one read a block retention
+            # should not have kept (a mask keeping the wrong blocks)
+            exact = promised or self.caps.hit_promise and self.model_known and req.junction is not None and all(
+                g.kind != "mamba" for g in self.groups)
+            assert not exact or cached <= promised, \
+                f"request {rid}: a hit of {cached} tokens, but sparse retention (interval " \
+                f"{self.caps.retention_interval}) kept window blocks for a hit of at most {promised}"
         assert cached >= promised, \
             f"request {rid}: a hit of {cached} tokens, but its first {promised} were committed and not evicted " \
             f"since (the hit promise: what is cached hits)"

@@ -43,6 +43,7 @@ A freed request's blocks may be stored: none of them is handed to anyone before 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Hashable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -144,6 +145,26 @@ HYBRID_LAYOUTS = {
 }
 
 
+#: Layouts served with sparse prefix-cache retention (vLLM's ``prefix_cache_retention_interval``, in scheduler
+#: blocks: the lcm of the groups' block sizes): a sliding-window group caches only the blocks a hit at a kept
+#: boundary needs. ``0`` is vLLM 0.32's engine default (``--prefix-cache-retention-interval``: only the replay
+#: boundary, the prompt less its last token, and a shared-prefix junction are kept); ``n > 0`` also keeps one
+#: boundary every ``n`` scheduler blocks; a Mamba group keeps only those boundaries' states. Every other layout is
+#: dense (every block cached, ``None``).
+LAYOUT_RETENTION = {"gemma3-sparse": 0, "gemma3-interval": 3, "qwen3-next-sparse": 0}
+HYBRID_LAYOUTS["gemma3-sparse"] = HYBRID_LAYOUTS["gemma3-interval"] = HYBRID_LAYOUTS["gemma3"]
+HYBRID_LAYOUTS["qwen3-next-sparse"] = HYBRID_LAYOUTS["qwen3-next"]
+
+
+def layout_retention(name: str, block_size: int, window: int) -> int | None:
+    """Layout ``name``'s retention interval in tokens (``None``: dense; 0: replay boundaries and junctions
+    only), at hash block size ``block_size`` and window ``window`` as :func:`layout_groups` takes them."""
+    if name not in LAYOUT_RETENTION:
+        return None
+    sizes = [g.block_size for g in layout_groups(name, block_size, window)]
+    return LAYOUT_RETENTION[name] * math.lcm(*sizes)
+
+
 def layout_groups(name: str, block_size: int, window: int) -> tuple[GroupSpec, ...]:
     """The groups of layout ``name`` (``()`` for :data:`ONE_GROUP`) at hash block size ``block_size``
     and sliding window ``window`` (``window_left``).
@@ -225,6 +246,11 @@ class ManagerCapabilities:
             never reads: right after a ``reserve``, every block wholly before the group's first read of the
             request's first uncommitted token is ``-1`` in its table (vLLM's ``remove_skipped_blocks`` at
             the start of ``allocate_slots``, on the processed-token basis).
+        retention_interval: sparse prefix-cache retention the hit promise follows (``ManagerConfig``'s,
+            vLLM's ``prefix_cache_retention_interval``): ``None`` (dense) every block of a sliding-window
+            group a whole-block hit needs is cached; otherwise only the blocks a hit needs at a kept boundary
+            (each multiple of a positive interval, the prompt's replay boundary ``num_prompt - 1`` and a
+            shared-prefix junction, each rounded down to whole scheduler blocks).
     """
 
     block_size: int
@@ -249,6 +275,7 @@ class ManagerCapabilities:
     lookahead: int = 0
     admission: str | None = None
     window_release: bool = False
+    retention_interval: int | None = None
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""
@@ -282,6 +309,7 @@ class ManagerConfig:
     ``full_sequence_must_fit``: admit a request (its first reservation or load) only where the blocks of
     its whole prompt fit (vLLM's ``scheduler_reserve_full_isl``, on by default there); a manager that
     honours it declares ``capabilities.admission == "sequence"``.
+    ``retention_interval``: sparse prefix-cache retention in tokens (:data:`LAYOUT_RETENTION`; ``None``: dense).
     A manager that cannot serve what is asked raises ``ValueError`` naming it (the machine does not
     ask a manager for a layout it does not list), or leaves the capability off."""
 
@@ -295,6 +323,7 @@ class ManagerConfig:
     connector: bool = False
     num_speculative_tokens: int = 0
     full_sequence_must_fit: bool = False
+    retention_interval: int | None = None
 
 
 @runtime_checkable

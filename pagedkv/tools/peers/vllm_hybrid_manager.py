@@ -8,7 +8,12 @@ full + sliding window (Gemma 3), full + chunked local (Llama 4), full + Mamba (J
 + sliding window (GPT-OSS as vLLM splits it), groups of different block sizes (``hash_block_size`` their
 gcd, ``scheduler_block_size`` their lcm, as vLLM sizes them), and three attention types (Hymba's full +
 sliding window + Mamba, DeepSeek-V4's full + two windows, two windows of different block sizes: the
-coordinator's fixed-point hit loop and its spec groups of one manager class). vLLM's LRU eviction order is
+coordinator's fixed-point hit loop and its spec groups of one manager class), and Gemma 3 under sparse
+prefix-cache retention (``gemma3-sparse``: vLLM 0.32's engine default ``--prefix-cache-retention-interval 0``,
+a window group keeping only the blocks a hit at the replay boundary or a shared-prefix junction needs;
+``gemma3-interval``: also one boundary every 3 scheduler blocks; ``qwen3-next-sparse``: a Mamba group keeping
+only those boundaries' states; ``KVCacheConfig.prefix_cache_retention_interval``, declared so the hit promise
+and the eviction model follow it). vLLM's LRU eviction order is
 declared where the machine knows what vLLM caches (no Mamba group, no EAGLE), and the lookahead slots
 (``num_lookahead_tokens``) where drafts are on.
 
@@ -247,7 +252,8 @@ class VllmHybridCacheManager(VllmCacheManager):
         speculative = config.num_speculative_tokens > 0 and all(g.kind not in ("chunked_local", "mamba")
                                                                 for g in self.groups)
         kv_config = v.KVCacheConfig(num_blocks=config.num_blocks + 1, kv_cache_tensors=[], kv_cache_groups=[
-            v.KVCacheGroupSpec([f"layer{i}"], _vllm_spec(v, g)) for i, g in enumerate(self.groups)])
+            v.KVCacheGroupSpec([f"layer{i}"], _vllm_spec(v, g)) for i, g in enumerate(self.groups)],
+            prefix_cache_retention_interval=config.retention_interval)  # engine: --prefix-cache-retention-interval
         sizes = [g.block_size for g in self.groups]
         self.hash_block_size, self.scheduler_block_size = math.gcd(*sizes), math.lcm(*sizes)
         vllm_manager.init_block_hashes(v)
@@ -287,7 +293,8 @@ class VllmHybridCacheManager(VllmCacheManager):
                                                 reset=True, async_steps=True, hit_promise=caches, groups=self.groups,
                                                 connector=config.connector, speculative=speculative,
                                                 lookahead=self.num_lookahead, eviction_order="lru" if lru else None,
-                                                admission=admission, window_release=True)
+                                                admission=admission, window_release=True,
+                                                retention_interval=config.retention_interval)
 
     # -- admission and the connector --------------------------------------------------------------------
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
@@ -547,7 +554,8 @@ cache_manager_windows = vllm_manager.cache_manager_windows
 
 #: The layouts the suite draws for this manager: one group, and the hybrid coordinator in every real-model layout.
 cache_manager_layouts = ("one-group", "gemma3", "llama4", "jamba", "qwen3-next", "gpt-oss-2full-sw",
-                         "mixed-block-sizes", "hymba", "deepseek-v4", "two-window-block-sizes")
+                         "mixed-block-sizes", "hymba", "deepseek-v4", "two-window-block-sizes", "gemma3-sparse",
+                         "gemma3-interval", "qwen3-next-sparse")
 
 
 def peer():
