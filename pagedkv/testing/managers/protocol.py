@@ -210,6 +210,11 @@ class ManagerCapabilities:
         lookahead: with speculative decoding on, each reservation also holds blocks for this many positions
             past its tokens, where the proposer (EAGLE / MTP drafter) writes its next drafts' K/V in the same
             step, before any later reservation (vLLM's ``num_lookahead_tokens``); the machine writes there.
+        eagle_drop: with speculative decoding on, a hit leaves its last block to recompute (vLLM's EAGLE / MTP:
+            the draft model's K/V of a hit's last token is written with the token after it, so each group
+            matches one block past the hit and drops it). The hit promise is then the longest whole-block
+            prefix whose every group also holds that next block cached, within the prompt's whole hash
+            blocks.
     """
 
     block_size: int
@@ -232,6 +237,7 @@ class ManagerCapabilities:
     speculative: bool = False
     misuse: bool = False
     lookahead: int = 0
+    eagle_drop: bool = False
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""
