@@ -558,3 +558,40 @@ def test_a_window_block_sparse_retention_should_drop_is_caught(monkeypatch):
     monkeypatch.setattr(SlidingWindowManager, "reachable_block_mask", classmethod(lambda cls, *a, **k: None))
     with pytest.raises(AssertionError, match="kept window blocks for a hit of at most"):
         programs.run_program(_machine(("gemma3-sparse",), block_sizes=(1, 2, 4)), _sparse_program([]))
+
+
+@pytest.mark.parametrize("layout", ["gemma3", "gpt-oss-2full-sw", "mixed-block-sizes"])
+@pytest.mark.parametrize("length", [8, 9])
+def test_eagle_hits_what_was_committed_less_the_dropped_block(layout, length):
+    """With EAGLE the peer keeps the hit promise, less the block vLLM drops (``eagle_drop``): a resend of a
+    committed prompt hits the longest whole-block prefix below its last token whose next block, in every
+    group, is cached too. Fails before: the promise was off under EAGLE, so a lookup serving less was never
+    judged."""
+    m = _manager(layout, num_speculative_tokens=3)
+    caps = m.capabilities
+    assert caps.speculative and caps.hit_promise and caps.eagle_drop
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2, 3][:length]
+    _prefill(m, 0, prompt, chunk=length)
+    m.free(0)
+    lcm = max(g.block_size for g in caps.groups)
+    expected = max(h for h in range(0, length, lcm)
+                   if all(h + g.block_size <= length // g.block_size * g.block_size for g in caps.groups))
+    _, hit = m.admit(1, prompt)
+    assert hit == expected > 0, (layout, hit, expected)
+
+
+def _eagle_without_margin(monkeypatch) -> None:
+    """vLLM's EAGLE lookup without its one-block margin: every EAGLE group matches up to the candidate only and
+    drops a block from there, so each hit comes out one block shorter than vLLM defines it."""
+    from vllm.v1.core import kv_cache_coordinator
+
+    monkeypatch.setattr(kv_cache_coordinator, "eagle_proof_margin", lambda *args: 0)
+
+
+@pytest.mark.slow(reason="5-30 s: examples of vLLM's coordinator with EAGLE until the search finds it")
+def test_eagle_lookup_without_its_margin_is_caught(monkeypatch):
+    """The hit promise under EAGLE judges a lookup that serves a block less than vLLM's definition. Fails
+    before: the hit promise was off wherever EAGLE was on."""
+    _eagle_without_margin(monkeypatch)
+    steps = _gate(("gemma3", "gpt-oss-2full-sw", "deepseek-v4"), 300)
+    assert steps is not None and "the hit promise" in steps.error, steps and steps.error

@@ -510,13 +510,29 @@ class ManagerMachine(RuleBasedStateMachine):
             hit = 0
             while hit + self.bs <= cap and req.identities[hit + self.bs - 1] in still[0]:
                 hit += self.bs
-            return hit
+            return self.eagle_dropped(req, hit, still)
         for hit in range(cap // self.bs * self.bs, 0, -self.bs):
             if all(req.identities[(i + 1) * self.gbs[g] - 1] in still[g]
                    for g, group in enumerate(self.groups)
-                   for i in range(min(group.first_read(hit), hit - 1) // self.gbs[g], hit // self.gbs[g])):
+                   for i in range(min(group.first_read(hit), hit - 1) // self.gbs[g], hit // self.gbs[g])) and (
+                    self.eagle_next_block(req, hit, still)):
                 return hit
         return 0
+
+    def eagle_next_block(self, req: Request, hit: int, still: list[set]) -> bool:
+        """Whether a hit of ``hit`` tokens survives the EAGLE drop (``capabilities.eagle_drop``): every
+        group's block after it is cached too, inside the prompt's whole hash blocks (vLLM's lookup
+        matches one block past the hit, up to ``len(block_hashes) * hash_block_size``, and drops it)."""
+        if not (self.speculative and self.caps.eagle_drop):
+            return True
+        limit = len(req.tokens) // self.caps.block_size * self.caps.block_size
+        return all(hit + bs <= limit and req.identities[hit + bs - 1] in still[g] for g, bs in enumerate(self.gbs))
+
+    def eagle_dropped(self, req: Request, hit: int, still: list[set]) -> int:
+        """One group's promised ``hit`` less the block EAGLE drops where the block after it is not cached."""
+        while hit and not self.eagle_next_block(req, hit, still):
+            hit -= self.bs
+        return hit
 
     def read_blocks(self, tables: tuple, start: int, end: int) -> frozenset:
         """Blocks that tokens ``start..end`` write and whose attention window (or state) they read."""

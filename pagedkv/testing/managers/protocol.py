@@ -251,6 +251,11 @@ class ManagerCapabilities:
             group a whole-block hit needs is cached; otherwise only the blocks a hit needs at a kept boundary
             (each multiple of a positive interval, the prompt's replay boundary ``num_prompt - 1`` and a
             shared-prefix junction, each rounded down to whole scheduler blocks).
+        eagle_drop: with speculative decoding on, a hit leaves its last block to recompute (vLLM's EAGLE / MTP:
+            the draft model's K/V of a hit's last token is written with the token after it, so each group
+            matches one block past the hit and drops it). The hit promise is then the longest whole-block
+            prefix whose every group also holds that next block cached, within the prompt's whole hash
+            blocks.
     """
 
     block_size: int
@@ -276,6 +281,7 @@ class ManagerCapabilities:
     admission: str | None = None
     window_release: bool = False
     retention_interval: int | None = None
+    eagle_drop: bool = False
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""

@@ -278,12 +278,13 @@ class VllmHybridCacheManager(VllmCacheManager):
         # The hit promise (committed blocks hit) holds except where vLLM hits less on purpose: a one-token
         # window (sliding_window 1) caches no block, and vLLM's window finder then hits nothing (it wants one
         # cached block even where a hit needs none), as in one group; with EAGLE every hit drops its last
-        # block (the draft model's K/V there is written with the next token)
-        caches = not speculative and all(g.kind != "sliding_window" or g.window >= 1 for g in self.groups)
+        # block (the draft model's K/V there is written with the next token): declared as eagle_drop, the
+        # promise then less that block
+        caches = all(g.kind != "sliding_window" or g.window >= 1 for g in self.groups)
         # vLLM's LRU order (FreeKVCacheBlockQueue: uncached blocks first, cached ones in release order, each
         # group's blocks tail first) is judged where the machine knows what is cached: not where a Mamba
         # group caches states at boundaries of its own choosing, nor where EAGLE caches one block less
-        lru = caches and all(g.kind != "mamba" for g in self.groups)
+        lru = caches and not speculative and all(g.kind != "mamba" for g in self.groups)
         # the admission promise where every group needs the blocks its tokens reach: not beside a Mamba group
         # (its "align" mode holds checkpoint and draft scratch blocks, and the scheduler may clip a chunk to
         # nothing); a waiting request's allocation checks its whole prompt where the scheduler reserves it
@@ -294,7 +295,8 @@ class VllmHybridCacheManager(VllmCacheManager):
                                                 connector=config.connector, speculative=speculative,
                                                 lookahead=self.num_lookahead, eviction_order="lru" if lru else None,
                                                 admission=admission, window_release=True,
-                                                retention_interval=config.retention_interval)
+                                                retention_interval=config.retention_interval,
+                                                eagle_drop=speculative)
 
     # -- admission and the connector --------------------------------------------------------------------
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
