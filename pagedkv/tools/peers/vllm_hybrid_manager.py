@@ -281,7 +281,8 @@ class VllmHybridCacheManager(VllmCacheManager):
         self.capabilities = ManagerCapabilities(block_size=self.hash_block_size, extra_keys=True, evict=True,
                                                 reset=True, async_steps=True, hit_promise=caches, groups=self.groups,
                                                 connector=config.connector, speculative=speculative,
-                                                lookahead=self.num_lookahead, eviction_order="lru" if lru else None)
+                                                lookahead=self.num_lookahead, eviction_order="lru" if lru else None,
+                                                prompt_embeds=True)
 
     # -- admission and the connector --------------------------------------------------------------------
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
