@@ -773,20 +773,24 @@ class ManagerMachine(RuleBasedStateMachine):
         return rid if ok else multiple()
 
     @rule(target=reqs, rid=reqs, change=st.sampled_from(("image", "namespace", "content")), chunk=st.integers(1, 12),
-          write_now=st.booleans(), which=st.integers(0, 2), follow=st.booleans())
-    def variant(self, rid, change, chunk, write_now, which=0, follow=False):
+          write_now=st.booleans(), which=st.integers(0, 2), output=st.sampled_from(("none", "decoded", "in_prompt")))
+    def variant(self, rid, change, chunk, write_now, which=0, output="none"):
         """A request whose prompt is a live one's with one identity part moved so that encodings may
-        collide: its first input (multimodal or embedding rows) one token later (or else earlier; first the
-        way whose token it moves over is a placeholder already, so that every token id stays and the blocks
-        differ from the live one's only in the input's offset), or its namespace swapped for a sibling, or
+        collide: its first input (multimodal or embedding rows) one token later or earlier (first a way that
+        keeps it in its blocks, then one whose token it moves over is a placeholder already, so that every token
+        id stays and the blocks differ from the live one's only in the input's offset), or its namespace swapped
+        for a sibling, or
         (``"content"``) its input number ``which`` (of those it has, in order) another one of the same size
-        (same placeholder run, other content: only the key differs). ``follow``: the variant then decodes the
-        live request's output so far (a reply that comes out the same), so that blocks completed by decode
-        carry the two prompts' tails alike."""
+        (same placeholder run, other content: only the key differs). The live request's ``output`` so far:
+        ``"decoded"`` by the variant after its prompt (a reply that comes out the same: blocks completed by
+        decode carry the two prompts' tails alike), ``"in_prompt"`` (the conversation re-sent with its input
+        edited: the edited blocks lie inside the prompt, full, where a hit reaches them), or ``"none"``."""
         self.log("variant", rid=rid, change=change, chunk=chunk, write_now=write_now,
-                 **({"which": which} if change == "content" else {}), **({"follow": True} if follow else {}))
+                 **({"which": which} if change == "content" else {}),
+                 **({"output": output} if output != "none" else {}))
         req = self.live[rid]
-        tokens, extras, namespace = list(req.tokens[:req.num_prompt]), dict(req.extras), req.namespace
+        end = max(req.num_prompt, req.written) if output == "in_prompt" else req.num_prompt
+        tokens, extras, namespace = list(req.tokens[:end]), dict(req.extras), req.namespace
         if change == "namespace":
             if not self.caps.namespaces:
                 return multiple()
@@ -811,7 +815,9 @@ class ManagerMachine(RuleBasedStateMachine):
             if not run:  # the input lies past the prompt (a preempted request's truncated one)
                 return multiple()
             ways = [([p + 1 for p in run], run[-1] + 1), ([p - 1 for p in run], run[0] - 1)]  # (run, token moved over)
-            ways.sort(key=lambda way: not (0 <= way[1] < len(tokens) and tokens[way[1]] == PLACEHOLDER))
+            bs = self.bs  # first a way inside the input's blocks, then one over a placeholder: one input at two offsets
+            ways.sort(key=lambda way: ({p // bs for p in way[0]} != {p // bs for p in run},  # of blocks alike
+                                       not (0 <= way[1] < len(tokens) and tokens[way[1]] == PLACEHOLDER)))
             for moved, _ in ways:
                 # not onto another input: a cut input's key would name a placeholder run it does not have
                 if min(moved) >= 0 and max(moved) < len(tokens) and all(p in run or p not in extras for p in moved):
@@ -825,7 +831,7 @@ class ManagerMachine(RuleBasedStateMachine):
         new = self.new_id()
         if not self.admit(new, tokens, namespace, extras, chunk, write_now):
             return multiple()
-        if follow and new in self.live:
+        if output == "decoded" and new in self.live:
             self.decode_tokens(new, req.tokens[req.num_prompt:req.written])
         return new
 
