@@ -60,7 +60,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
 
 from pagedkv.testing.managers.kv_io import KVIO
 from pagedkv.testing.managers.oracle import stable_hash, token_identity
-from pagedkv.testing.managers.protocol import (ONE_GROUP, ManagerConfig, as_grouped, layout_groups,
+from pagedkv.testing.managers.protocol import (ONE_GROUP, ManagerConfig, as_grouped, is_embedding, layout_groups,
                                                prompt_embedding_rows)
 
 VOCAB = st.integers(0, 3)  # small: equal blocks, hits and near-misses are common
@@ -595,6 +595,10 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def admit(self, rid: int, tokens: list[int], namespace, extras: dict, chunk: int, write_now: bool,
               stored: int = 0, store_ahead: bool = False, resumed: dict | None = None) -> bool:
+        # an embedding row past the prompt, or where a new message put a token (a truncated conversation's), is no
+        # input: the token there is text (an engine gives a row only at a placeholder, and reads no id there)
+        extras = {p: key for p, key in extras.items()
+                  if not is_embedding(key) or p < len(tokens) and tokens[p] == PLACEHOLDER}
         req = Request(namespace, [], dict(extras), [], len(tokens))
         req.extend(tokens)
         if store_ahead:
@@ -773,21 +777,24 @@ class ManagerMachine(RuleBasedStateMachine):
         return rid if ok else multiple()
 
     @rule(target=reqs, rid=reqs, change=st.sampled_from(("image", "namespace", "content")), chunk=st.integers(1, 12),
-          write_now=st.booleans(), which=st.integers(0, 2), output=st.sampled_from(("none", "decoded", "in_prompt")))
-    def variant(self, rid, change, chunk, write_now, which=0, output="none"):
+          write_now=st.booleans(), which=st.integers(0, 2), output=st.sampled_from(("none", "decoded", "in_prompt")),
+          suffix=st.lists(VOCAB, max_size=4))
+    def variant(self, rid, change, chunk, write_now, which=0, output="none", suffix=()):
         """A request whose prompt is a live one's with one identity part moved so that encodings may
-        collide: its first input (multimodal or embedding rows) one token later or earlier (first a way that
-        keeps it in its blocks, then one whose token it moves over is a placeholder already, so that every token
-        id stays and the blocks differ from the live one's only in the input's offset), or its namespace swapped
-        for a sibling, or
+        collide: an input (multimodal or embedding rows) one token later or earlier (of the inputs and ways,
+        first one that keeps it in its blocks, then one whose token it moves over is a placeholder already, so
+        that every token id stays and the blocks differ from the live one's only in the input's offset; then the
+        first input, the later way), or its namespace swapped for a sibling, or
         (``"content"``) its input number ``which`` (of those it has, in order) another one of the same size
         (same placeholder run, other content: only the key differs). The live request's ``output`` so far:
         ``"decoded"`` by the variant after its prompt (a reply that comes out the same: blocks completed by
         decode carry the two prompts' tails alike), ``"in_prompt"`` (the conversation re-sent with its input
-        edited: the edited blocks lie inside the prompt, full, where a hit reaches them), or ``"none"``."""
+        edited: the edited blocks lie inside the prompt, full, where a hit reaches them), or ``"none"``; then a
+        new message ``suffix`` (an earlier message edited, the chat going on: the edited blocks are no longer the
+        prompt's last, which no hit reaches)."""
         self.log("variant", rid=rid, change=change, chunk=chunk, write_now=write_now,
                  **({"which": which} if change == "content" else {}),
-                 **({"output": output} if output != "none" else {}))
+                 **({"output": output} if output != "none" else {}), **({"suffix": suffix} if suffix else {}))
         req = self.live[rid]
         end = max(req.num_prompt, req.written) if output == "in_prompt" else req.num_prompt
         tokens, extras, namespace = list(req.tokens[:end]), dict(req.extras), req.namespace
@@ -807,29 +814,26 @@ class ManagerMachine(RuleBasedStateMachine):
                     break
                 extras[p] = (kind, other, p - first)
         else:
-            starts = sorted(p for p, key in extras.items() if key[2] == 0)
-            if not starts:
+            bs, ways = self.bs, []  # (its blocks change, not over a placeholder, input order, kind, ident, run, moved)
+            for order, start in enumerate(sorted(p for p, key in extras.items() if key[2] == 0)):
+                kind, ident = extras[start][:2]
+                run = [p for p in range(start, len(tokens)) if extras.get(p) == (kind, ident, p - start)]
+                shifts = (([p + 1 for p in run], run[-1] + 1), ([p - 1 for p in run], run[0] - 1)) if run else ()
+                for moved, over in shifts:  # (the run moved, the token it moves over)
+                    # not onto another input: a cut input's key would name a placeholder run it does not have
+                    if min(moved) >= 0 and max(moved) < len(tokens) and all(p in run or p not in extras for p in moved):
+                        ways.append(({p // bs for p in moved} != {p // bs for p in run},
+                                     not (0 <= over < len(tokens) and tokens[over] == PLACEHOLDER),
+                                     order, kind, ident, run, moved))
+            if not ways:  # no input, or none inside the prompt (a preempted request's truncated one) or movable
                 return multiple()
-            kind, ident = extras[starts[0]][:2]
-            run = [p for p in range(starts[0], len(tokens)) if extras.get(p) == (kind, ident, p - starts[0])]
-            if not run:  # the input lies past the prompt (a preempted request's truncated one)
-                return multiple()
-            ways = [([p + 1 for p in run], run[-1] + 1), ([p - 1 for p in run], run[0] - 1)]  # (run, token moved over)
-            bs = self.bs  # first a way inside the input's blocks, then one over a placeholder: one input at two offsets
-            ways.sort(key=lambda way: ({p // bs for p in way[0]} != {p // bs for p in run},  # of blocks alike
-                                       not (0 <= way[1] < len(tokens) and tokens[way[1]] == PLACEHOLDER)))
-            for moved, _ in ways:
-                # not onto another input: a cut input's key would name a placeholder run it does not have
-                if min(moved) >= 0 and max(moved) < len(tokens) and all(p in run or p not in extras for p in moved):
-                    break
-            else:
-                return multiple()
+            *_, kind, ident, run, moved = min(ways, key=lambda way: way[:3])
             extras = {p: key for p, key in extras.items() if p not in run}
             extras.update({p: (kind, ident, i) for i, p in enumerate(moved)})
             for p in moved:  # the blocks before the one token it moves over keep their token ids
                 tokens[p] = PLACEHOLDER
         new = self.new_id()
-        if not self.admit(new, tokens, namespace, extras, chunk, write_now):
+        if not self.admit(new, [*tokens, *suffix], namespace, extras, chunk, write_now):
             return multiple()
         if output == "decoded" and new in self.live:
             self.decode_tokens(new, req.tokens[req.num_prompt:req.written])
