@@ -110,3 +110,21 @@ def test_variant_edits_an_earlier_input_of_a_decoded_tail_block_and_decodes_the_
     assert machine.live[resent].num_prompt == 9
     machine.check()
     machine.teardown()
+
+
+def test_variant_moves_an_input_inside_its_blocks_keeping_every_token_id():
+    """``variant(change="image")``: the input moved by one token inside its blocks (here the later way would leave
+    its block of 4, so one token earlier), every token id kept: the two prompts differ only in the input's offset
+    in that block. Fails before: the moved-over token became a placeholder (other token ids) and the later way
+    was taken first, into the next block."""
+    machine = _machine(OwnCacheManager, 2)  # block_size 4
+    (rid,) = machine.add(system=[1, 2, 3, 1, 2], suffix=[3, 1, 2, 3, 1], namespace=None, extra="image-0", chunk=12,
+                         write_now=True, image_at=1).values
+    req = machine.live[rid]
+    assert req.extras == {6: ("mm", "image-0", 0), 7: ("mm", "image-0", 1)}
+    other = machine.variant(rid=rid, change="image", chunk=12, write_now=True)
+    moved = machine.live[other]
+    assert moved.tokens == req.tokens
+    assert moved.extras == {5: ("mm", "image-0", 0), 6: ("mm", "image-0", 1)}
+    machine.check()
+    machine.teardown()

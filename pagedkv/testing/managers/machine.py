@@ -702,7 +702,7 @@ class ManagerMachine(RuleBasedStateMachine):
           extra=st.sampled_from(EXTRA_KEYS), chunk=st.integers(1, 12), write_now=st.booleans(),
           image_at=st.integers(0, 3), stored=st.integers(0, 3), n=st.integers(1, 3), store_ahead=st.booleans(),
           more=st.lists(st.tuples(st.sampled_from(MORE_ITEMS), st.integers(0, 2)), max_size=2),
-          embeds=st.none() | st.tuples(st.sampled_from(EMBEDS), st.integers(0, 5), st.integers(1, 3)))
+          embeds=st.none() | st.tuples(st.sampled_from(EMBEDS), st.integers(-2, 5), st.integers(1, 3)))
     def add(self, system, suffix, namespace, extra, chunk, write_now, image_at=0, stored=0, n=1, store_ahead=False,
             more=(), embeds=None):
         """A request: a system prompt and its own suffix, under a namespace, with a multimodal input
@@ -721,8 +721,9 @@ class ManagerMachine(RuleBasedStateMachine):
         suffix beside ``extra``: several inputs in one block, the prompt's partial last block among them,
         whose key must name every input it overlaps (also where decode completes it). ``embeds``: ``(payload,
         at, length)``: prompt embeddings (where the manager takes them, ``capabilities.prompt_embeds``): up to
-        ``length`` rows of ``payload`` given instead of tokens from suffix position ``at`` on (placeholder ids,
-        positions no multimodal input holds), so that prompts share placeholder ids but not embeddings."""
+        ``length`` rows of ``payload`` given instead of tokens from suffix position ``at`` on, or, ``at`` < 0,
+        from the prompt's start (a soft prompt, shared as a system prompt is) (placeholder ids, positions no
+        multimodal input holds), so that prompts share placeholder ids but not embeddings."""
         self.log("add", system=system, suffix=suffix, namespace=namespace, extra=extra, chunk=chunk,
                  write_now=write_now, image_at=image_at, stored=stored, **({"n": n} if n > 1 else {}),
                  **({"store_ahead": True} if store_ahead else {}),
@@ -749,7 +750,7 @@ class ManagerMachine(RuleBasedStateMachine):
             end = start
         if embeds and suffix and self.caps.prompt_embeds and self.caps.extra_keys:
             payload, at, length = embeds
-            first = len(system) + at % len(suffix)
+            first = 0 if at < 0 else len(system) + at % len(suffix)
             for i, p in enumerate(range(first, min(first + length, len(tokens)))):
                 if p in extras:
                     break
@@ -781,10 +782,11 @@ class ManagerMachine(RuleBasedStateMachine):
           suffix=st.lists(VOCAB, max_size=4))
     def variant(self, rid, change, chunk, write_now, which=0, output="none", suffix=()):
         """A request whose prompt is a live one's with one identity part moved so that encodings may
-        collide: an input (multimodal or embedding rows) one token later or earlier (of the inputs and ways,
-        first one that keeps it in its blocks, then one whose token it moves over is a placeholder already, so
-        that every token id stays and the blocks differ from the live one's only in the input's offset; then the
-        first input, the later way), or its namespace swapped for a sibling, or
+        collide: an input (multimodal or embedding rows) one token later or earlier, every token id kept (so
+        that the blocks differ from the live one's only in the input's offset; an embedding row's token is a
+        placeholder: of the inputs and ways, first one that keeps it in its blocks, then one whose token it moves
+        over is a placeholder already; then the first input, the later way), or its namespace swapped for a
+        sibling, or
         (``"content"``) its input number ``which`` (of those it has, in order) another one of the same size
         (same placeholder run, other content: only the key differs). The live request's ``output`` so far:
         ``"decoded"`` by the variant after its prompt (a reply that comes out the same: blocks completed by
@@ -830,7 +832,7 @@ class ManagerMachine(RuleBasedStateMachine):
             *_, kind, ident, run, moved = min(ways, key=lambda way: way[:3])
             extras = {p: key for p, key in extras.items() if p not in run}
             extras.update({p: (kind, ident, i) for i, p in enumerate(moved)})
-            for p in moved:  # the blocks before the one token it moves over keep their token ids
+            for p in moved if kind == "embed" else ():  # an engine reads no token id under an embedding row
                 tokens[p] = PLACEHOLDER
         new = self.new_id()
         if not self.admit(new, [*tokens, *suffix], namespace, extras, chunk, write_now):
