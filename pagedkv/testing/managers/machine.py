@@ -702,7 +702,7 @@ class ManagerMachine(RuleBasedStateMachine):
           extra=st.sampled_from(EXTRA_KEYS), chunk=st.integers(1, 12), write_now=st.booleans(),
           image_at=st.integers(0, 3), stored=st.integers(0, 3), n=st.integers(1, 3), store_ahead=st.booleans(),
           more=st.lists(st.tuples(st.sampled_from(MORE_ITEMS), st.integers(0, 2)), max_size=2),
-          embeds=st.none() | st.tuples(st.sampled_from(EMBEDS), st.integers(-2, 5), st.integers(1, 3)))
+          embeds=st.none() | st.tuples(st.sampled_from(EMBEDS), st.integers(-4, 5), st.integers(1, 3)))
     def add(self, system, suffix, namespace, extra, chunk, write_now, image_at=0, stored=0, n=1, store_ahead=False,
             more=(), embeds=None):
         """A request: a system prompt and its own suffix, under a namespace, with a multimodal input
@@ -784,9 +784,9 @@ class ManagerMachine(RuleBasedStateMachine):
         """A request whose prompt is a live one's with one identity part moved so that encodings may
         collide: an input (multimodal or embedding rows) one token later or earlier, every token id kept (so
         that the blocks differ from the live one's only in the input's offset; an embedding row's token is a
-        placeholder: of the inputs and ways, first one that keeps it in its blocks, then one whose token it moves
-        over is a placeholder already; then the first input, the later way), or its namespace swapped for a
-        sibling, or
+        placeholder, so rows keep every id only where they move over one: of the inputs and ways, first one that
+        keeps it in its blocks, then one that keeps every token id, then the first input, the later way), or its
+        namespace swapped for a sibling, or
         (``"content"``) its input number ``which`` (of those it has, in order) another one of the same size
         (same placeholder run, other content: only the key differs). The live request's ``output`` so far:
         ``"decoded"`` by the variant after its prompt (a reply that comes out the same: blocks completed by
@@ -816,7 +816,7 @@ class ManagerMachine(RuleBasedStateMachine):
                     break
                 extras[p] = (kind, other, p - first)
         else:
-            bs, ways = self.bs, []  # (its blocks change, not over a placeholder, input order, kind, ident, run, moved)
+            bs, ways = self.bs, []  # (its blocks change, token ids change, input order, kind, ident, run, moved)
             for order, start in enumerate(sorted(p for p, key in extras.items() if key[2] == 0)):
                 kind, ident = extras[start][:2]
                 run = [p for p in range(start, len(tokens)) if extras.get(p) == (kind, ident, p - start)]
@@ -824,8 +824,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 for moved, over in shifts:  # (the run moved, the token it moves over)
                     # not onto another input: a cut input's key would name a placeholder run it does not have
                     if min(moved) >= 0 and max(moved) < len(tokens) and all(p in run or p not in extras for p in moved):
-                        ways.append(({p // bs for p in moved} != {p // bs for p in run},
-                                     not (0 <= over < len(tokens) and tokens[over] == PLACEHOLDER),
+                        ways.append(({p // bs for p in moved} != {p // bs for p in run},  # token ids change:
+                                     kind == "embed" and not (0 <= over < len(tokens) and tokens[over] == PLACEHOLDER),
                                      order, kind, ident, run, moved))
             if not ways:  # no input, or none inside the prompt (a preempted request's truncated one) or movable
                 return multiple()
