@@ -283,7 +283,7 @@ def test_each_declared_layout_is_searched_with_the_whole_budget(tmp_path):
     assert machine.examples_run >= 18 and machine.checks_run > machine.examples_run
     faulty = machine_for(HYBRID_MANAGER_MUTANTS["second_full_group_untruncated"],
                          layouts=reference.cache_manager_layouts, name="PerLayout")
-    steps = programs.run_per_layout(faulty, _settings(10))
+    steps = programs.run_per_layout(faulty, _settings(15))
     assert steps is not None and "agreed hit" in steps.error, steps and steps.error
     assert steps.machine_class.layouts == ("gpt-oss-2full-sw",) and steps.first_failing_example <= faulty.examples_run
     path = programs.save(tmp_path / "case.json", "pagedkv.tools.mutants.hybrid_managers:second_full_group_untruncated",

@@ -63,7 +63,8 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
 
 from pagedkv.testing.managers.kv_io import KVIO
 from pagedkv.testing.managers.oracle import stable_hash, token_identity
-from pagedkv.testing.managers.protocol import ONE_GROUP, ManagerConfig, as_grouped, layout_groups, layout_retention
+from pagedkv.testing.managers.protocol import (ONE_GROUP, ManagerConfig, as_grouped, is_embedding, layout_groups,
+                                               layout_retention, prompt_embedding_rows)
 
 VOCAB = st.integers(0, 3)  # small: equal blocks, hits and near-misses are common
 #: Namespaces whose encodings collide where an engine flattens them (protocol.namespace_parts).
@@ -78,6 +79,9 @@ IMAGE_LENGTHS = {"image-0": 2, "image-1": 3, "image-2": 1}  # one input, one len
 #: two inputs fit in one small block beside other tokens.
 MORE_ITEMS = ("image-0", "image-1", "image-2")
 PLACEHOLDER = 0  # the token id of a multimodal input's placeholder run (what an engine's processor writes)
+#: Prompt-embedding payloads (``add``'s ``embeds``): two, so that two requests share placeholder ids but not
+#: embeddings; ``variant`` swaps one for another (``"content"``) or moves it (``"image"``: same rows elsewhere).
+EMBEDS = ("embeds-0", "embeds-1")
 NUM_KV_HEADS, HEAD_DIM = 1, 2
 MAX_DRAFTS = 3  # num_speculative_tokens the machine asks for
 
@@ -122,6 +126,10 @@ class Request:
 
     def pending(self) -> bool:
         return bool(self.in_flight) or self.loading is not None or self.storing
+
+    def embedded(self) -> bool:
+        """Its prompt carries embedding rows (an engine keys every block of it by its embeddings then)."""
+        return bool(prompt_embedding_rows(self.extras.items(), self.num_prompt))
 
     def truncate(self, n: int) -> None:
         """Drop tokens from ``n`` on (rejected drafts)."""
@@ -329,7 +337,10 @@ class ManagerMachine(RuleBasedStateMachine):
             for end in range(bs, aligned + 1, bs):
                 block = table[end // bs - 1] if end // bs - 1 < len(table) else -1
                 if block >= 0 and group.kind != "mamba" and (end // bs - 1 in reachable or group.kind == "full"):
-                    self.cached[block] = (g, req.identities[end - 1])
+                    # a prompt with embeddings: vLLM keys each of its blocks by the embeddings' bytes there (zero
+                    # rows at tokens, a slice cut at the prompt's end), so only its own kind may be promised it
+                    ident = req.identities[end - 1]
+                    self.cached[block] = (g, ("embedded", ident) if req.embedded() else ident)
 
     def retained(self, g: int, req: Request, aligned: int, dense: set[int]) -> set[int]:
         """The blocks below ``aligned`` tokens that sparse retention keeps in sliding-window group ``g``
@@ -501,6 +512,8 @@ class ManagerMachine(RuleBasedStateMachine):
         or chunked-local group the blocks the first computed token reads and the last cached token's
         block (a chained hash needs it; none promised with a Mamba group)."""
         if not (self.caps.hit_promise and self.model_known) or any(g.kind == "mamba" for g in self.groups):
+            return 0
+        if req.embedded():  # its keys hash embedding slices the identity does not see (their length): no promise
             return 0
         cap = len(req.tokens) - self.caps.min_computed_on_full_hit
         still = [set() for _ in self.groups]
@@ -696,6 +709,10 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def admit(self, rid: int, tokens: list[int], namespace, extras: dict, chunk: int, write_now: bool,
               stored: int = 0, store_ahead: bool = False, resumed: dict | None = None) -> bool:
+        # an embedding row past the prompt, or where a new message put a token (a truncated conversation's), is no
+        # input: the token there is text (an engine gives a row only at a placeholder, and reads no id there)
+        extras = {p: key for p, key in extras.items()
+                  if not is_embedding(key) or p < len(tokens) and tokens[p] == PLACEHOLDER}
         req = Request(namespace, [], dict(extras), [], len(tokens))
         req.extend(tokens)
         if store_ahead:
@@ -810,9 +827,10 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(target=reqs, system=systems, suffix=st.lists(VOCAB, max_size=6), namespace=st.sampled_from(NAMESPACES),
           extra=st.sampled_from(EXTRA_KEYS), chunk=st.integers(1, 12), write_now=st.booleans(),
           image_at=st.integers(0, 3), stored=st.integers(0, 3), n=st.integers(1, 3), store_ahead=st.booleans(),
-          more=st.lists(st.tuples(st.sampled_from(MORE_ITEMS), st.integers(0, 2)), max_size=2))
+          more=st.lists(st.tuples(st.sampled_from(MORE_ITEMS), st.integers(0, 2)), max_size=2),
+          embeds=st.none() | st.tuples(st.sampled_from(EMBEDS), st.integers(-4, 5), st.integers(1, 3)))
     def add(self, system, suffix, namespace, extra, chunk, write_now, image_at=0, stored=0, n=1, store_ahead=False,
-            more=()):
+            more=(), embeds=None):
         """A request: a system prompt and its own suffix, under a namespace, with a multimodal input
         ``extra`` (its placeholder run, as long as :data:`IMAGE_LENGTHS` says, ``image_at`` into the suffix);
         the first prefill chunk reserved (written now or later). With a connector, the store holds the
@@ -827,11 +845,16 @@ class ManagerMachine(RuleBasedStateMachine):
         ``(input, gap)`` at the suffix's end (attachments after a message), the first ending ``gap`` tokens
         before the prompt's end, each next one ``gap`` tokens before the previous one, while they fit in the
         suffix beside ``extra``: several inputs in one block, the prompt's partial last block among them,
-        whose key must name every input it overlaps (also where decode completes it)."""
+        whose key must name every input it overlaps (also where decode completes it). ``embeds``: ``(payload,
+        at, length)``: prompt embeddings (where the manager takes them, ``capabilities.prompt_embeds``): up to
+        ``length`` rows of ``payload`` given instead of tokens from suffix position ``at`` on, or, ``at`` < 0,
+        from the prompt's start (a soft prompt, shared as a system prompt is) (placeholder ids, positions no
+        multimodal input holds), so that prompts share placeholder ids but not embeddings."""
         self.log("add", system=system, suffix=suffix, namespace=namespace, extra=extra, chunk=chunk,
                  write_now=write_now, image_at=image_at, stored=stored, **({"n": n} if n > 1 else {}),
                  **({"store_ahead": True} if store_ahead else {}),
-                 **({"more": [list(m) for m in more]} if more else {}))
+                 **({"more": [list(m) for m in more]} if more else {}),
+                 **({"embeds": list(embeds)} if embeds else {}))
         namespace = namespace if self.caps.namespaces else None
         tokens = list(system) + list(suffix)
         extras = {}
@@ -851,6 +874,14 @@ class ManagerMachine(RuleBasedStateMachine):
                 extras[start + i] = ("mm", item, i)
                 tokens[start + i] = PLACEHOLDER
             end = start
+        if embeds and suffix and self.caps.prompt_embeds and self.caps.extra_keys:
+            payload, at, length = embeds
+            first = 0 if at < 0 else len(system) + at % len(suffix)
+            for i, p in enumerate(range(first, min(first + length, len(tokens)))):
+                if p in extras:
+                    break
+                extras[p] = ("embed", payload, i)
+                tokens[p] = PLACEHOLDER
         admitted = []
         for _ in range(max(1, n)):
             rid = self.new_id()
@@ -873,20 +904,30 @@ class ManagerMachine(RuleBasedStateMachine):
         return rid if ok else multiple()
 
     @rule(target=reqs, rid=reqs, change=st.sampled_from(("image", "namespace", "content", "same")),
-          chunk=st.integers(1, 12), write_now=st.booleans())
-    def variant(self, rid, change, chunk, write_now, which=0):
+          chunk=st.integers(1, 12), write_now=st.booleans(), which=st.integers(0, 2),
+          output=st.sampled_from(("none", "decoded", "in_prompt")), suffix=st.lists(VOCAB, max_size=4))
+    def variant(self, rid, change, chunk, write_now, which=0, output="none", suffix=()):
         """A request whose prompt is a live one's with one identity part moved so that encodings may
-        collide: its multimodal input one token later (or else earlier), the token it moves over now a
-        placeholder (so every block before that token keeps its token ids and differs from the live one's
-        only in the input's offset), or its namespace swapped for a sibling, or (``"content"``) its input
-        number ``which`` (of those it has, in order) another one of the same size (same placeholder run,
-        other content: only the key differs), or (``"same"``) nothing: the same prompt again (a client's retry, one
-        prompt sent twice) while the live one may still be in prefill, so that both compute its blocks and a
-        cache files two blocks under one hash."""
+        collide: an input (multimodal or embedding rows) one token later or earlier, every token id kept (so
+        that the blocks differ from the live one's only in the input's offset; an embedding row's token is a
+        placeholder, so rows keep every id only where they move over one: of the inputs and ways, first one that
+        keeps it in its blocks, then one that keeps every token id, then the first input, the later way), or its
+        namespace swapped for a sibling, or
+        (``"content"``) its input number ``which`` (of those it has, in order) another one of the same size
+        (same placeholder run, other content: only the key differs), or (``"same"``) nothing: the same prompt
+        again (a client's retry, one prompt sent twice) while the live one may still be in prefill, so that both
+        compute its blocks and a cache files two blocks under one hash. The live request's ``output`` so far:
+        ``"decoded"`` by the variant after its prompt (a reply that comes out the same: blocks completed by
+        decode carry the two prompts' tails alike), ``"in_prompt"`` (the conversation re-sent with its input
+        edited: the edited blocks lie inside the prompt, full, where a hit reaches them), or ``"none"``; then a
+        new message ``suffix`` (an earlier message edited, the chat going on: the edited blocks are no longer the
+        prompt's last, which no hit reaches)."""
         self.log("variant", rid=rid, change=change, chunk=chunk, write_now=write_now,
-                 **({"which": which} if change == "content" else {}))
+                 **({"which": which} if change == "content" else {}),
+                 **({"output": output} if output != "none" else {}), **({"suffix": suffix} if suffix else {}))
         req = self.live[rid]
-        tokens, extras, namespace = list(req.tokens[:req.num_prompt]), dict(req.extras), req.namespace
+        end = max(req.num_prompt, req.written) if output == "in_prompt" else req.num_prompt
+        tokens, extras, namespace = list(req.tokens[:end]), dict(req.extras), req.namespace
         if change == "same":
             pass
         elif change == "namespace":
@@ -898,32 +939,37 @@ class ManagerMachine(RuleBasedStateMachine):
             if not starts:
                 return multiple()
             first = starts[which % len(starts)]
-            ident = extras[first][1]
+            kind, ident = extras[first][:2]
             other = ident[:-1] if ident.endswith("'") else ident + "'"
             for p in range(first, len(tokens)):
-                if extras.get(p) != ("mm", ident, p - first):
+                if extras.get(p) != (kind, ident, p - first):
                     break
-                extras[p] = ("mm", other, p - first)
+                extras[p] = (kind, other, p - first)
         else:
-            starts = sorted(p for p, key in extras.items() if key[2] == 0)
-            if not starts:
+            bs, ways = self.bs, []  # (its blocks change, token ids change, input order, kind, ident, run, moved)
+            for order, start in enumerate(sorted(p for p, key in extras.items() if key[2] == 0)):
+                kind, ident = extras[start][:2]
+                run = [p for p in range(start, len(tokens)) if extras.get(p) == (kind, ident, p - start)]
+                shifts = (([p + 1 for p in run], run[-1] + 1), ([p - 1 for p in run], run[0] - 1)) if run else ()
+                for moved, over in shifts:  # (the run moved, the token it moves over)
+                    # not onto another input: a cut input's key would name a placeholder run it does not have
+                    if min(moved) >= 0 and max(moved) < len(tokens) and all(p in run or p not in extras for p in moved):
+                        ways.append(({p // bs for p in moved} != {p // bs for p in run},  # token ids change:
+                                     kind == "embed" and not (0 <= over < len(tokens) and tokens[over] == PLACEHOLDER),
+                                     order, kind, ident, run, moved))
+            if not ways:  # no input, or none inside the prompt (a preempted request's truncated one) or movable
                 return multiple()
-            ident = extras[starts[0]][1]
-            run = [p for p in range(starts[0], len(tokens)) if extras.get(p) == ("mm", ident, p - starts[0])]
-            if not run:  # the input lies past the prompt (a preempted request's truncated one)
-                return multiple()
-            for moved in ([p + 1 for p in run], [p - 1 for p in run]):
-                # not onto another input: a cut input's key would name a placeholder run it does not have
-                if min(moved) >= 0 and max(moved) < len(tokens) and all(p in run or p not in extras for p in moved):
-                    break
-            else:
-                return multiple()
+            *_, kind, ident, run, moved = min(ways, key=lambda way: way[:3])
             extras = {p: key for p, key in extras.items() if p not in run}
-            extras.update({p: ("mm", ident, i) for i, p in enumerate(moved)})
-            for p in moved:  # the blocks before the one token it moves over keep their token ids
+            extras.update({p: (kind, ident, i) for i, p in enumerate(moved)})
+            for p in moved if kind == "embed" else ():  # an engine reads no token id under an embedding row
                 tokens[p] = PLACEHOLDER
         new = self.new_id()
-        return new if self.admit(new, tokens, namespace, extras, chunk, write_now) else multiple()
+        if not self.admit(new, [*tokens, *suffix], namespace, extras, chunk, write_now):
+            return multiple()
+        if output == "decoded" and new in self.live:
+            self.decode_tokens(new, req.tokens[req.num_prompt:req.written])
+        return new
 
     @rule(rid=reqs, n=st.integers(1, 6), token=VOCAB, write_now=st.booleans())
     def step(self, rid, n, token, write_now):
@@ -948,6 +994,9 @@ class ManagerMachine(RuleBasedStateMachine):
         preemption with output. The request's steps in flight complete first (a running request's next
         step follows them); nothing happens while a load is pending."""
         self.log("decode", rid=rid, tokens=tokens)
+        self.decode_tokens(rid, tokens)
+
+    def decode_tokens(self, rid, tokens):
         req = self.live[rid]
         while req.loading is None and req.in_flight:
             self.write_pending_rid(rid)

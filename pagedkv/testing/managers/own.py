@@ -34,7 +34,8 @@ class OwnCacheManager:
     def __init__(self, config: ManagerConfig) -> None:
         self.cache = self.cache_class(self.cache_config(config))
         self.capabilities = ManagerCapabilities(block_size=config.block_size, fork=True, window=config.window_left,
-                                                extra_keys=True, defers_commit=True, owns_pools=True, misuse=True)
+                                                extra_keys=True, prompt_embeds=True, defers_commit=True,
+                                                owns_pools=True, misuse=True)
 
     def cache_config(self, config: ManagerConfig) -> CacheConfig:
         """The cache's configuration: float32 pools on the CPU, poisoned with NaN (a subclass serves a

