@@ -34,7 +34,9 @@ NAMES = sorted(cache_mutants.CACHE_MUTANTS)
 #: Derandomized runs of the state machine per mutant, and for the real cache (the control).
 RUNS = 100
 #: Derandomized runs where a mutant needs more (the first failing example of its search, measured).
-RUNS_FOR = {"cow_first_layer_only": 200}  # found at example 122
+RUNS_FOR = {"cow_first_layer_only": 200,  # found at example 122
+            "release_head_first": 500,  # found at example 460
+            "evict_most_recent": 800}  # found at example 757
 
 
 def ci_settings(**extra) -> settings:
