@@ -560,7 +560,7 @@ def test_a_window_block_sparse_retention_should_drop_is_caught(monkeypatch):
         programs.run_program(_machine(("gemma3-sparse",), block_sizes=(1, 2, 4)), _sparse_program([]))
 
 
-@pytest.mark.parametrize("layout", ["gemma3", "gpt-oss-2full-sw", "mixed-block-sizes"])
+@pytest.mark.parametrize("layout", ["gemma3", "gpt-oss-2full-sw", "deepseek-v4"])
 @pytest.mark.parametrize("length", [8, 9])
 def test_eagle_hits_what_was_committed_less_the_dropped_block(layout, length):
     """With EAGLE the peer keeps the hit promise, less the block vLLM drops (``eagle_drop``): a resend of a
@@ -578,6 +578,15 @@ def test_eagle_hits_what_was_committed_less_the_dropped_block(layout, length):
                    if all(h + g.block_size <= length // g.block_size * g.block_size for g in caps.groups))
     _, hit = m.admit(1, prompt)
     assert hit == expected > 0, (layout, hit, expected)
+
+
+@pytest.mark.parametrize("layout", ["mixed-block-sizes", "two-window-block-sizes"])
+def test_eagle_promises_no_hit_where_group_block_sizes_differ(layout):
+    """Where the groups' block sizes differ vLLM re-aligns an EAGLE-popped hit and re-verifies every group: the
+    peer keeps no hit promise there under EAGLE (a resend of a 4-token prompt, two windows of block sizes 1 and
+    2, hits 0 where "the next block is cached" promised 2)."""
+    caps = _manager(layout, num_speculative_tokens=3).capabilities
+    assert caps.speculative and not caps.eagle_drop and not caps.hit_promise
 
 
 def _eagle_without_margin(monkeypatch) -> None:
