@@ -743,8 +743,9 @@ class ManagerMachine(RuleBasedStateMachine):
             # sparse retention keeps a window's blocks at known boundaries only: where the model knows every
             # cached block, the promised hit is the longest there is, so a longer one read a block retention
             # should not have kept (a mask keeping the wrong blocks)
-            exact = promised or self.caps.hit_promise and self.model_known and req.junction is not None and all(
-                g.kind != "mamba" for g in self.groups)
+            # (only where it promises a hit: a promise of 0 also comes from rules that withhold it, such as a
+            # prompt with embeddings, a variant's resend or a window shorter than a block)
+            exact = promised > 0 and not req.embedded()
             assert not exact or cached <= promised, \
                 f"request {rid}: a hit of {cached} tokens, but sparse retention (interval " \
                 f"{self.caps.retention_interval}) kept window blocks for a hit of at most {promised}"
