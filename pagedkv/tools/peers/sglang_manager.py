@@ -56,7 +56,7 @@ from pagedkv.testing.managers.protocol import ExtraKey, ManagerCapabilities, Man
 #: The peer's name (what the summary and the peers table call it).
 name = "sglang_radix_cache"
 RECIPE = ("pip install --no-deps sglang==0.5.23 psutil pybase64 starlette msgspec pyzmq aiohttp multidict yarl "
-          "propcache aiohappyeyeballs aiosignal frozenlist orjson requests pydantic (see docs/peers.md)")
+          "propcache aiohappyeyeballs aiosignal frozenlist orjson requests pydantic apache-tvm-ffi (see docs/peers.md)")
 #: Pad values of multimodal tokens sit above any vocabulary id, as SGLang's ``pad_value`` hashes do.
 PAD_BASE = 1 << 30
 
