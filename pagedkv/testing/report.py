@@ -44,6 +44,8 @@ class TestRun:
             entry["non_promise"] = verdict.non_promise
         if getattr(verdict, "measured", None):
             entry["measured"] = verdict.measured
+        if getattr(verdict, "declarations", None):
+            entry["declarations"] = verdict.declarations
         self.node.user_properties.append((_KEY, json.dumps(entry)))
 
 
@@ -145,6 +147,7 @@ def summary_lines(stats: dict, backends: list, spec: str | None) -> list[str]:
     """The terminal summary: per backend, judged / skipped by reason / findings, regressions, declared space."""
     from pagedkv.backends import backend_name
     from pagedkv.backends.capabilities import FEATURE_NAMES
+    from pagedkv.testing.managers.declarations import describe as describe_declarations
     from pagedkv.testing.non_promises import REFERENCE
     from pagedkv.testing.space import capabilities_under_test
 
@@ -167,6 +170,9 @@ def summary_lines(stats: dict, backends: list, spec: str | None) -> list[str]:
                 promise = r["non_promise"]
                 lines.append(f"pagedkv {name}: finding on {r['prop']} (declared non-promise: {promise['reason']}; "
                              f"{promise['bound']}): {files}")
+        for r in _records(stats):
+            if r["backend"] == name and r.get("declarations"):
+                lines.append(f"pagedkv {name}: {describe_declarations(r['declarations'])}")
         if reg["judged"] or reg["findings"] or reg["skipped"]:
             not_run = ", ".join(f"{n} {r}" for r, n in reg["skipped_by_reason"].items()) or "none"
             lines.append(f"pagedkv {name}: regression cases run {reg['judged'] + reg['findings']} ({reg['failed']} "
@@ -274,6 +280,7 @@ def verdict(stats: dict, backends: list, spec: str | None, *, profile: str = "",
             "counts": counts["properties"],
             "regressions": {**counts["regressions"], "failed_cases": by_status(regs, "failed"),
                             "finding_cases": by_status(regs, "finding")},
+            "manager_declarations": next((r["declarations"] for r in props if r.get("declarations")), None),
         })
     return out
 

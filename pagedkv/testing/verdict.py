@@ -67,7 +67,8 @@ def skip_reason(text: Any) -> SkipReason:
 class Verdict:
     """One test's verdict: ``status`` (``passed``, ``failed``, ``finding``, ``skipped``), ``kind``
     (``property``, ``regression``, ``manager``, ``precondition``), the message, the skip reason, the
-    failures or findings (each with its case file and replay command) and the declared non-promise."""
+    failures or findings (each with its case file and replay command), the declared non-promise, and for
+    the manager machine its declarations (:func:`pagedkv.testing.managers.declarations.summarize`)."""
 
     status: str
     kind: str = "property"
@@ -76,6 +77,7 @@ class Verdict:
     failures: list = field(default_factory=list)
     non_promise: dict | None = None
     measured: dict = field(default_factory=dict)
+    declarations: dict | None = None
 
 
 def decide(outcome: Any, *, kind: str = "property", violating: bool = False, declared: Any = None) -> Verdict:

@@ -187,6 +187,8 @@ class ManagerMachine(RuleBasedStateMachine):
     checks_run = 0  # steps judged, over every run of this class (for steps per second)
     tokens_read = 0  # written tokens whose K/V the checks compared with the oracle, over every run of this class
     prefix_hits = 0  # admissions served partly from the prefix cache, over every run of this class
+    # when a dict: repr of each distinct declared ManagerCapabilities -> [it, programs] (the verdict's waivers)
+    capabilities_seen: dict | None = None
     # K/V moves through a kernel backend's write_kv and gather (kv_io.KVIO; None: pagedkv's indexed)
     kv_backend = None
     num_kv_heads, head_dim, dtype = NUM_KV_HEADS, HEAD_DIM, torch.float32
@@ -223,6 +225,8 @@ class ManagerMachine(RuleBasedStateMachine):
                                                                    window))
         self.m = as_grouped(type(self).make_manager(config))
         self.caps = self.m.capabilities
+        if self.capabilities_seen is not None:
+            self.capabilities_seen.setdefault(repr(self.caps), [self.caps, 0])[1] += 1
         self.groups = self.caps.groups
         if not groups:  # one group serves every layer asked for (a GroupedView's group says one)
             self.groups = tuple(dataclasses.replace(g, num_layers=num_layers) for g in self.groups)
@@ -1322,5 +1326,6 @@ def machine_for(make_manager: Callable, *, block_sizes=(1, 2, 4), windows=(None,
     for layout in layouts:
         layout_groups(layout, 1, 0)  # ValueError for an unknown name, before any run
     return type(name, (*rule_sets, ManagerMachine), {"make_manager": staticmethod(make_manager),
-                                                     "block_sizes": tuple(block_sizes), "windows": tuple(windows),
+                                                     "capabilities_seen": {}, "block_sizes": tuple(block_sizes),
+                                                     "windows": tuple(windows),
                                                      "layouts": tuple(layouts), **attributes})

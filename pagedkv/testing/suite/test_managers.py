@@ -18,8 +18,10 @@ import pytest
 from pagedkv.backends import backend_name
 from pagedkv.testing.databases import property_key
 from pagedkv.testing.execute import Failure
+from pagedkv.testing.managers import declarations
 from pagedkv.testing.managers.casefile import is_program_file
-from pagedkv.testing.managers.protocol import manager_factory, manager_layouts
+from pagedkv.testing.managers.protocol import (ManagerConfig, layout_groups, layout_retention, manager_factory,
+                                              manager_layouts)
 from pagedkv.testing.settings import manager_suite_settings
 from pagedkv.testing.verdict import SkipReason, decide
 
@@ -45,8 +47,14 @@ def test_cache_manager(pagedkv_run, backend):
         pytest.skip("cache_manager: the candidate provides no cache_manager factory (kernels only)")
     spec = pagedkv_run.spec or backend_name(backend)
     windows = getattr(backend, "cache_manager_windows", (None,))
+    block_sizes = getattr(backend, "cache_manager_block_sizes", (1, 2, 4))
+    missing = missing_dependency(factory, manager_layouts(backend), block_sizes[0], windows[0])
+    if missing is not None:  # an install problem, not a program to shrink and keep
+        pagedkv_run.record(PROPERTY, backend, decide(
+            SimpleNamespace(status="failed", failures=[Failure(None, missing)]), kind="manager"))
+        pytest.fail(f"cache manager {spec} cannot run here (no program ran): {missing}", pytrace=False)
     machine = machine_for(factory, windows=windows, layouts=manager_layouts(backend),
-                          block_sizes=getattr(backend, "cache_manager_block_sizes", (1, 2, 4)),
+                          block_sizes=block_sizes,
                           name=f"{backend_name(backend)}_manager")
     # a manager whose behaviour unfolds over long decodes (sliding-window eviction) asks for longer programs
     program_steps = getattr(backend, "cache_manager_steps", STEPS)
@@ -56,12 +64,16 @@ def test_cache_manager(pagedkv_run, backend):
     steps = programs.run_per_layout(machine, manager_suite_settings(program_steps),
                                     database_key=property_key(PROPERTY, backend_name(backend)))
     measured = dict(examples=machine.examples_run, steps=machine.checks_run, seconds=time.perf_counter() - start)
+    # what the declarations waived (a promise left off) and left undrawn, for the verdict's reader
+    declared = declarations.summarize(tuple(seen) for seen in machine.capabilities_seen.values())
     if steps is None:
         if is_program_file(str(path)):
             path.unlink()  # a program an earlier run of this test left, fixed since
-        pagedkv_run.record(PROPERTY, backend, decide(SimpleNamespace(
+        verdict = decide(SimpleNamespace(
             status="passed", reason=f"{machine.checks_run} steps, {machine.examples_run} programs in "
-                                    f"{measured['seconds']:.1f} s", **measured), kind="manager"))
+                                    f"{measured['seconds']:.1f} s", **measured), kind="manager")
+        verdict.declarations = declared
+        pagedkv_run.record(PROPERTY, backend, verdict)
         return
     measured["first_failing_example"] = steps.first_failing_example
     programs.save(path, spec, steps.machine_class, steps, steps.error, test_id=pagedkv_run.node.nodeid,
@@ -69,6 +81,28 @@ def test_cache_manager(pagedkv_run, backend):
     replay = programs.replay_line(path, spec)
     failure = Failure(None, AssertionError(f"{steps.error} (program {steps.first_failing_example})"),
                       case_file=path, replay=replay)
-    pagedkv_run.record(PROPERTY, backend, decide(SimpleNamespace(status="failed", failures=[failure], **measured),
-                                                 kind="manager"))
+    verdict = decide(SimpleNamespace(status="failed", failures=[failure], **measured), kind="manager")
+    verdict.declarations = declared
+    pagedkv_run.record(PROPERTY, backend, verdict)
     pytest.fail(f"cache manager {spec}: {steps.error}\n{programs.as_text(steps)}\nreplay: {replay}", pytrace=False)
+
+
+def missing_dependency(factory, layouts, block_size: int, window_left) -> Exception | None:
+    """The ``BackendUnavailableError`` the manager raises when built for one of its declared ``layouts`` (a
+    small pool at ``block_size`` and ``window_left``, window 1 in a hybrid layout), or ``None``: a missing
+    dependency of one layout only (vLLM's hybrid peer needs Triton for its slot mapping, its one-group
+    manager does not) shows before the search, not as a shrunk program after hundreds of others. Any other
+    exception is left to the search, which reports it with its program."""
+    from pagedkv.errors import BackendUnavailableError
+
+    for layout in layouts:
+        groups = layout_groups(layout, block_size, 1)
+        config = ManagerConfig(8, block_size, None if groups else window_left, 2, groups=groups,
+                               retention_interval=layout_retention(layout, block_size, 1))
+        try:
+            factory(config)
+        except BackendUnavailableError as exc:
+            return exc
+        except Exception:  # noqa: BLE001 - the search reports it with the program that raised it
+            continue
+    return None

@@ -1,0 +1,84 @@
+"""What a manager's declarations (:class:`~.protocol.ManagerCapabilities`) turned on and off in one run of
+the manager machine, for the verdict: each promise the machine judges only where it is declared, with the
+programs that declared it, and each input the machine draws only for a manager that declares it.
+
+A declaration left off is not a failure: a manager may honestly not promise a hit or an admission rule.
+But it waives a judgement, and a reader of a green verdict must see which: a manager that stops caching
+passes where ``hit_promise`` is off, one that refuses reservations with blocks free passes where
+``admission`` is off, one that never releases a window's blocks passes where ``window_release`` is off,
+and a hit across two cache salts is never drawn where ``namespaces`` is off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pagedkv.testing.managers.protocol import ManagerCapabilities
+
+#: Promises the machine judges only where declared: name -> (is it declared, the judgement it turns on).
+PROMISES = {
+    "hit_promise": (lambda c: bool(c.hit_promise),
+                    "a committed full block stays hittable until it is handed out again, evicted or reset "
+                    "(not judged beside a Mamba group)"),
+    "admission": (lambda c: c.admission is not None,
+                  "a reservation or load is refused only when the pool is short"),
+    "window_release": (lambda c: bool(c.window_release),
+                       "right after a reservation, a window's or chunk's blocks no later query reads are -1"),
+    "eviction_order": (lambda c: c.eviction_order == "lru",
+                       "blocks handed out afresh come from the front of an LRU free queue (only 'lru' is judged)"),
+}
+
+#: Inputs and calls the machine draws only for a manager that declares them: name -> what goes undrawn.
+DRAWS = {
+    "namespaces": "cache salts and LoRA namespaces (a hit across two namespaces)",
+    "extra_keys": "multimodal extra keys (a hit across two images)",
+    "prompt_embeds": "prompt embeddings",
+    "defers_commit": "reservations left unwritten (an abort between reserve and write)",
+    "preempt": "preemption and re-admission",
+    "resume": "preemption resumed with its output",
+    "fork": "forks",
+    "evict": "evictions on request",
+    "reset": "prefix-cache resets",
+    "async_steps": "asynchronous steps (a step reserved while the last one's writes are in flight)",
+    "connector": "a KV connector's loads and stores",
+    "speculative": "speculative drafts",
+}
+
+
+def _windowed(caps: ManagerCapabilities) -> bool:
+    """Whether ``window_release`` can apply: a window, or a sliding-window or chunked-local group."""
+    return caps.window is not None or any(g.kind in ("sliding_window", "chunked_local") for g in caps.groups)
+
+
+def summarize(seen: Iterable[tuple[ManagerCapabilities, int]]) -> dict:
+    """The declarations of a run, for the JSON verdict.
+
+    Args:
+        seen: each distinct :class:`ManagerCapabilities` a program's manager declared, with the number of
+            programs that declared it.
+
+    Returns:
+        ``{"programs": N, "promises": {name: {"judgement", "declared_in", "applicable_in"}}, "waived":
+        [promise names left undeclared in a program where they apply], "not_drawn": {name: what}}`` (an input
+        in ``not_drawn`` was declared by no program).
+    """
+    seen = list(seen)
+    programs = sum(n for _, n in seen)
+    promises = {}
+    for name, (declared, judgement) in PROMISES.items():
+        applies = [(c, n) for c, n in seen if name != "window_release" or _windowed(c)]
+        promises[name] = {"judgement": judgement, "declared_in": sum(n for c, n in applies if declared(c)),
+                          "applicable_in": sum(n for _, n in applies)}
+    waived = [name for name, p in promises.items() if p["declared_in"] < p["applicable_in"]]
+    not_drawn = {name: what for name, what in DRAWS.items() if not any(getattr(c, name) for c, _ in seen)}
+    return {"programs": programs, "promises": promises, "waived": waived, "not_drawn": not_drawn}
+
+
+def describe(summary: dict) -> str:
+    """One line for the terminal summary: the promises judged, those waived (in how many programs) and the
+    inputs never drawn."""
+    judged = [n for n, p in summary["promises"].items() if p["declared_in"]]
+    waived = [f"{n} ({p['applicable_in'] - p['declared_in']} of {p['applicable_in']} programs)"
+              for n, p in summary["promises"].items() if n in summary["waived"]]
+    return (f"manager promises judged: {', '.join(judged) or 'none'}; waived (not declared): "
+            f"{', '.join(waived) or 'none'}; not drawn (not declared): {', '.join(summary['not_drawn']) or 'none'}")
