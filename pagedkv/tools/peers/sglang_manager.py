@@ -55,8 +55,11 @@ from pagedkv.testing.managers.protocol import ExtraKey, ManagerCapabilities, Man
 
 #: The peer's name (what the summary and the peers table call it).
 name = "sglang_radix_cache"
-RECIPE = ("pip install --no-deps sglang==0.5.23 psutil pybase64 starlette msgspec pyzmq aiohttp multidict yarl "
-          "propcache aiohappyeyeballs aiosignal frozenlist orjson requests pydantic apache-tvm-ffi (see docs/peers.md)")
+#: The install into a fresh venv holding torch and pagedkv[testing] (docs/peers.md, "SGLang's RadixCache").
+RECIPE = ("pip install --no-deps sglang==0.5.23 triton==3.9.0 psutil pybase64 starlette msgspec pyzmq aiohttp "
+          "multidict yarl propcache aiohappyeyeballs aiosignal frozenlist orjson requests urllib3 idna certifi "
+          "charset_normalizer pydantic pydantic_core typing_inspection annotated_types anyio pillow apache-tvm-ffi "
+          "(see docs/peers.md)")
 #: Pad values of multimodal tokens sit above any vocabulary id, as SGLang's ``pad_value`` hashes do.
 PAD_BASE = 1 << 30
 
