@@ -131,3 +131,33 @@ def test_planted_vllm_faults_are_caught(fault):
     steps = programs.run_recorded(machine, _settings(int(os.environ.get("PAGEDKV_FAULT_EXAMPLES", 150))))
     assert steps is not None, f"{fault}: survived {machine.examples_run} examples"
     assert "AssertionError" in steps.error or "ValueError" in steps.error, steps.error
+
+
+
+class _RaisesFreeingAHit(OwnCacheManager):
+    """Frees a request that was admitted on a prefix hit with an exception: a failure inside a rule."""
+
+    def admit(self, request_id, token_ids, namespace=None, extra_keys=()):
+        table, cached = super().admit(request_id, token_ids, namespace, extra_keys)
+        self.hits = {**getattr(self, "hits", {}), request_id: cached}
+        return table, cached
+
+    def free(self, request_id):
+        if getattr(self, "hits", {}).get(request_id):
+            raise RuntimeError(f"request {request_id} was admitted on a hit")
+        super().free(request_id)
+
+
+def test_first_failing_example_is_where_the_search_failed_not_where_shrinking_ended():
+    """A failure raised inside a rule (the machine's assertions on a write, a manager's exception) counts at the
+    program where the search first failed, the count a run without shrinking stops at, although shrinking then
+    runs more programs. Fails before: it counted every program shrinking ran."""
+    unshrunk = machine_for(_RaisesFreeingAHit, name="FirstFailureUnshrunk")
+    found = programs.run_recorded(unshrunk, _settings(100))
+    shrinking = machine_for(_RaisesFreeingAHit, name="FirstFailureShrunk")
+    shrunk = programs.run_recorded(shrinking, settings(manager_settings(100, 30), derandomize=True,
+                                                       phases=(Phase.explicit, Phase.generate, Phase.shrink)))
+    assert found is not None and shrunk is not None and "admitted on a hit" in shrunk.error
+    assert shrinking.examples_run > found.first_failing_example  # shrinking ran programs after the first failure
+    assert shrunk.first_failing_example == found.first_failing_example, (shrunk.first_failing_example,
+                                                                         found.first_failing_example)
