@@ -545,7 +545,8 @@ class ManagerMachine(RuleBasedStateMachine):
         matches one block past the hit, up to ``len(block_hashes) * hash_block_size``, and drops it)."""
         if not (self.speculative and self.caps.eagle_drop):
             return True
-        limit = len(req.tokens) // self.caps.block_size * self.caps.block_size
+        limit = (len(req.tokens) // self.caps.block_size * self.caps.block_size if self.caps.eagle_margin else
+                 len(req.tokens) - self.caps.min_computed_on_full_hit)  # a one-group lookup stops at the hit's cap
         return all(hit + bs <= limit and req.identities[hit + bs - 1] in still[g] for g, bs in enumerate(self.gbs))
 
     def eagle_dropped(self, req: Request, hit: int, still: list[set]) -> int:

@@ -268,6 +268,10 @@ class ManagerCapabilities:
             matches one block past the hit and drops it). The hit promise is then the longest whole-block
             prefix whose every group also holds that next block cached, within the prompt's whole hash
             blocks.
+        eagle_margin: under ``eagle_drop``, the lookup reaches past the hit's cap (``len(prompt) -
+            min_computed_on_full_hit``) to the prompt's whole hash blocks for the block it drops (vLLM's hybrid
+            coordinator: ``eagle_proof_margin``); ``False``: it stops at the cap (vLLM's one-group
+            ``UnitaryKVCacheCoordinator.find_longest_cache_hit``), so the next block must lie within it too.
         reprefill: with speculative decoding on, the last this many tokens a reservation computes are not cached
             by it (a later reservation caches them): vLLM's ``num_prefill_lookahead - 1`` re-prefillable tokens
             (``KVCacheCoordinator.get_num_cacheable_tokens``), ``num_speculative_tokens - 1`` under a multi-module
@@ -305,6 +309,7 @@ class ManagerCapabilities:
     prompt_embeds: bool = False
     kv_events: bool = False
     reprefill: int = 0
+    eagle_margin: bool = True
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""

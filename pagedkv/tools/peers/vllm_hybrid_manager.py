@@ -314,7 +314,9 @@ class VllmHybridCacheManager(VllmCacheManager):
                                                 retention_interval=config.retention_interval,
                                                 eagle_drop=eagle_drop,
                                                 prompt_embeds=True, kv_events=True,
-                                                reprefill=max(0, self.num_prefill_lookahead - 1))
+                                                reprefill=max(0, self.num_prefill_lookahead - 1),
+                                                # one group: vLLM's unitary coordinator looks no block past the cap
+                                                eagle_margin=len(self.groups) > 1)
 
     # -- admission and the connector --------------------------------------------------------------------
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
