@@ -21,6 +21,8 @@ from pathlib import Path
 CHILD = """
 install_mutant({module!r}, {path!r}, {original!r})
 import importlib, json, sys, time
+from pagedkv.tools.peers.vllm_manager import enter_structured_output_package
+enter_structured_output_package()  # vllm.v1.request's import chain, without the grammar backends
 importlib.import_module({module!r})
 assert sys.modules[{module!r}].__file__ == {path!r}, "the mutant did not load"
 from pagedkv.testing.hypothesis_internals import forced_seed

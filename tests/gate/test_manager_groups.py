@@ -12,9 +12,9 @@ from hypothesis import Phase, settings
 from pagedkv.testing.managers import programs, reference
 from pagedkv.testing.managers.machine import machine_for
 from pagedkv.testing.managers.own import OwnHybridManager, cache_manager, cache_manager_layouts, with_cache_class
-from pagedkv.testing.managers.protocol import (HYBRID_LAYOUTS, ONE_GROUP, CacheManager, ConnectorCalls, GroupSpec,
-                                               ManagerConfig, SpeculativeCalls, as_grouped, layout_groups,
-                                               manager_layouts)
+from pagedkv.testing.managers.protocol import (HYBRID_LAYOUTS, MULTI_MODULE_MTP_LAYOUTS, ONE_GROUP, CacheManager,
+                                               ConnectorCalls, GroupSpec, ManagerConfig, SpeculativeCalls, as_grouped,
+                                               layout_groups, manager_layouts)
 from pagedkv.testing.settings import manager_settings
 from pagedkv.tools.mutants.caches import HYBRID_CACHE_MUTANTS
 from pagedkv.tools.mutants.hybrid_managers import HYBRID_MANAGER_MUTANTS, MUTANT_LAYOUTS
@@ -37,6 +37,9 @@ def test_layouts_are_real_models_and_unknown_ones_are_refused():
     assert layout_groups(ONE_GROUP, 2, 1) == ()
     for name in HYBRID_LAYOUTS:
         groups = layout_groups(name, 2, 1)
+        if name in MULTI_MODULE_MTP_LAYOUTS:  # one MLA group, a block at least the drafter's 3 tokens
+            assert [(g.kind, g.block_size) for g in groups] == [("full", 3)]
+            continue
         assert len(groups) >= 2 and groups[0].kind == "full" and groups[0].block_size % 2 == 0
     assert [g.kind for g in layout_groups("gpt-oss-2full-sw", 2, 1)] == ["full", "full", "sliding_window"]
     assert {g.block_size for g in layout_groups("mixed-block-sizes", 2, 1)} == {2, 4}

@@ -149,8 +149,9 @@ def validate_program(data: Any, *, max_bytes: int | None = None) -> dict:
 #: pagedkv's module of planted hybrid-manager faults and the mapping of the names it ships.
 HYBRID_MUTANTS = ("pagedkv.tools.mutants.hybrid_managers", "HYBRID_MANAGER_MUTANTS")
 #: Every module of planted manager faults a program file may name (``module:name``), with its mapping:
-#: the hybrid managers' and pagedkv's faulty hybrid caches gated as managers.
-PLANTED_MANAGERS = (HYBRID_MUTANTS, ("pagedkv.tools.mutants.caches", "HYBRID_CACHE_MUTANTS"))
+#: the hybrid managers', pagedkv's faulty hybrid caches gated as managers, faulty KV-event adapters.
+PLANTED_MANAGERS = (HYBRID_MUTANTS, ("pagedkv.tools.mutants.caches", "HYBRID_CACHE_MUTANTS"),
+                    ("pagedkv.tools.mutants.event_adapters", "EVENT_ADAPTER_MUTANTS"))
 
 
 def trusted_manager_spec(spec: object) -> bool:

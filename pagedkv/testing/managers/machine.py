@@ -61,10 +61,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple,
                                  precondition, rule)
 
+from pagedkv.testing.managers.kv_events import EventIndex
 from pagedkv.testing.managers.kv_io import KVIO
 from pagedkv.testing.managers.oracle import stable_hash, token_identity
-from pagedkv.testing.managers.protocol import (ONE_GROUP, ManagerConfig, as_grouped, is_embedding, layout_groups,
-                                               layout_retention, prompt_embedding_rows)
+from pagedkv.testing.managers.protocol import (MULTI_MODULE_MTP_LAYOUTS, ONE_GROUP, ManagerConfig, as_grouped,
+                                               is_embedding, layout_groups, layout_retention, prompt_embedding_rows)
 
 VOCAB = st.integers(0, 3)  # small: equal blocks, hits and near-misses are common
 #: Namespaces whose encodings collide where an engine flattens them (protocol.namespace_parts).
@@ -222,7 +223,8 @@ class ManagerMachine(RuleBasedStateMachine):
                                # has (so that no other draw moves)
                                full_sequence_must_fit=bool(num_blocks % 2),
                                retention_interval=layout_retention(self.layouts[layout % len(self.layouts)], bs,
-                                                                   window))
+                                                                   window),
+                               multi_module_mtp=self.layouts[layout % len(self.layouts)] in MULTI_MODULE_MTP_LAYOUTS)
         self.m = as_grouped(type(self).make_manager(config))
         self.caps = self.m.capabilities
         if self.capabilities_seen is not None:
@@ -233,6 +235,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.grouped = bool(groups)
         self.connector = self.caps.connector and config.connector
         self.speculative = self.caps.speculative and config.num_speculative_tokens > 0
+        self.reprefill = self.caps.reprefill if self.speculative else 0  # tokens a reservation leaves uncached
         self.gbs = [g.block_size for g in self.groups]
         self.bs = math.lcm(*self.gbs)  # a hit is whole blocks of every group
         self.page = max(self.gbs)  # tokens per page of the machine's pools
@@ -260,6 +263,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.model_known = True  # False after an eviction the manager does not itemize
         counts = self.m.counts()
         self.total = counts[2] if counts is not None else None
+        # the router's index rebuilt from the manager's KV events (capabilities.kv_events)
+        self.kv_events = EventIndex([g.kind for g in self.groups], math.gcd(*self.gbs)) if self.caps.kv_events else None
 
     @initialize(target=systems, prompts=st.lists(st.lists(VOCAB, min_size=1, max_size=9), min_size=1, max_size=2))
     def system_prompts(self, prompts):
@@ -328,6 +333,8 @@ class ManagerMachine(RuleBasedStateMachine):
         or chunked-local group's where a hit of whole blocks of every group needs them; and, where
         ``promised``, must hit)."""
         tables = self.m.block_table(rid) if rid in self.live else req.table  # a deferred free: as it was freed
+        if self.kv_events is not None:
+            self.kv_events.commit(req.namespace, req.tokens, upto)
         for end in range(self.bs, upto + 1, self.bs):
             self.committed_prefixes.add(req.identities[end - 1])
         if not promised:
@@ -542,7 +549,8 @@ class ManagerMachine(RuleBasedStateMachine):
         matches one block past the hit, up to ``len(block_hashes) * hash_block_size``, and drops it)."""
         if not (self.speculative and self.caps.eagle_drop):
             return True
-        limit = len(req.tokens) // self.caps.block_size * self.caps.block_size
+        limit = (len(req.tokens) // self.caps.block_size * self.caps.block_size if self.caps.eagle_margin else
+                 len(req.tokens) - self.caps.min_computed_on_full_hit)  # a one-group lookup stops at the hit's cap
         return all(hit + bs <= limit and req.identities[hit + bs - 1] in still[g] for g, bs in enumerate(self.gbs))
 
     def eagle_dropped(self, req: Request, hit: int, still: list[set]) -> int:
@@ -625,7 +633,8 @@ class ManagerMachine(RuleBasedStateMachine):
             self.check_reads(rid, req, g, group, table[g], pending, at=start)
         req.reserved = start + n
         if not self.caps.defers_commit:
-            self.register(rid, req, req.reserved - drafts)  # cached at reserve time, K/V written in the same step
+            # cached at reserve time (K/V written in the same step), less the re-prefillable tail
+            self.register(rid, req, req.reserved - drafts - self.reprefill)
         if drafts or write_now and not req.in_flight or not (self.caps.defers_commit or self.caps.async_steps):
             self.write(rid, req, slots, start, drafts)
             self.propose(rid, req)
@@ -741,6 +750,9 @@ class ManagerMachine(RuleBasedStateMachine):
             assert req.identities[cached - 1] in self.committed_prefixes, \
                 f"request {rid}: a hit on its first {cached} tokens, which no request committed under namespace " \
                 f"{namespace!r} with these extra keys"
+        if self.kv_events is not None:
+            self.drain_events(f"admit of request {rid}")
+            self.kv_events.judge_hit(rid, namespace, tokens, cached, self.gbs)
         promised = self.promised_hit(req)
         if self.caps.retention_interval is not None:
             req.junction = self.junction(req, cached)
@@ -1087,8 +1099,9 @@ class ManagerMachine(RuleBasedStateMachine):
         req.loading = None
         again, hits = self.m.load_done(rid, ok), ()
         req.written = end if ok else start
-        if ok:  # valid K/V: hittable even where the request was freed meanwhile (not promised then: vLLM
-            self.register(rid, req, end, promised=rid in self.live)  # frees such a load's blocks uncached)
+        if ok:  # valid K/V: hittable even where the request was freed meanwhile (not promised then: vLLM frees
+            # such a load's blocks uncached), less the re-prefillable tail
+            self.register(rid, req, end - self.reprefill, promised=rid in self.live)
         elif again is not None and rid in self.live:  # let go and looked up again: an admitted hit, held
             assert 0 <= again <= start and (again == 0 or req.identities[again - 1] in self.committed_prefixes), \
                 f"request {rid}: after its failed load a hit of {again} tokens (its local hit was {start}), " \
@@ -1208,6 +1221,8 @@ class ManagerMachine(RuleBasedStateMachine):
         """Reset the prefix cache: a success forgets every committed prefix not held by a live request."""
         self.log("reset")
         if self.m.reset():
+            assert self.kv_events is None or self.drain_events("reset"), \
+                "reset emptied the prefix cache, but no KV event AllBlocksCleared said so"
             self.committed_prefixes = {r.identities[e - 1] for r in self.live.values()
                                        for e in range(self.bs, r.committed + 1, self.bs)}
             self.cached.clear()
@@ -1219,6 +1234,8 @@ class ManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "m"):
             return
         type(self).checks_run += 1
+        if self.kv_events is not None:
+            self.drain_events("the step's calls")
         pending = self.pending_slots()
         for rid, req in self.live.items():
             tables = self.m.block_table(rid)
@@ -1249,6 +1266,15 @@ class ManagerMachine(RuleBasedStateMachine):
             assert used == len(held), \
                 f"{used} blocks used, but live requests (and deferred frees) hold {len(held)}: {sorted(held)}"
         self.m.self_check()
+
+    def drain_events(self, call: str) -> bool:
+        """Judge the manager's KV events since the last drain (:class:`~.kv_events.EventIndex`); True when one
+        said the cache was cleared."""
+        cleared = self.kv_events.feed(self.m.take_events(), call)
+        cached_keys = getattr(self.m, "cached_keys", None)
+        if cached_keys is not None:
+            self.kv_events.agree(cached_keys(), call)
+        return cleared
 
     def pending_slots(self) -> set[int]:
         """Pages (:meth:`flat`) an in-flight step still writes."""

@@ -155,6 +155,14 @@ LAYOUT_RETENTION = {"gemma3-sparse": 0, "gemma3-interval": 3, "qwen3-next-sparse
 HYBRID_LAYOUTS["gemma3-sparse"] = HYBRID_LAYOUTS["gemma3-interval"] = HYBRID_LAYOUTS["gemma3"]
 HYBRID_LAYOUTS["qwen3-next-sparse"] = HYBRID_LAYOUTS["qwen3-next"]
 
+#: Layouts served with a multi-module MTP drafter (``ManagerConfig.multi_module_mtp``): vLLM's speculative method
+#: ``"mtp"`` over a model with several MTP modules (``num_nextn_predict_layers`` > 1: ``SpeculativeConfig.
+#: use_multi_module_mtp``; Step-3.5's and MiMo's MTP heads), one MLA full-attention group as DeepSeek-V3's. Its
+#: block size is the hash block size, at least the 3 draft tokens the machine asks for: vLLM refuses multi-module
+#: MTP with prefix caching where ``scheduler_block_size < num_speculative_tokens`` (``KVCacheCoordinator.__init__``).
+MULTI_MODULE_MTP_LAYOUTS = ("mtp-multi-module",)
+HYBRID_LAYOUTS["mtp-multi-module"] = lambda bs, w: (GroupSpec("full", max(bs, 3)),)
+
 
 def layout_retention(name: str, block_size: int, window: int) -> int | None:
     """Layout ``name``'s retention interval in tokens (``None``: dense; 0: replay boundaries and junctions
@@ -260,6 +268,18 @@ class ManagerCapabilities:
             matches one block past the hit and drops it). The hit promise is then the longest whole-block
             prefix whose every group also holds that next block cached, within the prompt's whole hash
             blocks.
+        eagle_margin: under ``eagle_drop``, the lookup reaches past the hit's cap (``len(prompt) -
+            min_computed_on_full_hit``) to the prompt's whole hash blocks for the block it drops (vLLM's hybrid
+            coordinator: ``eagle_proof_margin``); ``False``: it stops at the cap (vLLM's one-group
+            ``UnitaryKVCacheCoordinator.find_longest_cache_hit``), so the next block must lie within it too.
+        reprefill: with speculative decoding on, the last this many tokens a reservation computes are not cached
+            by it (a later reservation caches them): vLLM's ``num_prefill_lookahead - 1`` re-prefillable tokens
+            (``KVCacheCoordinator.get_num_cacheable_tokens``), ``num_speculative_tokens - 1`` under a multi-module
+            MTP drafter (``VllmConfig.num_prefill_lookahead_tokens``: each module reads one prefill token further
+            ahead), 0 under EAGLE. The hit promise follows it.
+        kv_events: the manager publishes what it caches (vLLM's KV cache events, read by KV-aware routers):
+            ``take_events()`` returns the events since the last call (:mod:`.kv_events`: ``BlockStored``,
+            ``BlockRemoved``, ``AllBlocksCleared``), judged by an index rebuilt from them alone.
     """
 
     block_size: int
@@ -287,11 +307,14 @@ class ManagerCapabilities:
     retention_interval: int | None = None
     eagle_drop: bool = False
     prompt_embeds: bool = False
+    kv_events: bool = False
+    reprefill: int = 0
+    eagle_margin: bool = True
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""
         have = [n for n in ("fork", "namespaces", "extra_keys", "preempt", "resume", "evict", "reset", "defers_commit",
-                            "hit_promise", "async_steps", "connector", "speculative", "prompt_embeds")
+                            "hit_promise", "async_steps", "connector", "speculative", "prompt_embeds", "kv_events")
                 if getattr(self, n)]
         layout = (f"groups {', '.join(_group_name(g) for g in self.groups)}" if self.groups else
                   f"block_size {self.block_size}, window {self.window}")
@@ -321,6 +344,8 @@ class ManagerConfig:
     its whole prompt fit (vLLM's ``scheduler_reserve_full_isl``, on by default there); a manager that
     honours it declares ``capabilities.admission == "sequence"``.
     ``retention_interval``: sparse prefix-cache retention in tokens (:data:`LAYOUT_RETENTION`; ``None``: dense).
+    ``multi_module_mtp``: the drafter is a chain of MTP modules (:data:`MULTI_MODULE_MTP_LAYOUTS`), each reading
+    one prefill token further ahead (``capabilities.reprefill``).
     A manager that cannot serve what is asked raises ``ValueError`` naming it (the machine does not
     ask a manager for a layout it does not list), or leaves the capability off."""
 
@@ -335,6 +360,7 @@ class ManagerConfig:
     num_speculative_tokens: int = 0
     full_sequence_must_fit: bool = False
     retention_interval: int | None = None
+    multi_module_mtp: bool = False
 
 
 @runtime_checkable
@@ -421,6 +447,14 @@ class SpeculativeCalls(Protocol):
 
         Raises:
             ValueError: ``num_rejected`` negative or above the last reservation's ``num_draft``."""
+
+
+@runtime_checkable
+class EventCalls(Protocol):
+    """What a manager with ``capabilities.kv_events`` answers besides :class:`CacheManager`."""
+
+    def take_events(self) -> list:
+        """The KV-cache events since the last call, oldest first (:mod:`.kv_events`), and forget them."""
 
 
 @runtime_checkable

@@ -41,6 +41,12 @@ declared where the machine knows what vLLM caches (no Mamba group, no EAGLE), an
   while its load is in flight keeps its blocks until ``load_done``
   (``finished_recving``); steps in flight defer the free as in :mod:`.vllm_manager`.
 
+The drafter's prefill lookahead (``num_prefill_lookahead``) is vLLM's: 1 under EAGLE, ``num_speculative_tokens``
+under a multi-module MTP drafter (the ``mtp-multi-module`` layout); the coordinator leaves that many less one tokens
+of each step uncached (declared as ``capabilities.reprefill``, which the hit promise follows). The scheduler's clip
+of a prefill chunk ending within the lookahead of the prompt's end (``Scheduler._reserve_prefill_lookahead``) is not
+applied: the machine chooses the chunks.
+
 Speculative decoding is on in the layouts without chunked local attention (vLLM refuses EAGLE there) and
 without a Mamba group (vLLM keeps draft states in ``num_speculative_blocks`` scratch blocks addressed from
 the last state block, not at the drafts' positions that the protocol's state slots name).
@@ -256,12 +262,18 @@ class VllmHybridCacheManager(VllmCacheManager):
             prefix_cache_retention_interval=config.retention_interval)  # engine: --prefix-cache-retention-interval
         sizes = [g.block_size for g in self.groups]
         self.hash_block_size, self.scheduler_block_size = math.gcd(*sizes), math.lcm(*sizes)
+        # the prefill tokens past a step the drafter reads (VllmConfig.num_prefill_lookahead_tokens): every MTP module
+        # of a multi-module drafter one further (num_speculative_tokens), an EAGLE-family drafter the next one; the
+        # coordinator leaves that many less one uncached (num_reprefillable_tokens)
+        self.num_prefill_lookahead = ((config.num_speculative_tokens if config.multi_module_mtp else 1)
+                                      if speculative else 0)
         vllm_manager.init_block_hashes(v)
         self.block_hasher = v.get_request_block_hasher(self.hash_block_size, v.sha256)
         self.manager = v.KVCacheManager(kv_config, max_model_len=MAX_MODEL_LEN,
                                         scheduler_block_size=self.scheduler_block_size,
                                         hash_block_size=self.hash_block_size, enable_caching=True,
-                                        use_eagle=speculative)
+                                        use_eagle=speculative, enable_kv_cache_events=True,
+                                        num_prefill_lookahead=self.num_prefill_lookahead)
         self.pool = self.manager.block_pool
         self.block_size, self.num_blocks, self.reserved_blocks = self.hash_block_size, config.num_blocks + 1, 1
         self.num_lookahead = config.num_speculative_tokens if speculative else 0
@@ -301,7 +313,10 @@ class VllmHybridCacheManager(VllmCacheManager):
                                                 admission=admission, window_release=True,
                                                 retention_interval=config.retention_interval,
                                                 eagle_drop=eagle_drop,
-                                                prompt_embeds=True)
+                                                prompt_embeds=True, kv_events=True,
+                                                reprefill=max(0, self.num_prefill_lookahead - 1),
+                                                # one group: vLLM's unitary coordinator looks no block past the cap
+                                                eagle_margin=len(self.groups) > 1)
 
     # -- admission and the connector --------------------------------------------------------------------
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
@@ -562,7 +577,7 @@ cache_manager_windows = vllm_manager.cache_manager_windows
 #: The layouts the suite draws for this manager: one group, and the hybrid coordinator in every real-model layout.
 cache_manager_layouts = ("one-group", "gemma3", "llama4", "jamba", "qwen3-next", "gpt-oss-2full-sw",
                          "mixed-block-sizes", "hymba", "deepseek-v4", "two-window-block-sizes", "gemma3-sparse",
-                         "gemma3-interval", "qwen3-next-sparse")
+                         "gemma3-interval", "qwen3-next-sparse", "mtp-multi-module")
 
 
 def peer():

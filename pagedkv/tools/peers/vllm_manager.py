@@ -22,6 +22,8 @@ Each protocol call is what vLLM's scheduler does (``vllm/v1/core/sched/scheduler
   ``reset_prefix_cache``.
 - ``block_table``: ``get_block_ids(request_id)[0]``, the null block (a window's skipped block) as ``-1``.
 - ``counts``: ``block_pool.get_num_free_blocks()`` of ``num_blocks - 1`` (block 0 is the null block).
+- ``take_events``: vLLM's KV cache events (``enable_kv_cache_events=True``, ``KVCacheManager.take_events``) as the
+  protocol's (:func:`protocol_events`).
 - ``self_check``: each block's ``ref_cnt`` equals the live tables holding it, the free queue is
   exactly the unreferenced blocks, and each hash-index entry points at a block carrying that hash.
 
@@ -58,19 +60,29 @@ MAX_MODEL_LEN = 4096
 HIDDEN_SIZE = 4  # of the prompt embeddings the peer builds (vLLM hashes their bytes, any width serves)
 
 
+def enter_structured_output_package() -> None:
+    """Enter ``vllm.v1.structured_output`` without running its ``__init__`` (which pulls grammar backends,
+    tokenizers and a web server the manager needs none of; its submodules import as usual), importing nothing
+    else of vLLM: a mutant of a manager module can still be installed afterwards.
+
+    Raises:
+        ImportError: vLLM is not installed.
+    """
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
+        raise ImportError("No module named 'vllm'")
+    name = "vllm.v1.structured_output"
+    if name not in sys.modules:
+        package = types.ModuleType(name)
+        package.__path__ = [os.path.join(os.path.dirname(spec.origin), "v1", "structured_output")]
+        sys.modules[name] = package
+
+
 def _import_vllm():
-    """vLLM's manager modules. ``vllm.v1.request`` imports ``vllm.v1.structured_output``, whose package
-    ``__init__`` pulls grammar backends, tokenizers and a web server; the manager needs none of them, so
-    the package is entered without running its ``__init__`` (its submodules import as usual)."""
+    """vLLM's manager modules. ``vllm.v1.request`` imports ``vllm.v1.structured_output``, entered without its
+    ``__init__`` (:func:`enter_structured_output_package`)."""
     try:
-        spec = importlib.util.find_spec("vllm")
-        if spec is None:
-            raise ImportError("No module named 'vllm'")
-        name = "vllm.v1.structured_output"
-        if name not in sys.modules:
-            package = types.ModuleType(name)
-            package.__path__ = [os.path.join(os.path.dirname(spec.origin), "v1", "structured_output")]
-            sys.modules[name] = package
+        enter_structured_output_package()
         import torch
         from vllm.lora.request import LoRARequest
         from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
@@ -120,6 +132,38 @@ def prompt_embeddings(torch, extra_keys: Sequence[ExtraKey], num_tokens: int):
     return embeds, [pos not in rows for pos in range(num_tokens)]
 
 
+def protocol_events(events) -> list:
+    """vLLM's KV cache events (``vllm.distributed.kv_events``: ``BlockStored``, ``BlockRemoved``,
+    ``AllBlocksCleared``) as a router reads them, in the protocol's types (:mod:`pagedkv.testing.managers.kv_events`):
+    the block hashes as keys, the group as ``group_idx`` (0 where unset), the LoRA adapter as ``lora_name``, the cache
+    salt as the bare string among the first block's extra keys where the run starts a prompt
+    (``to_event_extra_keys``: the adapter's name first where one is set, ``(identifier, offset)`` pairs of
+    multimodal inputs, the salt, prompt-embedding digests as bytes).
+
+    Raises:
+        TypeError: an event of another type.
+    """
+    from pagedkv.testing.managers import kv_events as pk
+
+    out = []
+    for event in events:
+        name = type(event).__name__
+        if name == "BlockStored":
+            salt = None
+            if event.parent_block_hash is None and event.extra_keys and event.extra_keys[0]:
+                keys = list(event.extra_keys[0])[1 if event.lora_name else 0:]
+                salt = next((k for k in keys if isinstance(k, str)), None)
+            out.append(pk.BlockStored(event.group_idx or 0, tuple(event.block_hashes), event.parent_block_hash,
+                                      tuple(event.token_ids), event.block_size, event.lora_name, salt))
+        elif name == "BlockRemoved":
+            out.append(pk.BlockRemoved(event.group_idx or 0, tuple(event.block_hashes)))
+        elif name == "AllBlocksCleared":
+            out.append(pk.AllBlocksCleared())
+        else:
+            raise TypeError(f"events: {event!r} is not a vLLM KV cache event")
+    return out
+
+
 class VllmCacheManager:
     """One ``KVCacheManager`` with a single KV cache group (full attention, or sliding window)."""
 
@@ -137,7 +181,7 @@ class VllmCacheManager:
         init_block_hashes(v)
         self.block_hasher = v.get_request_block_hasher(bs, v.sha256)
         self.manager = v.KVCacheManager(kv_config, max_model_len=MAX_MODEL_LEN, scheduler_block_size=bs,
-                                        hash_block_size=bs, enable_caching=True)
+                                        hash_block_size=bs, enable_caching=True, enable_kv_cache_events=True)
         self.pool = self.manager.block_pool
         self.block_size, self.num_blocks = bs, config.num_blocks + 1
         self.reserved_blocks = 1
@@ -155,7 +199,7 @@ class VllmCacheManager:
                                                 hit_promise=caches, async_steps=True, resume=True,
                                                 admission="sequence" if config.full_sequence_must_fit else "chunk",
                                                 window_release=True,
-                                                prompt_embeds=True)
+                                                prompt_embeds=True, kv_events=True)
 
     def _request(self, request_id, token_ids, namespace, extra_keys):
         v = self.v
@@ -272,6 +316,21 @@ class VllmCacheManager:
 
     def reset(self) -> bool:
         return self.manager.reset_prefix_cache()
+
+    def take_events(self) -> list:
+        """The KV cache events since the last call (:func:`protocol_events` of ``KVCacheManager.take_events``)."""
+        return protocol_events(self.manager.take_events())
+
+    def cached_keys(self) -> dict:
+        """``{(group, key): blocks}`` of every entry in vLLM's prefix-cache index (``cached_block_hash_to_block``),
+        keyed as its KV events name them (``maybe_convert_block_hash``): what a router's index must hold."""
+        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
+
+        out: dict = {}
+        for key, entry in getattr(self.pool.cached_block_hash_to_block, "_cache", {}).items():
+            where = (get_group_id(key), maybe_convert_block_hash(get_block_hash(key)))
+            out[where] = out.get(where, 0) + (len(entry) if isinstance(entry, dict) else 1)
+        return out
 
     def _check_pool(self, refs: dict[int, int], free_ids: set[int]) -> None:
         """Each block's ``ref_cnt`` equals ``refs`` (the tables holding it) and it is in the free queue
