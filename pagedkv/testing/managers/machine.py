@@ -64,7 +64,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
 from pagedkv.testing.managers.kv_io import KVIO
 from pagedkv.testing.managers.oracle import stable_hash, token_identity
 from pagedkv.testing.managers.protocol import (ONE_GROUP, ManagerConfig, as_grouped, is_embedding, layout_groups,
-                                               layout_retention, prompt_embedding_rows)
+                                               layout_prefix_match_unit, layout_retention, prompt_embedding_rows)
 
 VOCAB = st.integers(0, 3)  # small: equal blocks, hits and near-misses are common
 #: Namespaces whose encodings collide where an engine flattens them (protocol.namespace_parts).
@@ -209,7 +209,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.log("start", num_blocks=num_blocks, block_size=block_size, num_layers=num_layers, window=window,
                  layout=layout, features=features, **({"pool_per_group": True} if pool_per_group else {}))
         bs = self.block_sizes[block_size % len(self.block_sizes)]
-        groups = layout_groups(self.layouts[layout % len(self.layouts)], bs, window)
+        name = self.layouts[layout % len(self.layouts)]
+        groups = layout_groups(name, bs, window)
         if groups:
             num_layers = max(g.num_layers for g in groups)
             num_blocks *= len(groups) if pool_per_group else 1
@@ -219,8 +220,8 @@ class ManagerMachine(RuleBasedStateMachine):
                                # whole-prompt admission on half the pools, read off a draw every program
                                # has (so that no other draw moves)
                                full_sequence_must_fit=bool(num_blocks % 2),
-                               retention_interval=layout_retention(self.layouts[layout % len(self.layouts)], bs,
-                                                                   window))
+                               retention_interval=layout_retention(name, bs, window),
+                               prefix_match_unit=layout_prefix_match_unit(name, bs))
         self.m = as_grouped(type(self).make_manager(config))
         self.caps = self.m.capabilities
         self.groups = self.caps.groups
@@ -231,6 +232,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.speculative = self.caps.speculative and config.num_speculative_tokens > 0
         self.gbs = [g.block_size for g in self.groups]
         self.bs = math.lcm(*self.gbs)  # a hit is whole blocks of every group
+        self.unit = self.caps.hit_alignment or self.bs  # ... or, fine-grained, whole prefix-match units
         self.page = max(self.gbs)  # tokens per page of the machine's pools
         self.layers, self.window = num_layers, self.caps.window
         if self.caps.owns_pools:
@@ -324,7 +326,7 @@ class ManagerMachine(RuleBasedStateMachine):
         or chunked-local group's where a hit of whole blocks of every group needs them; and, where
         ``promised``, must hit)."""
         tables = self.m.block_table(rid) if rid in self.live else req.table  # a deferred free: as it was freed
-        for end in range(self.bs, upto + 1, self.bs):
+        for end in range(self.unit, upto + 1, self.unit):
             self.committed_prefixes.add(req.identities[end - 1])
         if not promised:
             return
@@ -731,7 +733,9 @@ class ManagerMachine(RuleBasedStateMachine):
         assert 0 <= cached <= len(tokens) - self.caps.min_computed_on_full_hit, \
             f"request {rid}: {cached} of {len(tokens)} prompt tokens served from the cache; at least " \
             f"{self.caps.min_computed_on_full_hit} must be computed"
-        assert cached % self.bs == 0 or self.bs == 1, f"request {rid}: a hit of {cached} tokens is not whole blocks"
+        assert cached % self.unit == 0 or self.unit == 1, \
+            f"request {rid}: a hit of {cached} tokens is not whole blocks" + (
+                f" of {self.unit} tokens (the manager's hit alignment)" if self.caps.hit_alignment else "")
         if cached:
             type(self).prefix_hits += 1
             assert req.identities[cached - 1] in self.committed_prefixes, \
@@ -761,8 +765,9 @@ class ManagerMachine(RuleBasedStateMachine):
             # a state group may hit less where the load restores its state (at the load's end): vLLM's divergent
             # local hybrid hit; without external tokens every group holds exactly the agreed hit
             short = external and self.groups[g].kind == "mamba"
+            # (a hit ending inside a block, fine-grained: that block too)
             assert not self.grouped or len(blocks) == len(tables[g]) and (
-                    len(blocks) == cached // self.gbs[g] or short and len(blocks) < cached // self.gbs[g]), \
+                    len(blocks) == -(-cached // self.gbs[g]) or short and len(blocks) < cached // self.gbs[g]), \
                 f"request {rid}: group {g} admitted blocks {list(blocks)} (table {tables[g]}) of {self.gbs[g]} " \
                 f"tokens for the agreed hit of {cached} tokens (every group's hit truncated to the agreed length" + \
                 (f"; {external} external tokens to load" if external else "") + ")"
@@ -1205,7 +1210,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.log("reset")
         if self.m.reset():
             self.committed_prefixes = {r.identities[e - 1] for r in self.live.values()
-                                       for e in range(self.bs, r.committed + 1, self.bs)}
+                                       for e in range(self.unit, r.committed + 1, self.unit)}
             self.cached.clear()
 
     # -- checks --------------------------------------------------------------------------------------
@@ -1247,9 +1252,11 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.self_check()
 
     def pending_slots(self) -> set[int]:
-        """Pages (:meth:`flat`) an in-flight step still writes."""
+        """Pages (:meth:`flat`) an in-flight step still writes, and those a manager owning the pools says a copy
+        fills from them (``in_flight_pages``: a copy-on-write the worker runs after those steps)."""
+        copied = getattr(self.m, "in_flight_pages", None) if self.caps.owns_pools else None
         return {self.flat(g, s) for q in (*self.live.values(), *self.zombies.values()) for step in q.in_flight
-                for g, slots in enumerate(step.slots) for s in slots if s >= 0}
+                for g, slots in enumerate(step.slots) for s in slots if s >= 0} | (copied() if copied else set())
 
     def check_reads(self, rid: int, req: Request, g: int, group, table: list[int], pending: set,
                     at: int | None = None, below: int | None = None) -> None:

@@ -155,6 +155,21 @@ LAYOUT_RETENTION = {"gemma3-sparse": 0, "gemma3-interval": 3, "qwen3-next-sparse
 HYBRID_LAYOUTS["gemma3-sparse"] = HYBRID_LAYOUTS["gemma3-interval"] = HYBRID_LAYOUTS["gemma3"]
 HYBRID_LAYOUTS["qwen3-next-sparse"] = HYBRID_LAYOUTS["qwen3-next"]
 
+#: Layouts served with a prefix-match unit finer than every group's block (vLLM's ``--prefix-match-unit``,
+#: ``CacheConfig.prefix_match_unit``, the hash block size): ``qwen3-next-fine`` is Qwen3-Next / Nemotron-H as
+#: vLLM serves them with fine-grained partial hash hits, full attention and a Mamba "align" group of one block
+#: size (vLLM aligns the attention block to the Mamba state's page), four prefix-match units a block, the unit the
+#: drawn hash block size. A hit then lands on any unit boundary, inside a block (vLLM's
+#: ``HybridKVCacheCoordinator.enable_partial_hash_hits``).
+LAYOUT_PREFIX_MATCH_UNIT = {"qwen3-next-fine"}
+HYBRID_LAYOUTS["qwen3-next-fine"] = lambda bs, w: (GroupSpec("full", 4 * bs), GroupSpec("mamba", 4 * bs, num_layers=2))
+
+
+def layout_prefix_match_unit(name: str, block_size: int) -> int | None:
+    """Layout ``name``'s prefix-match unit in tokens at hash block size ``block_size`` (``None``: the gcd of its
+    groups' block sizes, vLLM's default)."""
+    return block_size if name in LAYOUT_PREFIX_MATCH_UNIT else None
+
 
 def layout_retention(name: str, block_size: int, window: int) -> int | None:
     """Layout ``name``'s retention interval in tokens (``None``: dense; 0: replay boundaries and junctions
@@ -260,6 +275,11 @@ class ManagerCapabilities:
             matches one block past the hit and drops it). The hit promise is then the longest whole-block
             prefix whose every group also holds that next block cached, within the prompt's whole hash
             blocks.
+        hit_alignment: hits land on multiples of this many tokens, finer than the groups' blocks (vLLM's
+            fine-grained partial hash hits: ``cache_hit_alignment_tokens``, the prefix-match unit, where a Mamba
+            "align" group's block exceeds it); a hit may then end inside a block of every group, each group's
+            admitted blocks being ``ceil(num_cached / block_size)``, the last one partly hit (copied on write
+            before the request writes past the hit). ``None``: whole blocks of every group.
     """
 
     block_size: int
@@ -287,6 +307,7 @@ class ManagerCapabilities:
     retention_interval: int | None = None
     eagle_drop: bool = False
     prompt_embeds: bool = False
+    hit_alignment: int | None = None
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""
@@ -321,6 +342,8 @@ class ManagerConfig:
     its whole prompt fit (vLLM's ``scheduler_reserve_full_isl``, on by default there); a manager that
     honours it declares ``capabilities.admission == "sequence"``.
     ``retention_interval``: sparse prefix-cache retention in tokens (:data:`LAYOUT_RETENTION`; ``None``: dense).
+    ``prefix_match_unit``: the hash block size in tokens where finer than the gcd of the groups' block sizes
+    (:data:`LAYOUT_PREFIX_MATCH_UNIT`; ``None``: that gcd, ``block_size``).
     A manager that cannot serve what is asked raises ``ValueError`` naming it (the machine does not
     ask a manager for a layout it does not list), or leaves the capability off."""
 
@@ -335,6 +358,7 @@ class ManagerConfig:
     num_speculative_tokens: int = 0
     full_sequence_must_fit: bool = False
     retention_interval: int | None = None
+    prefix_match_unit: int | None = None
 
 
 @runtime_checkable
