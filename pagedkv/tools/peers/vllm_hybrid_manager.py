@@ -264,7 +264,7 @@ class _StatePools:
         self.layers = [(torch.full(shape, float("nan")), torch.full(shape, float("nan"))) for _ in range(num_layers)]
         # request -> its uncompleted steps: (end, blocks written, Mamba states written as (group, block, offset))
         self.writes: dict[int, list[tuple[int, set[int], list[tuple[int, int, int]]]]] = {}
-        # (src, dst, tokens, the uncompleted steps (request, end) writing src when the copy ran): run again as each completes
+        # (src, dst, tokens, the uncompleted steps (request, end) writing src at the copy): run again as each completes
         self.forwards: list[tuple[int, int, int, set[tuple[int, int]]]] = []
 
     def _tensors(self):
