@@ -21,6 +21,8 @@ from pathlib import Path
 CHILD = """
 install_mutant({module!r}, {path!r}, {original!r})
 import importlib, json, sys, time
+from pagedkv.tools.peers.vllm_manager import _import_vllm
+_import_vllm()  # vLLM's request module imports what the peer stubs (structured output, xgrammar)
 importlib.import_module({module!r})
 assert sys.modules[{module!r}].__file__ == {path!r}, "the mutant did not load"
 from pagedkv.testing.hypothesis_internals import forced_seed
