@@ -534,6 +534,25 @@ class ManagerMachine(RuleBasedStateMachine):
                 return hit
         return 0
 
+    def replay_hit(self, req: Request) -> int:
+        """The replay promise of fine-grained hits (``capabilities.hit_alignment``): a live request ``q`` whose
+        steps stopped exactly at its replay boundary ``r`` (its prompt less one token, down to whole prefix-match
+        units: where vLLM registers the partial entries of the prompt's tail, ``FullAttentionManager.
+        _cache_partial_tail_block`` and ``MambaManager._cache_partial_tail_block``), all of them completed, holds
+        every block a hit of ``r`` tokens needs (none evictable, its Mamba state there not yet moved by a next step),
+        so a prompt whose first ``r`` tokens are ``q``'s hits at least ``r``. Not promised with a connector (a load
+        re-aligns the local hit to whole scheduler blocks), drafts, extra keys or embeddings (their keys see what
+        the identity does not)."""
+        if not self.caps.hit_alignment or self.connector or self.speculative or req.extras:
+            return 0
+        cap, best = len(req.tokens) - self.caps.min_computed_on_full_hit, 0
+        for q in self.live.values():
+            r = (q.num_prompt - 1) // self.unit * self.unit
+            if (q.adopted and not q.pending() and q.reserved == q.committed == r and best < r <= cap and not q.extras
+                    and q.identities[r - 1] == req.identities[r - 1]):
+                best = r
+        return best
+
     def eagle_next_block(self, req: Request, hit: int, still: list[set]) -> bool:
         """Whether a hit of ``hit`` tokens survives the EAGLE drop (``capabilities.eagle_drop``): every
         group's block after it is cached too, inside the prompt's whole hash blocks (vLLM's lookup
@@ -741,7 +760,10 @@ class ManagerMachine(RuleBasedStateMachine):
             assert req.identities[cached - 1] in self.committed_prefixes, \
                 f"request {rid}: a hit on its first {cached} tokens, which no request committed under namespace " \
                 f"{namespace!r} with these extra keys"
-        promised = self.promised_hit(req)
+        promised, replay = self.promised_hit(req), self.replay_hit(req)
+        assert cached >= replay, \
+            f"request {rid}: a hit of {cached} tokens, but a live request stopped at its replay boundary of {replay} " \
+            f"tokens of this prompt, holding every block of that hit (the replay promise of fine-grained hits)"
         if self.caps.retention_interval is not None:
             req.junction = self.junction(req, cached)
             # sparse retention keeps a window's blocks at known boundaries only: where the model knows every
