@@ -314,6 +314,11 @@ class _StatePools:
                 steps -= {(request_id, end) for end, _, _ in done}
         self.forwards = [f for f in self.forwards if f[3]]
 
+    def handed_out(self, blocks: set[int]) -> None:
+        """``blocks`` are handed out afresh: a copy into one of them is not run again (it ran before the step
+        that wrote them last, in the worker's order; its block now holds another's K/V)."""
+        self.forwards = [f for f in self.forwards if f[1] not in blocks]
+
     def forget(self, request_id: int) -> None:
         """The request's uncompleted steps are dropped unwritten."""
         for end, _, _ in self.writes.pop(request_id, []):
@@ -360,6 +365,15 @@ class VllmHybridCacheManager(VllmCacheManager):
         # runs (copy_kv_cache_blocks_inplace): the pools are the peer's, so that it runs those copies in them
         self.fine_grained = self.manager.coordinator.enable_partial_hash_hits
         self.pools = _StatePools(self.groups, self.num_blocks, config) if self.fine_grained else None
+        if self.pools is not None:  # blocks handed out again end what a copy into them still owed
+            get_new_blocks = self.pool.get_new_blocks
+
+            def handed_out(num_blocks):
+                blocks = get_new_blocks(num_blocks)
+                self.pools.handed_out({b.block_id for b in blocks})
+                return blocks
+
+            self.pool.get_new_blocks = handed_out
         self.num_lookahead = config.num_speculative_tokens if speculative else 0
         self.connector = _connector_class()(kv_config, self.scheduler_block_size) if config.connector else None
         self.slot_mapping = _SlotMapping(self.groups, MAX_MODEL_LEN)
