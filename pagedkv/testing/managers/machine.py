@@ -22,7 +22,9 @@ blocks a hit at a kept boundary needs, and no more where every cached block is k
 step reserved while the previous one's writes are in flight; no block an in-flight step reads or writes
 handed to anyone, a free deferred until its steps complete), the admission promise (a reservation or load
 refused only when the pool is short of its need) and the window release promise (no block wholly before what
-the next query reads kept past a reservation). Namespaces are drawn so that their encodings
+the next query reads kept past a reservation), and, where hits land inside blocks (``hit_alignment``: vLLM's
+fine-grained partial hash hits), the replay promise (a live request stopped at its replay boundary holds every
+block of that hit, so a prompt sharing it hits at least there). Namespaces are drawn so that their encodings
 collide (a cache salt spelled like a LoRA name, one LoRA name at two paths) and multimodal inputs as
 placeholder runs, so one image at two offsets in one block differs only in its offset.
 

@@ -13,7 +13,10 @@ prefix-cache retention (``gemma3-sparse``: vLLM 0.32's engine default ``--prefix
 a window group keeping only the blocks a hit at the replay boundary or a shared-prefix junction needs;
 ``gemma3-interval``: also one boundary every 3 scheduler blocks; ``qwen3-next-sparse``: a Mamba group keeping
 only those boundaries' states; ``KVCacheConfig.prefix_cache_retention_interval``, declared so the hit promise
-and the eviction model follow it). vLLM's LRU eviction order is
+and the eviction model follow it), and Qwen3-Next served with fine-grained partial hash hits (``qwen3-next-fine``:
+``--prefix-match-unit`` finer than the Mamba block, so hits land inside a block; the peer holds the pools, runs the
+scheduler's copy-on-write copies in them as vLLM's worker does and keeps one state per Mamba block:
+:class:`_StatePools`). vLLM's LRU eviction order is
 declared where the machine knows what vLLM caches (no Mamba group, no EAGLE), and the lookahead slots
 (``num_lookahead_tokens``) where drafts are on.
 
