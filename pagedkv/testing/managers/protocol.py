@@ -234,7 +234,9 @@ class ManagerCapabilities:
             relies on the engine writing every reserved slot in the same step (vLLM v1), so the machine
             writes each reservation at once.
         owns_pools: the manager holds the K/V pools itself (``kv_pools(layer)``), because it copies K/V
-            (copy-on-write); otherwise the machine allocates pools of ``total`` blocks.
+            (copy-on-write); otherwise the machine allocates pools of ``total`` blocks. It may answer
+            ``in_flight_pages() -> set[int]``: pages (``block * page + offset``) a copy fills from a block an
+            in-flight step still writes (the engine copies after that step), left unread until it completes.
         groups: the KV-cache groups it serves (:class:`GroupSpec`, in the order of its per-group
             returns); ``()``: one group of ``block_size`` and ``window`` with plain (non-tuple) returns.
             A grouped manager that owns pools answers ``kv_pools(layer)`` for layer slot ``layer``
