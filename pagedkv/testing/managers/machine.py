@@ -22,7 +22,9 @@ blocks a hit at a kept boundary needs, and no more where every cached block is k
 step reserved while the previous one's writes are in flight; no block an in-flight step reads or writes
 handed to anyone, a free deferred until its steps complete), the admission promise (a reservation or load
 refused only when the pool is short of its need) and the window release promise (no block wholly before what
-the next query reads kept past a reservation). Namespaces are drawn so that their encodings
+the next query reads kept past a reservation), and, where hits land inside blocks (``hit_alignment``: vLLM's
+fine-grained partial hash hits), the replay promise (a live request stopped at its replay boundary holds every
+block of that hit, so a prompt sharing it hits at least there). Namespaces are drawn so that their encodings
 collide (a cache salt spelled like a LoRA name, one LoRA name at two paths) and multimodal inputs as
 placeholder runs, so one image at two offsets in one block differs only in its offset.
 
@@ -65,7 +67,8 @@ from pagedkv.testing.managers.kv_events import EventIndex
 from pagedkv.testing.managers.kv_io import KVIO
 from pagedkv.testing.managers.oracle import stable_hash, token_identity
 from pagedkv.testing.managers.protocol import (MULTI_MODULE_MTP_LAYOUTS, ONE_GROUP, ManagerConfig, as_grouped,
-                                               is_embedding, layout_groups, layout_retention, prompt_embedding_rows)
+                                               is_embedding, layout_groups, layout_prefix_match_unit, layout_retention,
+                                               prompt_embedding_rows)
 
 VOCAB = st.integers(0, 3)  # small: equal blocks, hits and near-misses are common
 #: Namespaces whose encodings collide where an engine flattens them (protocol.namespace_parts).
@@ -212,7 +215,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.log("start", num_blocks=num_blocks, block_size=block_size, num_layers=num_layers, window=window,
                  layout=layout, features=features, **({"pool_per_group": True} if pool_per_group else {}))
         bs = self.block_sizes[block_size % len(self.block_sizes)]
-        groups = layout_groups(self.layouts[layout % len(self.layouts)], bs, window)
+        name = self.layouts[layout % len(self.layouts)]
+        groups = layout_groups(name, bs, window)
         if groups:
             num_layers = max(g.num_layers for g in groups)
             num_blocks *= len(groups) if pool_per_group else 1
@@ -222,9 +226,9 @@ class ManagerMachine(RuleBasedStateMachine):
                                # whole-prompt admission on half the pools, read off a draw every program
                                # has (so that no other draw moves)
                                full_sequence_must_fit=bool(num_blocks % 2),
-                               retention_interval=layout_retention(self.layouts[layout % len(self.layouts)], bs,
-                                                                   window),
-                               multi_module_mtp=self.layouts[layout % len(self.layouts)] in MULTI_MODULE_MTP_LAYOUTS)
+                               retention_interval=layout_retention(name, bs, window),
+                               prefix_match_unit=layout_prefix_match_unit(name, bs),
+                               multi_module_mtp=name in MULTI_MODULE_MTP_LAYOUTS)
         self.m = as_grouped(type(self).make_manager(config))
         self.caps = self.m.capabilities
         if self.capabilities_seen is not None:
@@ -238,6 +242,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.reprefill = self.caps.reprefill if self.speculative else 0  # tokens a reservation leaves uncached
         self.gbs = [g.block_size for g in self.groups]
         self.bs = math.lcm(*self.gbs)  # a hit is whole blocks of every group
+        self.unit = self.caps.hit_alignment or self.bs  # ... or, fine-grained, whole prefix-match units
         self.page = max(self.gbs)  # tokens per page of the machine's pools
         self.layers, self.window = num_layers, self.caps.window
         if self.caps.owns_pools:
@@ -335,7 +340,7 @@ class ManagerMachine(RuleBasedStateMachine):
         tables = self.m.block_table(rid) if rid in self.live else req.table  # a deferred free: as it was freed
         if self.kv_events is not None:
             self.kv_events.commit(req.namespace, req.tokens, upto)
-        for end in range(self.bs, upto + 1, self.bs):
+        for end in range(self.unit, upto + 1, self.unit):
             self.committed_prefixes.add(req.identities[end - 1])
         if not promised:
             return
@@ -543,6 +548,25 @@ class ManagerMachine(RuleBasedStateMachine):
                 return hit
         return 0
 
+    def replay_hit(self, req: Request) -> int:
+        """The replay promise of fine-grained hits (``capabilities.hit_alignment``): a live request ``q`` whose
+        steps stopped exactly at its replay boundary ``r`` (its prompt less one token, down to whole prefix-match
+        units: where vLLM registers the partial entries of the prompt's tail, ``FullAttentionManager.
+        _cache_partial_tail_block`` and ``MambaManager._cache_partial_tail_block``), all of them completed, holds
+        every block a hit of ``r`` tokens needs (none evictable, its Mamba state there not yet moved by a next step),
+        so a prompt whose first ``r`` tokens are ``q``'s hits at least ``r``. Not promised with a connector (a load
+        re-aligns the local hit to whole scheduler blocks), drafts, extra keys or embeddings (their keys see what
+        the identity does not)."""
+        if not self.caps.hit_alignment or self.connector or self.speculative or req.extras:
+            return 0
+        cap, best = len(req.tokens) - self.caps.min_computed_on_full_hit, 0
+        for q in self.live.values():
+            r = (q.num_prompt - 1) // self.unit * self.unit
+            if (q.adopted and not q.pending() and q.reserved == q.committed == r and best < r <= cap and not q.extras
+                    and q.identities[r - 1] == req.identities[r - 1]):
+                best = r
+        return best
+
     def eagle_next_block(self, req: Request, hit: int, still: list[set]) -> bool:
         """Whether a hit of ``hit`` tokens survives the EAGLE drop (``capabilities.eagle_drop``): every
         group's block after it is cached too, inside the prompt's whole hash blocks (vLLM's lookup
@@ -744,7 +768,9 @@ class ManagerMachine(RuleBasedStateMachine):
         assert 0 <= cached <= len(tokens) - self.caps.min_computed_on_full_hit, \
             f"request {rid}: {cached} of {len(tokens)} prompt tokens served from the cache; at least " \
             f"{self.caps.min_computed_on_full_hit} must be computed"
-        assert cached % self.bs == 0 or self.bs == 1, f"request {rid}: a hit of {cached} tokens is not whole blocks"
+        assert cached % self.unit == 0 or self.unit == 1, \
+            f"request {rid}: a hit of {cached} tokens is not whole blocks" + (
+                f" of {self.unit} tokens (the manager's hit alignment)" if self.caps.hit_alignment else "")
         if cached:
             type(self).prefix_hits += 1
             assert req.identities[cached - 1] in self.committed_prefixes, \
@@ -753,7 +779,10 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.kv_events is not None:
             self.drain_events(f"admit of request {rid}")
             self.kv_events.judge_hit(rid, namespace, tokens, cached, self.gbs)
-        promised = self.promised_hit(req)
+        promised, replay = self.promised_hit(req), self.replay_hit(req)
+        assert cached >= replay, \
+            f"request {rid}: a hit of {cached} tokens, but a live request stopped at its replay boundary of {replay} " \
+            f"tokens of this prompt, holding every block of that hit (the replay promise of fine-grained hits)"
         if self.caps.retention_interval is not None:
             req.junction = self.junction(req, cached)
             # sparse retention keeps a window's blocks at known boundaries only: where the model knows every
@@ -777,8 +806,9 @@ class ManagerMachine(RuleBasedStateMachine):
             # a state group may hit less where the load restores its state (at the load's end): vLLM's divergent
             # local hybrid hit; without external tokens every group holds exactly the agreed hit
             short = external and self.groups[g].kind == "mamba"
+            # (a hit ending inside a block, fine-grained: that block too)
             assert not self.grouped or len(blocks) == len(tables[g]) and (
-                    len(blocks) == cached // self.gbs[g] or short and len(blocks) < cached // self.gbs[g]), \
+                    len(blocks) == -(-cached // self.gbs[g]) or short and len(blocks) < cached // self.gbs[g]), \
                 f"request {rid}: group {g} admitted blocks {list(blocks)} (table {tables[g]}) of {self.gbs[g]} " \
                 f"tokens for the agreed hit of {cached} tokens (every group's hit truncated to the agreed length" + \
                 (f"; {external} external tokens to load" if external else "") + ")"
@@ -1224,7 +1254,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.kv_events is None or self.drain_events("reset"), \
                 "reset emptied the prefix cache, but no KV event AllBlocksCleared said so"
             self.committed_prefixes = {r.identities[e - 1] for r in self.live.values()
-                                       for e in range(self.bs, r.committed + 1, self.bs)}
+                                       for e in range(self.unit, r.committed + 1, self.unit)}
             self.cached.clear()
 
     # -- checks --------------------------------------------------------------------------------------
@@ -1277,9 +1307,11 @@ class ManagerMachine(RuleBasedStateMachine):
         return cleared
 
     def pending_slots(self) -> set[int]:
-        """Pages (:meth:`flat`) an in-flight step still writes."""
+        """Pages (:meth:`flat`) an in-flight step still writes, and those a manager owning the pools says a copy
+        fills from them (``in_flight_pages``: a copy-on-write the worker runs after those steps)."""
+        copied = getattr(self.m, "in_flight_pages", None) if self.caps.owns_pools else None
         return {self.flat(g, s) for q in (*self.live.values(), *self.zombies.values()) for step in q.in_flight
-                for g, slots in enumerate(step.slots) for s in slots if s >= 0}
+                for g, slots in enumerate(step.slots) for s in slots if s >= 0} | (copied() if copied else set())
 
     def check_reads(self, rid: int, req: Request, g: int, group, table: list[int], pending: set,
                     at: int | None = None, below: int | None = None) -> None:

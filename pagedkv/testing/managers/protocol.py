@@ -163,6 +163,21 @@ HYBRID_LAYOUTS["qwen3-next-sparse"] = HYBRID_LAYOUTS["qwen3-next"]
 MULTI_MODULE_MTP_LAYOUTS = ("mtp-multi-module",)
 HYBRID_LAYOUTS["mtp-multi-module"] = lambda bs, w: (GroupSpec("full", max(bs, 3)),)
 
+#: Layouts served with a prefix-match unit finer than every group's block (vLLM's ``--prefix-match-unit``,
+#: ``CacheConfig.prefix_match_unit``, the hash block size): ``qwen3-next-fine`` is Qwen3-Next / Nemotron-H as
+#: vLLM serves them with fine-grained partial hash hits, full attention and a Mamba "align" group of one block
+#: size (vLLM aligns the attention block to the Mamba state's page), four prefix-match units a block, the unit the
+#: drawn hash block size. A hit then lands on any unit boundary, inside a block (vLLM's
+#: ``HybridKVCacheCoordinator.enable_partial_hash_hits``).
+LAYOUT_PREFIX_MATCH_UNIT = {"qwen3-next-fine"}
+HYBRID_LAYOUTS["qwen3-next-fine"] = lambda bs, w: (GroupSpec("full", 4 * bs), GroupSpec("mamba", 4 * bs, num_layers=2))
+
+
+def layout_prefix_match_unit(name: str, block_size: int) -> int | None:
+    """Layout ``name``'s prefix-match unit in tokens at hash block size ``block_size`` (``None``: the gcd of its
+    groups' block sizes, vLLM's default)."""
+    return block_size if name in LAYOUT_PREFIX_MATCH_UNIT else None
+
 
 def layout_retention(name: str, block_size: int, window: int) -> int | None:
     """Layout ``name``'s retention interval in tokens (``None``: dense; 0: replay boundaries and junctions
@@ -227,7 +242,9 @@ class ManagerCapabilities:
             relies on the engine writing every reserved slot in the same step (vLLM v1), so the machine
             writes each reservation at once.
         owns_pools: the manager holds the K/V pools itself (``kv_pools(layer)``), because it copies K/V
-            (copy-on-write); otherwise the machine allocates pools of ``total`` blocks.
+            (copy-on-write); otherwise the machine allocates pools of ``total`` blocks. It may answer
+            ``in_flight_pages() -> set[int]``: pages (``block * page + offset``) a copy fills from a block an
+            in-flight step still writes (the engine copies after that step), left unread until it completes.
         groups: the KV-cache groups it serves (:class:`GroupSpec`, in the order of its per-group
             returns); ``()``: one group of ``block_size`` and ``window`` with plain (non-tuple) returns.
             A grouped manager that owns pools answers ``kv_pools(layer)`` for layer slot ``layer``
@@ -280,6 +297,11 @@ class ManagerCapabilities:
         kv_events: the manager publishes what it caches (vLLM's KV cache events, read by KV-aware routers):
             ``take_events()`` returns the events since the last call (:mod:`.kv_events`: ``BlockStored``,
             ``BlockRemoved``, ``AllBlocksCleared``), judged by an index rebuilt from them alone.
+        hit_alignment: hits land on multiples of this many tokens, finer than the groups' blocks (vLLM's
+            fine-grained partial hash hits: ``cache_hit_alignment_tokens``, the prefix-match unit, where a Mamba
+            "align" group's block exceeds it); a hit may then end inside a block of every group, each group's
+            admitted blocks being ``ceil(num_cached / block_size)``, the last one partly hit (copied on write
+            before the request writes past the hit). ``None``: whole blocks of every group.
     """
 
     block_size: int
@@ -310,6 +332,7 @@ class ManagerCapabilities:
     kv_events: bool = False
     reprefill: int = 0
     eagle_margin: bool = True
+    hit_alignment: int | None = None
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""
@@ -346,6 +369,8 @@ class ManagerConfig:
     ``retention_interval``: sparse prefix-cache retention in tokens (:data:`LAYOUT_RETENTION`; ``None``: dense).
     ``multi_module_mtp``: the drafter is a chain of MTP modules (:data:`MULTI_MODULE_MTP_LAYOUTS`), each reading
     one prefill token further ahead (``capabilities.reprefill``).
+    ``prefix_match_unit``: the hash block size in tokens where finer than the gcd of the groups' block sizes
+    (:data:`LAYOUT_PREFIX_MATCH_UNIT`; ``None``: that gcd, ``block_size``).
     A manager that cannot serve what is asked raises ``ValueError`` naming it (the machine does not
     ask a manager for a layout it does not list), or leaves the capability off."""
 
@@ -361,6 +386,7 @@ class ManagerConfig:
     full_sequence_must_fit: bool = False
     retention_interval: int | None = None
     multi_module_mtp: bool = False
+    prefix_match_unit: int | None = None
 
 
 @runtime_checkable

@@ -13,7 +13,10 @@ prefix-cache retention (``gemma3-sparse``: vLLM 0.32's engine default ``--prefix
 a window group keeping only the blocks a hit at the replay boundary or a shared-prefix junction needs;
 ``gemma3-interval``: also one boundary every 3 scheduler blocks; ``qwen3-next-sparse``: a Mamba group keeping
 only those boundaries' states; ``KVCacheConfig.prefix_cache_retention_interval``, declared so the hit promise
-and the eviction model follow it). vLLM's LRU eviction order is
+and the eviction model follow it), and Qwen3-Next served with fine-grained partial hash hits (``qwen3-next-fine``:
+``--prefix-match-unit`` finer than the Mamba block, so hits land inside a block; the peer holds the pools, runs the
+scheduler's copy-on-write copies in them as vLLM's worker does and keeps one state per Mamba block:
+:class:`_StatePools`). vLLM's LRU eviction order is
 declared where the machine knows what vLLM caches (no Mamba group, no EAGLE), and the lookahead slots
 (``num_lookahead_tokens``) where drafts are on.
 
@@ -242,6 +245,97 @@ class _MambaSplit:
         return self.method(self.state, request, num_new_tokens, num_local)
 
 
+class _StatePools:
+    """The pools of a fine-grained layout, held as vLLM's worker holds them: per layer slot a K and a V tensor of
+    ``[num_blocks, max block_size, num_kv_heads, head_dim]`` float32 (layer ``i`` of every group on one page; NaN
+    until written), which the machine writes and reads.
+
+    - ``copy(copies)``: the scheduler's copy-on-write pairs ``(src, dst, tokens)`` as the worker runs them before
+      the step's forward (``copy_kv_cache_blocks_inplace`` in ``vllm/v1/worker/utils.py``: ``blocks[dst] =
+      blocks[src]`` in every KV cache tensor; its module does not import without the worker's dependencies, so the
+      one line is here). The worker runs a step's copies after every earlier step's forward (one stream); the
+      machine completes in-flight steps later, so a copy whose source an in-flight step still writes is run again
+      as that step completes (``settle``), for the source's first ``tokens`` offsets only: what the partial hit
+      covers (the destination's owner writes past them).
+    - One state per Mamba block: a Mamba "align" block holds one recurrent state, overwritten in place by each
+      step ending in it (``MambaManager.allocate_new_blocks``: the running state lives in the last state block);
+      the protocol names the state after token ``p`` at offset ``p % block_size`` of its block, so a state written
+      at one offset voids the block's others as its step completes (``settle``), and a partly hit block whose copy
+      was never made reads as the overwritten block it is.
+    """
+
+    def __init__(self, groups: Sequence[GroupSpec], num_blocks: int, config: ManagerConfig) -> None:
+        import torch
+
+        self.torch, self.groups = torch, tuple(groups)
+        shape = (num_blocks, max(g.block_size for g in groups), config.num_kv_heads, config.head_dim)
+        num_layers = max(config.num_layers, *(g.num_layers for g in groups))
+        self.layers = [(torch.full(shape, float("nan")), torch.full(shape, float("nan"))) for _ in range(num_layers)]
+        # request -> its uncompleted steps: (end, blocks written, Mamba states written as (group, block, offset))
+        self.writes: dict[int, list[tuple[int, set[int], list[tuple[int, int, int]]]]] = {}
+        # (src, dst, tokens, the uncompleted steps (request, end) writing src at the copy): run again as each completes
+        self.forwards: list[tuple[int, int, int, set[tuple[int, int]]]] = []
+
+    def _tensors(self):
+        return [tensor for pair in self.layers for tensor in pair]
+
+    def copy(self, copies: Sequence[tuple[int, int, int]]) -> None:
+        """Run copy-on-write pairs ``(src, dst, tokens)`` (whole blocks); one whose ``src`` an uncompleted step
+        writes (or a copy from one fills) is run again, ``tokens`` offsets, as that step completes (in order)."""
+        for src, dst, tokens in copies:
+            for tensor in self._tensors():
+                tensor[dst] = tensor[src]
+            steps = {(r, end) for r, steps in self.writes.items() for end, blocks, _ in steps if src in blocks}
+            steps |= {step for _, to, _, waits in self.forwards if to == src for step in waits}  # a copy of a copy
+            if steps:
+                self.forwards.append((src, dst, tokens, steps))
+
+    def record(self, request_id: int, end: int, slots: Sequence[Sequence[int]]) -> None:
+        """A reservation (or load) of tokens up to ``end`` writes ``slots`` (per group; each Mamba group's state
+        at its last slot)."""
+        blocks, states = set(), []
+        for g, group in enumerate(self.groups):
+            bs = group.block_size
+            blocks |= {slot // bs for slot in slots[g] if slot >= 0}
+            if group.kind == "mamba" and slots[g] and slots[g][-1] >= 0:
+                states.append((g, *divmod(slots[g][-1], bs)))
+        self.writes.setdefault(request_id, []).append((end, blocks, states))
+
+    def settle(self, request_id: int, num_tokens: int) -> None:
+        """The request's steps below ``num_tokens`` are written: each state they wrote is its block's one state,
+        and copies from the blocks they wrote run again."""
+        steps = self.writes.pop(request_id, [])
+        if later := [w for w in steps if w[0] > num_tokens]:
+            self.writes[request_id] = later
+        done = [w for w in steps if w[0] <= num_tokens]
+        for _, _, states in done:
+            for g, block, offset in states:
+                bs = self.groups[g].block_size
+                for layer in range(self.groups[g].num_layers):
+                    for tensor in self.layers[layer]:
+                        state = tensor[block, offset].clone()
+                        tensor[block, :bs] = float("nan")
+                        tensor[block, offset] = state
+        for src, dst, tokens, steps in self.forwards:
+            if any((request_id, end) in steps for end, _, _ in done):
+                for tensor in self._tensors():
+                    tensor[dst, :tokens] = tensor[src, :tokens]
+                steps -= {(request_id, end) for end, _, _ in done}
+        self.forwards = [f for f in self.forwards if f[3]]
+
+    def handed_out(self, blocks: set[int]) -> None:
+        """``blocks`` are handed out afresh: a copy into one of them is not run again (it ran before the step
+        that wrote them last, in the worker's order; its block now holds another's K/V)."""
+        self.forwards = [f for f in self.forwards if f[1] not in blocks]
+
+    def forget(self, request_id: int) -> None:
+        """The request's uncompleted steps are dropped unwritten."""
+        for end, _, _ in self.writes.pop(request_id, []):
+            for forward in self.forwards:
+                forward[3].discard((request_id, end))
+        self.forwards = [f for f in self.forwards if f[3]]
+
+
 class VllmHybridCacheManager(VllmCacheManager):
     """``KVCacheManager`` with the KV-cache groups of ``config.groups`` in one pool of ``config.num_blocks``
     blocks (plus vLLM's null block 0), a fake connector where ``config.connector`` and EAGLE-style drafts
@@ -261,7 +355,12 @@ class VllmHybridCacheManager(VllmCacheManager):
             v.KVCacheGroupSpec([f"layer{i}"], _vllm_spec(v, g)) for i, g in enumerate(self.groups)],
             prefix_cache_retention_interval=config.retention_interval)  # engine: --prefix-cache-retention-interval
         sizes = [g.block_size for g in self.groups]
-        self.hash_block_size, self.scheduler_block_size = math.gcd(*sizes), math.lcm(*sizes)
+        # vLLM's resolve_kv_cache_block_sizes (kv_cache_utils.py): the scheduler block the groups' lcm, the hash
+        # block --prefix-match-unit (CacheConfig.prefix_match_unit) where given, else the groups' gcd
+        self.hash_block_size, self.scheduler_block_size = config.prefix_match_unit or math.gcd(*sizes), math.lcm(*sizes)
+        if any(size % self.hash_block_size for size in sizes):
+            raise ValueError(f"prefix_match_unit {config.prefix_match_unit}: every group's block size {sizes} must be "
+                             f"a multiple of it (vLLM's resolve_kv_cache_block_sizes)")
         # the prefill tokens past a step the drafter reads (VllmConfig.num_prefill_lookahead_tokens): every MTP module
         # of a multi-module drafter one further (num_speculative_tokens), an EAGLE-family drafter the next one; the
         # coordinator leaves that many less one uncached (num_reprefillable_tokens)
@@ -276,6 +375,20 @@ class VllmHybridCacheManager(VllmCacheManager):
                                         num_prefill_lookahead=self.num_prefill_lookahead)
         self.pool = self.manager.block_pool
         self.block_size, self.num_blocks, self.reserved_blocks = self.hash_block_size, config.num_blocks + 1, 1
+        # fine-grained partial hash hits (HybridKVCacheCoordinator.enable_partial_hash_hits: a Mamba "align" group
+        # wider than the hash block): a hit lands on a hash block inside a block, whose copy-on-write vLLM's worker
+        # runs (copy_kv_cache_blocks_inplace): the pools are the peer's, so that it runs those copies in them
+        self.fine_grained = self.manager.coordinator.enable_partial_hash_hits
+        self.pools = _StatePools(self.groups, self.num_blocks, config) if self.fine_grained else None
+        if self.pools is not None:  # blocks handed out again end what a copy into them still owed
+            get_new_blocks = self.pool.get_new_blocks
+
+            def handed_out(num_blocks):
+                blocks = get_new_blocks(num_blocks)
+                self.pools.handed_out({b.block_id for b in blocks})
+                return blocks
+
+            self.pool.get_new_blocks = handed_out
         self.num_lookahead = config.num_speculative_tokens if speculative else 0
         self.connector = _connector_class()(kv_config, self.scheduler_block_size) if config.connector else None
         self.slot_mapping = _SlotMapping(self.groups, MAX_MODEL_LEN)
@@ -316,7 +429,8 @@ class VllmHybridCacheManager(VllmCacheManager):
                                                 prompt_embeds=True, kv_events=True,
                                                 reprefill=max(0, self.num_prefill_lookahead - 1),
                                                 # one group: vLLM's unitary coordinator looks no block past the cap
-                                                eagle_margin=len(self.groups) > 1)
+                                                eagle_margin=len(self.groups) > 1, owns_pools=self.fine_grained,
+                                                hit_alignment=self.hash_block_size if self.fine_grained else None)
 
     # -- admission and the connector --------------------------------------------------------------------
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
@@ -368,14 +482,18 @@ class VllmHybridCacheManager(VllmCacheManager):
                                           full_sequence_must_fit=self.full_sequence_must_fit)
         if got is None:
             return None
+        self._copy_on_write()
         del self.pending[request_id]
         request.num_computed_tokens = self.settled[request_id] = num_local + num_external  # no step: a load
         self.connector.update_state_after_alloc(request, self.manager.get_blocks(request.request_id), num_external)
         self.loading[request_id] = num_local
-        return self._slots(request_id, num_local, num_local + num_external)
+        return self._written(request_id, num_local + num_external,
+                             self._slots(request_id, num_local, num_local + num_external))
 
     def load_done(self, request_id: int, ok: bool) -> int | None:
         num_local = self.loading.pop(request_id)
+        if self.pools is not None:  # the load's state is written (or its garbage)
+            self.pools.settle(request_id, MAX_MODEL_LEN)
         self.connector.load_plans.pop(str(request_id), None)
         waits = self.waits.get(request_id)
         if waits is not None:  # freed while loading: finished_recving frees its blocks now
@@ -401,6 +519,7 @@ class VllmHybridCacheManager(VllmCacheManager):
                                                    new_computed_blocks=blocks,
                                                    full_sequence_must_fit=self.full_sequence_must_fit) is not None:
             request.num_computed_tokens = num_hit
+            self._copy_on_write()
         else:
             num_hit = 0
             self.pending[request_id] = (self.manager.empty_kv_cache_blocks, 0)
@@ -439,10 +558,11 @@ class VllmHybridCacheManager(VllmCacheManager):
                 self._take_back_tokens(request, extra)  # self.block_size is the hash block size here
             request.spec_token_ids = []
             return None
+        self._copy_on_write()
         self.pending.pop(request_id, None)
         request.num_computed_tokens = start + len(token_ids)
         self.drafts[request_id] = list(request.spec_token_ids)
-        return self._slots(request_id, start, start + len(token_ids))
+        return self._written(request_id, start + len(token_ids), self._slots(request_id, start, start + len(token_ids)))
 
     def drop(self, request_id: int, num_rejected: int) -> None:
         request = self.requests[request_id]
@@ -461,6 +581,8 @@ class VllmHybridCacheManager(VllmCacheManager):
         """A step completed: the scheduler's next step starts (``new_step_starts``: a Mamba state cached by
         another request in the step before may be hit now) and in-flight tokens settle."""
         self.manager.new_step_starts()
+        if self.pools is not None:
+            self.pools.settle(request_id, num_tokens)
         self.settled[request_id] = num_tokens
         request = self.requests.get(request_id)
         if request is not None:
@@ -497,6 +619,8 @@ class VllmHybridCacheManager(VllmCacheManager):
         else:
             self.settled.pop(request_id, None)
             self.manager.free(request)
+            if self.pools is not None:  # an unwritten reservation writes nothing
+                self.pools.forget(request_id)
 
     def _release(self, request_id: int) -> None:
         """Free a deferred request's blocks (tail first) once nothing it waits for is pending."""
@@ -505,10 +629,61 @@ class VllmHybridCacheManager(VllmCacheManager):
             blocks, _ = self.deferred.pop(request_id)
             self.settled.pop(request_id, None)
             _drain_deferred_free(self.manager, blocks)
+            if self.pools is not None:
+                self.pools.forget(request_id)
 
     def holds(self, request_id: int) -> bool:
         managers = self.manager.coordinator.single_type_managers
         return request_id in self.waits or any(str(request_id) in m.req_to_blocks for m in managers)
+
+    # -- fine-grained partial hits: the pools the machine writes ------------------------------------------
+    def kv_pools(self, layer: int):
+        """Layer slot ``layer``'s ``(K, V)`` pools (``owns_pools``: fine-grained layouts only), each
+        ``[num_blocks, max block_size, num_kv_heads, head_dim]`` float32.
+
+        Raises:
+            ValueError: the layout has no fine-grained hits (the machine holds the pools) or no such layer slot."""
+        if self.pools is None or not 0 <= layer < len(self.pools.layers):
+            raise ValueError(f"layer {layer}: the peer holds pools only for fine-grained layouts, layer slots "
+                             f"0..{len(self.pools.layers) - 1 if self.pools else -1}")
+        return self.pools.layers[layer]
+
+    def _copy_on_write(self) -> None:
+        """The step's copy-on-write of partly hit blocks, run as vLLM's worker runs it before the forward
+        (``KVCacheManager.take_kv_cache_block_copies``, then the scheduler's ``_free_cow_retained_blocks``: the
+        copy has run here at once, so the retained endpoints are released at once)."""
+        if self.pools is None:
+            return
+        copies, retained = self.manager.take_kv_cache_block_copies()
+        if copies:
+            self.pools.copy([(c.src_block_id, c.dst_block_id, self._copied_tokens(c.dst_block_id)) for c in copies])
+            self.pool.free_blocks(retained)
+
+    def in_flight_pages(self) -> set[int]:
+        """Pages (``block * page + offset`` of :meth:`kv_pools`) a copy-on-write filled from a block an in-flight
+        step still writes: their content comes with that step (the worker copies after it), as the source's does."""
+        if self.pools is None:
+            return set()
+        page = self.pools.layers[0][0].shape[1]
+        return {dst * page + o for _, dst, tokens, _ in self.pools.forwards for o in range(tokens)}
+
+    def _copied_tokens(self, dst: int) -> int:
+        """The offsets of a copy's destination the partial hit covers: a request's private copy of its hit's last
+        block (``_apply_cow``) up to the hit, a moved cache entry (a producer's Mamba tail) up to its boundary."""
+        for request_id, request in self.requests.items():
+            hit = self.pending.get(request_id, (None, request.num_computed_tokens))[1]
+            for group, table in zip(self.groups, self.manager.get_block_ids(str(request_id))):
+                if dst in table:
+                    return min(group.block_size, hit - table.index(dst) * group.block_size)
+        block = self.pool.blocks[dst]
+        size = max(g.block_size for g in self.groups)
+        return (block.block_hash_num_tokens - 1) % size + 1 if block.block_hash_num_tokens else size
+
+    def _written(self, request_id: int, end: int, slots):
+        """``slots`` returned, the Mamba states they write recorded (:class:`_StatePools`)."""
+        if self.pools is not None:
+            self.pools.record(request_id, end, slots)
+        return slots
 
     # -- what the machine reads -------------------------------------------------------------------------
     def _raw_tables(self, request_id: int) -> tuple[list[int], ...]:
@@ -577,7 +752,7 @@ cache_manager_windows = vllm_manager.cache_manager_windows
 #: The layouts the suite draws for this manager: one group, and the hybrid coordinator in every real-model layout.
 cache_manager_layouts = ("one-group", "gemma3", "llama4", "jamba", "qwen3-next", "gpt-oss-2full-sw",
                          "mixed-block-sizes", "hymba", "deepseek-v4", "two-window-block-sizes", "gemma3-sparse",
-                         "gemma3-interval", "qwen3-next-sparse", "mtp-multi-module")
+                         "gemma3-interval", "qwen3-next-sparse", "mtp-multi-module", "qwen3-next-fine")
 
 
 def peer():
