@@ -269,7 +269,8 @@ class ManagerMachine(RuleBasedStateMachine):
         counts = self.m.counts()
         self.total = counts[2] if counts is not None else None
         # the router's index rebuilt from the manager's KV events (capabilities.kv_events)
-        self.kv_events = EventIndex([g.kind for g in self.groups], math.gcd(*self.gbs)) if self.caps.kv_events else None
+        self.kv_events = (EventIndex([g.kind for g in self.groups], math.gcd(self.unit, *self.gbs))
+                          if self.caps.kv_events else None)
 
     @initialize(target=systems, prompts=st.lists(st.lists(VOCAB, min_size=1, max_size=9), min_size=1, max_size=2))
     def system_prompts(self, prompts):

@@ -426,7 +426,10 @@ class VllmHybridCacheManager(VllmCacheManager):
                                                 admission=admission, window_release=True,
                                                 retention_interval=config.retention_interval,
                                                 eagle_drop=eagle_drop,
-                                                prompt_embeds=True, kv_events=True,
+                                                # fine-grained: partial entries' events (cache_partial_block: a run
+                                                # of any length chained from a hash-block key never announced) are
+                                                # not what the event index models
+                                                prompt_embeds=True, kv_events=not self.fine_grained,
                                                 reprefill=max(0, self.num_prefill_lookahead - 1),
                                                 # one group: vLLM's unitary coordinator looks no block past the cap
                                                 eagle_margin=len(self.groups) > 1, owns_pools=self.fine_grained,
