@@ -18,7 +18,8 @@ to compute; a freed request is not held; the manager's own ``self_check``.
 What a manager declares is judged too (:class:`~.protocol.ManagerCapabilities`): the ``"lru"`` eviction
 order (every block handed out afresh is the front of the machine's model of the free queue), the hit
 promise (an admit hits every committed leading block not evicted since; under sparse retention only the window
-blocks a hit at a kept boundary needs, and no more where every cached block is known), and asynchronous steps (a next
+blocks a hit at a kept boundary needs; with groups of full attention and sliding windows the hit vLLM's
+coordinator agrees on, :mod:`.lookup`, and no more where every cached block is known), and asynchronous steps (a next
 step reserved while the previous one's writes are in flight; no block an in-flight step reads or writes
 handed to anyone, a free deferred until its steps complete), the admission promise (a reservation or load
 refused only when the pool is short of its need) and the window release promise (no block wholly before what

@@ -259,7 +259,10 @@ class ManagerCapabilities:
             the draft model's K/V of a hit's last token is written with the token after it, so each group
             matches one block past the hit and drops it). The hit promise is then the longest whole-block
             prefix whose every group also holds that next block cached, within the prompt's whole hash
-            blocks.
+            blocks; with several groups of full attention and sliding windows, the hit vLLM's coordinator
+            agrees on (:mod:`pagedkv.testing.managers.lookup`: a popped hit re-aligned to the groups' common
+            multiple, each group's drop redone where another shrinks the candidate), a lower and an upper
+            bound where the machine knows every cached block.
     """
 
     block_size: int
