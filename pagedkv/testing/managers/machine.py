@@ -19,7 +19,8 @@ What a manager declares is judged too (:class:`~.protocol.ManagerCapabilities`):
 order (every block handed out afresh is the front of the machine's model of the free queue), the hit
 promise (an admit hits every committed leading block not evicted since; under sparse retention only the window
 blocks a hit at a kept boundary needs; with groups of full attention and sliding windows the hit vLLM's
-coordinator agrees on, :mod:`.lookup`, and no more where every cached block is known), and asynchronous steps (a next
+coordinator agrees on where the manager declares it, :mod:`.lookup`, and no more where every cached block is
+known), and asynchronous steps (a next
 step reserved while the previous one's writes are in flight; no block an in-flight step reads or writes
 handed to anyone, a free deferred until its steps complete), the admission promise (a reservation or load
 refused only when the pool is short of its need) and the window release promise (no block wholly before what
@@ -229,9 +230,11 @@ class ManagerMachine(RuleBasedStateMachine):
         if not groups:  # one group serves every layer asked for (a GroupedView's group says one)
             self.groups = tuple(dataclasses.replace(g, num_layers=num_layers) for g in self.groups)
         self.grouped = bool(groups)
-        # groups of full attention and sliding windows: the promised hit is the one vLLM's coordinator agrees on
-        # over the modelled cache (:mod:`.lookup`), a lower and an upper bound where every cached block is known
-        self.coordinated = self.grouped and all(g.kind in ("full", "sliding_window") for g in self.groups)
+        # groups of full attention and sliding windows of a manager declaring vLLM's coordinated lookup: the
+        # promised hit is the one it agrees on over the modelled cache (:mod:`.lookup`), a lower and an upper bound
+        # where every cached block is known
+        self.coordinated = self.grouped and self.caps.coordinated_lookup and all(
+            g.kind in ("full", "sliding_window") for g in self.groups)
         self.connector = self.caps.connector and config.connector
         self.speculative = self.caps.speculative and config.num_speculative_tokens > 0
         self.gbs = [g.block_size for g in self.groups]

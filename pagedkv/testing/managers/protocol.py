@@ -261,8 +261,14 @@ class ManagerCapabilities:
             prefix whose every group also holds that next block cached, within the prompt's whole hash
             blocks; with several groups of full attention and sliding windows, the hit vLLM's coordinator
             agrees on (:mod:`pagedkv.testing.managers.lookup`: a popped hit re-aligned to the groups' common
-            multiple, each group's drop redone where another shrinks the candidate), a lower and an upper
-            bound where the machine knows every cached block.
+            multiple, each group's drop redone where another shrinks the candidate) where the manager declares
+            ``coordinated_lookup``.
+        coordinated_lookup: the agreed hit of groups of full attention and sliding windows is the one vLLM's
+            ``HybridKVCacheCoordinator.find_longest_cache_hit`` finds (each group's finder to a fixed point, a
+            window needing its window's blocks contiguous and aligned), and what is cached is what vLLM's
+            ``get_num_cacheable_tokens`` and ``reachable_block_mask`` cache: the machine promises exactly that
+            hit (:mod:`pagedkv.testing.managers.lookup`), a lower bound and, where it knows every cached block,
+            an upper one.
     """
 
     block_size: int
@@ -289,6 +295,7 @@ class ManagerCapabilities:
     window_release: bool = False
     retention_interval: int | None = None
     eagle_drop: bool = False
+    coordinated_lookup: bool = False
     prompt_embeds: bool = False
 
     def summary(self) -> str:

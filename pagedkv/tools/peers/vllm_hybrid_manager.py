@@ -298,7 +298,7 @@ class VllmHybridCacheManager(VllmCacheManager):
                                                 lookahead=self.num_lookahead, eviction_order="lru" if lru else None,
                                                 admission=admission, window_release=True,
                                                 retention_interval=config.retention_interval,
-                                                eagle_drop=eagle_drop,
+                                                eagle_drop=eagle_drop, coordinated_lookup=True,
                                                 prompt_embeds=True)
 
     # -- admission and the connector --------------------------------------------------------------------
