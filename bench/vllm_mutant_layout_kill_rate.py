@@ -7,6 +7,9 @@ the other layouts' searches first.
     python bench/vllm_mutant_layout_kill_rate.py single_type_kv_cache_manager-0213 --seeds 2-16 \
         --layouts gemma3-sparse gemma3-interval qwen3-next-sparse --json out.json
 
+``MUTANT`` may also name a fault of ``bench/planted_hybrid_manager_faults.py`` (its id, e.g.
+``eagle-reverify-skipped``) or be ``release`` (the installed vLLM unchanged: the same searches' false alarms).
+
 One child per mutant (the installed file is never edited); each seed stops at its first failing layout.
 """
 
@@ -18,19 +21,27 @@ import sys
 import tempfile
 from pathlib import Path
 
-CHILD = """
+INSTALL = """
 install_mutant({module!r}, {path!r}, {original!r})
-import importlib, json, sys, time
-from pagedkv.tools.peers.vllm_manager import enter_structured_output_package
-enter_structured_output_package()  # vllm.v1.request's import chain, without the grammar backends
+"""
+#: After the peer imported vLLM as it does (:func:`~pagedkv.tools.peers.vllm_manager._import_vllm`).
+LOADED = """
+vm._import_vllm()
+import importlib
 importlib.import_module({module!r})
 assert sys.modules[{module!r}].__file__ == {path!r}, "the mutant did not load"
+"""
+
+CHILD = """
+import json, sys, time
+{install}
 from pagedkv.testing.hypothesis_internals import forced_seed
 from pagedkv.testing.managers import programs
 from pagedkv.testing.managers.machine import machine_for
 from pagedkv.testing.settings import manager_kill_rate_settings
 from pagedkv.tools.mutants.kill_rates import MANAGER_MACHINE, property_seed
 from pagedkv.tools.peers import vllm_hybrid_manager as vm
+{loaded}
 runs = []
 for seed in {seeds!r}:
     start, cpu, examples, error = time.perf_counter(), time.process_time(), 0, ""
@@ -58,8 +69,13 @@ def seed_range(text: str) -> list[int]:
 def main() -> int:
     from pagedkv.tools.mutants.generate import BOOTSTRAP, generate, write_mutant
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from planted_hybrid_manager_faults import FAULTS
+    from planted_manager_faults import _mutate
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mutant", help="a mutant id of vLLM's v1/core files (python -m pagedkv mutate --list)")
+    parser.add_argument("mutant", help="a mutant id of vLLM's v1/core files (python -m pagedkv mutate --list), "
+                        "a planted hybrid fault's id, or release")
     parser.add_argument("--seeds", type=seed_range, default=seed_range("2-6"), help="FIRST-LAST (default 2-6)")
     parser.add_argument("--layouts", nargs="+", required=True, help="the peer's layouts to search, in order")
     parser.add_argument("--programs", type=int, default=100, help="programs per layout (ci: 100)")
@@ -67,12 +83,23 @@ def main() -> int:
     args = parser.parse_args()
     import vllm.v1.core as core  # the installed package's files, found without importing a module to mutate
 
-    stem = args.mutant.rsplit("-", 1)[0]
-    mutant = next((m for m in generate(Path(core.__path__[0]) / f"{stem}.py") if m.id == args.mutant), None)
-    if mutant is None:
-        parser.error(f"mutant {args.mutant!r}: no such id in vllm/v1/core/{stem}.py")
-    path = write_mutant(mutant, tempfile.mkdtemp())
-    child = BOOTSTRAP + CHILD.format(module=mutant.module, path=str(path), original=mutant.file, seeds=args.seeds,
+    planted = {fault[0]: fault for fault in FAULTS}
+    if args.mutant == "release":
+        install = loaded = ""
+    elif args.mutant in planted:
+        module, path, original = _mutate(Path(core.__path__[0]).parent.parent, planted[args.mutant],
+                                         Path(tempfile.mkdtemp()))
+        install = INSTALL.format(module=module, path=str(path), original=str(original))
+        loaded = LOADED.format(module=module, path=str(path))
+    else:
+        stem = args.mutant.rsplit("-", 1)[0]
+        mutant = next((m for m in generate(Path(core.__path__[0]) / f"{stem}.py") if m.id == args.mutant), None)
+        if mutant is None:
+            parser.error(f"mutant {args.mutant!r}: no such id in vllm/v1/core/{stem}.py")
+        path = write_mutant(mutant, tempfile.mkdtemp())
+        install = INSTALL.format(module=mutant.module, path=str(path), original=mutant.file)
+        loaded = LOADED.format(module=mutant.module, path=str(path))
+    child = BOOTSTRAP + CHILD.format(install=install, loaded=loaded, seeds=args.seeds,
                                      layouts=args.layouts, programs=args.programs, mutant=args.mutant, out=args.json)
     return subprocess.call([sys.executable, "-c", child])
 

@@ -567,13 +567,14 @@ def test_a_window_block_sparse_retention_should_drop_is_caught(monkeypatch):
         programs.run_program(_machine(("gemma3-sparse",), block_sizes=(1, 2, 4)), _sparse_program([]))
 
 
-@pytest.mark.parametrize("layout", ["gemma3", "gpt-oss-2full-sw", "deepseek-v4"])
+@pytest.mark.parametrize("layout", ["gemma3", "gpt-oss-2full-sw", "deepseek-v4", "mixed-block-sizes",
+                                    "two-window-block-sizes"])
 @pytest.mark.parametrize("length", [8, 9])
 def test_eagle_hits_what_was_committed_less_the_dropped_block(layout, length):
-    """With EAGLE the peer keeps the hit promise, less the block vLLM drops (``eagle_drop``): a resend of a
-    committed prompt hits the longest whole-block prefix below its last token whose next block, in every
-    group, is cached too. Fails before: the promise was off under EAGLE, so a lookup serving less was never
-    judged."""
+    """With EAGLE the peer keeps the hit promise, less the block vLLM drops (``eagle_drop``), groups of different
+    block sizes too: a resend of a committed prompt hits the longest whole-block prefix below its last token
+    whose next block, in every group, is cached too. Fails before: the promise was off under EAGLE (then off
+    where block sizes differ), so a lookup serving less was never judged."""
     m = _manager(layout, num_speculative_tokens=3)
     caps = m.capabilities
     assert caps.speculative and caps.hit_promise and caps.eagle_drop
@@ -587,13 +588,33 @@ def test_eagle_hits_what_was_committed_less_the_dropped_block(layout, length):
     assert hit == expected > 0, (layout, hit, expected)
 
 
-@pytest.mark.parametrize("layout", ["mixed-block-sizes", "two-window-block-sizes"])
-def test_eagle_promises_no_hit_where_group_block_sizes_differ(layout):
-    """Where the groups' block sizes differ vLLM re-aligns an EAGLE-popped hit and re-verifies every group: the
-    peer keeps no hit promise there under EAGLE (a resend of a 4-token prompt, two windows of block sizes 1 and
-    2, hits 0 where "the next block is cached" promised 2)."""
-    caps = _manager(layout, num_speculative_tokens=3).capabilities
-    assert caps.speculative and not caps.eagle_drop and not caps.hit_promise
+def _promises(machine_class) -> list[int]:
+    """``machine_class`` recording every hit it promises (``promised_hit``) in ``.promised``."""
+
+    class Recording(machine_class):
+        promised: list[int] = []
+
+        def promised_hit(self, req):
+            self.promised.append(super().promised_hit(req))
+            return self.promised[-1]
+
+    return Recording
+
+
+def test_sparse_retention_under_eagle_promises_the_block_above_each_boundary():
+    """Sparse retention (interval 0) under EAGLE keeps a window's blocks at EAGLE's replay boundaries (the
+    resend's and the extension's aligned hits less a block) with the block above each, as vLLM's
+    ``replay_boundaries`` and ``reachable_block_mask`` do: a 4-token prompt at block size 2, window 2, cached;
+    its resend hits 2, and the promise (a lower and an upper bound) is exactly 2. Fails before: the model kept
+    the window blocks of the non-EAGLE replay boundary and promised 0 (a hit of 2 judged too long)."""
+    prompt = {"namespace": None, "extra": None, "write_now": True, "image_at": 0, "stored": 0}
+    machine = _promises(_machine(("gemma3-sparse",), block_sizes=(1, 2, 4)))
+    programs.run_program(machine, [
+        ("start", {"num_blocks": 12, "block_size": 1, "num_layers": 1, "window": 2, "layout": 0, "features": 2}),
+        ("system_prompts", {"prompts": [[1, 2, 3, 4]]}),
+        ("add", {**prompt, "system": [1, 2, 3, 4], "suffix": [], "chunk": 4}),
+        ("add", {**prompt, "system": [1, 2, 3, 4], "suffix": [], "chunk": 4})])
+    assert machine.promised == [0, 2]
 
 
 def _eagle_without_margin(monkeypatch) -> None:

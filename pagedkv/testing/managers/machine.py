@@ -18,7 +18,9 @@ to compute; a freed request is not held; the manager's own ``self_check``.
 What a manager declares is judged too (:class:`~.protocol.ManagerCapabilities`): the ``"lru"`` eviction
 order (every block handed out afresh is the front of the machine's model of the free queue), the hit
 promise (an admit hits every committed leading block not evicted since; under sparse retention only the window
-blocks a hit at a kept boundary needs, and no more where every cached block is known), and asynchronous steps (a next
+blocks a hit at a kept boundary needs; with groups of full attention and sliding windows the hit vLLM's
+coordinator agrees on where the manager declares it, :mod:`.lookup`, and no more where every cached block is
+known), and asynchronous steps (a next
 step reserved while the previous one's writes are in flight; no block an in-flight step reads or writes
 handed to anyone, a free deferred until its steps complete), the admission promise (a reservation or load
 refused only when the pool is short of its need) and the window release promise (no block wholly before what
@@ -64,6 +66,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
                                  precondition, rule)
 
 from pagedkv.testing.managers.kv_events import EventIndex
+from pagedkv.testing.managers import lookup
 from pagedkv.testing.managers.kv_io import KVIO
 from pagedkv.testing.managers.oracle import stable_hash, token_identity
 from pagedkv.testing.managers.protocol import (MULTI_MODULE_MTP_LAYOUTS, ONE_GROUP, ManagerConfig, as_grouped,
@@ -237,6 +240,11 @@ class ManagerMachine(RuleBasedStateMachine):
         if not groups:  # one group serves every layer asked for (a GroupedView's group says one)
             self.groups = tuple(dataclasses.replace(g, num_layers=num_layers) for g in self.groups)
         self.grouped = bool(groups)
+        # groups of full attention and sliding windows of a manager declaring vLLM's coordinated lookup: the
+        # promised hit is the one it agrees on over the modelled cache (:mod:`.lookup`), a lower and an upper bound
+        # where every cached block is known
+        self.coordinated = self.grouped and self.caps.coordinated_lookup and all(
+            g.kind in ("full", "sliding_window") for g in self.groups)
         self.connector = self.caps.connector and config.connector
         self.speculative = self.caps.speculative and config.num_speculative_tokens > 0
         self.reprefill = self.caps.reprefill if self.speculative else 0  # tokens a reservation leaves uncached
@@ -345,12 +353,16 @@ class ManagerMachine(RuleBasedStateMachine):
             self.committed_prefixes.add(req.identities[end - 1])
         if not promised:
             return
+        if self.coordinated:
+            return self.register_coordinated(req, tables, upto)
         for g, (group, table) in enumerate(zip(self.groups, tables)):
             bs, aligned = self.gbs[g], upto // self.bs * self.bs
             reachable = {i for hit in range(self.bs, aligned + 1, self.bs)
                          for i in range(min(group.first_read(hit), hit - 1) // bs, hit // bs)}
             if group.kind == "sliding_window" and self.caps.retention_interval is not None:
-                reachable = self.retained(g, req, aligned, reachable)
+                reachable = lookup.window_blocks_kept(
+                    aligned // bs, bs, group.window, self.bs, False, self.caps.retention_interval,
+                    [*lookup.replay_boundaries(req.num_prompt, self.bs, False), req.junction or 0])
             for end in range(bs, aligned + 1, bs):
                 block = table[end // bs - 1] if end // bs - 1 < len(table) else -1
                 if block >= 0 and group.kind != "mamba" and (end // bs - 1 in reachable or group.kind == "full"):
@@ -359,24 +371,43 @@ class ManagerMachine(RuleBasedStateMachine):
                     ident = req.identities[end - 1]
                     self.cached[block] = (g, ("embedded", ident) if req.embedded() else ident)
 
-    def retained(self, g: int, req: Request, aligned: int, dense: set[int]) -> set[int]:
-        """The blocks below ``aligned`` tokens that sparse retention keeps in sliding-window group ``g``
-        (vLLM's ``SlidingWindowManager.reachable_block_mask``): the ``need`` blocks a hit ending at each kept
-        boundary reads (each multiple of a positive interval, the replay boundary ``num_prompt - 1`` and the
-        request's shared-prefix junction, rounded down to whole scheduler blocks); ``dense`` where an interval's
-        segment is no longer than ``need`` (every block reachable)."""
-        bs, interval = self.gbs[g], self.caps.retention_interval
-        need = -(-self.groups[g].window // bs)  # cdiv(sliding_window - 1, block_size)
+    def register_coordinated(self, req: Request, tables: tuple, upto: int) -> None:
+        """What vLLM caches of a request with ``upto`` tokens computed, by group: the full blocks below
+        ``HybridKVCacheCoordinator.get_num_cacheable_tokens`` (:func:`.lookup.cacheable_tokens`: whole scheduler
+        blocks, one block of the group more under EAGLE) that the table still holds, of a sliding window only those
+        ``SlidingWindowManager.reachable_block_mask`` keeps (:func:`.lookup.window_blocks_kept`, at the replay
+        boundaries of ``kv_cache_coordinator.replay_boundaries`` and the request's shared-prefix junction)."""
+        eagle = self.eagle
         if req.junction is None:  # its junction depends on what was cached when the model did not know
             self.model_known = False
-        per_segment = interval // bs
-        if interval and need >= per_segment:
-            return dense
-        kept = {i for i in range(aligned // bs) if interval and i % per_segment >= per_segment - need}
-        for boundary in (req.num_prompt - 1, req.junction or 0):
-            end = boundary // self.bs * self.bs // bs
-            kept |= set(range(max(0, end - need), min(end, aligned // bs)))
-        return kept
+        boundaries = [*lookup.replay_boundaries(req.num_prompt, self.bs, eagle), *([req.junction] if req.junction
+                                                                                   else [])]
+        for g, (group, table) in enumerate(zip(self.groups, tables)):
+            bs = self.gbs[g]
+            num_blocks = lookup.cacheable_tokens(upto, bs, self.bs, eagle) // bs
+            kept = (range(num_blocks) if group.kind == "full" else
+                    lookup.window_blocks_kept(num_blocks, bs, group.window, self.bs, eagle,
+                                              self.caps.retention_interval, boundaries))
+            for i in kept:
+                if i < len(table) and table[i] >= 0:
+                    ident = req.identities[(i + 1) * bs - 1]
+                    self.cached[table[i]] = (g, ("embedded", ident) if req.embedded() else ident)
+
+    @property
+    def eagle(self) -> bool:
+        """vLLM's EAGLE last-block drop is on (``capabilities.eagle_drop`` with drafts)."""
+        return self.speculative and self.caps.eagle_drop
+
+    def coordinated_hit(self, req: Request) -> tuple[int, int]:
+        """``(hit, longest)`` of :func:`.lookup.coordinated_hit` for ``req`` over the modelled cache: the agreed hit
+        and the longest single group's (its shared-prefix junction where longer)."""
+        still = [set() for _ in self.groups]
+        for g, ident in self.cached.values():
+            still[g].add(ident)
+        hash_bs = self.caps.block_size
+        return lookup.coordinated_hit(self.groups, lambda g, end: req.identities[end - 1] in still[g],
+                                      len(req.tokens) - self.caps.min_computed_on_full_hit,
+                                      len(req.tokens) // hash_bs * hash_bs, self.bs, self.eagle)
 
     def junction(self, req: Request, cached: int) -> int | None:
         """vLLM's shared-prefix junction of an admission with agreed hit ``cached``: the full-attention groups'
@@ -384,6 +415,9 @@ class ManagerMachine(RuleBasedStateMachine):
         sparse group kept no boundary there), else 0; ``None`` where the model does not know what is cached."""
         if not self.model_known:
             return None
+        if self.coordinated:  # KVCacheManager.get_computed_blocks: the junction is the longest group hit
+            hit, longest = self.coordinated_hit(req)
+            return longest if longest > cached else 0
         full = [g for g, group in enumerate(self.groups) if group.kind == "full"]
         still = {g: {ident for h, ident in self.cached.values() if h == g} for g in full}
         cap, hit = len(req.tokens) - self.caps.min_computed_on_full_hit, 0
@@ -532,6 +566,8 @@ class ManagerMachine(RuleBasedStateMachine):
             return 0
         if req.embedded():  # its keys hash embedding slices the identity does not see (their length): no promise
             return 0
+        if self.coordinated:
+            return self.coordinated_hit(req)[0]
         cap = len(req.tokens) - self.caps.min_computed_on_full_hit
         still = [set() for _ in self.groups]
         for g, ident in self.cached.values():
@@ -786,15 +822,15 @@ class ManagerMachine(RuleBasedStateMachine):
             f"tokens of this prompt, holding every block of that hit (the replay promise of fine-grained hits)"
         if self.caps.retention_interval is not None:
             req.junction = self.junction(req, cached)
-            # sparse retention keeps a window's blocks at known boundaries only: where the model knows every
-            # cached block, the promised hit is the longest there is, so a longer one read a block retention
-            # should not have kept (a mask keeping the wrong blocks)
-            # (only where it promises a hit: a promise of 0 also comes from rules that withhold it, such as a
-            # prompt with embeddings, a variant's resend or a window shorter than a block)
-            exact = promised > 0 and not req.embedded()
-            assert not exact or cached <= promised, \
-                f"request {rid}: a hit of {cached} tokens, but sparse retention (interval " \
-                f"{self.caps.retention_interval}) kept window blocks for a hit of at most {promised}"
+        # where the model knows every cached block of a coordinated layout, the promised hit is the one vLLM's
+        # coordinator agrees on: a longer one read a block sparse retention should have dropped, or kept a block
+        # EAGLE drops (a prompt with embeddings is keyed by bytes the model does not see: no promise)
+        exact = self.coordinated and self.caps.hit_promise and self.model_known and not req.embedded()
+        assert not exact or cached <= promised, \
+            f"request {rid}: a hit of {cached} tokens, but " + (
+                f"sparse retention (interval {self.caps.retention_interval}) kept window blocks for"
+                if self.caps.retention_interval is not None else "the groups' cached blocks agree on") + \
+            f" a hit of at most {promised}" + (" (EAGLE drops a hit's last block)" if self.eagle else "")
         assert cached >= promised, \
             f"request {rid}: a hit of {cached} tokens, but its first {promised} were committed and not evicted " \
             f"since (the hit promise: what is cached hits)"

@@ -284,7 +284,16 @@ class ManagerCapabilities:
             the draft model's K/V of a hit's last token is written with the token after it, so each group
             matches one block past the hit and drops it). The hit promise is then the longest whole-block
             prefix whose every group also holds that next block cached, within the prompt's whole hash
-            blocks.
+            blocks; with several groups of full attention and sliding windows, the hit vLLM's coordinator
+            agrees on (:mod:`pagedkv.testing.managers.lookup`: a popped hit re-aligned to the groups' common
+            multiple, each group's drop redone where another shrinks the candidate) where the manager declares
+            ``coordinated_lookup``.
+        coordinated_lookup: the agreed hit of groups of full attention and sliding windows is the one vLLM's
+            ``HybridKVCacheCoordinator.find_longest_cache_hit`` finds (each group's finder to a fixed point, a
+            window needing its window's blocks contiguous and aligned), and what is cached is what vLLM's
+            ``get_num_cacheable_tokens`` and ``reachable_block_mask`` cache: the machine promises exactly that
+            hit (:mod:`pagedkv.testing.managers.lookup`), a lower bound and, where it knows every cached block,
+            an upper one.
         eagle_margin: under ``eagle_drop``, the lookup reaches past the hit's cap (``len(prompt) -
             min_computed_on_full_hit``) to the prompt's whole hash blocks for the block it drops (vLLM's hybrid
             coordinator: ``eagle_proof_margin``); ``False``: it stops at the cap (vLLM's one-group
@@ -328,6 +337,7 @@ class ManagerCapabilities:
     window_release: bool = False
     retention_interval: int | None = None
     eagle_drop: bool = False
+    coordinated_lookup: bool = False
     prompt_embeds: bool = False
     kv_events: bool = False
     reprefill: int = 0

@@ -404,12 +404,10 @@ class VllmHybridCacheManager(VllmCacheManager):
         # window (sliding_window 1) caches no block, and vLLM's window finder then hits nothing (it wants one
         # cached block even where a hit needs none), as in one group; with EAGLE every hit drops its last
         # block (the draft model's K/V there is written with the next token): declared as eagle_drop, the
-        # promise then less that block, where every group has one block size (with several, vLLM re-aligns a
-        # popped hit to their common multiple and re-verifies each group, which "the next block is cached"
-        # does not follow: a hit of 0 where that promise says 2, two-window-block-sizes)
-        eagle_drop = speculative and len({g.block_size for g in self.groups}) == 1
-        caches = all(g.kind != "sliding_window" or g.window >= 1 for g in self.groups) and (
-            eagle_drop or not speculative)
+        # machine's model of the coordinator's lookup (pagedkv.testing.managers.lookup) then re-aligns a popped
+        # hit to the groups' common multiple and redoes each group's drop where another shrinks the candidate
+        eagle_drop = speculative
+        caches = all(g.kind != "sliding_window" or g.window >= 1 for g in self.groups)
         # vLLM's LRU order (FreeKVCacheBlockQueue: uncached blocks first, cached ones in release order, each
         # group's blocks tail first) is judged where the machine knows what is cached: not where a Mamba
         # group caches states at boundaries of its own choosing, nor where EAGLE caches one block less
@@ -425,7 +423,7 @@ class VllmHybridCacheManager(VllmCacheManager):
                                                 lookahead=self.num_lookahead, eviction_order="lru" if lru else None,
                                                 admission=admission, window_release=True,
                                                 retention_interval=config.retention_interval,
-                                                eagle_drop=eagle_drop,
+                                                eagle_drop=eagle_drop, coordinated_lookup=True,
                                                 # fine-grained: partial entries' events (cache_partial_block: a run
                                                 # of any length chained from a hash-block key never announced) are
                                                 # not what the event index models
