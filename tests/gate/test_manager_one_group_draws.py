@@ -79,3 +79,34 @@ def test_vllm_resumes_a_preempted_request_and_hits_its_own_output():
     assert machine.live[rid].committed == 8  # the last one recomputed
     machine.check()
     machine.teardown()
+
+
+def _drawn(make, block_sizes, examples: int) -> list[dict]:
+    """A short derandomized search of ``make``'s one-group machine: per program, what bench/reach_draws.py counts."""
+    import sys
+    from pathlib import Path
+
+    from hypothesis import Phase, settings
+
+    from pagedkv.testing.managers import programs
+    from pagedkv.testing.settings import manager_settings
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from reach_draws import instrumented
+
+    machine = instrumented(machine_for(make, block_sizes=block_sizes, name="Reach"))
+    machine.programs = []
+    s = settings(manager_settings(examples, 30), phases=(Phase.generate,), derandomize=True)
+    assert programs.run_recorded(machine, s) is None
+    return machine.programs
+
+
+def test_a_short_search_draws_output_completing_a_block_over_several_inputs_and_its_next_lookup():
+    """The class a search of 400 programs never drew before the attachments went into the prompt's partial last
+    block and ``serve`` ran a turn and its next: a block the prompt leaves partial with two multimodal inputs
+    in it, completed by output, then looked up again by a prompt spelling it (vLLM's incremental block hashing
+    resumes inside that block, issue #49377). A property of the distribution: of 60 programs over blocks of 4
+    tokens, at least 6 draw the block and 3 its lookup (before: 0 and 0 at the one-group layout's 400)."""
+    drawn = _drawn(OwnCacheManager, (4,), 60)
+    assert sum(1 for p in drawn if p["mm-tail"]) >= 6, drawn
+    assert sum(1 for p in drawn if p["mm-tail-rehit"]) >= 3, drawn

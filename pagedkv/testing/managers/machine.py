@@ -85,6 +85,9 @@ IMAGE_LENGTHS = {"image-0": 2, "image-1": 3, "image-2": 1}  # one input, one len
 #: The further inputs a request may carry after its first (``add``'s ``more``): a one-token input too, so that
 #: two inputs fit in one small block beside other tokens.
 MORE_ITEMS = ("image-0", "image-1", "image-2")
+#: The text tokens between two of ``add``'s further inputs (or after the last): none most often (attachments sent
+#: one after another), so that two inputs share a block.
+GAPS = (0, 0, 0, 1, 2)
 PLACEHOLDER = 0  # the token id of a multimodal input's placeholder run (what an engine's processor writes)
 #: Prompt-embedding payloads (``add``'s ``embeds``): two, so that two requests share placeholder ids but not
 #: embeddings; ``variant`` swaps one for another (``"content"``) or moves it (``"image"``: same rows elsewhere).
@@ -911,10 +914,11 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(target=reqs, system=systems, suffix=st.lists(VOCAB, max_size=6), namespace=st.sampled_from(NAMESPACES),
           extra=st.sampled_from(EXTRA_KEYS), chunk=st.integers(1, 12), write_now=st.booleans(),
           image_at=st.integers(0, 3), stored=st.integers(0, 3), n=st.integers(1, 3), store_ahead=st.booleans(),
-          more=st.lists(st.tuples(st.sampled_from(MORE_ITEMS), st.integers(0, 2)), max_size=2),
-          embeds=st.none() | st.tuples(st.sampled_from(EMBEDS), st.integers(-4, 5), st.integers(1, 3)))
+          more=st.lists(st.tuples(st.sampled_from(MORE_ITEMS), st.sampled_from(GAPS)), max_size=2),
+          embeds=st.none() | st.tuples(st.sampled_from(EMBEDS), st.integers(-4, 5), st.integers(1, 3)),
+          tail=st.integers(0, 3))
     def add(self, system, suffix, namespace, extra, chunk, write_now, image_at=0, stored=0, n=1, store_ahead=False,
-            more=(), embeds=None):
+            more=(), embeds=None, tail=None):
         """A request: a system prompt and its own suffix, under a namespace, with a multimodal input
         ``extra`` (its placeholder run, as long as :data:`IMAGE_LENGTHS` says, ``image_at`` into the suffix);
         the first prefill chunk reserved (written now or later). With a connector, the store holds the
@@ -929,7 +933,13 @@ class ManagerMachine(RuleBasedStateMachine):
         ``(input, gap)`` at the suffix's end (attachments after a message), the first ending ``gap`` tokens
         before the prompt's end, each next one ``gap`` tokens before the previous one, while they fit in the
         suffix beside ``extra``: several inputs in one block, the prompt's partial last block among them,
-        whose key must name every input it overlaps (also where decode completes it). ``embeds``: ``(payload,
+        whose key must name every input it overlaps (also where decode completes it). ``tail`` (programs drawn
+        since attachments are inserted; ``None``: the older placement above): the inputs of ``more`` inserted at
+        the suffix's end rather than written over it (each ``gap`` moves that many of the suffix's last tokens
+        behind it; ``extra`` the first of them, ``GAPS[image_at]`` tokens before the next), and text tokens before
+        them dropped or added so that the prompt's last block is partial, ``tail`` tokens fewer than one short of full
+        (``tail`` 0: all but one token): the inputs then lie in the prompt's partial last block whatever the
+        suffix's length, where the first decode step completes it (:meth:`attach`). ``embeds``: ``(payload,
         at, length)``: prompt embeddings (where the manager takes them, ``capabilities.prompt_embeds``): up to
         ``length`` rows of ``payload`` given instead of tokens from suffix position ``at`` on, or, ``at`` < 0,
         from the prompt's start (a soft prompt, shared as a system prompt is) (placeholder ids, positions no
@@ -938,18 +948,32 @@ class ManagerMachine(RuleBasedStateMachine):
                  write_now=write_now, image_at=image_at, stored=stored, **({"n": n} if n > 1 else {}),
                  **({"store_ahead": True} if store_ahead else {}),
                  **({"more": [list(m) for m in more]} if more else {}),
-                 **({"embeds": list(embeds)} if embeds else {}))
+                 **({"embeds": list(embeds)} if embeds else {}), **({"tail": tail} if tail is not None else {}))
         namespace = namespace if self.caps.namespaces else None
+        tokens, extras = self.prompt(system, suffix, extra, image_at, more, embeds, tail)
+        admitted = []
+        for _ in range(max(1, n)):
+            rid = self.new_id()
+            if self.admit(rid, tokens, namespace, extras, chunk, write_now and n <= 1, stored, store_ahead):
+                admitted.append(rid)
+        return multiple(*admitted)
+
+    def prompt(self, system, suffix, extra, image_at, more, embeds, tail) -> tuple[list[int], dict]:
+        """``add``'s prompt: its token ids and extra keys (position -> key)."""
+        attached = {}  # the suffix's inserted inputs (``tail``)
+        if tail is not None and more and suffix and self.caps.extra_keys:
+            first = [] if extra is None else [(extra, GAPS[image_at % len(GAPS)])]
+            suffix, attached = self.attach(len(system), list(suffix), [*more, *first], tail)
         tokens = list(system) + list(suffix)
-        extras = {}
-        if extra is not None and suffix and self.caps.extra_keys:
+        extras = {len(system) + p: key for p, key in attached.items()}
+        if extra is not None and suffix and self.caps.extra_keys and not attached:
             length = IMAGE_LENGTHS[extra]
             first = len(system) + image_at % max(1, len(suffix) - length + 1)  # inside the suffix where it fits
             for i in range(min(length, len(tokens) - first)):
                 extras[first + i] = ("mm", extra, i)
                 tokens[first + i] = PLACEHOLDER
         end = len(tokens)
-        for item, gap in more if suffix and self.caps.extra_keys else ():
+        for item, gap in more if suffix and self.caps.extra_keys and not attached else ():
             end -= gap
             start = end - IMAGE_LENGTHS[item]
             if start < len(system) or any(p in extras for p in range(start, end)):
@@ -966,12 +990,53 @@ class ManagerMachine(RuleBasedStateMachine):
                     break
                 extras[p] = ("embed", payload, i)
                 tokens[p] = PLACEHOLDER
-        admitted = []
-        for _ in range(max(1, n)):
+        return tokens, extras
+
+    @rule(system=systems, suffix=st.lists(VOCAB, max_size=6), namespace=st.sampled_from(NAMESPACES),
+          extra=st.sampled_from(EXTRA_KEYS), image_at=st.integers(0, 3),
+          more=st.lists(st.tuples(st.sampled_from(MORE_ITEMS), st.sampled_from(GAPS)), max_size=2),
+          tail=st.integers(0, 3), tokens=st.lists(VOCAB, min_size=1, max_size=4),
+          reply=st.lists(VOCAB, min_size=1, max_size=3))
+    def serve(self, system, suffix, namespace, extra, image_at=0, more=(), tail=None, tokens=(), reply=None):
+        """A whole chat turn between two other steps: a prompt as :meth:`add` builds it admitted, prefilled in one
+        chunk, ``tokens`` decoded one step each, finished (a short request that runs to completion while others
+        wait): output completes the prompt's partial last block (where its inputs lie, ``tail``) and the
+        conversation, output and all, is left in the cache. ``reply``: the user's next message, served the same
+        way at once: its prompt is the whole conversation so far and the message, whose hit reaches through the
+        blocks the first turn's output completed (a chat's next turn, vLLM's block hashes computed afresh;
+        ``None``: no next turn, as no program drawn since has)."""
+        self.log("serve", system=system, suffix=suffix, namespace=namespace, extra=extra, image_at=image_at,
+                 **({"more": [list(m) for m in more]} if more else {}), **({"tail": tail} if tail is not None else {}),
+                 tokens=tokens, **({"reply": reply} if reply is not None else {}))
+        prompt, extras = self.prompt(system, suffix, extra, image_at, more, None, tail)
+        namespace = namespace if self.caps.namespaces else None
+        for _ in range(1 if reply is None else 2):
             rid = self.new_id()
-            if self.admit(rid, tokens, namespace, extras, chunk, write_now and n <= 1, stored, store_ahead):
-                admitted.append(rid)
-        return multiple(*admitted)
+            if not self.admit(rid, prompt, namespace, extras, len(prompt), True):
+                return
+            req = self.live[rid]
+            self.decode_tokens(rid, tokens)
+            self.release(rid)
+            prompt, extras = [*req.tokens[:req.written], *(reply or ())] or [0], whole_inputs(req.extras, req.written)
+
+    def attach(self, start: int, suffix: list, more, tail: int) -> tuple[list, dict]:
+        """``add``'s attachments: the suffix with the inputs of ``more`` (``(input, gap)``, last first) inserted at
+        its end, each followed by ``gap`` of the suffix's last tokens, and text tokens in front of them dropped (or,
+        too few, tokens of id 1 added) so that the last block of a prompt of ``start`` tokens before the suffix
+        holds ``bs - 1 - tail % (bs - 1)`` of its tokens (``bs`` the hit block size; a block of one token is never
+        partial). Returns the new suffix and its inputs' positions in it (position -> ``("mm", input, offset)``)."""
+        text, behind = list(suffix), []
+        for item, gap in more:
+            gap = min(gap, len(text))
+            behind = [("mm", item, i) for i in range(IMAGE_LENGTHS[item])] + text[len(text) - gap:] + behind
+            del text[len(text) - gap:]
+        if self.bs > 1:
+            ends = self.bs - 1 - tail % (self.bs - 1)  # prompt tokens in its last block
+            short = (ends - start - len(text) - len(behind)) % self.bs  # text tokens to add, or bs less to drop
+            text = text[:len(text) - (self.bs - short)] if short and len(text) >= self.bs - short else \
+                text + [1] * short
+        suffix = text + [PLACEHOLDER if isinstance(t, tuple) else t for t in behind]
+        return suffix, {len(text) + i: t for i, t in enumerate(behind) if isinstance(t, tuple)}
 
     @precondition(lambda self: self.history)
     @rule(target=reqs, turn=st.integers(0, 7), suffix=st.lists(VOCAB, max_size=4), chunk=st.integers(1, 12),
