@@ -94,10 +94,14 @@ def _drawn(make, block_sizes, examples: int) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from reach_draws import instrumented
 
+    from pagedkv.testing.hypothesis_internals import forced_seed
+
     machine = instrumented(machine_for(make, block_sizes=block_sizes, name="Reach"))
     machine.programs = []
-    s = settings(manager_settings(examples, 30), phases=(Phase.generate,), derandomize=True)
-    assert programs.run_recorded(machine, s) is None
+    # a fixed seed, not derandomize (whose seed is a digest of the running code's source, so any edit moves it)
+    with forced_seed(0):
+        passed = programs.run_recorded(machine, settings(manager_settings(examples, 30), phases=(Phase.generate,)))
+    assert passed is None
     return machine.programs
 
 
@@ -105,8 +109,9 @@ def test_a_short_search_draws_output_completing_a_block_over_several_inputs_and_
     """The class a search of 400 programs never drew before the attachments went into the prompt's partial last
     block and ``serve`` ran a turn and its next: a block the prompt leaves partial with two multimodal inputs
     in it, completed by output, then looked up again by a prompt spelling it (vLLM's incremental block hashing
-    resumes inside that block, issue #49377). A property of the distribution: of 60 programs over blocks of 4
-    tokens, at least 6 draw the block and 3 its lookup (before: 0 and 0 at the one-group layout's 400)."""
-    drawn = _drawn(OwnCacheManager, (4,), 60)
-    assert sum(1 for p in drawn if p["mm-tail"]) >= 6, drawn
+    resumes inside that block, issue #49377). A property of the distribution: of 100 programs over blocks of 4
+    tokens, at least 5 draw the block and 3 its lookup (before: 0 and 0 at the one-group layout's 400; seeds 0-4
+    draw 9-18 each)."""
+    drawn = _drawn(OwnCacheManager, (4,), 100)
+    assert sum(1 for p in drawn if p["mm-tail"]) >= 5, drawn
     assert sum(1 for p in drawn if p["mm-tail-rehit"]) >= 3, drawn

@@ -203,6 +203,8 @@ def test_a_split_that_hands_the_child_state_to_the_new_parent_is_caught(monkeypa
     monkeypatch.setattr(MambaComponent, "redistribute_on_node_split", split_keeps_state)
     python_core = type("PythonCore", (SglangMambaRadixCache,), {"tree_core_backend": "python"})
     error = _finds_fault("SglangMambaSplitKeepsState", python_core)
-    # the longer prefix's state read at the split point, or its slot named by two nodes
-    assert "reads wrong state" in error or "in the tree (Mamba) and in the tree (Mamba)" in error, error
+    # the longer prefix's state read at the split point, or its slot named by two nodes (both live, or one of them
+    # evicted and the slot freed while the other still names it)
+    assert ("reads wrong state" in error or "in the tree (Mamba) and in the tree (Mamba)" in error
+            or "both free in the Mamba allocator and in the tree (Mamba)" in error), error
 
