@@ -246,7 +246,8 @@ class ManagerMachine(RuleBasedStateMachine):
         # groups of full attention and sliding windows of a manager declaring vLLM's coordinated lookup: the
         # promised hit is the one it agrees on over the modelled cache (:mod:`.lookup`), a lower and an upper bound
         # where every cached block is known
-        self.coordinated = self.grouped and self.caps.coordinated_lookup and all(
+        # (several groups: vLLM serves one group with its UnitaryKVCacheCoordinator, which the plain promise models)
+        self.coordinated = self.grouped and len(self.groups) > 1 and self.caps.coordinated_lookup and all(
             g.kind in ("full", "sliding_window") for g in self.groups)
         self.connector = self.caps.connector and config.connector
         self.speculative = self.caps.speculative and config.num_speculative_tokens > 0
