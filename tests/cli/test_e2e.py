@@ -75,6 +75,14 @@ def test_sliding_window_and_softcap_models_match_dense(arch, name):
     assert ("attention softcap 4" in text) == (arch == "gemma2")
 
 
+def _same_logits(kept, released) -> None:
+    """Every step's logits of a run that keeps every block and one that releases a window's blocks are as far from
+    the dense run's, up to summation order: the released run reads fewer blocks, so attention may reduce over
+    another length (bit-equal in the environment of transformers 5.24.0; 1e-6 apart at one step with 5.25.0)."""
+    torch.testing.assert_close(torch.tensor([c.max_logit_diff for c in kept.checks]),
+                               torch.tensor([c.max_logit_diff for c in released.checks]), rtol=0, atol=2e-6)
+
+
 @pytest.mark.parametrize("name", ["indexed", "triton"])
 def test_mistral_releases_window_blocks_and_matches_dense(name):
     # every layer slides: the cache releases the blocks no later query reads; tokens stay identical to
@@ -89,7 +97,7 @@ def test_mistral_releases_window_blocks_and_matches_dense(name):
     kept = e2e.run_e2e(backend, arch="mistral", model_kwargs={"sliding_window": window}, release_window_blocks=False,
                        **scenario)
     assert kept.cache_stats["window_released"] == 0 and "released" not in "\n".join(kept.lines())
-    assert [c.max_logit_diff for c in kept.checks] == [c.max_logit_diff for c in report.checks]
+    _same_logits(kept, report)
 
 
 def test_gemma2_is_served_through_kv_cache_groups_with_tokens_identical_to_dense():
@@ -106,7 +114,7 @@ def test_gemma2_is_served_through_kv_cache_groups_with_tokens_identical_to_dense
     assert report.cache_stats["cached_tokens"] > 0 and report.cache_stats["cow_copies"] >= 1, text
     kept = e2e.run_e2e("indexed", arch="gemma2", release_window_blocks=False, **scenario)
     assert kept.ok and kept.cache_stats["window_released"] == 0 and "kv_cache_groups" not in kept.cache_stats
-    assert [c.max_logit_diff for c in kept.checks] == [c.max_logit_diff for c in report.checks]
+    _same_logits(kept, report)
 
 
 def test_gemma3_cli_serves_two_sliding_layers_to_one_full_through_kv_cache_groups(capsys):
