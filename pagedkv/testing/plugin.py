@@ -176,7 +176,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     from pagedkv.backends import backend_name
 
     impls = candidates(metafunc.config)
-    if "backend" in metafunc.fixturenames:
+    if "manager_layout" in metafunc.fixturenames:
+        params = manager_layout_params(impls)
+        metafunc.parametrize(("backend", "manager_layout"), params,
+                             ids=[backend_name(b) + (f"-{layout}" if layout else "") for b, layout in params],
+                             scope="session")
+    elif "backend" in metafunc.fixturenames:
         metafunc.parametrize("backend", impls, ids=[backend_name(b) for b in impls], scope="session")
     if "backend_pair" in metafunc.fixturenames:
         import pagedkv
@@ -191,6 +196,20 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("regression_file", files, ids=[f.stem for f in files])
     if "finding" in metafunc.fixturenames:
         _parametrize_findings(metafunc, candidates(metafunc.config))
+
+
+def manager_layout_params(impls: list) -> list[tuple]:
+    """``(backend, layout)`` for every layout each backend's cache manager declares
+    (:func:`~pagedkv.testing.managers.protocol.manager_layouts`), ``(backend, None)`` for a backend without one
+    (its test skips, saying so).
+
+    Raises:
+        ValueError: a backend declares an unknown layout name (a collection error naming it).
+    """
+    from pagedkv.testing.managers.protocol import manager_factory, manager_layouts
+
+    return [(backend, layout) for backend in impls
+            for layout in (manager_layouts(backend) if manager_factory(backend) is not None else (None,))]
 
 
 def _parametrize_findings(metafunc: pytest.Metafunc, impls: list) -> None:

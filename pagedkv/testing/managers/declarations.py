@@ -74,6 +74,23 @@ def summarize(seen: Iterable[tuple[ManagerCapabilities, int]]) -> dict:
     return {"programs": programs, "promises": promises, "waived": waived, "not_drawn": not_drawn}
 
 
+def merge(summaries: Iterable[dict]) -> dict | None:
+    """One summary for several searches of one manager (one per layout: :func:`summarize`'s, added up): the
+    programs and each promise's ``declared_in`` / ``applicable_in`` summed, ``waived`` where any search waived
+    it, ``not_drawn`` what no search drew. ``None`` for no summaries."""
+    summaries = list(summaries)
+    if not summaries:
+        return None
+    promises = {name: {"judgement": judgement,
+                       "declared_in": sum(s["promises"][name]["declared_in"] for s in summaries),
+                       "applicable_in": sum(s["promises"][name]["applicable_in"] for s in summaries)}
+                for name, (_, judgement) in PROMISES.items()}
+    return {"programs": sum(s["programs"] for s in summaries), "promises": promises,
+            "waived": [name for name, p in promises.items() if p["declared_in"] < p["applicable_in"]],
+            "not_drawn": {name: what for name, what in DRAWS.items()
+                          if all(name in s["not_drawn"] for s in summaries)}}
+
+
 def describe(summary: dict) -> str:
     """One line for the terminal summary: the promises judged, those waived (in how many programs) and the
     inputs never drawn."""

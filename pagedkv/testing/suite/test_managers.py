@@ -20,8 +20,7 @@ from pagedkv.testing.databases import property_key
 from pagedkv.testing.execute import Failure
 from pagedkv.testing.managers import declarations
 from pagedkv.testing.managers.casefile import is_program_file
-from pagedkv.testing.managers.protocol import (ManagerConfig, layout_groups, layout_retention, manager_factory,
-                                              manager_layouts)
+from pagedkv.testing.managers.protocol import ManagerConfig, layout_groups, layout_retention, manager_factory
 from pagedkv.testing.settings import manager_suite_settings
 from pagedkv.testing.verdict import SkipReason, decide
 
@@ -33,9 +32,11 @@ STEPS = 30
 PROPERTY = "cache_manager"
 
 
-def test_cache_manager(pagedkv_run, backend):
+def test_cache_manager(pagedkv_run, backend, manager_layout):
     """Every live request reads back, through its block table, the K/V of its own tokens (namespace,
-    prefix, extra keys, position, layer), and the manager's counts, hits and holds add up."""
+    prefix, extra keys, position, layer), and the manager's counts, hits and holds add up: one search in
+    ``manager_layout``, one of the layouts the candidate declares (``cache_manager_layouts``; each its own
+    test, so ``pytest -n auto`` spreads a hybrid manager's layouts over the workers)."""
     from pagedkv.testing.managers import programs
     from pagedkv.testing.managers.machine import machine_for
 
@@ -45,24 +46,24 @@ def test_cache_manager(pagedkv_run, backend):
             SimpleNamespace(status="skipped", reason="no cache_manager", skip=SkipReason.NO_CACHE_MANAGER),
             kind="manager"))
         pytest.skip("cache_manager: the candidate provides no cache_manager factory (kernels only)")
+    prop = layout_property(manager_layout)
     spec = pagedkv_run.spec or backend_name(backend)
     windows = getattr(backend, "cache_manager_windows", (None,))
     block_sizes = getattr(backend, "cache_manager_block_sizes", (1, 2, 4))
-    missing = missing_dependency(factory, manager_layouts(backend), block_sizes[0], windows[0])
+    missing = missing_dependency(factory, (manager_layout,), block_sizes[0], windows[0])
     if missing is not None:  # an install problem, not a program to shrink and keep
-        pagedkv_run.record(PROPERTY, backend, decide(
+        pagedkv_run.record(prop, backend, decide(
             SimpleNamespace(status="failed", failures=[Failure(None, missing)]), kind="manager"))
         pytest.fail(f"cache manager {spec} cannot run here (no program ran): {missing}", pytrace=False)
-    machine = machine_for(factory, windows=windows, layouts=manager_layouts(backend),
-                          block_sizes=block_sizes,
+    machine = machine_for(factory, windows=windows, layouts=(manager_layout,), block_sizes=block_sizes,
                           name=f"{backend_name(backend)}_manager")
     # a manager whose behaviour unfolds over long decodes (sliding-window eviction) asks for longer programs
     program_steps = getattr(backend, "cache_manager_steps", STEPS)
     path = pagedkv_run.case_file
     start = time.perf_counter()
-    # one search per declared layout, each with the profile's programs
     steps = programs.run_per_layout(machine, manager_suite_settings(program_steps),
-                                    database_key=property_key(PROPERTY, backend_name(backend)))
+                                    database_key=property_key(PROPERTY, backend_name(backend))
+                                    + b"/" + manager_layout.encode())
     measured = dict(examples=machine.examples_run, steps=machine.checks_run, seconds=time.perf_counter() - start)
     # what the declarations waived (a promise left off) and left undrawn, for the verdict's reader
     declared = declarations.summarize(tuple(seen) for seen in machine.capabilities_seen.values())
@@ -73,7 +74,7 @@ def test_cache_manager(pagedkv_run, backend):
             status="passed", reason=f"{machine.checks_run} steps, {machine.examples_run} programs in "
                                     f"{measured['seconds']:.1f} s", **measured), kind="manager")
         verdict.declarations = declared
-        pagedkv_run.record(PROPERTY, backend, verdict)
+        pagedkv_run.record(prop, backend, verdict)
         return
     measured["first_failing_example"] = steps.first_failing_example
     programs.save(path, spec, steps.machine_class, steps, steps.error, test_id=pagedkv_run.node.nodeid,
@@ -83,8 +84,14 @@ def test_cache_manager(pagedkv_run, backend):
                       case_file=path, replay=replay)
     verdict = decide(SimpleNamespace(status="failed", failures=[failure], **measured), kind="manager")
     verdict.declarations = declared
-    pagedkv_run.record(PROPERTY, backend, verdict)
-    pytest.fail(f"cache manager {spec}: {steps.error}\n{programs.as_text(steps)}\nreplay: {replay}", pytrace=False)
+    pagedkv_run.record(prop, backend, verdict)
+    pytest.fail(f"cache manager {spec} ({manager_layout}): {steps.error}\n{programs.as_text(steps)}\n"
+                f"replay: {replay}", pytrace=False)
+
+
+def layout_property(layout: str) -> str:
+    """The property a layout's search is recorded as in the verdict: ``cache_manager[<layout>]``."""
+    return f"{PROPERTY}[{layout}]"
 
 
 def missing_dependency(factory, layouts, block_size: int, window_left) -> Exception | None:
