@@ -163,8 +163,8 @@ def one_group_programs(max_examples: int) -> int:
     (a hit block still in the free queue not counted at admission, a hash index losing a block's duplicate,
     a window releasing a run of blocks) need a chain of three draws each (a pool under pressure, two blocks
     under one hash, one evicted, the other looked up), which 100 programs reach in one search of two or three;
-    its programs are the cheapest (one group: 400 take 9-14 s on one quiet core), so four times as many keep a hybrid
-    manager's whole ``ci`` gate within its two minutes."""
+    its programs are the cheapest (one group: 400 take 9-14 s on one quiet core; 18 s for vLLM's peer, its longest
+    layout under ``ci``)."""
     return max(max_examples, min(ONE_GROUP_FACTOR * max_examples, ONE_GROUP_PROGRAMS))
 
 
