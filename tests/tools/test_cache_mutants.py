@@ -147,3 +147,22 @@ def test_every_cache_mutant_has_a_docstring_and_loads_as_a_candidate(name):
 
     assert cache_mutants.CACHE_TARGETS[name]
     assert set(cache_mutants.CACHE_TARGETS[name]) <= {p.name for p in registry.properties().values()}
+
+
+#: A whole chat turn (``serve``) on a pool of four one-token blocks, then a turn under another namespace that
+#: takes every block and releases them again.
+SERVED_TWICE = [
+    ["start", {"num_blocks": 4, "block_size": 1, "num_layers": 3, "window": 0, "layout": 11, "features": 2}],
+    ["system_prompts", {"prompts": [[2, 3], [0, 3, 1, 0, 1, 3, 0, 3, 3]]}],
+    ["serve", {"system": [2, 3], "suffix": [], "namespace": [["salt", "a"]], "extra": "image-0", "image_at": 1,
+               "tail": 3, "tokens": [3, 1, 2, 2], "reply": [3, 1]}],
+    ["serve", {"system": [2, 3], "suffix": [2], "namespace": [["salt", "a"], ["lora", "lora-a", "/adapters/1"]],
+               "extra": "image-0", "image_at": 2, "tail": 3, "tokens": [3, 3, 0, 1], "reply": [2, 0, 3]}],
+]
+
+
+def test_a_rule_running_several_steps_is_judged_after_each():
+    # Failed before on pagedkv's own cache (a false alarm): the second turn took all four blocks from the front
+    # of the eviction order and released them within one rule, and the eviction-order check, run only between
+    # rules, saw block 0 gone while 3 (handed out and released again) still led the list.
+    programs.run_program(machine_for_backend(), SERVED_TWICE)

@@ -888,6 +888,21 @@ class ManagerMachine(RuleBasedStateMachine):
         req.table = self.m.block_table(rid)
         return True
 
+    def judge_now(self) -> None:
+        """Run every invariant now, as after a step of the program: a rule that runs several scheduler steps (a
+        whole chat turn and the next one) is judged after each, so a check that compares two consecutive states
+        (the eviction order: blocks handed out from the front of the list the last check saw) sees every state.
+
+        Raises:
+            AssertionError: an invariant fails.
+        """
+        step_open = getattr(self, "step_open", None)
+        for name in dir(type(self)):
+            if getattr(getattr(type(self), name, None), "hypothesis_stateful_invariant", None):
+                getattr(self, name)()
+        if step_open is not None:  # still inside the rule that called it
+            self.step_open = step_open
+
     def release(self, rid: int) -> None:
         """Free ``rid``: its steps in flight still complete (the free deferred) where steps are
         asynchronous; otherwise a pending reservation is dropped unwritten. A load in flight still
@@ -1016,8 +1031,11 @@ class ManagerMachine(RuleBasedStateMachine):
             if not self.admit(rid, prompt, namespace, extras, len(prompt), True):
                 return
             req = self.live[rid]
+            self.judge_now()
             self.decode_tokens(rid, tokens)
+            self.judge_now()
             self.release(rid)
+            self.judge_now()
             prompt, extras = [*req.tokens[:req.written], *(reply or ())] or [0], whole_inputs(req.extras, req.written)
 
     def attach(self, start: int, suffix: list, more, tail: int) -> tuple[list, dict]:
