@@ -128,13 +128,19 @@ def padded_to_csr(block_tables: object, seq_lens: object, page_size: int) -> Csr
                         torch.tensor(last, dtype=torch.int32, device=device), page_size)
 
 
-def csr_to_padded(kv_indptr: object, kv_indices: object, kv_last_page_len: object, page_size: int, *,
-                  width: int | None = None, pad_value: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+def csr_to_padded(kv_indptr: object, kv_indices: object, kv_last_page_len: object, page_size: int,
+                  num_pages: int | None = None, *, width: int | None = None,
+                  pad_value: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashInfer's CSR page metadata -> padded ``(block_tables, seq_lens)``, after :func:`check_csr`.
+
+    A kernel that takes CSR tables and reads through padded ones passes ``num_pages`` (its pool's
+    ``num_blocks``), so that a page id past the pool is reported naming ``kv_indices``, the argument its
+    caller gave, rather than the ``block_tables`` made here.
 
     Args:
         kv_indptr, kv_indices, kv_last_page_len: as in the module docstring (``int32`` / ``int64``).
         page_size: tokens per page, ``>= 1``.
+        num_pages: the pool's page count; ``None`` skips the range check of ``kv_indices``.
         width: columns of the result (default: the longest row's page count); must fit every row.
         pad_value: what fills the columns past a row's pages (vLLM pads with ``-1``).
 
@@ -142,10 +148,11 @@ def csr_to_padded(kv_indptr: object, kv_indices: object, kv_last_page_len: objec
         ``(block_tables int32 [batch, width], seq_lens int32 [batch])`` on ``kv_indptr``'s device.
 
     Raises:
-        Whatever :func:`check_csr` raises for the metadata; ``ShapeError`` when ``width`` is smaller
-        than a row's page count; ``ArgumentTypeError`` for a non-int ``width`` or ``pad_value``.
+        Whatever :func:`check_csr` raises for the metadata (``BlockIndexError`` naming ``kv_indices`` for
+        a page id outside ``[0, num_pages)``); ``ShapeError`` when ``width`` is smaller than a row's page
+        count; ``ArgumentTypeError`` for a non-int ``width`` or ``pad_value``.
     """
-    csr = check_csr(kv_indptr, kv_indices, kv_last_page_len, page_size)
+    csr = check_csr(kv_indptr, kv_indices, kv_last_page_len, page_size, num_pages)
     pages = (csr.kv_indptr[1:] - csr.kv_indptr[:-1]).tolist()
     longest = max(pages, default=0)
     for name, v in (("width", width), ("pad_value", pad_value)):

@@ -122,7 +122,7 @@ class _Csr(_Honest):
         self._declared(k_cache, "k_cache")
         logical = self._logical(k_cache, 0)
         block_size = logical.shape[1]
-        check_csr(kv_indptr, kv_indices, kv_last_page_len, block_size, num_pages=logical.shape[0])  # names them
+        check_csr(kv_indptr, kv_indices, kv_last_page_len, block_size, logical.shape[0])  # before the fault below
         if self.fault == "ignores_last_page_len" and isinstance(kv_last_page_len, torch.Tensor):
             kv_last_page_len = torch.where(kv_indptr[1:] > kv_indptr[:-1], block_size, kv_last_page_len)
         tables, seq_lens = csr_to_padded(kv_indptr, kv_indices, kv_last_page_len, block_size)

@@ -114,6 +114,14 @@ def test_padded_to_csr_refuses_a_row_too_short_for_its_length():
         csr_to_padded(t([0, 2]), t([0, 1]), t([1]), 4, width=1)
 
 
+def test_csr_to_padded_given_the_pool_size_names_kv_indices_for_a_page_past_it():
+    """A kernel converting its CSR arguments reports a page past the pool under the name its caller used."""
+    with pytest.raises(BlockIndexError, match="kv_indices"):
+        csr_to_padded(t([0, 2]), t([0, 4]), t([1]), 4, 4)
+    tables, lens = csr_to_padded(t([0, 2]), t([0, 3]), t([1]), 4, 4)
+    assert tables.tolist() == [[0, 3]] and lens.tolist() == [5]
+
+
 @settings(max_examples=60, database=None, deadline=None)
 @given(case=cases(max_seqs=4, max_len=30), data=st.data())
 def test_every_csr_fault_is_refused_with_its_error(case, data):

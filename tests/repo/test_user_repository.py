@@ -180,7 +180,7 @@ class HeadMajorCsr:
         """Causal varlen attention over each sequence's pages, GQA, read head-major."""
         _supported(k_cache, "k_cache")
         block_size = k_cache.shape[2]
-        tables, seq_lens = csr_to_padded(kv_indptr, kv_indices, kv_last_page_len, block_size)
+        tables, seq_lens = csr_to_padded(kv_indptr, kv_indices, kv_last_page_len, block_size, k_cache.shape[0])
         args = check_paged_attention(query, _nhd(k_cache), _nhd(v_cache), tables, seq_lens, query_start_loc, scale)
         num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
         num_q_heads = query.shape[1]
