@@ -9,11 +9,13 @@ for what it declares, :func:`pagedkv.testing.space.capabilities_under_test` for 
 non-promise (:mod:`pagedkv.testing.non_promises`).
 
 Around the guard, :class:`OpCalls` turns a :class:`~pagedkv.testing.compare.MissingOp` raised from inside
-an op call into :class:`OpRaisedMissingOp`, and a control signal (``pytest.skip`` / ``pytest.exit``,
-Hypothesis's ``reject()``, the gate's budget signal, ``SystemExit`` or any other ``BaseException`` but
-``KeyboardInterrupt``) into :class:`OpRaisedControlSignal`: the gate decides
-what is skipped (:func:`pagedkv.testing.compare.require`, :meth:`pagedkv.testing.registry.Property.cannot_run`), and a
-candidate raising the gate's own signal for an input in its declared space fails.
+an op call into :class:`OpRaisedMissingOp` (and so an op the candidate provided when it was loaded that a
+later look-up finds missing: what it provides is read once, :attr:`Candidate.provided`), and a control
+signal (``pytest.skip`` / ``pytest.exit``, Hypothesis's ``reject()``, the gate's budget signal,
+``SystemExit`` or any other ``BaseException`` but ``KeyboardInterrupt``) into
+:class:`OpRaisedControlSignal`: the gate decides what is skipped (:func:`pagedkv.testing.compare.require`,
+:meth:`pagedkv.testing.registry.Property.cannot_run`), and a candidate raising the gate's own signal for an
+input in its declared space fails.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from typing import Any
 
 from pagedkv.testing.compare import BudgetSpent, MissingOp
 
-#: The contract's ops: an exception raised from inside one of them is the candidate's.
-OPS = ("paged_attention", "paged_attention_csr", "write_kv", "gather", "scatter")
+#: The contract's ops (the guard's, :data:`pagedkv.testing.guard.GUARDED_OPS`): an exception raised from inside
+#: one of them, or from looking one up, is the candidate's.
+OPS = ("paged_attention", "paged_attention_csr", "write_kv", "gather", "scatter", "merge_attn_states")
 
 
 class OpRaisedMissingOp(RuntimeError):
@@ -59,15 +62,44 @@ def _control_signals() -> tuple[type[BaseException], ...]:
     return tuple(signals)
 
 
+def provided_ops(backend: Any) -> frozenset:
+    """The ops of :data:`OPS` ``backend`` provides (a callable attribute), read once when the candidate is
+    loaded: an attribute that is absent, ``None``, not callable or raises ``AttributeError`` / ``MissingOp`` on
+    look-up is not provided; any other error of the look-up propagates (a broken candidate)."""
+    provided = set()
+    for name in OPS:
+        try:
+            value = getattr(backend, name, None)
+        except MissingOp:
+            continue
+        if callable(value):
+            provided.add(name)
+    return frozenset(provided)
+
+
 class OpCalls:
     """``backend`` whose op calls re-raise a ``MissingOp`` as :class:`OpRaisedMissingOp` (the op's
-    signature is kept: ``functools.wraps``); every other attribute is the backend's own."""
+    signature is kept: ``functools.wraps``); every other attribute is the backend's own. ``provided``: the ops
+    the candidate provided when loaded (:func:`provided_ops`); one of them that a later look-up finds missing
+    (the look-up raises, or gives something not callable) raises :class:`OpRaisedMissingOp`, so that a
+    candidate cannot turn a property into a skip by hiding an op while the gate looks it up."""
 
-    def __init__(self, backend: Any):
+    def __init__(self, backend: Any, provided: frozenset = frozenset()):
         self._backend = backend
+        self._provided = provided
 
     def __getattr__(self, name: str) -> Any:
-        value = getattr(self._backend, name)
+        try:
+            value = getattr(self._backend, name)
+        except Exception as exc:
+            if name in self._provided:
+                raise OpRaisedMissingOp(f"looking {name} up raised {type(exc).__name__} ({exc}), but the candidate "
+                                        f"provided it when loaded: only the gate decides that an op is missing") \
+                    from exc
+            raise
+        if name in self._provided and not callable(value):
+            raise OpRaisedMissingOp(f"looking {name} up gave {type(value).__name__}, but the candidate provided it "
+                                    f"when loaded: only the gate decides that an op is missing")
         if name not in OPS or not callable(value):
             return value
 
@@ -100,11 +132,13 @@ class Candidate:
         backend: the object the user named (or a built-in backend).
         declared: its :class:`~pagedkv.backends.capabilities.Capabilities` as declared.
         space: the space drawn in here (:func:`pagedkv.testing.space.capabilities_under_test`, drawing).
+        provided: the ops it provides, read once (:func:`provided_ops`).
     """
 
     backend: Any
     declared: Any
     space: Any
+    provided: frozenset = frozenset()
 
     def view(self) -> tuple[Any, Any]:
         """``(guard, ops)`` for one case: a fresh guard over the backend, and the ops a property calls (the
@@ -113,7 +147,7 @@ class Candidate:
         from pagedkv.testing.space import as_declared_layout
 
         guard = GuardedBackend(self.backend, self.declared)  # on the backend itself: it counts the backend's calls
-        return guard, as_declared_layout(OpCalls(guard), self.declared)
+        return guard, as_declared_layout(OpCalls(guard, self.provided), self.declared)
 
     def bound(self, prop: str) -> Any:
         """The :class:`~pagedkv.testing.non_promises.Bound` of ``prop`` (``None``: promised)."""
@@ -140,4 +174,5 @@ def candidate(backend: Any, space: Any = None) -> Candidate:
 
     declared = capabilities_of(backend)
     return Candidate(backend, declared, space if space is not None else capabilities_under_test(backend,
-                                                                                                 for_drawing=True))
+                                                                                                 for_drawing=True),
+                     provided_ops(backend))

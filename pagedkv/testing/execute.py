@@ -459,7 +459,8 @@ def _run_machine(prop: Any, candidate: Candidate, device: str, chosen: Any, outc
     try:
         with pool_layout(candidate.space.layout):
             guard = GuardedBackend(candidate.backend, candidate.declared)
-            prop.check(as_declared_layout(OpCalls(guard), candidate.declared), device, chosen, candidate.space)
+            ops = as_declared_layout(OpCalls(guard, candidate.provided), candidate.declared)
+            prop.check(ops, device, chosen, candidate.space)
     except MissingOp as exc:
         outcome.skipped(_gate_skip(exc))
     except Exception as exc:  # noqa: BLE001 - the state machine's failure, steps printed by Hypothesis

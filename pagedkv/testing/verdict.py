@@ -33,6 +33,7 @@ class SkipReason(str, enum.Enum):
     NOT_EXPRESSIBLE = "not_expressible"  # a regression case with no faithful form in the declared space
     CASE_REJECTED = "case_rejected"  # a fixed case the property's own assumption rejects
     MACHINE_LIMIT = "machine_limit"  # this machine cannot run it (device memory, lazily backed pools)
+    BUDGET_SPENT = "budget_spent"  # a time budget stopped the search (``$PAGEDKV_TEST_BUDGET_S``): not judged
 
 
 #: Skips that leave the judged share's denominator: nothing the candidate declares could be judged there.
@@ -94,6 +95,8 @@ def decide(outcome: Any, *, kind: str = "property", violating: bool = False, dec
     promise = declared.as_dict() if declared is not None else None
     measured = measured_of(outcome)
     status = getattr(outcome, "status", "passed")
+    if status == "partial":  # a search the time budget cut short judged no promise: it counts against the share
+        return Verdict("skipped", kind, str(outcome.reason), SkipReason.BUDGET_SPENT, measured=measured)
     if status == "skipped":
         skip = getattr(outcome, "skip", None) or skip_reason(outcome.reason)
         return Verdict("skipped", kind, str(outcome.reason), skip)

@@ -9,6 +9,7 @@ a waiver. A ``MissingOp`` raised from inside an op call fails; only the gate's o
 """
 
 import json
+import sys
 import textwrap
 from pathlib import Path
 
@@ -221,6 +222,73 @@ def test_missing_op_from_inside_an_op_call_fails_and_the_gates_own_skip_has_a_re
 
     lacking = _run(REFERENCE, NoAttention(), examples=2)
     assert (lacking.status, lacking.skip) == ("skipped", SkipReason.MISSING_OP), lacking
+
+
+class _HidesAttentionFromTheGuard(_Scaled):
+    """A wrong kernel (every batch's output scaled) that provides ``paged_attention`` when loaded and hides it
+    when the gate's guard looks it up (raising ``MissingOp``, or giving ``None``), so that every property
+    needing it would be skipped."""
+
+    name = "hides_attention"
+
+    def __init__(self, how):
+        super().__init__(factor=1e-2)
+        self.how = how
+
+    def __getattribute__(self, name):
+        if name == "paged_attention" and sys._getframe(1).f_globals.get("__name__") == "pagedkv.testing.guard":
+            from pagedkv.testing.compare import MissingOp
+
+            if object.__getattribute__(self, "how") == "none":
+                return None
+            raise MissingOp("hides_attention: paged_attention is not available here")
+        return object.__getattribute__(self, name)
+
+
+@pytest.mark.parametrize("how", ["missing_op", "none"])
+def test_an_op_provided_when_loaded_and_hidden_when_looked_up_fails(how):
+    """What a candidate provides is read once: an op present at load that a later look-up finds missing is the
+    candidate's failure, not the gate's skip (a kernel scaling every batch's output passed that way)."""
+    outcome = _run(ALONE, _HidesAttentionFromTheGuard(how), examples=2)
+    assert outcome.status == "failed" and "OpRaisedMissingOp" in outcome.first_line, outcome
+
+
+def test_missing_op_from_inside_merge_attn_states_fails():
+    """``merge_attn_states`` is an op of the contract like the others: ``MissingOp`` raised inside it fails."""
+    from pagedkv.backends import get_backend
+    from pagedkv.backends.capabilities import Capabilities
+    from pagedkv.testing.compare import MissingOp
+
+    exact = get_backend("indexed")
+
+    class RefusesMerges:
+        name = "refuses_merges"
+        capabilities = Capabilities(dtypes={"float32"}, lse="token_major")
+
+        def paged_attention(self, *args, **kwargs):
+            return exact.paged_attention(*args, **kwargs)
+
+        def merge_attn_states(self, *args, **kwargs):
+            raise MissingOp("merge_attn_states: no-keys parts not supported")
+
+    from pagedkv.testing.registry import properties
+
+    merges = [name for name, prop in properties().items() if "merge_attn_states" in prop.ops]
+    assert merges
+    outcome = _run(merges[0], RefusesMerges(), examples=2)
+    assert outcome.status == "failed" and "OpRaisedMissingOp" in outcome.first_line, outcome
+
+
+def test_a_search_the_time_budget_cut_short_counts_against_the_judged_share():
+    """A partial run (the time budget spent) is no pass: skipped as ``budget_spent``, inside the denominator."""
+    from pagedkv.testing.execute import Outcome
+    from pagedkv.testing.verdict import NOT_APPLICABLE, SkipReason, count, decide
+
+    verdict = decide(Outcome("p", status="partial", reason="time budget of 1e-09 s spent: 0 examples passed"))
+    assert (verdict.status, verdict.skip) == ("skipped", SkipReason.BUDGET_SPENT)
+    assert SkipReason.BUDGET_SPENT not in NOT_APPLICABLE
+    counted = count([{"kind": "property", "status": "skipped", "skip": "budget_spent"}])["properties"]
+    assert counted["judged"] == 0 and counted["applicable"] == 1, counted
 
 
 def test_a_search_that_failed_is_never_downgraded_to_a_skip():
