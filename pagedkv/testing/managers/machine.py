@@ -89,6 +89,7 @@ MORE_ITEMS = ("image-0", "image-1", "image-2")
 #: The text tokens between two of ``add``'s further inputs (or after the last): none most often (attachments sent
 #: one after another), so that two inputs share a block.
 GAPS = (0, 0, 0, 1, 2)
+ROOMY_ONE_GROUP = 3  # a one-group roomy pool (``start``'s ``pool_per_group``): this many times ``num_blocks``
 PLACEHOLDER = 0  # the token id of a multimodal input's placeholder run (what an engine's processor writes)
 #: Prompt-embedding payloads (``add``'s ``embeds``): two, so that two requests share placeholder ids but not
 #: embeddings; ``variant`` swaps one for another (``"content"``) or moves it (``"image"``: same rows elsewhere).
@@ -225,7 +226,9 @@ class ManagerMachine(RuleBasedStateMachine):
         layouts (a hybrid one takes ``block_size`` as its hash block size and ``window`` as its
         window); ``features`` asks for a connector (bit 0) and speculative decoding (bit 1);
         ``pool_per_group``: a hybrid layout's pool holds ``num_blocks`` per group (a roomy pool where three
-        groups' prompts fit and hit) rather than in all (pressure on every allocation)."""
+        groups' prompts fit and hit) rather than in all (pressure on every allocation); a one-group pool holds
+        three times ``num_blocks`` (several requests live at once, where a pool of 4-12 one-token blocks refuses
+        half the admissions: a variant of a live prompt then meets its blocks)."""
         self.log("start", num_blocks=num_blocks, block_size=block_size, num_layers=num_layers, window=window,
                  layout=layout, features=features, **({"pool_per_group": True} if pool_per_group else {}))
         bs = self.block_sizes[block_size % len(self.block_sizes)]
@@ -233,7 +236,7 @@ class ManagerMachine(RuleBasedStateMachine):
         groups = layout_groups(name, bs, window)
         if groups:
             num_layers = max(g.num_layers for g in groups)
-            num_blocks *= len(groups) if pool_per_group else 1
+        num_blocks *= (len(groups) or ROOMY_ONE_GROUP) if pool_per_group else 1
         config = ManagerConfig(num_blocks, bs, self.windows[window % len(self.windows)], num_layers, self.num_kv_heads,
                                self.head_dim, groups=groups, connector=bool(features & 1),
                                num_speculative_tokens=MAX_DRAFTS if features & 2 else 0,
