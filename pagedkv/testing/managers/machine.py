@@ -251,6 +251,10 @@ class ManagerMachine(RuleBasedStateMachine):
             g.kind in ("full", "sliding_window") for g in self.groups)
         self.connector = self.caps.connector and config.connector
         self.speculative = self.caps.speculative and config.num_speculative_tokens > 0
+        # the engine runs an EAGLE-family drafter (its lookup drops a hit's last block), drafts drawn or not: a
+        # manager declaring eagle_drop without speculative (vLLM beside a Mamba group) serves EAGLE's replay
+        # boundaries while the machine draws no drafts
+        self.eagle_server = self.caps.eagle_drop and config.num_speculative_tokens > 0
         self.reprefill = self.caps.reprefill if self.speculative else 0  # tokens a reservation leaves uncached
         self.gbs = [g.block_size for g in self.groups]
         self.bs = math.lcm(*self.gbs)  # a hit is whole blocks of every group
@@ -271,6 +275,9 @@ class ManagerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.epoch = 0  # scheduler steps so far: a commit ends one (reservations between two commits share one)
         self.history: list[tuple] = []  # finished conversations (namespace, tokens, extras), newest last
+        # released requests whose prompt's EAGLE replay boundary stays hittable (:meth:`replay_hit`): (request,
+        # the blocks it held), until one of them is handed out again, evicted or reset
+        self.replayable: list[tuple] = []
         self.rejected: list[tuple] = []  # timelines ending in rejected drafts (namespace, tokens, extras)
         # the model of what the manager declares: block -> identity its cached full block holds (hit
         # promise), the free queue as tiers, front first (eviction order), blocks ever handed out
@@ -500,6 +507,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.ever_used |= set(after)
         for b in fresh:
             self.cached.pop(b, None)  # handed out again: what it cached is evicted
+        if fresh:
+            self.replayable = [(q, blocks) for q, blocks in self.replayable if not blocks & fresh]
 
     def judge_lru(self, call: str, need: set) -> None:
         """``need`` (blocks handed out afresh) must be the front of the free-queue model."""
@@ -595,16 +604,40 @@ class ManagerMachine(RuleBasedStateMachine):
         units: where vLLM registers the partial entries of the prompt's tail, ``FullAttentionManager.
         _cache_partial_tail_block`` and ``MambaManager._cache_partial_tail_block``), all of them completed, holds
         every block a hit of ``r`` tokens needs (none evictable, its Mamba state there not yet moved by a next step),
-        so a prompt whose first ``r`` tokens are ``q``'s hits at least ``r``. Not promised with a connector (a load
-        re-aligns the local hit to whole scheduler blocks), drafts, extra keys or embeddings (their keys see what
-        the identity does not)."""
-        if not self.caps.hit_alignment or self.connector or self.speculative or req.extras:
+        so a prompt whose first ``r`` tokens are ``q``'s hits at least ``r``.
+
+        Under EAGLE (``capabilities.eagle_drop`` with drafts asked for, :attr:`eagle_server`) the replay boundary is
+        one prefix-match unit below the prompt's last whole unit, ``r = floor(P / u) * u - u`` (vLLM's
+        ``get_mamba_prefill_checkpoint_position(P, u, drop_eagle_block=True)``: the Mamba checkpoint sits where
+        EAGLE's lookup, matching one unit past a hit and dropping it, resumes): a live request ``q`` whose steps
+        completed its prompt of ``P`` tokens (and any decode steps after it: the checkpoint block is re-keyed there
+        once, ``MambaManager._cache_partial_tail_block``, and decode moves only the running state block) holds
+        every block of that hit, so a prompt whose first ``floor(P / u) * u`` tokens are ``q``'s hits at least
+        ``r``; so does such a request once released, until a block it held is handed out again, evicted or reset
+        (vLLM's ``test_dcp_fine_hit_retention_uses_hash_alignment``: a resend or extension after the producer
+        finished).
+
+        Not promised with a connector (a load re-aligns the local hit to whole scheduler blocks), drafts, extra keys
+        or embeddings (their keys see what the identity does not); under EAGLE, multimodal inputs are let in (each
+        token's identity names its input and offset, and an equal identity at the unit past ``r`` makes every hash
+        block up to it equal), embeddings are not."""
+        if not self.caps.hit_alignment or self.connector or self.speculative:
+            return 0
+        if req.embedded() if self.eagle_server else req.extras:
             return 0
         cap, best = len(req.tokens) - self.caps.min_computed_on_full_hit, 0
-        for q in self.live.values():
-            r = (q.num_prompt - 1) // self.unit * self.unit
-            if (q.adopted and not q.pending() and q.reserved == q.committed == r and best < r <= cap and not q.extras
-                    and q.identities[r - 1] == req.identities[r - 1]):
+        released = [q for q, _ in self.replayable] if self.eagle_server else []
+        for q in [*self.live.values(), *released]:
+            if not q.adopted or q.pending() or (q.embedded() if self.eagle_server else q.extras):
+                continue
+            if self.eagle_server:  # the whole prompt computed; EAGLE's lookup matches the unit past r
+                stop, matched = q.num_prompt, q.num_prompt // self.unit * self.unit
+                r = max(matched - self.unit, 0)
+            else:
+                stop = matched = r = (q.num_prompt - 1) // self.unit * self.unit
+            if (q.reserved == q.committed and (q.committed >= stop if self.eagle_server else q.committed == stop)
+                    and best < r <= cap and matched <= len(req.tokens)
+                    and q.identities[matched - 1] == req.identities[matched - 1]):
                 best = r
         return best
 
@@ -823,7 +856,9 @@ class ManagerMachine(RuleBasedStateMachine):
         promised, replay = self.promised_hit(req), self.replay_hit(req)
         assert cached >= replay, \
             f"request {rid}: a hit of {cached} tokens, but a live request stopped at its replay boundary of {replay} " \
-            f"tokens of this prompt, holding every block of that hit (the replay promise of fine-grained hits)"
+            f"tokens of this prompt, holding every block of that hit (the replay promise of fine-grained hits" + \
+            (": under EAGLE, a request that computed its prompt, live or released since with none of its blocks "
+             "handed out again)" if self.eagle_server else ")")
         if self.caps.retention_interval is not None:
             req.junction = self.junction(req, cached)
         # where the model knows every cached block of a coordinated layout, the promised hit is the one vLLM's
@@ -911,6 +946,10 @@ class ManagerMachine(RuleBasedStateMachine):
         req = self.live.pop(rid)
         if req.written:
             self.history = [*self.history[-7:], (req.namespace, req.tokens[:req.written], dict(req.extras))]
+        if (self.eagle_server and req.adopted and not req.pending() and not req.in_flight
+                and req.reserved == req.committed >= req.num_prompt):
+            blocks = frozenset(b for table in self.m.block_table(rid) for b in table if b >= 0)
+            self.replayable = [*self.replayable[-7:], (req, blocks)]
         if not (req.in_flight and self.caps.async_steps):
             req.in_flight = []
         req.storing = self.connector
@@ -1362,9 +1401,11 @@ class ManagerMachine(RuleBasedStateMachine):
         evicted = self.m.evict(n)
         if evicted is None:
             self.model_known = False
+            self.replayable = []
         else:
             for b in evicted:
                 self.cached.pop(b, None)
+            self.replayable = [(q, blocks) for q, blocks in self.replayable if not blocks & set(evicted)]
 
     @precondition(lambda self: self.caps.reset and self.next_id > 0)
     @rule()
@@ -1377,6 +1418,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.committed_prefixes = {r.identities[e - 1] for r in self.live.values()
                                        for e in range(self.unit, r.committed + 1, self.unit)}
             self.cached.clear()
+            self.replayable = []
 
     # -- checks --------------------------------------------------------------------------------------
     @invariant()
