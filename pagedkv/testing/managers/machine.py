@@ -56,6 +56,7 @@ served to anyone.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from collections.abc import Callable, Hashable
@@ -184,6 +185,13 @@ def whole_inputs(extras: dict, num_tokens: int) -> dict:
     return {p: key for p, key in extras.items() if p < num_tokens and (
             not (isinstance(key, tuple) and len(key) == 3 and key[0] == "mm" and key[1] in IMAGE_LENGTHS)
             or whole(p, key))}
+
+
+@functools.cache
+def invariant_names(machine_class: type) -> tuple[str, ...]:
+    """The names of ``machine_class``'s invariants (its ``check`` and any rule set's), in ``dir`` order."""
+    return tuple(name for name in dir(machine_class)
+                 if getattr(getattr(machine_class, name, None), "hypothesis_stateful_invariant", None))
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -932,9 +940,8 @@ class ManagerMachine(RuleBasedStateMachine):
             AssertionError: an invariant fails.
         """
         step_open = getattr(self, "step_open", None)
-        for name in dir(type(self)):
-            if getattr(getattr(type(self), name, None), "hypothesis_stateful_invariant", None):
-                getattr(self, name)()
+        for name in invariant_names(type(self)):
+            getattr(self, name)()
         if step_open is not None:  # still inside the rule that called it
             self.step_open = step_open
 

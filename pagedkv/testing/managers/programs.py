@@ -72,13 +72,10 @@ def run_program(machine_class: type[ManagerMachine], steps: list) -> None:
     """Run ``steps`` on a fresh machine, its invariants after each; raises what the machine raises."""
     machine = machine_class()
     machine.record = None
-    invariants = [getattr(machine, n) for n in dir(machine_class)
-                  if getattr(getattr(machine_class, n, None), "hypothesis_stateful_invariant", None)]
     try:
         for name, kwargs in steps:
             getattr(machine, name)(**_arguments(kwargs))
-            for check in invariants:  # check() and any rule set's
-                check()
+            machine.judge_now()  # check() and any rule set's
     finally:
         machine.teardown()
 
