@@ -25,8 +25,8 @@ declared where the machine knows what vLLM caches (no Mamba group, no EAGLE), an
 - ``load``: ``allocate_slots(..., num_external_computed_tokens, delay_cache_blocks=True)`` and
   ``update_state_after_alloc``, as for an asynchronous load (``WAITING_FOR_REMOTE_KVS``); ``load_done(ok)``:
   ``cache_blocks`` of the loaded tokens, or, failed, vLLM's ``recompute_kv_load_failures``:
-  ``num_computed_tokens = 0``, the request's blocks freed and its prefix looked up afresh (the hit kept to
-  the local one it had) and allocated at once, as the scheduler's waiting-queue pass does.
+  ``num_computed_tokens = 0``, the request's blocks freed and its prefix looked up afresh (the coordinator's
+  lookup capped at the local hit it had) and allocated at once, as the scheduler's waiting-queue pass does.
 - ``reserve``: ``allocate_slots(request, n, num_lookahead_tokens=num_speculative_tokens)``; draft tokens are
   the request's ``spec_token_ids`` (never cached: ``allocate_slots`` caches up to ``request.num_tokens``);
   ``drop`` rolls ``num_computed_tokens`` back over the rejected drafts and appends the accepted ones as output
@@ -518,7 +518,11 @@ class VllmHybridCacheManager(VllmCacheManager):
         self.manager.free(request)
         blocks, num_hit, _ = self.manager.get_computed_blocks(request)
         if num_hit > num_local:
-            blocks, num_hit = self.manager.truncate_computed_blocks(blocks, num_local), num_local
+            # the protocol keeps the hit to the local one: the coordinator's own lookup capped there, not the longer
+            # hit cut (``truncate_computed_blocks`` keeps a Mamba group short of the cut only where a load supplies
+            # its state there; cut, a Mamba hit past the local one left no state block at it)
+            hit_blocks, num_hit, _ = self.manager.coordinator.find_longest_cache_hit(request.block_hashes, num_local)
+            blocks = self.manager.create_kv_cache_blocks(hit_blocks)
         # the scheduler frees, looks up and allocates in one waiting-queue pass (_handle_blocked_waiting_request
         # then allocate_slots): the hit is taken now, never left as a lookup that a reset, an eviction or
         # another request's allocation makes stale before the request's next step; refused, nothing is hit
