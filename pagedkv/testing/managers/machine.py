@@ -487,20 +487,17 @@ class ManagerMachine(RuleBasedStateMachine):
         return {b for req in (*self.live.values(), *self.zombies.values()) for step in req.in_flight
                 for b in step.reads}
 
-    def account(self, before: dict[int, int], call: str, hits=(), allocates: bool = False) -> None:
+    def account(self, before: dict[int, int], call: str, hits=(), moves: int = 0) -> None:
         """Judge what ``call`` changed in the holdings: released blocks join the free-queue model (tail
         first; uncached ones to the front), blocks handed out afresh must be its front (eviction order
-        ``"lru"``) and outside every in-flight step's reads, and lose what they cached. ``allocates``: the call
-        may allocate (a reservation, load or resume)."""
+        ``"lru"``) and outside every in-flight step's reads, and lose what they cached. ``moves``: blocks the call
+        may hand out and free within it (:meth:`cow_moves`)."""
         after = self.holdings()
         if self.eagle_server:
             # blocks that entered the free queue (:meth:`replay_hit`): every block no longer held that was held at
             # the last count, before the call or as a hit it adopted (a partial hit's copy-on-write releases its
-            # source in the same call), and where it allocates, a producer's moved Mamba entry per Mamba group
-            # (``MambaManager.allocate_new_blocks``: one copy-on-write block a call, outside the table, freed once
-            # copied)
-            gone = (self.pool_held | set(before) | set(hits)) - set(after)
-            self.pool_entries += len(gone) + (sum(g.kind == "mamba" for g in self.groups) if allocates else 0)
+            # source in the same call), and the moved entries' blocks
+            self.pool_entries += len((self.pool_held | set(before) | set(hits)) - set(after)) + moves
             self.pool_held = set(after)
         moved = {b for b in before if b in after and before[b] != after[b]}  # released and handed out again
         released = sorted((b for b in before if b not in after or b in moved),
@@ -639,11 +636,12 @@ class ManagerMachine(RuleBasedStateMachine):
         in the free queue, hittable until evicted. So the promise covers a request ``q``, live or released (its
         full-attention blocks held, or in the free queue since), that admitted a hit of at most ``r`` and computed
         its prompt of ``P`` tokens (decode steps since move only its running state), while no block that entered
-        the free queue since the reservation reaching ``r`` began (:attr:`pool_entries`) can have been evicted:
-        vLLM's ``BlockPool`` appends a cached block at the queue's tail (``free_blocks``; uncached ones go to the
-        front) and evicts only the block ``get_new_blocks`` pops from the front, so when one is evicted every block
-        then in the queue entered after it, and the queue now holds no more blocks than entered since; fewer entered
-        (counted from above) than it holds now, none was evicted. An eviction or reset ends it (:meth:`evict`).
+        the free queue since that state could first enter it (after the step computing it, or at the step adopting
+        it as a hit of ``r``) can have been evicted: vLLM's ``BlockPool`` appends a cached block at the queue's tail
+        (``free_blocks``; uncached ones go to the front) and evicts only the block ``get_new_blocks`` pops from the
+        front, so once one is evicted every block in the queue entered after it; while no more blocks entered since
+        (:attr:`pool_entries`, counted from above) than the queue holds now, none was. An eviction or reset ends it
+        (:meth:`end_replay_windows`).
 
         Not promised with a connector (a load re-aligns the local hit to whole scheduler blocks), drafts, extra keys
         or embeddings (their keys see what the identity does not); under EAGLE, multimodal inputs are let in (each
@@ -659,7 +657,7 @@ class ManagerMachine(RuleBasedStateMachine):
             if not q.adopted or q.pending() or (q.embedded() if self.eagle_server else q.extras):
                 continue
             if self.eagle_server:  # its prompt computed; EAGLE's lookup matches the unit past r
-                if q.replay_open is None or self.pool_entries - q.replay_open >= free:
+                if q.replay_open is None or self.pool_entries - q.replay_open > free:
                     continue
                 stop, matched, r = q.num_prompt, q.num_prompt // self.unit * self.unit, self.eagle_boundary(q)
             else:
@@ -669,6 +667,18 @@ class ManagerMachine(RuleBasedStateMachine):
                     and q.identities[matched - 1] == req.identities[matched - 1]):
                 best = r
         return best
+
+    def cow_moves(self, req: Request | None = None, start: int = 0) -> int:
+        """Blocks an allocation may hand out and free within the call (:meth:`account`): vLLM's
+        ``MambaManager.allocate_new_blocks`` moves a producer's partial tail entry to one copy-on-write block
+        outside the table, freed once copied, in the allocation after the one that registered it
+        (``_cache_partial_tail_block``: a step ending inside a block, at the prompt's checkpoint or a shared-prefix
+        junction, both within the prompt): for a reservation of ``req`` from ``start``, one per Mamba group whose
+        block ``start`` ends inside, within the prompt; for a load or resume, one per Mamba group."""
+        mamba = [g for g, group in enumerate(self.groups) if group.kind == "mamba"]
+        if req is None:
+            return len(mamba)
+        return sum(0 < start <= req.num_prompt and start % self.gbs[g] != 0 for g in mamba)
 
     def end_replay_windows(self) -> None:
         """An eviction or reset may have taken any request's replay boundary state (under EAGLE it sits in the
@@ -748,11 +758,11 @@ class ManagerMachine(RuleBasedStateMachine):
         slots = self.m.reserve(rid, token_ids, num_draft=drafts) if drafts else self.m.reserve(rid, token_ids)
         if slots is None:
             self.check_refusal(rid, need, f"reserve of tokens {start}..{start + len(token_ids) - 1}")
-            self.account(before, f"reserve (refused) of request {rid}", allocates=True)
+            self.account(before, f"reserve (refused) of request {rid}", moves=self.cow_moves(req, start))
             return False
         self.check_window_release(rid, req)
         req.adopted = True
-        self.account(before, f"reserve of request {rid}", hits=hits, allocates=True)
+        self.account(before, f"reserve of request {rid}", hits=hits, moves=self.cow_moves(req, start))
         taken = len(slots[0]) if isinstance(slots, tuple) and slots else len(token_ids)
         if taken < len(token_ids):  # its scheduler clipped a prompt chunk: the rest is reserved later
             assert 0 < taken and not drafts and start + len(token_ids) <= req.num_prompt, \
@@ -765,7 +775,9 @@ class ManagerMachine(RuleBasedStateMachine):
             req.extend(token_ids[len(req.tokens) - start:])
         n = len(token_ids)
         if self.eagle_server and req.replay_open is None and req.hit <= self.eagle_boundary(req) <= start + n:
-            req.replay_open = entries  # the steps computing its replay boundary's state begin (replay_hit)
+            # its replay boundary's state enters the free queue after this step (its hit's block, once let go, from
+            # this step on) and stays hittable while the count from here allows (replay_hit)
+            req.replay_open = entries if req.hit == self.eagle_boundary(req) else self.pool_entries
         self.check_slots(rid, slots, start, n, "reserve",
                          lambda g, i: self.groups[g].kind == "mamba" and i < n - 1 - drafts)
         table = self.m.block_table(rid)
@@ -874,7 +886,7 @@ class ManagerMachine(RuleBasedStateMachine):
         stored = min(stored * self.bs, len(tokens) // self.bs * self.bs) if self.connector else 0
         if resumed is not None:  # the holdings before: the preemption frees what it held, then looks it up again
             got = self.m.resume(rid)
-            self.account(resumed, f"resume of request {rid}", allocates=True)
+            self.account(resumed, f"resume of request {rid}", moves=self.cow_moves())
         elif stored:
             got = self.m.admit(rid, tokens, namespace, sorted(extras.items()), num_stored=stored)
         else:
@@ -955,11 +967,11 @@ class ManagerMachine(RuleBasedStateMachine):
         slots = self.m.load(rid)
         if slots is None:
             self.check_refusal(rid, need, f"load of tokens {cached}..{end - 1}")
-            self.account(before, f"load (refused) of request {rid}", allocates=True)
+            self.account(before, f"load (refused) of request {rid}", moves=self.cow_moves())
             self.release(rid)
             return False
         req.adopted = True
-        self.account(before, f"load of request {rid}", hits=hits, allocates=True)
+        self.account(before, f"load of request {rid}", hits=hits, moves=self.cow_moves())
         self.check_slots(rid, slots, cached, external, "load",
                          lambda g, i: self.groups[g].first_read(end) > cached + i or (
                              self.groups[g].kind == "mamba" and i < external - 1))
@@ -1345,7 +1357,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if not ok:  # its computation starts again from the hit looked up again
             req.hit, req.replay_open = req.written, None
         self.settle(rid)
-        self.account(before, f"load_done of request {rid}", hits=hits, allocates=True)
+        self.account(before, f"load_done of request {rid}", hits=hits, moves=self.cow_moves())
 
     @precondition(lambda self: any(q.storing for q in self.zombies.values()))
     @rule(data=st.data())
