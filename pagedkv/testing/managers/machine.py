@@ -774,10 +774,12 @@ class ManagerMachine(RuleBasedStateMachine):
         if start + len(token_ids) > len(req.tokens):
             req.extend(token_ids[len(req.tokens) - start:])
         n = len(token_ids)
-        if self.eagle_server and req.replay_open is None and req.hit <= self.eagle_boundary(req) <= start + n:
-            # its replay boundary's state enters the free queue after this step (its hit's block, once let go, from
-            # this step on) and stays hittable while the count from here allows (replay_hit)
-            req.replay_open = entries if req.hit == self.eagle_boundary(req) else self.pool_entries
+        r = self.eagle_boundary(req) if self.eagle_server else 0
+        if r and (start < r <= start + n or start == req.hit == r):
+            # this step computes its replay boundary's state, which enters the free queue after it (or adopts it as
+            # a hit of r, which may enter it from this step on): hittable while the count from here allows
+            # (replay_hit); not again after an eviction or reset ended it
+            req.replay_open = entries if start == r else self.pool_entries
         self.check_slots(rid, slots, start, n, "reserve",
                          lambda g, i: self.groups[g].kind == "mamba" and i < n - 1 - drafts)
         table = self.m.block_table(rid)
