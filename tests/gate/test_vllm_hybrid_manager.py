@@ -689,3 +689,95 @@ def test_copy_on_write_not_run_is_caught(monkeypatch):
     monkeypatch.setattr(vm._StatePools, "copy", lambda self, copies: None)
     steps = _gate(("qwen3-next-fine",), 40)
     assert steps is not None and "reads wrong" in steps.error, steps and steps.error
+
+
+def test_eagle_beside_mamba_moves_the_checkpoint_to_eagles_replay_boundary():
+    """EAGLE beside a Mamba group (qwen3-next-fine, drafts asked for): vLLM runs EAGLE's lookup there too (no drafts
+    drawn), its Mamba checkpoint at EAGLE's replay boundary (``drop_eagle_checkpoint_block``): a resend of a 7-token
+    prompt at a prefix-match unit of 2 hits 4 tokens, the unit below the prompt's last whole unit. Fails before
+    (EAGLE off beside Mamba: a hit of 6)."""
+    m = _manager("qwen3-next-fine", num_speculative_tokens=2)  # imports vLLM as the peer does
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    assert m.capabilities.eagle_drop and not m.capabilities.speculative
+    assert [s.drop_eagle_checkpoint_block for s in m.manager.coordinator.single_type_managers
+            if isinstance(s, MambaManager)] == [True]
+    prompt = [1, 2, 3, 1, 2, 3, 1]
+    _prefill(m, 0, prompt, chunk=8)
+    m.free(0)
+    _, hit = m.admit(1, prompt)
+    assert hit == 4, hit
+    m.free(1)
+
+
+def _next_turn_program() -> list:
+    """qwen3-next-fine at a prefix-match unit of 2 under EAGLE (features 2, no connector): a 7-token chat turn
+    served (prefilled, one token decoded, finished) and the next turn admitted over it."""
+    return [("system_prompts", {"prompts": [[1, 2, 3, 1, 2, 3, 1]]}),
+            ("start", {"num_blocks": 16, "block_size": 0, "num_layers": 1, "window": 0, "layout": 0, "features": 2}),
+            ("serve", {"system": [1, 2, 3, 1, 2, 3, 1], "suffix": [], "namespace": None, "extra": None,
+                       "image_at": 0, "tokens": [5], "reply": [6]})]
+
+
+def test_a_next_turn_under_eagle_beside_mamba_passes_the_machine():
+    """The release: the next turn hits at least EAGLE's replay boundary of the first turn's prompt."""
+    programs.run_program(_machine(("qwen3-next-fine",), block_sizes=(2,)), _next_turn_program())
+
+
+def test_an_evicted_eagle_checkpoint_is_not_promised(monkeypatch):
+    """Under EAGLE the Mamba checkpoint of a 7-token prompt (4 tokens, inside its block) moves at the next step to
+    a copy-on-write block freed once copied: in a pool of 4 blocks the decode step that opens a new block evicts
+    it from the free queue's front, and the next turn hits nothing. The release passes (the replay promise holds
+    only while no block that entered the free queue since can have been evicted). Fails before (the promise
+    followed the blocks of the request's table: "a hit of 0 tokens, but ... replay boundary of 4 tokens")."""
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    hits = []
+    admit = vm.VllmHybridCacheManager.admit
+
+    def recorded(self, request_id, token_ids, *args, **kwargs):
+        got = admit(self, request_id, token_ids, *args, **kwargs)
+        hits.append(got[1])
+        return got
+
+    monkeypatch.setattr(vm.VllmHybridCacheManager, "admit", recorded)
+    steps = [("start", {"num_blocks": 4, "block_size": 0, "num_layers": 1, "window": 0, "layout": 0, "features": 2}),
+             ("serve", {"system": [1, 2, 3, 1, 2, 3, 1], "suffix": [], "namespace": None, "extra": None,
+                        "image_at": 0, "tokens": [5, 6], "reply": [6]})]
+    programs.run_program(_machine(("qwen3-next-fine",), block_sizes=(2,)), steps)
+    assert hits == [0, 0], hits  # the checkpoint is gone: the next turn hits nothing
+
+
+def test_a_failed_load_beside_mamba_looks_up_a_hit_with_its_state():
+    """A failed load's re-lookup hit past the local hit (a fine-grained hit of 12 tokens the connector cut to 8):
+    the peer takes the coordinator's lookup capped at the local hit, whose Mamba group ends on a cached state.
+    Fails before (the longer hit cut to 8 tokens left the Mamba group no state block there: "token 7 (written)
+    has no block in its table [-1] (group 1, mamba)")."""
+    steps = [("start", {"num_blocks": 7, "block_size": 0, "num_layers": 2, "window": 0, "layout": 0, "features": 3,
+                        "pool_per_group": True}),
+             ("serve", {"system": [3, 0, 1, 1], "suffix": [0, 0], "namespace": None, "extra": None, "image_at": 0,
+                        "more": [["image-2", 2]], "tail": 1, "tokens": [], "reply": []}),
+             ("next_turn", {"turn": 0, "suffix": [0, 1, 0], "chunk": 0, "write_now": False, "stored": 0,
+                            "store_ahead": True}),
+             ("finish_load_rid", {"rid": 2, "ok": False})]
+    programs.run_program(_machine(("qwen3-next-fine",), block_sizes=(2,)), steps)
+
+
+def test_mamba_checkpoint_ignoring_eagle_is_caught(monkeypatch):
+    """The planted fault ``mamba-checkpoint-ignores-eagle`` (vllm#48375 / #53912 class): Mamba checkpoints left at
+    the non-EAGLE boundary (the prompt less one token) while the lookup drops EAGLE's block, so the next turn hits
+    nothing where EAGLE's replay boundary (4 tokens) was promised. Fails before (EAGLE never ran beside Mamba, and
+    the replay promise followed only the non-EAGLE boundary)."""
+    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+
+    init = HybridKVCacheCoordinator.__init__
+
+    def ignoring_eagle(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        for manager in self.single_type_managers:
+            if hasattr(manager, "drop_eagle_checkpoint_block"):
+                manager.drop_eagle_checkpoint_block = False
+
+    monkeypatch.setattr(HybridKVCacheCoordinator, "__init__", ignoring_eagle)
+    with pytest.raises(AssertionError, match="replay promise of fine-grained hits: under EAGLE"):
+        programs.run_program(_machine(("qwen3-next-fine",), block_sizes=(2,)), _next_turn_program())

@@ -135,6 +135,10 @@ class Request:
     correction: int | None = None  # the token verification put where a draft was rejected (decoded next)
     storing: bool = False  # freed, its connector store pending
     junction: int | None = 0  # the shared-prefix junction its sparse groups keep (None: not known)
+    hit: int = 0  # the hit it was admitted with (or looked up again after a failed load)
+    # under EAGLE: ManagerMachine.pool_entries when the reservation reaching its replay boundary began (None: none
+    # yet, or its boundary state is not its own: a hit past it, an eviction, a reset)
+    replay_open: int | None = None
 
     def pending(self) -> bool:
         return bool(self.in_flight) or self.loading is not None or self.storing
@@ -262,6 +266,10 @@ class ManagerMachine(RuleBasedStateMachine):
             g.kind in ("full", "sliding_window") for g in self.groups)
         self.connector = self.caps.connector and config.connector
         self.speculative = self.caps.speculative and config.num_speculative_tokens > 0
+        # the engine runs an EAGLE-family drafter (its lookup drops a hit's last block), drafts drawn or not: a
+        # manager declaring eagle_drop without speculative (vLLM beside a Mamba group) serves EAGLE's replay
+        # boundaries while the machine draws no drafts
+        self.eagle_server = self.caps.eagle_drop and config.num_speculative_tokens > 0
         self.reprefill = self.caps.reprefill if self.speculative else 0  # tokens a reservation leaves uncached
         self.gbs = [g.block_size for g in self.groups]
         self.bs = math.lcm(*self.gbs)  # a hit is whole blocks of every group
@@ -282,6 +290,11 @@ class ManagerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.epoch = 0  # scheduler steps so far: a commit ends one (reservations between two commits share one)
         self.history: list[tuple] = []  # finished conversations (namespace, tokens, extras), newest last
+        # released requests whose prompt's EAGLE replay boundary may stay hittable (:meth:`replay_hit`), newest last
+        self.replayable: list[Request] = []
+        # under EAGLE: an upper bound on the blocks that entered the manager's free queue so far (released by every
+        # holder, or a moved copy-on-write entry: :meth:`account`), and the blocks held at the last count
+        self.pool_entries, self.pool_held = 0, set()
         self.rejected: list[tuple] = []  # timelines ending in rejected drafts (namespace, tokens, extras)
         # the model of what the manager declares: block -> identity its cached full block holds (hit
         # promise), the free queue as tiers, front first (eviction order), blocks ever handed out
@@ -477,11 +490,18 @@ class ManagerMachine(RuleBasedStateMachine):
         return {b for req in (*self.live.values(), *self.zombies.values()) for step in req.in_flight
                 for b in step.reads}
 
-    def account(self, before: dict[int, int], call: str, hits=()) -> None:
+    def account(self, before: dict[int, int], call: str, hits=(), moves: int = 0) -> None:
         """Judge what ``call`` changed in the holdings: released blocks join the free-queue model (tail
         first; uncached ones to the front), blocks handed out afresh must be its front (eviction order
-        ``"lru"``) and outside every in-flight step's reads, and lose what they cached."""
+        ``"lru"``) and outside every in-flight step's reads, and lose what they cached. ``moves``: blocks the call
+        may hand out and free within it (:meth:`cow_moves`)."""
         after = self.holdings()
+        if self.eagle_server:
+            # blocks that entered the free queue (:meth:`replay_hit`): every block no longer held that was held at
+            # the last count, before the call or as a hit it adopted (a partial hit's copy-on-write releases its
+            # source in the same call), and the moved entries' blocks
+            self.pool_entries += len((self.pool_held | set(before) | set(hits)) - set(after)) + moves
+            self.pool_held = set(after)
         moved = {b for b in before if b in after and before[b] != after[b]}  # released and handed out again
         released = sorted((b for b in before if b not in after or b in moved),
                           key=lambda b: (before[b][0], -before[b][1]))
@@ -606,18 +626,73 @@ class ManagerMachine(RuleBasedStateMachine):
         units: where vLLM registers the partial entries of the prompt's tail, ``FullAttentionManager.
         _cache_partial_tail_block`` and ``MambaManager._cache_partial_tail_block``), all of them completed, holds
         every block a hit of ``r`` tokens needs (none evictable, its Mamba state there not yet moved by a next step),
-        so a prompt whose first ``r`` tokens are ``q``'s hits at least ``r``. Not promised with a connector (a load
-        re-aligns the local hit to whole scheduler blocks), drafts, extra keys or embeddings (their keys see what
-        the identity does not)."""
-        if not self.caps.hit_alignment or self.connector or self.speculative or req.extras:
+        so a prompt whose first ``r`` tokens are ``q``'s hits at least ``r``.
+
+        Under EAGLE (``capabilities.eagle_drop`` with drafts asked for, :attr:`eagle_server`) the replay boundary is
+        one prefix-match unit below the prompt's last whole unit, ``r = floor(P / u) * u - u`` (vLLM's
+        ``get_mamba_prefill_checkpoint_position(P, u, drop_eagle_block=True)``: the Mamba checkpoint sits where
+        EAGLE's lookup, matching the unit past a hit and dropping it, resumes). The lookup needs the full-attention
+        entries up to ``floor(P / u) * u`` (``FullAttentionManager._cache_partial_tail_block``, registered once the
+        request computed its prompt) and the Mamba state at ``r``, which the request computed past and so no longer
+        holds: a checkpoint inside a block is moved, at the next step, to a copy-on-write block freed once copied;
+        one in its own block is released by ``remove_skipped_blocks`` (Mamba keeps only its running state). Both sit
+        in the free queue, hittable until evicted. So the promise covers a request ``q``, live or released (its
+        full-attention blocks held, or in the free queue since), that admitted a hit of at most ``r`` and computed
+        its prompt of ``P`` tokens (decode steps since move only its running state), while no block that entered
+        the free queue since that state could first enter it (after the step computing it, or at the step adopting
+        it as a hit of ``r``) can have been evicted: vLLM's ``BlockPool`` appends a cached block at the queue's tail
+        (``free_blocks``; uncached ones go to the front) and evicts only the block ``get_new_blocks`` pops from the
+        front, so once one is evicted every block in the queue entered after it; while no more blocks entered since
+        (:attr:`pool_entries`, counted from above) than the queue holds now, none was. An eviction or reset ends it
+        (:meth:`end_replay_windows`).
+
+        Not promised with a connector (a load re-aligns the local hit to whole scheduler blocks), drafts, extra keys
+        or embeddings (their keys see what the identity does not); under EAGLE, multimodal inputs are let in (each
+        token's identity names its input and offset, and an equal identity at the unit past ``r`` makes every hash
+        block up to it equal), embeddings are not."""
+        if not self.caps.hit_alignment or self.connector or self.speculative:
+            return 0
+        if req.embedded() if self.eagle_server else req.extras:
             return 0
         cap, best = len(req.tokens) - self.caps.min_computed_on_full_hit, 0
-        for q in self.live.values():
-            r = (q.num_prompt - 1) // self.unit * self.unit
-            if (q.adopted and not q.pending() and q.reserved == q.committed == r and best < r <= cap and not q.extras
-                    and q.identities[r - 1] == req.identities[r - 1]):
+        free = self.m.counts()[0] if self.eagle_server else 0
+        for q in [*self.live.values(), *(self.replayable if self.eagle_server else [])]:
+            if not q.adopted or q.pending() or (q.embedded() if self.eagle_server else q.extras):
+                continue
+            if self.eagle_server:  # its prompt computed; EAGLE's lookup matches the unit past r
+                if q.replay_open is None or self.pool_entries - q.replay_open > free:
+                    continue
+                stop, matched, r = q.num_prompt, q.num_prompt // self.unit * self.unit, self.eagle_boundary(q)
+            else:
+                stop = matched = r = (q.num_prompt - 1) // self.unit * self.unit
+            if (q.reserved == q.committed and (q.committed >= stop if self.eagle_server else q.committed == stop)
+                    and best < r <= cap and matched <= len(req.tokens)
+                    and q.identities[matched - 1] == req.identities[matched - 1]):
                 best = r
         return best
+
+    def cow_moves(self, req: Request | None = None, start: int = 0) -> int:
+        """Blocks an allocation may hand out and free within the call (:meth:`account`): vLLM's
+        ``MambaManager.allocate_new_blocks`` moves a producer's partial tail entry to one copy-on-write block
+        outside the table, freed once copied, in the allocation after the one that registered it
+        (``_cache_partial_tail_block``: a step ending inside a block, at the prompt's checkpoint or a shared-prefix
+        junction, both within the prompt): for a reservation of ``req`` from ``start``, one per Mamba group whose
+        block ``start`` ends inside, within the prompt; for a load or resume, one per Mamba group."""
+        mamba = [g for g, group in enumerate(self.groups) if group.kind == "mamba"]
+        if req is None:
+            return len(mamba)
+        return sum(0 < start <= req.num_prompt and start % self.gbs[g] != 0 for g in mamba)
+
+    def end_replay_windows(self) -> None:
+        """An eviction or reset may have taken any request's replay boundary state (under EAGLE it sits in the
+        free queue, :meth:`replay_hit`): no request's is promised any longer."""
+        self.replayable = []
+        for q in self.live.values():
+            q.replay_open = None
+
+    def eagle_boundary(self, q: Request) -> int:
+        """``q``'s replay boundary under EAGLE (:meth:`replay_hit`): ``floor(P / u) * u - u``."""
+        return max(q.num_prompt // self.unit * self.unit - self.unit, 0)
 
     def eagle_next_block(self, req: Request, hit: int, still: list[set]) -> bool:
         """Whether a hit of ``hit`` tokens survives the EAGLE drop (``capabilities.eagle_drop``): every
@@ -682,14 +757,15 @@ class ManagerMachine(RuleBasedStateMachine):
         if not req.adopted:  # its admitted hit (again, after a failed load) is adopted, not handed out afresh
             hits = [*hits, *(b for table in self.m.block_table(rid) for b in table if b >= 0)]
         need = self.admission_need(rid, req, start, start + len(token_ids), 0)
+        entries = self.pool_entries
         slots = self.m.reserve(rid, token_ids, num_draft=drafts) if drafts else self.m.reserve(rid, token_ids)
         if slots is None:
             self.check_refusal(rid, need, f"reserve of tokens {start}..{start + len(token_ids) - 1}")
-            self.account(before, f"reserve (refused) of request {rid}")
+            self.account(before, f"reserve (refused) of request {rid}", moves=self.cow_moves(req, start))
             return False
         self.check_window_release(rid, req)
         req.adopted = True
-        self.account(before, f"reserve of request {rid}", hits=hits)
+        self.account(before, f"reserve of request {rid}", hits=hits, moves=self.cow_moves(req, start))
         taken = len(slots[0]) if isinstance(slots, tuple) and slots else len(token_ids)
         if taken < len(token_ids):  # its scheduler clipped a prompt chunk: the rest is reserved later
             assert 0 < taken and not drafts and start + len(token_ids) <= req.num_prompt, \
@@ -701,6 +777,12 @@ class ManagerMachine(RuleBasedStateMachine):
         if start + len(token_ids) > len(req.tokens):
             req.extend(token_ids[len(req.tokens) - start:])
         n = len(token_ids)
+        r = self.eagle_boundary(req) if self.eagle_server else 0
+        if r and (start < r <= start + n or start == req.hit == r):
+            # this step computes its replay boundary's state, which enters the free queue after it (or adopts it as
+            # a hit of r, which may enter it from this step on): hittable while the count from here allows
+            # (replay_hit); not again after an eviction or reset ended it
+            req.replay_open = entries if start == r else self.pool_entries
         self.check_slots(rid, slots, start, n, "reserve",
                          lambda g, i: self.groups[g].kind == "mamba" and i < n - 1 - drafts)
         table = self.m.block_table(rid)
@@ -809,7 +891,7 @@ class ManagerMachine(RuleBasedStateMachine):
         stored = min(stored * self.bs, len(tokens) // self.bs * self.bs) if self.connector else 0
         if resumed is not None:  # the holdings before: the preemption frees what it held, then looks it up again
             got = self.m.resume(rid)
-            self.account(resumed, f"resume of request {rid}")
+            self.account(resumed, f"resume of request {rid}", moves=self.cow_moves())
         elif stored:
             got = self.m.admit(rid, tokens, namespace, sorted(extras.items()), num_stored=stored)
         else:
@@ -832,9 +914,12 @@ class ManagerMachine(RuleBasedStateMachine):
             self.drain_events(f"admit of request {rid}")
             self.kv_events.judge_hit(rid, namespace, tokens, cached, self.gbs)
         promised, replay = self.promised_hit(req), self.replay_hit(req)
-        assert cached >= replay, \
-            f"request {rid}: a hit of {cached} tokens, but a live request stopped at its replay boundary of {replay} " \
-            f"tokens of this prompt, holding every block of that hit (the replay promise of fine-grained hits)"
+        assert cached >= replay, f"request {rid}: a hit of {cached} tokens, but " + (
+            f"a request that computed a prompt sharing this one past its replay boundary of {replay} tokens, live or "
+            f"released, and no block that entered the free queue since can have been evicted (the replay promise of "
+            f"fine-grained hits: under EAGLE)" if self.eagle_server else
+            f"a live request stopped at its replay boundary of {replay} tokens of this prompt, holding every block "
+            f"of that hit (the replay promise of fine-grained hits)")
         if self.caps.retention_interval is not None:
             req.junction = self.junction(req, cached)
         # where the model knows every cached block of a coordinated layout, the promised hit is the one vLLM's
@@ -864,7 +949,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 f"request {rid}: group {g} admitted blocks {list(blocks)} (table {tables[g]}) of {self.gbs[g]} " \
                 f"tokens for the agreed hit of {cached} tokens (every group's hit truncated to the agreed length" + \
                 (f"; {external} external tokens to load" if external else "") + ")"
-        req.reserved = req.written = req.committed = cached
+        req.reserved = req.written = req.committed = req.hit = cached
         req.table = tables
         self.live[rid] = req
         hits = [b for blocks in block_ids for b in blocks if b >= 0]  # the first reserve adopts them
@@ -887,11 +972,11 @@ class ManagerMachine(RuleBasedStateMachine):
         slots = self.m.load(rid)
         if slots is None:
             self.check_refusal(rid, need, f"load of tokens {cached}..{end - 1}")
-            self.account(before, f"load (refused) of request {rid}")
+            self.account(before, f"load (refused) of request {rid}", moves=self.cow_moves())
             self.release(rid)
             return False
         req.adopted = True
-        self.account(before, f"load of request {rid}", hits=hits)
+        self.account(before, f"load of request {rid}", hits=hits, moves=self.cow_moves())
         self.check_slots(rid, slots, cached, external, "load",
                          lambda g, i: self.groups[g].first_read(end) > cached + i or (
                              self.groups[g].kind == "mamba" and i < external - 1))
@@ -921,6 +1006,9 @@ class ManagerMachine(RuleBasedStateMachine):
         req = self.live.pop(rid)
         if req.written:
             self.history = [*self.history[-7:], (req.namespace, req.tokens[:req.written], dict(req.extras))]
+        if (self.eagle_server and req.replay_open is not None and req.adopted and not req.pending()
+                and req.reserved == req.committed >= req.num_prompt):
+            self.replayable = [*self.replayable[-7:], req]
         if not (req.in_flight and self.caps.async_steps):
             req.in_flight = []
         req.storing = self.connector
@@ -1271,8 +1359,10 @@ class ManagerMachine(RuleBasedStateMachine):
             if req.adopted:  # held at once (a scheduler looks up and allocates in one pass): hit, not handed out
                 hits = [b for table in self.m.block_table(rid) for b in table if b >= 0]
         req.reserved = req.committed = req.written
+        if not ok:  # its computation starts again from the hit looked up again
+            req.hit, req.replay_open = req.written, None
         self.settle(rid)
-        self.account(before, f"load_done of request {rid}", hits=hits)
+        self.account(before, f"load_done of request {rid}", hits=hits, moves=self.cow_moves())
 
     @precondition(lambda self: any(q.storing for q in self.zombies.values()))
     @rule(data=st.data())
@@ -1375,6 +1465,8 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             for b in evicted:
                 self.cached.pop(b, None)
+        if evicted is None or evicted:
+            self.end_replay_windows()
 
     @precondition(lambda self: self.caps.reset and self.next_id > 0)
     @rule()
@@ -1387,6 +1479,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.committed_prefixes = {r.identities[e - 1] for r in self.live.values()
                                        for e in range(self.unit, r.committed + 1, self.unit)}
             self.cached.clear()
+            self.end_replay_windows()
 
     # -- checks --------------------------------------------------------------------------------------
     @invariant()

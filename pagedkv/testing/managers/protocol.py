@@ -287,7 +287,9 @@ class ManagerCapabilities:
             blocks; with several groups of full attention and sliding windows, the hit vLLM's coordinator
             agrees on (:mod:`pagedkv.testing.managers.lookup`: a popped hit re-aligned to the groups' common
             multiple, each group's drop redone where another shrinks the candidate) where the manager declares
-            ``coordinated_lookup``.
+            ``coordinated_lookup``. Declared without ``speculative`` (the engine runs EAGLE, the machine draws no
+            drafts: vLLM beside a Mamba group), it moves the replay promise of ``hit_alignment`` to EAGLE's replay
+            boundary (one prefix-match unit below the prompt's last whole unit).
         coordinated_lookup: the agreed hit of groups of full attention and sliding windows is the one vLLM's
             ``HybridKVCacheCoordinator.find_longest_cache_hit`` finds (each group's finder to a fixed point, a
             window needing its window's blocks contiguous and aligned), and what is cached is what vLLM's

@@ -25,8 +25,8 @@ declared where the machine knows what vLLM caches (no Mamba group, no EAGLE), an
 - ``load``: ``allocate_slots(..., num_external_computed_tokens, delay_cache_blocks=True)`` and
   ``update_state_after_alloc``, as for an asynchronous load (``WAITING_FOR_REMOTE_KVS``); ``load_done(ok)``:
   ``cache_blocks`` of the loaded tokens, or, failed, vLLM's ``recompute_kv_load_failures``:
-  ``num_computed_tokens = 0``, the request's blocks freed and its prefix looked up afresh (the hit kept to
-  the local one it had) and allocated at once, as the scheduler's waiting-queue pass does.
+  ``num_computed_tokens = 0``, the request's blocks freed and its prefix looked up afresh (the coordinator's
+  lookup capped at the local hit it had) and allocated at once, as the scheduler's waiting-queue pass does.
 - ``reserve``: ``allocate_slots(request, n, num_lookahead_tokens=num_speculative_tokens)``; draft tokens are
   the request's ``spec_token_ids`` (never cached: ``allocate_slots`` caches up to ``request.num_tokens``);
   ``drop`` rolls ``num_computed_tokens`` back over the rejected drafts and appends the accepted ones as output
@@ -234,7 +234,8 @@ class _MambaSplit:
         partial = hash_block_size < block_size and manager.coordinator.enable_partial_hash_hits
         self.state = types.SimpleNamespace(
             cache_config=types.SimpleNamespace(block_size=block_size), block_size=block_size,
-            hash_block_size=hash_block_size, mamba_partial_cache_hit=partial, use_eagle_block_drop=False,
+            hash_block_size=hash_block_size, mamba_partial_cache_hit=partial,
+            use_eagle_block_drop=bool(manager.coordinator.eagle_group_ids),
             mamba_has_prefill_checkpoint_blocks=all(spec.num_prefill_checkpoint_blocks > 0 for spec in mamba),
             mamba_prefill_checkpoint_alignment=mamba[0].prefill_checkpoint_alignment,
             max_num_scheduled_tokens=MAX_MODEL_LEN,
@@ -351,6 +352,11 @@ class VllmHybridCacheManager(VllmCacheManager):
         # slots name
         speculative = config.num_speculative_tokens > 0 and all(g.kind not in ("chunked_local", "mamba")
                                                                 for g in self.groups)
+        # EAGLE runs beside a Mamba group all the same (Qwen3-Next, Nemotron-H serve with EAGLE / MTP drafters):
+        # the coordinator's lookup drops a hit's last block and the Mamba checkpoints move to that replay boundary
+        # (``drop_eagle_checkpoint_block``, ``get_mamba_prefill_checkpoint_position``); the machine then draws no
+        # drafts (``speculative`` off), so each step is one the drafter proposed nothing in or had all rejected
+        self.eagle = config.num_speculative_tokens > 0 and all(g.kind != "chunked_local" for g in self.groups)
         kv_config = v.KVCacheConfig(num_blocks=config.num_blocks + 1, kv_cache_tensors=[], kv_cache_groups=[
             v.KVCacheGroupSpec([f"layer{i}"], _vllm_spec(v, g)) for i, g in enumerate(self.groups)],
             prefix_cache_retention_interval=config.retention_interval)  # engine: --prefix-cache-retention-interval
@@ -365,13 +371,13 @@ class VllmHybridCacheManager(VllmCacheManager):
         # of a multi-module drafter one further (num_speculative_tokens), an EAGLE-family drafter the next one; the
         # coordinator leaves that many less one uncached (num_reprefillable_tokens)
         self.num_prefill_lookahead = ((config.num_speculative_tokens if config.multi_module_mtp else 1)
-                                      if speculative else 0)
+                                      if self.eagle else 0)
         vllm_manager.init_block_hashes(v)
         self.block_hasher = v.get_request_block_hasher(self.hash_block_size, v.sha256)
         self.manager = v.KVCacheManager(kv_config, max_model_len=MAX_MODEL_LEN,
                                         scheduler_block_size=self.scheduler_block_size,
                                         hash_block_size=self.hash_block_size, enable_caching=True,
-                                        use_eagle=speculative, enable_kv_cache_events=True,
+                                        use_eagle=self.eagle, enable_kv_cache_events=True,
                                         num_prefill_lookahead=self.num_prefill_lookahead)
         self.pool = self.manager.block_pool
         self.block_size, self.num_blocks, self.reserved_blocks = self.hash_block_size, config.num_blocks + 1, 1
@@ -406,7 +412,7 @@ class VllmHybridCacheManager(VllmCacheManager):
         # block (the draft model's K/V there is written with the next token): declared as eagle_drop, the
         # machine's model of the coordinator's lookup (pagedkv.testing.managers.lookup) then re-aligns a popped
         # hit to the groups' common multiple and redoes each group's drop where another shrinks the candidate
-        eagle_drop = speculative
+        eagle_drop = self.eagle
         caches = all(g.kind != "sliding_window" or g.window >= 1 for g in self.groups)
         # vLLM's LRU order (FreeKVCacheBlockQueue: uncached blocks first, cached ones in release order, each
         # group's blocks tail first) is judged where the machine knows what is cached: not where a Mamba
@@ -512,7 +518,11 @@ class VllmHybridCacheManager(VllmCacheManager):
         self.manager.free(request)
         blocks, num_hit, _ = self.manager.get_computed_blocks(request)
         if num_hit > num_local:
-            blocks, num_hit = self.manager.truncate_computed_blocks(blocks, num_local), num_local
+            # the protocol keeps the hit to the local one: the coordinator's own lookup capped there, not the longer
+            # hit cut (``truncate_computed_blocks`` keeps a Mamba group short of the cut only where a load supplies
+            # its state there; cut, a Mamba hit past the local one left no state block at it)
+            hit_blocks, num_hit, _ = self.manager.coordinator.find_longest_cache_hit(request.block_hashes, num_local)
+            blocks = self.manager.create_kv_cache_blocks(hit_blocks)
         # the scheduler frees, looks up and allocates in one waiting-queue pass (_handle_blocked_waiting_request
         # then allocate_slots): the hit is taken now, never left as a lookup that a reset, an eviction or
         # another request's allocation makes stale before the request's next step; refused, nothing is hit
