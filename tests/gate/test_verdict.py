@@ -273,9 +273,15 @@ def test_missing_op_from_inside_merge_attn_states_fails():
 
     from pagedkv.testing.registry import properties
 
-    merges = [name for name, prop in properties().items() if "merge_attn_states" in prop.ops]
+    from hypothesis import Phase, settings
+
+    from pagedkv.testing import execute
+    from pagedkv.testing.settings import suite_settings
+
+    merges = [prop for name, prop in properties().items() if "merge_attn_states" in prop.ops]
     assert merges
-    outcome = _run(merges[0], RefusesMerges(), examples=2)
+    once = suite_settings(settings(max_examples=1, database=None, derandomize=True, phases=[Phase.generate]))
+    outcome = execute.run(merges[0], (RefusesMerges(),), "cpu", once, explicit=False)
     assert outcome.status == "failed" and "OpRaisedMissingOp" in outcome.first_line, outcome
 
 
