@@ -654,8 +654,11 @@ class ManagerMachine(RuleBasedStateMachine):
             return 0
         if req.embedded() if self.eagle_server else req.extras:
             return 0
+        counts = self.m.counts() if self.eagle_server else None
+        if self.eagle_server and counts is None:  # no free count to bound the evictions by: nothing promised
+            return 0
         cap, best = len(req.tokens) - self.caps.min_computed_on_full_hit, 0
-        free = self.m.counts()[0] if self.eagle_server else 0
+        free = counts[0] if counts is not None else 0
         for q in [*self.live.values(), *(self.replayable if self.eagle_server else [])]:
             if not q.adopted or q.pending() or (q.embedded() if self.eagle_server else q.extras):
                 continue
