@@ -142,18 +142,23 @@ def _storage_key(t: torch.Tensor) -> tuple:
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """The byte range ``[lo, hi)`` of ``t``'s elements in memory (empty for an empty tensor)."""
-    if t.numel() == 0:
+    n = t.numel()
+    if n == 0:
         return (0, 0)
-    lo = t.data_ptr()
-    hi = lo + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) * t.element_size() + t.element_size()
-    return (lo, hi)
+    lo, size = t.data_ptr(), t.element_size()
+    if t.is_contiguous():  # the common case, without a Python loop over the dims (the guard's hot path)
+        return (lo, lo + n * size)
+    return (lo, lo + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) * size + size)
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
-        return False
-    (alo, ahi), (blo, bhi) = _span(a), _span(b)
-    return alo < bhi and blo < ahi
+def _extent(t: torch.Tensor) -> tuple:
+    """``(device, lo, hi)``: where ``t``'s elements lie, to compare with :func:`_disjoint` (``hi == lo``: empty)."""
+    return (t.device, *_span(t))
+
+
+def _disjoint(a: tuple, b: tuple) -> bool:
+    """Two :func:`_extent` share no byte (other devices, either empty, or apart)."""
+    return a[0] != b[0] or a[1] == a[2] or b[1] == b[2] or not (a[1] < b[2] and b[1] < a[2])
 
 
 def _storage_bytes(tensors) -> int:
@@ -330,10 +335,11 @@ class GuardedBackend:
             out = fn(*args, **kwargs)
         _synchronize(tensors, out)
         _settle(op, out, tensors, threads)
+        extents = [_extent(t) for _, t in tensors]  # once a call: every check below compares these
         with torch._C.DisableTorchFunction():
-            self._check_output(op, out, tensors)
-            self._check_inputs(op, tensors, before)
-        aliased = any(_overlaps(a, b) for i, (_, a) in enumerate(tensors) for _, b in tensors[i + 1:])
+            self._check_output(op, out, tensors, extents)
+            self._check_inputs(op, tensors, before, extents)
+        aliased = any(not _disjoint(a, b) for i, a in enumerate(extents) for b in extents[i + 1:])
         if small and not aliased and len(self._calls) < RERUN_CALLS:  # aliased pools: copies would not alias
             written = {i: bits(tensors[i][1]).clone() for i in WRITES.get(op, ()) if i < len(tensors)}
             kept = _first(out)
@@ -341,14 +347,14 @@ class GuardedBackend:
                                      bits(kept).clone() if kept is not None else None, written))
         return out
 
-    def _check_output(self, op: str, out: Any, tensors: list, pair: bool = False) -> None:
+    def _check_output(self, op: str, out: Any, tensors: list, extents: list, pair: bool = False) -> None:
         if op in WRITES:
             return
         if isinstance(out, tuple) and not pair:
             if len(out) != 2:
                 raise ContractViolation(f"{op} returned a tuple of {len(out)}, expected (out, lse)")
-            self._check_output(op, out[0], tensors, True)
-            self._check_output(op, out[1], tensors, True)
+            self._check_output(op, out[0], tensors, extents, True)
+            self._check_output(op, out[1], tensors, extents, True)
             return
         if not isinstance(out, torch.Tensor):
             raise ContractViolation(f"{op} returned {type(out).__name__}, not a torch.Tensor")
@@ -376,8 +382,9 @@ class GuardedBackend:
             raise ContractViolation(f"{op}: output dtype {out.dtype}, the contract's is {dtype}")
         if device is not None and out.device != device:
             raise ContractViolation(f"{op}: output on {out.device}, the contract's device is {device}")
-        for name, t in tensors:
-            if _overlaps(out, t):
+        at = _extent(out)
+        for (name, _), extent in zip(tensors, extents):
+            if not _disjoint(at, extent):
                 raise ContractViolation(f"{op}: output shares memory with its input {name}")
         alive = []
         for ref in self._outputs:
@@ -385,20 +392,20 @@ class GuardedBackend:
             if prev is None:
                 continue
             alive.append(ref)
-            if _overlaps(out, prev):
+            if not _disjoint(at, _extent(prev)):
                 raise ContractViolation(f"{op}: output shares memory with an earlier output the suite still holds "
                                         f"(a reused buffer: the earlier result changes under its holder)")
         import weakref
 
         self._outputs = alive + [weakref.ref(out)]
 
-    def _check_inputs(self, op: str, tensors: list, before: _Snapshot) -> None:
+    def _check_inputs(self, op: str, tensors: list, before: _Snapshot, extents: list) -> None:
         if not before:
             return
         writable = {tensors[i][0] for i in WRITES.get(op, ()) if i < len(tensors)}
-        written = [t for name, t in tensors if name in writable]
-        for name, t in tensors:
-            if name in writable or any(_overlaps(t, w) for w in written):
+        written = [e for (name, _), e in zip(tensors, extents) if name in writable]
+        for (name, t), extent in zip(tensors, extents):
+            if name in writable or any(not _disjoint(extent, w) for w in written):
                 continue  # a pool the op writes (its frame condition is a property of its own)
             if name in before.digests:
                 old, new = before.digests[name], storage_digest(t)
