@@ -359,8 +359,10 @@ def _scenario(value: Any, path: str) -> dict:
 def _limit_case(value: Any, path: str) -> dict:
     from pagedkv.testing.cases.limit import ALIASED_LIMIT, LIMITS
 
-    c = _object(value, path, ("limit", "geometry"), ("limit", "geometry"))
+    c = _object(value, path, ("limit", "geometry", "latent"), ("limit", "geometry"))
     _choice(c["limit"], f"{path}.limit", (*LIMITS, ALIASED_LIMIT))
+    if not isinstance(c.get("latent", False), bool):
+        raise CaseFileError(f"{path}.latent", f"expected true or false, got {_show(c['latent'])}")
     c["geometry"] = _geometry(c["geometry"], f"{path}.geometry")
     return c
 

@@ -29,6 +29,9 @@ class LimitCase:
 
     limit: str
     geometry: Geometry
+    #: V read from K's storage (a backend declaring ``shared_kv_storage``, MLA's latent cache): ``v_cache`` is
+    #: ``k_cache`` itself (V as wide as K), never a pool of its own
+    latent: bool = False
 
     @classmethod
     def aliased(cls) -> "LimitCase":
@@ -56,11 +59,12 @@ class LimitCase:
         return g.num_blocks * g.block_size * g.num_kv_heads * g.head_dim * _DTYPE_BYTES[g.dtype]
 
     def to_dict(self) -> dict:
-        return {"limit": self.limit, "geometry": dataclasses.asdict(self.geometry)}
+        return {"limit": self.limit, "geometry": dataclasses.asdict(self.geometry),
+                **({"latent": True} if self.latent else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "LimitCase":
-        return cls(data["limit"], Geometry(**data["geometry"]))
+        return cls(data["limit"], Geometry(**data["geometry"]), bool(data.get("latent", False)))
 
     @classmethod
     def for_space(cls, limit: str, caps) -> tuple["LimitCase | None", str]:
@@ -74,7 +78,7 @@ class LimitCase:
             return None, "no float dtype declared"
         slots, elements = LIMITS[limit]
         nb = -(-max(slots, -(-elements // (kvh * hd))) // bs) + 2
-        case = cls(limit, Geometry(nb, bs, kvh, hd, group, dtype))
+        case = cls(limit, Geometry(nb, bs, kvh, hd, group, dtype), bool(getattr(caps, "shared_kv_storage", False)))
         if caps.max_pool_bytes is not None and case.pool_bytes > caps.max_pool_bytes:
             return None, f"a pool past {limit} needs {case.pool_bytes} bytes; declared max_pool_bytes " \
                          f"{caps.max_pool_bytes}"

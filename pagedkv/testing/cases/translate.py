@@ -74,7 +74,10 @@ def _sizes(g: Geometry, caps: Any, bs: int) -> tuple[Geometry | None, str]:
     dtype = g.dtype if g.dtype in caps.dtypes else next((d for d in _DTYPES if d in caps.dtypes), None)
     if dtype is None:
         return None, "no float dtype declared"
-    moved = Geometry(g.num_blocks, bs, g.num_kv_heads, head_dim, g.num_queries_per_kv, dtype)
+    # V's own width moves with K's only where K's is kept (a V narrower or wider than a K that changed is
+    # another case); caps.rejects judges the width kept
+    moved = Geometry(g.num_blocks, bs, g.num_kv_heads, head_dim, g.num_queries_per_kv, dtype,
+                     g.head_dim_v if head_dim == g.head_dim else None)
     reason = caps.rejects(moved)
     return (None, reason) if reason else (moved, "")
 
@@ -156,6 +159,8 @@ def into_space(case: Any, caps: Any) -> tuple[Any | None, str]:
         moved, how = into_space(inner, caps)
         if moved is None:
             return None, how
+        if case.op in ("scatter", "write_kv") and moved.layout == "latent":  # a write takes two pools (the contract)
+            moved = dataclasses.replace(moved, layout="contiguous")
         from pagedkv.testing.cases.invalid_call import fault_sites
 
         if case.seq not in fault_sites(case.op, case.fault, moved):
@@ -165,7 +170,7 @@ def into_space(case: Any, caps: Any) -> tuple[Any | None, str]:
         return _scenario_into_space(case, caps)
     g = case.geometry
     if not caps.rejects(g):
-        return case, ""
+        return _storage(case, caps)
     bs = _choose(caps.block_sizes, g.block_size, _BLOCK_SIZES)
     moved_geometry, why = _sizes(g, caps, bs)
     if moved_geometry is None:
@@ -177,5 +182,20 @@ def into_space(case: Any, caps: Any) -> tuple[Any | None, str]:
         q_len = min(length, max(length - first_query, 1 if s.q_len else 0)) if s.seq_len else s.q_len
         seqs.append(SeqSpec(s.block_table, length, q_len, min(_place(s.start, g.block_size, bs), length)))
     window = case.window_left if case.window_left < 1 else _place(case.window_left, g.block_size, bs)
-    moved = dataclasses.replace(case, geometry=moved_geometry, seqs=tuple(seqs), window_left=window)
-    return moved, _changes(g, moved_geometry)
+    moved, stored = _storage(dataclasses.replace(case, geometry=moved_geometry, seqs=tuple(seqs), window_left=window),
+                             caps)
+    if moved is None:
+        return None, stored
+    return moved, _changes(g, moved_geometry) + (f", {stored}" if stored else "")
+
+
+def _storage(case: Case, caps: Any) -> tuple[Case | None, str]:
+    """``(case', how)``: ``case`` with V read from K's storage where ``caps`` declares ``shared_kv_storage`` (the
+    ``"latent"`` layout, V's scale K's, as the drawn cases' ``latent_view``): a kernel reading V from K's first
+    columns is never handed a V of its own; ``(None, why)`` for V wider than K, which K's storage cannot hold."""
+    if not getattr(caps, "shared_kv_storage", False) or case.layout == "latent":
+        return case, ""
+    if case.geometry.v_dim > case.geometry.head_dim:
+        return None, (f"V of width {case.geometry.v_dim} is wider than K ({case.geometry.head_dim}): the declared "
+                      f"shared_kv_storage reads V from K's storage")
+    return dataclasses.replace(case, layout="latent", v_scale=case.k_scale), "V read from K's storage (latent layout)"

@@ -113,6 +113,8 @@ def attention_past_the_limit(backend: Any, case: LimitCase, device: str = "cpu")
     """
     attention = require(backend, "paged_attention")
     k_cache, v_cache = _pools(case, device)
+    if case.latent:  # MLA's latent cache: V is K's storage (shared_kv_storage)
+        v_cache = k_cache
     g = case.geometry
     bs, nb = g.block_size, g.num_blocks
     seq_lens, q_lens = [bs + 3, 2 * bs - 1], [1, 3]
@@ -120,7 +122,7 @@ def attention_past_the_limit(backend: Any, case: LimitCase, device: str = "cpu")
     gen = torch.Generator().manual_seed(1)
     for table, length in zip(tables, seq_lens):  # the rows the sequences own hold K/V
         for p in range(length):
-            for pool in (k_cache, v_cache):
+            for pool in (k_cache,) if case.latent else (k_cache, v_cache):
                 pool[table[p // bs], p % bs] = torch.randn(g.num_kv_heads, g.head_dim, generator=gen).to(
                     device=device, dtype=pool.dtype)
     query = torch.randn(sum(q_lens), g.num_q_heads, g.head_dim, generator=gen).to(device=device, dtype=k_cache.dtype)

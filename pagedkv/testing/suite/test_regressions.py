@@ -38,7 +38,8 @@ def _inside(record: dict, prop, caps) -> tuple[object | None, str]:
     inner = getattr(case, "case", None) or case
     g = inner.geometry
     layout = getattr(inner, "layout", None)
-    if layout not in (None, "contiguous") and not caps.strided_pools:
+    latent_declared = layout == "latent" and caps.shared_kv_storage  # V in K's storage: the one layout it takes
+    if layout not in (None, "contiguous") and not caps.strided_pools and not latent_declared:
         return None, "the backend declares contiguous pools only"
     pools = 2 * POOL_COPIES * g.num_blocks * g.block_size * g.num_kv_heads * g.head_dim * g.torch_dtype.itemsize
     if how and pools > default_max_bytes():
