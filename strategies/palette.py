@@ -86,10 +86,13 @@ class Palette:
 
 
 def current_profile() -> str:
-    """The loaded Hypothesis profile's pagedkv name (``pagedkv-ci`` -> ``ci``; another name as it is)."""
+    """The run's Hypothesis profile's pagedkv name (``pagedkv-ci`` -> ``ci``; another name as it is): the one
+    the suite chose and reports (:func:`pagedkv.testing.settings.chosen_profile`), else the loaded one."""
     from hypothesis import settings
 
-    name = settings.get_current_profile_name() or "default"
+    from pagedkv.testing.settings import chosen_profile
+
+    name = chosen_profile() or settings.get_current_profile_name() or "default"
     return name.removeprefix("pagedkv-")
 
 

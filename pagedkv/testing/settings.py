@@ -96,8 +96,19 @@ def register_profiles() -> None:
             _BARE.add(name)
 
 
+#: The profile :func:`choose_profile` chose for this process (what the report names): the suite runs under it
+#: even where another profile is loaded later (a plugin's or a conftest's ``pytest_configure`` after pagedkv's).
+_chosen: str | None = None
+
+
+def chosen_profile() -> str | None:
+    """The profile name :func:`choose_profile` chose in this process, or ``None`` (not called)."""
+    return _chosen
+
+
 def choose_profile(requested: str | None = None) -> str:
     """Register the profiles and load the one this run uses; returns its name as the report header says it.
+    The suite's settings (:func:`suite_settings`) are that profile's from then on, whatever is loaded later.
 
     Precedence: ``requested`` (``--hypothesis-profile``, loaded by Hypothesis' own plugin: the one
     explicit ask on the command line) wins; then a profile the project under test loaded itself (left
@@ -118,6 +129,7 @@ def choose_profile(requested: str | None = None) -> str:
     if env_name and not _registered(env_name):
         raise ValueError(f"PAGEDKV_PROFILE={env!r} names no profile; choose one of {sorted(PROFILES)} "
                          f"or a registered one ({', '.join(known)})")
+    global _chosen
     own = settings.get_current_profile_name()
     if requested:
         if not _registered(requested):
@@ -126,6 +138,7 @@ def choose_profile(requested: str | None = None) -> str:
     elif own not in _HYPOTHESIS_OWN:
         ignored = (f"; PAGEDKV_PROFILE={env} not applied: pass --hypothesis-profile={env_name} to replace it"
                    if env_name and env_name != own else "")
+        _chosen = own
         return f"{own} (the project's own, left as it is{ignored})"
     elif env_name:
         name = env_name
@@ -133,6 +146,7 @@ def choose_profile(requested: str | None = None) -> str:
     else:
         name = "pagedkv-ci" if os.environ.get("CI") else "pagedkv-dev"
         settings.load_profile(name)
+    _chosen = name
     from pagedkv.testing.databases import DatabaseError, load_env_database
 
     try:  # $PAGEDKV_DATABASE: the gpu and nightly profiles share that example database (docs/scale.md)
@@ -144,10 +158,13 @@ def choose_profile(requested: str | None = None) -> str:
 
 # -- the settings each entry point runs under -----------------------------------------------------------
 def suite_settings(base: Any = None) -> settings:
-    """``base`` (default: the loaded profile) with what every property needs whatever the profile: no
-    deadline (a first example compiles or warms caches) and the kit's health-check policy."""
-    return settings(base if base is not None else settings(), deadline=None,
-                    suppress_health_check=SUPPRESSED_HEALTH_CHECKS)
+    """``base`` (default: the profile :func:`choose_profile` chose and the report names, else the loaded one)
+    with what every property needs whatever the profile: no deadline (a first example compiles or warms
+    caches) and the kit's health-check policy. A profile loaded after the choice (a plugin's or a conftest's
+    ``pytest_configure``) does not weaken the run the report names: ``--hypothesis-profile`` chooses one."""
+    if base is None:
+        base = settings.get_profile(_chosen) if _chosen is not None else settings()
+    return settings(base, deadline=None, suppress_health_check=SUPPRESSED_HEALTH_CHECKS)
 
 
 def mutant_settings(profile: str, *, shrink: bool = True) -> settings:
@@ -215,7 +232,7 @@ def manager_kill_rate_settings(max_examples: int, steps: int = 30) -> settings:
 def timing_settings(max_examples: int) -> settings:
     """Timing a property's examples (the specialisation plan's cost estimate): the loaded profile as
     :func:`suite_settings` makes it, ``max_examples`` examples, no database."""
-    return settings(suite_settings(), max_examples=max_examples, database=None)
+    return settings(suite_settings(settings()), max_examples=max_examples, database=None)
 
 
 def drawing_settings(max_examples: int, derandomize: bool) -> settings:

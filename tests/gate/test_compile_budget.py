@@ -154,10 +154,17 @@ def test_the_attention_budget_counts_the_explicit_examples_and_flags_a_draw_outs
 
 
 @pytest.mark.slow(reason="25-60 s: draws every property's ci examples")
-def test_the_ci_plan_of_the_triton_backend_stays_within_its_attention_budget():
+def test_the_ci_plan_of_the_triton_backend_stays_within_its_attention_budget(monkeypatch):
     """The committed GPU plan's promise: under ``ci`` the run compiles at most the palette's bound plus the
     explicit examples' and the limit properties' own geometries, and at most the compile-count check's 150."""
     import sys
+
+    from hypothesis import settings
+
+    import pagedkv.testing.settings as profiles
+
+    monkeypatch.setattr(profiles, "_chosen", profiles.chosen_profile())  # the plan chooses its own: this worker's back
+    loaded = settings.get_current_profile_name()
 
     import pagedkv
     from pagedkv.tools.plan import plan_profile
@@ -165,8 +172,11 @@ def test_the_ci_plan_of_the_triton_backend_stays_within_its_attention_budget():
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "bench"))
     from compile_count_check import CI_ATTENTION_BUDGET
 
-    plan = plan_profile(pagedkv.get_backend("triton"), "ci", device="cuda", workers=16, cores=16, budget=2**40,
-                        compile_s={}, example_costs={}, draw_limit=200)
+    try:
+        plan = plan_profile(pagedkv.get_backend("triton"), "ci", device="cuda", workers=16, cores=16, budget=2**40,
+                            compile_s={}, example_costs={}, draw_limit=200)
+    finally:
+        settings.load_profile(loaded)
     assert plan.budget is not None and plan.budget.within, plan.budget.describe()
     assert plan.specialisations["paged_attention"] == plan.budget.total <= plan.budget.limit <= CI_ATTENTION_BUDGET
 

@@ -414,8 +414,10 @@ def test_a_profile_the_project_loaded_is_kept_over_pagedkv_profile(monkeypatch):
     applied); ``--hypothesis-profile`` does; with no profile of the project's, ``$PAGEDKV_PROFILE`` applies."""
     from hypothesis import settings
 
+    import pagedkv.testing.settings as profiles
     from pagedkv.testing.settings import choose_profile
 
+    monkeypatch.setattr(profiles, "_chosen", profiles.chosen_profile())  # this worker's choice, back afterwards
     before = settings.get_current_profile_name()
     settings.register_profile("the-projects-own", max_examples=7)
     try:
@@ -542,3 +544,27 @@ def test_a_failing_regression_case_replays_as_printed_on_the_candidate(pytester,
     (failure,) = failed["failures"]
     assert failure["replay"].endswith(f"--impl {pytester.path / 'candidate.py'}"), failure
     assert failure["reproduced"] is True, failure
+
+
+def test_a_profile_loaded_after_the_gate_chose_its_own_does_not_weaken_the_run_it_reports(pytester, monkeypatch):
+    """A plugin (or a conftest's ``pytest_configure``) loading a one-example profile after pagedkv's plugin chose
+    and reported its profile: the suite still runs the reported profile's examples (the report names the run)."""
+    pytester.makepyfile(weakplug=textwrap.dedent('''
+        import pytest
+
+
+        @pytest.hookimpl(trylast=True)
+        def pytest_configure(config):
+            from hypothesis import settings
+
+            settings.register_profile("weak", max_examples=1, derandomize=True, database=None, deadline=None)
+            settings.load_profile("weak")
+        '''))
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    result, verdict, candidate = _suite(pytester, monkeypatch, factor=0.0, drop=False, non_promises="{}",
+                                        properties=[REFERENCE], options=("-p", "weakplug"))
+    assert result.ret == 0, result.stdout.str()
+    assert verdict["profile"].startswith("pagedkv-smoke"), verdict["profile"]
+    examples = candidate["measured"][REFERENCE]["examples"]
+    _, _, plain = _suite(pytester, monkeypatch, factor=0.0, drop=False, non_promises="{}", properties=[REFERENCE])
+    assert examples == plain["measured"][REFERENCE]["examples"] > 8, (examples, plain["measured"])  # 1 + 7 explicit
