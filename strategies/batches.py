@@ -21,13 +21,17 @@ from .geometry import BLOCK_SIZES, DTYPES, REALISTIC_BLOCK_SIZES, geometries, po
 TILE_EDGES = tuple(sorted({k * t + d for t in (16, 32, 64) for k in (1, 2) for d in (-1, 0, 1)}))
 #: A long sequence's query may cross a query tile (16 rows) too: a chunked prefill past one tile.
 LONG_MAX_Q_LEN = 17
+#: A long case's chunked prefill may also end at a production kernel's query tile (32, 64, 128 rows) or one past it.
+LONG_Q_TILE_EDGES = (31, 32, 33, 63, 64, 65, 127, 128, 129)
 
 #: Contexts (keys before the new tokens) of the long-context cases: hundreds to several thousand tokens,
 #: around powers of two (where a float16 accumulator's spacing doubles and split-KV kernels change their
 #: part counts) and between them. Errors that grow with the context (a float16 softmax denominator, a
 #: split merge that drops a part's maximum, a mask wrong only far from the query) show here, not at the
 #: short lengths the other cases draw.
-LONG_CONTEXTS = (255, 256, 500, 511, 513, 1000, 1023, 1025, 2047, 2048, 2049, 3000, 4095, 4096)
+LONG_CONTEXTS = (255, 256, 500, 511, 513, 1000, 1023, 1025, 2047, 2048, 2049, 3000, 4095, 4096, 8191, 8193)
+#: The most blocks a long case's table has (Hypothesis draws lists of at most 8192 elements)
+LONG_MAX_BLOCKS = 4096
 #: One attention case in this many is long (a uniform draw; see ``docs/gating.md`` for the measured share).
 LONG_ONE_IN = 4
 #: Long cases stay cheap: one kv head, a GQA group of 1 or 2 and the smallest head dims, where the
@@ -44,10 +48,12 @@ SHORT_VALUE_PATTERNS = tuple(p for p in VALUE_PATTERNS if p != "diffuse")
 def _long_lengths(draw, block_size: int):
     """``[(seq_len, q_len, start)]`` of a long case: one sequence whose context is drawn from
     :data:`LONG_CONTEXTS`, as a decode (one new token) or a chunked prefill (up to
-    :data:`LONG_MAX_Q_LEN` new tokens after the context), and in half the cases a short second
-    sequence (decode, prefill or empty) before or after it."""
-    context = draw(st.sampled_from(LONG_CONTEXTS))
-    q_len = draw(st.one_of(st.just(1), st.integers(1, LONG_MAX_Q_LEN)))
+    :data:`LONG_MAX_Q_LEN` new tokens after the context, or :data:`LONG_Q_TILE_EDGES`), and in half the cases a
+    short second sequence (decode, prefill or empty) before or after it. Contexts of more than
+    :data:`LONG_MAX_BLOCKS` blocks are left out (a block table Hypothesis draws entry by entry)."""
+    context = draw(st.sampled_from([c for c in LONG_CONTEXTS if -(-(c + LONG_Q_TILE_EDGES[-1]) // block_size)
+                                    <= LONG_MAX_BLOCKS]))
+    q_len = draw(st.one_of(st.just(1), st.integers(1, LONG_MAX_Q_LEN), st.sampled_from(LONG_Q_TILE_EDGES)))
     n = context + q_len
     out = [(n, q_len, draw(st.sampled_from(sorted({0, context, n - 1}))))]
     if draw(st.booleans()):

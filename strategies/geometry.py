@@ -15,6 +15,9 @@ HEAD_DIMS = (1, 2, 3, 4, 5, 7, 8)  # small odd head dims where the ops allow the
 REALISTIC_BLOCK_SIZES = (32, 64, 128, 256, 544)
 REALISTIC_HEAD_DIMS = (32, 40, 64, 72, 80, 96, 112, 128, 192, 256, 576)
 REALISTIC_GROUP_SIZES = (8, 16, 17, 48, 64, 71)
+#: KV-head counts of production models past the small ones (Llama 3 8B / 70B, Qwen, Mistral: 8), drawn at small head
+#: dims and groups (a kernel's head tile or head stride wrong from the fourth head on shows there)
+REALISTIC_KV_HEADS = (4, 8)
 #: Every value the geometry strategies draw, per specialising parameter (what a palette picks from).
 UNIVERSE = {"block_size": BLOCK_SIZES + REALISTIC_BLOCK_SIZES, "head_dim": HEAD_DIMS + REALISTIC_HEAD_DIMS,
             "gqa_group": GROUP_SIZES + REALISTIC_GROUP_SIZES, "dtype": DTYPES}
@@ -67,7 +70,8 @@ def geometries(draw, *, num_blocks: int | None = None, block_sizes=BLOCK_SIZES, 
 
     group = pick("gqa_group", group_sizes, REALISTIC_GROUP_SIZES, caps.gqa_groups if caps else None)
     head_dim = pick("head_dim", head_dims, REALISTIC_HEAD_DIMS, caps.head_dims if caps else None)
-    kv_heads = draw(sized(tuple(range(1, (1 if group > 7 else max_kv_heads) + 1)), (),
+    kv_heads = draw(sized(tuple(range(1, (1 if group > 7 else max_kv_heads) + 1)),
+                          REALISTIC_KV_HEADS if realistic and group <= 7 and head_dim <= 8 else (),
                           caps.num_kv_heads if caps else None))
     return Geometry(
         num_blocks=num_blocks if num_blocks is not None else draw(st.integers(1, 12)),
