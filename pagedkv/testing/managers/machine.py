@@ -979,6 +979,10 @@ class ManagerMachine(RuleBasedStateMachine):
             self.release(rid)
             return False
         req.adopted = True
+        # a hit block the load leaves (a window's block behind the loaded tokens' window, vLLM skipping it) is not
+        # adopted: it stays in the free queue, where the load's own allocation may take it (what it cached evicted)
+        tables = self.m.block_table(rid)
+        hits = [b for b in hits if any(b in t[:-(-cached // self.gbs[g])] for g, t in enumerate(tables))]
         self.account(before, f"load of request {rid}", hits=hits, moves=self.cow_moves())
         self.check_slots(rid, slots, cached, external, "load",
                          lambda g, i: self.groups[g].first_read(end) > cached + i or (
