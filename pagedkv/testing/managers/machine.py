@@ -1405,6 +1405,11 @@ class ManagerMachine(RuleBasedStateMachine):
         is touched and its load's blocks taken (vLLM's two-phase touch, #33775). Other programs are unchanged:
         the draw decides only here; no pressure where none of the conversation's blocks is free and cached.
 
+        Args:
+            stored: ``next_turn``'s draw, 0-3: blocks of the hit size (the lcm of the groups' block sizes) the
+                conversation went on elsewhere (0: no pause).
+            conversation: the finished request whose turn this is (its block tables).
+
         Returns:
             the tokens the conversation went on elsewhere (``stored`` blocks of the hit size; 0: no pause).
         """
