@@ -290,6 +290,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.epoch = 0  # scheduler steps so far: a commit ends one (reservations between two commits share one)
         self.history: list[tuple] = []  # finished conversations (namespace, tokens, extras), newest last
+        self.finished: list[Request] = []  # their requests, as history
         # released requests whose prompt's EAGLE replay boundary may stay hittable (:meth:`replay_hit`), newest last
         self.replayable: list[Request] = []
         # under EAGLE: an upper bound on the blocks that entered the manager's free queue so far (released by every
@@ -979,6 +980,10 @@ class ManagerMachine(RuleBasedStateMachine):
             self.release(rid)
             return False
         req.adopted = True
+        # a hit block the load leaves (a window's block behind the loaded tokens' window, vLLM skipping it) is not
+        # adopted: it stays in the free queue, where the load's own allocation may take it (what it cached evicted)
+        tables = self.m.block_table(rid)
+        hits = [b for b in hits if any(b in t[:-(-cached // self.gbs[g])] for g, t in enumerate(tables))]
         self.account(before, f"load of request {rid}", hits=hits, moves=self.cow_moves())
         self.check_slots(rid, slots, cached, external, "load",
                          lambda g, i: self.groups[g].first_read(end) > cached + i or (
@@ -1009,6 +1014,7 @@ class ManagerMachine(RuleBasedStateMachine):
         req = self.live.pop(rid)
         if req.written:
             self.history = [*self.history[-7:], (req.namespace, req.tokens[:req.written], dict(req.extras))]
+            self.finished = [*self.finished[-7:], req]  # history's requests (their blocks)
         if (self.eagle_server and req.replay_open is not None and req.adopted and not req.pending()
                 and req.reserved == req.committed >= req.num_prompt):
             self.replayable = [*self.replayable[-7:], req]
@@ -1164,12 +1170,18 @@ class ManagerMachine(RuleBasedStateMachine):
     def next_turn(self, turn, suffix, chunk, write_now, stored=0, store_ahead=False):
         """The next turn of a finished conversation: its tokens so far (prompt and output) and a new
         message ``suffix``, under its namespace (a multi-turn chat: the hits reach past the system prompt);
-        ``stored`` and ``store_ahead`` as :meth:`add`'s."""
+        ``stored`` and ``store_ahead`` as :meth:`add`'s. On a layout of several KV-cache groups with a connector,
+        ``store_ahead`` with ``stored`` > 0 (a draw ``store_ahead`` leaves unused) is a conversation that went on
+        elsewhere: another instance served ``stored`` blocks of it (tokens 0) into the shared store, and the turn
+        comes back here after a pause on a busy server (:meth:`pause`): the store holds the whole prompt, this
+        instance's cache the conversation as it left it, the first to be evicted."""
         self.log("next_turn", turn=turn, suffix=suffix, chunk=chunk, write_now=write_now, stored=stored,
                  **({"store_ahead": True} if store_ahead else {}))
         namespace, tokens, extras = self.history[-1 - turn % len(self.history)]
+        elsewhere = self.pause(stored, self.finished[-1 - turn % len(self.history)]) if store_ahead else 0
         rid = self.new_id()
-        ok = self.admit(rid, [*tokens, *suffix] or [0], namespace, extras, chunk, write_now, stored, store_ahead)
+        ok = self.admit(rid, [*tokens, *[0] * elsewhere, *suffix] or [0], namespace, extras, chunk, write_now, stored,
+                        store_ahead)
         return rid if ok else multiple()
 
     @rule(target=reqs, rid=reqs, change=st.sampled_from(("image", "namespace", "content", "same")),
@@ -1382,15 +1394,57 @@ class ManagerMachine(RuleBasedStateMachine):
         self.settle(rid)
         self.account(before, f"store_done of request {rid}")
 
+    def pause(self, stored: int, conversation: Request) -> int:
+        """The pause before a finished ``conversation``'s next turn, whose prompt the store holds ahead of the
+        device (``store_ahead``, which leaves the ``stored`` draw unused): on a layout of several KV-cache groups
+        with a connector and ``stored`` > 0, a busy server's traffic meanwhile: every store in flight completes
+        (finished requests' blocks enter the free queue, still cached), then one request no one shares takes the
+        free blocks ahead of the conversation's (never-used, uncached, and cached ones released before it; ``stored
+        - 1`` more, rounded to whole blocks per group) and finishes, its store completing too (:meth:`pressure`).
+        The conversation's blocks are then the free queue's front (each group's tail first), where the turn's hit
+        is touched and its load's blocks taken (vLLM's two-phase touch, #33775). Other programs are unchanged:
+        the draw decides only here; no pressure where none of the conversation's blocks is free and cached.
+
+        Args:
+            stored: ``next_turn``'s draw, 0-3: blocks of the hit size (the lcm of the groups' block sizes) the
+                conversation went on elsewhere (0: no pause).
+            conversation: the finished request whose turn this is (its block tables).
+
+        Returns:
+            the tokens the conversation went on elsewhere (``stored`` blocks of the hit size; 0: no pause).
+        """
+        if not (stored and self.connector and len(self.groups) > 1):
+            return 0
+        for rid in sorted(r for r, q in self.zombies.items() if q.storing):
+            self.finish_store_rid(rid)
+        if self.total is None:
+            return stored * self.bs
+        mine = {b for g, table in enumerate(conversation.table) for i, b in enumerate(table)
+                if b >= 0 and (i + 1) * self.gbs[g] <= len(conversation.identities)
+                and self.cached.get(b) == (g, conversation.identities[(i + 1) * self.gbs[g] - 1])}
+        # the tier of its last release (blocks a window let go while it ran were released earlier)
+        tiers = [tier.blocks() if kind == "chains" else tier for kind, tier in self.queue]
+        last = max((i for i, blocks in enumerate(tiers) if blocks & mine), default=None)
+        if last is None:
+            return stored * self.bs
+        ahead = sum(self.total - len(self.ever_used) if kind == "initial" else len(blocks)
+                    for (kind, _), blocks in zip(self.queue[:last], tiers))
+        if ahead + stored - 1 >= len(self.groups):
+            rid = self.next_id
+            self.pressure((ahead + stored - 1) // len(self.groups))
+            if rid in self.zombies and self.zombies[rid].storing:
+                self.finish_store_rid(rid)
+        return stored * self.bs
+
     def pressure(self, n):
         """Memory pressure: a request of ``n`` blocks of every group's size, prompt tokens no other request
         has, prefilled in one step and finished: the free queue's front ``n`` blocks per group are handed
         out (what they cached evicted, in the order the manager promises) and come back holding its prefix."""
         rid = self.new_id()
-        tokens, history = [1000 + rid] + [0] * (n * self.bs - 1), self.history
+        tokens, history, finished = [1000 + rid] + [0] * (n * self.bs - 1), self.history, self.finished
         if self.admit(rid, tokens, None, {}, len(tokens), True):
             self.release(rid)
-        self.history = history  # not a conversation to continue
+        self.history, self.finished = history, finished  # not a conversation to continue
 
     @rule(rid=consumes(reqs))
     def free(self, rid):
