@@ -147,16 +147,16 @@ def _overlapping_pools(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[to
     """Logical ``(k_cache, v_cache)`` holding the given pools' contents as views of one buffer of
     ``num_blocks + 1`` blocks, one block apart, built in the storage of the declared key layout
     (:func:`pagedkv.testing.cases.memory.new_pools`): the backend is handed two views of one storage
-    (``storage[:-1]`` and ``storage[1:]``, V's first ``head_dim_v`` columns where V is narrower), as an
-    engine that mis-slices its arena would."""
+    (``storage[:-1]`` and ``storage[1:]``, each its pool's first columns: the buffer is as wide as the wider
+    of K and V), as an engine that mis-slices its arena would."""
     from pagedkv.testing.cases.memory import new_pools
 
-    shape = (k_cache.shape[0] + 1, *k_cache.shape[1:])
+    k_width, v_width = k_cache.shape[-1], v_cache.shape[-1]
+    shape = (k_cache.shape[0] + 1, *k_cache.shape[1:-1], max(k_width, v_width))
     buffer, _ = new_pools(shape, k_cache.dtype, k_cache.device, None)
-    buffer[:-1].copy_(k_cache)
-    width = v_cache.shape[-1]
-    buffer[-1:, ..., :width].copy_(v_cache[-1:])
-    return buffer[:-1], buffer[1:][..., :width]
+    buffer[:-1, ..., :k_width].copy_(k_cache)
+    buffer[-1:, ..., :v_width].copy_(v_cache[-1:])
+    return buffer[:-1][..., :k_width], buffer[1:][..., :v_width]
 
 
 # -- what a case offers ------------------------------------------------------------------------------
