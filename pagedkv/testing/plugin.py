@@ -36,6 +36,7 @@ SUITE_COMMAND = "pytest --pyargs pagedkv.testing.suite --pagedkv-impl {spec} -n 
 _ACTIVE = pytest.StashKey[bool]()
 _PROFILE = pytest.StashKey[str]()
 _CANDIDATES = pytest.StashKey[list]()
+_DESELECTED = pytest.StashKey[list]()  # node ids of conformance tests deselected (this process, or every worker)
 _SPECIALISATIONS = "pagedkv-specialisations"  # per-process tallies, under the run's shared directory
 
 
@@ -290,6 +291,26 @@ def pagedkv_run(request):
     return TestRun(request.node, impl_spec(request.config))
 
 
+def pytest_deselected(items: list) -> None:
+    """Keep the conformance tests a ``-k`` / ``-m`` / ``--deselect`` leaves out, for the verdict to name."""
+    if items and is_active(items[0].config):
+        from pagedkv.testing.report import is_conformance_test
+
+        items[0].config.stash.setdefault(_DESELECTED, []).extend(i.nodeid for i in items if is_conformance_test(i))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """xdist: a worker's deselected conformance tests, gathered on the controller."""
+    found = getattr(node, "workeroutput", {}).get("pagedkv_deselected", [])
+    node.config.stash.setdefault(_DESELECTED, []).extend(found)
+
+
+def _stats(config: pytest.Config, stats: dict) -> dict:
+    """The terminal reporter's ``stats`` with the deselected conformance tests of every process."""
+    return {**stats, "pagedkv_deselected": sorted(set(config.stash.get(_DESELECTED, [])))}
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Point a test whose xdist worker crashed at the case file it left (the judged records travel in
     each report's ``user_properties`` and are read back by the terminal summary)."""
@@ -306,7 +327,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         return
     from pagedkv.testing.report import summary_lines
 
-    for line in summary_lines(terminalreporter.stats, candidates(config), impl_spec(config)):
+    for line in summary_lines(_stats(config, terminalreporter.stats), candidates(config), impl_spec(config)):
         terminalreporter.write_line(line)
     from pagedkv.testing.device_lease import shared_directory, summary_line
 
@@ -328,6 +349,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         from pagedkv.testing.device_lease import shared_directory
 
         specialisations.write(shared_directory(config, _SPECIALISATIONS), config.workerinput["workerid"])
+        config.workeroutput["pagedkv_deselected"] = config.stash.get(_DESELECTED, [])
     if not is_active(config) or hasattr(config, "workerinput") or config.option.collectonly:
         return
     try:
@@ -378,7 +400,7 @@ def _write_verdict(session: pytest.Session) -> None:
     from pagedkv.testing.report import write_verdict
 
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    write_verdict(Path(path), reporter.stats if reporter else {}, candidates(config), impl_spec(config),
+    write_verdict(Path(path), _stats(config, reporter.stats if reporter else {}), candidates(config), impl_spec(config),
                   profile=config.stash.get(_PROFILE, "?"), exit_status=int(session.exitstatus))
 
 

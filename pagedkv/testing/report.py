@@ -143,8 +143,28 @@ def what_was_judged(stats: dict, name: str) -> str:
             frozenset({False, True}): "kernels and a cache manager"}.get(frozenset(ran), "nothing")
 
 
+def is_conformance_test(item: Any) -> bool:
+    """Whether a pytest item is one of the suite's tests (a module of :mod:`pagedkv.testing.suite`)."""
+    from pathlib import Path
+
+    import pagedkv.testing.suite as suite
+
+    path = getattr(item, "path", None)
+    return path is not None and Path(path).resolve().parent == Path(suite.__file__).resolve().parent
+
+
+def deselected_conformance_tests(stats: dict) -> list[str]:
+    """Node ids of the suite's tests the run deselected (``-k``, ``-m``, ``--deselect``, an ``addopts`` line):
+    not judged and outside every count, so the verdict names them (``deselected``). ``stats["pagedkv_deselected"]``
+    (what the plugin gathered, from every xdist worker) where given, else the terminal reporter's own list."""
+    if "pagedkv_deselected" in stats:
+        return sorted(set(stats["pagedkv_deselected"]))
+    return sorted(item.nodeid for item in stats.get("deselected", []) if is_conformance_test(item))
+
+
 def summary_lines(stats: dict, backends: list, spec: str | None) -> list[str]:
-    """The terminal summary: per backend, judged / skipped by reason / findings, regressions, declared space."""
+    """The terminal summary: per backend, judged / skipped by reason / findings, regressions, declared space;
+    the conformance tests deselected, where any were."""
     from pagedkv.backends import backend_name
     from pagedkv.backends.capabilities import FEATURE_NAMES
     from pagedkv.testing.managers import declarations
@@ -153,6 +173,10 @@ def summary_lines(stats: dict, backends: list, spec: str | None) -> list[str]:
 
     counts = tally(stats)
     lines = []
+    deselected = deselected_conformance_tests(stats)
+    if deselected:
+        lines.append(f"pagedkv: {len(deselected)} conformance tests deselected (-k / -m / --deselect / addopts): not "
+                     f"judged and in no count below (the JSON verdict lists them)")
     for backend in backends:
         name = backend_name(backend)
         if name not in counts:
@@ -251,7 +275,7 @@ def verdict(stats: dict, backends: list, spec: str | None, *, profile: str = "",
 
     records = _records(stats)
     out = {"schema": VERDICT_SCHEMA, "implementation": spec, "profile": profile, "exit_status": exit_status,
-           "passed": exit_status == 0, "candidates": []}
+           "passed": exit_status == 0, "deselected": deselected_conformance_tests(stats), "candidates": []}
     for backend in backends:
         name = backend_name(backend)
         mine = [r for r in records if r["backend"] == name]

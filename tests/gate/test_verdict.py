@@ -568,3 +568,14 @@ def test_a_profile_loaded_after_the_gate_chose_its_own_does_not_weaken_the_run_i
     examples = candidate["measured"][REFERENCE]["examples"]
     _, _, plain = _suite(pytester, monkeypatch, factor=0.0, drop=False, non_promises="{}", properties=[REFERENCE])
     assert examples == plain["measured"][REFERENCE]["examples"] > 8, (examples, plain["measured"])  # 1 + 7 explicit
+
+
+def test_the_verdict_names_the_conformance_tests_a_selection_left_out(pytester, monkeypatch):
+    """``-k`` (or ``-m``, ``--deselect``, an ``addopts`` line) leaves suite tests out of every count: the JSON
+    verdict lists them and the summary says how many, so a gate that must cover the suite can check."""
+    result, verdict, candidate = _suite(pytester, monkeypatch, factor=0.0, drop=False, non_promises="{}",
+                                        properties=[REFERENCE])
+    assert result.ret == 0, result.stdout.str()
+    left_out = verdict["deselected"]
+    assert any(f"test_{BATCH_ORDER}[" in n for n in left_out) and not any(f"test_{REFERENCE}[" in n for n in left_out)
+    result.stdout.fnmatch_lines([f"pagedkv: {len(left_out)} conformance tests deselected*"])
