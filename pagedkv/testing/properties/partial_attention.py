@@ -31,8 +31,10 @@ from pagedkv.testing.cases.case import Case, SeqSpec, reference_gather, referenc
 from pagedkv.testing.compare import Mismatch, assert_attention_close, require
 from pagedkv.testing.properties.definitions import reference_output
 
-#: LSE tolerance: ``atol = LSE_RTOL[dtype] * (1 + max |logit|)`` (the logits' own rounding, any base).
-LSE_RTOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
+#: LSE tolerance: ``atol = LSE_RTOL[dtype] * (1 + max |logit|)`` (the logits' own rounding, any base). A 16-bit
+#: kernel computes the LSE in float32 from its inputs (products of two 16-bit values are exact in float32), so
+#: bfloat16 takes float16's bound, not its own output's: an LSE 0.08 off (a denominator 8% off) passed 2e-2.
+LSE_RTOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-3}
 
 
 def declared_lse(backend: Any) -> tuple[str, str]:
