@@ -77,3 +77,27 @@ def test_the_pools_past_a_limit_hold_v_in_k_storage_and_the_case_file_says_so(li
     assert outcome.status in ("passed", "skipped"), outcome  # skipped: no lazy zero pages on this machine
     if outcome.status == "skipped":
         assert "machine" in outcome.reason or "zero pages" in outcome.reason, outcome
+
+
+class ViewAsserting(LatentReader):
+    """An MLA kernel that refuses a V of its own (FlashMLA takes one cache): ``v_cache`` must be K's storage."""
+
+    name = "view_asserting"
+
+    def paged_attention(self, query, k_cache, v_cache, *args, **kw):
+        if v_cache.untyped_storage().data_ptr() != k_cache.untyped_storage().data_ptr():
+            raise ValueError("v_cache must be a view of k_cache (MLA's latent cache)")
+        return super().paged_attention(query, k_cache, v_cache, *args, **kw)
+
+    def write_kv(self, *args, **kw):
+        return indexed.write_kv(*args, **kw)
+
+
+@pytest.mark.parametrize("name", ["prefix_caching_changes_no_output", "every_live_sequence_reads_only_its_own_tokens"])
+def test_the_cache_scenarios_hand_v_in_k_storage_to_attention(name):
+    prop = properties()[name]
+    scenarios = prop.examples_in(MLA)
+    assert scenarios
+    for scenario in scenarios:
+        outcome = execute.run_case(prop, (ViewAsserting(),), scenario)
+        assert outcome.status == "passed", (scenario, outcome)

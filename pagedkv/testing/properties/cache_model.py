@@ -83,10 +83,14 @@ class CacheModel:
         num_layers: layers written and checked (the cache's ``config.num_layers``).
         write_kv: ``write_kv(k_cache, v_cache, key, value, slot_mapping)`` (a backend's).
         gather: ``gather(cache, block_table, seq_len)`` used to read sequences back (a backend's).
+        attention: the backend's ``paged_attention`` (read through where it has no ``gather``).
+        latent: the backend reads V from K's storage (``shared_kv_storage``): its ``v_cache`` is K's first
+            columns, and so is the V its output is judged against.
     """
 
     def __init__(self, cache, geometry: Geometry, seed: int, num_layers: int, write_kv, gather,
-                 attention=None) -> None:
+                 attention=None, latent: bool = False) -> None:
+        self.latent = latent
         self.cache, self.alloc = cache, cache.allocator
         self.geometry, self.seed, self.num_layers = geometry, seed, num_layers
         self.bs = geometry.block_size
@@ -277,10 +281,12 @@ class CacheModel:
         lens = torch.tensor(ends, dtype=torch.int32, device=self.device)
         qsl = torch.arange(len(live) + 1, dtype=torch.int32, device=self.device)
         for layer in range(self.num_layers):
-            out = self.attention(queries.to(self.device), self.cache.k_cache(layer), self.cache.v_cache(layer),
-                                 tables, lens, qsl).cpu()
+            k_cache, v_cache = latent_pools(self.cache.k_cache(layer), self.cache.v_cache(layer), self.latent)
+            out = self.attention(queries.to(self.device), k_cache, v_cache, tables, lens, qsl).cpu()
             for i, ((seq_id, seq), end) in enumerate(zip(live, ends)):
                 k_exp, v_exp = self.kv(seq, 0, end, layer)
+                if self.latent:
+                    v_exp = k_exp[..., :v_cache.shape[-1]]
                 try:
                     expected = reference_attention(queries[i:i + 1], [k_exp], [v_exp], [0, 1])
                     assert_attention_close(out[i:i + 1], expected)
@@ -337,3 +343,9 @@ def _pool_read(pool: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
     from pagedkv.testing.cases.case import reference_gather
 
     return reference_gather(pool, table, n)
+
+
+def latent_pools(k_cache: torch.Tensor, v_cache: torch.Tensor, latent: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k_cache, v_cache)`` as a backend's ``paged_attention`` takes them: where it reads V from K's storage
+    (``latent``, ``shared_kv_storage``: MLA's latent cache) ``v_cache`` is ``k_cache[..., :head_dim_v]``."""
+    return (k_cache, k_cache[..., :v_cache.shape[-1]]) if latent else (k_cache, v_cache)

@@ -13,6 +13,7 @@ from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.testing.cases.case import CacheScenario, token_kv
 from pagedkv.testing.compare import Mismatch, bits, require
 from pagedkv.testing.compare import assert_bitwise_equal
+from pagedkv.testing.properties.cache_model import latent_pools
 
 
 def run_scenario(backend: Any, scenario: CacheScenario, device: str = "cpu",
@@ -37,7 +38,8 @@ def run_scenario(backend: Any, scenario: CacheScenario, device: str = "cpu",
                         **({"hash_fn": lambda parent, tokens: 0} if scenario.constant_hash else {}))
     gather = getattr(backend, "gather", None)
     model = CacheModel(cache, g, scenario.seed, scenario.num_layers, write_kv, gather,
-                       attention=None if gather else getattr(backend, "paged_attention", None))
+                       attention=None if gather else getattr(backend, "paged_attention", None),
+                       latent=_latent(backend))
     shadow = _Shadow()
     shadow.model = model
 
@@ -77,6 +79,13 @@ def run_scenario(backend: Any, scenario: CacheScenario, device: str = "cpu",
         if after_op is not None:
             after_op(cache, shadow)
     return cache, shadow
+
+
+def _latent(backend: Any) -> bool:
+    """The backend declares ``shared_kv_storage`` (it reads V from K's storage)."""
+    from pagedkv.backends.capabilities import capabilities_of
+
+    return bool(capabilities_of(backend).shared_kv_storage)
 
 
 class _Shadow(dict):
@@ -154,8 +163,8 @@ def prefix_cache_transparent(backend: Any, scenario: CacheScenario, device: str 
     q = torch.randn((len(ids), g.num_q_heads, g.head_dim), generator=torch.Generator().manual_seed(scenario.seed))
     q = q.to(g.torch_dtype).to(device)
     qsl = torch.arange(len(ids) + 1, dtype=torch.int32, device=device)
-    outs = [attn(q, cache.k_cache(), cache.v_cache(), cache.block_tables(ids), cache.seq_lens(ids), qsl, None).cpu()
-            for cache, _ in runs]
+    outs = [attn(q, *latent_pools(cache.k_cache(), cache.v_cache(), _latent(backend)), cache.block_tables(ids),
+                 cache.seq_lens(ids), qsl, None).cpu() for cache, _ in runs]
     for row, seq_id in enumerate(ids):
         try:
             assert_bitwise_equal(outs[0][row], outs[1][row], f"sequence {seq_id}: decode attention with prefix "
