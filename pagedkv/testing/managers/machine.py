@@ -289,8 +289,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.committed_prefixes: set[int] = set()  # identities of the last token of committed full blocks
         self.next_id = 0
         self.epoch = 0  # scheduler steps so far: a commit ends one (reservations between two commits share one)
-        self.history: list[tuple] = []  # finished conversations (namespace, tokens, extras), newest last
-        self.finished: list[Request] = []  # their requests, as history
+        # finished conversations (namespace, tokens, extras, the request: its block tables), newest last
+        self.history: list[tuple] = []
         # released requests whose prompt's EAGLE replay boundary may stay hittable (:meth:`replay_hit`), newest last
         self.replayable: list[Request] = []
         # under EAGLE: an upper bound on the blocks that entered the manager's free queue so far (released by every
@@ -1013,8 +1013,7 @@ class ManagerMachine(RuleBasedStateMachine):
         before = self.holdings()
         req = self.live.pop(rid)
         if req.written:
-            self.history = [*self.history[-7:], (req.namespace, req.tokens[:req.written], dict(req.extras))]
-            self.finished = [*self.finished[-7:], req]  # history's requests (their blocks)
+            self.history = [*self.history[-7:], (req.namespace, req.tokens[:req.written], dict(req.extras), req)]
         if (self.eagle_server and req.replay_open is not None and req.adopted and not req.pending()
                 and req.reserved == req.committed >= req.num_prompt):
             self.replayable = [*self.replayable[-7:], req]
@@ -1177,8 +1176,8 @@ class ManagerMachine(RuleBasedStateMachine):
         instance's cache the conversation as it left it, the first to be evicted."""
         self.log("next_turn", turn=turn, suffix=suffix, chunk=chunk, write_now=write_now, stored=stored,
                  **({"store_ahead": True} if store_ahead else {}))
-        namespace, tokens, extras = self.history[-1 - turn % len(self.history)]
-        elsewhere = self.pause(stored, self.finished[-1 - turn % len(self.history)]) if store_ahead else 0
+        namespace, tokens, extras, conversation = self.history[-1 - turn % len(self.history)]
+        elsewhere = self.pause(stored, conversation) if store_ahead else 0
         rid = self.new_id()
         ok = self.admit(rid, [*tokens, *[0] * elsewhere, *suffix] or [0], namespace, extras, chunk, write_now, stored,
                         store_ahead)
@@ -1441,10 +1440,10 @@ class ManagerMachine(RuleBasedStateMachine):
         has, prefilled in one step and finished: the free queue's front ``n`` blocks per group are handed
         out (what they cached evicted, in the order the manager promises) and come back holding its prefix."""
         rid = self.new_id()
-        tokens, history, finished = [1000 + rid] + [0] * (n * self.bs - 1), self.history, self.finished
+        tokens, history = [1000 + rid] + [0] * (n * self.bs - 1), self.history
         if self.admit(rid, tokens, None, {}, len(tokens), True):
             self.release(rid)
-        self.history, self.finished = history, finished  # not a conversation to continue
+        self.history = history  # not a conversation to continue
 
     @rule(rid=consumes(reqs))
     def free(self, rid):
@@ -1497,7 +1496,7 @@ class ManagerMachine(RuleBasedStateMachine):
         first ``cut`` tokens and a new ``suffix``. Its hit ends inside the conversation, where a window's
         blocks were released while the conversation ran on (the free queue's front, evicted first)."""
         self.log("branch", turn=turn, cut=cut, suffix=suffix, chunk=chunk, write_now=write_now)
-        namespace, tokens, extras = self.history[-1 - turn % len(self.history)]
+        namespace, tokens, extras, _ = self.history[-1 - turn % len(self.history)]
         cut = 1 + cut % len(tokens)
         rid = self.new_id()
         ok = self.admit(rid, [*tokens[:cut], *suffix], namespace, whole_inputs(extras, cut), chunk, write_now)
