@@ -243,9 +243,9 @@ def plan_profile(backend: Any, profile: str, *, device: str, workers: int, cores
     from pagedkv.testing.space import example_cap
     from pagedkv.testing.strategies.geometry import run_palette
     from pagedkv.testing.strategies.palette import palette_seed
-    from pagedkv.testing.settings import PROFILES, choose_profile
+    from pagedkv.testing.settings import PROFILES, register_profiles
 
-    choose_profile(f"pagedkv-{profile}")  # the plan's profile is the run's (its palette, its settings)
+    register_profiles()
     settings.load_profile(f"pagedkv-{profile}")
     caps = _caps_for(backend, device)
     palette = run_palette(caps)
