@@ -781,3 +781,29 @@ def test_mamba_checkpoint_ignoring_eagle_is_caught(monkeypatch):
     monkeypatch.setattr(HybridKVCacheCoordinator, "__init__", ignoring_eagle)
     with pytest.raises(AssertionError, match="replay promise of fine-grained hits: under EAGLE"):
         programs.run_program(_machine(("qwen3-next-fine",), block_sizes=(2,)), _next_turn_program())
+
+
+def test_a_copy_whose_source_is_handed_out_again_delivers_what_it_read():
+    """A producer's Mamba entry moved to a checkpoint block (a copy from its own block) while an earlier copy into
+    that block still waits on an in-flight step; the producer's block is then handed out afresh and written. When
+    the step completes, the moved entry must still be the state the copy read, as the worker's one stream runs it.
+    Fails before (the copy was run again from the block's new content: request 9 "reads wrong state at token 7")."""
+    zeros, salt = [0] * 6, (("salt", "lora-a"),)
+
+    def serve(namespace, tokens):
+        return ("serve", {"system": zeros, "suffix": [], "namespace": namespace, "extra": None, "image_at": 0,
+                          "tail": 0, "tokens": tokens, "reply": [0]})
+
+    program = [("start", {"num_blocks": 10, "block_size": 2, "num_layers": 2, "window": 0, "layout": 0,
+                          "features": 0}),
+               ("system_prompts", {"prompts": [zeros]}), serve(None, [0]), serve(salt, [0]), ("reset", {}),
+               ("branch", {"turn": 0, "cut": 6, "suffix": [], "chunk": 8, "write_now": False}),
+               serve(None, [0]), serve(salt, [0, 0]),
+               ("variant", {"rid": 4, "change": "same", "chunk": 3, "write_now": False, "suffix": [0, 0]}),
+               ("write_pending_rid", {"rid": 4})]
+    _manager("qwen3-next-fine")  # imports vLLM as the peer does
+    from pagedkv.testing.managers.machine import machine_for
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    programs.run_program(machine_for(vm.cache_manager, windows=vm.cache_manager_windows,
+                                     layouts=("qwen3-next-fine",)), program)

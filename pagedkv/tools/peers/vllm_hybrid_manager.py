@@ -62,6 +62,7 @@ scheduler blocks), and records the loads and stores it was asked for.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import os
 import sys
@@ -246,6 +247,22 @@ class _MambaSplit:
         return self.method(self.state, request, num_new_tokens, num_local)
 
 
+@dataclasses.dataclass(eq=False)
+class _Forward:
+    """A copy-on-write (:meth:`_StatePools.copy`) run again as the uncompleted steps it ``waits`` on complete:
+    ``content`` is the source's first ``tokens`` offsets in every pool tensor as the copy read them (refreshed where
+    a completing step wrote the source, or from ``after``, the earlier such copy that filled the source), written
+    into ``dst`` while it ``delivers`` (until ``dst`` is handed out afresh)."""
+
+    src: int
+    dst: int
+    tokens: int
+    waits: set
+    content: list
+    after: _Forward | None = None
+    delivers: bool = True
+
+
 class _StatePools:
     """The pools of a fine-grained layout, held as vLLM's worker holds them: per layer slot a K and a V tensor of
     ``[num_blocks, max block_size, num_kv_heads, head_dim]`` float32 (layer ``i`` of every group on one page; NaN
@@ -257,7 +274,9 @@ class _StatePools:
       one line is here). The worker runs a step's copies after every earlier step's forward (one stream); the
       machine completes in-flight steps later, so a copy whose source an in-flight step still writes is run again
       as that step completes (``settle``), for the source's first ``tokens`` offsets only: what the partial hit
-      covers (the destination's owner writes past them).
+      covers (the destination's owner writes past them). It delivers the source as the copy read it (a
+      :class:`_Forward` keeps that content), with the offsets the step or an earlier such copy fills: the source
+      may be handed out and written again before the step completes, which the worker's copy never sees.
     - One state per Mamba block: a Mamba "align" block holds one recurrent state, overwritten in place by each
       step ending in it (``MambaManager.allocate_new_blocks``: the running state lives in the last state block);
       the protocol names the state after token ``p`` at offset ``p % block_size`` of its block, so a state written
@@ -274,8 +293,8 @@ class _StatePools:
         self.layers = [(torch.full(shape, float("nan")), torch.full(shape, float("nan"))) for _ in range(num_layers)]
         # request -> its uncompleted steps: (end, blocks written, Mamba states written as (group, block, offset))
         self.writes: dict[int, list[tuple[int, set[int], list[tuple[int, int, int]]]]] = {}
-        # (src, dst, tokens, the uncompleted steps (request, end) writing src at the copy): run again as each completes
-        self.forwards: list[tuple[int, int, int, set[tuple[int, int]]]] = []
+        # copies whose source an uncompleted step (or such a copy) still fills, in the order they were run
+        self.forwards: list[_Forward] = []
 
     def _tensors(self):
         return [tensor for pair in self.layers for tensor in pair]
@@ -287,9 +306,11 @@ class _StatePools:
             for tensor in self._tensors():
                 tensor[dst] = tensor[src]
             steps = {(r, end) for r, steps in self.writes.items() for end, blocks, _ in steps if src in blocks}
-            steps |= {step for _, to, _, waits in self.forwards if to == src for step in waits}  # a copy of a copy
+            filled_by = [f for f in self.forwards if f.dst == src and f.delivers]  # a copy of a copy
+            steps |= {step for f in filled_by for step in f.waits}
             if steps:
-                self.forwards.append((src, dst, tokens, steps))
+                read = [t[src, :tokens].clone() for t in self._tensors()]
+                self.forwards.append(_Forward(src, dst, tokens, steps, read, filled_by[-1] if filled_by else None))
 
     def record(self, request_id: int, end: int, slots: Sequence[Sequence[int]]) -> None:
         """A reservation (or load) of tokens up to ``end`` writes ``slots`` (per group; each Mamba group's state
@@ -317,24 +338,37 @@ class _StatePools:
                         state = tensor[block, offset].clone()
                         tensor[block, :bs] = float("nan")
                         tensor[block, offset] = state
-        for src, dst, tokens, steps in self.forwards:
-            if any((request_id, end) in steps for end, _, _ in done):
-                for tensor in self._tensors():
-                    tensor[dst, :tokens] = tensor[src, :tokens]
-                steps -= {(request_id, end) for end, _, _ in done}
-        self.forwards = [f for f in self.forwards if f[3]]
+        completed = {(request_id, end) for end, _, _ in done}
+        written = {block for _, blocks, _ in done for block in blocks}
+        for forward in self.forwards:  # in the order the copies ran, as the worker runs them after the steps
+            if not forward.waits & completed:
+                continue
+            if forward.src in written:  # the step wrote the source: read it now
+                forward.content = [t[forward.src, :forward.tokens].clone() for t in self._tensors()]
+            elif forward.after is not None:  # the source is a copy's destination: take what that copy delivers
+                n = min(forward.tokens, forward.after.tokens)
+                for mine, theirs in zip(forward.content, forward.after.content):
+                    mine[:n] = theirs[:n]
+            if forward.delivers:
+                for tensor, content in zip(self._tensors(), forward.content):
+                    tensor[forward.dst, :forward.tokens] = content
+            forward.waits -= completed
+        self.forwards = [f for f in self.forwards if f.waits]
 
     def handed_out(self, blocks: set[int]) -> None:
-        """``blocks`` are handed out afresh: a copy into one of them is not run again (it ran before the step
-        that wrote them last, in the worker's order; its block now holds another's K/V)."""
-        self.forwards = [f for f in self.forwards if f[1] not in blocks]
+        """``blocks`` are handed out afresh: a copy into one of them is not run into it again (it ran before the step
+        that wrote them last, in the worker's order; its block now holds another's K/V), but a later copy from that
+        block still takes what it delivered."""
+        for forward in self.forwards:
+            if forward.dst in blocks:
+                forward.delivers = False
 
     def forget(self, request_id: int) -> None:
         """The request's uncompleted steps are dropped unwritten."""
         for end, _, _ in self.writes.pop(request_id, []):
             for forward in self.forwards:
-                forward[3].discard((request_id, end))
-        self.forwards = [f for f in self.forwards if f[3]]
+                forward.waits.discard((request_id, end))
+        self.forwards = [f for f in self.forwards if f.waits]
 
 
 class VllmHybridCacheManager(VllmCacheManager):
@@ -676,7 +710,7 @@ class VllmHybridCacheManager(VllmCacheManager):
         if self.pools is None:
             return set()
         page = self.pools.layers[0][0].shape[1]
-        return {dst * page + o for _, dst, tokens, _ in self.pools.forwards for o in range(tokens)}
+        return {f.dst * page + o for f in self.pools.forwards if f.delivers for o in range(f.tokens)}
 
     def _copied_tokens(self, dst: int) -> int:
         """The offsets of a copy's destination the partial hit covers: a request's private copy of its hit's last
