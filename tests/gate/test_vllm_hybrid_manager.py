@@ -539,7 +539,9 @@ def test_a_boundary_sparse_retention_drops_is_caught(monkeypatch, what):
     """A window group that keeps the wrong blocks under sparse retention: the replay boundary moved past the
     prompt's last token, or the shared-prefix junction never passed to the mask; the resend (or the next
     sibling) misses what the promise says is kept ("the hit promise"), or a block the eviction model holds
-    cached returns to the free queue's front as uncached ("eviction order lru")."""
+    cached returns to the free queue's front as uncached ("eviction order lru"), or, the replay boundary moved, the
+    first prompt's window blocks kept nowhere its first output's cached-prompt count can see them ("under-reported":
+    the window block ending at the replay boundary was never hashed)."""
     import vllm.v1.core.kv_cache_coordinator as coordinator
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
@@ -551,7 +553,7 @@ def test_a_boundary_sparse_retention_drops_is_caught(monkeypatch, what):
         lookup = KVCacheManager.get_computed_blocks
         monkeypatch.setattr(KVCacheManager, "get_computed_blocks", lambda self, r: (*lookup(self, r)[:2], 0))
         tail = [[1]]
-    with pytest.raises(AssertionError, match="the hit promise|eviction order lru"):
+    with pytest.raises(AssertionError, match="the hit promise|eviction order lru|under-reported"):
         programs.run_program(_machine(("gemma3-sparse",), block_sizes=(1, 2, 4)), _sparse_program(tail))
 
 
@@ -800,6 +802,9 @@ def _partial_entry_counted_in_hash_blocks(monkeypatch) -> None:
     import inspect
     import textwrap
 
+    from pagedkv.tools.peers.vllm_manager import _import_vllm
+
+    _import_vllm()  # vLLM's modules as the peer imports them
     import vllm.v1.core.block_pool as block_pool
 
     source = textwrap.dedent(inspect.getsource(block_pool.BlockPool.cache_partial_block))
@@ -833,6 +838,9 @@ def test_a_partial_entry_counted_in_hash_blocks_is_caught(monkeypatch):
 def test_an_under_reported_cached_prompt_is_caught(monkeypatch, layout):
     """A count short of the request's own cached blocks (one token less than vLLM's): caught at the first output,
     in one group (vLLM's unitary coordinator) and beside a window."""
+    from pagedkv.tools.peers.vllm_manager import _import_vllm
+
+    _import_vllm()
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     estimate = KVCacheManager.estimate_cached_tokens
@@ -843,6 +851,9 @@ def test_an_under_reported_cached_prompt_is_caught(monkeypatch, layout):
 
 def test_an_over_reported_cached_prompt_is_caught(monkeypatch):
     """A count past the tokens the request reserved (the whole table's capacity, say) is caught."""
+    from pagedkv.tools.peers.vllm_manager import _import_vllm
+
+    _import_vllm()
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     monkeypatch.setattr(KVCacheManager, "estimate_cached_tokens", lambda self, r: r.num_tokens + 1)

@@ -481,8 +481,9 @@ class ManagerMachine(RuleBasedStateMachine):
         partial entry on the request's own block holding token ``b`` once the group caches ``b`` tokens (vLLM's
         ``FullAttentionManager._cache_partial_tail_block`` through ``BlockPool.cache_partial_block``; the group
         caches :func:`.lookup.cacheable_tokens` of ``upto``). Recorded as ``req.partial[g] = (block, b)`` for
-        :meth:`cached_prompt_floor`, only where the count is judged (a coordinated layout)."""
-        if not (self.caps.cached_prompt and self.coordinated) or req.partial:
+        :meth:`cached_prompt_floor`, only where the count is judged (a coordinated layout), not for a prompt with
+        embeddings (its keys hash embedding slices)."""
+        if not (self.caps.cached_prompt and self.coordinated) or req.partial or req.embedded():
             return
         u = self.caps.block_size
         boundary = (req.num_prompt if self.eagle_server else req.num_prompt - 1) // u * u
