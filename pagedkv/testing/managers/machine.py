@@ -26,8 +26,10 @@ handed to anyone, a free deferred until its steps complete), the admission promi
 refused only when the pool is short of its need) and the window release promise (no block wholly before what
 the next query reads kept past a reservation), and, where hits land inside blocks (``hit_alignment``: vLLM's
 fine-grained partial hash hits), the replay promise (a live request stopped at its replay boundary holds every
-block of that hit, so a prompt sharing it hits at least there). Namespaces are drawn so that their encodings
-collide (a cache salt spelled like a LoRA name, one LoRA name at two paths) and multimodal inputs as
+block of that hit, so a prompt sharing it hits at least there), and the cached-prompt promise (``cached_prompt``:
+at a prefill's first output the count of prompt tokens cached that the manager reports, vLLM's
+``num_cache_creation_tokens``, reaches what the request's own tables hold cached). Namespaces are drawn so that
+their encodings collide (a cache salt spelled like a LoRA name, one LoRA name at two paths) and multimodal inputs as
 placeholder runs, so one image at two offsets in one block differs only in its offset.
 
 KV-cache groups (:class:`~.protocol.GroupSpec`, a layout of :data:`~.protocol.HYBRID_LAYOUTS` the manager
