@@ -34,19 +34,21 @@ class NoHitPromise(ReferenceManager):
 
 
 def test_each_promise_left_off_is_waived_where_it_applies_and_inputs_not_declared_are_not_drawn():
-    full = ManagerCapabilities(block_size=2, hit_promise=True, admission="chunk", eviction_order="lru")
+    full = ManagerCapabilities(block_size=2, hit_promise=True, admission="chunk", eviction_order="lru",
+                               cached_prompt=True)
     windowed = ManagerCapabilities(block_size=2, groups=GEMMA3, hit_promise=False, namespaces=False)
     summary = declarations.summarize([(full, 3), (windowed, 2)])
     promises = summary["promises"]
     assert summary["programs"] == 5
     assert promises["hit_promise"]["declared_in"] == 3 and promises["hit_promise"]["applicable_in"] == 5
     assert promises["window_release"] == {**promises["window_release"], "declared_in": 0, "applicable_in": 2}
-    assert summary["waived"] == ["hit_promise", "admission", "window_release", "eviction_order"]
+    assert summary["waived"] == ["hit_promise", "admission", "window_release", "eviction_order", "cached_prompt"]
     assert "namespaces" not in summary["not_drawn"] and "fork" in summary["not_drawn"]  # one program drew salts
     line = declarations.describe(summary)
     assert "waived (not declared): hit_promise (2 of 5 programs)" in line and "window_release (2 of 2" in line
     honest = declarations.summarize([(dataclasses.replace(windowed, hit_promise=True, admission="chunk",
-                                                          window_release=True, eviction_order="lru"), 1)])
+                                                          window_release=True, eviction_order="lru",
+                                                          cached_prompt=True), 1)])
     assert honest["waived"] == [] and "namespaces" in honest["not_drawn"]
 
 

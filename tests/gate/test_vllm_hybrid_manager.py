@@ -539,7 +539,9 @@ def test_a_boundary_sparse_retention_drops_is_caught(monkeypatch, what):
     """A window group that keeps the wrong blocks under sparse retention: the replay boundary moved past the
     prompt's last token, or the shared-prefix junction never passed to the mask; the resend (or the next
     sibling) misses what the promise says is kept ("the hit promise"), or a block the eviction model holds
-    cached returns to the free queue's front as uncached ("eviction order lru")."""
+    cached returns to the free queue's front as uncached ("eviction order lru"), or, the replay boundary moved, the
+    first prompt's window blocks kept nowhere its first output's cached-prompt count can see them ("under-reported":
+    the window block ending at the replay boundary was never hashed)."""
     import vllm.v1.core.kv_cache_coordinator as coordinator
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
@@ -551,7 +553,7 @@ def test_a_boundary_sparse_retention_drops_is_caught(monkeypatch, what):
         lookup = KVCacheManager.get_computed_blocks
         monkeypatch.setattr(KVCacheManager, "get_computed_blocks", lambda self, r: (*lookup(self, r)[:2], 0))
         tail = [[1]]
-    with pytest.raises(AssertionError, match="the hit promise|eviction order lru"):
+    with pytest.raises(AssertionError, match="the hit promise|eviction order lru|under-reported"):
         programs.run_program(_machine(("gemma3-sparse",), block_sizes=(1, 2, 4)), _sparse_program(tail))
 
 
@@ -807,3 +809,79 @@ def test_a_copy_whose_source_is_handed_out_again_delivers_what_it_read():
 
     programs.run_program(machine_for(vm.cache_manager, windows=vm.cache_manager_windows,
                                      layouts=("qwen3-next-fine",)), program)
+
+
+def _prompt_tail_program(layout: int = 0, features: int = 2, suffix=(5, 6)) -> list:
+    """``mixed-block-sizes`` (full attention of 4-token blocks, a window of 2-token blocks, hash block 2) with EAGLE
+    drafts asked for (``features`` 2): a 6-token prompt computed in one step, so that the full group keeps its
+    tail at token 6, inside its second block, as a partial entry (``_cache_partial_tail_block``)."""
+    prompt = {"namespace": None, "extra": None, "write_now": True, "image_at": 0, "stored": 0}
+    return [("start", {"num_blocks": 12, "block_size": 1, "num_layers": 1, "window": 3, "layout": layout,
+                       "features": features}),
+            ("system_prompts", {"prompts": [[1, 2, 3, 4]]}),
+            ("add", {**prompt, "system": [1, 2, 3, 4], "suffix": list(suffix), "chunk": 7})]
+
+
+def _partial_entry_counted_in_hash_blocks(monkeypatch) -> None:
+    """``BlockPool.cache_partial_block`` recording a partial entry's ``num_hash_blocks`` as its token count (the
+    mutant ``block_pool-0037`` of vLLM's ``block_pool.py``)."""
+    import inspect
+    import textwrap
+
+    from pagedkv.tools.peers.vllm_manager import _import_vllm
+
+    _import_vllm()  # vLLM's modules as the peer imports them
+    import vllm.v1.core.block_pool as block_pool
+
+    source = textwrap.dedent(inspect.getsource(block_pool.BlockPool.cache_partial_block))
+    assert source.count("num_tokens=num_hash_blocks * self.hash_block_size") == 1
+    namespace = {}
+    exec(compile(source.replace("num_tokens=num_hash_blocks * self.hash_block_size", "num_tokens=num_hash_blocks"),
+                 block_pool.__file__, "exec"), block_pool.__dict__, namespace)
+    monkeypatch.setattr(block_pool.BlockPool, "cache_partial_block", namespace["cache_partial_block"])
+
+
+def test_the_cached_prompt_count_covers_the_prompt_tail_entry():
+    """vLLM's ``estimate_cached_tokens`` (the ``num_cache_creation_tokens`` of a ``RequestOutput``) after the
+    prefill: 6 tokens of a 6-token prompt, the full group's partial entry at 6 and the window's block ending there
+    (EAGLE caches one window block past the scheduler block); the machine's floor is 6 and the release meets it."""
+    m = _manager("mixed-block-sizes", num_speculative_tokens=3)
+    _prefill(m, 0, [1, 2, 3, 4, 5, 6], chunk=7)
+    assert m.capabilities.cached_prompt and m.cached_prompt_tokens(0) == 6
+    programs.run_program(_machine(("mixed-block-sizes",), block_sizes=(1, 2, 4)), _prompt_tail_program())
+
+
+def test_a_partial_entry_counted_in_hash_blocks_is_caught(monkeypatch):
+    """The partial entry's count in hash blocks (3 for 6 tokens): the prefill's first output reports the 4 tokens
+    of the full block before it, 2 of the prompt's tokens written to the cache unbilled. Fails before: nothing read
+    the count (vLLM's own tests read ``block_hash_num_tokens``; the machine judged no count)."""
+    _partial_entry_counted_in_hash_blocks(monkeypatch)
+    with pytest.raises(AssertionError, match="reports 4 of its 6 prompt tokens cached, but its block tables hold 6"):
+        programs.run_program(_machine(("mixed-block-sizes",), block_sizes=(1, 2, 4)), _prompt_tail_program())
+
+
+@pytest.mark.parametrize("layout", ["one-group", "gemma3"])
+def test_an_under_reported_cached_prompt_is_caught(monkeypatch, layout):
+    """A count short of the request's own cached blocks (one token less than vLLM's): caught at the first output,
+    in one group (vLLM's unitary coordinator) and beside a window."""
+    from pagedkv.tools.peers.vllm_manager import _import_vllm
+
+    _import_vllm()
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    estimate = KVCacheManager.estimate_cached_tokens
+    monkeypatch.setattr(KVCacheManager, "estimate_cached_tokens", lambda self, r: max(0, estimate(self, r) - 1))
+    with pytest.raises(AssertionError, match="prompt tokens written to the cache are under-reported"):
+        programs.run_program(_machine((layout,), block_sizes=(1, 2, 4)), _prompt_tail_program(features=0))
+
+
+def test_an_over_reported_cached_prompt_is_caught(monkeypatch):
+    """A count past the tokens the request reserved (the whole table's capacity, say) is caught."""
+    from pagedkv.tools.peers.vllm_manager import _import_vllm
+
+    _import_vllm()
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    monkeypatch.setattr(KVCacheManager, "estimate_cached_tokens", lambda self, r: r.num_tokens + 1)
+    with pytest.raises(AssertionError, match="cached prompt tokens; it reserved"):
+        programs.run_program(_machine(("gemma3",), block_sizes=(1, 2, 4)), _prompt_tail_program(features=0))

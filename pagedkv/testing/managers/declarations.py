@@ -26,6 +26,10 @@ PROMISES = {
                        "right after a reservation, a window's or chunk's blocks no later query reads are -1"),
     "eviction_order": (lambda c: c.eviction_order == "lru",
                        "blocks handed out afresh come from the front of an LRU free queue (only 'lru' is judged)"),
+    "cached_prompt": (lambda c: bool(c.cached_prompt),
+                      "right after a prefill's first output, the cached prompt tokens reported are at least what the "
+                      "request's own tables hold cached (full blocks, prompt-tail entries) and at most what it "
+                      "reserved (judged where every group is full attention or a sliding window)"),
 }
 
 #: Inputs and calls the machine draws only for a manager that declares them: name -> what goes undrawn.

@@ -26,8 +26,10 @@ handed to anyone, a free deferred until its steps complete), the admission promi
 refused only when the pool is short of its need) and the window release promise (no block wholly before what
 the next query reads kept past a reservation), and, where hits land inside blocks (``hit_alignment``: vLLM's
 fine-grained partial hash hits), the replay promise (a live request stopped at its replay boundary holds every
-block of that hit, so a prompt sharing it hits at least there). Namespaces are drawn so that their encodings
-collide (a cache salt spelled like a LoRA name, one LoRA name at two paths) and multimodal inputs as
+block of that hit, so a prompt sharing it hits at least there), and the cached-prompt promise (``cached_prompt``:
+at a prefill's first output the count of prompt tokens cached that the manager reports, vLLM's
+``num_cache_creation_tokens``, reaches what the request's own tables hold cached). Namespaces are drawn so that
+their encodings collide (a cache salt spelled like a LoRA name, one LoRA name at two paths) and multimodal inputs as
 placeholder runs, so one image at two offsets in one block differs only in its offset.
 
 KV-cache groups (:class:`~.protocol.GroupSpec`, a layout of :data:`~.protocol.HYBRID_LAYOUTS` the manager
@@ -139,6 +141,10 @@ class Request:
     # under EAGLE: ManagerMachine.pool_entries when the reservation reaching its replay boundary began (None: none
     # yet, or its boundary state is not its own: a hit past it, an eviction, a reset)
     replay_open: int | None = None
+    # group -> (block, tokens): a partial entry of its prompt's tail the machine knows it registered on its own block
+    # (ManagerMachine.note_partial_tail); reported: its cached-prompt count was judged (capabilities.cached_prompt)
+    partial: dict = dataclasses.field(default_factory=dict)
+    reported: bool = False
 
     def pending(self) -> bool:
         return bool(self.in_flight) or self.loading is not None or self.storing
@@ -464,6 +470,80 @@ class ManagerMachine(RuleBasedStateMachine):
             self.register(rid, req, req.committed)
         self.settle(rid)
         self.account(before, "commit")
+        if self.caps.cached_prompt and rid in self.live and not req.reported and req.committed >= req.num_prompt:
+            req.reported = True
+            self.judge_cached_prompt(rid, req)
+
+    # -- the cached-prompt count (capabilities.cached_prompt) ----------------------------------------------
+    def note_partial_tail(self, rid: int, req: Request, upto: int) -> None:
+        """A reservation caching ``upto`` tokens of ``req``: where a full-attention group's block is wider than the
+        hash block (``capabilities.block_size``, ``u``), the prompt's tail is kept at hash-block granularity: its
+        last whole hash block boundary ``b`` (``floor((P - 1) / u) * u`` of a prompt of ``P`` tokens, the most a
+        resend hits; ``floor(P / u) * u`` where the engine runs EAGLE, whose lookup reads the whole prompt) is a
+        partial entry on the request's own block holding token ``b`` once the group caches ``b`` tokens (vLLM's
+        ``FullAttentionManager._cache_partial_tail_block`` through ``BlockPool.cache_partial_block``; the group
+        caches :func:`.lookup.cacheable_tokens` of ``upto``). Recorded as ``req.partial[g] = (block, b)`` for
+        :meth:`cached_prompt_floor`, only where the count is judged (a coordinated layout), not for a prompt with
+        embeddings (its keys hash embedding slices)."""
+        if not (self.caps.cached_prompt and self.coordinated) or req.partial or req.embedded():
+            return
+        u = self.caps.block_size
+        boundary = (req.num_prompt if self.eagle_server else req.num_prompt - 1) // u * u
+        tables = None
+        for g, group in enumerate(self.groups):
+            bs = self.gbs[g]
+            if (group.kind != "full" or bs <= u or boundary <= 0 or not boundary % bs
+                    or boundary > lookup.cacheable_tokens(upto, bs, self.bs, self.eagle)):
+                continue
+            tables = tables or self.m.block_table(rid)
+            if boundary // bs < len(tables[g]) and tables[g][boundary // bs] >= 0:
+                req.partial[g] = (tables[g][boundary // bs], boundary)
+
+    def cached_prompt_floor(self, rid: int, req: Request) -> int | None:
+        """The least cached-prompt count the request's tables allow (:meth:`judge_cached_prompt`): per group the
+        furthest end of a block of its table the model knows is cached at that position (:attr:`cached`: a full
+        block ending at token ``(i + 1) * block_size`` of this request's prefix) or of its partial entry
+        (:attr:`Request.partial`, still in the table), the least over the groups; ``None`` where not judged (a
+        group neither full attention nor a sliding window, the hit promise not declared, the model not knowing
+        what is cached). A lower bound: what the model records is what the hit promise holds the manager to."""
+        if not (self.caps.hit_promise and self.model_known) or any(
+                g.kind not in ("full", "sliding_window") for g in self.groups):
+            return None
+        tables, floor = self.m.block_table(rid), None
+        for g, table in enumerate(tables):
+            bs, best = self.gbs[g], 0
+            for i, block in enumerate(table):
+                end = (i + 1) * bs
+                if block < 0 or end > len(req.identities):
+                    continue
+                ident = ("embedded", req.identities[end - 1]) if req.embedded() else req.identities[end - 1]
+                if self.cached.get(block) == (g, ident):
+                    best = end
+            block, boundary = req.partial.get(g, (-1, 0))
+            if boundary and boundary // bs < len(table) and table[boundary // bs] == block:
+                best = max(best, boundary)
+            floor = best if floor is None else min(floor, best)
+        return floor
+
+    def judge_cached_prompt(self, rid: int, req: Request) -> None:
+        """The cached-prompt promise (``capabilities.cached_prompt``), judged right after the step computing the
+        prompt's last token completes (when vLLM's scheduler reads ``estimate_cached_tokens`` for the request's
+        ``num_cache_creation_tokens``): the count is at least :meth:`cached_prompt_floor` (what the request's own
+        tables hold cached: a count below it under-reports the prompt tokens written to the cache) and at most the
+        tokens the request reserved (nothing past them is cached).
+
+        Raises:
+            AssertionError: the count is not an int, is below the floor or above the reserved tokens.
+        """
+        got = self.m.cached_prompt_tokens(rid)
+        floor = self.cached_prompt_floor(rid, req)
+        assert isinstance(got, int) and 0 <= got <= req.reserved, \
+            f"request {rid}: its prefill's first output reports {got!r} cached prompt tokens; it reserved " \
+            f"{req.reserved} (the count is a token count no larger)"
+        assert floor is None or got >= floor, \
+            f"request {rid}: its prefill's first output reports {got} of its {req.num_prompt} prompt tokens cached, " \
+            f"but its block tables hold {floor} cached (every group's own cached blocks and prompt-tail entries): " \
+            f"the prompt tokens written to the cache are under-reported"
 
     # -- the model of the free queue, the hit promise and in-flight reads ------------------------------
     def settle(self, rid: int) -> None:
@@ -797,6 +877,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if not self.caps.defers_commit:
             # cached at reserve time (K/V written in the same step), less the re-prefillable tail
             self.register(rid, req, req.reserved - drafts - self.reprefill)
+            self.note_partial_tail(rid, req, req.reserved - drafts - self.reprefill)
         if drafts or write_now and not req.in_flight or not (self.caps.defers_commit or self.caps.async_steps):
             self.write(rid, req, slots, start, drafts)
             self.propose(rid, req)

@@ -313,6 +313,13 @@ class ManagerCapabilities:
             "align" group's block exceeds it); a hit may then end inside a block of every group, each group's
             admitted blocks being ``ceil(num_cached / block_size)``, the last one partly hit (copied on write
             before the request writes past the hit). ``None``: whole blocks of every group.
+        cached_prompt: the manager reports, once a request's prefill produced its first output (the step computing
+            its prompt's last token completed), how many of its prompt's leading tokens the prefix cache holds under
+            the request's own block tables (:meth:`CachedPromptCalls.cached_prompt_tokens`; vLLM's
+            ``KVCacheManager.estimate_cached_tokens``, which ``PrefillStats.finalize`` turns into the
+            ``num_cache_creation_tokens`` of a ``RequestOutput``: ``min(reported, prompt) - num_cached_tokens``, the
+            prompt tokens an API bills as written to the cache). Judged where every group is full attention or a
+            sliding window and the machine knows what is cached (:meth:`~.machine.ManagerMachine.judge_cached_prompt`).
     """
 
     block_size: int
@@ -345,11 +352,13 @@ class ManagerCapabilities:
     reprefill: int = 0
     eagle_margin: bool = True
     hit_alignment: int | None = None
+    cached_prompt: bool = False
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""
         have = [n for n in ("fork", "namespaces", "extra_keys", "preempt", "resume", "evict", "reset", "defers_commit",
-                            "hit_promise", "async_steps", "connector", "speculative", "prompt_embeds", "kv_events")
+                            "hit_promise", "async_steps", "connector", "speculative", "prompt_embeds", "kv_events",
+                            "cached_prompt")
                 if getattr(self, n)]
         layout = (f"groups {', '.join(_group_name(g) for g in self.groups)}" if self.groups else
                   f"block_size {self.block_size}, window {self.window}")
@@ -485,6 +494,19 @@ class SpeculativeCalls(Protocol):
 
         Raises:
             ValueError: ``num_rejected`` negative or above the last reservation's ``num_draft``."""
+
+
+@runtime_checkable
+class CachedPromptCalls(Protocol):
+    """What a manager with ``capabilities.cached_prompt`` answers besides :class:`CacheManager`."""
+
+    def cached_prompt_tokens(self, request_id: int) -> int:
+        """Tokens (a count, >= 0) of the request's leading tokens that the prefix cache holds under the blocks its
+        tables hold now, the least over its KV-cache groups: per group the furthest token position any of its
+        blocks is cached up to (a full block's end, or a partial entry's last whole hash block where a group's
+        block is wider than the hash block). Asked right after the step that computed the prompt's last token
+        completes (vLLM's ``KVCacheManager.estimate_cached_tokens``, read by ``Scheduler.update_from_output`` for
+        ``PrefillStats.finalize``)."""
 
 
 @runtime_checkable

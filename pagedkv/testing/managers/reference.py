@@ -72,7 +72,8 @@ class ReferenceManager:
         self.capabilities = ManagerCapabilities(
             block_size=min(g.block_size for g in self.groups), extra_keys=True, prompt_embeds=True, defers_commit=True,
             hit_promise=True, groups=self.groups, connector=config.connector,
-            speculative=config.num_speculative_tokens > 0, admission="whole-hit", window_release=True)
+            speculative=config.num_speculative_tokens > 0, admission="whole-hit", window_release=True,
+            cached_prompt=True)
 
     # -- the pool -----------------------------------------------------------------------------------
     def _take(self) -> int:
@@ -255,6 +256,17 @@ class ReferenceManager:
 
     def block_table(self, request_id: int) -> tuple[list[int], ...]:
         return tuple(list(t) for t in self.requests[request_id].tables)
+
+    def cached_prompt_tokens(self, request_id: int) -> int:
+        """The least over the groups of the furthest end of a block of the request's table cached under the
+        request's own key at that position (``protocol.CachedPromptCalls``; vLLM's ``estimate_cached_tokens``)."""
+        req, counts = self.requests[request_id], []
+        for g, group in enumerate(self.groups):
+            bs, table = group.block_size, req.tables[g]
+            counts.append(max([(i + 1) * bs for i, block in enumerate(table) if block >= 0
+                               and (i + 1) * bs <= len(req.tokens)
+                               and self.block_key.get(block) == self._key(req, g, i)] or [0]))
+        return min(counts)
 
     def holds(self, request_id: int) -> bool:
         return request_id in self.requests

@@ -471,7 +471,8 @@ class VllmHybridCacheManager(VllmCacheManager):
                                                 reprefill=max(0, self.num_prefill_lookahead - 1),
                                                 # one group: vLLM's unitary coordinator looks no block past the cap
                                                 eagle_margin=len(self.groups) > 1, owns_pools=self.fine_grained,
-                                                hit_alignment=self.hash_block_size if self.fine_grained else None)
+                                                hit_alignment=self.hash_block_size if self.fine_grained else None,
+                                                cached_prompt=True)
 
     # -- admission and the connector --------------------------------------------------------------------
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,

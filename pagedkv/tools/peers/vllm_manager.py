@@ -199,7 +199,7 @@ class VllmCacheManager:
                                                 hit_promise=caches, async_steps=True, resume=True,
                                                 admission="sequence" if config.full_sequence_must_fit else "chunk",
                                                 window_release=True,
-                                                prompt_embeds=True, kv_events=True)
+                                                prompt_embeds=True, kv_events=True, cached_prompt=True)
 
     def _request(self, request_id, token_ids, namespace, extra_keys):
         v = self.v
@@ -298,6 +298,12 @@ class VllmCacheManager:
             blocks, _ = self.pending[request_id]
             return self._ids(blocks.get_block_ids()[0])
         return self._ids(self.manager.get_block_ids(str(request_id))[0])
+
+    def cached_prompt_tokens(self, request_id: int) -> int:
+        """``KVCacheManager.estimate_cached_tokens(request)``: the least over the prefix-cacheable groups of the
+        furthest ``block_hash_num_tokens`` among the request's blocks (what ``Scheduler.update_from_output`` hands
+        ``PrefillStats.finalize`` at the request's first output)."""
+        return self.manager.estimate_cached_tokens(self.requests[request_id])
 
     def holds(self, request_id: int) -> bool:
         managers = self.manager.coordinator.single_type_managers
