@@ -885,3 +885,45 @@ def test_an_over_reported_cached_prompt_is_caught(monkeypatch):
     monkeypatch.setattr(KVCacheManager, "estimate_cached_tokens", lambda self, r: r.num_tokens + 1)
     with pytest.raises(AssertionError, match="cached prompt tokens; it reserved"):
         programs.run_program(_machine(("gemma3",), block_sizes=(1, 2, 4)), _prompt_tail_program(features=0))
+
+
+def _served_after_a_pause() -> list:
+    """gemma3 (a window of 4 tokens) with a connector in a pool of 8 blocks: a one-token chat turn served, then the
+    user's reply of two tokens after a pause (:meth:`ManagerMachine.pause`): the store holds the whole prompt, one
+    block past the conversation, beside the local hit whose window block the deferred free put at the queue's
+    front."""
+    return [("system_prompts", {"prompts": [[0]]}),
+            ("start", {"num_blocks": 8, "block_size": 0, "num_layers": 2, "window": 3, "layout": 0, "features": 1}),
+            ("serve", {"system": [0], "suffix": [], "namespace": None, "extra": None, "image_at": 0, "tail": 0,
+                       "tokens": [0], "reply": [0, 0]})]
+
+
+def test_a_reply_after_a_pause_passes_the_machine():
+    """The release: the reply's load beside the local hit touches every group's hit before any group's external
+    blocks are allocated."""
+    programs.run_program(_machine(("gemma3",), block_sizes=(1,)), _served_after_a_pause())
+
+
+def test_external_alloc_before_all_touched_is_caught_in_a_served_reply(monkeypatch):
+    """The planted fault ``external-alloc-before-all-touched`` (vllm#44409 / #33775): group 0 allocates its
+    connector blocks before the window group touches its hit, taking that hit block from the free queue's front
+    (one block in two groups). ``serve``'s reply after a pause reaches it. Fails before (the reply came at once,
+    its prompt within the local hit: no load)."""
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+
+    def one_phase(self, request_id, new_computed_blocks, num_local_computed_tokens, num_external_computed_tokens,
+                  skip_zeroing_group_ids=()):
+        if any(request_id in manager.num_cached_block for manager in self.single_type_managers):
+            return
+        for i, manager in enumerate(self.single_type_managers):
+            manager.add_local_computed_blocks(request_id, new_computed_blocks[i], num_local_computed_tokens,
+                                              num_external_computed_tokens)
+            if num_external_computed_tokens > 0:
+                manager.allocate_external_computed_blocks(request_id, num_local_computed_tokens,
+                                                          num_external_computed_tokens,
+                                                          record_for_zeroing=i not in skip_zeroing_group_ids)
+
+    _manager("gemma3")  # imports vLLM as the peer does
+    monkeypatch.setattr(KVCacheCoordinator, "allocate_new_computed_blocks", one_phase)
+    with pytest.raises(AssertionError, match="which another KV-cache group of the request holds"):
+        programs.run_program(_machine(("gemma3",), block_sizes=(1,)), _served_after_a_pause())

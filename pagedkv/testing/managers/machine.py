@@ -1213,17 +1213,28 @@ class ManagerMachine(RuleBasedStateMachine):
                  tokens=tokens, **({"reply": reply} if reply is not None else {}))
         prompt, extras = self.prompt(system, suffix, extra, image_at, more, None, tail)
         namespace = namespace if self.caps.namespaces else None
+        elsewhere, conversation = 0, None
         for _ in range(1 if reply is None else 2):
+            if conversation is not None:
+                # the reply comes after a pause (its length less one: the blocks the conversation went on elsewhere)
+                elsewhere = self.pause(max(0, len(reply) - 1), conversation)
+                if elsewhere:
+                    self.judge_now()
+                prompt = [*conversation.tokens[:conversation.written], *[0] * elsewhere, *reply] or [0]
+                extras = whole_inputs(conversation.extras, conversation.written)
             rid = self.new_id()
-            if not self.admit(rid, prompt, namespace, extras, len(prompt), True):
+            if not self.admit(rid, prompt, namespace, extras, len(prompt), True, store_ahead=bool(elsewhere)):
                 return
             req = self.live[rid]
+            if req.loading is not None:  # the store's blocks past the local hit loaded first
+                self.judge_now()
+                self.finish_load_rid(rid, True)
             self.judge_now()
             self.decode_tokens(rid, tokens)
             self.judge_now()
             self.release(rid)
             self.judge_now()
-            prompt, extras = [*req.tokens[:req.written], *(reply or ())] or [0], whole_inputs(req.extras, req.written)
+            conversation = req
 
     def attach(self, start: int, suffix: list, more, tail: int) -> tuple[list, dict]:
         """``add``'s attachments: the suffix with the inputs of ``more`` (``(input, gap)``, last first) inserted at
