@@ -1,0 +1,123 @@
+"""How often the gate's searches reach the cache where ``eagle-reverify-skipped`` differs from vLLM: every EAGLE
+lookup the machine models (``ManagerMachine.coordinated_hit``, under EAGLE) is run through
+:func:`pagedkv.testing.managers.lookup.coordinated_hit` as it is (a verified group that shrinks the candidate
+clears every EAGLE verification, vLLM's ``eagle_verified.clear()``) and as the fault has it (the clear skipped),
+over the same modelled cache; a lookup where the two hits differ is one the machine would judge the fault at.
+
+    python bench/eagle_reverify_reach.py --layouts deepseek-v4 two-window-block-sizes --seeds d 1 2 --json X.json
+
+Each search is the release's (vLLM unmodified) kill-rate search of the layout (``bench/
+vllm_mutant_layout_kill_rate.py``: ``property_seed(seed, "cache_manager")``, ``manager_kill_rate_settings``), or,
+for ``d``, the layout's derandomized search under ``ci``'s settings. Per search: programs, modelled EAGLE lookups,
+those with a positive hit, those whose loop ran more than one pass, those where a verified group shrank the
+candidate (the clear ran), and those where the fault's hit differs (``differ``), with the first few programs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import inspect
+import json
+import sys
+import time
+
+
+def _loops():
+    """``(exact, fault)``: the model's coordinated lookup, counting into a Counter, and the fault's copy."""
+    from pagedkv.testing.managers import lookup
+
+    source = inspect.getsource(lookup.coordinated_hit)
+    clear = "elif new < curr:\n                verified.clear()"
+    assert source.count(clear) == 1 and source.count("    while True:\n") == 1
+    source = source.replace("def coordinated_hit(", "def coordinated_hit(stats, reverify, ")
+    source = source.replace(clear, "elif new < curr:\n                stats['clears'] += 1\n"
+                                   "                if reverify:\n                    verified.clear()")
+    source = source.replace("    while True:\n", "    while True:\n        stats['passes'] += 1\n")
+    namespace = dict(vars(lookup))
+    exec(compile(source, lookup.__file__, "exec"), namespace)  # noqa: S102 - the model's own source, edited
+    loop = namespace["coordinated_hit"]
+    return (lambda stats, *a: loop(stats, True, *a)), (lambda stats, *a: loop(stats, False, *a))
+
+
+def search(layout: str, seed: str, programs_per_search: int) -> dict:
+    from hypothesis import Phase, settings
+
+    from pagedkv.testing.hypothesis_internals import forced_seed
+    from pagedkv.testing.managers import lookup, programs
+    from pagedkv.testing.managers.machine import ManagerMachine, machine_for
+    from pagedkv.testing.settings import manager_kill_rate_settings, manager_settings, suite_settings
+    from pagedkv.tools.mutants.kill_rates import MANAGER_MACHINE, property_seed
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    exact, fault = _loops()
+    counts: collections.Counter = collections.Counter()
+    found: list[str] = []
+    original = ManagerMachine.coordinated_hit
+
+    def probed(self, req):
+        out = original(self, req)
+        if not self.eagle:
+            return out
+        still = [set() for _ in self.groups]
+        for g, ident in self.cached.values():
+            still[g].add(ident)
+        args = (self.groups, lambda g, end: req.identities[end - 1] in still[g],
+                len(req.tokens) - self.caps.min_computed_on_full_hit, len(req.tokens) // self.caps.block_size
+                * self.caps.block_size, self.bs, True)
+        stats: collections.Counter = collections.Counter()
+        hit, _ = exact(stats, *args)
+        assert (hit, _) == lookup.coordinated_hit(*args)
+        wrong, _ = fault(collections.Counter(), *args)
+        counts["lookups"] += 1
+        counts["hit"] += hit > 0
+        counts["passes>1"] += stats["passes"] > 1
+        counts["cleared"] += stats["clears"] > 0
+        if wrong != hit:
+            counts["differ"] += 1
+            if len(found) < 3:
+                found.append(f"hit {hit}, fault {wrong}:\n" + programs.as_text(list(self.record or [])))
+        return out
+
+    ManagerMachine.coordinated_hit = probed
+    try:
+        machine = machine_for(vm.cache_manager, windows=vm.cache_manager_windows, layouts=(layout,), name=layout)
+        t0 = time.perf_counter()
+        if seed == "d":
+            base = manager_settings(programs_per_search, 30, base=suite_settings())
+            s = settings(base, phases=(Phase.explicit, Phase.generate), derandomize=True)
+            context = contextlib.nullcontext()
+        else:
+            s = manager_kill_rate_settings(programs_per_search)
+            context = forced_seed(property_seed(int(seed), MANAGER_MACHINE))
+        with context:
+            steps = programs.run_recorded(machine, s)
+    finally:
+        ManagerMachine.coordinated_hit = original
+    return {"layout": layout, "seed": seed, "programs": machine.examples_run,
+            **{k: counts[k] for k in ("lookups", "hit", "passes>1", "cleared", "differ")},
+            "passed": steps is None, "error": steps.error.splitlines()[0][:240] if steps else "",
+            "seconds": round(time.perf_counter() - t0, 1), "found": found}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layouts", nargs="+", default=["deepseek-v4", "two-window-block-sizes"])
+    parser.add_argument("--seeds", nargs="+", default=["d", "1", "2", "3"], help="d (derandomized) or integers")
+    parser.add_argument("--programs", type=int, default=100, help="programs per search (ci: 100)")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    rows = []
+    for layout in args.layouts:
+        for seed in args.seeds:
+            rows.append(search(layout, seed, args.programs))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "found"}), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
