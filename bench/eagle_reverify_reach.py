@@ -14,7 +14,8 @@ positive length (``repass``: the next pass looks up below a hit), those where a 
 a positive length after another window group had verified it (``window-shrink``: the first half of the fault's
 state), those where a verified group shrank it (``cleared``: the clear ran), and those where the fault's hit
 differs (``differ``), with the first few programs. ``--revisit``: the same searches with one candidate traffic
-shape added (:func:`with_revisit`).
+shape added (:func:`with_revisit`); ``--retention N``: the layouts served with sparse prefix-cache retention
+(``protocol.LAYOUT_RETENTION``; the gate serves these two layouts dense).
 """
 
 from __future__ import annotations
@@ -86,16 +87,19 @@ def with_revisit(machine_class):
     return Revisited
 
 
-def search(layout: str, seed: str, programs_per_search: int, revisit: bool = False) -> dict:
+def search(layout: str, seed: str, programs_per_search: int, revisit: bool = False,
+           retention: int | None = None) -> dict:
     from hypothesis import Phase, settings
 
     from pagedkv.testing.hypothesis_internals import forced_seed
-    from pagedkv.testing.managers import lookup, programs
+    from pagedkv.testing.managers import lookup, programs, protocol
     from pagedkv.testing.managers.machine import ManagerMachine, machine_for
     from pagedkv.testing.settings import manager_kill_rate_settings, manager_settings, suite_settings
     from pagedkv.tools.mutants.kill_rates import MANAGER_MACHINE, property_seed
     from pagedkv.tools.peers import vllm_hybrid_manager as vm
 
+    if retention is not None:  # the layout served with sparse retention, for this measurement only
+        protocol.LAYOUT_RETENTION[layout] = retention
     exact, fault = _loops()
     counts: collections.Counter = collections.Counter()
     found: list[str] = []
@@ -157,12 +161,14 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", nargs="+", default=["d", "1", "2", "3"], help="d (derandomized) or integers")
     parser.add_argument("--programs", type=int, default=100, help="programs per search (ci: 100)")
     parser.add_argument("--revisit", action="store_true", help="the machine with the candidate rule revisit")
+    parser.add_argument("--retention", type=int, help="serve the layouts with this prefix-cache retention interval "
+                        "(scheduler blocks; 0: vLLM 0.32's engine default), patched in for the measurement only")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     rows = []
     for layout in args.layouts:
         for seed in args.seeds:
-            rows.append(search(layout, seed, args.programs, args.revisit))
+            rows.append(search(layout, seed, args.programs, args.revisit, args.retention))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "found"}), flush=True)
     if args.json:
         with open(args.json, "w") as f:
