@@ -43,7 +43,7 @@ def _loops():
     drop, end = "            if drop:\n", "        hit_length = curr\n"
     assert source.count(drop) == 1 and source.count(end) == 1
     source = source.replace(drop, "            stats['wshrink'] += kind != 'full' and 0 < new < curr and any(\n"
-                            "                order[i][0][0] != 'full' for i in verified)\n" + drop)
+                            "                order[i][0][0] != 'full' for i in verified - {idx})\n" + drop)
     source = source.replace(end, "        stats['repass'] += curr > 0\n" + end)
     namespace = dict(vars(lookup))
     exec(compile(source, lookup.__file__, "exec"), namespace)  # noqa: S102 - the model's own source, edited
