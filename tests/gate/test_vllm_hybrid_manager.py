@@ -927,3 +927,22 @@ def test_external_alloc_before_all_touched_is_caught_in_a_served_reply(monkeypat
     monkeypatch.setattr(KVCacheCoordinator, "allocate_new_computed_blocks", one_phase)
     with pytest.raises(AssertionError, match="which another KV-cache group of the request holds"):
         programs.run_program(_machine(("gemma3",), block_sizes=(1,)), _served_after_a_pause())
+
+
+def test_a_junction_of_a_prompt_with_embeddings_is_not_taken_for_zero():
+    """Two samples (``n=2``) of one prompt with embeddings under sparse retention: vLLM keeps the second sample's
+    window blocks at the junction the first one's full-attention blocks make (its keys hash embedding bytes the
+    model does not see). Fails before (the model took the junction for 0, counted those window blocks uncached and
+    judged their place in the free queue: "blocks [22] handed out while [15, 16] ... are at the front")."""
+    program = [("system_prompts", {"prompts": [[2, 2, 3]]}),
+               ("start", {"num_blocks": 12, "block_size": 0, "num_layers": 2, "window": 2, "layout": 0,
+                          "features": 0, "pool_per_group": True}),
+               ("add", {"system": [2, 2, 3], "suffix": [1, 1, 1, 3, 2, 1], "namespace": None, "extra": None,
+                        "chunk": 4, "write_now": True, "n": 2, "embeds": ["embeds-0", 0, 2]}),
+               ("decode", {"rid": 1, "tokens": [3, 2]})]
+    _manager("gemma3-sparse")  # imports vLLM as the peer does
+    from pagedkv.testing.managers.machine import machine_for
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    programs.run_program(machine_for(vm.cache_manager, block_sizes=(1, 2, 4), windows=(None, 0, 1, 4),
+                                     layouts=("gemma3-sparse",)), program)

@@ -447,8 +447,10 @@ class ManagerMachine(RuleBasedStateMachine):
     def junction(self, req: Request, cached: int) -> int | None:
         """vLLM's shared-prefix junction of an admission with agreed hit ``cached``: the full-attention groups'
         own hit (whole scheduler blocks, the last token left to compute) where it runs past ``cached`` (a
-        sparse group kept no boundary there), else 0; ``None`` where the model does not know what is cached."""
-        if not self.model_known:
+        sparse group kept no boundary there), else 0; ``None`` where the model does not know what is cached, or
+        the prompt has embeddings (vLLM keys its blocks by embedding bytes the model does not see, so which of
+        another request's blocks it hits, and the junction, are not known)."""
+        if not self.model_known or req.embedded():
             return None
         if self.coordinated:  # KVCacheManager.get_computed_blocks: the junction is the longest group hit
             hit, longest = self.coordinated_hit(req)
