@@ -153,6 +153,13 @@ class Request:
         """Its prompt carries embedding rows (an engine keys every block of it by its embeddings then)."""
         return bool(prompt_embedding_rows(self.extras.items(), self.num_prompt))
 
+    def cache_key(self, end: int):
+        """What the model files its block ending at token ``end`` under (:attr:`ManagerMachine.cached`): the last
+        token's identity, marked ``"embedded"`` for a prompt with embeddings (vLLM keys each of its blocks by the
+        embeddings' bytes there: zero rows at tokens, a slice cut at the prompt's end, so only its own kind may be
+        promised it)."""
+        return ("embedded", self.identities[end - 1]) if self.embedded() else self.identities[end - 1]
+
     def truncate(self, n: int) -> None:
         """Drop tokens from ``n`` on (rejected drafts)."""
         del self.tokens[n:], self.identities[n:]
@@ -401,10 +408,7 @@ class ManagerMachine(RuleBasedStateMachine):
             for end in range(bs, aligned + 1, bs):
                 block = table[end // bs - 1] if end // bs - 1 < len(table) else -1
                 if block >= 0 and group.kind != "mamba" and (end // bs - 1 in reachable or group.kind == "full"):
-                    # a prompt with embeddings: vLLM keys each of its blocks by the embeddings' bytes there (zero
-                    # rows at tokens, a slice cut at the prompt's end), so only its own kind may be promised it
-                    ident = req.identities[end - 1]
-                    self.cached[block] = (g, ("embedded", ident) if req.embedded() else ident)
+                    self.cached[block] = (g, req.cache_key(end))
 
     def register_coordinated(self, req: Request, tables: tuple, upto: int) -> None:
         """What vLLM caches of a request with ``upto`` tokens computed, by group: the full blocks below
@@ -425,8 +429,7 @@ class ManagerMachine(RuleBasedStateMachine):
                                               self.caps.retention_interval, boundaries))
             for i in kept:
                 if i < len(table) and table[i] >= 0:
-                    ident = req.identities[(i + 1) * bs - 1]
-                    self.cached[table[i]] = (g, ("embedded", ident) if req.embedded() else ident)
+                    self.cached[table[i]] = (g, req.cache_key((i + 1) * bs))
 
     @property
     def eagle(self) -> bool:
@@ -518,8 +521,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 end = (i + 1) * bs
                 if block < 0 or end > len(req.identities):
                     continue
-                ident = ("embedded", req.identities[end - 1]) if req.embedded() else req.identities[end - 1]
-                if self.cached.get(block) == (g, ident):
+                if self.cached.get(block) == (g, req.cache_key(end)):
                     best = end
             block, boundary = req.partial.get(g, (-1, 0))
             if boundary and boundary // bs < len(table) and table[boundary // bs] == block:
