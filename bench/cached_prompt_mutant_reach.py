@@ -12,6 +12,7 @@ the count of such runs.
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import random
 import sys
@@ -69,9 +70,11 @@ def drive(name: str, bs: int, spec: int, seed: int, mutant: bool) -> list:
     return log
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("layouts", nargs="+", help="layout names of pagedkv.testing.managers.protocol.HYBRID_LAYOUTS")
     differ = total = 0
-    for name in sys.argv[1:]:
+    for name in parser.parse_args(argv).layouts:
         for bs in (2, 3):
             for spec in (0, 2):
                 for seed in range(40):
