@@ -822,23 +822,29 @@ def _prompt_tail_program(layout: int = 0, features: int = 2, suffix=(5, 6)) -> l
             ("add", {**prompt, "system": [1, 2, 3, 4], "suffix": list(suffix), "chunk": 7})]
 
 
-def _partial_entry_counted_in_hash_blocks(monkeypatch) -> None:
-    """``BlockPool.cache_partial_block`` recording a partial entry's ``num_hash_blocks`` as its token count (the
-    mutant ``block_pool-0037`` of vLLM's ``block_pool.py``)."""
+def _plant(monkeypatch, module: str, cls: str, method: str, old: str, new: str) -> None:
+    """Plant a fault in vLLM: ``cls.method`` of vLLM's ``module`` recompiled from its source with ``old`` (found
+    once) replaced by ``new``, for this test only."""
+    import importlib
     import inspect
     import textwrap
 
     from pagedkv.tools.peers.vllm_manager import _import_vllm
 
     _import_vllm()  # vLLM's modules as the peer imports them
-    import vllm.v1.core.block_pool as block_pool
-
-    source = textwrap.dedent(inspect.getsource(block_pool.BlockPool.cache_partial_block))
-    assert source.count("num_tokens=num_hash_blocks * self.hash_block_size") == 1
+    mod = importlib.import_module(module)
+    source = textwrap.dedent(inspect.getsource(getattr(getattr(mod, cls), method)))
+    assert source.count(old) == 1
     namespace = {}
-    exec(compile(source.replace("num_tokens=num_hash_blocks * self.hash_block_size", "num_tokens=num_hash_blocks"),
-                 block_pool.__file__, "exec"), block_pool.__dict__, namespace)
-    monkeypatch.setattr(block_pool.BlockPool, "cache_partial_block", namespace["cache_partial_block"])
+    exec(compile(source.replace(old, new), mod.__file__, "exec"), mod.__dict__, namespace)
+    monkeypatch.setattr(getattr(mod, cls), method, namespace[method])
+
+
+def _partial_entry_counted_in_hash_blocks(monkeypatch) -> None:
+    """``BlockPool.cache_partial_block`` recording a partial entry's ``num_hash_blocks`` as its token count (the
+    mutant ``block_pool-0037`` of vLLM's ``block_pool.py``)."""
+    _plant(monkeypatch, "vllm.v1.core.block_pool", "BlockPool", "cache_partial_block",
+           "num_tokens=num_hash_blocks * self.hash_block_size", "num_tokens=num_hash_blocks")
 
 
 def test_the_cached_prompt_count_covers_the_prompt_tail_entry():
@@ -946,3 +952,41 @@ def test_a_junction_of_a_prompt_with_embeddings_is_not_taken_for_zero():
 
     programs.run_program(machine_for(vm.cache_manager, block_sizes=(1, 2, 4), windows=(None, 0, 1, 4),
                                      layouts=("gemma3-sparse",)), program)
+
+
+def _two_turn_chat_on_deepseek_v4_interval() -> list:
+    """DeepSeek-V4 served at retention interval 3 with EAGLE (windows 0 and 2 at block size 1: the window-0 group
+    keeps one block per 3-token segment, the window-2 group every block): a one-token turn answered, then a reply
+    of three tokens whose prompt hits the first turn's blocks."""
+    return [("start", {"num_blocks": 12, "block_size": 0, "num_layers": 3, "window": 0, "layout": 3, "features": 2,
+                       "pool_per_group": True}),
+            ("system_prompts", {"prompts": [[0, 0, 0, 3, 3, 1], [0, 0]]}),
+            ("serve", {"system": [0, 0, 0, 3, 3, 1], "suffix": [0], "namespace": None, "extra": None, "image_at": 0,
+                       "tail": 2, "tokens": [0, 3, 1, 3], "reply": [2, 1, 2]})]
+
+
+def test_a_reply_on_deepseek_v4_interval_passes_the_ceiling():
+    """The release hits 6 tokens of the reply's 14: the window-0 group's block after 6 is one sparse retention
+    dropped, so EAGLE's lookup one block past 7 fails there and the candidate shrinks to 6, every group's drop
+    redone."""
+    from pagedkv.testing.managers.machine import machine_for
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    _manager("deepseek-v4-interval")  # imports vLLM as the peer does
+    programs.run_program(machine_for(vm.cache_manager, windows=vm.cache_manager_windows,
+                                     layouts=("deepseek-v4-interval",)), _two_turn_chat_on_deepseek_v4_interval())
+
+
+def test_a_hit_past_the_ceiling_is_caught_without_a_hit_promise(monkeypatch):
+    """The planted fault ``eagle-reverify-skipped``: the coordinator keeps a group's EAGLE verification after
+    another group shrank the candidate, so the agreed hit (7) keeps the block EAGLE drops. A one-token window
+    (``sliding_window`` 1) declares no hit promise (vLLM caches less there than a promise would need); the ceiling
+    the model of its coordinator gives needs none. Fails before (the ceiling was judged only under the promise)."""
+    from pagedkv.testing.managers.machine import machine_for
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    _plant(monkeypatch, "vllm.v1.core.kv_cache_coordinator", "HybridKVCacheCoordinator", "find_longest_cache_hit",
+           "eagle_verified.clear()", "pass")
+    with pytest.raises(AssertionError, match="a hit of 7 tokens, but sparse retention .* a hit of at most 6"):
+        programs.run_program(machine_for(vm.cache_manager, windows=vm.cache_manager_windows,
+                                         layouts=("deepseek-v4-interval",)), _two_turn_chat_on_deepseek_v4_interval())

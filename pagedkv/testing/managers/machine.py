@@ -1011,15 +1011,18 @@ class ManagerMachine(RuleBasedStateMachine):
             f"of that hit (the replay promise of fine-grained hits)")
         if self.caps.retention_interval is not None:
             req.junction = self.junction(req, cached)
-        # where the model knows every cached block of a coordinated layout, the promised hit is the one vLLM's
-        # coordinator agrees on: a longer one read a block sparse retention should have dropped, or kept a block
-        # EAGLE drops (a prompt with embeddings is keyed by bytes the model does not see: no promise)
-        exact = self.coordinated and self.caps.hit_promise and self.model_known and not req.embedded()
-        assert not exact or cached <= promised, \
-            f"request {rid}: a hit of {cached} tokens, but " + (
-                f"sparse retention (interval {self.caps.retention_interval}) kept window blocks for"
-                if self.caps.retention_interval is not None else "the groups' cached blocks agree on") + \
-            f" a hit of at most {promised}" + (" (EAGLE drops a hit's last block)" if self.eagle else "")
+        # where the model knows every cached block of a coordinated layout, no hit is longer than the one vLLM's
+        # coordinator agrees on over it: a longer one read a block sparse retention should have dropped, or kept a
+        # block EAGLE drops. A ceiling needs no hit promise: where vLLM caches less than the model records (a
+        # one-token window) its hit is only shorter (a prompt with embeddings is keyed by bytes the model does
+        # not see: no ceiling)
+        if self.coordinated and self.model_known and not req.embedded():
+            ceiling = self.coordinated_hit(req)[0]
+            assert cached <= ceiling, \
+                f"request {rid}: a hit of {cached} tokens, but " + (
+                    f"sparse retention (interval {self.caps.retention_interval}) kept window blocks for"
+                    if self.caps.retention_interval is not None else "the groups' cached blocks agree on") + \
+                f" a hit of at most {ceiling}" + (" (EAGLE drops a hit's last block)" if self.eagle else "")
         assert cached >= promised, \
             f"request {rid}: a hit of {cached} tokens, but its first {promised} were committed and not evicted " \
             f"since (the hit promise: what is cached hits)"

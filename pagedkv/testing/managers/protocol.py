@@ -151,9 +151,10 @@ HYBRID_LAYOUTS = {
 #: boundary, the prompt less its last token, and a shared-prefix junction are kept); ``n > 0`` also keeps one
 #: boundary every ``n`` scheduler blocks; a Mamba group keeps only those boundaries' states. Every other layout is
 #: dense (every block cached, ``None``).
-LAYOUT_RETENTION = {"gemma3-sparse": 0, "gemma3-interval": 3, "qwen3-next-sparse": 0}
+LAYOUT_RETENTION = {"gemma3-sparse": 0, "gemma3-interval": 3, "qwen3-next-sparse": 0, "deepseek-v4-interval": 3}
 HYBRID_LAYOUTS["gemma3-sparse"] = HYBRID_LAYOUTS["gemma3-interval"] = HYBRID_LAYOUTS["gemma3"]
 HYBRID_LAYOUTS["qwen3-next-sparse"] = HYBRID_LAYOUTS["qwen3-next"]
+HYBRID_LAYOUTS["deepseek-v4-interval"] = HYBRID_LAYOUTS["deepseek-v4"]
 
 #: Layouts served with a multi-module MTP drafter (``ManagerConfig.multi_module_mtp``): vLLM's speculative method
 #: ``"mtp"`` over a model with several MTP modules (``num_nextn_predict_layers`` > 1: ``SpeculativeConfig.

@@ -11,7 +11,8 @@ sliding window + Mamba, DeepSeek-V4's full + two windows, two windows of differe
 coordinator's fixed-point hit loop and its spec groups of one manager class), and Gemma 3 under sparse
 prefix-cache retention (``gemma3-sparse``: vLLM 0.32's engine default ``--prefix-cache-retention-interval 0``,
 a window group keeping only the blocks a hit at the replay boundary or a shared-prefix junction needs;
-``gemma3-interval``: also one boundary every 3 scheduler blocks; ``qwen3-next-sparse``: a Mamba group keeping
+``gemma3-interval``: also one boundary every 3 scheduler blocks, as ``deepseek-v4-interval`` serves DeepSeek-V4's
+two windows; ``qwen3-next-sparse``: a Mamba group keeping
 only those boundaries' states; ``KVCacheConfig.prefix_cache_retention_interval``, declared so the hit promise
 and the eviction model follow it), and Qwen3-Next served with fine-grained partial hash hits (``qwen3-next-fine``:
 ``--prefix-match-unit`` finer than the Mamba block, so hits land inside a block; the peer holds the pools, runs the
@@ -798,7 +799,8 @@ cache_manager_windows = vllm_manager.cache_manager_windows
 #: The layouts the suite draws for this manager: one group, and the hybrid coordinator in every real-model layout.
 cache_manager_layouts = ("one-group", "gemma3", "llama4", "jamba", "qwen3-next", "gpt-oss-2full-sw",
                          "mixed-block-sizes", "hymba", "deepseek-v4", "two-window-block-sizes", "gemma3-sparse",
-                         "gemma3-interval", "qwen3-next-sparse", "mtp-multi-module", "qwen3-next-fine")
+                         "gemma3-interval", "qwen3-next-sparse", "mtp-multi-module", "qwen3-next-fine",
+                         "deepseek-v4-interval")
 
 
 def peer():
