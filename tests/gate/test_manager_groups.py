@@ -148,6 +148,51 @@ def test_reference_manager_passes_every_layout_with_connector_and_drafts():
     assert calls.get("load", 0) > 0 and calls.get("store_done", 0) > 0 and calls.get("drop", 0) > 0, calls
 
 
+class _SkipsWindowHits(reference.ReferenceManager):
+    """The reference manager leaving a hit block its window already left behind untouched, as vLLM's
+    ``add_local_computed_blocks`` skips one: ``-1`` in the table, the block left in the free queue."""
+
+    def _adopt_hits(self, req):
+        for g, block in req.pending_hits:
+            group, table = self.groups[g], req.tables[g]
+            i = table.index(block)
+            if group.kind != "full" and (i + 1) * group.block_size <= group.first_read(req.reserved):
+                table[i] = -1
+            else:
+                self._adopt(block)
+        req.pending_hits = []
+
+
+def test_a_hit_block_the_window_left_behind_stays_free_until_handed_out():
+    """A one-token window (``window_left`` 0) hits the last cached token's block (its key chains the hit) that
+    the first computed token no longer reads; a manager that never touches it leaves it in the free queue, where
+    the same reservation may take it. Fails before (the machine took every admitted block for adopted, so the
+    block handed out again was "not free")."""
+    steps = [("start", {"num_blocks": 9, "block_size": 2, "num_layers": 2, "window": 0, "layout": 0, "features": 0}),
+             ("system_prompts", {"prompts": [[0, 0, 0, 0, 0]]}),
+             *[("serve", {"system": [0, 0, 0, 0, 0], "suffix": [], "namespace": None, "extra": None, "image_at": 0,
+                          "tail": 0, "tokens": [0], "reply": [0]})] * 2]
+    machine = machine_for(_SkipsWindowHits, layouts=("gpt-oss-2full-sw",), windows=(None, 0, 1, 4))
+    programs.run_program(machine, steps)
+    assert machine.prefix_hits > 0
+
+
+def test_a_manager_refusing_a_connector_or_drafts_is_judged_without_them():
+    """``ManagerConfig`` lets a manager refuse what it cannot serve with ``ValueError``: the machine asks again
+    without drafts, then without the connector, and judges what is served. Fails before (the ValueError failed
+    the first program asking for either)."""
+    asked = []
+
+    def plain_only(config):
+        asked.append((config.connector, config.num_speculative_tokens))
+        if config.connector or config.num_speculative_tokens:
+            raise ValueError("connector / num_speculative_tokens: not served")
+        return reference.ReferenceManager(config)
+
+    assert programs.run_recorded(machine_for(plain_only, layouts=("gemma3",), name="plain_only"), _settings(20)) is None
+    assert (True, 0) in asked and (False, 0) in asked and any(k for _, k in asked)
+
+
 def test_own_hybrid_cache_passes_the_machine():
     assert cache_manager_layouts == (ONE_GROUP, "gemma3")
     machine = machine_for(cache_manager, layouts=("gemma3",), name="OwnHybrid")

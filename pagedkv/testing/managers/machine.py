@@ -232,6 +232,26 @@ class ManagerMachine(RuleBasedStateMachine):
     reqs = Bundle("reqs")
     systems = Bundle("systems")
 
+    @classmethod
+    def make_served(cls, config: ManagerConfig) -> tuple:
+        """``(manager, the config it serves)`` for ``config``. A manager refusing a connector or drafts with
+        ``ValueError`` (what :class:`ManagerConfig` allows one that cannot serve them) is asked again without
+        them, drafts dropped first, then the connector, then both, and judged on what it serves, as one that
+        leaves the capability off. A ``ValueError`` with neither asked is the manager's failure."""
+        asks = [config]
+        if config.num_speculative_tokens:
+            asks.append(dataclasses.replace(config, num_speculative_tokens=0))
+        if config.connector:
+            asks.append(dataclasses.replace(config, connector=False))
+            if config.num_speculative_tokens:
+                asks.append(dataclasses.replace(config, connector=False, num_speculative_tokens=0))
+        for ask in asks[:-1]:
+            try:
+                return cls.make_manager(ask), ask
+            except ValueError:
+                continue
+        return cls.make_manager(asks[-1]), asks[-1]
+
     # two layers at least, as every model has: a fault in some layers only (a copy-on-write of the first
     # layer) needs a second; the map keeps the draw (and so every other program) as it was
     @initialize(num_blocks=st.integers(4, 12), block_size=st.integers(0, 2),
@@ -263,7 +283,8 @@ class ManagerMachine(RuleBasedStateMachine):
                                retention_interval=layout_retention(name, bs, window),
                                prefix_match_unit=layout_prefix_match_unit(name, bs),
                                multi_module_mtp=name in MULTI_MODULE_MTP_LAYOUTS)
-        self.m = as_grouped(type(self).make_manager(config))
+        manager, config = self.make_served(config)
+        self.m = as_grouped(manager)
         self.caps = self.m.capabilities
         if self.capabilities_seen is not None:
             self.capabilities_seen.setdefault(repr(self.caps), [self.caps, 0])[1] += 1
@@ -853,6 +874,10 @@ class ManagerMachine(RuleBasedStateMachine):
             return False
         self.check_window_release(rid, req)
         req.adopted = True
+        if hits:  # a hit block the window already left behind (vLLM skips it, never touched) is not adopted: it
+            # stays in the free queue, where this reservation may take it (what it cached evicted)
+            tables = self.m.block_table(rid)
+            hits = [b for b in hits if any(b in t[:-(-start // self.gbs[g])] for g, t in enumerate(tables))]
         self.account(before, f"reserve of request {rid}", hits=hits, moves=self.cow_moves(req, start))
         taken = len(slots[0]) if isinstance(slots, tuple) and slots else len(token_ids)
         if taken < len(token_ids):  # its scheduler clipped a prompt chunk: the rest is reserved later

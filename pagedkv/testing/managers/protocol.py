@@ -225,9 +225,13 @@ class ManagerCapabilities:
         evict: ``evict(num_blocks)`` drops unreferenced cached blocks on request.
         reset: ``reset()`` empties the prefix cache (no live request may read a dropped entry).
         eviction_order: the eviction order the manager promises, or ``None`` (not promised). ``"lru"`` is
-            judged: a block handed out afresh is the front of a free queue where released blocks with no
-            cached content are reused first and cached ones last, in release order, a request's blocks
-            released tail first (vLLM's ``FreeKVCacheBlockQueue``). Other values are printed, not judged.
+            judged as vLLM's ``FreeKVCacheBlockQueue`` orders its blocks: a block handed out afresh is the front
+            of a queue that starts as the never-used blocks (any order among them), where each call's released
+            blocks with no cached content go to the very front, ahead of the never-used ones (any order among
+            themselves), and its cached ones to the back, in release order (a request's blocks tail first;
+            with several groups each group's tail first, the groups in any order). "Cached" is what the hit
+            promise counts (a window group's blocks no whole-block hit reads are uncached). Other values are
+            printed, not judged.
         hit_promise: what was committed and not evicted hits: a cached full block stays cached until its
             block is handed out again (or ``evict`` names it, or ``reset`` drops everything), so an admit
             must hit at least every such leading block, up to ``len(prompt) - min_computed_on_full_hit``.
@@ -393,8 +397,9 @@ class ManagerConfig:
     one prefill token further ahead (``capabilities.reprefill``).
     ``prefix_match_unit``: the hash block size in tokens where finer than the gcd of the groups' block sizes
     (:data:`LAYOUT_PREFIX_MATCH_UNIT`; ``None``: that gcd, ``block_size``).
-    A manager that cannot serve what is asked raises ``ValueError`` naming it (the machine does not
-    ask a manager for a layout it does not list), or leaves the capability off."""
+    A manager that cannot serve a connector or drafts leaves the capability off (the machine then asks for
+    neither), or raises ``ValueError`` naming it: the machine asks again without drafts, then without the
+    connector, and judges what it serves. It never asks for a layout the manager does not list."""
 
     num_blocks: int
     block_size: int
@@ -440,7 +445,10 @@ class CacheManager(Protocol):
               extra_keys: Sequence[ExtraKey] = (), *, num_stored: int = 0) -> tuple[list[int], int] | None:
         """Start a request with its prompt: ``(block_ids, num_cached_tokens)`` of the cached prefix it
         reuses (``num_cached_tokens`` leading tokens need no compute), or ``None`` when refused.
-        Grouped: ``(tuple of per-group block id lists, num_cached_tokens)``.
+        Grouped: ``(tuple of per-group block id lists, num_cached_tokens)``. The hit's blocks are taken
+        (referenced, out of the free queue) by the request's first ``reserve`` or ``load``, not here: a
+        refused first reservation leaves them where they were. A hit block that the window of the first
+        computed token no longer reads may be left untouched then (``-1`` in the table, still free).
 
         ``num_stored`` (connector only; passed only when non-zero): the external store holds the
         prompt's first ``num_stored`` tokens (whole blocks of every group's size). The manager takes
