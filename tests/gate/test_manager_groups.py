@@ -285,6 +285,23 @@ def test_committed_hybrid_program_replays_its_fault(case, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
+def test_a_traced_replay_prints_each_step_and_the_protocol_calls_it_made(capsys):
+    """``replay --trace``: the program's steps, each followed by the calls the machine made and what the manager
+    answered, up to the failure; the checks' queries are left out."""
+    from pathlib import Path
+
+    path = Path(programs.__file__).parent / "cases" / "allocation_evicts_another_groups_hit.json"
+    assert programs.replay_file(str(path), trace=True) == 1
+    lines = capsys.readouterr().out.splitlines()
+    steps = [i for i, line in enumerate(lines) if line.startswith("state.")]
+    calls = [line for line in lines if line.startswith("  ")]
+    fail = next(i for i, line in enumerate(lines) if line.startswith("FAIL"))
+    assert steps and steps[0] == 0 and steps[-1] < fail
+    assert any(line.startswith("  admit(") and " -> ((" in line for line in calls)
+    assert any(line.startswith("  reserve(") or line.startswith("  load(") for line in calls)
+    assert not any(line.startswith(f"  {query}(") for line in calls for query in programs.QUERIES)
+
+
 def test_a_store_ahead_of_the_device_cache_meets_a_local_hit_with_a_load():
     """``store_ahead``: the connector's store holds the whole prompt, so a prompt whose leading blocks hit the
     device cache loads the rest beside that hit (the ground of vllm#44409, a load's blocks allocated while the

@@ -78,6 +78,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="memory budget of the case (e.g. 8G); a case whose pools and tensors need more is "
                              "refused before anything is allocated (default: a quarter of this machine's memory)")
     parser.add_argument("--quiet", "-q", action="store_true", help="print only the verdict line")
+    parser.add_argument("--trace", action="store_true",
+                        help="a cache-manager program: print each step and every protocol call it made, with its "
+                             "arguments and what the manager returned (the checks' queries, such as block_table "
+                             "and counts, are not printed)")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                         help="run the case in a child process, so a backend that crashes (a segmentation fault, "
                              "a device fault) is reported as the result (default: on for a case file whose run "
@@ -101,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
 
     if is_program_file(args.file):  # a cache-manager program (pagedkv.testing.managers.programs)
         from pagedkv.testing.managers.programs import replay_file
-        return replay_file(args.file, impl=args.impl, quiet=args.quiet)
+        return replay_file(args.file, impl=args.impl, quiet=args.quiet, trace=args.trace)
     if isolated(args):
         return replay_in_child(args)
     return report_done(replay(args.file, device=args.device, impl=args.impl, other=args.other,

@@ -68,12 +68,16 @@ def _arguments(kwargs: dict) -> dict:
     return {k: (_tuples(v) if k in ("namespace", "extra") else v) for k, v in kwargs.items()}
 
 
-def run_program(machine_class: type[ManagerMachine], steps: list) -> None:
-    """Run ``steps`` on a fresh machine, its invariants after each; raises what the machine raises."""
+def run_program(machine_class: type[ManagerMachine], steps: list, trace=None) -> None:
+    """Run ``steps`` on a fresh machine, its invariants after each; raises what the machine raises.
+    ``trace``: a text stream each step is printed to before it runs."""
     machine = machine_class()
     machine.record = None
     try:
         for name, kwargs in steps:
+            if trace is not None:
+                args = ", ".join(f"{k}={v!r}" for k, v in _arguments(kwargs).items())
+                print(f"state.{name}({args})", file=trace)
             getattr(machine, name)(**_arguments(kwargs))
             machine.judge_now()  # check() and any rule set's
     finally:
@@ -264,12 +268,41 @@ def as_text(steps: list) -> str:
     return "\n".join(lines + ["state.teardown()"])
 
 
+#: The manager's queries the machine makes after every step (its checks): not printed by a trace.
+QUERIES = frozenset({"block_table", "counts", "holds", "reference_counts", "self_check", "snapshot", "kv_pools",
+                     "take_events", "in_flight_pages", "misuses", "capabilities"})
+
+
+class TracedManager:
+    """``manager`` with every protocol call it answers printed to ``out`` as ``  call(args) -> result`` (the
+    queries of :data:`QUERIES` passed through unprinted): what a program's rules asked and got."""
+
+    def __init__(self, manager: Any, out) -> None:
+        self._manager, self._out = manager, out
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._manager, name)
+        if name in QUERIES or name.startswith("_") or not callable(value):
+            return value
+
+        def call(*args, **kwargs):
+            shown = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+            try:
+                result = value(*args, **kwargs)
+            except BaseException as exc:
+                print(f"  {name}({shown}) raised {type(exc).__name__}: {exc}", file=self._out)
+                raise
+            print(f"  {name}({shown}) -> {result!r}", file=self._out)
+            return result
+        return call
+
+
 def replay_file(path: str, *, impl: str | None = None, quiet: bool = False, out=None,
-                max_bytes: int | None = None) -> int:
+                max_bytes: int | None = None, trace: bool = False) -> int:
     """Replay a manager program: 0 passes, 1 fails, 2 refused. The file passes the kernel case files'
     defences first (size, encoding, schema, memory budget ``max_bytes``, trust rule:
     :mod:`pagedkv.testing.managers.casefile`); a manager a file may not name runs only when named with
-    ``impl``."""
+    ``impl``. ``trace``: print each step and the protocol calls it made (:class:`TracedManager`)."""
     from pagedkv.errors import CaseFileError
     from pagedkv.testing.managers.casefile import load_program_file
 
@@ -287,17 +320,20 @@ def replay_file(path: str, *, impl: str | None = None, quiet: bool = False, out=
     try:
         from pagedkv.testing.managers.api_rules import ApiRules
 
-        machine_class = machine_for(load_manager(spec), block_sizes=data["block_sizes"],
+        factory = load_manager(spec)
+        if trace:
+            factory = (lambda make: lambda config: TracedManager(make(config), out))(factory)
+        machine_class = machine_for(factory, block_sizes=data["block_sizes"],
                                     windows=[w for w in data["windows"]],
                                     layouts=[str(name) for name in data.get("layouts", [ONE_GROUP])],
                                     rule_sets=(ApiRules,))  # a program of either machine replays
     except Exception as exc:  # noqa: BLE001 - one line, no traceback, for any backend that cannot load
         print(f"replay: cannot load manager {spec!r}: {type(exc).__name__}: {exc}", file=out)
         return 2
-    if not quiet:
+    if not quiet and not trace:
         print(f"manager {spec}, {len(steps)} steps:\n{as_text(steps)}", file=out)
     try:
-        run_program(machine_class, steps)
+        run_program(machine_class, steps, trace=out if trace else None)
     except Exception as exc:  # noqa: BLE001 - the manager's failure is the verdict
         print(f"FAIL {path}: {type(exc).__name__}: {exc}", file=out)
         return 1
