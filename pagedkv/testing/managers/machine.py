@@ -596,11 +596,12 @@ class ManagerMachine(RuleBasedStateMachine):
         return {b for req in (*self.live.values(), *self.zombies.values()) for step in req.in_flight
                 for b in step.reads}
 
-    def account(self, before: dict[int, int], call: str, hits=(), moves: int = 0) -> None:
+    def account(self, before: dict[int, int], call: str, hits=(), moves: int = 0, left=frozenset()) -> None:
         """Judge what ``call`` changed in the holdings: released blocks join the free-queue model (tail
         first; uncached ones to the front), blocks handed out afresh must be its front (eviction order
-        ``"lru"``) and outside every in-flight step's reads, and lose what they cached. ``moves``: blocks the call
-        may hand out and free within it (:meth:`cow_moves`)."""
+        ``"lru"``) and outside every in-flight step's reads, and lose what they cached. ``hits``: the admission's
+        hit blocks the call adopts, less ``left``, those it left untouched in the free queue. ``moves``: blocks
+        the call may hand out and free within it (:meth:`cow_moves`)."""
         after = self.holdings()
         if self.eagle_server:
             # blocks that entered the free queue (:meth:`replay_hit`): every block no longer held that was held at
@@ -611,7 +612,8 @@ class ManagerMachine(RuleBasedStateMachine):
         moved = {b for b in before if b in after and before[b] != after[b]}  # released and handed out again
         released = sorted((b for b in before if b not in after or b in moved),
                           key=lambda b: (before[b][0], -before[b][1]))
-        fresh = (set(after) - set(before) | moved) - set(hits)
+        adopted = set(hits) - set(left)
+        fresh = (set(after) - set(before) | moved) - adopted
         judged = self.caps.eviction_order == "lru" and self.model_known and self.total is not None
         if released:
             uncached = {b for b in released if b not in self.cached}
@@ -622,7 +624,7 @@ class ManagerMachine(RuleBasedStateMachine):
                                                     for g in range(len(self.groups)))))
             else:
                 self.queue.extend(("blocks", {b}) for b in released if b in self.cached)
-        for b in hits:  # adopted hits leave the free queue wherever they are
+        for b in adopted:  # adopted hits leave the free queue wherever they are
             for _, tier in self.queue:
                 tier.discard(b)
         reads = self.in_flight_reads() & fresh
@@ -874,11 +876,12 @@ class ManagerMachine(RuleBasedStateMachine):
             return False
         self.check_window_release(rid, req)
         req.adopted = True
-        if hits:  # a hit block the window already left behind (vLLM skips it, never touched) is not adopted: it
-            # stays in the free queue, where this reservation may take it (what it cached evicted)
-            tables = self.m.block_table(rid)
-            hits = [b for b in hits if any(b in t[:-(-start // self.gbs[g])] for g, t in enumerate(tables))]
-        self.account(before, f"reserve of request {rid}", hits=hits, moves=self.cow_moves(req, start))
+        # a hit block the window already left behind (vLLM skips it, never touched) is not adopted: it stays in
+        # the free queue, where this reservation may take it (what it cached evicted)
+        tables, hit_blocks = self.m.block_table(rid), set(hits)
+        left = {b for g, admitted in enumerate(req.table) if self.groups[g].kind in ("sliding_window", "chunked_local")
+                for b in admitted if b in hit_blocks and b not in tables[g][:-(-start // self.gbs[g])]}
+        self.account(before, f"reserve of request {rid}", hits=hits, moves=self.cow_moves(req, start), left=left)
         taken = len(slots[0]) if isinstance(slots, tuple) and slots else len(token_ids)
         if taken < len(token_ids):  # its scheduler clipped a prompt chunk: the rest is reserved later
             assert 0 < taken and not drafts and start + len(token_ids) <= req.num_prompt, \
