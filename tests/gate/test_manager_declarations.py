@@ -92,3 +92,109 @@ def test_the_reference_and_own_managers_build_for_the_probe(layout):
 
     factory = ReferenceManager if layout == "gemma3" else own.cache_manager
     assert missing_dependency(factory, (layout,), 2, None) is None
+
+
+# -- declarations that would game the verdict --------------------------------------------------------------------
+def _one_start(layout="gemma3", window=1, features=0):
+    return [("start", {"num_blocks": 8, "block_size": 0, "num_layers": 2, "window": window, "layout": 0,
+                       "features": features})]
+
+
+def _run(factory, steps, layouts=("gemma3",), windows=(None,)):
+    from pagedkv.testing.managers import programs
+
+    programs.run_program(machine_for(factory, layouts=layouts, windows=windows), steps)
+
+
+def test_groups_other_than_the_layout_asked_for_fail():
+    """A manager serving gemma3's full group as a sliding window, declaring the groups it serves: judged on its
+    own choice, its frees of blocks full attention reads passed (found as a green run). Fails before."""
+    def windowed_full(config):
+        groups = tuple(dataclasses.replace(g, kind="sliding_window", window=1) for g in config.groups)
+        return ReferenceManager(dataclasses.replace(config, groups=groups))
+
+    with pytest.raises(AssertionError, match="capabilities.groups: the manager declares groups"):
+        _run(windowed_full, _one_start())
+    with pytest.raises(AssertionError, match="capabilities.groups"):  # one group served of the two asked
+        _run(lambda config: ReferenceManager(dataclasses.replace(config, groups=config.groups[:1])), _one_start())
+
+
+def test_a_one_group_window_other_than_the_one_asked_for_fails():
+    from pagedkv.testing.managers.own import cache_manager
+
+    def window_zero(config):
+        return cache_manager(dataclasses.replace(config, window_left=0))
+
+    with pytest.raises(AssertionError, match="declares window 0 where one group of window None was asked for"):
+        _run(window_zero, _one_start(), layouts=("one-group",))
+
+
+def test_a_connector_refused_but_declared_fails():
+    """Refusing a connector with ``ValueError`` is allowed; declaring it then is not (the verdict would report
+    it served). Fails before (the machine asked again without it and judged a connector never drawn)."""
+    class Declares(ReferenceManager):
+        def __init__(self, config):
+            if config.connector:
+                raise ValueError("connector: not served")
+            super().__init__(config)
+            self.capabilities = dataclasses.replace(self.capabilities, connector=True)
+
+    with pytest.raises(AssertionError, match="capabilities.connector: declared, but the manager refused it"):
+        _run(Declares, _one_start(features=1))
+
+
+@pytest.mark.parametrize("signal", ["reject", "skip", "exit"])
+def test_a_control_signal_from_a_protocol_call_is_a_failure_with_its_program(signal):
+    """``block_table`` raising Hypothesis's rejection (the failing program discarded: a green run), pytest's
+    skip (the layout gone from the verdict) or ``SystemExit``: each is the manager's failure, its program kept.
+    Fails before."""
+    from hypothesis import reject
+
+    from pagedkv.testing.managers import programs
+
+    def raise_signal():
+        if signal == "reject":
+            reject()
+        if signal == "skip":
+            pytest.skip("hidden")
+        raise SystemExit(0)
+
+    class Signals(ReferenceManager):
+        def block_table(self, request_id):
+            if request_id >= 1:
+                raise_signal()
+            return super().block_table(request_id)
+
+    machine = machine_for(Signals, layouts=("gemma3",), name="signals")
+    steps = programs.run_recorded(machine, settings(manager_settings(30, 30), derandomize=True,
+                                                    phases=(Phase.explicit, Phase.generate)))
+    assert steps is not None and "ManagerRaisedControlSignal" in steps.error and "block_table" in steps.error, \
+        getattr(steps, "error", None)
+
+
+def test_a_manager_that_serves_no_request_fails_the_gate(pytester, monkeypatch):
+    """Every ``admit`` refused: no token read back, nothing judged; the layout's search fails, naming it. Fails
+    before (a green run, every promise listed as judged)."""
+    pytester.makepyfile(refuses_all='''
+from pagedkv.testing.managers.reference import ReferenceManager
+
+
+class RefusesAll(ReferenceManager):
+    def admit(self, *args, **kwargs):
+        return None
+
+
+cache_manager = RefusesAll
+cache_manager_layouts = ("gemma3",)
+''')
+    pytester.makeini("[pytest]\npagedkv_report_json = out/verdict.json\n")
+    monkeypatch.setenv("PAGEDKV_PROFILE", "smoke")
+    monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(pytester.path / "failures"))
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    result = pytester.runpytest_subprocess("--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", "refuses_all",
+                                           "-k", "test_cache_manager", "-p", "no:cacheprovider", "-p", "no:xdist")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*the manager served no request in * programs*"])
+    (candidate,) = json.loads((pytester.path / "out" / "verdict.json").read_text())["candidates"]
+    assert "cache_manager[gemma3]" not in candidate["passed"], candidate["passed"]

@@ -72,6 +72,7 @@ from pagedkv.testing.managers.kv_events import EventIndex
 from pagedkv.testing.managers import lookup
 from pagedkv.testing.managers.kv_io import KVIO
 from pagedkv.testing.managers.oracle import stable_hash, token_identity
+from pagedkv.testing.managers.calls import ManagerCalls, call_manager, check_served
 from pagedkv.testing.managers.protocol import (MULTI_MODULE_MTP_LAYOUTS, ONE_GROUP, ManagerConfig, as_grouped,
                                                is_embedding, layout_groups, layout_prefix_match_unit, layout_retention,
                                                prompt_embedding_rows)
@@ -247,10 +248,10 @@ class ManagerMachine(RuleBasedStateMachine):
                 asks.append(dataclasses.replace(config, connector=False, num_speculative_tokens=0))
         for ask in asks[:-1]:
             try:
-                return cls.make_manager(ask), ask
+                return ManagerCalls(call_manager("the manager factory", cls.make_manager, ask)), ask
             except ValueError:
                 continue
-        return cls.make_manager(asks[-1]), asks[-1]
+        return ManagerCalls(call_manager("the manager factory", cls.make_manager, asks[-1])), asks[-1]
 
     # two layers at least, as every model has: a fault in some layers only (a copy-on-write of the first
     # layer) needs a second; the map keeps the draw (and so every other program) as it was
@@ -283,7 +284,9 @@ class ManagerMachine(RuleBasedStateMachine):
                                retention_interval=layout_retention(name, bs, window),
                                prefix_match_unit=layout_prefix_match_unit(name, bs),
                                multi_module_mtp=name in MULTI_MODULE_MTP_LAYOUTS)
-        manager, config = self.make_served(config)
+        manager, served = self.make_served(config)
+        check_served(manager.capabilities, config, served)
+        config = served
         self.m = as_grouped(manager)
         self.caps = self.m.capabilities
         if self.capabilities_seen is not None:

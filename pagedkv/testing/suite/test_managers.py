@@ -19,6 +19,7 @@ from pagedkv.backends import backend_name
 from pagedkv.testing.databases import property_key
 from pagedkv.testing.execute import Failure
 from pagedkv.testing.managers import declarations
+from pagedkv.testing.managers.calls import call_manager
 from pagedkv.testing.managers.casefile import is_program_file
 from pagedkv.testing.managers.protocol import ManagerConfig, layout_groups, layout_retention, manager_factory
 from pagedkv.testing.settings import manager_suite_settings
@@ -67,12 +68,21 @@ def test_cache_manager(pagedkv_run, backend, manager_layout):
     measured = dict(examples=machine.examples_run, steps=machine.checks_run, seconds=time.perf_counter() - start)
     # what the declarations waived (a promise left off) and left undrawn, for the verdict's reader
     declared = declarations.summarize(tuple(seen) for seen in machine.capabilities_seen.values())
+    if steps is None and not machine.tokens_read:  # every request refused: nothing the manager stores was read
+        failure = Failure(None, AssertionError(
+            f"the manager served no request in {machine.examples_run} programs ({machine.checks_run} steps): every "
+            f"admission or reservation was refused, so no token was read back and nothing it stores was judged"))
+        pagedkv_run.record(prop, backend, decide(SimpleNamespace(status="failed", failures=[failure], **measured),
+                                                 kind="manager"))
+        pytest.fail(f"cache manager {spec} ({manager_layout}): {failure.error}", pytrace=False)
     if steps is None:
         if is_program_file(str(path)):
             path.unlink()  # a program an earlier run of this test left, fixed since
         verdict = decide(SimpleNamespace(
-            status="passed", reason=f"{machine.checks_run} steps, {machine.examples_run} programs in "
-                                    f"{measured['seconds']:.1f} s", **measured), kind="manager")
+            status="passed", reason=f"{machine.checks_run} steps, {machine.examples_run} programs, "
+                                    f"{machine.tokens_read} tokens read back in {measured['seconds']:.1f} s (block "
+                                    f"sizes {tuple(block_sizes)}, windows {tuple(windows)})", **measured),
+            kind="manager")
         verdict.declarations = declared
         pagedkv_run.record(prop, backend, verdict)
         return
@@ -107,7 +117,7 @@ def missing_dependency(factory, layouts, block_size: int, window_left) -> Except
         config = ManagerConfig(8, block_size, None if groups else window_left, 2, groups=groups,
                                retention_interval=layout_retention(layout, block_size, 1))
         try:
-            factory(config)
+            call_manager("the manager factory", factory, config)  # a control signal raised here is a failure
         except BackendUnavailableError as exc:
             return exc
         except Exception:  # noqa: BLE001 - the search reports it with the program that raised it
