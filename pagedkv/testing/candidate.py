@@ -24,7 +24,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.testing.compare import BudgetSpent, MissingOp
+from pagedkv.testing.compare import MissingOp
+from pagedkv.testing.signals import is_control_signal
 
 #: The contract's ops (the guard's, :data:`pagedkv.testing.guard.GUARDED_OPS`): an exception raised from inside
 #: one of them, or from looking one up, is the candidate's.
@@ -40,26 +41,6 @@ class OpRaisedControlSignal(RuntimeError):
     ``xfail`` / ``fail`` / ``exit``, Hypothesis's ``reject()`` / ``assume(False)``, the gate's budget signal,
     ``SystemExit``, ``GeneratorExit``, its own ``BaseException``): a failure with its case file, never a skip,
     a rejected case, a partial run or the end of the session."""
-
-
-def _control_signals() -> tuple[type[BaseException], ...]:
-    """The ``Exception`` types that steer a test run rather than report an error: pytest's outcomes and
-    ``pytest.exit``, Hypothesis's rejection, the gate's budget signal (read lazily: the gate imports neither
-    pytest nor Hypothesis to replay a case). Every ``BaseException`` that is not an ``Exception``
-    (``SystemExit``, ``GeneratorExit``, a kernel's own) is one too (:class:`OpCalls`): it would otherwise
-    leave the search without a case file. ``KeyboardInterrupt`` is not: Ctrl-C stops the run wherever it lands."""
-    signals: list[type[BaseException]] = [BudgetSpent]
-    try:
-        from _pytest.outcomes import Exit, OutcomeException
-        signals += [OutcomeException, Exit]
-    except ImportError:
-        pass
-    try:
-        from hypothesis.errors import UnsatisfiedAssumption
-        signals.append(UnsatisfiedAssumption)
-    except ImportError:
-        pass
-    return tuple(signals)
 
 
 def provided_ops(backend: Any) -> frozenset:
@@ -112,8 +93,7 @@ class OpCalls:
                 raise OpRaisedMissingOp(f"{name} raised MissingOp from inside the call ({exc}): an input in the "
                                         f"declared space must be judged, and only the gate skips") from exc
             except BaseException as exc:
-                if isinstance(exc, KeyboardInterrupt) or (
-                        isinstance(exc, Exception) and not isinstance(exc, _control_signals())):
+                if not is_control_signal(exc):
                     raise  # an interrupt, or the candidate's error: judged as it is
                 raise OpRaisedControlSignal(
                     f"{name} raised {type(exc).__name__} from inside the call ({exc}): a control signal (a test "

@@ -13,10 +13,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from pagedkv.testing.candidate import OpRaisedControlSignal, _control_signals
+from pagedkv.testing.signals import is_control_signal
 
 
-class ManagerRaisedControlSignal(OpRaisedControlSignal):
+class ManagerRaisedControlSignal(RuntimeError):
     """The manager raised a test runner's control signal (``pytest.skip`` / ``xfail`` / ``fail`` / ``exit``,
     Hypothesis's ``reject()`` / ``assume(False)``, ``SystemExit``, its own ``BaseException``) from a call: a
     failure with its program, never a skip or a discarded program."""
@@ -28,11 +28,6 @@ def _signal(where: str, exc: BaseException) -> ManagerRaisedControlSignal:
         f"from a cache manager is a failure; only the gate skips a search or discards a program")
 
 
-def _is_signal(exc: BaseException) -> bool:
-    return not isinstance(exc, KeyboardInterrupt) and (
-        not isinstance(exc, Exception) or isinstance(exc, _control_signals()))
-
-
 def call_manager(where: str, function, *args, **kwargs) -> Any:
     """``function(*args, **kwargs)``, a control signal it raises re-raised as :class:`ManagerRaisedControlSignal`
     naming ``where``; every other exception (the manager's error, judged as it is) and ``KeyboardInterrupt``
@@ -41,7 +36,7 @@ def call_manager(where: str, function, *args, **kwargs) -> Any:
     try:
         return function(*args, **kwargs)
     except BaseException as exc:
-        if _is_signal(exc):
+        if is_control_signal(exc):
             raise _signal(where, exc) from exc
         raise
 
