@@ -198,3 +198,31 @@ cache_manager_layouts = ("gemma3",)
     result.stdout.fnmatch_lines(["*the manager served no request in * programs*"])
     (candidate,) = json.loads((pytester.path / "out" / "verdict.json").read_text())["candidates"]
     assert "cache_manager[gemma3]" not in candidate["passed"], candidate["passed"]
+
+
+def test_declarations_that_narrow_a_promise_are_named_in_the_verdict():
+    """A manager declaring EAGLE's dropped block, a longer minimum to compute or sparse retention keeps a
+    narrower hit promise: the summary names each, with its programs, beside the waivers; the engine default
+    (``min_computed_on_full_hit`` 1, no drop, dense) names none. Fails before (no such entry)."""
+    plain = ManagerCapabilities(block_size=2, hit_promise=True)
+    narrowed = dataclasses.replace(plain, eagle_drop=True, min_computed_on_full_hit=3)
+    summary = declarations.summarize([(plain, 4), (narrowed, 1)])
+    assert set(summary["qualified"]) == {"eagle_drop", "min_computed_on_full_hit"}, summary["qualified"]
+    assert summary["qualified"]["eagle_drop"]["declared_in"] == 1
+    assert "narrowed (declared): min_computed_on_full_hit (1 of 5 programs), eagle_drop (1 of 5" in \
+        declarations.describe(summary)
+    merged = declarations.merge([summary, declarations.summarize([(narrowed, 2)])])
+    assert merged["qualified"]["eagle_drop"]["declared_in"] == 3
+    assert declarations.summarize([(plain, 2)])["qualified"] == {}
+
+
+def test_a_retention_interval_other_than_the_one_asked_for_fails():
+    """Declaring sparse retention on a dense layout narrows the hit promise to the kept boundaries: judged on
+    the layout asked, it fails. Fails before."""
+    class Sparse(ReferenceManager):
+        def __init__(self, config):
+            super().__init__(config)
+            self.capabilities = dataclasses.replace(self.capabilities, retention_interval=0)
+
+    with pytest.raises(AssertionError, match="capabilities.retention_interval: the manager declares 0 where None"):
+        _run(Sparse, _one_start())

@@ -65,7 +65,7 @@ def check_served(caps: Any, asked: Any, served: Any) -> None:
     """The manager's capabilities ``caps`` describe what it was ``asked`` (a :class:`~.protocol.ManagerConfig`),
     as far as it ``served`` it (the config it was built with after refusals, :meth:`~.machine.ManagerMachine.
     make_served`): the groups asked (kind, block size, window, chunk, in order), or for one group its window;
-    no connector or drafts declared where they were refused.
+    the retention interval asked; no connector or drafts declared where they were refused.
 
     Raises:
         AssertionError: a mismatch, naming the capability.
@@ -81,6 +81,10 @@ def check_served(caps: Any, asked: Any, served: Any) -> None:
             "capabilities: the manager declares " + (f"groups {caps.groups}" if caps.groups else
                                                       f"window {caps.window!r}") + \
             f" where one group of window {asked.window_left!r} was asked for: it is judged on what it is asked for"
+    assert caps.retention_interval == asked.retention_interval, \
+        f"capabilities.retention_interval: the manager declares {caps.retention_interval!r} where " \
+        f"{asked.retention_interval!r} was asked for (ManagerConfig.retention_interval): the hit promise follows " \
+        f"the retention asked"
     for name, refused in (("connector", asked.connector and not served.connector),
                           ("speculative", asked.num_speculative_tokens and not served.num_speculative_tokens)):
         assert not (refused and getattr(caps, name)), \

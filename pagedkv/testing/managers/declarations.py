@@ -32,6 +32,21 @@ PROMISES = {
                       "reserved (judged where every group is full attention or a sliding window)"),
 }
 
+#: Declarations that narrow a promise the manager keeps: name -> (does it narrow it, how). Each is honest where the
+#: engine works that way (vLLM's EAGLE drop, its multi-module MTP re-prefill, sparse retention), and a green verdict
+#: names it.
+QUALIFIERS = {
+    "min_computed_on_full_hit": (lambda c: c.min_computed_on_full_hit > 1,
+                                 "a hit leaves more than the prompt's last token to compute (the hit promise that "
+                                 "many tokens shorter)"),
+    "eagle_drop": (lambda c: bool(c.eagle_drop), "a hit drops its last block where drafts are on (the hit promise "
+                                                 "one block shorter)"),
+    "reprefill": (lambda c: c.reprefill > 0, "a reservation's last tokens are left uncached where drafts are on"),
+    "retention_interval": (lambda c: c.retention_interval is not None,
+                           "sparse prefix-cache retention: a window group caches only the blocks a kept boundary "
+                           "needs"),
+}
+
 #: Inputs and calls the machine draws only for a manager that declares them: name -> what goes undrawn.
 DRAWS = {
     "namespaces": "cache salts and LoRA namespaces (a hit across two namespaces)",
@@ -63,7 +78,8 @@ def summarize(seen: Iterable[tuple[ManagerCapabilities, int]]) -> dict:
 
     Returns:
         ``{"programs": N, "promises": {name: {"judgement", "declared_in", "applicable_in"}}, "waived":
-        [promise names left undeclared in a program where they apply], "not_drawn": {name: what}}`` (an input
+        [promise names left undeclared in a program where they apply], "qualified": {name: {"what",
+        "declared_in"}} (the :data:`QUALIFIERS` declared in some program), "not_drawn": {name: what}}`` (an input
         in ``not_drawn`` was declared by no program).
     """
     seen = list(seen)
@@ -74,8 +90,11 @@ def summarize(seen: Iterable[tuple[ManagerCapabilities, int]]) -> dict:
         promises[name] = {"judgement": judgement, "declared_in": sum(n for c, n in applies if declared(c)),
                           "applicable_in": sum(n for _, n in applies)}
     waived = [name for name, p in promises.items() if p["declared_in"] < p["applicable_in"]]
+    qualified = {name: {"what": what, "declared_in": sum(n for c, n in seen if narrows(c))}
+                 for name, (narrows, what) in QUALIFIERS.items() if any(narrows(c) for c, _ in seen)}
     not_drawn = {name: what for name, what in DRAWS.items() if not any(getattr(c, name) for c, _ in seen)}
-    return {"programs": programs, "promises": promises, "waived": waived, "not_drawn": not_drawn}
+    return {"programs": programs, "promises": promises, "waived": waived, "qualified": qualified,
+            "not_drawn": not_drawn}
 
 
 def merge(summaries: Iterable[dict]) -> dict | None:
@@ -89,17 +108,24 @@ def merge(summaries: Iterable[dict]) -> dict | None:
                        "declared_in": sum(s["promises"][name]["declared_in"] for s in summaries),
                        "applicable_in": sum(s["promises"][name]["applicable_in"] for s in summaries)}
                 for name, (_, judgement) in PROMISES.items()}
+    qualified = {name: {"what": what, "declared_in": sum(s.get("qualified", {}).get(name, {}).get("declared_in", 0)
+                                                         for s in summaries)}
+                 for name, (_, what) in QUALIFIERS.items() if any(name in s.get("qualified", {}) for s in summaries)}
     return {"programs": sum(s["programs"] for s in summaries), "promises": promises,
             "waived": [name for name, p in promises.items() if p["declared_in"] < p["applicable_in"]],
+            "qualified": qualified,
             "not_drawn": {name: what for name, what in DRAWS.items()
                           if all(name in s["not_drawn"] for s in summaries)}}
 
 
 def describe(summary: dict) -> str:
-    """One line for the terminal summary: the promises judged, those waived (in how many programs) and the
-    inputs never drawn."""
+    """One line for the terminal summary: the promises judged, those waived (in how many programs), the
+    declarations narrowing them and the inputs never drawn."""
     judged = [n for n, p in summary["promises"].items() if p["declared_in"]]
     waived = [f"{n} ({p['applicable_in'] - p['declared_in']} of {p['applicable_in']} programs)"
               for n, p in summary["promises"].items() if n in summary["waived"]]
+    qualified = [f"{n} ({q['declared_in']} of {summary['programs']} programs)"
+                 for n, q in summary.get("qualified", {}).items()]
     return (f"manager promises judged: {', '.join(judged) or 'none'}; waived (not declared): "
-            f"{', '.join(waived) or 'none'}; not drawn (not declared): {', '.join(summary['not_drawn']) or 'none'}")
+            f"{', '.join(waived) or 'none'}; narrowed (declared): {', '.join(qualified) or 'none'}; not drawn "
+            f"(not declared): {', '.join(summary['not_drawn']) or 'none'}")
