@@ -9,6 +9,7 @@ import json
 import types
 
 import pytest
+import torch
 from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -226,3 +227,83 @@ def test_a_retention_interval_other_than_the_one_asked_for_fails():
 
     with pytest.raises(AssertionError, match="capabilities.retention_interval: the manager declares 0 where None"):
         _run(Sparse, _one_start())
+
+
+def _served_twice():
+    return [("start", {"num_blocks": 8, "block_size": 0, "num_layers": 2, "window": 1, "layout": 0, "features": 0}),
+            ("system_prompts", {"prompts": [[1, 2, 3, 4]]}),
+            *[("serve", {"system": [1, 2, 3, 4], "suffix": [], "namespace": None, "extra": None, "image_at": 0,
+                         "tail": 0, "tokens": [1], "reply": [2]})] * 2]
+
+
+def test_groups_of_fewer_layers_than_asked_fail():
+    """gemma3's window group declared with one layer of its two: the second layer's reads never judged. Fails
+    before (the layers were not compared)."""
+    def one_layer(config):
+        groups = tuple(dataclasses.replace(g, num_layers=1) for g in config.groups)
+        return ReferenceManager(dataclasses.replace(config, groups=groups))
+
+    with pytest.raises(AssertionError, match="capabilities.groups: the manager declares groups"):
+        _run(one_layer, _one_start())
+
+
+def test_a_pool_that_shrinks_its_total_fails():
+    """``counts()`` under-reporting free blocks while in use, its total shrunk to keep ``free + used == total``:
+    refusals then look like a short pool to the admission promise. Fails before."""
+    class Shrinks(ReferenceManager):
+        calls = 0
+
+        def counts(self):
+            free, used, total = super().counts()
+            self.calls += 1
+            return (free - 1, used, total - 1) if self.calls > 1 and free else (free, used, total)
+
+    with pytest.raises(AssertionError, match="a pool does not resize"):
+        _run(Shrinks, _served_twice())
+
+
+def test_a_promise_judged_against_the_free_count_needs_the_count():
+    """``admission`` declared, ``counts()`` None: the admission promise was silently not judged. Fails before."""
+    class NoCounts(_OwnsPools):
+        def counts(self):
+            return None
+
+    with pytest.raises(AssertionError, match="capabilities.admission: declared, but counts\\(\\) is None"):
+        _run(NoCounts, _one_start())
+
+
+class _OwnsPools(ReferenceManager):
+    """The reference manager holding its K/V pools (``owns_pools``: the machine then sizes nothing from
+    ``counts()``)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.page = max(g.block_size for g in config.groups)
+        shape = (config.num_blocks, self.page, config.num_kv_heads, config.head_dim)
+        self.pools = [(torch.full(shape, float("nan")), torch.full(shape, float("nan")))
+                      for _ in range(config.num_layers)]
+        self.capabilities = dataclasses.replace(self.capabilities, owns_pools=True)
+        self.hidden = set()
+
+    def kv_pools(self, layer):
+        return self.pools[layer]
+
+
+class _HidesHits(_OwnsPools):
+    """Naming every hit block's pages in flight, for good."""
+
+    def admit(self, request_id, *args, **kwargs):
+        got = super().admit(request_id, *args, **kwargs)
+        self.hidden |= {b * self.page + o for table in got[0] for b in table if b >= 0 for o in range(self.page)}
+        return got
+
+    def in_flight_pages(self):
+        return set(self.hidden)
+
+
+def test_pages_named_in_flight_with_no_step_in_flight_fail():
+    """A manager owning its pools names the pages a copy still fills (left unread until the step it waits on
+    completes); naming a hit's pages with nothing in flight would hide a wrong hit from every read. Fails
+    before."""
+    with pytest.raises(AssertionError, match="in_flight_pages\\(\\) names pages .* while no step is in flight"):
+        _run(_HidesHits, _served_twice())

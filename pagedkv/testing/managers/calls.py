@@ -64,17 +64,19 @@ class ManagerCalls:
 def check_served(caps: Any, asked: Any, served: Any) -> None:
     """The manager's capabilities ``caps`` describe what it was ``asked`` (a :class:`~.protocol.ManagerConfig`),
     as far as it ``served`` it (the config it was built with after refusals, :meth:`~.machine.ManagerMachine.
-    make_served`): the groups asked (kind, block size, window, chunk, in order), or for one group its window;
+    make_served`): the groups asked (kind, block size, window, chunk, layers, in order), or for one group its
+    window;
     the retention interval asked; no connector or drafts declared where they were refused.
 
     Raises:
         AssertionError: a mismatch, naming the capability.
     """
     if asked.groups:
-        declared = tuple((g.kind, g.block_size, g.window, g.chunk) for g in caps.groups or ())
-        wanted = tuple((g.kind, g.block_size, g.window, g.chunk) for g in asked.groups)
+        declared = tuple((g.kind, g.block_size, g.window, g.chunk, g.num_layers) for g in caps.groups or ())
+        wanted = tuple((g.kind, g.block_size, g.window, g.chunk, g.num_layers) for g in asked.groups)
         assert declared == wanted, \
-            f"capabilities.groups: the manager declares groups {declared} (kind, block size, window, chunk) for " \
+            f"capabilities.groups: the manager declares groups {declared} (kind, block size, window, chunk, " \
+            f"layers) for " \
             f"the layout asked, {wanted}: it is judged on the layout it is asked for, or refuses it (ValueError)"
     else:
         assert not caps.groups and caps.window == asked.window_left, \

@@ -342,6 +342,12 @@ class ManagerMachine(RuleBasedStateMachine):
         self.model_known = True  # False after an eviction the manager does not itemize
         counts = self.m.counts()
         self.total = counts[2] if counts is not None else None
+        # a promise judged against the pool's free count needs the count
+        for name, declared in (("admission", self.caps.admission is not None),
+                               ("eviction_order", self.caps.eviction_order == "lru")):
+            assert not declared or counts is not None, \
+                f"capabilities.{name}: declared, but counts() is None: the promise is judged against the pool's " \
+                f"free count, so a manager declaring it reports the count"
         # the router's index rebuilt from the manager's KV events (capabilities.kv_events)
         self.kv_events = (EventIndex([g.kind for g in self.groups], math.gcd(self.unit, *self.gbs))
                           if self.caps.kv_events else None)
@@ -1703,6 +1709,8 @@ class ManagerMachine(RuleBasedStateMachine):
             free, used, total = counts
             held = self.holdings()
             assert free + used == total, f"free {free} + used {used} != total {total}"
+            assert self.total is None or total == self.total, \
+                f"the pool's total is {total} blocks, {self.total} when the manager was built: a pool does not resize"
             assert used == len(held), \
                 f"{used} blocks used, but live requests (and deferred frees) hold {len(held)}: {sorted(held)}"
         self.m.self_check()
@@ -1720,8 +1728,14 @@ class ManagerMachine(RuleBasedStateMachine):
         """Pages (:meth:`flat`) an in-flight step still writes, and those a manager owning the pools says a copy
         fills from them (``in_flight_pages``: a copy-on-write the worker runs after those steps)."""
         copied = getattr(self.m, "in_flight_pages", None) if self.caps.owns_pools else None
-        return {self.flat(g, s) for q in (*self.live.values(), *self.zombies.values()) for step in q.in_flight
-                for g, slots in enumerate(step.slots) for s in slots if s >= 0} | (copied() if copied else set())
+        steps = [step for q in (*self.live.values(), *self.zombies.values()) for step in q.in_flight]
+        pages = set(copied()) if copied else set()
+        # a copy waits on an in-flight step: with none in flight, no page is left unread
+        assert steps or not pages, \
+            f"in_flight_pages() names pages {sorted(pages)[:8]} while no step is in flight: a copy fills a page " \
+            f"from a block an in-flight step still writes, so with none in flight every page is read"
+        written = {self.flat(g, s) for step in steps for g, slots in enumerate(step.slots) for s in slots if s >= 0}
+        return written | pages
 
     def check_reads(self, rid: int, req: Request, g: int, group, table: list[int], pending: set,
                     at: int | None = None, below: int | None = None) -> None:
