@@ -173,10 +173,7 @@ def test_a_control_signal_from_a_protocol_call_is_a_failure_with_its_program(sig
         getattr(steps, "error", None)
 
 
-def test_a_manager_that_serves_no_request_fails_the_gate(pytester, monkeypatch):
-    """Every ``admit`` refused: no token read back, nothing judged; the layout's search fails, naming it. Fails
-    before (a green run, every promise listed as judged)."""
-    pytester.makepyfile(refuses_all='''
+REFUSES_ALL = '''
 from pagedkv.testing.managers.reference import ReferenceManager
 
 
@@ -187,7 +184,35 @@ class RefusesAll(ReferenceManager):
 
 cache_manager = RefusesAll
 cache_manager_layouts = ("gemma3",)
-''')
+'''
+
+REFUSES_HITS = '''
+from pagedkv.testing.managers.reference import ReferenceManager
+
+
+class RefusesHits(ReferenceManager):
+    def admit(self, request_id, *args, **kwargs):
+        got = super().admit(request_id, *args, **kwargs)
+        if got[1]:
+            del self.requests[request_id]
+            return None
+        return got
+
+
+cache_manager = RefusesHits
+cache_manager_layouts = ("gemma3",)
+'''
+
+
+@pytest.mark.parametrize("source, message", [
+    (REFUSES_ALL, "*the manager served no request in * programs*"),
+    (REFUSES_HITS, "*the hit promise gave * admissions a hit in * programs, but the manager served none*")],
+                         ids=["refuses-all", "refuses-hits"])
+def test_a_manager_that_serves_no_request_or_no_promised_hit_fails_the_gate(pytester, monkeypatch, source, message):
+    """Every ``admit`` refused (no token read back, nothing judged), or every one the hit promise gives a hit
+    (the promise never met, any fault on a hit hidden): the layout's search fails, naming it. Fails before (a
+    green run, every promise listed as judged)."""
+    pytester.makepyfile(refuses_all=source)
     pytester.makeini("[pytest]\npagedkv_report_json = out/verdict.json\n")
     monkeypatch.setenv("PAGEDKV_PROFILE", "smoke")
     monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(pytester.path / "failures"))
@@ -196,7 +221,7 @@ cache_manager_layouts = ("gemma3",)
     result = pytester.runpytest_subprocess("--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", "refuses_all",
                                            "-k", "test_cache_manager", "-p", "no:cacheprovider", "-p", "no:xdist")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*the manager served no request in * programs*"])
+    result.stdout.fnmatch_lines([message])
     (candidate,) = json.loads((pytester.path / "out" / "verdict.json").read_text())["candidates"]
     assert "cache_manager[gemma3]" not in candidate["passed"], candidate["passed"]
 

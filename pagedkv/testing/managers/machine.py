@@ -224,6 +224,7 @@ class ManagerMachine(RuleBasedStateMachine):
     checks_run = 0  # steps judged, over every run of this class (for steps per second)
     tokens_read = 0  # written tokens whose K/V the checks compared with the oracle, over every run of this class
     prefix_hits = 0  # admissions served partly from the prefix cache, over every run of this class
+    hits_due = 0  # admissions, served or refused, the hit promise gave a hit, over every run of this class
     # when a dict: repr of each distinct declared ManagerCapabilities -> [it, programs] (the verdict's waivers)
     capabilities_seen: dict | None = None
     # K/V moves through a kernel backend's write_kv and gather (kv_io.KVIO; None: pagedkv's indexed)
@@ -1023,6 +1024,8 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             got = self.m.admit(rid, tokens, namespace, sorted(extras.items()))
         if got is None:
+            if resumed is None and self.caps.hit_promise and self.promised_hit(req):
+                type(self).hits_due += 1  # a refusal escapes the promise; a search of nothing but such passes none
             return False
         block_ids, cached = got
         assert 0 <= cached <= len(tokens) - self.caps.min_computed_on_full_hit, \
@@ -1040,6 +1043,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.drain_events(f"admit of request {rid}")
             self.kv_events.judge_hit(rid, namespace, tokens, cached, self.gbs)
         promised, replay = self.promised_hit(req), self.replay_hit(req)
+        type(self).hits_due += promised > 0
         assert cached >= replay, f"request {rid}: a hit of {cached} tokens, but " + (
             f"a request that computed a prompt sharing this one past its replay boundary of {replay} tokens, live or "
             f"released, and no block that entered the free queue since can have been evicted (the replay promise of "

@@ -133,6 +133,7 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings, datab
                 raise
 
     Recorded.__name__ = machine_class.__name__
+    Recorded.hits_due = 0  # set here, not in the class body: the body's source seeds derandomized searches
     try:
         with without_local_constants():  # one search whatever the process imported before
             if database_key is None:
@@ -146,7 +147,7 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings, datab
         steps.exception = exc
         return steps
     finally:
-        for counter in ("checks_run", "tokens_read", "prefix_hits"):
+        for counter in ("checks_run", "tokens_read", "prefix_hits", "hits_due"):
             setattr(machine_class, counter, getattr(machine_class, counter) + getattr(Recorded, counter))
         machine_class.examples_run = len(programs)
     return None
@@ -197,7 +198,7 @@ def run_per_layout(machine_class: type[ManagerMachine], settings_: settings, dat
             steps.machine_class = machine_class
         return steps
     examples = 0
-    counters = ("checks_run", "tokens_read", "prefix_hits")
+    counters = ("checks_run", "tokens_read", "prefix_hits", "hits_due")
     try:
         for name, share in layout_shares(layouts, settings_.max_examples):
             one = type(f"{machine_class.__name__}[{name}]", (machine_class,),

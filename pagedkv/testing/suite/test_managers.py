@@ -75,6 +75,13 @@ def test_cache_manager(pagedkv_run, backend, manager_layout):
         pagedkv_run.record(prop, backend, decide(SimpleNamespace(status="failed", failures=[failure], **measured),
                                                  kind="manager"))
         pytest.fail(f"cache manager {spec} ({manager_layout}): {failure.error}", pytrace=False)
+    if steps is None and machine.hits_due and not machine.prefix_hits:  # every promised hit refused at admission
+        failure = Failure(None, AssertionError(
+            f"the hit promise gave {machine.hits_due} admissions a hit in {machine.examples_run} programs, but the "
+            f"manager served none of them one (each refused, or served without): the promise was never met"))
+        pagedkv_run.record(prop, backend, decide(SimpleNamespace(status="failed", failures=[failure], **measured),
+                                                 kind="manager"))
+        pytest.fail(f"cache manager {spec} ({manager_layout}): {failure.error}", pytrace=False)
     if steps is None:
         if is_program_file(str(path)):
             path.unlink()  # a program an earlier run of this test left, fixed since
