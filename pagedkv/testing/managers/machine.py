@@ -247,12 +247,12 @@ class ManagerMachine(RuleBasedStateMachine):
             asks.append(dataclasses.replace(config, connector=False))
             if config.num_speculative_tokens:
                 asks.append(dataclasses.replace(config, connector=False, num_speculative_tokens=0))
-        for ask in asks[:-1]:
+        for ask in asks:
             try:
                 return ManagerCalls(call_manager("the manager factory", cls.make_manager, ask)), ask
             except ValueError:
-                continue
-        return ManagerCalls(call_manager("the manager factory", cls.make_manager, asks[-1])), asks[-1]
+                if ask is asks[-1]:
+                    raise
 
     # two layers at least, as every model has: a fault in some layers only (a copy-on-write of the first
     # layer) needs a second; the map keeps the draw (and so every other program) as it was
@@ -888,9 +888,12 @@ class ManagerMachine(RuleBasedStateMachine):
         req.adopted = True
         # a hit block the window already left behind (vLLM skips it, never touched) is not adopted: it stays in
         # the free queue, where this reservation may take it (what it cached evicted)
-        tables, hit_blocks = self.m.block_table(rid), set(hits)
-        left = {b for g, admitted in enumerate(req.table) if self.groups[g].kind in ("sliding_window", "chunked_local")
-                for b in admitted if b in hit_blocks and b not in tables[g][:-(-start // self.gbs[g])]}
+        left = set()
+        if hits:
+            tables, hit_blocks = self.m.block_table(rid), set(hits)
+            left = {b for g, admitted in enumerate(req.table) if self.groups[g].kind in ("sliding_window",
+                                                                                          "chunked_local")
+                    for b in admitted if b in hit_blocks and b not in tables[g][:-(-start // self.gbs[g])]}
         self.account(before, f"reserve of request {rid}", hits=hits, moves=self.cow_moves(req, start), left=left)
         taken = len(slots[0]) if isinstance(slots, tuple) and slots else len(token_ids)
         if taken < len(token_ids):  # its scheduler clipped a prompt chunk: the rest is reserved later
@@ -1058,7 +1061,8 @@ class ManagerMachine(RuleBasedStateMachine):
         # one-token window) its hit is only shorter (a prompt with embeddings is keyed by bytes the model does
         # not see: no ceiling)
         if self.coordinated and self.model_known and not req.embedded():
-            ceiling = self.coordinated_hit(req)[0]
+            # under the hit promise :meth:`promised_hit` is this same lookup
+            ceiling = promised if self.caps.hit_promise else self.coordinated_hit(req)[0]
             assert cached <= ceiling, \
                 f"request {rid}: a hit of {cached} tokens, but " + (
                     f"sparse retention (interval {self.caps.retention_interval}) kept window blocks for"

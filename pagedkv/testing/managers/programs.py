@@ -68,6 +68,11 @@ def _arguments(kwargs: dict) -> dict:
     return {k: (_tuples(v) if k in ("namespace", "extra") else v) for k, v in kwargs.items()}
 
 
+#: What a search counts over its programs (class attributes of the machine): steps judged, tokens read back,
+#: admissions served a hit, admissions the hit promise gave one.
+COUNTERS = ("checks_run", "tokens_read", "prefix_hits", "hits_due")
+
+
 def run_program(machine_class: type[ManagerMachine], steps: list, trace=None) -> None:
     """Run ``steps`` on a fresh machine, its invariants after each; raises what the machine raises.
     ``trace``: a text stream each step is printed to before it runs."""
@@ -76,8 +81,7 @@ def run_program(machine_class: type[ManagerMachine], steps: list, trace=None) ->
     try:
         for name, kwargs in steps:
             if trace is not None:
-                args = ", ".join(f"{k}={v!r}" for k, v in _arguments(kwargs).items())
-                print(f"state.{name}({args})", file=trace)
+                print(_step_line(name, kwargs), file=trace)
             getattr(machine, name)(**_arguments(kwargs))
             machine.judge_now()  # check() and any rule set's
     finally:
@@ -147,7 +151,7 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings, datab
         steps.exception = exc
         return steps
     finally:
-        for counter in ("checks_run", "tokens_read", "prefix_hits", "hits_due"):
+        for counter in COUNTERS:
             setattr(machine_class, counter, getattr(machine_class, counter) + getattr(Recorded, counter))
         machine_class.examples_run = len(programs)
     return None
@@ -198,14 +202,13 @@ def run_per_layout(machine_class: type[ManagerMachine], settings_: settings, dat
             steps.machine_class = machine_class
         return steps
     examples = 0
-    counters = ("checks_run", "tokens_read", "prefix_hits", "hits_due")
     try:
         for name, share in layout_shares(layouts, settings_.max_examples):
             one = type(f"{machine_class.__name__}[{name}]", (machine_class,),
-                       {"layouts": (name,), **{c: 0 for c in counters}})
+                       {"layouts": (name,), **{c: 0 for c in COUNTERS}})
             key = None if database_key is None else database_key + b"/" + name.encode()
             steps = run_recorded(one, settings(settings_, max_examples=share), key)
-            for counter in counters:
+            for counter in COUNTERS:
                 setattr(machine_class, counter, getattr(machine_class, counter) + getattr(one, counter))
             examples += one.examples_run
             if steps is not None:
@@ -262,11 +265,13 @@ def replay_line(path: Path | str, spec: str) -> str:
 
 def as_text(steps: list) -> str:
     """The program as Python lines, as Hypothesis prints a stateful failure."""
-    lines = ["state = Machine()"]
-    for name, kwargs in steps:
-        args = ", ".join(f"{k}={v!r}" for k, v in _arguments(kwargs).items())
-        lines.append(f"state.{name}({args})")
-    return "\n".join(lines + ["state.teardown()"])
+    return "\n".join(["state = Machine()", *(_step_line(name, kwargs) for name, kwargs in steps), "state.teardown()"])
+
+
+def _step_line(name: str, kwargs: dict) -> str:
+    """One step as a Python line, as Hypothesis prints a stateful failure."""
+    args = ", ".join(f"{k}={v!r}" for k, v in _arguments(kwargs).items())
+    return f"state.{name}({args})"
 
 
 #: The manager's queries the machine makes after every step (its checks): not printed by a trace.

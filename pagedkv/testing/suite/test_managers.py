@@ -68,12 +68,12 @@ def test_cache_manager(pagedkv_run, backend, manager_layout):
     measured = dict(examples=machine.examples_run, steps=machine.checks_run, seconds=time.perf_counter() - start)
     # what the declarations waived (a promise left off) and left undrawn, for the verdict's reader
     declared = declarations.summarize(tuple(seen) for seen in machine.capabilities_seen.values())
-    unjudged = None if steps is None else False
-    if unjudged is None and not machine.tokens_read:  # every request refused: nothing the manager stores was read
+    unjudged = None
+    if steps is None and not machine.tokens_read:  # every request refused: nothing the manager stores was read
         unjudged = (f"the manager served no request in {machine.examples_run} programs ({machine.checks_run} steps): "
                     f"every admission or reservation was refused, so no token was read back and nothing it stores "
                     f"was judged")
-    elif unjudged is None and machine.hits_due and not machine.prefix_hits:  # every promised hit refused
+    elif steps is None and machine.hits_due and not machine.prefix_hits:  # every promised hit refused
         unjudged = (f"the hit promise gave {machine.hits_due} admissions a hit in {machine.examples_run} programs, "
                     f"but the manager served none of them one (each refused): the promise was never met")
     if unjudged:
