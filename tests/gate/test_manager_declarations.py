@@ -332,3 +332,101 @@ def test_pages_named_in_flight_with_no_step_in_flight_fail():
     before."""
     with pytest.raises(AssertionError, match="in_flight_pages\\(\\) names pages .* while no step is in flight"):
         _run(_HidesHits, _served_twice())
+
+
+# -- a third round: answers that lie by type, capabilities that change, a watermark, refusals ---------------------
+class _AlwaysAtLeast(int):
+    """An ``int`` whose ``>=`` always holds: a hit "at least" any promised one."""
+
+    __hash__ = int.__hash__
+
+    def __ge__(self, other):
+        return True
+
+
+def test_an_int_subclass_whose_comparisons_always_hold_is_judged_by_its_value():
+    """A manager that never serves a hit, answering its hit length as an ``int`` subclass whose ``>=`` always
+    holds: the hit promise (``cached >= promised``) passed. Fails before."""
+    class NeverHits(ReferenceManager):
+        def _hit_blocks(self, req, n):
+            return None
+
+        def admit(self, *args, **kwargs):
+            tables, hit = super().admit(*args, **kwargs)
+            return tables, _AlwaysAtLeast(hit)
+
+    with pytest.raises(AssertionError, match="a hit of 0 tokens, but its first 4 were committed"):
+        _run(NeverHits, _served_twice())
+
+
+def test_capabilities_that_change_while_a_manager_serves_fail():
+    """``capabilities`` answering the checks one way and the machine's later reads another (gemma3's groups to
+    ``check_served``, no hit promise afterwards): each read must agree with the first. Fails before."""
+    class Flips(ReferenceManager):
+        reads = 0
+
+        @property
+        def capabilities(self):
+            Flips.reads += 1
+            caps = self.__dict__["declared"]
+            return caps if Flips.reads <= 1 else dataclasses.replace(caps, hit_promise=False)
+
+        @capabilities.setter
+        def capabilities(self, value):
+            self.__dict__["declared"] = value
+
+    with pytest.raises(AssertionError, match="capabilities: the manager declared .* and later"):
+        _run(Flips, _one_start())
+
+
+def test_a_pool_smaller_than_asked_for_fails_even_with_the_difference_named_reserved():
+    """Two blocks kept aside as ``reserved_blocks`` out of the pool asked for (a watermark: refusals with
+    blocks free look like a short pool to the admission promise). Fails before."""
+    class Watermark(ReferenceManager):
+        reserved_blocks = 2
+
+        def counts(self):
+            free, used, total = super().counts()
+            return free - 2, used, total - 2
+
+    with pytest.raises(AssertionError, match=r"counts\(\): a pool of 6 blocks where 8 were asked for"):
+        _run(Watermark, _one_start())
+
+
+def test_an_admit_refused_under_the_admission_promise_fails():
+    """``admit`` takes no block: under the admission promise a refused one escapes every judgement of the
+    request (a stale hit hidden behind refusals of the requests that would read it). Fails before."""
+    class RefusesSecond(ReferenceManager):
+        admits = 0
+
+        def admit(self, request_id, *args, **kwargs):
+            self.admits += 1
+            return None if self.admits > 1 else super().admit(request_id, *args, **kwargs)
+
+    with pytest.raises(AssertionError, match="admit refused, but it takes no block"):
+        _run(RefusesSecond, _served_twice())
+    summary = declarations.summarize([(ManagerCapabilities(block_size=2, hit_promise=True), 3)])
+    assert summary["qualified"]["hit_promise without admission"]["declared_in"] == 3  # named where unjudged
+
+
+def test_whole_prompt_admission_declared_where_the_prompt_need_not_fit_fails():
+    """``admission="sequence"`` (a refusal excused by the whole prompt's need) on a pool asked with
+    ``full_sequence_must_fit`` off: more refusals pass as promised. Fails before."""
+    class Sequence(ReferenceManager):
+        def __init__(self, config):
+            super().__init__(config)
+            self.capabilities = dataclasses.replace(self.capabilities, admission="sequence")
+
+    with pytest.raises(AssertionError, match="capabilities.admission: 'sequence' declared where"):
+        _run(Sequence, _one_start())
+
+
+def test_a_manager_declaring_misuse_is_searched_with_the_api_rules():
+    """The suite mixes the API rules (:mod:`~pagedkv.testing.managers.api_rules`) into the machine of a manager
+    that declares ``misuse`` (pagedkv's own cache), and only there."""
+    from pagedkv.testing.managers import own
+    from pagedkv.testing.suite.test_managers import declares_misuse
+
+    assert declares_misuse(own.cache_manager, "one-group", 2, None)
+    assert not declares_misuse(ReferenceManager, "gemma3", 2, None)
+    assert not declares_misuse(lambda config: 1 / 0, "gemma3", 2, None)  # the search reports that one

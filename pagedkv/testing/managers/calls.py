@@ -4,14 +4,21 @@ asked, and a test runner's control signal raised from inside a call is a failure
 A manager could otherwise turn a failing program green without serving it: raise ``pytest.skip`` (the
 layout's search skipped and gone from the verdict) or Hypothesis's ``reject()`` / ``assume(False)`` (the
 failing program discarded as invalid) from a protocol call, declare groups or a window other than the ones
-asked for (judged against its own choice), or refuse a connector or drafts with ``ValueError`` while declaring
-them (reported as served).
+asked for (judged against its own choice), refuse a connector or drafts with ``ValueError`` while declaring
+them (reported as served), answer with an ``int`` subclass whose comparisons always hold (a hit "at least"
+the promised one, a free count "at least" any need), or declare one set of capabilities to the checks and
+another to the machine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import numbers
+import operator
 from typing import Any
+
+import torch
 
 from pagedkv.testing.signals import is_control_signal
 
@@ -41,21 +48,67 @@ def call_manager(where: str, function, *args, **kwargs) -> Any:
         raise
 
 
+def exact(value: Any) -> Any:
+    """``value`` as plain data: every integer an exact ``int`` (an ``int`` subclass or a NumPy integer by its
+    value, never its own comparisons), every list, tuple, set and dict (a subclass too) rebuilt from its items,
+    and the protocol's dataclasses (capabilities, groups) field by field. Tensors, ``bool``, ``None``, strings
+    and other objects pass unchanged (a tensor is the manager's pool, written through)."""
+    kind = type(value)
+    if kind is int or kind is bool or value is None or isinstance(value, (str, bytes, float, torch.Tensor)):
+        return value
+    if isinstance(value, int):
+        return int.__index__(value)  # the stored value: an override of __index__ or __eq__ is not called
+    if isinstance(value, numbers.Integral):
+        return int.__index__(operator.index(value))
+    if isinstance(value, tuple):
+        items = [exact(v) for v in tuple.__iter__(value)]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # a named tuple keeps its names
+    if isinstance(value, list):
+        return [exact(v) for v in list.__iter__(value)]
+    if isinstance(value, set):
+        return {exact(v) for v in set.__iter__(value)}
+    if isinstance(value, frozenset):
+        return frozenset(exact(v) for v in frozenset.__iter__(value))
+    if isinstance(value, dict):
+        return {exact(k): exact(v) for k, v in dict.items(value)}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and \
+            type(value).__module__ == "pagedkv.testing.managers.protocol":
+        return dataclasses.replace(value, **{f.name: exact(getattr(value, f.name)) for f in dataclasses.fields(value)
+                                             if f.init})
+    return value
+
+
+class ManagerCapabilitiesChanged(AssertionError):
+    """The manager's ``capabilities`` read differently within one program."""
+
+
 class ManagerCalls:
-    """``manager`` with every attribute look-up and method call passed through :func:`call_manager`."""
+    """``manager`` with every attribute look-up and method call passed through :func:`call_manager`, and every
+    answer through :func:`exact`; ``capabilities`` is read once per manager, and a later read that differs
+    fails (:class:`ManagerCapabilitiesChanged`)."""
 
     def __init__(self, manager: Any) -> None:
         self._manager = manager
+        self._capabilities = None
 
     def __getattr__(self, name: str) -> Any:
         value = call_manager(f"looking up {name}", getattr, self._manager, name)
         if not callable(value):
+            value = exact(value)
+            if name == "capabilities":
+                if self._capabilities is None:
+                    self._capabilities = value
+                elif value != self._capabilities:
+                    raise ManagerCapabilitiesChanged(
+                        f"capabilities: the manager declared {self._capabilities!r} and later {value!r}: what it "
+                        f"declares is read once per manager and must not change while it serves a program")
+                return self._capabilities
             return value
 
         @functools.wraps(value)
         def method(*args, **kwargs):
             __tracebackhide__ = True
-            return call_manager(name, value, *args, **kwargs)
+            return exact(call_manager(name, value, *args, **kwargs))
 
         object.__setattr__(self, name, method)
         return method
@@ -87,6 +140,9 @@ def check_served(caps: Any, asked: Any, served: Any) -> None:
         f"capabilities.retention_interval: the manager declares {caps.retention_interval!r} where " \
         f"{asked.retention_interval!r} was asked for (ManagerConfig.retention_interval): the hit promise follows " \
         f"the retention asked"
+    assert caps.admission != "sequence" or served.full_sequence_must_fit, \
+        "capabilities.admission: 'sequence' declared where ManagerConfig.full_sequence_must_fit is off: the whole " \
+        "prompt's need is a refusal's excuse only where the prompt must fit (declare 'chunk')"
     for name, refused in (("connector", asked.connector and not served.connector),
                           ("speculative", asked.num_speculative_tokens and not served.num_speculative_tokens)):
         assert not (refused and getattr(caps, name)), \

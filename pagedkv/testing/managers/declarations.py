@@ -33,8 +33,8 @@ PROMISES = {
 }
 
 #: Declarations that narrow a promise the manager keeps: name -> (does it narrow it, how). Each is honest where the
-#: engine works that way (vLLM's EAGLE drop, its multi-module MTP re-prefill, sparse retention), and a green verdict
-#: names it.
+#: engine works that way (vLLM's EAGLE drop, its multi-module MTP re-prefill, sparse retention; the hit promise of a
+#: manager that promises no admission rule, SGLang's), and a green verdict names it.
 QUALIFIERS = {
     "min_computed_on_full_hit": (lambda c: c.min_computed_on_full_hit > 1,
                                  "a hit leaves more than the prompt's last token to compute (the hit promise that "
@@ -42,6 +42,9 @@ QUALIFIERS = {
     "eagle_drop": (lambda c: bool(c.eagle_drop), "a hit drops its last block where drafts are on (the hit promise "
                                                  "one block shorter)"),
     "reprefill": (lambda c: c.reprefill > 0, "a reservation's last tokens are left uncached where drafts are on"),
+    "hit_promise without admission": (lambda c: bool(c.hit_promise) and c.admission is None,
+                                      "refusals unjudged: a request refused at its first reservation or load (or "
+                                      "at admit) escapes the hit promise"),
     "retention_interval": (lambda c: c.retention_interval is not None,
                            "sparse prefix-cache retention: a window group caches only the blocks a kept boundary "
                            "needs"),

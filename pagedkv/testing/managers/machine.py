@@ -343,6 +343,11 @@ class ManagerMachine(RuleBasedStateMachine):
         self.model_known = True  # False after an eviction the manager does not itemize
         counts = self.m.counts()
         self.total = counts[2] if counts is not None else None
+        # blocks a manager keeps aside (a null block, padding pages: ``reserved_blocks``) come on top of the pool
+        # asked for, never out of it: a watermark taken from it would refuse as if the pool were short
+        assert self.total is None or self.total >= config.num_blocks, \
+            f"counts(): a pool of {self.total} blocks where {config.num_blocks} were asked for " \
+            f"(ManagerConfig.num_blocks); blocks the manager keeps aside come on top (reserved_blocks)"
         # a promise judged against the pool's free count needs the count
         for name, declared in (("admission", self.caps.admission is not None),
                                ("eviction_order", self.caps.eviction_order == "lru")):
@@ -1027,6 +1032,12 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             got = self.m.admit(rid, tokens, namespace, sorted(extras.items()))
         if got is None:
+            # admit takes no block (the first reserve or load does): under the admission promise it is never
+            # refused, or a request the hit promise covers escapes it
+            assert self.caps.admission is None, \
+                f"request {rid}: {'resume' if resumed is not None else 'admit'} refused, but it takes no block " \
+                f"(the admission promise {self.caps.admission!r}: only a reservation or load is refused, and only " \
+                f"when the pool is short)"
             if resumed is None and self.caps.hit_promise and self.promised_hit(req):
                 type(self).hits_due += 1  # a refusal escapes the promise; a search of nothing but such passes none
             return False

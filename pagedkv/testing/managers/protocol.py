@@ -266,12 +266,13 @@ class ManagerCapabilities:
             past its tokens, where the proposer (EAGLE / MTP drafter) writes its next drafts' K/V in the same
             step, before any later reservation (vLLM's ``num_lookahead_tokens``); the machine writes there.
         admission: the admission promise, ``None`` (not promised): a ``reserve`` or ``load`` is refused only
-            when the pool is short. Its need is, per group, the blocks its tokens (and the lookahead) lie in
-            that its table does not hold, plus, on a request's first reservation or load, the hit blocks no live
-            request holds (touching one takes it from the free queue), less a window's or chunk's hit blocks
-            wholly before the first token computed after it (never touched; all counted with drafts on, as
-            vLLM's EAGLE window keeps one block more); a refusal while ``counts()`` shows that many free
-            fails. ``"chunk"``: the need of the call's own tokens (vLLM's ``allocate_slots``);
+            when the pool is short (and ``admit`` or ``resume``, which take no block, never). Its need is, per
+            group, the blocks its tokens (and the lookahead) lie in that its table does not hold, plus, on a
+            request's first reservation or load, the hit blocks no live request holds (touching one takes it
+            from the free queue), less a window's or chunk's hit blocks wholly before the first token computed
+            after it (never touched; all counted with drafts on, as vLLM's EAGLE window keeps one block more); a
+            refusal while ``counts()`` shows that many free fails. ``"chunk"``: the need of the call's own
+            tokens (vLLM's ``allocate_slots``);
             ``"sequence"``: a first reservation or load also needs the blocks of the whole prompt
             (``ManagerConfig.full_sequence_must_fit``: vLLM's ``scheduler_reserve_full_isl``);
             ``"whole-hit"``: as ``"chunk"``, but a load touches every block of its hit (kept for a recompute
@@ -484,7 +485,9 @@ class CacheManager(Protocol):
 
     def counts(self) -> tuple[int, int, int] | None:
         """``(free, used, total)`` blocks, or ``None`` when not exposed. Cached blocks nobody references
-        count as free (they are evictable)."""
+        count as free (they are evictable). ``total`` never changes and is at least ``ManagerConfig.num_blocks``:
+        blocks the manager never hands out (vLLM's null block, SGLang's padding page) come on top, named by an
+        optional ``reserved_blocks`` attribute (the machine's pools hold ``total + reserved_blocks``)."""
 
     def self_check(self) -> None:
         """Check the manager's own exposed state (reference counts, free queue, hash index) against what

@@ -39,6 +39,7 @@ def test_cache_manager(pagedkv_run, backend, manager_layout):
     ``manager_layout``, one of the layouts the candidate declares (``cache_manager_layouts``; each its own
     test, so ``pytest -n auto`` spreads a hybrid manager's layouts over the workers)."""
     from pagedkv.testing.managers import programs
+    from pagedkv.testing.managers.api_rules import ApiRules
     from pagedkv.testing.managers.machine import machine_for
 
     factory = manager_factory(backend)
@@ -56,8 +57,10 @@ def test_cache_manager(pagedkv_run, backend, manager_layout):
         pagedkv_run.record(prop, backend, decide(
             SimpleNamespace(status="failed", failures=[Failure(None, missing)]), kind="manager"))
         pytest.fail(f"cache manager {spec} cannot run here (no program ran): {missing}", pytrace=False)
+    # a manager declaring how it refuses misuse (capabilities.misuse) is judged on it: the API rules mixed in
+    rule_sets = (ApiRules,) if declares_misuse(factory, manager_layout, block_sizes[0], windows[0]) else ()
     machine = machine_for(factory, windows=windows, layouts=(manager_layout,), block_sizes=block_sizes,
-                          name=f"{backend_name(backend)}_manager")
+                          name=f"{backend_name(backend)}_manager", rule_sets=rule_sets)
     # a manager whose behaviour unfolds over long decodes (sliding-window eviction) asks for longer programs
     program_steps = getattr(backend, "cache_manager_steps", STEPS)
     path = pagedkv_run.case_file
@@ -110,6 +113,24 @@ def layout_property(layout: str) -> str:
     return f"{PROPERTY}[{layout}]"
 
 
+def probe_config(layout: str, block_size: int, window_left) -> ManagerConfig:
+    """A small pool of ``layout`` at ``block_size`` and ``window_left`` (window 1 in a hybrid layout): what the
+    suite builds a manager with before its search."""
+    groups = layout_groups(layout, block_size, 1)
+    return ManagerConfig(8, block_size, None if groups else window_left, 2, groups=groups,
+                         retention_interval=layout_retention(layout, block_size, 1))
+
+
+def declares_misuse(factory, layout: str, block_size: int, window_left) -> bool:
+    """Whether the manager ``factory`` builds for :func:`probe_config` declares ``capabilities.misuse`` (False
+    where it cannot be built: the search reports why)."""
+    try:
+        manager = call_manager("the manager factory", factory, probe_config(layout, block_size, window_left))
+        return bool(call_manager("looking up capabilities", getattr, manager, "capabilities").misuse)
+    except Exception:  # noqa: BLE001 - the search builds it again and reports the error with its program
+        return False
+
+
 def missing_dependency(factory, layouts, block_size: int, window_left) -> Exception | None:
     """The ``BackendUnavailableError`` the manager raises when built for one of its declared ``layouts`` (a
     small pool at ``block_size`` and ``window_left``, window 1 in a hybrid layout), or ``None``: a missing
@@ -119,11 +140,9 @@ def missing_dependency(factory, layouts, block_size: int, window_left) -> Except
     from pagedkv.errors import BackendUnavailableError
 
     for layout in layouts:
-        groups = layout_groups(layout, block_size, 1)
-        config = ManagerConfig(8, block_size, None if groups else window_left, 2, groups=groups,
-                               retention_interval=layout_retention(layout, block_size, 1))
         try:
-            call_manager("the manager factory", factory, config)  # a control signal raised here is a failure
+            # a control signal raised here is a failure
+            call_manager("the manager factory", factory, probe_config(layout, block_size, window_left))
         except BackendUnavailableError as exc:
             return exc
         except Exception:  # noqa: BLE001 - the search reports it with the program that raised it
