@@ -174,10 +174,17 @@ def test_a_control_signal_from_a_protocol_call_is_a_failure_with_its_program(sig
 
 
 REFUSES_ALL = '''
+import dataclasses
+
 from pagedkv.testing.managers.reference import ReferenceManager
 
 
 class RefusesAll(ReferenceManager):
+    def __init__(self, config):
+        super().__init__(config)
+        # no admission promise: under it a refused admit fails at once
+        self.capabilities = dataclasses.replace(self.capabilities, admission=None)
+
     def admit(self, *args, **kwargs):
         return None
 
@@ -187,10 +194,17 @@ cache_manager_layouts = ("gemma3",)
 '''
 
 REFUSES_HITS = '''
+import dataclasses
+
 from pagedkv.testing.managers.reference import ReferenceManager
 
 
 class RefusesHits(ReferenceManager):
+    def __init__(self, config):
+        super().__init__(config)
+        # no admission promise: under it a refused admit fails at once
+        self.capabilities = dataclasses.replace(self.capabilities, admission=None)
+
     def admit(self, request_id, *args, **kwargs):
         got = super().admit(request_id, *args, **kwargs)
         if got[1]:
@@ -230,7 +244,7 @@ def test_declarations_that_narrow_a_promise_are_named_in_the_verdict():
     """A manager declaring EAGLE's dropped block, a longer minimum to compute or sparse retention keeps a
     narrower hit promise: the summary names each, with its programs, beside the waivers; the engine default
     (``min_computed_on_full_hit`` 1, no drop, dense) names none. Fails before (no such entry)."""
-    plain = ManagerCapabilities(block_size=2, hit_promise=True)
+    plain = ManagerCapabilities(block_size=2, hit_promise=True, admission="chunk")
     narrowed = dataclasses.replace(plain, eagle_drop=True, min_computed_on_full_hit=3)
     summary = declarations.summarize([(plain, 4), (narrowed, 1)])
     assert set(summary["qualified"]) == {"eagle_drop", "min_computed_on_full_hit"}, summary["qualified"]
@@ -276,12 +290,9 @@ def test_a_pool_that_shrinks_its_total_fails():
     """``counts()`` under-reporting free blocks while in use, its total shrunk to keep ``free + used == total``:
     refusals then look like a short pool to the admission promise. Fails before."""
     class Shrinks(ReferenceManager):
-        calls = 0
-
         def counts(self):
             free, used, total = super().counts()
-            self.calls += 1
-            return (free - 1, used, total - 1) if self.calls > 1 and free else (free, used, total)
+            return (free - 1, used, total - 1) if self.requests and free else (free, used, total)
 
     with pytest.raises(AssertionError, match="a pool does not resize"):
         _run(Shrinks, _served_twice())
