@@ -51,6 +51,10 @@ def test_each_promise_left_off_is_waived_where_it_applies_and_inputs_not_declare
                                                           window_release=True, eviction_order="lru",
                                                           cached_prompt=True), 1)])
     assert honest["waived"] == [] and "namespaces" in honest["not_drawn"]
+    # declarations that turn on a judgement of their own are named where no program declared them
+    assert {"kv_events", "misuse"} <= set(honest["not_drawn"])
+    own = declarations.summarize([(dataclasses.replace(full, kv_events=True, misuse=True), 1)])
+    assert not {"kv_events", "misuse"} & set(own["not_drawn"])
 
 
 def test_the_machine_records_each_programs_declarations_and_the_json_verdict_names_the_waiver():
@@ -441,3 +445,22 @@ def test_a_manager_declaring_misuse_is_searched_with_the_api_rules():
     assert declares_misuse(own.cache_manager, "one-group", 2, None)
     assert not declares_misuse(ReferenceManager, "gemma3", 2, None)
     assert not declares_misuse(lambda config: 1 / 0, "gemma3", 2, None)  # the search reports that one
+
+
+def test_a_failure_that_depends_on_state_shared_across_managers_says_so():
+    """A manager whose fault fires on the fifth admission of the whole search (a class attribute): the failing
+    program goes another way when run again, and the finding names shared state, not only Hypothesis's
+    ``Flaky`` error. Fails before (the error was Hypothesis's alone)."""
+    from pagedkv.testing.managers import programs
+
+    class SharedCounter(ReferenceManager):
+        admits = 0
+
+        def admit(self, *args, **kwargs):
+            SharedCounter.admits += 1
+            return None if SharedCounter.admits == 5 else super().admit(*args, **kwargs)
+
+    steps = programs.run_recorded(machine_for(SharedCounter, layouts=("gemma3",), name="shared"),
+                                  settings(manager_settings(30, 30), derandomize=True))
+    assert steps is not None and "share state (a module or class attribute)" in steps.error, \
+        getattr(steps, "error", None)

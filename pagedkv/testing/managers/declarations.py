@@ -64,6 +64,8 @@ DRAWS = {
     "async_steps": "asynchronous steps (a step reserved while the last one's writes are in flight)",
     "connector": "a KV connector's loads and stores",
     "speculative": "speculative drafts",
+    "kv_events": "KV events (a router's prefix index rebuilt from them, judged against the cache)",
+    "misuse": "misuse (declared refusals raise and change nothing: the API rules)",
 }
 
 

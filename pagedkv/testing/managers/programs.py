@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hypothesis import settings
+from hypothesis.errors import Flaky
 from hypothesis.stateful import invariant, run_state_machine_as_test
 
 from pagedkv.testing.managers.casefile import KIND, MAX_STEPS, is_program_file  # noqa: F401 - re-exported
@@ -147,6 +148,11 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings, datab
     except Exception as exc:  # noqa: BLE001 - any failure of the manager is the finding
         steps = _Program(programs[-1] if programs else [])
         steps.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if isinstance(exc, Flaky):  # a failure Hypothesis could not make again from the same draws
+            steps.error = (f"{type(exc).__name__}: a program failed (program {failed_at[0] if failed_at else '?'}) "
+                           f"and went another way when run again from the same draws: the managers the factory "
+                           f"builds share state (a module or class attribute), so no program reproduces the "
+                           f"failure; the program below is the last one run, not a shrunk failure")
         steps.first_failing_example = failed_at[0] if failed_at else len(programs)
         steps.exception = exc
         return steps
