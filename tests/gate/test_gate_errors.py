@@ -104,9 +104,19 @@ def gather(cache, block_table, seq_len):  # two bugs the explicit examples (bloc
 """
 
 
+NO_LOCAL_CONSTANTS = """
+from hypothesis.internal.conjecture import providers
+
+providers._get_local_constants = providers.Constants
+"""
+
+
 def test_two_distinct_failures_get_two_case_files_that_each_replay_to_their_own(pytester, write_candidate,
                                                                                  monkeypatch):
     spec = write_candidate("two_bugs", TWO_BUGS).spec
+    # one search whatever the repository's modules hold: without the constants Hypothesis harvests from local
+    # (here, editable) modules, whose every new literal would move it (a user's installed wheel has none)
+    pytester.makeconftest(NO_LOCAL_CONSTANTS)
     monkeypatch.setenv("PAGEDKV_PROFILE", "ci")
     monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(pytester.path / "f"))
     result, out, _ = _pytest(pytester, "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", spec, "-k",
