@@ -20,7 +20,7 @@ from pagedkv.testing.managers.machine import machine_for
 from pagedkv.testing.managers.protocol import GroupSpec, ManagerCapabilities
 from pagedkv.testing.managers.reference import ReferenceManager
 from pagedkv.testing.settings import manager_settings
-from pagedkv.testing.suite.test_managers import missing_dependency
+from pagedkv.testing.suite.test_managers import probe_manager
 from pagedkv.testing.verdict import Verdict
 
 GEMMA3 = (GroupSpec("full", 2), GroupSpec("sliding_window", 2, window=1, num_layers=2))
@@ -81,14 +81,14 @@ def test_a_dependency_missing_in_one_layout_is_found_before_the_search():
             raise BackendUnavailableError("no module named 'triton'; install: pip install triton")
         return ReferenceManager  # never used
 
-    found = missing_dependency(factory, ("one-group", "gemma3"), 1, None)
+    found = probe_manager(factory, "gemma3", 1, None).missing
     assert isinstance(found, BackendUnavailableError) and "triton" in str(found)
-    assert missing_dependency(factory, ("one-group",), 1, None) is None
+    assert probe_manager(factory, "one-group", 1, None).missing is None
 
     def refuses(config):
         raise ValueError("groups: not served")  # left to the search, which reports it with its program
 
-    assert missing_dependency(refuses, ("gemma3",), 1, None) is None
+    assert probe_manager(refuses, "gemma3", 1, None) == (None, False)
 
 
 @pytest.mark.parametrize("layout", ["gemma3", "one-group"])
@@ -96,7 +96,7 @@ def test_the_reference_and_own_managers_build_for_the_probe(layout):
     from pagedkv.testing.managers import own
 
     factory = ReferenceManager if layout == "gemma3" else own.cache_manager
-    assert missing_dependency(factory, (layout,), 2, None) is None
+    assert probe_manager(factory, layout, 2, None).missing is None
 
 
 # -- declarations that would game the verdict --------------------------------------------------------------------
@@ -440,11 +440,10 @@ def test_a_manager_declaring_misuse_is_searched_with_the_api_rules():
     """The suite mixes the API rules (:mod:`~pagedkv.testing.managers.api_rules`) into the machine of a manager
     that declares ``misuse`` (pagedkv's own cache), and only there."""
     from pagedkv.testing.managers import own
-    from pagedkv.testing.suite.test_managers import declares_misuse
 
-    assert declares_misuse(own.cache_manager, "one-group", 2, None)
-    assert not declares_misuse(ReferenceManager, "gemma3", 2, None)
-    assert not declares_misuse(lambda config: 1 / 0, "gemma3", 2, None)  # the search reports that one
+    assert probe_manager(own.cache_manager, "one-group", 2, None).misuse
+    assert not probe_manager(ReferenceManager, "gemma3", 2, None).misuse
+    assert not probe_manager(lambda config: 1 / 0, "gemma3", 2, None).misuse  # the search reports that one
 
 
 def test_a_failure_that_depends_on_state_shared_across_managers_says_so():

@@ -147,12 +147,7 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings, datab
                 state_machine_test(Recorded, settings_, database_key)()
     except Exception as exc:  # noqa: BLE001 - any failure of the manager is the finding
         steps = _Program(programs[-1] if programs else [])
-        steps.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        if isinstance(exc, Flaky):  # a failure Hypothesis could not make again from the same draws
-            steps.error = (f"{type(exc).__name__}: a program failed (program {failed_at[0] if failed_at else '?'}) "
-                           f"and went another way when run again from the same draws: the managers the factory "
-                           f"builds share state (a module or class attribute), so no program reproduces the "
-                           f"failure; the program below is the last one run, not a shrunk failure")
+        steps.error = _failure_line(exc, failed_at[0] if failed_at else None)
         steps.first_failing_example = failed_at[0] if failed_at else len(programs)
         steps.exception = exc
         return steps
@@ -161,6 +156,17 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings, datab
             setattr(machine_class, counter, getattr(machine_class, counter) + getattr(Recorded, counter))
         machine_class.examples_run = len(programs)
     return None
+
+
+def _failure_line(exc: BaseException, failed_at: int | None) -> str:
+    """The one line a failed search reports: the exception's first line, or for Hypothesis's ``Flaky`` (a
+    failure it could not make again from the same draws) what that means for a manager."""
+    if isinstance(exc, Flaky):
+        return (f"{type(exc).__name__}: a program failed (program {'?' if failed_at is None else failed_at}) "
+                f"and went another way when run again from the same draws: the managers the factory "
+                f"builds share state (a module or class attribute), so no program reproduces the "
+                f"failure; the program below is the last one run, not a shrunk failure")
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 #: The one-group layout's programs, as a multiple of the profile's and up to a floor of :data:`ONE_GROUP_PROGRAMS`

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import pytest
 
@@ -52,13 +53,13 @@ def test_cache_manager(pagedkv_run, backend, manager_layout):
     spec = pagedkv_run.spec or backend_name(backend)
     windows = getattr(backend, "cache_manager_windows", (None,))
     block_sizes = getattr(backend, "cache_manager_block_sizes", (1, 2, 4))
-    missing = missing_dependency(factory, (manager_layout,), block_sizes[0], windows[0])
-    if missing is not None:  # an install problem, not a program to shrink and keep
+    probe = probe_manager(factory, manager_layout, block_sizes[0], windows[0])
+    if probe.missing is not None:  # an install problem, not a program to shrink and keep
         pagedkv_run.record(prop, backend, decide(
-            SimpleNamespace(status="failed", failures=[Failure(None, missing)]), kind="manager"))
-        pytest.fail(f"cache manager {spec} cannot run here (no program ran): {missing}", pytrace=False)
+            SimpleNamespace(status="failed", failures=[Failure(None, probe.missing)]), kind="manager"))
+        pytest.fail(f"cache manager {spec} cannot run here (no program ran): {probe.missing}", pytrace=False)
     # a manager declaring how it refuses misuse (capabilities.misuse) is judged on it: the API rules mixed in
-    rule_sets = (ApiRules,) if declares_misuse(factory, manager_layout, block_sizes[0], windows[0]) else ()
+    rule_sets = (ApiRules,) if probe.misuse else ()
     machine = machine_for(factory, windows=windows, layouts=(manager_layout,), block_sizes=block_sizes,
                           name=f"{backend_name(backend)}_manager", rule_sets=rule_sets)
     # a manager whose behaviour unfolds over long decodes (sliding-window eviction) asks for longer programs
@@ -121,30 +122,32 @@ def probe_config(layout: str, block_size: int, window_left) -> ManagerConfig:
                          retention_interval=layout_retention(layout, block_size, 1))
 
 
-def declares_misuse(factory, layout: str, block_size: int, window_left) -> bool:
-    """Whether the manager ``factory`` builds for :func:`probe_config` declares ``capabilities.misuse`` (False
-    where it cannot be built: the search reports why)."""
-    try:
-        manager = call_manager("the manager factory", factory, probe_config(layout, block_size, window_left))
-        return bool(call_manager("looking up capabilities", getattr, manager, "capabilities").misuse)
-    except Exception:  # noqa: BLE001 - the search builds it again and reports the error with its program
-        return False
+class Probe(NamedTuple):
+    """What building a manager for :func:`probe_config` told the suite before its search."""
+
+    #: The ``BackendUnavailableError`` the factory raised (a dependency missing in this layout), or ``None``.
+    missing: Exception | None
+    #: Whether the manager declares ``capabilities.misuse`` (False where it could not be built).
+    misuse: bool
 
 
-def missing_dependency(factory, layouts, block_size: int, window_left) -> Exception | None:
-    """The ``BackendUnavailableError`` the manager raises when built for one of its declared ``layouts`` (a
-    small pool at ``block_size`` and ``window_left``, window 1 in a hybrid layout), or ``None``: a missing
-    dependency of one layout only (vLLM's hybrid peer needs Triton for its slot mapping, its one-group
+def probe_manager(factory, layout: str, block_size: int, window_left) -> Probe:
+    """Build one manager for :func:`probe_config` of ``layout`` and read what the search needs before it starts.
+
+    A missing dependency of one layout only (vLLM's hybrid peer needs Triton for its slot mapping, its one-group
     manager does not) shows before the search, not as a shrunk program after hundreds of others. Any other
-    exception is left to the search, which reports it with its program."""
+    exception (from the factory or from ``capabilities``) is left to the search, which reports it with the
+    program that raised it; a control signal (``pytest.skip``, ``SystemExit``) raised here is a failure.
+    """
     from pagedkv.errors import BackendUnavailableError
 
-    for layout in layouts:
-        try:
-            # a control signal raised here is a failure
-            call_manager("the manager factory", factory, probe_config(layout, block_size, window_left))
-        except BackendUnavailableError as exc:
-            return exc
-        except Exception:  # noqa: BLE001 - the search reports it with the program that raised it
-            continue
-    return None
+    try:
+        manager = call_manager("the manager factory", factory, probe_config(layout, block_size, window_left))
+    except BackendUnavailableError as exc:
+        return Probe(exc, False)
+    except Exception:  # noqa: BLE001 - the search builds it again and reports the error with its program
+        return Probe(None, False)
+    try:
+        return Probe(None, bool(call_manager("looking up capabilities", getattr, manager, "capabilities").misuse))
+    except Exception:  # noqa: BLE001 - as above
+        return Probe(None, False)
