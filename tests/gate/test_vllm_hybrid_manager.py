@@ -48,7 +48,9 @@ def _release_all(m, rids) -> None:
         if m.capabilities.connector:
             m.store_done(rid)
     m.self_check()
-    assert m.counts()[1] == 0, f"{m.counts()[1]} blocks used after every request was freed"
+    # HiSparse reports no counts (a page held in two tiers): its device pool, every unpinned page back in it
+    used = m.counts()[1] if m.counts() is not None else m.num_blocks - m.reserved_blocks - m.pool.get_num_free_blocks()
+    assert used == 0, f"{used} blocks used after every request was freed"
 
 
 @pytest.mark.parametrize("layout", sorted(HYBRID_LAYOUTS))
@@ -101,6 +103,8 @@ def test_a_hit_is_one_length_every_group_agrees_on(layout):
         held = [b for b in table if b >= 0]
         # a partly hit Mamba block is the copy the producer's next step moved its state's entry to
         moved = n - 1 if group.kind == "mamba" and hit % group.block_size else n
+        # a host tier's hit is named by its host blocks (the producer reads its device copies)
+        moved = 0 if group.host_resident else moved
         assert held and all(table[i] == mine[i] for i in range(moved) if table[i] >= 0), (group, table, mine)
         if group.kind in ("full",):
             assert -1 not in table
@@ -990,3 +994,40 @@ def test_a_hit_past_the_ceiling_is_caught_without_a_hit_promise(monkeypatch):
     with pytest.raises(AssertionError, match="a hit of 7 tokens, but sparse retention .* a hit of at most 6"):
         programs.run_program(machine_for(vm.cache_manager, windows=vm.cache_manager_windows,
                                          layouts=("deepseek-v4-interval",)), _two_turn_chat_on_deepseek_v4_interval())
+
+
+def test_hisparse_passes_the_machine():
+    """The release in the HiSparse layout: latent pages spilled to the host tier, their device copies unpinned and
+    reclaimed by the pool, every read through the residency row (a device copy, or the host page)."""
+    steps = _gate(("hisparse",), 25)
+    assert steps is None, steps.error
+
+
+def test_a_finished_requests_unpinned_pages_are_free_and_still_hit():
+    """vLLM's ``free`` unpins a finished request's clean device pages (``BlockPool.unpin_blocks``): every device
+    block is free again, and the next request with the prompt hits the pages the host tier published."""
+    m = _manager("hisparse", num_blocks=12)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2, 3]
+    _prefill(m, 0, prompt)
+    m.free(0)
+    m.self_check()
+    assert m.pool.get_num_free_blocks() == m.num_blocks - m.reserved_blocks
+    tables, hit = m.admit(1, prompt)
+    assert hit == 8 and [len(t) for t in tables] == [4, 4], (hit, tables)
+    assert all(b >= m.host_base for b in tables[0]) and all(0 <= b < m.host_base for b in tables[1]), tables
+    _release_all(m, [1])
+
+
+def test_an_unpin_that_leaks_its_blocks_is_caught(monkeypatch):
+    """``unpin_blocks`` releasing the references without returning the blocks to the free queue (their pool
+    shrinks with every finished request)."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    def leak(self, blocks, on_reuse):
+        for block in blocks:
+            block.ref_cnt -= 1
+            self._reuse_watchers[block.block_id] = on_reuse
+
+    monkeypatch.setattr(BlockPool, "unpin_blocks", leak)
+    steps = _gate(("hisparse",), 25)
+    assert steps is not None and "free queue" in steps.error, steps and steps.error

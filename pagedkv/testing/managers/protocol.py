@@ -77,10 +77,16 @@ class GroupSpec:
         window: ``window_left`` tokens (``"sliding_window"`` only).
         chunk: chunk length in tokens, a multiple of ``block_size`` (``"chunked_local"`` only).
         num_layers: layers in the group (each reads and writes the group's blocks).
+        host_resident: the group's pages live in a host pool, the device keeping reclaimable resident copies
+            (``"full"`` only; vLLM's ``KVCacheGroupSpec.host_resident``, its HiSparse latent group). What a
+            query reads is full attention's: a manager without a host tier serves it as a plain ``"full"``
+            group, one with a tier names in its block table where each page is read (its device copy, or its
+            host block where the copy was reclaimed).
 
     Raises:
         ValueError: an unknown ``kind``, a ``window`` or ``chunk`` missing, negative or given to another
-            kind, a ``block_size`` or ``num_layers`` below 1, a ``chunk`` not a multiple of ``block_size``.
+            kind, a ``block_size`` or ``num_layers`` below 1, a ``chunk`` not a multiple of ``block_size``,
+            ``host_resident`` for a kind other than ``"full"``.
     """
 
     kind: str
@@ -88,6 +94,7 @@ class GroupSpec:
     window: int | None = None
     chunk: int | None = None
     num_layers: int = 1
+    host_resident: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in GROUP_KINDS:
@@ -100,6 +107,8 @@ class GroupSpec:
                 self.chunk is not None and (self.chunk < 1 or self.chunk % self.block_size)):
             raise ValueError(f"chunk {self.chunk!r}: a positive multiple of block_size {self.block_size} for "
                              f"kind 'chunked_local' only")
+        if self.host_resident and self.kind != "full":
+            raise ValueError(f"host_resident: a host tier for kind 'full' only, not {self.kind!r}")
 
     def first_read(self, position: int) -> int:
         """The first token position (of the same request) whose slot a query at ``position`` reads: 0
@@ -172,6 +181,11 @@ HYBRID_LAYOUTS["mtp-multi-module"] = lambda bs, w: (GroupSpec("full", max(bs, 3)
 #: ``HybridKVCacheCoordinator.enable_partial_hash_hits``).
 LAYOUT_PREFIX_MATCH_UNIT = {"qwen3-next-fine"}
 HYBRID_LAYOUTS["qwen3-next-fine"] = lambda bs, w: (GroupSpec("full", 4 * bs), GroupSpec("mamba", 4 * bs, num_layers=2))
+
+#: DeepSeek-V3.2 / GLM-5 sparse MLA served with a host tier (vLLM's HiSparse, ``vllm/v1/hisparse/``): the latent
+#: group's pages live in a host pool with device copies reclaimed under pressure (``GroupSpec.host_resident``), the
+#: indexer's keys a ``full`` group on the device.
+HYBRID_LAYOUTS["hisparse"] = lambda bs, w: (GroupSpec("full", bs, host_resident=True), GroupSpec("full", bs))
 
 
 def layout_prefix_match_unit(name: str, block_size: int) -> int | None:

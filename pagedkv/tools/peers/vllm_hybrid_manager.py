@@ -17,7 +17,8 @@ only those boundaries' states; ``KVCacheConfig.prefix_cache_retention_interval``
 and the eviction model follow it), and Qwen3-Next served with fine-grained partial hash hits (``qwen3-next-fine``:
 ``--prefix-match-unit`` finer than the Mamba block, so hits land inside a block; the peer holds the pools, runs the
 scheduler's copy-on-write copies in them as vLLM's worker does and keeps one state per Mamba block:
-:class:`_StatePools`). vLLM's LRU eviction order is
+:class:`_StatePools`), and DeepSeek-V3.2's sparse MLA served with a host tier (``hisparse``: vLLM's HiSparse,
+:mod:`.vllm_hisparse_manager`). vLLM's LRU eviction order is
 declared where the machine knows what vLLM caches (no Mamba group, no EAGLE), and the lookahead slots
 (``num_lookahead_tokens``) where drafts are on.
 
@@ -783,13 +784,18 @@ class VllmHybridCacheManager(VllmCacheManager):
 
 def cache_manager(config: ManagerConfig):
     """The manager factory (``--pagedkv-impl pagedkv.tools.peers:vllm_cache_manager``): the hybrid
-    coordinator over ``config.groups`` (:class:`VllmHybridCacheManager`), or one group
+    coordinator over ``config.groups`` (:class:`VllmHybridCacheManager`; HiSparse's host tier where a group is
+    ``host_resident``: :class:`~pagedkv.tools.peers.vllm_hisparse_manager.VllmHiSparseCacheManager`), or one group
     (:class:`~pagedkv.tools.peers.vllm_manager.VllmCacheManager`) where it has none.
 
     Raises:
         BackendUnavailableError: vLLM is not installed (the message gives the install command).
         ValueError: a group kind vLLM has no manager for here.
     """
+    if any(g.host_resident for g in config.groups):  # the host tier: layout hisparse
+        from pagedkv.tools.peers.vllm_hisparse_manager import VllmHiSparseCacheManager
+
+        return VllmHiSparseCacheManager(config)
     return VllmHybridCacheManager(config) if config.groups else VllmCacheManager(config)
 
 
@@ -800,7 +806,7 @@ cache_manager_windows = vllm_manager.cache_manager_windows
 cache_manager_layouts = ("one-group", "gemma3", "llama4", "jamba", "qwen3-next", "gpt-oss-2full-sw",
                          "mixed-block-sizes", "hymba", "deepseek-v4", "two-window-block-sizes", "gemma3-sparse",
                          "gemma3-interval", "qwen3-next-sparse", "mtp-multi-module", "qwen3-next-fine",
-                         "deepseek-v4-interval")
+                         "deepseek-v4-interval", "hisparse")
 
 
 def peer():

@@ -1,0 +1,248 @@
+"""vLLM 0.32's ``KVCacheManager`` over HiSparse groups (``vllm/v1/hisparse/``: DeepSeek-V3.2 / GLM-5 sparse MLA
+served with a host tier), driven as vLLM's scheduler and its HiSparse connector drive it, the adapter playing the
+worker: the layout ``hisparse`` of ``pagedkv.tools.peers:vllm_cache_manager``.
+
+vLLM's groups (as ``make_hisparse_kv_cache_config`` in vLLM's own tests): 0 the latent source (``HISPARSE_SOURCE``,
+``host_resident``: its blocks come from a host pool), 1 the indexer (``HISPARSE_INDEXER``, device), 2 the resident
+pages (``HiSparseResidentSpec``: device copies of the latent pages), 3 the hot region (``HiSparseHotSpec``, 2 blocks
+a request). The protocol sees two ``full`` groups, the latent one ``host_resident``
+(:data:`~pagedkv.testing.managers.protocol.HYBRID_LAYOUTS` ``["hisparse"]``):
+
+- the latent table names, page by page, where the worker reads it (vLLM's residency row): its device block while
+  resident, pinned or unpinned (a clean page's reference released by ``BlockPool.unpin_blocks``: it counts as free
+  and stays readable until the pool hands it out, when ``on_reuse`` drops it), else its host block, as id
+  ``host_base + host block id`` (past the device pool);
+- the indexer table is vLLM's indexer row.
+
+Each ``reserve`` runs ``HiSparseConnectorScheduler.build_connector_meta``'s per-step work in its order
+(``advance_scheduled``, ``build_offload_command``, ``take_host_block_copies``, ``build_row_mirrors``,
+``all_context_pages_resident``, ``take_residency_updates``); each ``commit`` runs the worker's part of the steps it
+completes (the row mirrors and page transfers, in the pools this adapter owns) and acknowledges every transfer at
+once (``release_completed_host_copies``, ``update_spills``), as vLLM's ``_publish_hisparse_pages`` does.
+
+``counts()`` is not reported: a page is held in two tiers, which one table entry cannot say. ``self_check``: both
+pools' free queues hold exactly their unreferenced blocks, and every device block's ``ref_cnt`` is what live rows
+pin (indexer rows, pinned resident pages, hot regions, spills in flight).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from pagedkv.testing.managers.protocol import ExtraKey, ManagerCapabilities, ManagerConfig
+from pagedkv.tools.peers.vllm_manager import MAX_MODEL_LEN, VllmCacheManager, _import_vllm, init_block_hashes
+
+#: Host blocks per device block (the host tier is the larger one, as HiSparse deployments size it).
+HOST_BLOCKS_PER_DEVICE_BLOCK = 2
+#: Hot-region blocks per request (``HiSparseHotSpec.blocks_per_request``, as vLLM's tests build it).
+HOT_BLOCKS_PER_REQUEST = 2
+
+
+class VllmHiSparseCacheManager(VllmCacheManager):
+    """One ``KVCacheManager`` over HiSparse's four groups; the protocol's ``hisparse`` layout (latent, indexer).
+
+    Raises:
+        BackendUnavailableError: vLLM is not installed.
+        ValueError: ``config.groups`` is not the ``hisparse`` layout (a ``host_resident`` full group, then a full
+            group, of one block size).
+    """
+
+    def __init__(self, config: ManagerConfig) -> None:
+        v = self.v = _import_vllm()
+        from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
+        from vllm.v1.kv_cache_interface import HiSparseHotSpec, HiSparseResidentSpec, KVCacheGroupRole
+
+        groups = tuple(config.groups)
+        if (len(groups) != 2 or [(g.kind, g.host_resident) for g in groups] != [("full", True), ("full", False)]
+                or groups[0].block_size != groups[1].block_size):
+            raise ValueError(f"groups {groups}: HiSparse serves a host_resident full group and a full group of one "
+                             f"block size (layout 'hisparse')")
+        bs = groups[0].block_size
+        spec = v.FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype=v.torch.float32)
+        group = v.KVCacheGroupSpec
+        num_host_blocks = HOST_BLOCKS_PER_DEVICE_BLOCK * config.num_blocks + 1
+        # +1: block 0 of each pool is vLLM's null block, so the device pool offers config.num_blocks to requests
+        kv_config = v.KVCacheConfig(
+            num_blocks=config.num_blocks + 1, hisparse_host_num_blocks=num_host_blocks, kv_cache_tensors=[],
+            kv_cache_groups=[
+                group(["latent"], spec, role=KVCacheGroupRole.HISPARSE_SOURCE, host_resident=True),
+                group(["indexer"], spec, enable_kv_transfer=False, role=KVCacheGroupRole.HISPARSE_INDEXER),
+                group(["resident"], HiSparseResidentSpec(block_size=bs, page_size=bs * 4), enable_kv_transfer=False),
+                group(["hot"], HiSparseHotSpec(block_size=bs, page_size=bs * 4,
+                                               blocks_per_request=HOT_BLOCKS_PER_REQUEST), enable_kv_transfer=False)])
+        init_block_hashes(v)
+        self.block_hasher = v.get_request_block_hasher(bs, v.sha256)
+        self.manager = v.KVCacheManager(kv_config, max_model_len=MAX_MODEL_LEN, scheduler_block_size=bs,
+                                        hash_block_size=bs, enable_caching=True)
+        self.coordinator = get_hisparse_coordinator(self.manager)  # before the first admission, as vLLM binds it
+        self.pool = self.manager.block_pool
+        self.host_pool = self.coordinator.get_host_block_pool()
+        self.latent, self.indexer, self.resident, self.hot = self.manager.coordinator.single_type_managers
+        self.block_size, self.num_blocks, self.reserved_blocks = bs, config.num_blocks + 1, 1
+        self.host_base = self.num_blocks  # a host block's id in the latent table: host_base + its id
+        shape = (self.host_base + num_host_blocks, bs, config.num_kv_heads, config.head_dim)
+        num_layers = max(config.num_layers, *(g.num_layers for g in groups))
+        self.layers = [(v.torch.full(shape, float("nan")), v.torch.full(shape, float("nan")))
+                       for _ in range(num_layers)]
+        self.requests: dict[int, object] = {}
+        self.pending: dict[int, tuple] = {}  # admitted, hit not yet adopted: (blocks, num_cached)
+        self.settled: dict[int, int] = {}
+        self.deferred: dict[int, list] = {}
+        self.steps: dict[int, list] = {}  # request -> the worker's work of its steps not yet completed
+        self.full_sequence_must_fit = False
+        self.capabilities = ManagerCapabilities(block_size=bs, groups=groups, extra_keys=True, owns_pools=True)
+
+    def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
+              extra_keys: Sequence[ExtraKey] = ()):
+        request = self._request(request_id, token_ids, namespace, extra_keys)
+        blocks, num_cached, _ = self.manager.get_computed_blocks(request)
+        request.num_computed_tokens = 0
+        self.requests[request_id] = request
+        self.pending[request_id] = (blocks, num_cached)
+        self.settled[request_id] = num_cached
+        return self.block_table(request_id), num_cached
+
+    def resume(self, request_id: int):
+        raise NotImplementedError("resume: not declared (capabilities.resume is False)")
+
+    def reserve(self, request_id: int, token_ids: Sequence[int]):
+        request = self.requests[request_id]
+        blocks, num_cached = self.pending.get(request_id, (None, 0))
+        start = request.num_computed_tokens + num_cached
+        extra = start + len(token_ids) - request.num_tokens
+        if extra > 0:
+            request.append_output_token_ids(list(token_ids[len(token_ids) - extra:]))
+        got = self.manager.allocate_slots(request, len(token_ids), num_new_computed_tokens=num_cached,
+                                          new_computed_blocks=blocks)
+        if got is None:
+            if extra > 0:  # a refused decode step: the token was never scheduled
+                self._take_back_tokens(request, extra)
+            return None
+        self.pending.pop(request_id, None)
+        end = start + len(token_ids)
+        request.num_computed_tokens = end
+        rid = str(request_id)
+        scheduled = [(rid, start, len(token_ids))]
+        # HiSparseConnectorScheduler.build_connector_meta, in its order
+        self.coordinator.advance_scheduled([(rid, min(end, request.num_tokens))])
+        command = self.coordinator.build_offload_command()
+        host_copies = self.coordinator.take_host_block_copies()
+        mirrors = self.coordinator.build_row_mirrors(scheduled)
+        self.coordinator.all_context_pages_resident(scheduled)
+        self.coordinator.take_residency_updates([rid])
+        for copy in host_copies:  # the worker's host copy-on-write, before the forward
+            self._copy_page(self.host_base + copy.src_block_id, self.host_base + copy.dst_block_id)
+        self.steps.setdefault(request_id, []).append(
+            (end, list(command.page_transfers) if command else [], mirrors, [c.dst_block_id for c in host_copies]))
+        tables = self.block_table(request_id)
+        return tuple([table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
+                     for table in tables)
+
+    def _copy_page(self, source: int, destination: int) -> None:
+        for k, v in self.layers:
+            k[destination] = k[source]
+            v[destination] = v[source]
+
+    def _copy_rows(self, source: int, destination: int, num_rows: int) -> None:
+        for k, v in self.layers:
+            for pool in (k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])):
+                pool[destination:destination + num_rows] = pool[source:source + num_rows]
+
+    def commit(self, request_id: int, num_tokens: int) -> None:
+        """The worker's part of the steps writing tokens below ``num_tokens``: each row mirror (device rows to
+        their host page) and page transfer (a spill to the host, or a restore from it) run, then every transfer is
+        reported enqueued and completed at once, by its one worker."""
+        steps = self.steps.pop(request_id, [])
+        done = [step for step in steps if step[0] <= num_tokens]
+        if later := [step for step in steps if step[0] > num_tokens]:
+            self.steps[request_id] = later
+        self.settled[request_id] = num_tokens
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.num_in_flight_tokens = max(0, request.num_computed_tokens - num_tokens)
+        if not done:
+            return
+        acks, copied = {}, []
+        for _, transfers, mirrors, copies in done:
+            for mirror in mirrors:  # resident rows -> host rows (the first source: the latent group's)
+                self._copy_rows(mirror.source_starts[0], self.host_base * self.block_size + mirror.destination_start,
+                                mirror.num_rows)
+            for transfer in transfers:
+                device, host = transfer.resident_block_ids[0], self.host_base + transfer.host_block_id
+                self._copy_page(*((host, device) if transfer.restore else (device, host)))
+                acks[transfer.transfer_id] = 1
+            copied += copies
+        self.coordinator.release_completed_host_copies(copied)
+        self.coordinator.update_spills(acks, acks)
+
+    def free(self, request_id: int) -> None:
+        request = self.requests.pop(request_id)
+        self.pending.pop(request_id, None)
+        self.settled.pop(request_id, None)
+        self.steps.pop(request_id, None)
+        self.manager.free(request)
+
+    def block_table(self, request_id: int) -> tuple[list[int], list[int]]:
+        rid = str(request_id)
+        if request_id in self.pending:
+            blocks, num_cached = self.pending[request_id]
+            ids = blocks.get_block_ids()
+            if not any(ids):
+                return [], []
+            # the host group keeps a longer hit for a connector's host import; allocate_slots adopts only the
+            # pages the local hit covers (KVCacheManager.retained_hit_group_ids)
+            host = ids[0][:-(-num_cached // self.block_size)]
+            return [self.host_base + b if b else -1 for b in host], self._ids(ids[1])
+        host_row = self.latent.req_to_blocks.get(rid, [])
+        resident = self.resident.get_residency_row(rid)
+        latent = []
+        for page in range(max(len(host_row), len(resident))):
+            if page < len(resident) and not resident[page].is_null:
+                latent.append(resident[page].block_id)
+            elif page < len(host_row) and not host_row[page].is_null:
+                latent.append(self.host_base + host_row[page].block_id)
+            else:
+                latent.append(-1)
+        return latent, self._ids([b.block_id for b in self.indexer.req_to_blocks.get(rid, [])])
+
+    def kv_pools(self, layer: int):
+        return self.layers[layer]
+
+    def holds(self, request_id: int) -> bool:
+        return any(str(request_id) in m.req_to_blocks for m in self.manager.coordinator.single_type_managers)
+
+    def counts(self):
+        return None
+
+    @staticmethod
+    def _check_free_queue(pool, tier: str) -> None:
+        free = {b.block_id for b in pool.free_block_queue.get_all_free_blocks()}
+        assert len(free) == pool.get_num_free_blocks(), \
+            f"{tier} pool: the free queue holds {len(free)} blocks, its counter says {pool.get_num_free_blocks()}"
+        for block in pool.blocks:
+            assert block.is_null or (block.block_id in free) == (block.ref_cnt == 0), \
+                f"{tier} block {block.block_id}: ref_cnt {block.ref_cnt}, in the free queue {block.block_id in free} " \
+                f"(the free queue holds exactly the unreferenced blocks)"
+
+    def self_check(self) -> None:
+        """Both pools' free queues hold exactly their unreferenced blocks (and their counters say so); every
+        device block's ``ref_cnt`` is what live rows pin: indexer rows, resident pages not unpinned, hot regions,
+        and spills in flight."""
+        self._check_free_queue(self.pool, "device")
+        self._check_free_queue(self.host_pool, "host")
+        refs: dict[int, int] = {}
+        for rid in {rid for m in (self.indexer, self.resident, self.hot) for rid in m.req_to_blocks}:
+            state = self.coordinator.request_states.get(rid)
+            unpinned = state.unpinned_pages if state is not None else set()
+            held = list(self.indexer.req_to_blocks.get(rid, [])) + list(self.hot.req_to_blocks.get(rid, []))
+            held += [b for page, b in enumerate(self.resident.get_residency_row(rid)) if page not in unpinned]
+            for block in held:
+                if not block.is_null:
+                    refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        for spill in self.coordinator.pending_spills.values():
+            for block in spill.resident_blocks:
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        for block in self.pool.blocks:
+            assert block.is_null or block.ref_cnt == refs.get(block.block_id, 0), \
+                f"device block {block.block_id}: ref_cnt {block.ref_cnt}, but live rows pin it " \
+                f"{refs.get(block.block_id, 0)} times"
