@@ -463,3 +463,28 @@ def test_a_failure_that_depends_on_state_shared_across_managers_says_so():
                                   settings(manager_settings(30, 30), derandomize=True))
     assert steps is not None and "share state (a module or class attribute)" in steps.error, \
         getattr(steps, "error", None)
+
+
+def test_a_prompt_shorter_than_min_computed_on_full_hit_is_computed_whole():
+    """A manager leaving 2 tokens to compute on a full hit (``min_computed_on_full_hit=2``, an honest narrowing
+    the verdict names) admits a one-token prompt with no hit: it computes the prompt whole. Before, any prompt
+    shorter than the declared count failed ("at least 2 must be computed")."""
+    class ComputesTwo(ReferenceManager):
+        def __init__(self, config):
+            super().__init__(config)
+            self.capabilities = dataclasses.replace(self.capabilities, min_computed_on_full_hit=2)
+
+    _run(ComputesTwo, [*_one_start(), ("add", {"system": [0], "suffix": [], "namespace": None, "extra": None,
+                                               "chunk": 1, "write_now": True})])
+
+
+def test_a_manager_declaring_misuse_other_than_before_the_search_fails():
+    """The suite mixes the API rules in by the manager it builds before the search (``probe_manager``); a manager
+    declaring ``misuse`` in the search's builds only would be searched without them (a manager telling the two
+    builds apart by its call stack hid a double free that way, green)."""
+    from pagedkv.testing.managers import own, programs
+
+    machine = machine_for(own.cache_manager, layouts=("one-group",), probed_misuse=False)
+    with pytest.raises(AssertionError, match="capabilities.misuse: True here, False for the manager built"):
+        programs.run_program(machine, _one_start())
+    programs.run_program(machine_for(own.cache_manager, layouts=("one-group",), probed_misuse=True), _one_start())

@@ -227,6 +227,9 @@ class ManagerMachine(RuleBasedStateMachine):
     hits_due = 0  # admissions, served or refused, the hit promise gave a hit, over every run of this class
     # when a dict: repr of each distinct declared ManagerCapabilities -> [it, programs] (the verdict's waivers)
     capabilities_seen: dict | None = None
+    # when a bool: capabilities.misuse of the manager the suite built before the search (it mixed the API rules
+    # in by it), so a program's manager must declare the same
+    probed_misuse: bool | None = None
     # K/V moves through a kernel backend's write_kv and gather (kv_io.KVIO; None: pagedkv's indexed)
     kv_backend = None
     num_kv_heads, head_dim, dtype = NUM_KV_HEADS, HEAD_DIM, torch.float32
@@ -292,6 +295,10 @@ class ManagerMachine(RuleBasedStateMachine):
         self.caps = self.m.capabilities
         if self.capabilities_seen is not None:
             self.capabilities_seen.setdefault(repr(self.caps), [self.caps, 0])[1] += 1
+        assert self.probed_misuse is None or bool(self.caps.misuse) == self.probed_misuse, \
+            f"capabilities.misuse: {bool(self.caps.misuse)} here, {self.probed_misuse} for the manager built for " \
+            f"this layout before the search (the suite chose the rules it searches by it): a manager declares " \
+            f"the same capabilities in every build"
         self.groups = self.caps.groups
         if not groups:  # one group serves every layer asked for (a GroupedView's group says one)
             self.groups = tuple(dataclasses.replace(g, num_layers=num_layers) for g in self.groups)
@@ -1042,7 +1049,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 type(self).hits_due += 1  # a refusal escapes the promise; a search of nothing but such passes none
             return False
         block_ids, cached = got
-        assert 0 <= cached <= len(tokens) - self.caps.min_computed_on_full_hit, \
+        # a prompt shorter than min_computed_on_full_hit is computed whole
+        assert 0 <= cached <= max(0, len(tokens) - self.caps.min_computed_on_full_hit), \
             f"request {rid}: {cached} of {len(tokens)} prompt tokens served from the cache; at least " \
             f"{self.caps.min_computed_on_full_hit} must be computed"
         assert cached % self.unit == 0 or self.unit == 1, \
@@ -1112,7 +1120,7 @@ class ManagerMachine(RuleBasedStateMachine):
         """The connector loads ``external`` tokens past the local hit: their blocks reserved and checked;
         the request waits for :meth:`finish_load`."""
         end = cached + external
-        assert end <= min(stored, req.num_prompt - self.caps.min_computed_on_full_hit) and end % self.bs == 0, \
+        assert end <= min(stored, max(0, req.num_prompt - self.caps.min_computed_on_full_hit)) and end % self.bs == 0, \
             f"request {rid}: the connector takes {external} tokens past a local hit of {cached}, beyond the " \
             f"{stored} the store holds (or the prompt's last token, or not whole blocks)"
         before = self.holdings()

@@ -61,7 +61,7 @@ def test_cache_manager(pagedkv_run, backend, manager_layout):
     # a manager declaring how it refuses misuse (capabilities.misuse) is judged on it: the API rules mixed in
     rule_sets = (ApiRules,) if probe.misuse else ()
     machine = machine_for(factory, windows=windows, layouts=(manager_layout,), block_sizes=block_sizes,
-                          name=f"{backend_name(backend)}_manager", rule_sets=rule_sets)
+                          name=f"{backend_name(backend)}_manager", rule_sets=rule_sets, probed_misuse=probe.misuse)
     # a manager whose behaviour unfolds over long decodes (sliding-window eviction) asks for longer programs
     program_steps = getattr(backend, "cache_manager_steps", STEPS)
     path = pagedkv_run.case_file
