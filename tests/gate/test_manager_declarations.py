@@ -488,3 +488,25 @@ def test_a_manager_declaring_misuse_other_than_before_the_search_fails():
     with pytest.raises(AssertionError, match="capabilities.misuse: True here, False for the manager built"):
         programs.run_program(machine, _one_start())
     programs.run_program(machine_for(own.cache_manager, layouts=("one-group",), probed_misuse=True), _one_start())
+
+
+def test_a_manager_writing_its_pools_in_a_call_that_reads_fails():
+    """A manager owning its pools could write, in ``block_table`` (which the machine calls right before it reads
+    a request's K/V), the K/V the machine expects there, hiding a stale hit (a red-team manager did; its fault then
+    showed only as an in-flight hand-out). Every call that reads the manager's state is now checked to leave the
+    pools bit for bit as they were."""
+    from pagedkv.testing.managers import own, programs
+    from pagedkv.testing.managers.calls import ManagerWroteInARead
+
+    class WritesOnRead(own.OwnCacheManager):
+        def block_table(self, request_id):
+            table = super().block_table(request_id)
+            for layer in range(self.cache.config.num_layers if table else 0):
+                self.kv_pools(layer)[0][table[0]].zero_()
+            return table
+
+    start = [*_one_start(), ("add", {"system": [0, 1], "suffix": [2], "namespace": None, "extra": None,
+                                     "chunk": 3, "write_now": True})]
+    with pytest.raises(ManagerWroteInARead, match="block_table: the call changed the K/V pools"):
+        programs.run_program(machine_for(WritesOnRead, layouts=("one-group",)), start)
+    programs.run_program(machine_for(own.OwnCacheManager, layouts=("one-group",)), start)

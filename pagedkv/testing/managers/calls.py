@@ -82,14 +82,38 @@ class ManagerCapabilitiesChanged(AssertionError):
     """The manager's ``capabilities`` read differently within one program."""
 
 
+#: Protocol calls that read a manager's state: a manager owning its pools (``capabilities.owns_pools``) must not
+#: write them there, or it could write, as the machine asks where to read, what the machine is about to read.
+READ_ONLY_CALLS = frozenset({"block_table", "counts", "holds", "reference_counts", "self_check",
+                             "cached_prompt_tokens", "num_external", "in_flight_pages", "take_events", "cached_keys"})
+
+
+class ManagerWroteInARead(AssertionError):
+    """A call of :data:`READ_ONLY_CALLS` changed the K/V pools the manager owns."""
+
+
 class ManagerCalls:
     """``manager`` with every attribute look-up and method call passed through :func:`call_manager`, and every
     answer through :func:`exact`; ``capabilities`` is read once per manager, and a later read that differs
-    fails (:class:`ManagerCapabilitiesChanged`)."""
+    fails (:class:`ManagerCapabilitiesChanged`); once :meth:`guard_pools` names the pools it owns, a call of
+    :data:`READ_ONLY_CALLS` that changes them fails (:class:`ManagerWroteInARead`)."""
 
     def __init__(self, manager: Any) -> None:
         self._manager = manager
         self._capabilities = None
+        self._pools: tuple = ()
+
+    def guard_pools(self, pools) -> None:
+        """Compare ``pools`` (the K/V tensors the manager owns, read by the machine) bit for bit around every
+        call of :data:`READ_ONLY_CALLS` from now on."""
+        self._pools = tuple(pools)
+
+    def _unchanged(self, name: str, before: list) -> None:
+        for i, (pool, old) in enumerate(zip(self._pools, before)):
+            if not torch.equal(pool.detach().reshape(-1).view(torch.uint8), old):
+                raise ManagerWroteInARead(
+                    f"{name}: the call changed the K/V pools the manager owns (pool {i}); a call that reads the "
+                    f"manager's state must not write what the machine reads")
 
     def __getattr__(self, name: str) -> Any:
         value = call_manager(f"looking up {name}", getattr, self._manager, name)
@@ -108,7 +132,12 @@ class ManagerCalls:
         @functools.wraps(value)
         def method(*args, **kwargs):
             __tracebackhide__ = True
-            return exact(call_manager(name, value, *args, **kwargs))
+            if not (self._pools and name in READ_ONLY_CALLS):
+                return exact(call_manager(name, value, *args, **kwargs))
+            before = [pool.detach().reshape(-1).view(torch.uint8).clone() for pool in self._pools]
+            answer = exact(call_manager(name, value, *args, **kwargs))
+            self._unchanged(name, before)
+            return answer
 
         object.__setattr__(self, name, method)
         return method

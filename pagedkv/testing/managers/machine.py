@@ -324,6 +324,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.caps.owns_pools:
             self.pools = [self.m.kv_pools(layer) for layer in range(num_layers)]
             self.page = self.pools[0][0].shape[1]
+            manager.guard_pools(pool for pair in self.pools for pool in pair)  # no write in a call that reads
         else:
             total = self.m.counts()[2] + getattr(self.m, "reserved_blocks", 0)
             shape = (total, self.page, self.num_kv_heads, self.head_dim)
