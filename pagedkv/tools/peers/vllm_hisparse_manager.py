@@ -106,21 +106,10 @@ class VllmHiSparseCacheManager(VllmCacheManager):
         raise NotImplementedError("resume: not declared (capabilities.resume is False)")
 
     def reserve(self, request_id: int, token_ids: Sequence[int]):
-        request = self.requests[request_id]
-        blocks, num_cached = self.pending.get(request_id, (None, 0))
-        start = request.num_computed_tokens + num_cached
-        extra = start + len(token_ids) - request.num_tokens
-        if extra > 0:
-            request.append_output_token_ids(list(token_ids[len(token_ids) - extra:]))
-        got = self.manager.allocate_slots(request, len(token_ids), num_new_computed_tokens=num_cached,
-                                          new_computed_blocks=blocks)
-        if got is None:
-            if extra > 0:  # a refused decode step: the token was never scheduled
-                self._take_back_tokens(request, extra)
+        start = self._allocate(request_id, token_ids)
+        if start is None:
             return None
-        self.pending.pop(request_id, None)
-        end = start + len(token_ids)
-        request.num_computed_tokens = end
+        request, end = self.requests[request_id], start + len(token_ids)
         rid = str(request_id)
         scheduled = [(rid, start, len(token_ids))]
         # HiSparseConnectorScheduler.build_connector_meta, in its order

@@ -252,6 +252,17 @@ class VllmCacheManager:
         del request.block_hashes[request.num_tokens // self.block_size:]
 
     def reserve(self, request_id: int, token_ids: Sequence[int]):
+        start = self._allocate(request_id, token_ids)
+        if start is None:
+            return None
+        table = self.block_table(request_id)
+        return [table[p // self.block_size] * self.block_size + p % self.block_size
+                for p in range(start, start + len(token_ids))]
+
+    def _allocate(self, request_id: int, token_ids: Sequence[int]) -> int | None:
+        """``allocate_slots`` for a step of ``token_ids`` as the scheduler runs it (decode tokens appended as
+        output first, taken back where refused; a pending hit adopted): the step's first position, or ``None``
+        where vLLM refused it."""
         request = self.requests[request_id]
         blocks, num_cached = self.pending.get(request_id, (None, 0))
         start = request.num_computed_tokens + num_cached
@@ -268,9 +279,7 @@ class VllmCacheManager:
             return None
         self.pending.pop(request_id, None)
         request.num_computed_tokens = start + len(token_ids)
-        table = self.block_table(request_id)
-        return [table[p // self.block_size] * self.block_size + p % self.block_size
-                for p in range(start, start + len(token_ids))]
+        return start
 
     def commit(self, request_id: int, num_tokens: int) -> None:
         """The steps writing tokens below ``num_tokens`` completed (vLLM caches full blocks in
