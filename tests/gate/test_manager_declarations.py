@@ -510,3 +510,33 @@ def test_a_manager_writing_its_pools_in_a_call_that_reads_fails():
     with pytest.raises(ManagerWroteInARead, match="block_table: the call changed the K/V pools"):
         programs.run_program(machine_for(WritesOnRead, layouts=("one-group",)), start)
     programs.run_program(machine_for(own.OwnCacheManager, layouts=("one-group",)), start)
+
+
+@pytest.mark.parametrize("declared", [{"block_size": 10**9}, {"hit_alignment": 1}])
+def test_a_hash_block_or_hit_alignment_other_than_the_layout_asks_fails(declared):
+    """A grouped manager's ``block_size`` is the hash block the promises are judged in: declared huge, EAGLE's
+    promise capped every hit at 0 and a manager caching nothing under drafts passed. ``hit_alignment`` is the
+    prefix-match unit asked, or none."""
+    def declares(config):
+        manager = ReferenceManager(config)
+        manager.capabilities = dataclasses.replace(manager.capabilities, **declared)
+        return manager
+
+    with pytest.raises(AssertionError, match=f"capabilities.{next(iter(declared))}: the manager declares"):
+        _run(declares, _one_start())
+
+
+def test_promises_declared_beside_a_mamba_group_are_named_not_judgeable():
+    """Beside a Mamba group no hit is promised (the replay promise of ``hit_alignment`` aside) and the cached-prompt
+    count is not judged: a manager declaring both there is not listed as judged on them (a manager caching nothing
+    passed ``qwen3-next-fine`` with both shown as judged), but under "declared, not judgeable here"."""
+    from pagedkv.testing.managers.protocol import layout_groups
+
+    caps = ManagerCapabilities(block_size=1, groups=layout_groups("jamba", 1, 1), hit_promise=True, cached_prompt=True)
+    summary = declarations.summarize([(caps, 5)])
+    assert summary["promises"]["hit_promise"]["declared_in"] == summary["promises"]["hit_promise"]["applicable_in"] == 0
+    assert set(summary["unjudged"]) == {"hit_promise", "cached_prompt"}
+    line = declarations.describe(summary)
+    assert "judged: none" in line and "not judgeable here: hit_promise (5 of 5 programs)" in line, line
+    aligned = dataclasses.replace(caps, hit_alignment=1)  # the replay promise judges a hit
+    assert declarations.summarize([(aligned, 5)])["promises"]["hit_promise"]["declared_in"] == 5

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 import operator
 from typing import Any
@@ -146,9 +147,9 @@ class ManagerCalls:
 def check_served(caps: Any, asked: Any, served: Any) -> None:
     """The manager's capabilities ``caps`` describe what it was ``asked`` (a :class:`~.protocol.ManagerConfig`),
     as far as it ``served`` it (the config it was built with after refusals, :meth:`~.machine.ManagerMachine.
-    make_served`): the groups asked (kind, block size, window, chunk, layers, in order), or for one group its
-    window;
-    the retention interval asked; no connector or drafts declared where they were refused.
+    make_served`): the groups asked (kind, block size, window, chunk, layers, in order) with the hash block size
+    (the prefix-match unit asked, or the groups' gcd) and a hit alignment of that unit or none, or for one group its
+    window; the retention interval asked; no connector or drafts declared where they were refused.
 
     Raises:
         AssertionError: a mismatch, naming the capability.
@@ -160,6 +161,15 @@ def check_served(caps: Any, asked: Any, served: Any) -> None:
             f"capabilities.groups: the manager declares groups {declared} (kind, block size, window, chunk, " \
             f"layers) for " \
             f"the layout asked, {wanted}: it is judged on the layout it is asked for, or refuses it (ValueError)"
+        # the hash block: the prefix-match unit asked, or (a manager not looking up inside blocks) the groups' gcd
+        coarse = math.gcd(*(g.block_size for g in asked.groups))
+        assert caps.block_size in (asked.prefix_match_unit or coarse, coarse), \
+            f"capabilities.block_size: the manager declares {caps.block_size!r} where the layout's hash block is " \
+            f"{asked.prefix_match_unit or coarse} (or {coarse}, its groups' gcd): the promises are judged in it"
+        assert caps.hit_alignment in (None, asked.prefix_match_unit), \
+            f"capabilities.hit_alignment: the manager declares {caps.hit_alignment!r} where the prefix-match unit " \
+            f"asked is {asked.prefix_match_unit!r} (ManagerConfig.prefix_match_unit): hits land on the unit asked, " \
+            f"or on whole blocks (None)"
     else:
         assert not caps.groups and caps.window == asked.window_left, \
             "capabilities: the manager declares " + (f"groups {caps.groups}" if caps.groups else

@@ -32,6 +32,15 @@ PROMISES = {
                       "reserved (judged where every group is full attention or a sliding window)"),
 }
 
+#: Where a declared promise cannot be judged: name -> (the programs where it is not, why). Such programs count
+#: neither as judging it nor as waiving it; the verdict names them.
+UNJUDGED = {
+    "hit_promise": (lambda c: _beside_mamba(c) and not c.hit_alignment,
+                    "beside a Mamba group no hit is promised (its states are cached at boundaries the manager "
+                    "chooses); only the replay promise of hit_alignment would judge one"),
+    "cached_prompt": (lambda c: _beside_mamba(c), "beside a Mamba group the cached-prompt count is not judged"),
+}
+
 #: Declarations that narrow a promise the manager keeps: name -> (does it narrow it, how). Each is honest where the
 #: engine works that way (vLLM's EAGLE drop, its multi-module MTP re-prefill, sparse retention; the hit promise of a
 #: manager that promises no admission rule, SGLang's), and a green verdict names it.
@@ -69,6 +78,17 @@ DRAWS = {
 }
 
 
+def _beside_mamba(caps: ManagerCapabilities) -> bool:
+    return any(g.kind == "mamba" for g in caps.groups)
+
+
+def _applies(name: str, caps: ManagerCapabilities) -> bool:
+    """Whether promise ``name`` can be judged for a manager declaring ``caps``."""
+    if name == "window_release" and not _windowed(caps):
+        return False
+    return not (name in UNJUDGED and UNJUDGED[name][0](caps))
+
+
 def _windowed(caps: ManagerCapabilities) -> bool:
     """Whether ``window_release`` can apply: a window, or a sliding-window or chunked-local group."""
     return caps.window is not None or any(g.kind in ("sliding_window", "chunked_local") for g in caps.groups)
@@ -84,22 +104,25 @@ def summarize(seen: Iterable[tuple[ManagerCapabilities, int]]) -> dict:
     Returns:
         ``{"programs": N, "promises": {name: {"judgement", "declared_in", "applicable_in"}}, "waived":
         [promise names left undeclared in a program where they apply], "qualified": {name: {"what",
-        "declared_in"}} (the :data:`QUALIFIERS` declared in some program), "not_drawn": {name: what}}`` (an input
-        in ``not_drawn`` was declared by no program).
+        "declared_in"}} (the :data:`QUALIFIERS` declared in some program), "unjudged": {name: {"what",
+        "declared_in"}} (promises declared in programs where they cannot be judged, :data:`UNJUDGED`),
+        "not_drawn": {name: what}}`` (an input in ``not_drawn`` was declared by no program).
     """
     seen = list(seen)
     programs = sum(n for _, n in seen)
     promises = {}
     for name, (declared, judgement) in PROMISES.items():
-        applies = [(c, n) for c, n in seen if name != "window_release" or _windowed(c)]
+        applies = [(c, n) for c, n in seen if _applies(name, c)]
         promises[name] = {"judgement": judgement, "declared_in": sum(n for c, n in applies if declared(c)),
                           "applicable_in": sum(n for _, n in applies)}
     waived = [name for name, p in promises.items() if p["declared_in"] < p["applicable_in"]]
     qualified = {name: {"what": what, "declared_in": sum(n for c, n in seen if narrows(c))}
                  for name, (narrows, what) in QUALIFIERS.items() if any(narrows(c) for c, _ in seen)}
     not_drawn = {name: what for name, what in DRAWS.items() if not any(getattr(c, name) for c, _ in seen)}
+    unjudged = {name: {"what": what, "declared_in": sum(n for c, n in seen if PROMISES[name][0](c) and where(c))}
+                for name, (where, what) in UNJUDGED.items()}
     return {"programs": programs, "promises": promises, "waived": waived, "qualified": qualified,
-            "not_drawn": not_drawn}
+            "unjudged": {name: u for name, u in unjudged.items() if u["declared_in"]}, "not_drawn": not_drawn}
 
 
 def merge(summaries: Iterable[dict]) -> dict | None:
@@ -116,9 +139,12 @@ def merge(summaries: Iterable[dict]) -> dict | None:
     qualified = {name: {"what": what, "declared_in": sum(s.get("qualified", {}).get(name, {}).get("declared_in", 0)
                                                          for s in summaries)}
                  for name, (_, what) in QUALIFIERS.items() if any(name in s.get("qualified", {}) for s in summaries)}
+    unjudged = {name: {"what": what, "declared_in": sum(s.get("unjudged", {}).get(name, {}).get("declared_in", 0)
+                                                        for s in summaries)}
+                for name, (_, what) in UNJUDGED.items() if any(name in s.get("unjudged", {}) for s in summaries)}
     return {"programs": sum(s["programs"] for s in summaries), "promises": promises,
             "waived": [name for name, p in promises.items() if p["declared_in"] < p["applicable_in"]],
-            "qualified": qualified,
+            "qualified": qualified, "unjudged": unjudged,
             "not_drawn": {name: what for name, what in DRAWS.items()
                           if all(name in s["not_drawn"] for s in summaries)}}
 
@@ -131,6 +157,9 @@ def describe(summary: dict) -> str:
               for n, p in summary["promises"].items() if n in summary["waived"]]
     qualified = [f"{n} ({q['declared_in']} of {summary['programs']} programs)"
                  for n, q in summary.get("qualified", {}).items()]
+    unjudged = [f"{n} ({u['declared_in']} of {summary['programs']} programs)"
+                for n, u in summary.get("unjudged", {}).items()]
     return (f"manager promises judged: {', '.join(judged) or 'none'}; waived (not declared): "
-            f"{', '.join(waived) or 'none'}; narrowed (declared): {', '.join(qualified) or 'none'}; not drawn "
-            f"(not declared): {', '.join(summary['not_drawn']) or 'none'}")
+            f"{', '.join(waived) or 'none'}; narrowed (declared): {', '.join(qualified) or 'none'}; "
+            + (f"declared, not judgeable here: {', '.join(unjudged)}; " if unjudged else "")
+            + f"not drawn (not declared): {', '.join(summary['not_drawn']) or 'none'}")

@@ -515,8 +515,10 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.commit(rid, req.written)
         self.epoch += 1
         req.committed = req.written
-        if self.caps.defers_commit and rid in self.live:
-            self.register(rid, req, req.committed)
+        if self.caps.defers_commit:
+            # a deferred free's last step may be cached as it completes (a finished request inserted then, as
+            # SGLang's radix cache does): hittable, not promised
+            self.register(rid, req, req.committed, promised=rid in self.live)
         self.settle(rid)
         self.account(before, "commit")
         if self.caps.cached_prompt and rid in self.live and not req.reported and req.committed >= req.num_prompt:
