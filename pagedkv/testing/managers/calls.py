@@ -109,9 +109,13 @@ class ManagerCalls:
         call of :data:`READ_ONLY_CALLS` from now on."""
         self._pools = tuple(pools)
 
+    def _pool_bytes(self) -> list:
+        """Each guarded pool's bytes (NaN compares equal to itself bit for bit)."""
+        return [pool.detach().reshape(-1).view(torch.uint8) for pool in self._pools]
+
     def _unchanged(self, name: str, before: list) -> None:
-        for i, (pool, old) in enumerate(zip(self._pools, before)):
-            if not torch.equal(pool.detach().reshape(-1).view(torch.uint8), old):
+        for i, (now, old) in enumerate(zip(self._pool_bytes(), before)):
+            if not torch.equal(now, old):
                 raise ManagerWroteInARead(
                     f"{name}: the call changed the K/V pools the manager owns (pool {i}); a call that reads the "
                     f"manager's state must not write what the machine reads")
@@ -135,7 +139,7 @@ class ManagerCalls:
             __tracebackhide__ = True
             if not (self._pools and name in READ_ONLY_CALLS):
                 return exact(call_manager(name, value, *args, **kwargs))
-            before = [pool.detach().reshape(-1).view(torch.uint8).clone() for pool in self._pools]
+            before = [pool.clone() for pool in self._pool_bytes()]
             answer = exact(call_manager(name, value, *args, **kwargs))
             self._unchanged(name, before)
             return answer

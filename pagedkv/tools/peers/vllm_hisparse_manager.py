@@ -86,8 +86,7 @@ class VllmHiSparseCacheManager(VllmCacheManager):
                        for _ in range(num_layers)]
         self.requests: dict[int, object] = {}
         self.pending: dict[int, tuple] = {}  # admitted, hit not yet adopted: (blocks, num_cached)
-        self.settled: dict[int, int] = {}
-        self.deferred: dict[int, list] = {}
+        self.settled: dict[int, int] = {}  # request -> tokens whose step completed (the in-flight count's basis)
         self.steps: dict[int, list] = {}  # request -> the worker's work of its steps not yet completed
         self.full_sequence_must_fit = False
         self.capabilities = ManagerCapabilities(block_size=bs, groups=groups, extra_keys=True, owns_pools=True)
