@@ -512,6 +512,48 @@ def test_a_manager_writing_its_pools_in_a_call_that_reads_fails():
     programs.run_program(machine_for(own.OwnCacheManager, layouts=("one-group",)), start)
 
 
+class _OwnsOnePool:
+    """A manager owning one pool whose ``counts`` (a read-only call) writes it as ``write`` says."""
+
+    def __init__(self) -> None:
+        self.pool, self.write = torch.zeros(4, 2), None
+
+    def counts(self):
+        if self.write == "in place":
+            self.pool[0] = 1.0
+        elif self.write == "through .data":  # moves no version counter
+            self.pool.data[0] = 1.0
+        elif self.write == "set_":  # the same tensor now reads other memory
+            self.pool.set_(torch.ones(4, 2))
+        return (0, 0, 4)
+
+    def reserve(self):
+        self.pool[1] = 2.0
+
+
+@pytest.mark.parametrize("write", ["in place", "through .data", "set_"])
+def test_the_pool_guard_catches_a_write_in_a_read_after_earlier_reads(write):
+    """The guard copies the pools only where they may have changed (a call that may write, the machine's own
+    write, a version counter moved) and compares them after every read-only call: a write in a read that follows
+    other reads is caught whether or not it moves a version counter or the pool's memory; the machine's writes
+    and a writing call's are not taken for the manager's."""
+    from pagedkv.testing.managers.calls import ManagerCalls, ManagerWroteInARead
+
+    manager = _OwnsOnePool()
+    calls = ManagerCalls(manager)
+    calls.guard_pools([manager.pool])
+    calls.counts()
+    calls.reserve()  # may write: not a finding
+    calls.counts()
+    manager.pool.data[2] = 3.0  # the machine writes through a K/V backend that moves no version counter ...
+    calls.pools_written()  # ... and says so
+    calls.counts()
+    calls.counts()
+    manager.write = write
+    with pytest.raises(ManagerWroteInARead, match="counts: the call changed the K/V pools"):
+        calls.counts()
+
+
 @pytest.mark.parametrize("declared", [{"block_size": 10**9}, {"hit_alignment": 1}])
 def test_a_hash_block_or_hit_alignment_other_than_the_layout_asks_fails(declared):
     """A grouped manager's ``block_size`` is the hash block the promises are judged in: declared huge, EAGLE's

@@ -4,6 +4,7 @@ its encoding, the lru eviction order, the hit promise, frees under in-flight ste
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
@@ -13,6 +14,7 @@ from hypothesis import Phase, settings
 from pagedkv.testing.managers import programs
 from pagedkv.testing.managers.machine import machine_for
 from pagedkv.testing.managers.own import OwnCacheManager
+from pagedkv.testing.managers.reference import ReferenceManager
 from pagedkv.testing.settings import manager_settings
 from pagedkv.tools.mutants.managers import FreesSharedBlocksUnchecked
 
@@ -45,6 +47,56 @@ def test_decode_runs_on_after_the_steps_in_flight_complete():
     assert not req.in_flight and req.tokens == [1, 2, 3, 0, 3, 1, 2] and req.written == req.committed == 7
     machine.check()
     machine.teardown()
+
+
+class AsyncReference(ReferenceManager):
+    """The reference manager with asynchronous steps, honestly: a window group keeps what every uncommitted token
+    reads, and a free while reserved tokens are uncommitted waits for their ``commit``, which caches them like any
+    commit (a finished request's last step inserted as it completes, as SGLang's radix cache does)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.capabilities = dataclasses.replace(self.capabilities, async_steps=True)
+        self._uncommitted_from = None
+
+    def reserve(self, request_id, token_ids, num_draft=0):
+        self._uncommitted_from = self.requests[request_id].computed
+        try:
+            return super().reserve(request_id, token_ids, num_draft)
+        finally:
+            self._uncommitted_from = None
+
+    def _first_read(self, g, position):
+        if self._uncommitted_from is not None:
+            position = min(position, self._uncommitted_from)
+        return super()._first_read(g, position)
+
+    def commit(self, request_id, num_tokens):
+        super().commit(request_id, num_tokens)
+        self._settle(request_id)
+
+    def _settle(self, request_id):
+        req = self.requests.get(request_id)
+        if req is None or req.freed and req.reserved > req.computed:
+            return  # steps in flight: the free waits for their commit
+        super()._settle(request_id)
+
+
+def test_a_freed_requests_last_step_cached_as_it_completes_is_hittable():
+    """An honest asynchronous manager caches a freed request's in-flight step when it commits (the free deferred
+    until then); a later prompt hitting it is served what was committed. Fails before (shrunk from a search of
+    llama4: "a hit on its first 1 tokens, which no request committed"): the machine registered no committed
+    tokens of a request already freed."""
+    machine = machine_for(AsyncReference, layouts=("llama4",), name="AsyncDeferredFree")
+    add = {"system": [0], "suffix": [], "namespace": None, "extra": None, "chunk": 1, "write_now": False,
+           "image_at": 0, "stored": 0, "tail": 0}
+    programs.run_program(machine, [
+        ("start", {"num_blocks": 4, "block_size": 0, "num_layers": 2, "window": 0, "layout": 0, "features": 0}),
+        ("system_prompts", {"prompts": [[0]]}), ("add", add), ("free", {"rid": 0}), ("write_pending_rid", {"rid": 0}),
+        ("serve", {"system": [0], "suffix": [0], "namespace": None, "extra": None, "image_at": 0, "tail": 0,
+                   "tokens": [0], "reply": [0]})])
+    assert programs.run_recorded(machine_for(AsyncReference, layouts=("gpt-oss-2full-sw",), name="AsyncSearch"),
+                                 _settings(60)) is None
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (see docs/peers.md)")

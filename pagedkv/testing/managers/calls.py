@@ -103,15 +103,33 @@ class ManagerCalls:
         self._manager = manager
         self._capabilities = None
         self._pools: tuple = ()
+        self._bytes: tuple = (None, [])  # (the pools' memory and layout, their bytes as flat views)
+        self._verified: tuple | None = None  # (version counters, bytes) the pools last held, or None: unknown
 
     def guard_pools(self, pools) -> None:
-        """Compare ``pools`` (the K/V tensors the manager owns, read by the machine) bit for bit around every
-        call of :data:`READ_ONLY_CALLS` from now on."""
+        """Compare ``pools`` (the K/V tensors the manager owns, read by the machine) bit for bit after every
+        call of :data:`READ_ONLY_CALLS` from now on, against the bytes they held before it. Those bytes are
+        copied again only where the pools may have changed since the last compare: after a call that may
+        write, after :meth:`pools_written`, or where a pool's version counter moved."""
         self._pools = tuple(pools)
+        self._bytes = (None, [])
+        self._verified = None
+
+    def pools_written(self) -> None:
+        """The machine wrote the guarded pools (through a K/V backend, which need not move a version counter):
+        the next read-only call copies them afresh."""
+        self._verified = None
 
     def _pool_bytes(self) -> list:
-        """Each guarded pool's bytes (NaN compares equal to itself bit for bit)."""
-        return [pool.detach().reshape(-1).view(torch.uint8) for pool in self._pools]
+        """Each guarded pool's bytes (NaN compares equal to itself bit for bit): views made again only where a
+        pool's memory or layout moved (``set_``), and a copy for a strided pool, whose bytes have no flat view."""
+        layout = tuple((pool.data_ptr(), pool.shape, pool.stride()) for pool in self._pools)
+        if layout != self._bytes[0] or not all(pool.is_contiguous() for pool in self._pools):
+            self._bytes = (layout, [pool.detach().reshape(-1).view(torch.uint8) for pool in self._pools])
+        return self._bytes[1]
+
+    def _versions(self) -> tuple:
+        return tuple(pool._version for pool in self._pools)
 
     def _unchanged(self, name: str, before: list) -> None:
         for i, (now, old) in enumerate(zip(self._pool_bytes(), before)):
@@ -137,11 +155,16 @@ class ManagerCalls:
         @functools.wraps(value)
         def method(*args, **kwargs):
             __tracebackhide__ = True
-            if not (self._pools and name in READ_ONLY_CALLS):
+            if not self._pools:
                 return exact(call_manager(name, value, *args, **kwargs))
-            before = [pool.clone() for pool in self._pool_bytes()]
+            if name not in READ_ONLY_CALLS:
+                self._verified = None  # a call that may write: the pools are copied afresh before the next read
+                return exact(call_manager(name, value, *args, **kwargs))
+            if self._verified is None or self._verified[0] != self._versions():
+                self._verified = (self._versions(), [pool.clone() for pool in self._pool_bytes()])
             answer = exact(call_manager(name, value, *args, **kwargs))
-            self._unchanged(name, before)
+            self._unchanged(name, self._verified[1])  # the whole compare, every read-only call
+            self._verified = (self._versions(), self._verified[1])  # equal bytes: a rewrite of the same values
             return answer
 
         object.__setattr__(self, name, method)

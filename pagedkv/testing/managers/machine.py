@@ -394,6 +394,8 @@ class ManagerMachine(RuleBasedStateMachine):
             for layer in range(group.num_layers):
                 k_pool, v_pool = self.pools[layer]
                 self.io.write(k_pool, v_pool, [identities[i] for i in keep], layer_key(g, layer), mapping)
+        if self.caps.owns_pools:
+            self.m.pools_written()
         req.written = max(req.written, end)
 
     def propose(self, rid: int, req: Request) -> None:
@@ -422,6 +424,8 @@ class ManagerMachine(RuleBasedStateMachine):
             for layer in range(group.num_layers):
                 k_pool, v_pool = self.pools[layer]
                 self.io.write(k_pool, v_pool, draft, layer_key(g, layer), pages)
+        if self.caps.owns_pools:
+            self.m.pools_written()
 
     def flat(self, group: int, slot: int) -> int:
         """A group's slot as an index into the machine's pages."""
