@@ -525,18 +525,31 @@ class _OwnsOnePool:
             self.pool.data[0] = 1.0
         elif self.write == "set_":  # the same tensor now reads other memory
             self.pool.set_(torch.ones(4, 2))
+        elif self.write == "relocated":  # other memory at the same address: views kept across calls read a copy
+            spare = self.pool.clone()
+            self.pool.untyped_storage()._swap_data_ptr_(spare.untyped_storage())
+            spare[0] = 1.0
+            self.pool.set_(spare)
+        elif self.write == "retyped":  # the same bytes, read as other values
+            self.pool.data = self.pool.view(torch.int32)
+        elif self.write == "snapshot":
+            self.snapshot()
         return (0, 0, 4)
+
+    def snapshot(self):
+        self.pool[0] += 1.0
 
     def reserve(self):
         self.pool[1] = 2.0
 
 
-@pytest.mark.parametrize("write", ["in place", "through .data", "set_"])
+@pytest.mark.parametrize("write", ["in place", "through .data", "set_", "relocated", "retyped", "snapshot"])
 def test_the_pool_guard_catches_a_write_in_a_read_after_earlier_reads(write):
     """The guard copies the pools only where they may have changed (a call that may write, the machine's own
     write, a version counter moved) and compares them after every read-only call: a write in a read that follows
-    other reads is caught whether or not it moves a version counter or the pool's memory; the machine's writes
-    and a writing call's are not taken for the manager's."""
+    other reads is caught whether or not it moves a version counter or the pool's memory (other memory put at the
+    same address, which byte views kept across calls missed, and the same bytes read as another dtype); the
+    machine's writes and a writing call's are not taken for the manager's."""
     from pagedkv.testing.managers.calls import ManagerCalls, ManagerWroteInARead
 
     manager = _OwnsOnePool()
@@ -552,6 +565,38 @@ def test_the_pool_guard_catches_a_write_in_a_read_after_earlier_reads(write):
     manager.write = write
     with pytest.raises(ManagerWroteInARead, match="counts: the call changed the K/V pools"):
         calls.counts()
+    if write == "snapshot":  # a query of the API rules reads too
+        with pytest.raises(ManagerWroteInARead, match="snapshot: the call changed the K/V pools"):
+            calls.snapshot()
+
+
+def test_the_pool_guard_reads_through_properties_and_answers_classes():
+    """A read-only name the manager serves as a property runs its code at the look-up (the machine looks up
+    ``in_flight_pages`` itself): guarded too. A named tuple answered is rebuilt as a plain tuple, so its class's
+    ``__getitem__`` (the manager's code) never runs when the machine indexes it."""
+    import collections
+
+    from pagedkv.testing.managers.calls import ManagerCalls, ManagerWroteInARead
+
+    class Counts(collections.namedtuple("Counts", "free used total")):
+        def __getitem__(self, i):
+            owner.pool[0] += 1.0
+            return tuple.__getitem__(self, i)
+
+    class Sneaky(_OwnsOnePool):
+        def counts(self):
+            return Counts(0, 0, 4)
+
+        @property
+        def in_flight_pages(self):
+            self.pool[1] += 1.0
+
+    owner = Sneaky()
+    calls = ManagerCalls(owner)
+    calls.guard_pools([owner.pool])
+    assert calls.counts()[2] == 4 and type(calls.counts()) is tuple and not owner.pool.any()
+    with pytest.raises(ManagerWroteInARead, match="in_flight_pages: the call changed the K/V pools"):
+        getattr(calls, "in_flight_pages", None)
 
 
 @pytest.mark.parametrize("declared", [{"block_size": 10**9}, {"hit_alignment": 1}])

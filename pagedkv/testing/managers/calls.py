@@ -63,7 +63,7 @@ def exact(value: Any) -> Any:
         return int.__index__(operator.index(value))
     if isinstance(value, tuple):
         items = [exact(v) for v in tuple.__iter__(value)]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # a named tuple keeps its names
+        return tuple(items)  # a named tuple's class too is the manager's (its __getitem__ could run its code)
     if isinstance(value, list):
         return [exact(v) for v in list.__iter__(value)]
     if isinstance(value, set):
@@ -86,7 +86,8 @@ class ManagerCapabilitiesChanged(AssertionError):
 #: Protocol calls that read a manager's state: a manager owning its pools (``capabilities.owns_pools``) must not
 #: write them there, or it could write, as the machine asks where to read, what the machine is about to read.
 READ_ONLY_CALLS = frozenset({"block_table", "counts", "holds", "reference_counts", "self_check",
-                             "cached_prompt_tokens", "num_external", "in_flight_pages", "take_events", "cached_keys"})
+                             "cached_prompt_tokens", "num_external", "in_flight_pages", "take_events", "cached_keys",
+                             "snapshot", "misuses"})
 
 
 class ManagerWroteInARead(AssertionError):
@@ -103,16 +104,18 @@ class ManagerCalls:
         self._manager = manager
         self._capabilities = None
         self._pools: tuple = ()
-        self._bytes: tuple = (None, [])  # (the pools' memory and layout, their bytes as flat views)
+        self._dtypes: tuple = ()
         self._verified: tuple | None = None  # (version counters, bytes) the pools last held, or None: unknown
 
     def guard_pools(self, pools) -> None:
         """Compare ``pools`` (the K/V tensors the manager owns, read by the machine) bit for bit after every
         call of :data:`READ_ONLY_CALLS` from now on, against the bytes they held before it. Those bytes are
         copied again only where the pools may have changed since the last compare: after a call that may
-        write, after :meth:`pools_written`, or where a pool's version counter moved."""
+        write, after :meth:`pools_written`, or where a pool's version counter moved. So a manager's own write
+        to its pools lands inside a call that may write (an asynchronous copy it queues there completes before
+        that call returns, or moves the version counter): one landing later is blamed on the next read."""
         self._pools = tuple(pools)
-        self._bytes = (None, [])
+        self._dtypes = tuple(pool.dtype for pool in self._pools)
         self._verified = None
 
     def pools_written(self) -> None:
@@ -121,25 +124,37 @@ class ManagerCalls:
         self._verified = None
 
     def _pool_bytes(self) -> list:
-        """Each guarded pool's bytes (NaN compares equal to itself bit for bit): views made again only where a
-        pool's memory or layout moved (``set_``), and a copy for a strided pool, whose bytes have no flat view."""
-        layout = tuple((pool.data_ptr(), pool.shape, pool.stride()) for pool in self._pools)
-        if layout != self._bytes[0] or not all(pool.is_contiguous() for pool in self._pools):
-            self._bytes = (layout, [pool.detach().reshape(-1).view(torch.uint8) for pool in self._pools])
-        return self._bytes[1]
+        """Each guarded pool's bytes as they are now (NaN compares equal to itself bit for bit), read afresh from
+        the pool tensors the machine reads: a view kept across calls would miss a pool moved onto other memory
+        (``set_``, a storage swapped or relocated) at the same address."""
+        return [pool.view(torch.uint8) if pool.dim() and pool.stride(-1) == 1  # one op: the guard's hot path
+                else pool.detach().reshape(-1).view(torch.uint8) for pool in self._pools]
 
     def _versions(self) -> tuple:
         return tuple(pool._version for pool in self._pools)
 
     def _unchanged(self, name: str, before: list) -> None:
         for i, (now, old) in enumerate(zip(self._pool_bytes(), before)):
-            if not torch.equal(now, old):
+            # the same bytes read as another dtype are another value
+            if not torch.equal(now, old) or self._pools[i].dtype != self._dtypes[i]:
                 raise ManagerWroteInARead(
                     f"{name}: the call changed the K/V pools the manager owns (pool {i}); a call that reads the "
                     f"manager's state must not write what the machine reads")
 
+    def _read(self, name: str, call: Any, *args, **kwargs) -> Any:
+        """``call(*args, **kwargs)``'s exact answer, the guarded pools compared after it against their bytes before."""
+        if self._verified is None or self._verified[0] != self._versions():
+            self._verified = (self._versions(), [pool.clone() for pool in self._pool_bytes()])
+        answer = exact(call(*args, **kwargs))
+        self._unchanged(name, self._verified[1])  # the whole compare, every read-only call
+        self._verified = (self._versions(), self._verified[1])  # equal bytes: a rewrite of the same values
+        return answer
+
     def __getattr__(self, name: str) -> Any:
-        value = call_manager(f"looking up {name}", getattr, self._manager, name)
+        if self._pools and name in READ_ONLY_CALLS:  # a look-up runs the manager's code too (a property)
+            value = self._read(name, call_manager, f"looking up {name}", getattr, self._manager, name)
+        else:
+            value = call_manager(f"looking up {name}", getattr, self._manager, name)
         if not callable(value):
             value = exact(value)
             if name == "capabilities":
@@ -160,12 +175,7 @@ class ManagerCalls:
             if name not in READ_ONLY_CALLS:
                 self._verified = None  # a call that may write: the pools are copied afresh before the next read
                 return exact(call_manager(name, value, *args, **kwargs))
-            if self._verified is None or self._verified[0] != self._versions():
-                self._verified = (self._versions(), [pool.clone() for pool in self._pool_bytes()])
-            answer = exact(call_manager(name, value, *args, **kwargs))
-            self._unchanged(name, self._verified[1])  # the whole compare, every read-only call
-            self._verified = (self._versions(), self._verified[1])  # equal bytes: a rewrite of the same values
-            return answer
+            return self._read(name, call_manager, name, value, *args, **kwargs)
 
         object.__setattr__(self, name, method)
         return method
