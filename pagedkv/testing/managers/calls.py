@@ -143,18 +143,18 @@ class ManagerCalls:
 
     def _read(self, name: str, call: Any, *args, **kwargs) -> Any:
         """``call(*args, **kwargs)``'s exact answer, the guarded pools compared after it against their bytes before."""
-        if self._verified is None or self._verified[0] != self._versions():
-            self._verified = (self._versions(), [pool.clone() for pool in self._pool_bytes()])
+        versions = self._versions()
+        if self._verified is None or self._verified[0] != versions:
+            self._verified = (versions, [pool.clone() for pool in self._pool_bytes()])
         answer = exact(call(*args, **kwargs))
         self._unchanged(name, self._verified[1])  # the whole compare, every read-only call
         self._verified = (self._versions(), self._verified[1])  # equal bytes: a rewrite of the same values
         return answer
 
     def __getattr__(self, name: str) -> Any:
-        if self._pools and name in READ_ONLY_CALLS:  # a look-up runs the manager's code too (a property)
-            value = self._read(name, call_manager, f"looking up {name}", getattr, self._manager, name)
-        else:
-            value = call_manager(f"looking up {name}", getattr, self._manager, name)
+        lookup = (f"looking up {name}", getattr, self._manager, name)
+        guarded = self._pools and name in READ_ONLY_CALLS  # a look-up runs the manager's code too (a property)
+        value = self._read(name, call_manager, *lookup) if guarded else call_manager(*lookup)
         if not callable(value):
             value = exact(value)
             if name == "capabilities":
@@ -170,12 +170,10 @@ class ManagerCalls:
         @functools.wraps(value)
         def method(*args, **kwargs):
             __tracebackhide__ = True
-            if not self._pools:
-                return exact(call_manager(name, value, *args, **kwargs))
-            if name not in READ_ONLY_CALLS:
-                self._verified = None  # a call that may write: the pools are copied afresh before the next read
-                return exact(call_manager(name, value, *args, **kwargs))
-            return self._read(name, call_manager, name, value, *args, **kwargs)
+            if self._pools and name in READ_ONLY_CALLS:
+                return self._read(name, call_manager, name, value, *args, **kwargs)
+            self._verified = None  # a call that may write: the pools are copied afresh before the next read
+            return exact(call_manager(name, value, *args, **kwargs))
 
         object.__setattr__(self, name, method)
         return method

@@ -125,6 +125,13 @@ def summarize(seen: Iterable[tuple[ManagerCapabilities, int]]) -> dict:
             "unjudged": {name: u for name, u in unjudged.items() if u["declared_in"]}, "not_drawn": not_drawn}
 
 
+def _merged(summaries: list, key: str, table: dict) -> dict:
+    """The summaries' ``key`` entries (declarations named by ``table``: name -> (where, what)) added up."""
+    return {name: {"what": what, "declared_in": sum(s.get(key, {}).get(name, {}).get("declared_in", 0)
+                                                    for s in summaries)}
+            for name, (_, what) in table.items() if any(name in s.get(key, {}) for s in summaries)}
+
+
 def merge(summaries: Iterable[dict]) -> dict | None:
     """One summary for several searches of one manager (one per layout: :func:`summarize`'s, added up): the
     programs and each promise's ``declared_in`` / ``applicable_in`` summed, ``waived`` where any search waived
@@ -136,12 +143,7 @@ def merge(summaries: Iterable[dict]) -> dict | None:
                        "declared_in": sum(s["promises"][name]["declared_in"] for s in summaries),
                        "applicable_in": sum(s["promises"][name]["applicable_in"] for s in summaries)}
                 for name, (_, judgement) in PROMISES.items()}
-    qualified = {name: {"what": what, "declared_in": sum(s.get("qualified", {}).get(name, {}).get("declared_in", 0)
-                                                         for s in summaries)}
-                 for name, (_, what) in QUALIFIERS.items() if any(name in s.get("qualified", {}) for s in summaries)}
-    unjudged = {name: {"what": what, "declared_in": sum(s.get("unjudged", {}).get(name, {}).get("declared_in", 0)
-                                                        for s in summaries)}
-                for name, (_, what) in UNJUDGED.items() if any(name in s.get("unjudged", {}) for s in summaries)}
+    qualified, unjudged = _merged(summaries, "qualified", QUALIFIERS), _merged(summaries, "unjudged", UNJUDGED)
     return {"programs": sum(s["programs"] for s in summaries), "promises": promises,
             "waived": [name for name, p in promises.items() if p["declared_in"] < p["applicable_in"]],
             "qualified": qualified, "unjudged": unjudged,

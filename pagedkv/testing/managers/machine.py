@@ -390,13 +390,17 @@ class ManagerMachine(RuleBasedStateMachine):
             keep = [i for i in range(n) if slots[g][i] >= 0 and (group.kind != "mamba" or i >= n - 1 - drafts)]
             if not keep:
                 continue
-            mapping = [self.flat(g, slots[g][i]) for i in keep]
-            for layer in range(group.num_layers):
-                k_pool, v_pool = self.pools[layer]
-                self.io.write(k_pool, v_pool, [identities[i] for i in keep], layer_key(g, layer), mapping)
+            self.write_layers(g, [identities[i] for i in keep], [self.flat(g, slots[g][i]) for i in keep])
+        req.written = max(req.written, end)
+
+    def write_layers(self, g: int, identities: list[int], pages: list[int]) -> None:
+        """The oracle's K/V of ``identities`` at ``pages`` (indices into the machine's pages) in every layer of
+        group ``g``; a manager's own pools are then copied afresh by the guard before its next read-only call."""
+        for layer in range(self.groups[g].num_layers):
+            k_pool, v_pool = self.pools[layer]
+            self.io.write(k_pool, v_pool, identities, layer_key(g, layer), pages)
         if self.caps.owns_pools:
             self.m.pools_written()
-        req.written = max(req.written, end)
 
     def propose(self, rid: int, req: Request) -> None:
         """The proposer's step (``capabilities.lookahead``): draft K/V written at the positions just past the
@@ -420,12 +424,8 @@ class ManagerMachine(RuleBasedStateMachine):
                     f"tokens) has " + (f"block {block}, which another request or group holds" if block >= 0 else
                                        f"no block in group {g}'s table {table}")
                 pages.append(block * self.page + p % bs)
-            draft = [stable_hash(("draft", req.identities[end - 1] if end else 0, i)) for i in range(k)]
-            for layer in range(group.num_layers):
-                k_pool, v_pool = self.pools[layer]
-                self.io.write(k_pool, v_pool, draft, layer_key(g, layer), pages)
-        if self.caps.owns_pools:
-            self.m.pools_written()
+            self.write_layers(g, [stable_hash(("draft", req.identities[end - 1] if end else 0, i)) for i in range(k)],
+                              pages)
 
     def flat(self, group: int, slot: int) -> int:
         """A group's slot as an index into the machine's pages."""
