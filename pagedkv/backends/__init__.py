@@ -81,10 +81,24 @@ def _import(module_name: str, spec: str) -> ModuleType:
     try:
         return importlib.import_module(module_name)
     except ImportError as exc:
-        raise BackendError(f"cannot import backend module {module_name!r} (from {spec!r}): {exc}") from exc
+        raise BackendError(f"cannot import backend module {module_name!r} (from {spec!r}): {exc}"
+                           f"{_path_hint(exc, module_name)}") from exc
     except Exception as exc:  # the module itself raised on import: say what, in one line
         raise BackendError(f"importing backend module {module_name!r} (from {spec!r}) failed: "
                            f"{type(exc).__name__}: {exc}{_hint(exc)}") from exc
+
+
+def _path_hint(exc: ImportError, module_name: str) -> str:
+    """Where the module's top package sits in the working directory but is not importable: why, and the fixes
+    (the ``pytest`` console script, unlike ``python -m pytest`` and ``python -c``, leaves the working directory
+    off ``sys.path``)."""
+    top = module_name.split(".")[0]
+    if not (isinstance(exc, ModuleNotFoundError) and exc.name == top
+            and (Path(top).is_dir() or Path(f"{top}.py").is_file())):
+        return ""
+    return (f"; {top!r} is in the working directory, which is not on sys.path here (the pytest console script "
+            f"leaves it off): install your package (pip install -e .), run python -m pytest, or set "
+            f"pythonpath = [\".\"] in your pytest configuration")
 
 
 def _hint(exc: Exception) -> str:

@@ -133,3 +133,21 @@ def test_two_distinct_failures_get_two_case_files_that_each_replay_to_their_own(
         assert replay.returncode == 1, replay.stdout
         verdicts.add("RuntimeError" in replay.stdout)
     assert verdicts == {True, False}  # one replays to the exception, the other to the wrong value
+
+
+def test_a_candidate_in_the_working_directory_but_off_sys_path_is_explained(tmp_path, monkeypatch):
+    """The pytest console script leaves the working directory off ``sys.path``: a user's package sitting there
+    does not import, and the error says why and how to fix it (a user trial of the wheel hit exactly this; a
+    module missing altogether gets no such hint)."""
+    from pagedkv.backends import load_backend
+    from pagedkv.errors import BackendError
+
+    (tmp_path / "myengine").mkdir()
+    (tmp_path / "myengine" / "__init__.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    with pytest.raises(BackendError, match=r"'myengine' is in the working directory.*pythonpath = \[\"\.\"\]"):
+        load_backend("myengine.kv:backend")
+    with pytest.raises(BackendError) as missing:
+        load_backend("nosuchengine.kv:backend")
+    assert "working directory" not in str(missing.value)
