@@ -333,13 +333,22 @@ class Capabilities:
         return None
 
     def summary(self) -> str:
-        """One line for reports."""
+        """One line for reports: the sizes and dtypes, then every declaration that differs from the default."""
         parts = [f"block_size {self.block_sizes.describe()}", f"head_dim {self.head_dims.describe()}",
                  f"GQA group {self.gqa_groups.describe()}", f"dtypes {sorted(self.dtypes)}"]
         if not self.strided_pools:
             parts.append("contiguous pools only")
         if pool_layouts(self.layout) != (NHD, NHD):
             parts.append(f"layout {describe_layout(self.layout)}")
+        if self.page_table != "padded":
+            parts.append(f"page_table {self.page_table}")
+        if self.split_k:
+            parts.append("split-K")
+        if self.head_dims_v is not None:
+            parts.append(f"head_dim_v {self.head_dims_v.describe()}"
+                         + (" (V in K's storage)" if self.shared_kv_storage else ""))
+        if self.lse is not None:
+            parts.append(f"LSE {self.lse} base {self.lse_base}")
         if self.preconditions:
             parts.append(f"assumes {sorted(self.preconditions)}")
         if self.non_promises:

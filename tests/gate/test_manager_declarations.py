@@ -512,6 +512,30 @@ def test_a_manager_writing_its_pools_in_a_call_that_reads_fails():
     programs.run_program(machine_for(own.OwnCacheManager, layouts=("one-group",)), start)
 
 
+def test_the_kernel_property_guards_a_candidates_cache_class_and_not_pagedkvs_own():
+    """Under ``cache_state_machine_holds_its_invariants`` the kernel is judged; the pool guard judges the manager,
+    so it is on for a candidate's own ``cache_class`` and off for pagedkv's ``PagedKVCache`` (its own searches
+    run it under the guard)."""
+    from pagedkv.cache.paged_cache import PagedKVCache
+    from pagedkv.testing.managers import kernel_property, programs
+    from pagedkv.testing.managers.calls import ManagerWroteInARead
+
+    class WritesOnRead(PagedKVCache):
+        def block_table(self, seq_id):
+            table = super().block_table(seq_id)
+            for layer in range(self.config.num_layers if len(table) else 0):
+                self.k_cache(layer)[int(table[0])].zero_()
+            return table
+
+    start = [("start", {"num_blocks": 8, "block_size": 0, "num_layers": 2, "window": 0}),
+             ("add", {"system": [0, 1], "suffix": [2], "namespace": None, "extra": None, "chunk": 3,
+                      "write_now": True})]
+    with pytest.raises(ManagerWroteInARead, match="block_table: the call changed the K/V pools"):
+        programs.run_program(kernel_property.machine_for_backend(cache_class=WritesOnRead), start)
+    assert not kernel_property.machine_for_backend().guard_manager_pools
+    programs.run_program(kernel_property.machine_for_backend(), start)
+
+
 class _OwnsOnePool:
     """A manager owning one pool whose ``counts`` (a read-only call) writes it as ``write`` says."""
 

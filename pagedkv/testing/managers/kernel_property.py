@@ -79,10 +79,12 @@ def machine_for_backend(backend: Any = None, device: str = "cpu", caps: Any = No
                                   next(d for d in ("float32", "float16", "bfloat16") if d in caps.dtypes), device)
     if backend is not None and "finite_unused_slots" in capabilities_of(backend).preconditions:
         geometry = dataclasses.replace(geometry, poison="max")  # unused slots are loaded: they must be finite
+    # pagedkv's own cache is not what this property judges (the kernel is, under the kernel guard), and its own
+    # searches run it under the pool guard: the guard is on only for a candidate's own cache_class
     return machine_for(own_manager_for(geometry, cls), block_sizes=block_sizes, windows=cache_manager_windows,
                        name=f"CacheMachine_{cls.__name__}", rule_sets=(ApiRules,), kv_backend=backend,
                        num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
-                       dtype=dtype_from_name(geometry.dtype))
+                       dtype=dtype_from_name(geometry.dtype), guard_manager_pools=cls is not PagedKVCache)
 
 
 def cache_state_machine(backend: Any, device: str = "cpu", chosen: settings | None = None, caps: Any = None) -> None:
