@@ -1365,8 +1365,9 @@ class ManagerMachine(RuleBasedStateMachine):
         collide: an input (multimodal or embedding rows) one token later or earlier, every token id kept (so
         that the blocks differ from the live one's only in the input's offset; an embedding row's token is a
         placeholder, so rows keep every id only where they move over one: of the inputs and ways, first one that
-        keeps it in its blocks, then one that keeps every token id, then the first input, the later way), or its
-        namespace swapped for a sibling, or
+        keeps it in its blocks, then one that keeps every token id, then the first input, the later way; where none
+        of its inputs moves inside blocks it has committed, which a hit reaches, the latest live request's that
+        does, so that the draw lands where two encodings can meet), or its namespace swapped for a sibling, or
         (``"content"``) its input number ``which`` (of those it has, in order) another one of the same size
         (same placeholder run, other content: only the key differs), or (``"same"``) nothing: the same prompt
         again (a client's retry, one prompt sent twice) while the live one may still be in prefill, so that both
@@ -1400,17 +1401,17 @@ class ManagerMachine(RuleBasedStateMachine):
                     break
                 extras[p] = (kind, other, p - first)
         else:
-            bs, ways = self.bs, []  # (its blocks change, token ids change, input order, kind, ident, run, moved)
-            for order, start in enumerate(sorted(p for p, key in extras.items() if key[2] == 0)):
-                kind, ident = extras[start][:2]
-                run = [p for p in range(start, len(tokens)) if extras.get(p) == (kind, ident, p - start)]
-                shifts = (([p + 1 for p in run], run[-1] + 1), ([p - 1 for p in run], run[0] - 1)) if run else ()
-                for moved, over in shifts:  # (the run moved, the token it moves over)
-                    # not onto another input: a cut input's key would name a placeholder run it does not have
-                    if min(moved) >= 0 and max(moved) < len(tokens) and all(p in run or p not in extras for p in moved):
-                        ways.append(({p // bs for p in moved} != {p // bs for p in run},  # token ids change:
-                                     kind == "embed" and not (0 <= over < len(tokens) and tokens[over] == PLACEHOLDER),
-                                     order, kind, ident, run, moved))
+            ways = self.input_moves(tokens, extras)
+            if not any(not way[0] and req.committed >= (max(way[-2]) // self.bs + 1) * self.bs for way in ways):
+                # none moves inside blocks a hit reaches: the latest live request with an input that does
+                for other in reversed(self.live.values()):
+                    cut = max(other.num_prompt, other.written) if output == "in_prompt" else other.num_prompt
+                    moves = [way for way in self.input_moves(other.tokens[:cut], other.extras)
+                             if not way[0] and other.committed >= (max(way[-2]) // self.bs + 1) * self.bs]
+                    if moves:
+                        req, ways = other, moves
+                        tokens, extras, namespace = list(other.tokens[:cut]), dict(other.extras), other.namespace
+                        break
             if not ways:  # no input, or none inside the prompt (a preempted request's truncated one) or movable
                 return multiple()
             *_, kind, ident, run, moved = min(ways, key=lambda way: way[:3])
@@ -1424,6 +1425,22 @@ class ManagerMachine(RuleBasedStateMachine):
         if output == "decoded" and new in self.live:
             self.decode_tokens(new, req.tokens[req.num_prompt:req.written])
         return new
+
+    def input_moves(self, tokens: list[int], extras: dict) -> list[tuple]:
+        """:meth:`variant`'s ways to move an input of a prompt (``tokens``, ``extras``) one token later or earlier:
+        ``(its blocks change, token ids change, input order, kind, ident, run, moved)`` each, never onto another
+        input (a cut input's key would name a placeholder run it does not have)."""
+        bs, ways = self.bs, []
+        for order, start in enumerate(sorted(p for p, key in extras.items() if key[2] == 0)):
+            kind, ident = extras[start][:2]
+            run = [p for p in range(start, len(tokens)) if extras.get(p) == (kind, ident, p - start)]
+            shifts = (([p + 1 for p in run], run[-1] + 1), ([p - 1 for p in run], run[0] - 1)) if run else ()
+            for moved, over in shifts:  # (the run moved, the token it moves over)
+                if min(moved) >= 0 and max(moved) < len(tokens) and all(p in run or p not in extras for p in moved):
+                    ways.append(({p // bs for p in moved} != {p // bs for p in run},  # token ids change:
+                                 kind == "embed" and not (0 <= over < len(tokens) and tokens[over] == PLACEHOLDER),
+                                 order, kind, ident, run, moved))
+        return ways
 
     @rule(rid=reqs, n=st.integers(1, 6), token=VOCAB, write_now=st.booleans())
     def step(self, rid, n, token, write_now):
