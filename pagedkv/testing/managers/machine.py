@@ -1401,13 +1401,15 @@ class ManagerMachine(RuleBasedStateMachine):
                     break
                 extras[p] = (kind, other, p - first)
         else:
+            def reached(owner, way):  # the input stays inside its blocks, which its request has committed
+                return not way[0] and owner.committed >= (max(way[-2]) // self.bs + 1) * self.bs
+
             ways = self.input_moves(tokens, extras)
-            if not any(not way[0] and req.committed >= (max(way[-2]) // self.bs + 1) * self.bs for way in ways):
+            if not any(reached(req, way) for way in ways):
                 # none moves inside blocks a hit reaches: the latest live request with an input that does
                 for other in reversed(self.live.values()):
                     cut = max(other.num_prompt, other.written) if output == "in_prompt" else other.num_prompt
-                    moves = [way for way in self.input_moves(other.tokens[:cut], other.extras)
-                             if not way[0] and other.committed >= (max(way[-2]) // self.bs + 1) * self.bs]
+                    moves = [way for way in self.input_moves(other.tokens[:cut], other.extras) if reached(other, way)]
                     if moves:
                         req, ways = other, moves
                         tokens, extras, namespace = list(other.tokens[:cut]), dict(other.extras), other.namespace
