@@ -128,3 +128,21 @@ def test_variant_moves_an_input_inside_its_blocks_keeping_every_token_id():
     assert moved.extras == {5: ("mm", "image-0", 0), 6: ("mm", "image-0", 1)}
     machine.check()
     machine.teardown()
+
+
+def test_an_image_variant_of_a_request_without_a_reachable_input_moves_another_live_requests():
+    """``variant(change="image")`` of a request whose input cannot move inside blocks it has committed (here it
+    has none) moves the latest live request's input that can: the draw lands where a hit reaches the moved
+    input's block. Fails before: the variant of a request without an input did nothing."""
+    machine = _machine(OwnCacheManager, 2)  # block_size 4
+    (imaged,) = machine.add(system=[1, 2, 3, 1, 2], suffix=[3, 1, 2, 3, 1], namespace=None, extra="image-0",
+                            chunk=12, write_now=True, image_at=1).values
+    (plain,) = machine.add(system=[2, 2], suffix=[1], namespace=None, extra=None, chunk=12, write_now=True).values
+    req = machine.live[imaged]
+    assert req.committed >= 8 and not machine.live[plain].extras
+    other = machine.variant(rid=plain, change="image", chunk=12, write_now=True)
+    moved = machine.live[other]
+    assert moved.tokens == req.tokens
+    assert moved.extras == {5: ("mm", "image-0", 0), 6: ("mm", "image-0", 1)}
+    machine.check()
+    machine.teardown()
