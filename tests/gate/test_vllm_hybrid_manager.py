@@ -897,6 +897,23 @@ def test_an_over_reported_cached_prompt_is_caught(monkeypatch):
         programs.run_program(_machine(("gemma3",), block_sizes=(1, 2, 4)), _prompt_tail_program(features=0))
 
 
+@pytest.mark.parametrize("layout", ["one-group", "gemma3"])
+def test_a_cached_prompt_count_past_the_last_whole_hash_block_is_caught(monkeypatch, layout):
+    """A count of the whole prompt (5 tokens, hash blocks of 2) where the cache holds its first 4: under what the
+    request reserved and above its floor, but past the last whole hash block, so it bills a token no block holds
+    cached. Fails before: only the floor and the reserved tokens bounded the count."""
+    from pagedkv.tools.peers.vllm_manager import _import_vllm
+
+    _import_vllm()
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    program = _prompt_tail_program(features=0, suffix=(5,))
+    programs.run_program(_machine((layout,), block_sizes=(1, 2, 4)), program)  # the release: whole hash blocks
+    monkeypatch.setattr(KVCacheManager, "estimate_cached_tokens", lambda self, r: r.num_prompt_tokens)
+    with pytest.raises(AssertionError, match="reports 5 of its 5 prompt tokens cached, not whole hash blocks of 2"):
+        programs.run_program(_machine((layout,), block_sizes=(1, 2, 4)), program)
+
+
 def _served_after_a_pause() -> list:
     """gemma3 (a window of 4 tokens) with a connector in a pool of 8 blocks: a one-token chat turn served, then the
     user's reply of two tokens after a pause (:meth:`ManagerMachine.pause`): the store holds the whole prompt, one

@@ -587,11 +587,14 @@ class ManagerMachine(RuleBasedStateMachine):
         """The cached-prompt promise (``capabilities.cached_prompt``), judged right after the step computing the
         prompt's last token completes (when vLLM's scheduler reads ``estimate_cached_tokens`` for the request's
         ``num_cache_creation_tokens``): the count is at least :meth:`cached_prompt_floor` (what the request's own
-        tables hold cached: a count below it under-reports the prompt tokens written to the cache) and at most the
-        tokens the request reserved (nothing past them is cached).
+        tables hold cached: a count below it under-reports the prompt tokens written to the cache), at most the
+        tokens the request reserved (nothing past them is cached), and whole hash blocks (``capabilities.block_size``:
+        a full block's end or a partial entry's last whole hash block), so a count reaching into a partial block is
+        over-reported.
 
         Raises:
-            AssertionError: the count is not an int, is below the floor or above the reserved tokens.
+            AssertionError: the count is not an int, is below the floor, above the reserved tokens or not whole hash
+                blocks.
         """
         got = self.m.cached_prompt_tokens(rid)
         floor = self.cached_prompt_floor(rid, req)
@@ -602,6 +605,11 @@ class ManagerMachine(RuleBasedStateMachine):
             f"request {rid}: its prefill's first output reports {got} of its {req.num_prompt} prompt tokens cached, " \
             f"but its block tables hold {floor} cached (every group's own cached blocks and prompt-tail entries): " \
             f"the prompt tokens written to the cache are under-reported"
+        u = self.caps.block_size
+        assert got % u == 0, \
+            f"request {rid}: its prefill's first output reports {got} of its {req.num_prompt} prompt tokens cached, " \
+            f"not whole hash blocks of {u} tokens: the cache holds full blocks and a partial entry's whole hash " \
+            f"blocks, so the count names tokens no block holds cached"
 
     # -- the model of the free queue, the hit promise and in-flight reads ------------------------------
     def settle(self, rid: int) -> None:
