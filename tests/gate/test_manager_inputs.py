@@ -112,22 +112,32 @@ def test_variant_edits_an_earlier_input_of_a_decoded_tail_block_and_decodes_the_
     machine.teardown()
 
 
+def _add_imaged(machine) -> int:
+    """A 10-token prompt with a 2-token image at positions 6-7, in the second of its blocks of 4, written now."""
+    (rid,) = machine.add(system=[1, 2, 3, 1, 2], suffix=[3, 1, 2, 3, 1], namespace=None, extra="image-0", chunk=12,
+                         write_now=True, image_at=1).values
+    return rid
+
+
+def _judge_moved_one_earlier(machine, req, other) -> None:
+    """``other`` is ``req``'s prompt with its image one token earlier, every token id kept."""
+    moved = machine.live[other]
+    assert moved.tokens == req.tokens
+    assert moved.extras == {5: ("mm", "image-0", 0), 6: ("mm", "image-0", 1)}
+    machine.check()
+    machine.teardown()
+
+
 def test_variant_moves_an_input_inside_its_blocks_keeping_every_token_id():
     """``variant(change="image")``: the input moved by one token inside its blocks (here the later way would leave
     its block of 4, so one token earlier), every token id kept: the two prompts differ only in the input's offset
     in that block. Fails before: the moved-over token became a placeholder (other token ids) and the later way
     was taken first, into the next block."""
     machine = _machine(OwnCacheManager, 2)  # block_size 4
-    (rid,) = machine.add(system=[1, 2, 3, 1, 2], suffix=[3, 1, 2, 3, 1], namespace=None, extra="image-0", chunk=12,
-                         write_now=True, image_at=1).values
+    rid = _add_imaged(machine)
     req = machine.live[rid]
     assert req.extras == {6: ("mm", "image-0", 0), 7: ("mm", "image-0", 1)}
-    other = machine.variant(rid=rid, change="image", chunk=12, write_now=True)
-    moved = machine.live[other]
-    assert moved.tokens == req.tokens
-    assert moved.extras == {5: ("mm", "image-0", 0), 6: ("mm", "image-0", 1)}
-    machine.check()
-    machine.teardown()
+    _judge_moved_one_earlier(machine, req, machine.variant(rid=rid, change="image", chunk=12, write_now=True))
 
 
 def test_an_image_variant_of_a_request_without_a_reachable_input_moves_another_live_requests():
@@ -135,14 +145,7 @@ def test_an_image_variant_of_a_request_without_a_reachable_input_moves_another_l
     has none) moves the latest live request's input that can: the draw lands where a hit reaches the moved
     input's block. Fails before: the variant of a request without an input did nothing."""
     machine = _machine(OwnCacheManager, 2)  # block_size 4
-    (imaged,) = machine.add(system=[1, 2, 3, 1, 2], suffix=[3, 1, 2, 3, 1], namespace=None, extra="image-0",
-                            chunk=12, write_now=True, image_at=1).values
+    req = machine.live[_add_imaged(machine)]
     (plain,) = machine.add(system=[2, 2], suffix=[1], namespace=None, extra=None, chunk=12, write_now=True).values
-    req = machine.live[imaged]
     assert req.committed >= 8 and not machine.live[plain].extras
-    other = machine.variant(rid=plain, change="image", chunk=12, write_now=True)
-    moved = machine.live[other]
-    assert moved.tokens == req.tokens
-    assert moved.extras == {5: ("mm", "image-0", 0), 6: ("mm", "image-0", 1)}
-    machine.check()
-    machine.teardown()
+    _judge_moved_one_earlier(machine, req, machine.variant(rid=plain, change="image", chunk=12, write_now=True))
