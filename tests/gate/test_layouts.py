@@ -83,6 +83,7 @@ def test_a_head_major_backend_passes_and_a_layout_bug_fails_with_a_case_file(sui
     assert "4 properties judged (0 failing)" in str(good.stdout), str(good.stdout)[-2000:]
     bad = suite("head_major:wrong", "gather_returns")
     assert bad.ret == 1, str(bad.stdout)[-3000:]
+    assert "pools: HND, the layout the candidate declares" in str(bad.stdout), str(bad.stdout)[-2000:]
     files = sorted((pytester.path / "failures").glob("*.json"))
     assert files, str(bad.stdout)[-2000:]
     replay = subprocess.run([sys.executable, "-m", "pagedkv", "replay", str(files[0]), "--impl", "head_major:wrong"],

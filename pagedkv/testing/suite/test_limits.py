@@ -47,4 +47,4 @@ def test_every_fault_is_rejected_on_a_fixed_case(pagedkv_run, backend, device, o
     if outcome.status == "skipped":
         pytest.skip(outcome.reason)
     if outcome.failed:
-        pytest.fail(failure_text(prop.sentence, outcome), pytrace=False)
+        pytest.fail(failure_text(prop.sentence, outcome, backend), pytrace=False)

@@ -63,7 +63,7 @@ def _judge(prop: Property, pagedkv_run, backends: tuple, device: str, **options)
     if verdict.status == "finding":  # within the declared non-promise's bound: reported, never gating
         pytest.xfail(non_promise_finding(declared, outcome))
     if verdict.status == "failed":
-        pytest.fail(failure_text(prop.sentence, outcome), pytrace=False)
+        pytest.fail(failure_text(prop.sentence, outcome, candidate), pytrace=False)
     if outcome.status == "partial":
         pytest.skip(f"{prop.name}: {outcome.reason}")
     return outcome

@@ -76,4 +76,4 @@ def test_regression_case_replays_clean(pagedkv_run, backend, device, regression_
         pytest.xfail(f"finding (declared non-promise: {declared.reason}; {declared.describe()}): {verdict.message}")
     if verdict.status == "failed":
         where = f"regression {regression_file.name}" + (f", {how}" if how else "")
-        pytest.fail(failure_text(f"{prop.sentence} ({where})", outcome), pytrace=False)
+        pytest.fail(failure_text(f"{prop.sentence} ({where})", outcome, backend), pytrace=False)
