@@ -166,7 +166,8 @@ def test_mtp_declares_the_reprefillable_tail():
 @pytest.mark.slow(reason="1-4 min: up to 300 programs of vLLM's MTP layout until the search finds it")
 def test_one_more_withheld_token_is_caught(monkeypatch):
     """vLLM's coordinator withholding ``num_prefill_lookahead`` tokens instead of one less
-    (kv_cache_coordinator-0033's class): a shorter hit than the committed blocks promise."""
+    (kv_cache_coordinator-0033's class): a shorter hit than the committed blocks promise, or, where the search
+    first meets it at a prefill's first output, fewer cached prompt tokens than the request's tables hold."""
     from pagedkv.tools.peers import vllm_hybrid_manager as vm
     from pagedkv.tools.peers.vllm_manager import _import_vllm
 
@@ -182,4 +183,5 @@ def test_one_more_withheld_token_is_caught(monkeypatch):
 
     monkeypatch.setattr(KVCacheCoordinator, "__init__", one_more)
     steps = _search(vm.cache_manager, ("mtp-multi-module",), 300)
-    assert steps is not None and "the hit promise" in steps.error, steps and steps.error
+    assert steps is not None and ("the hit promise" in steps.error or "are under-reported" in steps.error), \
+        steps and steps.error
