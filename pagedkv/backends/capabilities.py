@@ -307,6 +307,11 @@ class Capabilities:
         """``(key_layout, value_layout)``: the declared :attr:`layout` as :class:`~pagedkv.layouts.PoolLayout` s."""
         return pool_layouts(self.layout)
 
+    @property
+    def layout_other_than_nhd(self) -> str | None:
+        """The declared :attr:`layout`'s name where it is not the contract's NHD (reports name it), else ``None``."""
+        return None if self.pool_layouts == (NHD, NHD) else describe_layout(self.layout)
+
     def rejects(self, geometry: Any) -> str | None:
         """Why ``geometry`` (anything with ``block_size``, ``head_dim``, ``num_kv_heads``,
         ``num_queries_per_kv``, ``dtype``, ``num_blocks``) is outside the space, or ``None``."""
@@ -338,8 +343,8 @@ class Capabilities:
                  f"GQA group {self.gqa_groups.describe()}", f"dtypes {sorted(self.dtypes)}"]
         if not self.strided_pools:
             parts.append("contiguous pools only")
-        if pool_layouts(self.layout) != (NHD, NHD):
-            parts.append(f"layout {describe_layout(self.layout)}")
+        if self.layout_other_than_nhd:
+            parts.append(f"layout {self.layout_other_than_nhd}")
         if self.page_table != "padded":
             parts.append(f"page_table {self.page_table}")
         if self.split_k:

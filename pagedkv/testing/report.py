@@ -95,15 +95,13 @@ def failure_text(sentence: str, outcome: Any, backend: Any = None) -> str:
     than NHD (a case's ``layout`` field names how K and V share storage, not this), then per distinct failure
     the located mismatch, the case in the one-line notation and as Python, and the replay command."""
     from pagedkv.backends.capabilities import capabilities_of
-    from pagedkv.layouts import NHD, pool_layouts
-    from pagedkv.layouts import describe as describe_layout
     from pagedkv.testing.cases.notation import brief
 
     lines = [f"property: {sentence}"]
-    declared = capabilities_of(backend).layout if backend is not None else "NHD"
-    if pool_layouts(declared) != (NHD, NHD):
-        lines.append(f"pools: {describe_layout(declared)}, the layout the candidate declares (each case's "
-                     f"layout= says how K and V share storage; positions are compared logically)")
+    declared = capabilities_of(backend).layout_other_than_nhd if backend is not None else None
+    if declared:
+        lines.append(f"pools: {declared}, the layout the candidate declares (each case's layout= says how K and V "
+                     f"share storage; positions are compared logically)")
     many = len(outcome.failures) > 1
     for i, failure in enumerate(outcome.failures, 1):
         if many:

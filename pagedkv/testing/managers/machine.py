@@ -1388,9 +1388,13 @@ class ManagerMachine(RuleBasedStateMachine):
         self.log("variant", rid=rid, change=change, chunk=chunk, write_now=write_now,
                  **({"which": which} if change == "content" else {}),
                  **({"output": output} if output != "none" else {}), **({"suffix": suffix} if suffix else {}))
+
+        def edited(owner):  # what a variant of ``owner`` edits: its prompt (output too, re-sent), inputs, namespace
+            end = max(owner.num_prompt, owner.written) if output == "in_prompt" else owner.num_prompt
+            return list(owner.tokens[:end]), dict(owner.extras), owner.namespace
+
         req = self.live[rid]
-        end = max(req.num_prompt, req.written) if output == "in_prompt" else req.num_prompt
-        tokens, extras, namespace = list(req.tokens[:end]), dict(req.extras), req.namespace
+        tokens, extras, namespace = edited(req)
         if change == "same":
             pass
         elif change == "namespace":
@@ -1416,11 +1420,10 @@ class ManagerMachine(RuleBasedStateMachine):
             if not any(reached(req, way) for way in ways):
                 # none moves inside blocks a hit reaches: the latest live request with an input that does
                 for other in reversed(self.live.values()):
-                    cut = max(other.num_prompt, other.written) if output == "in_prompt" else other.num_prompt
-                    moves = [way for way in self.input_moves(other.tokens[:cut], other.extras) if reached(other, way)]
+                    prompt = edited(other)
+                    moves = [way for way in self.input_moves(*prompt[:2]) if reached(other, way)]
                     if moves:
-                        req, ways = other, moves
-                        tokens, extras, namespace = list(other.tokens[:cut]), dict(other.extras), other.namespace
+                        req, ways, (tokens, extras, namespace) = other, moves, prompt
                         break
             if not ways:  # no input, or none inside the prompt (a preempted request's truncated one) or movable
                 return multiple()
