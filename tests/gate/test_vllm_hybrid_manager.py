@@ -931,11 +931,9 @@ def test_a_reply_after_a_pause_passes_the_machine():
     programs.run_program(_machine(("gemma3",), block_sizes=(1,)), _served_after_a_pause())
 
 
-def test_external_alloc_before_all_touched_is_caught_in_a_served_reply(monkeypatch):
-    """The planted fault ``external-alloc-before-all-touched`` (vllm#44409 / #33775): group 0 allocates its
-    connector blocks before the window group touches its hit, taking that hit block from the free queue's front
-    (one block in two groups). ``serve``'s reply after a pause reaches it. Fails before (the reply came at once,
-    its prompt within the local hit: no load)."""
+def _plant_external_alloc_before_all_touched(monkeypatch) -> None:
+    """The planted fault ``external-alloc-before-all-touched`` (vllm#44409 / #33775): each KV-cache group touches its
+    hit and allocates its connector blocks before the next group touches its hit (one phase, not two)."""
     from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
 
     def one_phase(self, request_id, new_computed_blocks, num_local_computed_tokens, num_external_computed_tokens,
@@ -952,8 +950,45 @@ def test_external_alloc_before_all_touched_is_caught_in_a_served_reply(monkeypat
 
     _manager("gemma3")  # imports vLLM as the peer does
     monkeypatch.setattr(KVCacheCoordinator, "allocate_new_computed_blocks", one_phase)
+
+
+def test_external_alloc_before_all_touched_is_caught_in_a_served_reply(monkeypatch):
+    """The planted fault ``external-alloc-before-all-touched`` (vllm#44409 / #33775): group 0 allocates its
+    connector blocks before the window group touches its hit, taking that hit block from the free queue's front
+    (one block in two groups). ``serve``'s reply after a pause reaches it. Fails before (the reply came at once,
+    its prompt within the local hit: no load)."""
+    _plant_external_alloc_before_all_touched(monkeypatch)
     with pytest.raises(AssertionError, match="which another KV-cache group of the request holds"):
         programs.run_program(_machine(("gemma3",), block_sizes=(1,)), _served_after_a_pause())
+
+
+def _next_turn_past_a_pressures_lookahead() -> list:
+    """GPT-OSS (two full groups and a window) with a connector and speculative decoding in a pool of 10 blocks a
+    group: a chat turn served, then the conversation's next turn from the store after a pause, whose pressure
+    request returns its lookahead blocks uncached to the free queue's front, ahead of the conversation's."""
+    return [("start", {"num_blocks": 10, "block_size": 2, "num_layers": 3, "window": 1, "layout": 6, "features": 1,
+                       "pool_per_group": True}),
+            ("system_prompts", {"prompts": [[0, 0, 3, 3]]}),
+            ("serve", {"system": [0, 0, 3, 3], "suffix": [2, 2, 2], "namespace": None, "extra": None, "image_at": 3,
+                       "tail": 1, "tokens": [3], "reply": [0]}),
+            ("next_turn", {"turn": 5, "suffix": [1], "chunk": 1, "write_now": False, "stored": 1,
+                           "store_ahead": True})]
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["release", "external-alloc-before-all-touched"])
+def test_a_load_after_a_pause_reaches_past_the_pressures_lookahead_blocks(monkeypatch, planted):
+    """The pause's load reaches past what is still ahead of the conversation's blocks in the free queue (here the
+    pressure's lookahead blocks, uncached, at its front), so group 0's connector blocks come from the
+    conversation's own: the release passes, the planted fault hands a later group's hit block to group 0 too.
+    Fails before (the load was one block, which the lookahead's blocks absorbed: the fault survived)."""
+    if planted:
+        _plant_external_alloc_before_all_touched(monkeypatch)
+    machine = _machine(("gpt-oss-2full-sw",), block_sizes=(1, 2, 4))
+    if not planted:
+        programs.run_program(machine, _next_turn_past_a_pressures_lookahead())
+        return
+    with pytest.raises(AssertionError, match="which another KV-cache group of the request holds"):
+        programs.run_program(machine, _next_turn_past_a_pressures_lookahead())
 
 
 def test_a_junction_of_a_prompt_with_embeddings_is_not_taken_for_zero():

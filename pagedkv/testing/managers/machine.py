@@ -1603,18 +1603,22 @@ class ManagerMachine(RuleBasedStateMachine):
         with a connector and ``stored`` > 0, a busy server's traffic meanwhile: every store in flight completes
         (finished requests' blocks enter the free queue, still cached), then one request no one shares takes the
         free blocks ahead of the conversation's (never-used, uncached, and cached ones released before it; ``stored
-        - 1`` more, rounded to whole blocks per group) and finishes, its store completing too (:meth:`pressure`).
-        The conversation's blocks are then the free queue's front (each group's tail first), where the turn's hit
-        is touched and its load's blocks taken (vLLM's two-phase touch, #33775). Other programs are unchanged:
-        the draw decides only here; no pressure where none of the conversation's blocks is free and cached.
+        - 1`` more, its lookahead's blocks counted, rounded to whole blocks per group) and finishes, its store
+        completing too (:meth:`pressure`). The conversation's blocks are then the free queue's front (each group's
+        tail first) but for what the pressure gave back uncached (its lookahead's blocks) or left; the turn's hit
+        is touched there and its load's blocks taken, a load long enough to pass what is ahead of them (vLLM's
+        two-phase touch, #33775). Other programs are unchanged: the draw decides only here; no pressure where none
+        of the conversation's blocks is free and cached.
 
         Args:
             stored: ``next_turn``'s draw, 0-3: blocks of the hit size (the lcm of the groups' block sizes) the
-                conversation went on elsewhere (0: no pause).
+                conversation went on elsewhere past what the free queue holds ahead of its blocks (0: no pause).
             conversation: the finished request whose turn this is (its block tables).
 
         Returns:
-            the tokens the conversation went on elsewhere (``stored`` blocks of the hit size; 0: no pause).
+            the tokens the conversation went on elsewhere (0: no pause): ``stored`` blocks of the hit size, and
+            where the free-queue model holds blocks ahead of the conversation's after the pressure, enough more for
+            the first KV-cache group's blocks of the load to pass them.
         """
         if not (stored and self.connector and len(self.groups) > 1):
             return 0
@@ -1622,22 +1626,35 @@ class ManagerMachine(RuleBasedStateMachine):
             self.finish_store_rid(rid)
         if self.total is None:
             return stored * self.bs
-        mine = {b for g, table in enumerate(conversation.table) for i, b in enumerate(table)
-                if b >= 0 and (i + 1) * self.gbs[g] <= len(conversation.identities)
-                and self.cached.get(b) == (g, conversation.identities[(i + 1) * self.gbs[g] - 1])}
-        # the tier of its last release (blocks a window let go while it ran were released earlier)
-        tiers = [tier.blocks() if kind == "chains" else tier for kind, tier in self.queue]
-        last = max((i for i, blocks in enumerate(tiers) if blocks & mine), default=None)
-        if last is None:
+        def ahead_of_conversation() -> int | None:  # free blocks the queue model holds ahead of its last release
+            mine = {b for g, table in enumerate(conversation.table) for i, b in enumerate(table)
+                    if b >= 0 and (i + 1) * self.gbs[g] <= len(conversation.identities)
+                    and self.cached.get(b) == (g, conversation.identities[(i + 1) * self.gbs[g] - 1])}
+            # the tier of its last release (blocks a window let go while it ran were released earlier)
+            tiers = [tier.blocks() if kind == "chains" else tier for kind, tier in self.queue]
+            last = max((i for i, blocks in enumerate(tiers) if blocks & mine), default=None)
+            return None if last is None else sum(self.total - len(self.ever_used) if kind == "initial" else len(blocks)
+                                                 for (kind, _), blocks in zip(self.queue[:last], tiers))
+
+        ahead = ahead_of_conversation()
+        if ahead is None:
             return stored * self.bs
-        ahead = sum(self.total - len(self.ever_used) if kind == "initial" else len(blocks)
-                    for (kind, _), blocks in zip(self.queue[:last], tiers))
-        if ahead + stored - 1 >= len(self.groups):
+        lookahead = self.caps.lookahead if self.speculative else 0
+
+        def taken(n: int) -> int:  # the blocks a pressure of n hit-size blocks takes, its lookahead's included
+            return sum(-(-(n * self.bs + lookahead) // size) for size in self.gbs)
+
+        room = ahead + stored - 1
+        n = max((n for n in range(1, room + 1) if taken(n) <= room), default=0)
+        if n:
             rid = self.next_id
-            self.pressure((ahead + stored - 1) // len(self.groups))
+            self.pressure(n)
             if rid in self.zombies and self.zombies[rid].storing:
                 self.finish_store_rid(rid)
-        return stored * self.bs
+        # the load reaches past what is still ahead of the conversation's blocks (a pressure's lookahead blocks
+        # return uncached, to the front): the first KV-cache group's blocks for it come from the queue's front
+        ahead = ahead_of_conversation() or 0
+        return (stored + -(-ahead * self.gbs[0] // self.bs)) * self.bs
 
     def pressure(self, n):
         """Memory pressure: a request of ``n`` blocks of every group's size, prompt tokens no other request
