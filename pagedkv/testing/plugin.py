@@ -11,7 +11,9 @@ your own case files, run like the shipped ones), ``--pagedkv-min-judged FRACTION
 ``pagedkv_min_judged``: fail when fewer of the properties the candidate's ops allow were judged; default
 :data:`pagedkv.testing.verdict.DEFAULT_MIN_JUDGED` when a candidate is named or under the ``ci``
 profile, else 0),
-``--pagedkv-report-json PATH`` (ini ``pagedkv_report_json``: the verdict as JSON, for CI jobs and agents).
+``--pagedkv-report-json PATH`` (ini ``pagedkv_report_json``: the verdict as JSON, for CI jobs and agents),
+``--pagedkv-failure-dir DIR`` (ini ``pagedkv_failure_dir``, ``$PAGEDKV_FAILURE_DIR``: where failing cases' files
+go, default ``.pagedkv-failures``).
 
 Profiles: pagedkv registers ``pagedkv-dev``, ``pagedkv-ci``, ``pagedkv-gpu``, ``pagedkv-nightly`` and
 ``pagedkv-repro`` (also under the bare names where your project has not registered them). A profile
@@ -69,6 +71,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="device-memory budget shared by every xdist worker for the large-pool tests, e.g. 141GiB "
                          "(default: ini pagedkv_device_memory, $PAGEDKV_DEVICE_MEMORY, else the device's total "
                          "less ini pagedkv_device_headroom); on the CPU a declared budget is simulated")
+    group.addoption("--pagedkv-failure-dir", default=None, metavar="DIR",
+                    help="where failing cases' files go, one JSON file each, replayable with python -m pagedkv "
+                         "replay FILE (default: ini pagedkv_failure_dir, else $PAGEDKV_FAILURE_DIR, else "
+                         ".pagedkv-failures)")
+    parser.addini("pagedkv_failure_dir", default="", help="directory of failing cases' files (--pagedkv-failure-dir)")
     parser.addini("pagedkv_device_memory", default="", help="device-memory budget of the large-pool leases")
     parser.addini("pagedkv_device_headroom", default="", help="device memory kept out of the lease budget (16GiB)")
     parser.addini("pagedkv_builtin", type="bool", default=False,
@@ -101,6 +108,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_ACTIVE] = active
     if not active:
         return
+    _set_failure_dir(config)
     from pagedkv.testing.settings import choose_profile
 
     try:
@@ -120,6 +128,17 @@ def pytest_configure(config: pytest.Config) -> None:
     if impl_spec(config):
         candidates(config)  # a candidate that cannot load is a usage error now (exit 4), not at collection
     config.hook.pytest_pagedkv_activated(config=config, spec=impl_spec(config))
+
+
+def _set_failure_dir(config: pytest.Config) -> None:
+    """``--pagedkv-failure-dir`` (relative to the invocation directory), else ini ``pagedkv_failure_dir``
+    (relative to the rootdir), as ``$PAGEDKV_FAILURE_DIR``, which every writer of case files reads and xdist
+    workers inherit; neither given: the variable is left as it is."""
+    option, ini = config.getoption("pagedkv_failure_dir", None), config.getini("pagedkv_failure_dir")
+    if option:
+        os.environ["PAGEDKV_FAILURE_DIR"] = str(config.invocation_params.dir / option)
+    elif ini:
+        os.environ["PAGEDKV_FAILURE_DIR"] = str(config.rootpath / ini)
 
 
 def candidates(config: pytest.Config) -> list:

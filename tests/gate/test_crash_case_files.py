@@ -59,6 +59,17 @@ def test_a_backend_that_raises_leaves_a_case_file_saying_so(gate, pytester):
     assert max(s["seq_len"] for s in record["case"]["seqs"]) >= 3  # the file holds a case that crashes
 
 
+def test_the_failure_dir_option_puts_case_files_where_it_says_in_every_worker(gate, pytester):
+    """``--pagedkv-failure-dir`` (relative to where pytest runs) replaces ``$PAGEDKV_FAILURE_DIR``, in the xdist
+    worker that writes the case file too."""
+    result, failures = gate("raising_kv", 'raise RuntimeError("CUDA error: an illegal memory access")',
+                            "-n", "1", "--pagedkv-failure-dir", "cases/kv")
+    assert result.ret == 1, "\n".join(result.outlines + result.errlines)
+    assert not failures.exists()
+    (path,) = (pytester.path / "cases" / "kv").glob("*.json")
+    assert json.loads(path.read_text())["outcome"] == "raised"
+
+
 def test_a_backend_that_kills_its_process_leaves_the_case_it_was_running(gate):
     result, failures = gate("killing_kv", "os.kill(os.getpid(), signal.SIGKILL)", "-p", "no:xdist")
     assert result.ret == -9, "\n".join(result.outlines + result.errlines)
