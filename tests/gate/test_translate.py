@@ -131,3 +131,12 @@ def test_c02_fork_mid_block_stays_mid_block():
     assert len(add[2]) == 16 + 8 and add[2][:16] == (1,) + (2,) * 7 + (3,) * 7 + (4,)  # one full block, a partial one
     assert fork == ("fork", 0, 1) and len(a0[2]) == len(a1[2]) == 9  # 6 + 3 = 9 tokens -> 2 * 16 + 1
     assert set(a0[2]) == {7} and set(a1[2]) == {9}
+
+
+def test_a_scenario_moved_only_for_its_head_dim_says_so_and_stretches_nothing():
+    from pagedkv.testing.cases import CacheScenario
+
+    scenario = CacheScenario(Geometry(8, 16, 1, 4), (("add", 0, tuple(range(20))), ("append", 0, (7, 7))))
+    moved, how = into_space(scenario, KERNEL)
+    assert "head_dim 4 -> 64" in how and "block_size" not in how and "stretched" not in how, how
+    assert moved.ops == scenario.ops

@@ -142,7 +142,8 @@ def _scenario_into_space(scenario: Any, caps: Any) -> tuple[Any | None, str]:
         else:
             return None, f"the cache scenario has an op {kind!r} the translation does not know"
     moved = dataclasses.replace(scenario, geometry=moved_geometry, ops=tuple(ops))
-    return moved, _changes(g, moved_geometry) + f" (each block's tokens stretched from {g.block_size} to {bs})"
+    stretched = f" (each block's tokens stretched from {g.block_size} to {bs})" if bs != g.block_size else ""
+    return moved, _changes(g, moved_geometry) + stretched
 
 
 def into_space(case: Any, caps: Any) -> tuple[Any | None, str]:
