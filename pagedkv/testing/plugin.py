@@ -38,6 +38,7 @@ SUITE_COMMAND = "pytest --pyargs pagedkv.testing.suite --pagedkv-impl {spec} -n 
 _ACTIVE = pytest.StashKey[bool]()
 _PROFILE = pytest.StashKey[str]()
 _CANDIDATES = pytest.StashKey[list]()
+_FAILURE_DIR_EXISTED = pytest.StashKey[bool]()
 _DESELECTED = pytest.StashKey[list]()  # node ids of conformance tests deselected (this process, or every worker)
 _SPECIALISATIONS = "pagedkv-specialisations"  # per-process tallies, under the run's shared directory
 
@@ -109,6 +110,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if not active:
         return
     _set_failure_dir(config)
+    if not hasattr(config, "workerinput"):
+        from pagedkv.testing.casefiles.writing import failure_dir
+
+        config.stash[_FAILURE_DIR_EXISTED] = failure_dir().exists()
     from pagedkv.testing.settings import choose_profile
 
     try:
@@ -139,6 +144,21 @@ def _set_failure_dir(config: pytest.Config) -> None:
         os.environ["PAGEDKV_FAILURE_DIR"] = str(config.invocation_params.dir / option)
     elif ini:
         os.environ["PAGEDKV_FAILURE_DIR"] = str(config.rootpath / ini)
+
+
+def _drop_empty_failure_dir(config: pytest.Config) -> None:
+    """The failure directory this run created, removed where every case written there was removed again (each
+    property writes its case before calling the backend and removes it when the case passes): a green run leaves
+    no empty directory behind."""
+    from pagedkv.testing.casefiles.writing import failure_dir
+
+    directory = failure_dir()
+    if config.stash.get(_FAILURE_DIR_EXISTED, True) or not directory.is_dir():
+        return
+    try:
+        directory.rmdir()  # only when empty
+    except OSError:
+        pass
 
 
 def candidates(config: pytest.Config) -> list:
@@ -375,6 +395,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         _gate_judged(session, exitstatus)
     finally:
         _write_verdict(session)
+        _drop_empty_failure_dir(config)
 
 
 def _gate_judged(session: pytest.Session, exitstatus: int) -> None:

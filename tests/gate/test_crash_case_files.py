@@ -70,6 +70,14 @@ def test_the_failure_dir_option_puts_case_files_where_it_says_in_every_worker(ga
     assert json.loads(path.read_text())["outcome"] == "raised"
 
 
+def test_a_green_run_leaves_no_empty_failure_dir(gate):
+    """Each case is written before the backend runs and removed when it passes; the directory the run made for
+    them goes too when nothing is left in it."""
+    result, failures = gate("honest_kv", "pass", "-n", "1")
+    assert result.ret == 0, "\n".join(result.outlines + result.errlines)
+    assert not failures.exists(), sorted(failures.iterdir())
+
+
 def test_a_backend_that_kills_its_process_leaves_the_case_it_was_running(gate):
     result, failures = gate("killing_kv", "os.kill(os.getpid(), signal.SIGKILL)", "-p", "no:xdist")
     assert result.ret == -9, "\n".join(result.outlines + result.errlines)
