@@ -59,25 +59,6 @@ def test_a_backend_that_raises_leaves_a_case_file_saying_so(gate, pytester):
     assert max(s["seq_len"] for s in record["case"]["seqs"]) >= 3  # the file holds a case that crashes
 
 
-def test_the_failure_dir_option_puts_case_files_where_it_says_in_every_worker(gate, pytester):
-    """``--pagedkv-failure-dir`` (relative to where pytest runs) replaces ``$PAGEDKV_FAILURE_DIR``, in the xdist
-    worker that writes the case file too."""
-    result, failures = gate("raising_kv", 'raise RuntimeError("CUDA error: an illegal memory access")',
-                            "-n", "1", "--pagedkv-failure-dir", "cases/kv")
-    assert result.ret == 1, "\n".join(result.outlines + result.errlines)
-    assert not failures.exists()
-    (path,) = (pytester.path / "cases" / "kv").glob("*.json")
-    assert json.loads(path.read_text())["outcome"] == "raised"
-
-
-def test_a_green_run_leaves_no_empty_failure_dir(gate):
-    """Each case is written before the backend runs and removed when it passes; the directory the run made for
-    them goes too when nothing is left in it."""
-    result, failures = gate("honest_kv", "pass", "-n", "1")
-    assert result.ret == 0, "\n".join(result.outlines + result.errlines)
-    assert not failures.exists(), sorted(failures.iterdir())
-
-
 def test_a_backend_that_kills_its_process_leaves_the_case_it_was_running(gate):
     result, failures = gate("killing_kv", "os.kill(os.getpid(), signal.SIGKILL)", "-p", "no:xdist")
     assert result.ret == -9, "\n".join(result.outlines + result.errlines)
@@ -90,9 +71,14 @@ def test_a_backend_that_kills_its_process_leaves_the_case_it_was_running(gate):
     assert replay.returncode == 0 and "PASSES" in replay.stdout, replay.stdout + replay.stderr
 
 
-def test_a_worker_crash_under_xdist_points_at_the_case_file(gate):
-    result, failures = gate("killing_kv", "os.kill(os.getpid(), signal.SIGKILL)", "-n", "1")
+def test_a_worker_crash_under_xdist_points_at_the_case_file(gate, pytester):
+    """A killed xdist worker leaves the case it was running, and the summary points at it, in the directory
+    ``--pagedkv-failure-dir`` names (relative to where pytest runs): the option replaces ``$PAGEDKV_FAILURE_DIR``
+    in the worker too."""
+    result, failures = gate("killing_kv", "os.kill(os.getpid(), signal.SIGKILL)", "-n", "1",
+                            "--pagedkv-failure-dir", "cases/kv")
     out = "\n".join(result.outlines + result.errlines)
     assert result.ret == 1 and "crashed" in out, out
-    (path,) = failures.glob("*.json")
+    assert not failures.exists()
+    (path,) = (pytester.path / "cases" / "kv").glob("*.json")
     assert "replay: python -m pagedkv replay" in out and path.name in out, out

@@ -45,6 +45,7 @@ def test_a_csr_candidate_passes_and_one_that_ignores_the_last_page_length_fails(
     assert "3 properties judged (0 failing)" in out, out[-2000:]
     assert "page_table csr" in out, out[-2000:]  # the declared space as the terminal prints it
     assert "not applicable: the backend takes CSR page tables" in out + err or "1 skipped" in out, out[-2000:]
+    assert not (pytester.path / "failures-csr_good").exists()  # a green run leaves no empty failure directory
     out, _, status = _suite(pytester, write_candidate, monkeypatch, "csr_bad", bug=True)
     assert status == 1, out[-3000:]
     files = sorted((pytester.path / "failures-csr_bad").glob("*paged_attention_matches*.json"))
