@@ -991,6 +991,48 @@ def test_a_load_after_a_pause_reaches_past_the_pressures_lookahead_blocks(monkey
         programs.run_program(machine, _next_turn_past_a_pressures_lookahead())
 
 
+def _two_chats_on_qwen3_next_fine() -> list:
+    """Qwen3-Next served with fine-grained hits and a connector (the peer holds the pools, as vLLM's worker does):
+    two chat turns, the second's reply loaded from the store."""
+    return [("start", {"num_blocks": 10, "block_size": 1, "num_layers": 3, "window": 0, "layout": 2, "features": 1}),
+            ("system_prompts", {"prompts": [[1, 0, 3, 2, 3, 0]]}),
+            ("serve", {"system": [1, 0, 3, 2, 3, 0], "suffix": [2, 2, 0],
+                       "namespace": (("lora", "lora-a", "/adapters/2"),), "extra": "image-0", "image_at": 1,
+                       "more": [["image-1", 0], ["image-1", 0]], "tail": 2,
+                       "tokens": [1, 0, 0, 1], "reply": [3]}),
+            ("serve", {"system": [1, 0, 3, 2, 3, 0], "suffix": [],
+                       "namespace": (("salt", "a"), ("lora", "lora-a", "/adapters/1")), "extra": "image-1",
+                       "image_at": 2, "more": [["image-2", 0], ["image-1", 0]], "tail": 3, "tokens": [1],
+                       "reply": [3, 2, 1]})]
+
+
+@pytest.mark.parametrize("connector", ["declares", "forgets"])
+def test_a_block_the_worker_zeroes_under_a_load_reads_as_zeros(monkeypatch, connector):
+    """vLLM's worker zeroes new blocks where a Mamba layer is (``new_block_ids_to_zero``), except those of the groups
+    an asynchronous load restores (the connector's ``get_loaded_kv_cache_group_ids``, passed by the scheduler as
+    ``skip_zeroing_group_ids``): the zero would race the load's writes. The peer zeroes a block its load writes and
+    vLLM recorded for zeroing after the load's data, the order the race allows: the release passes; a connector
+    that declares no loaded group has its load read back as zeros. Fails before (no zeroing was modelled)."""
+    from pagedkv.testing.managers.machine import machine_for
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    _manager("gemma3")  # imports vLLM as the peer does
+    if connector == "forgets":
+        declaring = vm._connector_class()
+
+        class Forgetful(declaring):
+            def get_loaded_kv_cache_group_ids(self, request):
+                return ()
+
+        monkeypatch.setattr(vm, "_connector_class", lambda: Forgetful)
+    machine = machine_for(vm.cache_manager, windows=vm.cache_manager_windows, layouts=("qwen3-next-fine",))
+    if connector == "declares":
+        programs.run_program(machine, _two_chats_on_qwen3_next_fine())
+        return
+    with pytest.raises(AssertionError, match=r"reads wrong K .* got \[0\.0, 0\.0\]"):
+        programs.run_program(machine, _two_chats_on_qwen3_next_fine())
+
+
 def test_a_junction_of_a_prompt_with_embeddings_is_not_taken_for_zero():
     """Two samples (``n=2``) of one prompt with embeddings under sparse retention: vLLM keeps the second sample's
     window blocks at the junction the first one's full-attention blocks make (its keys hash embedding bytes the

@@ -24,8 +24,11 @@ declared where the machine knows what vLLM caches (no Mamba group, no EAGLE), an
 
 - ``admit``: ``get_computed_blocks`` (one hit every group agrees on, each group's blocks); with a connector,
   its ``get_num_new_matched_tokens(request, block_aligned_local_hit)`` names the external tokens past it.
-- ``load``: ``allocate_slots(..., num_external_computed_tokens, delay_cache_blocks=True)`` and
-  ``update_state_after_alloc``, as for an asynchronous load (``WAITING_FOR_REMOTE_KVS``); ``load_done(ok)``:
+- ``load``: ``allocate_slots(..., num_external_computed_tokens, delay_cache_blocks=True,
+  skip_zeroing_group_ids=connector.get_loaded_kv_cache_group_ids(request))`` and ``update_state_after_alloc``, as
+  for an asynchronous load (``WAITING_FOR_REMOTE_KVS``). Where the peer holds the pools, a block the load writes
+  that vLLM still recorded for the worker's zeroing (``new_block_ids_to_zero``: Mamba layers) is zeroed after the
+  load's data, an order the race between the two allows. ``load_done(ok)``:
   ``cache_blocks`` of the loaded tokens, or, failed, vLLM's ``recompute_kv_load_failures``:
   ``num_computed_tokens = 0``, the request's blocks freed and its prefix looked up afresh (the coordinator's
   lookup capped at the local hit it had) and allocated at once, as the scheduler's waiting-queue pass does.
@@ -357,6 +360,13 @@ class _StatePools:
             forward.waits -= completed
         self.forwards = [f for f in self.forwards if f.waits]
 
+    def zero(self, blocks: set[int]) -> None:
+        """The worker zeroes ``blocks`` in every KV cache tensor (``GPUModelRunner._zero_block_ids``, for vLLM's
+        ``new_block_ids_to_zero``: Mamba layers or mixed precision)."""
+        for block in blocks:
+            for tensor in self._tensors():
+                tensor[block] = 0.0
+
     def handed_out(self, blocks: set[int]) -> None:
         """``blocks`` are handed out afresh: a copy into one of them is not run into it again (it ran before the step
         that wrote them last, in the worker's order; its block now holds another's K/V), but a later copy from that
@@ -440,6 +450,8 @@ class VllmHybridCacheManager(VllmCacheManager):
         self.admitted: dict[int, tuple] = {}  # request -> admit's arguments (a failed load looks up again)
         self.external: dict[int, int] = {}  # request -> external tokens the connector promised
         self.loading: dict[int, int] = {}  # request -> its local hit, while its load is in flight
+        # request -> blocks its load writes that vLLM also asked the worker to zero (new_block_ids_to_zero)
+        self.zeroed_under_load: dict[int, set[int]] = {}
         self.waits: dict[int, set] = {}  # freed request -> what its free waits for ("store", "load", "steps")
         self.drafts: dict[int, list[int]] = {}  # request -> the draft tokens of its last reservation
         # The hit promise (committed blocks hit) holds except where vLLM hits less on purpose: a one-token
@@ -521,9 +533,13 @@ class VllmHybridCacheManager(VllmCacheManager):
         request = self.requests[request_id]
         blocks, num_local = self.pending[request_id]
         num_external = self.external[request_id]
+        self.manager.take_new_block_ids()  # earlier steps' blocks the worker zeroed before their writes
+        # the groups the load restores are not zeroed (Scheduler.schedule passes the connector's
+        # get_loaded_kv_cache_group_ids): the worker's zeroing would race the load's writes
         got = self.manager.allocate_slots(request, 0, num_new_computed_tokens=num_local, new_computed_blocks=blocks,
                                           num_external_computed_tokens=num_external, delay_cache_blocks=True,
-                                          full_sequence_must_fit=self.full_sequence_must_fit)
+                                          full_sequence_must_fit=self.full_sequence_must_fit,
+                                          skip_zeroing_group_ids=self.connector.get_loaded_kv_cache_group_ids(request))
         if got is None:
             return None
         self._copy_on_write()
@@ -531,13 +547,18 @@ class VllmHybridCacheManager(VllmCacheManager):
         request.num_computed_tokens = self.settled[request_id] = num_local + num_external  # no step: a load
         self.connector.update_state_after_alloc(request, self.manager.get_blocks(request.request_id), num_external)
         self.loading[request_id] = num_local
-        return self._written(request_id, num_local + num_external,
-                             self._slots(request_id, num_local, num_local + num_external))
+        slots = self._slots(request_id, num_local, num_local + num_external)
+        if self.pools is not None:  # a block the load writes and the worker zeroes: the zero may land after the data
+            loaded = {slot // g.block_size for g, group_slots in zip(self.groups, slots) for slot in group_slots
+                      if slot >= 0 and g.kind != "mamba"}
+            self.zeroed_under_load[request_id] = loaded & set(self.manager.take_new_block_ids())
+        return self._written(request_id, num_local + num_external, slots)
 
     def load_done(self, request_id: int, ok: bool) -> int | None:
         num_local = self.loading.pop(request_id)
         if self.pools is not None:  # the load's state is written (or its garbage)
             self.pools.settle(request_id, MAX_MODEL_LEN)
+            self.pools.zero(self.zeroed_under_load.pop(request_id, set()))
         self.connector.load_plans.pop(str(request_id), None)
         waits = self.waits.get(request_id)
         if waits is not None:  # freed while loading: finished_recving frees its blocks now
