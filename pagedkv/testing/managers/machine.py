@@ -1626,6 +1626,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.finish_store_rid(rid)
         if self.total is None:
             return stored * self.bs
+
         def ahead_of_conversation() -> int | None:  # free blocks the queue model holds ahead of its last release
             mine = {b for g, table in enumerate(conversation.table) for i, b in enumerate(table)
                     if b >= 0 and (i + 1) * self.gbs[g] <= len(conversation.identities)
@@ -1651,9 +1652,9 @@ class ManagerMachine(RuleBasedStateMachine):
             self.pressure(n)
             if rid in self.zombies and self.zombies[rid].storing:
                 self.finish_store_rid(rid)
-        # the load reaches past what is still ahead of the conversation's blocks (a pressure's lookahead blocks
-        # return uncached, to the front): the first KV-cache group's blocks for it come from the queue's front
-        ahead = ahead_of_conversation() or 0
+            ahead = ahead_of_conversation() or 0  # what it gave back uncached (its lookahead's blocks) or left
+        # the load reaches past what is still ahead of the conversation's blocks: the first KV-cache group's blocks
+        # for it come from the queue's front
         return (stored + -(-ahead * self.gbs[0] // self.bs)) * self.bs
 
     def pressure(self, n):
