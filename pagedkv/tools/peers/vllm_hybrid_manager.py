@@ -550,8 +550,8 @@ class VllmHybridCacheManager(VllmCacheManager):
         slots = self._slots(request_id, num_local, num_local + num_external)
         if self.pools is not None:  # a block the load writes and the worker zeroes: the zero may land after the data
             loaded = {slot // g.block_size for g, group_slots in zip(self.groups, slots) for slot in group_slots
-                      if slot >= 0 and g.kind != "mamba"}
-            self.zeroed_under_load[request_id] = loaded & set(self.manager.take_new_block_ids())
+                      if slot >= 0}
+            self.zeroed_under_load[request_id] = loaded & set(self.manager.take_new_block_ids())  # attention only
         return self._written(request_id, num_local + num_external, slots)
 
     def load_done(self, request_id: int, ok: bool) -> int | None:
