@@ -1033,6 +1033,55 @@ def test_a_block_the_worker_zeroes_under_a_load_reads_as_zeros(monkeypatch, conn
         programs.run_program(machine, _two_chats_on_qwen3_next_fine())
 
 
+def _a_one_token_load_on_jamba() -> list:
+    """Jamba (full attention + Mamba) at block size 1 with a connector: a prompt of five tokens whose first one the
+    external store holds and no local cache hits, loaded, then decoded (the decode step reads the loaded token)."""
+    return [("system_prompts", {"prompts": [[2, 3, 1]]}),
+            ("start", {"num_blocks": 8, "block_size": 0, "num_layers": 2, "window": 0, "layout": 0, "features": 1,
+                       "pool_per_group": True}),
+            ("add", {"system": [2, 3, 1], "suffix": [1, 2], "namespace": None, "extra": None, "chunk": 4,
+                     "write_now": True, "stored": 1}),
+            ("finish_load_rid", {"rid": 0, "ok": True}),
+            ("decode", {"rid": 0, "tokens": [3]})]
+
+
+@pytest.mark.parametrize("worker", ["release", "connector-forgets-its-groups", "zeroes-a-held-block"])
+def test_the_machine_zeroes_the_blocks_vllm_names_and_a_load_lands_first(monkeypatch, worker):
+    """Beside a Mamba layer vLLM names every new attention block for the worker to zero (``new_block_ids_to_zero``),
+    except a load's (``skip_zeroing_group_ids``: the groups the connector restores). The peer declares
+    ``zeroes_new_blocks`` where the machine holds the pools, and the machine zeroes what it names, a load's after the
+    load's data (the order the race between the two allows). The release passes; a connector that declares no loaded
+    group has its load read back as zeros; a worker told to zero a block its request already wrote is named at once.
+    Fails before (no zeroing in machine-held pools)."""
+    from pagedkv.testing.managers.machine import machine_for
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    _manager("gemma3")  # imports vLLM as the peer does
+    assert _manager("jamba").capabilities.zeroes_new_blocks and not _manager("gemma3").capabilities.zeroes_new_blocks
+    if worker == "connector-forgets-its-groups":
+        declaring = vm._connector_class()
+
+        class Forgetful(declaring):
+            def get_loaded_kv_cache_group_ids(self, request):
+                return ()
+
+        monkeypatch.setattr(vm, "_connector_class", lambda: Forgetful)
+    elif worker == "zeroes-a-held-block":
+        def take_zeroed(self):  # every block a request holds, besides what vLLM names
+            held = {b for rid in self.requests for table in self.block_table(rid) for b in table if b > 0}
+            return [*self.manager.take_new_block_ids(), *held]
+
+        monkeypatch.setattr(vm.VllmHybridCacheManager, "take_zeroed", take_zeroed)
+    machine = machine_for(vm.cache_manager, windows=vm.cache_manager_windows, layouts=("jamba",))
+    if worker == "release":
+        programs.run_program(machine, _a_one_token_load_on_jamba())
+        return
+    expected = {"connector-forgets-its-groups": r"reads wrong K at token 0 .* got \[0\.0, 0\.0\]",
+                "zeroes-a-held-block": r"take_zeroed\(\) names blocks \[1, 2\], which the call did not hand out afresh"}
+    with pytest.raises(AssertionError, match=expected[worker]):
+        programs.run_program(machine, _a_one_token_load_on_jamba())
+
+
 def test_a_junction_of_a_prompt_with_embeddings_is_not_taken_for_zero():
     """Two samples (``n=2``) of one prompt with embeddings under sparse retention: vLLM keeps the second sample's
     window blocks at the junction the first one's full-attention blocks make (its keys hash embedding bytes the

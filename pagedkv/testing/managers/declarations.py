@@ -75,6 +75,7 @@ DRAWS = {
     "speculative": "speculative drafts",
     "kv_events": "KV events (a router's prefix index rebuilt from them, judged against the cache)",
     "misuse": "misuse (declared refusals raise and change nothing: the API rules)",
+    "zeroes_new_blocks": "the worker's zeroing of blocks handed out afresh (a connector load's landing after its data)",
 }
 
 

@@ -146,6 +146,7 @@ class Request:
     # (ManagerMachine.note_partial_tail); reported: its cached-prompt count was judged (capabilities.cached_prompt)
     partial: dict = dataclasses.field(default_factory=dict)
     reported: bool = False
+    zero_after_load: set = dataclasses.field(default_factory=set)  # blocks the worker zeroes once its load landed
 
     def pending(self) -> bool:
         return bool(self.in_flight) or self.loading is not None or self.storing
@@ -637,12 +638,15 @@ class ManagerMachine(RuleBasedStateMachine):
         return {b for req in (*self.live.values(), *self.zombies.values()) for step in req.in_flight
                 for b in step.reads}
 
-    def account(self, before: dict[int, int], call: str, hits=(), moves: int = 0, left=frozenset()) -> None:
+    def account(self, before: dict[int, int], call: str, hits=(), moves: int = 0, left=frozenset(),
+                loading: Request | None = None) -> None:
         """Judge what ``call`` changed in the holdings: released blocks join the free-queue model (tail
         first; uncached ones to the front), blocks handed out afresh must be its front (eviction order
         ``"lru"``) and outside every in-flight step's reads, and lose what they cached. ``hits``: the admission's
         hit blocks the call adopts, less ``left``, those it left untouched in the free queue. ``moves``: blocks
-        the call may hand out and free within it (:meth:`cow_moves`)."""
+        the call may hand out and free within it (:meth:`cow_moves`). The blocks the worker zeroes for the call
+        (``capabilities.zeroes_new_blocks``) are zeroed now, or, for the connector load of ``loading``, once its
+        data landed (:meth:`finish_load_rid`)."""
         after = self.holdings()
         if self.eagle_server:
             # blocks that entered the free queue (:meth:`replay_hit`): every block no longer held that was held at
@@ -680,6 +684,29 @@ class ManagerMachine(RuleBasedStateMachine):
         self.ever_used |= set(after)
         for b in fresh:
             self.cached.pop(b, None)  # handed out again: what it cached is evicted
+        if self.caps.zeroes_new_blocks:
+            zeroed = set(self.m.take_zeroed())
+            read = sorted(zeroed & (set(after) - fresh))
+            assert not read, \
+                f"{call}: take_zeroed() names blocks {read}, which the call did not hand out afresh (held before it, " \
+                f"or a prefix hit it adopted): the worker's zeroing wipes K/V that is read"
+            if loading is not None:
+                loading.zero_after_load |= zeroed
+            else:
+                self.zero_pages(zeroed)
+
+    def zero_pages(self, blocks: set[int]) -> None:
+        """The worker zeroes ``blocks``: their pages in every layer (every group's, one block id one page)."""
+        outside = sorted(b for b in blocks if not 0 <= b < self.pools[0][0].shape[0])
+        assert not outside, f"take_zeroed() names blocks {outside}, outside the pool of {self.pools[0][0].shape[0]}"
+        if not blocks:
+            return
+        index = torch.tensor(sorted(blocks), dtype=torch.int64)
+        for k_pool, v_pool in self.pools:
+            k_pool[index.to(k_pool.device)] = 0
+            v_pool[index.to(v_pool.device)] = 0
+        if self.caps.owns_pools:
+            self.m.pools_written()
 
     def judge_lru(self, call: str, need: set) -> None:
         """``need`` (blocks handed out afresh) must be the front of the free-queue model."""
@@ -1155,7 +1182,7 @@ class ManagerMachine(RuleBasedStateMachine):
         # adopted: it stays in the free queue, where the load's own allocation may take it (what it cached evicted)
         tables = self.m.block_table(rid)
         hits = [b for b in hits if any(b in t[:-(-cached // self.gbs[g])] for g, t in enumerate(tables))]
-        self.account(before, f"load of request {rid}", hits=hits, moves=self.cow_moves())
+        self.account(before, f"load of request {rid}", hits=hits, moves=self.cow_moves(), loading=req)
         self.check_slots(rid, slots, cached, external, "load",
                          lambda g, i: self.groups[g].first_read(end) > cached + i or (
                              self.groups[g].kind == "mamba" and i < external - 1))
@@ -1562,6 +1589,9 @@ class ManagerMachine(RuleBasedStateMachine):
         end = start + len(slots[0])
         garbage = None if ok else [i ^ 0x5A5A for i in req.identities[start:end]]
         self.write(rid, req, slots, start, identities=garbage)
+        # what the worker zeroes for the load races its data: the zeroing may land last
+        self.zero_pages(req.zero_after_load)
+        req.zero_after_load = set()
         before = self.holdings()
         req.loading = None
         again, hits = self.m.load_done(rid, ok), ()

@@ -340,6 +340,12 @@ class ManagerCapabilities:
             ``num_cache_creation_tokens`` of a ``RequestOutput``: ``min(reported, prompt) - num_cached_tokens``, the
             prompt tokens an API bills as written to the cache). Judged where every group is full attention or a
             sliding window and the machine knows what is cached (:meth:`~.machine.ManagerMachine.judge_cached_prompt`).
+        zeroes_new_blocks: the engine's worker zeroes blocks the manager hands out afresh before their first use
+            (vLLM's ``new_block_ids_to_zero``, run by ``GPUModelRunner._zero_block_ids`` wherever
+            ``KVCacheConfig.needs_kv_cache_zeroing``: Mamba layers or mixed-precision KV caches), and the manager
+            names them (:meth:`ZeroingCalls.take_zeroed`). The machine zeroes them in its pools: a step's before the
+            step writes, a connector load's after the load's data arrives (the worker's zeroing and an asynchronous
+            load race; vLLM's scheduler passes ``skip_zeroing_group_ids`` so that a load's blocks are not named).
     """
 
     block_size: int
@@ -373,12 +379,13 @@ class ManagerCapabilities:
     eagle_margin: bool = True
     hit_alignment: int | None = None
     cached_prompt: bool = False
+    zeroes_new_blocks: bool = False
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""
         have = [n for n in ("fork", "namespaces", "extra_keys", "preempt", "resume", "evict", "reset", "defers_commit",
                             "hit_promise", "async_steps", "connector", "speculative", "prompt_embeds", "kv_events",
-                            "cached_prompt")
+                            "cached_prompt", "zeroes_new_blocks")
                 if getattr(self, n)]
         layout = (f"groups {', '.join(_group_name(g) for g in self.groups)}" if self.groups else
                   f"block_size {self.block_size}, window {self.window}")
@@ -584,6 +591,17 @@ class ConnectorCalls(Protocol):
         """A freed request's blocks are stored externally: a free deferred for the store (vLLM's
         ``finished_sending``) releases now. Called once after every free of a connector manager; until
         then no block the request held may be handed to anyone."""
+
+
+@runtime_checkable
+class ZeroingCalls(Protocol):
+    """What a manager with ``capabilities.zeroes_new_blocks`` answers besides :class:`CacheManager`."""
+
+    def take_zeroed(self) -> list[int]:
+        """The block ids the worker zeroes, named since the last call (vLLM's ``KVCacheManager.take_new_block_ids``,
+        sent as ``SchedulerOutput.new_block_ids_to_zero``): every layer's page of each, in every group (one block id
+        is one page of the shared pool). The machine calls it after every call; a block another request held
+        before that call is corruption."""
 
 
 def namespace_parts(namespace: Hashable) -> tuple[str | None, tuple[str, str] | None]:

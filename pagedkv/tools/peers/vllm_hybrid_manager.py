@@ -486,7 +486,11 @@ class VllmHybridCacheManager(VllmCacheManager):
                                                 # one group: vLLM's unitary coordinator looks no block past the cap
                                                 eagle_margin=len(self.groups) > 1, owns_pools=self.fine_grained,
                                                 hit_alignment=self.hash_block_size if self.fine_grained else None,
-                                                cached_prompt=True)
+                                                cached_prompt=True,
+                                                # the machine's pools: it zeroes what vLLM names (the peer's own
+                                                # pools zero under a load only, where the race is)
+                                                zeroes_new_blocks=kv_config.needs_kv_cache_zeroing
+                                                and not self.fine_grained)
 
     # -- admission and the connector --------------------------------------------------------------------
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
@@ -533,7 +537,8 @@ class VllmHybridCacheManager(VllmCacheManager):
         request = self.requests[request_id]
         blocks, num_local = self.pending[request_id]
         num_external = self.external[request_id]
-        self.manager.take_new_block_ids()  # earlier steps' blocks the worker zeroed before their writes
+        if self.pools is not None:  # earlier steps' blocks the worker zeroed before their writes
+            self.manager.take_new_block_ids()
         # the groups the load restores are not zeroed (Scheduler.schedule passes the connector's
         # get_loaded_kv_cache_group_ids): the worker's zeroing would race the load's writes
         got = self.manager.allocate_slots(request, 0, num_new_computed_tokens=num_local, new_computed_blocks=blocks,
@@ -553,6 +558,11 @@ class VllmHybridCacheManager(VllmCacheManager):
                       if slot >= 0}
             self.zeroed_under_load[request_id] = loaded & set(self.manager.take_new_block_ids())  # attention only
         return self._written(request_id, num_local + num_external, slots)
+
+    def take_zeroed(self) -> list[int]:
+        """The blocks vLLM asks the worker to zero (``take_new_block_ids``: attention groups' new blocks beside
+        Mamba layers or under mixed precision), named since the last call."""
+        return self.manager.take_new_block_ids()
 
     def load_done(self, request_id: int, ok: bool) -> int | None:
         num_local = self.loading.pop(request_id)
