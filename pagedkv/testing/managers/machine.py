@@ -1897,6 +1897,11 @@ class ManagerMachine(RuleBasedStateMachine):
         if sys.exc_info()[0] is not None:  # a step failed: that failure is the verdict, not a cleanup's
             return
         if hasattr(self, "m"):
+            loading = [rid for rid, req in self.live.items() if req.loading is not None]
+            for rid in loading:  # a load the program left in flight lands, and its request reads it once
+                self.finish_load_rid(rid, True)
+            if loading:
+                self.check()
             for rid in list(self.live):
                 self.release(rid)
             for rid in list(self.zombies):
