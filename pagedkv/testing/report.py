@@ -118,6 +118,11 @@ def failure_text(sentence: str, outcome: Any, backend: Any = None) -> str:
     return "\n".join(lines)
 
 
+def _counted(n: int, one: str, many: str | None = None) -> str:
+    """``n`` and the noun: "1 property", "3 properties"."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 def _records(stats: dict) -> list[dict]:
     seen = []
     for reports in stats.values():
@@ -192,8 +197,9 @@ def summary_lines(stats: dict, backends: list, spec: str | None) -> list[str]:
                                                                      key=lambda kv: -kv[1])) or "none"
         share = f" ({t['judged_fraction']:.0%})" if t["judged_fraction"] is not None else ""
         lines.append(f"pagedkv {name}: judged {what_was_judged(stats, name)}")
-        lines.append(f"pagedkv {name}: {t['judged']} properties judged ({t['failed']} failing) of {t['applicable']} "
-                     f"its ops allow{share}; {t['findings']} findings; skipped: {skipped}")
+        judged = _counted(t["judged"], "property", "properties")
+        lines.append(f"pagedkv {name}: {judged} judged ({t['failed']} failing) of {t['applicable']} its ops "
+                     f"allow{share}; {_counted(t['findings'], 'finding')}; skipped: {skipped}")
         for r in _records(stats):
             if r["backend"] == name and r.get("non_promise") and r["status"] == "finding":
                 files = ", ".join(f["case_file"] for f in r.get("failures", ()) if f.get("case_file")) or "no case file"
@@ -207,7 +213,7 @@ def summary_lines(stats: dict, backends: list, spec: str | None) -> list[str]:
         if reg["judged"] or reg["findings"] or reg["skipped"]:
             not_run = ", ".join(f"{n} {r}" for r, n in reg["skipped_by_reason"].items()) or "none"
             lines.append(f"pagedkv {name}: regression cases run {reg['judged'] + reg['findings']} ({reg['failed']} "
-                         f"failing, {reg['findings']} findings); not run: {not_run}")
+                         f"failing, {_counted(reg['findings'], 'finding')}); not run: {not_run}")
         caps = capabilities_under_test(backend)
         missing = ", ".join(sorted(FEATURE_NAMES - caps.features)) or "none"
         lines.append(f"pagedkv {name}: declared space {caps.summary()}; optional features declared (checked): "

@@ -60,7 +60,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-SUMMARY = re.compile(r"pagedkv (?P<name>\S+): (?P<judged>\d+) properties judged \((?P<failed>\d+) failing\) "
+SUMMARY = re.compile(r"pagedkv (?P<name>\S+): (?P<judged>\d+) propert(?:y|ies) judged \((?P<failed>\d+) failing\) "
                      r"of (?P<applicable>\d+) its ops allow(?: \((?P<pct>\d+)%\))?[^\n]*")
 #: The issue's target: of the properties a kernel's ops allow, the share the gate judges.
 TARGET_FRACTION = 0.9
