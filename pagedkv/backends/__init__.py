@@ -129,8 +129,11 @@ def _materialize(obj: Any, spec: str) -> Any:
     try:
         return obj()
     except TypeError as exc:
+        module = spec.rpartition(":")[0] or spec
+        hint = (f"; a cache_manager factory is found by its name: point the spec at what holds it ({module!r}, or "
+                f"an object with a cache_manager attribute)" if obj.__name__ == "cache_manager" else "")
         raise BackendError(f"{spec!r}: {what} must be callable with no arguments to build the backend "
-                           f"(or point the spec at an instance): {exc}") from exc
+                           f"(or point the spec at an instance){hint}: {exc}") from exc
     except Exception as exc:
         raise BackendError(f"{spec!r}: building the backend with {what} failed: {type(exc).__name__}: {exc}") from exc
 

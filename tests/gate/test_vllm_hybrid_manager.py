@@ -1076,7 +1076,8 @@ def test_the_machine_zeroes_the_blocks_vllm_names_and_a_load_lands_first(monkeyp
     if worker == "release":
         programs.run_program(machine, _a_one_token_load_on_jamba())
         return
-    expected = {"connector-forgets-its-groups": r"reads wrong K at token 0 .* got \[0\.0, 0\.0\]",
+    expected = {"connector-forgets-its-groups": r"reads wrong K at token 0 .* got \[0\.0, 0\.0\]; block 1 was named "
+                                                r"by take_zeroed\(\) for request 0's connector load",
                 "zeroes-a-held-block": r"take_zeroed\(\) names blocks \[1, 2\], which the call did not hand out afresh"}
     with pytest.raises(AssertionError, match=expected[worker]):
         programs.run_program(machine, _a_one_token_load_on_jamba())

@@ -107,7 +107,8 @@ def summarize(seen: Iterable[tuple[ManagerCapabilities, int]]) -> dict:
         [promise names left undeclared in a program where they apply], "qualified": {name: {"what",
         "declared_in"}} (the :data:`QUALIFIERS` declared in some program), "unjudged": {name: {"what",
         "declared_in"}} (promises declared in programs where they cannot be judged, :data:`UNJUDGED`),
-        "not_drawn": {name: what}}`` (an input in ``not_drawn`` was declared by no program).
+        "drawn": {name: programs}, "not_drawn": {name: what}}`` (an input of :data:`DRAWS` in ``drawn`` was
+        declared in that many programs, one in ``not_drawn`` by none).
     """
     seen = list(seen)
     programs = sum(n for _, n in seen)
@@ -120,10 +121,12 @@ def summarize(seen: Iterable[tuple[ManagerCapabilities, int]]) -> dict:
     qualified = {name: {"what": what, "declared_in": sum(n for c, n in seen if narrows(c))}
                  for name, (narrows, what) in QUALIFIERS.items() if any(narrows(c) for c, _ in seen)}
     not_drawn = {name: what for name, what in DRAWS.items() if not any(getattr(c, name) for c, _ in seen)}
+    drawn = {name: sum(n for c, n in seen if getattr(c, name)) for name in DRAWS if name not in not_drawn}
     unjudged = {name: {"what": what, "declared_in": sum(n for c, n in seen if PROMISES[name][0](c) and where(c))}
                 for name, (where, what) in UNJUDGED.items()}
     return {"programs": programs, "promises": promises, "waived": waived, "qualified": qualified,
-            "unjudged": {name: u for name, u in unjudged.items() if u["declared_in"]}, "not_drawn": not_drawn}
+            "unjudged": {name: u for name, u in unjudged.items() if u["declared_in"]}, "drawn": drawn,
+            "not_drawn": not_drawn}
 
 
 def _merged(summaries: list, key: str, table: dict) -> dict:
@@ -148,6 +151,8 @@ def merge(summaries: Iterable[dict]) -> dict | None:
     return {"programs": sum(s["programs"] for s in summaries), "promises": promises,
             "waived": [name for name, p in promises.items() if p["declared_in"] < p["applicable_in"]],
             "qualified": qualified, "unjudged": unjudged,
+            "drawn": {name: sum(s.get("drawn", {}).get(name, 0) for s in summaries) for name in DRAWS
+                      if any(name in s.get("drawn", {}) for s in summaries)},
             "not_drawn": {name: what for name, what in DRAWS.items()
                           if all(name in s["not_drawn"] for s in summaries)}}
 
@@ -162,7 +167,9 @@ def describe(summary: dict) -> str:
                  for n, q in summary.get("qualified", {}).items()]
     unjudged = [f"{n} ({u['declared_in']} of {summary['programs']} programs)"
                 for n, u in summary.get("unjudged", {}).items()]
+    drawn, programs = summary.get("drawn", {}), f"{summary['programs']} programs"
     return (f"manager promises judged: {', '.join(judged) or 'none'}; waived (not declared): "
             f"{', '.join(waived) or 'none'}; narrowed (declared): {', '.join(qualified) or 'none'}; "
             + (f"declared, not judgeable here: {', '.join(unjudged)}; " if unjudged else "")
+            + f"drawn (declared): {', '.join(f'{n} ({k} of {programs})' for n, k in drawn.items()) or 'none'}; "
             + f"not drawn (not declared): {', '.join(summary['not_drawn']) or 'none'}")

@@ -370,6 +370,7 @@ class ManagerMachine(RuleBasedStateMachine):
         # the router's index rebuilt from the manager's KV events (capabilities.kv_events)
         self.kv_events = (EventIndex([g.kind for g in self.groups], math.gcd(self.unit, *self.gbs))
                           if self.caps.kv_events else None)
+        self.zeroed_under_load: dict[int, int] = {}  # block -> the request whose load it was zeroed after
 
     @initialize(target=systems, prompts=st.lists(st.lists(VOCAB, min_size=1, max_size=9), min_size=1, max_size=2))
     def system_prompts(self, prompts):
@@ -694,6 +695,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 loading.zero_after_load |= zeroed
             else:
                 self.zero_pages(zeroed)
+        for b in fresh:  # handed out again: a zero a load's block took is no longer what it holds
+            self.zeroed_under_load.pop(b, None)
 
     def zero_pages(self, blocks: set[int]) -> None:
         """The worker zeroes ``blocks``: their pages in every layer (every group's, one block id one page)."""
@@ -1591,6 +1594,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.write(rid, req, slots, start, identities=garbage)
         # what the worker zeroes for the load races its data: the zeroing may land last
         self.zero_pages(req.zero_after_load)
+        self.zeroed_under_load.update(dict.fromkeys(req.zero_after_load, rid))
         req.zero_after_load = set()
         before = self.holdings()
         req.loading = None
@@ -1888,10 +1892,16 @@ class ManagerMachine(RuleBasedStateMachine):
                     i = int(bad.nonzero()[0])
                     where = f"group {g} ({group.kind}) layer {layer}" if self.grouped else f"layer {layer}"
                     what = "state" if group.kind == "mamba" else name
+                    block = table[positions[i] // bs]
+                    zeroed = self.zeroed_under_load.get(block)
+                    why = "" if zeroed is None else (
+                        f"; block {block} was named by take_zeroed() for request {zeroed}'s connector load, so the "
+                        f"worker's zeroing landed after the load's data (a load's own blocks are not zeroed: vLLM's "
+                        f"skip_zeroing_group_ids)")
                     raise AssertionError(
                         f"request {rid} (namespace {req.namespace!r}) reads wrong {what} at token {positions[i]} "
-                        f"({where}, slot {table[positions[i] // bs] * bs + positions[i] % bs}, block table "
-                        f"{table}): expected {want[i].flatten().tolist()}, got {got[i].flatten().tolist()}")
+                        f"({where}, slot {block * bs + positions[i] % bs}, block table "
+                        f"{table}): expected {want[i].flatten().tolist()}, got {got[i].flatten().tolist()}{why}")
 
     def teardown(self):
         if sys.exc_info()[0] is not None:  # a step failed: that failure is the verdict, not a cleanup's

@@ -25,8 +25,9 @@ memory, so a block owned by two groups at once is corruption). A manager whose
     tables = m.block_table(rid)                          # a tuple: one block table per group
 
 A group's slot is ``block_id * group.block_size + offset``. A one-group manager keeps the plain shapes
-(lists); the machine wraps it (:func:`as_grouped`). The layouts a manager takes are its module's
-``cache_manager_layouts`` (names in :data:`HYBRID_LAYOUTS`; default ``(ONE_GROUP,)``).
+(lists); the machine wraps it (:func:`as_grouped`). The layouts a manager takes are its candidate's
+``cache_manager_layouts``, beside ``cache_manager`` on the module or object ``--pagedkv-impl`` names (names in
+:data:`HYBRID_LAYOUTS`; default ``(ONE_GROUP,)``).
 
 **A KV connector** (``capabilities.connector``: vLLM's scheduler-side ``KVConnectorBase_V1``, LMCache,
 NIXL): the machine plays the external store. ``admit(..., num_stored=S)`` says the store holds the
