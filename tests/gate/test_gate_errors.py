@@ -151,3 +151,17 @@ def test_a_candidate_in_the_working_directory_but_off_sys_path_is_explained(tmp_
     with pytest.raises(BackendError) as missing:
         load_backend("nosuchengine.kv:backend")
     assert "working directory" not in str(missing.value)
+
+
+def test_a_spec_naming_the_cache_manager_factory_itself_says_where_to_point(write_candidate):
+    """``--pagedkv-impl mine:cache_manager`` names the factory the machine calls with a ``ManagerConfig``; loaded as
+    a backend it is called with no arguments. The error says to point the spec at the module that holds it."""
+    from pagedkv.backends import load_backend
+    from pagedkv.errors import BackendError
+
+    candidate = write_candidate("my_manager_engine", """
+        def cache_manager(config):
+            raise AssertionError("never built here")
+        """, attr="cache_manager")
+    with pytest.raises(BackendError, match=r"point the spec at what holds it \('my_manager_engine'"):
+        load_backend(candidate.spec)
