@@ -75,7 +75,7 @@ from pagedkv.testing.managers.oracle import stable_hash, token_identity
 from pagedkv.testing.managers.calls import ManagerCalls, call_manager, check_served
 from pagedkv.testing.managers.protocol import (MULTI_MODULE_MTP_LAYOUTS, ONE_GROUP, ManagerConfig, as_grouped,
                                                is_embedding, layout_groups, layout_prefix_match_unit, layout_retention,
-                                               prompt_embedding_rows)
+                                               layout_window, prompt_embedding_rows)
 
 VOCAB = st.integers(0, 3)  # small: equal blocks, hits and near-misses are common
 #: Namespaces whose encodings collide where an engine flattens them (protocol.namespace_parts).
@@ -269,8 +269,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 pool_per_group=st.booleans())
     def start(self, num_blocks, block_size, num_layers, window, layout=0, features=0, pool_per_group=False):
         """The pool: ``block_size`` and ``window`` index the sizes the manager takes, ``layout`` its
-        layouts (a hybrid one takes ``block_size`` as its hash block size and ``window`` as its
-        window); ``features`` asks for a connector (bit 0) and speculative decoding (bit 1);
+        layouts (a hybrid one takes ``block_size`` as its hash block size and ``window`` as its window draw,
+        :func:`~.protocol.layout_window`: 0-2 tokens, or several blocks); ``features`` asks for a connector (bit 0)
+        and speculative decoding (bit 1);
         ``pool_per_group``: a hybrid layout's pool holds ``num_blocks`` per group (a roomy pool where three
         groups' prompts fit and hit) rather than in all (pressure on every allocation); a one-group pool holds
         three times ``num_blocks`` (several requests live at once, where a pool of 4-12 one-token blocks refuses
@@ -279,7 +280,7 @@ class ManagerMachine(RuleBasedStateMachine):
                  layout=layout, features=features, **({"pool_per_group": True} if pool_per_group else {}))
         bs = self.block_sizes[block_size % len(self.block_sizes)]
         name = self.layouts[layout % len(self.layouts)]
-        groups = layout_groups(name, bs, window)
+        groups = layout_groups(name, bs, layout_window(window, bs))
         if groups:
             num_layers = max(g.num_layers for g in groups)
         num_blocks *= (len(groups) or ROOMY_ONE_GROUP) if pool_per_group else 1

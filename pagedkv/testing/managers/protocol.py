@@ -128,7 +128,7 @@ class GroupSpec:
 ONE_GROUP = "one-group"
 
 #: Hybrid layouts of real models, by name: ``layout(block_size, window) -> tuple[GroupSpec, ...]``;
-#: ``block_size`` is the hash block size, ``window`` a small ``window_left`` the machine draws.
+#: ``block_size`` is the hash block size, ``window`` a ``window_left`` the machine draws (:func:`layout_window`).
 HYBRID_LAYOUTS = {
     # Gemma 2/3/4: full-attention and sliding-window layers (5 sliding : 1 full in Gemma 3).
     "gemma3": lambda bs, w: (GroupSpec("full", bs), GroupSpec("sliding_window", bs, window=w, num_layers=2)),
@@ -187,6 +187,18 @@ HYBRID_LAYOUTS["qwen3-next-fine"] = lambda bs, w: (GroupSpec("full", 4 * bs), Gr
 #: group's pages live in a host pool with device copies reclaimed under pressure (``GroupSpec.host_resident``), the
 #: indexer's keys a ``full`` group on the device.
 HYBRID_LAYOUTS["hisparse"] = lambda bs, w: (GroupSpec("full", bs, host_resident=True), GroupSpec("full", bs))
+
+
+#: The widest window draw of a hybrid layout: ``window_left`` of this many blocks and one token, a window over several
+#: blocks as real models' are (Gemma 3's 1,024 tokens are 64 blocks of 16); the draws below it are windows of that
+#: many tokens inside a block or two (0: vLLM's ``sliding_window`` 1, which caches nothing).
+WIDE_WINDOW_BLOCKS = 3
+
+
+def layout_window(draw: int, block_size: int) -> int:
+    """The ``window_left`` in tokens of a hybrid layout's window draw (0-3) at hash block size ``block_size``:
+    ``draw`` tokens, or for 3, :data:`WIDE_WINDOW_BLOCKS` blocks and one token."""
+    return WIDE_WINDOW_BLOCKS * block_size + 1 if draw >= 3 else draw
 
 
 def layout_prefix_match_unit(name: str, block_size: int) -> int | None:
