@@ -1006,6 +1006,20 @@ def _two_chats_on_qwen3_next_fine() -> list:
                        "reply": [3, 2, 1]})]
 
 
+def _connector_declaring_no_loaded_group(monkeypatch) -> None:
+    """The peer's fake connector, its ``get_loaded_kv_cache_group_ids`` empty: the scheduler then asks the worker to
+    zero every block a load writes."""
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    declaring = vm._connector_class()
+
+    class Forgetful(declaring):
+        def get_loaded_kv_cache_group_ids(self, request):
+            return ()
+
+    monkeypatch.setattr(vm, "_connector_class", lambda: Forgetful)
+
+
 @pytest.mark.parametrize("connector", ["declares", "forgets"])
 def test_a_block_the_worker_zeroes_under_a_load_reads_as_zeros(monkeypatch, connector):
     """vLLM's worker zeroes new blocks where a Mamba layer is (``new_block_ids_to_zero``), except those of the groups
@@ -1018,13 +1032,7 @@ def test_a_block_the_worker_zeroes_under_a_load_reads_as_zeros(monkeypatch, conn
 
     _manager("gemma3")  # imports vLLM as the peer does
     if connector == "forgets":
-        declaring = vm._connector_class()
-
-        class Forgetful(declaring):
-            def get_loaded_kv_cache_group_ids(self, request):
-                return ()
-
-        monkeypatch.setattr(vm, "_connector_class", lambda: Forgetful)
+        _connector_declaring_no_loaded_group(monkeypatch)
     machine = machine_for(vm.cache_manager, windows=vm.cache_manager_windows, layouts=("qwen3-next-fine",))
     if connector == "declares":
         programs.run_program(machine, _two_chats_on_qwen3_next_fine())
@@ -1059,13 +1067,7 @@ def test_the_machine_zeroes_the_blocks_vllm_names_and_a_load_lands_first(monkeyp
     _manager("gemma3")  # imports vLLM as the peer does
     assert _manager("jamba").capabilities.zeroes_new_blocks and not _manager("gemma3").capabilities.zeroes_new_blocks
     if worker == "connector-forgets-its-groups":
-        declaring = vm._connector_class()
-
-        class Forgetful(declaring):
-            def get_loaded_kv_cache_group_ids(self, request):
-                return ()
-
-        monkeypatch.setattr(vm, "_connector_class", lambda: Forgetful)
+        _connector_declaring_no_loaded_group(monkeypatch)
     elif worker == "zeroes-a-held-block":
         def take_zeroed(self):  # every block a request holds, besides what vLLM names
             held = {b for rid in self.requests for table in self.block_table(rid) for b in table if b > 0}
