@@ -684,8 +684,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 tier.discard(b)
         self.queue = [(k, t) for k, t in self.queue if t or k == "initial"]
         self.ever_used |= set(after)
-        for b in fresh:
-            self.cached.pop(b, None)  # handed out again: what it cached is evicted
+        for b in fresh:  # handed out again: what it cached is evicted, and a zero a load's block took is gone
+            self.cached.pop(b, None)
+            self.zeroed_under_load.pop(b, None)
         if self.caps.zeroes_new_blocks:
             zeroed = set(self.m.take_zeroed())
             read = sorted(zeroed & (set(after) - fresh))
@@ -696,8 +697,6 @@ class ManagerMachine(RuleBasedStateMachine):
                 loading.zero_after_load |= zeroed
             else:
                 self.zero_pages(zeroed)
-        for b in fresh:  # handed out again: a zero a load's block took is no longer what it holds
-            self.zeroed_under_load.pop(b, None)
 
     def zero_pages(self, blocks: set[int]) -> None:
         """The worker zeroes ``blocks``: their pages in every layer (every group's, one block id one page)."""

@@ -359,6 +359,9 @@ class ManagerCapabilities:
             names them (:meth:`ZeroingCalls.take_zeroed`). The machine zeroes them in its pools: a step's before the
             step writes, a connector load's after the load's data arrives (the worker's zeroing and an asynchronous
             load race; vLLM's scheduler passes ``skip_zeroing_group_ids`` so that a load's blocks are not named).
+            The machine zeroes after the call returns: a manager holding its pools (``owns_pools``) whose calls run
+            copies into new blocks zeroes them itself, before its copies, as vLLM's worker does (vLLM's peer in
+            ``qwen3-next-fine``), and does not declare this.
     """
 
     block_size: int
