@@ -65,6 +65,27 @@ def forced_seed(seed: int):
 
 
 @contextlib.contextmanager
+def salted_search(machine: type, salt: str):
+    """Make the search of state machine class ``machine`` built inside the block its own for ``salt``: a
+    derandomized search seeds from a digest of the class's source and ``salt``
+    (``_hypothesis_internal_add_digest``, which Hypothesis sets on a parametrized test), and a forced seed
+    (:func:`forced_seed`) is hashed with ``salt``. Without it every class built from one source (one machine
+    over several layouts) draws one stream of programs."""
+    import hashlib
+
+    import hypothesis.core
+
+    machine._hypothesis_internal_add_digest = salt.encode()
+    forced = hypothesis.core.global_force_seed
+    if forced is None:
+        yield
+        return
+    with forced_seed(int.from_bytes(hashlib.blake2b(f"{forced}:{salt}".encode(), digest_size=8).digest(),
+                                    "little")):
+        yield
+
+
+@contextlib.contextmanager
 def without_local_constants():
     """Generate inside the block without the constants Hypothesis harvests from every imported local module
     (``providers._get_local_constants``: the literals of the code under test, drawn now and then): with them

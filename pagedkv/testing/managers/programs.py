@@ -99,7 +99,7 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings, datab
     number of examples this call ran. ``database_key``: the example database key of the run (the
     settings' database keeps a failing program and replays it first next time; see
     :func:`pagedkv.testing.databases.property_key`), else Hypothesis's digest of the machine class."""
-    from pagedkv.testing.hypothesis_internals import state_machine_test, without_local_constants
+    from pagedkv.testing.hypothesis_internals import salted_search, state_machine_test, without_local_constants
 
     programs: list[list] = []
     failed_at: list[int] = []
@@ -140,7 +140,9 @@ def run_recorded(machine_class: type[ManagerMachine], settings_: settings, datab
     Recorded.__name__ = machine_class.__name__
     Recorded.hits_due = 0  # set here, not in the class body: the body's source seeds derandomized searches
     try:
-        with without_local_constants():  # one search whatever the process imported before
+        # one search whatever the process imported before, and each layout's its own (jamba and qwen3-next, or
+        # gemma3 and its sparse variants, would otherwise run the same programs)
+        with without_local_constants(), salted_search(Recorded, "/".join(machine_class.layouts)):
             if database_key is None:
                 run_state_machine_as_test(Recorded, settings=settings_)
             else:
