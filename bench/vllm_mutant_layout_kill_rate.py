@@ -1,8 +1,8 @@
 """Kill rate of one vLLM cache-manager source mutant over many seeds, searching only some of the hybrid peer's
 layouts: each layout's search is the one ``python -m pagedkv mutate`` runs there (its own Hypothesis search,
-seeded with ``property_seed(seed, "cache_manager")``, ``manager_kill_rate_settings(100)``, the mutant loaded by
-pagedkv's mutant finder), so a mutant whose changed code runs in a few layouts gets its rate over seeds without
-the other layouts' searches first.
+seeded with ``property_seed(seed, "cache_manager")`` hashed with the layout's name, ``manager_kill_rate_settings(100)``,
+the mutant loaded by pagedkv's mutant finder), so a mutant whose changed code runs in a few layouts gets its rate
+over seeds without the other layouts' searches first.
 
     python bench/vllm_mutant_layout_kill_rate.py single_type_kv_cache_manager-0213 --seeds 2-16 \
         --layouts gemma3-sparse gemma3-interval qwen3-next-sparse --json out.json

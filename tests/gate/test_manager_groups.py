@@ -358,3 +358,31 @@ def test_each_declared_layout_is_searched_with_the_whole_budget(tmp_path):
     path = programs.save(tmp_path / "case.json", "pagedkv.tools.mutants.hybrid_managers:second_full_group_untruncated",
                          steps.machine_class, steps, steps.error)
     assert programs.replay_file(str(path), quiet=True) == 1
+
+
+def test_each_layouts_search_draws_its_own_programs():
+    """Two layouts built on one model (jamba and qwen3-next: full attention beside one or two Mamba layers) draw
+    their own programs in the derandomized search and under one forced seed, each the same again on a rerun. Fails
+    before: the search seeded from the machine class's source alone, so every layout drew the same pools,
+    block sizes and windows in the same order."""
+    from pagedkv.testing.hypothesis_internals import forced_seed
+
+    def starts(layout: str, seed: int | None = None) -> list[dict]:
+        seen = []
+
+        class Logging(machine_for(reference.cache_manager, layouts=(layout,), name="Logging")):
+            def log(self, name, **kwargs):
+                if name == "start":
+                    seen.append(kwargs)
+                super().log(name, **kwargs)
+
+        if seed is None:
+            assert programs.run_recorded(Logging, _settings(12)) is None
+        else:
+            with forced_seed(seed):
+                assert programs.run_recorded(Logging, settings(_settings(12), derandomize=False)) is None
+        return seen
+
+    assert starts("jamba") == starts("jamba") and starts("jamba", 7) == starts("jamba", 7)
+    assert starts("jamba") != starts("qwen3-next")
+    assert starts("jamba", 7) != starts("qwen3-next", 7)
