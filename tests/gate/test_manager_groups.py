@@ -216,13 +216,12 @@ def _caught_and_replayed(tmp_path, spec: str, machine, n: int) -> str:
 HYBRID_FAULT_EXAMPLES = 150
 
 
-#: Found past 150 derandomized examples since the derandomized programs moved (the connector's store ahead of the
-#: device cache; the hybrid window draw over several blocks): searched in the nightly tier, replayed per push from
-#: their shipped programs (``test_committed_hybrid_program_replays_its_fault``). Seeded 150-example searches of
-#: ``failed_load_cached`` find it in 2 of seeds 1-5 (1 of 5 with windows inside a block).
-SLOW_PLANTED = {"drafts_cached_before_verification", "failed_load_cached"}
-#: The nightly tier's budget for them (derandomized, a search depends on its budget: 150 misses them, 1,000 finds
-#: them at examples 32 and 43).
+#: Found past 150 derandomized examples: searched in the nightly tier, replayed per push from its shipped program
+#: (``test_committed_hybrid_program_replays_its_fault``). Seeded 150-example searches of ``failed_load_cached`` find
+#: it in 2 of seeds 1-5.
+SLOW_PLANTED = {"failed_load_cached"}
+#: The nightly tier's budget for them (derandomized, a search depends on its budget: 150 misses it, 1,000 finds it
+#: at example 54).
 SLOW_FAULT_EXAMPLES = 1000
 
 

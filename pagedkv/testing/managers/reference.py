@@ -18,7 +18,9 @@ caught by the machine, :mod:`.machine`). It follows vLLM v1's hybrid design
 - a group releases the blocks no later query of the request reads (:meth:`GroupSpec.first_read`);
 - a connector: external tokens past the local hit load into blocks allocated by ``load``, cached only
   when ``load_done(ok=True)``; a free waits for a pending load and for ``store_done``;
-- drafts get slots but are cached only once accepted (``drop`` truncates the request).
+- drafts get slots but are cached only once accepted (``drop`` truncates the request);
+- beside a Mamba group, the blocks a step's reservation hands out afresh are named for the worker's zeroing
+  (``take_zeroed``, as vLLM names them beside Mamba layers); a load's are not: its data lands there first.
 
 Spec: ``pagedkv.testing.managers.reference`` (``cache_manager_layouts``: every hybrid layout).
 """
@@ -69,11 +71,12 @@ class ReferenceManager:
         self.block_key: dict[int, Hashable] = {}  # cached block -> its key
         self.index: dict[Hashable, dict[int, None]] = {}  # key -> its cached blocks (duplicates kept, as vLLM)
         self.requests: dict[int, _Request] = {}
+        self.to_zero: list[int] = []  # blocks handed out afresh since the last take_zeroed()
         self.capabilities = ManagerCapabilities(
             block_size=min(g.block_size for g in self.groups), extra_keys=True, prompt_embeds=True, defers_commit=True,
             hit_promise=True, groups=self.groups, connector=config.connector,
             speculative=config.num_speculative_tokens > 0, admission="whole-hit", window_release=True,
-            cached_prompt=True)
+            cached_prompt=True, zeroes_new_blocks=any(g.kind == "mamba" for g in self.groups))
 
     # -- the pool -----------------------------------------------------------------------------------
     def _take(self) -> int:
@@ -142,10 +145,10 @@ class ReferenceManager:
         self.requests[request_id] = req
         return tuple(list(t) for t in req.tables), hit
 
-    def _grow(self, req: _Request, start: int, end: int, keep_from) -> tuple | None:
+    def _grow(self, req: _Request, start: int, end: int, keep_from, zero: bool = True) -> tuple | None:
         """Blocks for tokens ``start..end`` in every group (from ``keep_from(g)`` on; earlier ones ``-1``),
         the hit adopted first (so no allocation evicts it), then what no query reads released; slots per
-        group, or ``None`` (nothing changed)."""
+        group, or ``None`` (nothing changed). ``zero``: name the new blocks for the worker's zeroing."""
         wanted = []
         for g, group in enumerate(self.groups):
             bs, table = group.block_size, req.tables[g]
@@ -155,7 +158,7 @@ class ReferenceManager:
         if sum(map(len, wanted)) > free:
             return None
         self._adopt_hits(req)
-        self._allocate(req, wanted)
+        self._allocate(req, wanted, zero)
         for g, group in enumerate(self.groups):
             if group.kind != "full":  # what no later query reads
                 table = req.tables[g]
@@ -172,11 +175,18 @@ class ReferenceManager:
             self._adopt(block)
         req.pending_hits = []
 
-    def _allocate(self, req: _Request, wanted: list[list[int]]) -> None:
+    def _allocate(self, req: _Request, wanted: list[list[int]], zero: bool) -> None:
         for g, table in enumerate(req.tables):
             for i in wanted[g]:
                 table.extend([-1] * (i + 1 - len(table)))
                 table[i] = self._take()
+                if zero and self.capabilities.zeroes_new_blocks:
+                    self.to_zero.append(table[i])
+
+    def take_zeroed(self) -> list[int]:
+        """The blocks handed out afresh for steps since the last call (``capabilities.zeroes_new_blocks``)."""
+        taken, self.to_zero = self.to_zero, []
+        return taken
 
     def _first_read(self, g: int, position: int) -> int:
         """The first token group ``g``'s query at ``position`` reads (what is before it is released)."""
@@ -221,7 +231,7 @@ class ReferenceManager:
         req = self.requests[request_id]
         start, end = req.hit, req.hit + req.external
         slots = self._grow(req, start, end, lambda g: min(self.groups[g].first_read(end), end - 1)
-                           if self.groups[g].kind != "full" else 0)
+                           if self.groups[g].kind != "full" else 0, zero=False)  # the load's data lands there
         if slots is not None:
             req.loading, req.reserved = True, end
         return slots

@@ -37,8 +37,8 @@ class AllocationEvictsHits(ReferenceManager):
     def _adopt_hits(self, req):
         pass  # FAULT: adopted after the allocation (below)
 
-    def _allocate(self, req, wanted):
-        super()._allocate(req, wanted)
+    def _allocate(self, req, wanted, zero):
+        super()._allocate(req, wanted, zero)
         super()._adopt_hits(req)
 
 
@@ -113,6 +113,15 @@ class ChunkReleasedEarly(ReferenceManager):
         return group.first_read(position + 1 if group.kind == "chunked_local" else position)  # FAULT
 
 
+class LoadBlocksZeroed(ReferenceManager):
+    """A connector load's new blocks are named for the worker's zeroing too (vLLM's scheduler passes the loaded
+    groups as ``skip_zeroing_group_ids``; vLLM's ``allocate_slots`` misrouting a load past a one-token test): the
+    zeroing races the load and wipes its data."""
+
+    def _grow(self, req, start, end, keep_from, zero=True):
+        return super()._grow(req, start, end, keep_from, zero=True)  # FAULT: a load's blocks named as well
+
+
 #: ``{name: faulty manager class}``, each with the layouts where its fault lives.
 HYBRID_MANAGER_MUTANTS: dict[str, type] = {
     "second_full_group_untruncated": SecondFullGroupUntruncated,
@@ -123,6 +132,7 @@ HYBRID_MANAGER_MUTANTS: dict[str, type] = {
     "loading_blocks_cached": LoadingBlocksCached,
     "store_frees_early": StoreFreesEarly,
     "chunk_released_early": ChunkReleasedEarly,
+    "load_blocks_zeroed": LoadBlocksZeroed,
 }
 
 #: The layouts each fault needs (the machine draws one of them per program).
@@ -131,6 +141,7 @@ MUTANT_LAYOUTS: dict[str, tuple[str, ...]] = {
     "drafts_cached_before_verification": ("gemma3", "llama4", "gpt-oss-2full-sw"),
     "mamba_state_at_every_boundary": ("jamba", "qwen3-next"),
     "chunk_released_early": ("llama4",),
+    "load_blocks_zeroed": ("jamba", "qwen3-next", "hymba"),
 }
 
 for _name, _cls in HYBRID_MANAGER_MUTANTS.items():  # candidates for --pagedkv-impl
