@@ -204,29 +204,29 @@ def test_own_hybrid_cache_passes_the_machine():
         cache_manager(ManagerConfig(4, 2, groups=layout_groups("llama4", 2, 1)))
 
 
-def _caught_and_replayed(tmp_path, spec: str, machine, n: int) -> str:
-    steps = programs.run_recorded(machine, _settings(n))
-    assert steps is not None, f"{spec} passed {n} examples"
-    path = programs.save(tmp_path / "case.json", spec, machine, steps, steps.error)
+def _caught_and_replayed(tmp_path, spec: str, machine, n: int, per_layout: bool = False) -> str:
+    steps = (programs.run_per_layout if per_layout else programs.run_recorded)(machine, _settings(n))
+    assert steps is not None, f"{spec} passed {n} examples" + (" in each layout" if per_layout else "")
+    path = programs.save(tmp_path / "case.json", spec, getattr(steps, "machine_class", machine), steps, steps.error)
     assert programs.replay_file(str(path), quiet=True) == 1, steps.error  # the case file reproduces it
     return steps.error
 
 
-#: Examples each planted fault of the reference manager gets (drawn over its layouts).
-HYBRID_FAULT_EXAMPLES = 150
+#: Programs each layout of a planted fault of the reference manager gets: the suite's per-layout searches under
+#: ``ci`` (``programs.run_per_layout``), what a user's gate of that manager runs.
+HYBRID_FAULT_EXAMPLES = 100
 
 
-#: Found past 150 derandomized examples: searched in the nightly tier, replayed per push from its shipped program
-#: (``test_committed_hybrid_program_replays_its_fault``). Seeded 150-example searches of ``failed_load_cached`` find
-#: it in 2 of seeds 1-5.
-SLOW_PLANTED = {"failed_load_cached"}
-#: The nightly tier's budget for them (derandomized, a search depends on its budget: 150 misses it, 1,000 finds it
-#: at example 54).
+#: Missed by the per-layout ``ci`` searches (100 derandomized programs a layout): searched in the nightly tier, replayed
+#: per push from its shipped program (``test_committed_hybrid_program_replays_its_fault``).
+SLOW_PLANTED = {"drafts_cached_before_verification"}
+#: The nightly tier's budget a layout (derandomized, a search depends on its budget: 100 misses it, 1,000 finds it
+#: at program 71, in gemma3).
 SLOW_FAULT_EXAMPLES = 1000
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.slow(reason="found past 150 examples: its program replays per push"))
+    pytest.param(n, marks=pytest.mark.slow(reason="found past 100 programs a layout: its program replays per push"))
     if n in SLOW_PLANTED else n for n in sorted(HYBRID_MANAGER_MUTANTS)])
 def test_planted_hybrid_manager_fault_is_caught(name, tmp_path):
     """Fails on the machine before groups, a connector and drafts (no layouts to draw, no load, drop or
@@ -234,7 +234,8 @@ def test_planted_hybrid_manager_fault_is_caught(name, tmp_path):
     machine = machine_for(HYBRID_MANAGER_MUTANTS[name], layouts=MUTANT_LAYOUTS.get(name, ("gemma3", "jamba")),
                           name=name)
     error = _caught_and_replayed(tmp_path, f"pagedkv.tools.mutants.hybrid_managers:{name}", machine,
-                                 SLOW_FAULT_EXAMPLES if name in SLOW_PLANTED else HYBRID_FAULT_EXAMPLES)
+                                 SLOW_FAULT_EXAMPLES if name in SLOW_PLANTED else HYBRID_FAULT_EXAMPLES,
+                                 per_layout=True)
     assert "AssertionError" in error, error  # the machine's checks, not a crash
 
 
