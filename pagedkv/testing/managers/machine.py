@@ -228,6 +228,7 @@ class ManagerMachine(RuleBasedStateMachine):
     hits_due = 0  # admissions, served or refused, the hit promise gave a hit, over every run of this class
     # when a dict: repr of each distinct declared ManagerCapabilities -> [it, programs] (the verdict's waivers)
     capabilities_seen: dict | None = None
+    pools_seen: set | None = None  # when a set: the pools (blocks) the programs were built with
     # when a bool: capabilities.misuse of the manager the suite built before the search (it mixed the API rules
     # in by it), so a program's manager must declare the same
     probed_misuse: bool | None = None
@@ -300,6 +301,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.caps = self.m.capabilities
         if self.capabilities_seen is not None:
             self.capabilities_seen.setdefault(repr(self.caps), [self.caps, 0])[1] += 1
+        if self.pools_seen is not None:
+            self.pools_seen.add(config.num_blocks)
         assert self.probed_misuse is None or bool(self.caps.misuse) == self.probed_misuse, \
             f"capabilities.misuse: {bool(self.caps.misuse)} here, {self.probed_misuse} for the manager built for " \
             f"this layout before the search (the suite chose the rules it searches by it): a manager declares " \
@@ -1939,6 +1942,7 @@ def machine_for(make_manager: Callable, *, block_sizes=(1, 2, 4), windows=(None,
     for layout in layouts:
         layout_groups(layout, 1, 0)  # ValueError for an unknown name, before any run
     return type(name, (*rule_sets, ManagerMachine), {"make_manager": staticmethod(make_manager),
-                                                     "capabilities_seen": {}, "block_sizes": tuple(block_sizes),
+                                                     "capabilities_seen": {}, "pools_seen": set(),
+                                                     "block_sizes": tuple(block_sizes),
                                                      "windows": tuple(windows),
                                                      "layouts": tuple(layouts), **attributes})

@@ -70,6 +70,11 @@ def test_cache_manager(pagedkv_run, backend, manager_layout):
                                     database_key=property_key(PROPERTY, backend_name(backend))
                                     + b"/" + manager_layout.encode())
     measured = dict(examples=machine.examples_run, steps=machine.checks_run, seconds=time.perf_counter() - start)
+    # what the search covered, beside the declarations: a manager that narrows its sizes, or behaves otherwise
+    # in pools larger than these, is judged on these alone
+    pools = sorted(machine.pools_seen)
+    searched = dict(block_sizes=list(block_sizes), windows=list(windows), steps_per_program=program_steps,
+                    pool_blocks=[pools[0], pools[-1]] if pools else [])
     # what the declarations waived (a promise left off) and left undrawn, for the verdict's reader
     declared = declarations.summarize(tuple(seen) for seen in machine.capabilities_seen.values())
     unjudged = None
@@ -91,9 +96,11 @@ def test_cache_manager(pagedkv_run, backend, manager_layout):
         verdict = decide(SimpleNamespace(
             status="passed", reason=f"{machine.checks_run} steps, {machine.examples_run} programs, "
                                     f"{machine.tokens_read} tokens read back in {measured['seconds']:.1f} s (block "
-                                    f"sizes {tuple(block_sizes)}, windows {tuple(windows)})", **measured),
+                                    f"sizes {tuple(block_sizes)}, windows {tuple(windows)}, pools of "
+                                    f"{'-'.join(map(str, searched['pool_blocks']))} blocks)", **measured),
             kind="manager")
         verdict.declarations = declared
+        verdict.measured["searched"] = searched
         pagedkv_run.record(prop, backend, verdict)
         return
     measured["first_failing_example"] = steps.first_failing_example
@@ -104,6 +111,7 @@ def test_cache_manager(pagedkv_run, backend, manager_layout):
                       case_file=path, replay=replay)
     verdict = decide(SimpleNamespace(status="failed", failures=[failure], **measured), kind="manager")
     verdict.declarations = declared
+    verdict.measured["searched"] = searched
     pagedkv_run.record(prop, backend, verdict)
     pytest.fail(f"cache manager {spec} ({manager_layout}): {steps.error}\n{programs.as_text(steps)}\n"
                 f"replay: {replay}", pytrace=False)
