@@ -204,10 +204,10 @@ def test_own_hybrid_cache_passes_the_machine():
         cache_manager(ManagerConfig(4, 2, groups=layout_groups("llama4", 2, 1)))
 
 
-def _caught_and_replayed(tmp_path, spec: str, machine, n: int, per_layout: bool = False) -> str:
-    steps = (programs.run_per_layout if per_layout else programs.run_recorded)(machine, _settings(n))
-    assert steps is not None, f"{spec} passed {n} examples" + (" in each layout" if per_layout else "")
-    path = programs.save(tmp_path / "case.json", spec, getattr(steps, "machine_class", machine), steps, steps.error)
+def _caught_and_replayed(tmp_path, spec: str, machine, n: int) -> str:
+    steps = programs.run_per_layout(machine, _settings(n))
+    assert steps is not None, f"{spec} passed {n} programs in each layout"
+    path = programs.save(tmp_path / "case.json", spec, steps.machine_class, steps, steps.error)
     assert programs.replay_file(str(path), quiet=True) == 1, steps.error  # the case file reproduces it
     return steps.error
 
@@ -234,8 +234,7 @@ def test_planted_hybrid_manager_fault_is_caught(name, tmp_path):
     machine = machine_for(HYBRID_MANAGER_MUTANTS[name], layouts=MUTANT_LAYOUTS.get(name, ("gemma3", "jamba")),
                           name=name)
     error = _caught_and_replayed(tmp_path, f"pagedkv.tools.mutants.hybrid_managers:{name}", machine,
-                                 SLOW_FAULT_EXAMPLES if name in SLOW_PLANTED else HYBRID_FAULT_EXAMPLES,
-                                 per_layout=True)
+                                 SLOW_FAULT_EXAMPLES if name in SLOW_PLANTED else HYBRID_FAULT_EXAMPLES)
     assert "AssertionError" in error, error  # the machine's checks, not a crash
 
 

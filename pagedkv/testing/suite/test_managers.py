@@ -75,6 +75,11 @@ def test_cache_manager(pagedkv_run, backend, manager_layout):
     pools = sorted(machine.pools_seen)
     searched = dict(block_sizes=list(block_sizes), windows=list(windows), steps_per_program=program_steps,
                     pool_blocks=[pools[0], pools[-1]] if pools else [])
+
+    def record(verdict) -> None:  # every verdict of the search says what it covered
+        verdict.measured["searched"] = searched
+        pagedkv_run.record(prop, backend, verdict)
+
     # what the declarations waived (a promise left off) and left undrawn, for the verdict's reader
     declared = declarations.summarize(tuple(seen) for seen in machine.capabilities_seen.values())
     unjudged = None
@@ -87,8 +92,7 @@ def test_cache_manager(pagedkv_run, backend, manager_layout):
                     f"but the manager served none of them one (each refused): the promise was never met")
     if unjudged:
         failure = Failure(None, AssertionError(unjudged))
-        pagedkv_run.record(prop, backend, decide(SimpleNamespace(status="failed", failures=[failure], **measured),
-                                                 kind="manager"))
+        record(decide(SimpleNamespace(status="failed", failures=[failure], **measured), kind="manager"))
         pytest.fail(f"cache manager {spec} ({manager_layout}): {unjudged}", pytrace=False)
     if steps is None:
         if is_program_file(str(path)):
@@ -100,8 +104,7 @@ def test_cache_manager(pagedkv_run, backend, manager_layout):
                                     f"{'-'.join(map(str, searched['pool_blocks']))} blocks)", **measured),
             kind="manager")
         verdict.declarations = declared
-        verdict.measured["searched"] = searched
-        pagedkv_run.record(prop, backend, verdict)
+        record(verdict)
         return
     measured["first_failing_example"] = steps.first_failing_example
     programs.save(path, spec, steps.machine_class, steps, steps.error, test_id=pagedkv_run.node.nodeid,
@@ -111,8 +114,7 @@ def test_cache_manager(pagedkv_run, backend, manager_layout):
                       case_file=path, replay=replay)
     verdict = decide(SimpleNamespace(status="failed", failures=[failure], **measured), kind="manager")
     verdict.declarations = declared
-    verdict.measured["searched"] = searched
-    pagedkv_run.record(prop, backend, verdict)
+    record(verdict)
     pytest.fail(f"cache manager {spec} ({manager_layout}): {steps.error}\n{programs.as_text(steps)}\n"
                 f"replay: {replay}", pytrace=False)
 
