@@ -66,16 +66,20 @@ class Property:
 
     def cannot_run(self, backends: tuple, caps: Any) -> str | None:
         """Why this property cannot be judged on ``backends`` (the candidate last) inside the declared
-        space ``caps``, or ``None`` when it can: an op a backend lacks, or a space the property needs (a
-        :class:`~pagedkv.testing.verdict.Skip` carrying its reason; plain text: outside the declared space)."""
-        from pagedkv.testing.verdict import Skip, SkipReason
+        space ``caps``, or ``None`` when it can: a feature the candidate does not declare, an op a backend lacks,
+        or a space the property needs, in that order (a :class:`~pagedkv.testing.verdict.Skip` carrying its
+        reason; plain text: outside the declared space)."""
+        from pagedkv.testing.verdict import Skip, SkipReason, skip_reason
 
+        outside = self.requires(caps)
+        if outside and skip_reason(outside) is SkipReason.FEATURE_NOT_DECLARED:
+            return outside  # a feature never declared is why, whatever op the candidate lacks besides
         for b in backends:
             missing = [op for op in self.ops if not callable(getattr(b, op, None))]
             if missing:
                 return Skip(f"{getattr(b, 'name', None) or type(b).__name__} does not provide {missing[0]!r}",
                             SkipReason.MISSING_OP)
-        return self.requires(caps)
+        return outside
 
     def strategy_in(self, caps: Any, **overrides):
         """The Hypothesis strategy of this property's cases inside ``caps`` (``None`` for a state machine)."""

@@ -90,3 +90,21 @@ def test_properties_sharing_a_strategy_draw_their_own_cases_in_one_kill_rate_run
     for name in names:
         assert not _run_one(properties()[name], backend, "cpu", 7, 3, False, caps=caps).failed
     assert len(drawn[names[0]]) == 3 and drawn[names[0]] != drawn[names[1]]
+
+
+def test_an_undeclared_feature_is_named_before_a_missing_op():
+    """A kernel without ``gather`` that declares no fp8: the fp8 write-then-gather property is skipped for the
+    fp8 it never declared; declaring fp8 without ``gather`` is then the missing op. Both leave the judged share's
+    denominator alike, so only the reason a user reads changes."""
+    import dataclasses
+
+    from pagedkv.testing.verdict import SkipReason, skip_reason
+
+    prop = properties()["fp8_write_then_gather_returns_exactly_the_quantized_values"]
+    backend = AttentionOnly()
+    caps = capabilities_under_test(backend)
+    assert "fp8" not in caps.features
+    undeclared = prop.cannot_run((backend,), caps)
+    assert skip_reason(undeclared) is SkipReason.FEATURE_NOT_DECLARED and "'fp8' not declared" in undeclared
+    declared = prop.cannot_run((backend,), dataclasses.replace(caps, features=caps.features | {"fp8"}))
+    assert skip_reason(declared) is SkipReason.MISSING_OP and "does not provide 'write_kv'" in declared
