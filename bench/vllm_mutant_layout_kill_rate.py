@@ -60,8 +60,8 @@ for seed in {seeds!r}:
     runs.append(dict(seed=seed, killed=bool(error), programs=examples, seconds=round(time.perf_counter() - start, 1),
                      cpu_s=round(time.process_time() - cpu, 1), error=error))
     print(json.dumps(runs[-1]), flush=True)
-json.dump(dict(id={mutant!r}, layouts={layouts!r}, programs_per_layout={programs}, runs=runs), open({out!r}, "w"),
-          indent=1)
+json.dump(dict(id={mutant!r}, layouts={layouts!r}, programs_per_layout={programs}, tree={tree!r}, runs=runs),
+          open({out!r}, "w"), indent=1)
 """
 
 
@@ -104,8 +104,10 @@ def main() -> int:
         path = write_mutant(mutant, tempfile.mkdtemp())
         install = INSTALL.format(module=mutant.module, path=str(path), original=mutant.file)
         loaded = LOADED.format(module=mutant.module, path=str(path))
-    child = BOOTSTRAP + CHILD.format(install=install, loaded=loaded, seeds=args.seeds,
-                                     layouts=args.layouts, programs=args.programs, mutant=args.mutant, out=args.json)
+    tree = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "describe", "--always", "--dirty"],
+                          capture_output=True, text=True).stdout.strip() or None  # the pagedkv tree searched
+    child = BOOTSTRAP + CHILD.format(install=install, loaded=loaded, seeds=args.seeds, layouts=args.layouts,
+                                     programs=args.programs, mutant=args.mutant, out=args.json, tree=tree)
     return subprocess.call([sys.executable, "-c", child])
 
 
