@@ -131,7 +131,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
             write_unfinished(Path(path), impl_spec(config), profile=config.stash[_PROFILE])
     if impl_spec(config):
-        candidates(config)  # a candidate that cannot load is a usage error now (exit 4), not at collection
+        try:
+            candidates(config)  # a candidate that cannot load is a usage error now (exit 4), not at collection
+        except pytest.UsageError as exc:
+            path = None if hasattr(config, "workerinput") else _report_path(config)
+            if path and not config.option.collectonly:  # the verdict says why, not "unfinished"
+                from pagedkv.testing.report import write_unfinished
+
+                write_unfinished(Path(path), impl_spec(config), profile=config.stash[_PROFILE], usage_error=str(exc))
+            raise
     config.hook.pytest_pagedkv_activated(config=config, spec=impl_spec(config))
 
 

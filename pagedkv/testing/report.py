@@ -371,19 +371,23 @@ def check_reproduced(data: dict, limit: int = MAX_REPLAYS) -> None:
                 failure["reproduced"] = REPRODUCED_BY_STATUS.get(status)
 
 
-def write_unfinished(path: Any, spec: str | None, profile: str = "") -> None:
+def write_unfinished(path: Any, spec: str | None, profile: str = "", usage_error: str | None = None) -> None:
     """Write the verdict of a run that has not ended to ``path``: ``passed`` false, ``exit_status`` null,
     no candidates. :func:`write_verdict` replaces it at the end; a process that ends before (a kernel calling
     ``os._exit(0)``, a crash, a kill) leaves it, so a CI job reading ``passed`` never sees a green it did not
-    earn, whatever the exit status was."""
+    earn, whatever the exit status was. ``usage_error``: the run ended before any test, refused (exit status 4,
+    pytest's usage error), for this reason (a candidate that does not load)."""
     from pathlib import Path
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"schema": VERDICT_SCHEMA, "implementation": spec, "profile": profile,
-                                "exit_status": None, "passed": False, "candidates": [],
-                                "unfinished": "the run has not ended (or its process ended without a summary)"},
-                               indent=2) + "\n")
+    record = {"schema": VERDICT_SCHEMA, "implementation": spec, "profile": profile, "exit_status": None,
+              "passed": False, "candidates": []}
+    if usage_error is None:
+        record["unfinished"] = "the run has not ended (or its process ended without a summary)"
+    else:
+        record.update(exit_status=4, usage_error=usage_error)  # pytest's ExitCode.USAGE_ERROR
+    path.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def write_verdict(path: Any, stats: dict, backends: list, spec: str | None, **kw) -> None:

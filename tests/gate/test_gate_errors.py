@@ -4,6 +4,7 @@ judged no conformance property fails with the command that runs the suite."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -165,3 +166,17 @@ def test_a_spec_naming_the_cache_manager_factory_itself_says_where_to_point(writ
         """, attr="cache_manager")
     with pytest.raises(BackendError, match=r"point the spec at what holds it \('my_manager_engine'"):
         load_backend(candidate.spec)
+
+
+def test_a_candidate_that_does_not_load_leaves_a_verdict_saying_why(pytester):
+    """A run refused before any test (exit 4: the named candidate does not import) replaces an earlier green
+    verdict with one that did not pass, carrying its exit status and the reason, not "unfinished"."""
+    report = pytester.path / "out" / "verdict.json"
+    report.parent.mkdir()
+    report.write_text(json.dumps({"passed": True}))  # an earlier run's green verdict
+    result, out, err = _pytest(pytester, "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl", "no_such_engine.kv",
+                               f"--pagedkv-report-json={report}")
+    assert result.ret == 4, out + err
+    verdict = json.loads(report.read_text())
+    assert verdict["passed"] is False and verdict["exit_status"] == 4 and "unfinished" not in verdict, verdict
+    assert "no_such_engine" in verdict["usage_error"], verdict
