@@ -169,6 +169,25 @@ def _drop_empty_failure_dir(config: pytest.Config) -> None:
         pass
 
 
+def _rootdir_hint(config: pytest.Config, exc: Exception) -> str:
+    """Where a candidate does not import and the working directory holds a pytest configuration that pytest did
+    not choose: why that happens (pytest chooses its rootdir, and with it ``pythonpath``, before it knows a
+    plugin's options, so an existing file after ``--pagedkv-report-json`` is read as a test path) and the fix."""
+    if "cannot import" not in str(exc):
+        return ""
+    here = Path.cwd()
+    sections = {"pytest.ini": "", ".pytest.ini": "", "pyproject.toml": "[tool.pytest", "tox.ini": "[pytest]",
+                "setup.cfg": "[tool:pytest]"}
+    own = [here / name for name, section in sections.items()
+           if (here / name).is_file() and section in (here / name).read_text(errors="replace")]
+    if not own or config.inipath in own:
+        return ""
+    chose = f"{config.inipath} as its configuration" if config.inipath else "no configuration file"
+    return (f"; pytest chose {chose} (rootdir {config.rootpath}), not {own[0]}: a path given after one of "
+            f"pagedkv's options with a space (--pagedkv-report-json FILE) is read as a test path before the option "
+            f"is known; write it with '=' (--pagedkv-report-json=FILE)")
+
+
 def candidates(config: pytest.Config) -> list:
     """The backends under test (see :func:`pagedkv.testing.space.load_candidates`), loaded once.
 
@@ -186,7 +205,7 @@ def candidates(config: pytest.Config) -> list:
             for backend in loaded:
                 check_non_promises(capabilities_under_test(backend))
         except (pagedkv.BackendError, TypeError, ValueError) as exc:
-            raise pytest.UsageError(f"--pagedkv-impl / PAGEDKV_IMPL: {exc}") from exc
+            raise pytest.UsageError(f"--pagedkv-impl / PAGEDKV_IMPL: {exc}{_rootdir_hint(config, exc)}") from exc
         for message in filter(None, map(misspelled_capabilities, loaded)):  # once, in the warnings summary
             config.issue_config_time_warning(pytest.PytestWarning(f"pagedkv: {message}"), stacklevel=2)
         config.stash[_CANDIDATES] = loaded

@@ -180,3 +180,27 @@ def test_a_candidate_that_does_not_load_leaves_a_verdict_saying_why(pytester):
     verdict = json.loads(report.read_text())
     assert verdict["passed"] is False and verdict["exit_status"] == 4 and "unfinished" not in verdict, verdict
     assert "no_such_engine" in verdict["usage_error"], verdict
+
+
+def test_a_report_path_given_with_a_space_that_moves_the_rootdir_is_explained(tmp_path):
+    """``--pagedkv-report-json FILE`` with FILE existing outside the repository: pytest reads FILE as a test path
+    before it knows the option, chooses a rootdir above the repository and leaves its ``pythonpath`` out, so the
+    candidate does not import. The error says so and how to write it; with ``=`` the same run loads it (a user
+    trial hit this rerunning a gate whose verdict file was there from the run before)."""
+    repo = tmp_path / "repo"
+    (repo / "myengine").mkdir(parents=True)
+    (repo / "myengine" / "__init__.py").write_text("")
+    (repo / "myengine" / "kv.py").write_text("from pagedkv import get_backend\n\nbackend = get_backend('indexed')\n")
+    (repo / "pyproject.toml").write_text('[tool.pytest.ini_options]\npythonpath = ["."]\n')
+    (tmp_path / "verdict.json").write_text("{}")  # the run before's verdict
+    base = [sys.executable, "-P", "-m", "pytest", "--pyargs", "pagedkv.testing.suite", "--pagedkv-impl",
+            "myengine.kv:backend", "-p", "no:cacheprovider", "-p", "no:xdist", "--co", "-q"]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PAGEDKV_IMPL")}
+    spaced = subprocess.run([*base, "--pagedkv-report-json", "../verdict.json"], cwd=repo, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert spaced.returncode == 4, spaced.stdout + spaced.stderr
+    assert "cannot import backend module 'myengine.kv'" in spaced.stderr, spaced.stderr
+    assert "write it with '=' (--pagedkv-report-json=FILE)" in spaced.stderr, spaced.stderr
+    joined = subprocess.run([*base, "--pagedkv-report-json=../verdict.json"], cwd=repo, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert joined.returncode == 0, joined.stdout + joined.stderr
