@@ -1127,6 +1127,40 @@ def test_a_reply_on_deepseek_v4_interval_passes_the_ceiling():
                                      layouts=("deepseek-v4-interval",)), _two_turn_chat_on_deepseek_v4_interval())
 
 
+def test_a_reply_beside_a_one_token_window_on_deepseek_v4_passes_the_ceiling():
+    """The dense DeepSeek-V4 layout at block size 2 (a full group, windows of one and four tokens) with EAGLE: one
+    chat turn and its reply. The release's hit stays within the ceiling of its coordinator's model (the shrunk
+    program of a 1,000-program search where the planted ``eagle-reverify-skipped`` hits 2 tokens past a ceiling
+    of 0: bench/results/longer-manager-searches.md)."""
+    from pagedkv.testing.managers.machine import machine_for
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    _manager("deepseek-v4")  # imports vLLM as the peer does
+    programs.run_program(machine_for(vm.cache_manager, windows=vm.cache_manager_windows, layouts=("deepseek-v4",)),
+                         _a_reply_beside_a_one_token_window_on_deepseek_v4())
+
+
+def test_the_same_reply_with_the_eagle_reverify_fault_planted_exceeds_the_ceiling(monkeypatch):
+    """The program above with ``eagle-reverify-skipped`` planted: the reply hits 2 tokens, past the ceiling of 0."""
+    from pagedkv.testing.managers.machine import machine_for
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    _plant(monkeypatch, "vllm.v1.core.kv_cache_coordinator", "HybridKVCacheCoordinator", "find_longest_cache_hit",
+           "eagle_verified.clear()", "pass")
+    with pytest.raises(AssertionError, match="a hit of 2 tokens, but the groups' cached blocks agree on a hit of at "
+                                             "most 0"):
+        programs.run_program(machine_for(vm.cache_manager, windows=vm.cache_manager_windows,
+                                         layouts=("deepseek-v4",)), _a_reply_beside_a_one_token_window_on_deepseek_v4())
+
+
+def _a_reply_beside_a_one_token_window_on_deepseek_v4() -> list:
+    return [("start", {"num_blocks": 6, "block_size": 1, "num_layers": 2, "window": 0, "layout": 0, "features": 2,
+                       "pool_per_group": True}),
+            ("system_prompts", {"prompts": [[0, 0, 0, 0]]}),
+            ("serve", {"system": [0, 0, 0, 0], "suffix": [0], "namespace": None, "extra": "image-0", "image_at": 0,
+                       "more": [["image-0", 0]], "tail": 0, "tokens": [0], "reply": [0]})]
+
+
 def test_a_hit_past_the_ceiling_is_caught_without_a_hit_promise(monkeypatch):
     """The planted fault ``eagle-reverify-skipped``: the coordinator keeps a group's EAGLE verification after
     another group shrank the candidate, so the agreed hit (7) keeps the block EAGLE drops. A one-token window
