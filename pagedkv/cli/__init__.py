@@ -26,9 +26,17 @@ SUBCOMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per subcommand."""
+    from pagedkv.backends import BUILTIN
+
     parser = argparse.ArgumentParser(
-        prog=_prog(),
-        description="pagedkv: a paged KV cache whose loop, indexed and fused read paths are proved equal.")
+        prog=_prog(), formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="pagedkv: a paged KV cache whose loop, indexed and fused read paths are proved equal.",
+        epilog="what --impl (and the gate's --pagedkv-impl) can name, beside a module of your own\n"
+               "(my_engine.kv:backend):\n"
+               f"  kernels       {', '.join(BUILTIN)} (pagedkv's own); other projects' kernels: docs/peers.md\n"
+               "  managers      pagedkv.testing.managers.own, pagedkv.testing.managers.reference\n"
+               "  engine peers  pagedkv.tools.peers:vllm_cache_manager, pagedkv.tools.peers:sglang_radix_cache\n"
+               "(docs/gating.md, 'Make your code a backend' and 'Gate a cache manager')")
     from pagedkv import __version__
 
     parser.add_argument("--version", action="version", version=f"pagedkv {__version__}")

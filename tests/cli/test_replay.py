@@ -312,3 +312,25 @@ def test_a_replay_process_that_ends_before_judging_is_not_taken_for_a_pass():
     assert ended.returncode == 0 and judged
     failed, judged = run_judged([sys.executable, "-c", "import os; os._exit(1)"])
     assert failed.returncode == 1 and judged  # a failure is a failure, reported or not
+
+
+def test_the_top_level_help_names_specs_that_load():
+    """``python -m pagedkv --help`` names what ``--impl`` and ``--pagedkv-impl`` can point at; every kernel and
+    manager it names loads here (the engine peers where their engine is installed)."""
+    import re
+
+    from pagedkv.backends import load_backend
+    from pagedkv.cli import build_parser
+    from pagedkv.errors import BackendUnavailableError
+
+    text = build_parser().format_help()
+    kernels = re.search(r"kernels\s+(.*?) \(pagedkv's own\)", text).group(1).split(", ")
+    assert kernels == ["loop", "indexed", "triton"], text
+    specs = [s for line in text.splitlines() if line.strip().startswith(("managers", "engine peers"))
+             for s in re.findall(r"pagedkv\.[\w.]+(?::\w+)?", line)]
+    assert len(specs) == 4, text
+    for spec in [*kernels, *specs]:
+        try:
+            assert load_backend(spec) is not None, spec
+        except BackendUnavailableError:  # an engine peer without its engine, or triton without Triton
+            assert spec == "triton" or spec.startswith("pagedkv.tools.peers:"), spec
