@@ -120,25 +120,24 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_PROFILE] = choose_profile(config.getoption("hypothesis_profile", None))
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from exc
+    report = None  # the JSON verdict's path, where this process writes it
     if not hasattr(config, "workerinput"):  # one palette seed for every xdist worker of the run
         from pagedkv.testing.strategies.palette import palette_seed
 
         os.environ.setdefault("PAGEDKV_PALETTE_SEED", str(palette_seed(config.stash[_PROFILE].split(" ")[0]
                                                                        .removeprefix("pagedkv-"))))
-        path = _report_path(config)
-        if path and not config.option.collectonly:  # replaced at the end; left as not passed if the process dies
-            from pagedkv.testing.report import write_unfinished
+        report = None if config.option.collectonly else _report_path(config)
+    if report:  # replaced at the end; left as not passed if the process dies
+        from pagedkv.testing.report import write_unfinished
 
-            write_unfinished(Path(path), impl_spec(config), profile=config.stash[_PROFILE])
+        write_unfinished(Path(report), impl_spec(config), profile=config.stash[_PROFILE])
     if impl_spec(config):
         try:
             candidates(config)  # a candidate that cannot load is a usage error now (exit 4), not at collection
         except pytest.UsageError as exc:
-            path = None if hasattr(config, "workerinput") else _report_path(config)
-            if path and not config.option.collectonly:  # the verdict says why, not "unfinished"
-                from pagedkv.testing.report import write_unfinished
-
-                write_unfinished(Path(path), impl_spec(config), profile=config.stash[_PROFILE], usage_error=str(exc))
+            if report:  # the verdict says why, not "unfinished"
+                write_unfinished(Path(report), impl_spec(config), profile=config.stash[_PROFILE],
+                                 usage_error=str(exc))
             raise
     config.hook.pytest_pagedkv_activated(config=config, spec=impl_spec(config))
 
@@ -173,7 +172,7 @@ def _rootdir_hint(config: pytest.Config, exc: Exception) -> str:
     """Where a candidate does not import and the working directory holds a pytest configuration that pytest did
     not choose: why that happens (pytest chooses its rootdir, and with it ``pythonpath``, before it knows a
     plugin's options, so an existing file after ``--pagedkv-report-json`` is read as a test path) and the fix."""
-    if "cannot import" not in str(exc):
+    if not isinstance(exc.__cause__, ModuleNotFoundError):
         return ""
     here = Path.cwd()
     sections = {"pytest.ini": "", ".pytest.ini": "", "pyproject.toml": "[tool.pytest", "tox.ini": "[pytest]",
