@@ -75,6 +75,8 @@ def test_slots_are_the_table_positions_in_every_group(layout):
 def test_slots_come_from_vllms_slot_mapping(monkeypatch):
     """The slots are what vLLM's worker computes, not a derivation of the block table: with vLLM's
     ``BlockTable.compute_slot_mapping`` padding every slot, every attention group's slots are the pad."""
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
     m = _manager("gemma3")
     from vllm.v1.worker.block_table import BlockTable
 
@@ -82,8 +84,36 @@ def test_slots_come_from_vllms_slot_mapping(monkeypatch):
         self.slot_mapping.gpu.fill_(-1)
 
     monkeypatch.setattr(BlockTable, "compute_slot_mapping", pad_only)
+    monkeypatch.setattr(vm, "_slot_memo", {})  # what earlier tests' launches answered
     m.admit(0, [1, 2, 3])
     assert m.reserve(0, [1, 2, 3]) == ([-1, -1, -1], [-1, -1, -1])
+
+
+def test_a_kept_slot_mapping_is_one_for_the_same_positions_and_entries_read(monkeypatch):
+    """The peer keeps vLLM's answer per positions and the table entries they fall in: the same ones again are
+    answered without a launch, a table differing in an entry read launches again (and maps there), and a table
+    differing only past the step's last block is the same answer."""
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+    from vllm.v1.worker.block_table import BlockTable
+
+    monkeypatch.setattr(vm, "_slot_memo", {})
+    launches = []
+    compute = BlockTable.compute_slot_mapping
+
+    def counted(self, *args):
+        launches.append(self.block_size)
+        return compute(self, *args)
+
+    monkeypatch.setattr(BlockTable, "compute_slot_mapping", counted)
+    mapping = vm._SlotMapping(layout_groups("gemma3", BS, 3), 64)
+    assert mapping.slots(([5, 7, 9], [4, 6, 8]), 1, 4) == [[11, 14, 15], [9, 12, 13]]
+    assert len(launches) == 2  # one kernel a group
+    assert mapping.slots(([5, 7, 9], [4, 6, 8]), 1, 4) == [[11, 14, 15], [9, 12, 13]]
+    assert mapping.slots(([5, 7, 3], [4, 6, 2]), 1, 4) == [[11, 14, 15], [9, 12, 13]]  # block 2 is not read
+    assert len(launches) == 2
+    assert mapping.slots(([5, 3, 9], [4, 6, 8]), 1, 4) == [[11, 6, 7], [9, 12, 13]]
+    assert mapping.slots(([5, 7, 9], [4, 6, 8]), 2, 4) == [[14, 15], [12, 13]]
+    assert len(launches) == 6
 
 
 @pytest.mark.parametrize("layout", sorted(HYBRID_LAYOUTS))
