@@ -9,8 +9,12 @@ arguments with these, and raises the builtin types the contract names (``ValueEr
     capabilities = Capabilities(block_sizes=Sizes(multiple_of=16), layout="HND")
 
     def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None):
-        check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                              layout=capabilities.layout)
         ...
+
+Each check takes the pools in the layout the declaration names (``layout=``, default ``"NHD"``): a head-major
+pool is read through its logical view, so block size and head count come from where that layout keeps them.
 
 The modules these come from (:mod:`pagedkv.backends.capabilities`, :mod:`pagedkv.validation`,
 :mod:`pagedkv.csr`, :mod:`pagedkv.errors`) may be reorganised; this module's ``__all__`` is pinned by a test

@@ -35,6 +35,46 @@ def check_tensor(name: str, x: object, ndim: int) -> torch.Tensor:
     return x
 
 
+def logical_pools(layout: object, **pools: object) -> list[object]:
+    """Each pool of ``pools`` (``k_cache=..., v_cache=...`` or ``cache=...``) as the logical
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` view its ``layout`` declares
+    (:mod:`pagedkv.layouts`), so that the checks read block size and head count where the contract puts
+    them: a head-major ``HND`` pool ``[num_blocks, num_kv_heads, block_size, head_dim]`` (FlashInfer's,
+    vLLM's) becomes its permuted view. Nothing is copied; ``"NHD"`` returns the pools as given.
+
+    Args:
+        layout: what ``Capabilities.layout`` takes: ``"NHD"``, ``"HND"``, a view-form
+            :class:`~pagedkv.layouts.PoolLayout`, or a ``(key, value)`` pair of them (the key's applies to
+            ``k_cache`` and to a single ``cache``, the value's to ``v_cache``).
+
+    Raises:
+        ArgumentValueError: an unknown ``layout``, or one in the copy form (no view exists: check the logical
+            pools its ``to_logical`` returns).
+        ArgumentTypeError / ShapeError: a pool that is not a 4-D tensor, or one the layout cannot view.
+    """
+    from pagedkv.layouts import NHD, pool_layouts
+
+    if layout is NHD or isinstance(layout, str) and layout == "NHD":
+        return list(pools.values())
+    try:
+        key_layout, value_layout = pool_layouts(layout)
+    except ValueError as exc:
+        raise ArgumentValueError(f"layout: {exc}") from None
+    out = []
+    for name, pool in pools.items():
+        chosen = value_layout if name == "v_cache" else key_layout
+        if not chosen.is_view:
+            raise ArgumentValueError(f"layout {chosen.name!r} is a copy pair, not a view: check the logical pools "
+                                     f"(layout.to_logical({name})), or declare the layout as a view")
+        pool = check_tensor(name, pool, 4)
+        try:
+            view = chosen.logical(pool)
+        except RuntimeError as exc:
+            raise ShapeError(f"{name} of shape {tuple(pool.shape)} has no {chosen.name} view: {exc}") from None
+        out.append(view)
+    return out
+
+
 def check_cache(name: str, cache: object) -> torch.Tensor:
     """Check one pool: a 4-D ``[num_blocks, block_size, num_kv_heads, head_dim]`` float tensor.
 

@@ -17,7 +17,7 @@ import torch
 from pagedkv.validation.arguments import (FP8_DTYPES, as_head_vector, as_scale, check_cache_pair, check_features,
                                check_head_vector, check_ids_in_range, check_int_tensor, check_like_cache,
                                check_num_splits, check_pool_scales, check_scale, check_softcap, check_tensor,
-                               check_window)
+                               check_window, logical_pools)
 from pagedkv.cache.config import DTYPES, blocks_needed
 from pagedkv.errors import ArgumentTypeError, DeviceMismatchError, DTypeMismatchError, ShapeError
 from pagedkv.validation.levels import validation_level
@@ -72,8 +72,12 @@ def check_paged_attention(query: object, k_cache: object, v_cache: object, block
                           query_start_loc: object, scale: float | None = None, *, window_left: object = -1,
                           softcap: object = 0.0, alibi_slopes: object = None, sinks: object = None,
                           k_scale: object = None, v_scale: object = None,
-                          supported: frozenset | None = None) -> AttentionArgs:
+                          supported: frozenset | None = None, layout: object = "NHD") -> AttentionArgs:
     """Validate ``paged_attention`` (packed varlen, flash-attn's ``cu_seqlens_q`` convention; level ``"full"``).
+
+    ``layout``: the pools', as ``Capabilities.layout`` declares it (``"HND"``: ``[num_blocks, num_kv_heads,
+    block_size, head_dim]``, FlashInfer's and vLLM's head-major pools): the checks read the pools through
+    their logical view (:func:`~pagedkv.validation.arguments.logical_pools`; no copy).
 
     The optional features (see ``docs/contract.md``; vLLM's unified attention and flash-attn's names):
     ``window_left`` (int ``>= -1``), ``softcap`` (float ``>= 0``), ``alibi_slopes`` and ``sinks``
@@ -97,7 +101,9 @@ def check_paged_attention(query: object, k_cache: object, v_cache: object, block
         ArgumentTypeError: ``window_left`` not an int, ``softcap`` not a number, an fp8 pool without
             scales or scales for a non-fp8 pool.
         BackendError: a feature in use that ``supported`` does not declare.
+        ArgumentValueError: an unknown ``layout``, or one with no view (a copy pair).
     """
+    k_cache, v_cache = logical_pools(layout, k_cache=k_cache, v_cache=v_cache)
     return attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, "full",
                           window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                           k_scale=k_scale, v_scale=v_scale, supported=supported)

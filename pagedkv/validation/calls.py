@@ -33,7 +33,7 @@ import torch
 
 from pagedkv.validation.arguments import (ALL_FEATURES, FP8_DTYPES, TableLike, as_scale, check_cache, check_cache_pair,
                                check_features, check_ids_in_range, check_int_tensor, check_kv_scale, check_length,
-                               check_like_cache, check_no_overlap, check_pool_scales, check_tensor,
+                               check_like_cache, check_no_overlap, check_pool_scales, check_tensor, logical_pools,
                                normalize_block_table)
 from pagedkv.validation.attention_arguments import AttentionArgs, attention_args, check_paged_attention
 from pagedkv.cache.config import DTYPES, blocks_needed
@@ -50,8 +50,10 @@ __all__ = [
 
 
 def check_scatter(cache: object, block_table: TableLike, values: object,
-                  start: int = 0) -> tuple[torch.Tensor, int, int]:
-    """Validate ``scatter(cache, block_table, values, start)`` (level ``"full"``).
+                  start: int = 0, *, layout: object = "NHD") -> tuple[torch.Tensor, int, int]:
+    """Validate ``scatter(cache, block_table, values, start)`` (level ``"full"``). ``layout``: the pool's, as
+    ``Capabilities.layout`` declares it (``"HND"``: ``[num_blocks, num_kv_heads, block_size, head_dim]``;
+    :func:`~pagedkv.validation.arguments.logical_pools`).
 
     Returns:
         ``(table_int64_on_cache_device, start, n)``.
@@ -61,7 +63,9 @@ def check_scatter(cache: object, block_table: TableLike, values: object,
             for ``start + n`` tokens, or one physical block at two written logical blocks.
         BlockIndexError: a written block id outside ``[0, num_blocks)``.
         DTypeMismatchError / DeviceMismatchError: ``values`` unlike ``cache``.
+        ArgumentValueError: an unknown ``layout``, or one with no view.
     """
+    (cache,) = logical_pools(layout, cache=cache)
     return scatter_args(cache, block_table, values, start)
 
 
@@ -97,8 +101,10 @@ def scatter_args(cache: object, block_table: TableLike, values: object, start: o
     return table, start, n
 
 
-def check_gather(cache: object, block_table: TableLike, seq_len: int) -> tuple[torch.Tensor, int]:
-    """Validate ``gather(cache, block_table, seq_len)`` (level ``"full"``).
+def check_gather(cache: object, block_table: TableLike, seq_len: int, *,
+                 layout: object = "NHD") -> tuple[torch.Tensor, int]:
+    """Validate ``gather(cache, block_table, seq_len)`` (level ``"full"``). ``layout``: the pool's, as
+    ``Capabilities.layout`` declares it (:func:`~pagedkv.validation.arguments.logical_pools`).
 
     Returns:
         ``(table_int64_on_cache_device, seq_len)``.
@@ -107,7 +113,9 @@ def check_gather(cache: object, block_table: TableLike, seq_len: int) -> tuple[t
         ShapeError: negative ``seq_len`` or a table with fewer than ``ceil(seq_len / block_size)`` entries.
         BlockIndexError: a read block id outside ``[0, num_blocks)`` (``-1`` padding past the read
             entries is fine).
+        ArgumentValueError: an unknown ``layout``, or one with no view.
     """
+    (cache,) = logical_pools(layout, cache=cache)
     return gather_args(cache, block_table, seq_len)
 
 
@@ -152,8 +160,10 @@ class WriteArgs:
 
 
 def check_write_kv(k_cache: object, v_cache: object, key: object, value: object, slot_mapping: object, *,
-                   k_scale: object = None, v_scale: object = None) -> torch.Tensor:
-    """Validate ``write_kv`` (vLLM ``reshape_and_cache``, level ``"full"``).
+                   k_scale: object = None, v_scale: object = None, layout: object = "NHD") -> torch.Tensor:
+    """Validate ``write_kv`` (vLLM ``reshape_and_cache``, level ``"full"``). ``layout``: the pools', as
+    ``Capabilities.layout`` declares it (:func:`~pagedkv.validation.arguments.logical_pools`); a slot is
+    ``block * block_size + offset`` in every layout.
 
     ``key``/``value`` share the pools' dtype, except into an fp8 pool (``float8_e4m3fn`` /
     ``float8_e5m2``), which takes float32/float16/bfloat16 and requires ``k_scale`` and ``v_scale``
@@ -170,7 +180,9 @@ def check_write_kv(k_cache: object, v_cache: object, key: object, value: object,
         BlockIndexError: a non-negative slot ``>= num_blocks * block_size``.
         DTypeMismatchError / DeviceMismatchError: key/value/slot_mapping/scales unlike the caches.
         ArgumentTypeError: an fp8 pool without scales, or scales for a non-fp8 pool.
+        ArgumentValueError: an unknown ``layout``, or one with no view.
     """
+    k_cache, v_cache = logical_pools(layout, k_cache=k_cache, v_cache=v_cache)
     return write_kv_args(k_cache, v_cache, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale).slots
 
 

@@ -83,3 +83,59 @@ def test_modules_that_became_packages_keep_their_old_names_for_a_release(old, na
     with pytest.warns(DeprecationWarning, match=f"{old}.{name} moved"):
         value = getattr(importlib.import_module(old), name)
     assert value is getattr(importlib.import_module(new), name)
+
+
+def _hnd_call(num_blocks=6, block_size=16, num_kv_heads=2, head_dim=8):
+    """A head-major (HND) pool pair and a paged_attention call over it: 4 query heads over 2 kv heads, one
+    sequence of 20 tokens in blocks 0 and 1."""
+    import torch
+
+    k = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim)
+    return (torch.zeros(5, 4, head_dim), k, torch.zeros_like(k), torch.tensor([[0, 1]]), torch.tensor([20]),
+            torch.tensor([0, 5]))
+
+
+def test_a_head_major_pool_is_checked_through_the_layout_it_is_declared_in():
+    """``layout="HND"`` reads block size and head count where HND keeps them: the call an honest HND kernel
+    makes passes, where reading its pools as NHD (block size 2, 16 kv heads) refuses it."""
+    import torch
+
+    from pagedkv.adapter import ShapeError, check_gather, check_paged_attention, check_scatter, check_write_kv
+
+    query, k, v, tables, seq_lens, starts = _hnd_call()
+    with pytest.raises(ShapeError, match="num_kv_heads 16"):
+        check_paged_attention(query, k, v, tables, seq_lens, starts)
+    assert check_paged_attention(query, k, v, tables, seq_lens, starts, layout="HND").num_queries_per_kv == 2
+    assert check_gather(k, [0, 1], 20, layout="HND")[1] == 20
+    assert check_scatter(k, [0, 1], torch.zeros(3, 2, 8), 17, layout="HND")[1:] == (17, 3)
+    slots = check_write_kv(k, v, torch.zeros(2, 2, 8), torch.zeros(2, 2, 8), torch.tensor([3, 95]), layout="HND")
+    assert slots.tolist() == [3, 95]
+
+
+def test_a_head_major_pool_still_refuses_what_its_logical_pool_refuses():
+    """The view changes where the checks read sizes, not what they refuse: a slot past the 6 blocks of 16
+    tokens, a block id past the pool, a table too short for the sequence."""
+    import torch
+
+    from pagedkv.adapter import BlockIndexError, ShapeError, check_gather, check_paged_attention, check_write_kv
+
+    query, k, v, tables, seq_lens, starts = _hnd_call()
+    with pytest.raises(BlockIndexError, match="slot_mapping"):
+        check_write_kv(k, v, torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), torch.tensor([96]), layout="HND")
+    with pytest.raises(BlockIndexError, match="block_tables"):
+        check_paged_attention(query, k, v, torch.tensor([[0, 6]]), seq_lens, starts, layout="HND")
+    with pytest.raises(ShapeError, match="needs 3 blocks"):
+        check_gather(k, [0, 1], 33, layout="HND")
+
+
+@pytest.mark.parametrize("layout, message", [("XYZ", "unknown layout"), (5, "layout must be"),
+                                             ("copy", "copy pair, not a view")])
+def test_a_layout_the_checks_cannot_view_is_refused_naming_it(layout, message):
+    from pagedkv.adapter import ArgumentValueError, check_gather
+    from pagedkv.layouts import PoolLayout
+
+    if layout == "copy":
+        layout = PoolLayout("packed", to_storage=lambda t: t.clone(), to_logical=lambda t: t.clone())
+    _, k, *_ = _hnd_call()
+    with pytest.raises(ArgumentValueError, match=message):
+        check_gather(k, [0], 1, layout=layout)
