@@ -138,9 +138,9 @@ def test_reference_manager_passes_every_layout_with_connector_and_drafts():
         return manager(config)
 
     machine = machine_for(make, layouts=reference.cache_manager_layouts, name="Reference")
-    assert programs.run_recorded(machine, _settings(60)) is None
+    assert programs.run_recorded(machine, _settings(80)) is None
     assert machine.prefix_hits > 0 and machine.tokens_read > 0
-    # a layout the 60 programs did not draw (nine layouts) gets programs of its own
+    # a layout the 80 programs did not draw (nine layouts) gets programs of its own
     for name in reference.cache_manager_layouts:
         if tuple(g.kind for g in layout_groups(name, 1, 0)) not in layouts_drawn:
             assert programs.run_recorded(machine_for(make, layouts=(name,), name=name), _settings(15)) is None

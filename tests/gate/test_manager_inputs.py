@@ -149,3 +149,35 @@ def test_an_image_variant_of_a_request_without_a_reachable_input_moves_another_l
     (plain,) = machine.add(system=[2, 2], suffix=[1], namespace=None, extra=None, chunk=12, write_now=True).values
     assert req.committed >= 8 and not machine.live[plain].extras
     _judge_moved_one_earlier(machine, req, machine.variant(rid=plain, change="image", chunk=12, write_now=True))
+
+
+def test_an_image_longer_than_its_suffix_keeps_its_whole_run():
+    """An input is one run as long as its content gives (``IMAGE_LENGTHS``), so a suffix shorter than the image
+    is extended by the rest of its placeholders. Fails before: the run was cut at the prompt's end, one image at
+    two lengths, and vLLM (whose block key names the input and its offset, not its length) hit a block the
+    model held for text (below)."""
+    machine = _machine(OwnCacheManager, 1)
+    (rid,) = machine.add(system=[1, 2], suffix=[3], namespace=None, extra="image-1", chunk=12, write_now=True,
+                         image_at=0).values
+    req = machine.live[rid]
+    assert req.tokens == [1, 2, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER]
+    assert req.extras == {2: ("mm", "image-1", 0), 3: ("mm", "image-1", 1), 4: ("mm", "image-1", 2)}
+    machine.check()
+    machine.teardown()
+
+
+@needs_vllm
+def test_one_image_at_one_offset_with_a_short_and_a_long_suffix_passes_vllm():
+    """The shrunk program of that false alarm (mixed-block-sizes: image-1 after six tokens with a one-token suffix,
+    then with a three-token one, under one cache salt) passes vLLM unmodified."""
+    from pagedkv.testing.managers import programs
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    turn = dict(system=[0] * 6, suffix=[], namespace=None, extra=None, image_at=0, tail=0, tokens=[0], reply=[0])
+    steps = [("system_prompts", {"prompts": [[0] * 6]}),
+             ("start", dict(num_blocks=4, block_size=2, num_layers=2, window=1, layout=0, features=0)),
+             *[("serve", turn)] * 7,
+             ("serve", {**turn, "suffix": [0], "namespace": (("salt", "a"),), "extra": "image-1"}),
+             ("serve", {**turn, "suffix": [0, 0, 0], "namespace": (("salt", "a"),), "extra": "image-1"})]
+    programs.run_program(machine_for(vm.cache_manager, windows=vm.cache_manager_windows,
+                                     layouts=("mixed-block-sizes",), name="mixed-block-sizes"), steps)

@@ -199,6 +199,58 @@ def test_connector_loads_and_stores(layout):
     m.self_check()
 
 
+@pytest.mark.parametrize("layout", ["gemma3", "jamba", "mixed-block-sizes"])
+def test_a_prefillers_store_loads_to_inside_a_block(layout):
+    """With ``token_loads`` (a P/D prefiller's store: NIXL's remote prefill) the connector offers the stored
+    prefix as it is, the load's slots end inside a block and the request computes on from there; the blocks the
+    load filled whole are cached. An offloading store's offer is rounded down to whole blocks."""
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1]
+    whole = _manager(layout, connector=True)
+    lcm = max(g.block_size for g in whole.capabilities.groups)
+    whole.admit(0, prompt, num_stored=11)
+    assert whole.num_external(0) == 11 - 11 % lcm and not whole.capabilities.token_loads
+    m = _manager(layout, connector=True, token_loads=True)
+    assert m.capabilities.token_loads
+    _, hit = m.admit(0, prompt, num_stored=11)
+    assert hit == 0 and m.num_external(0) == 11
+    slots = m.load(0)
+    assert all(len(s) == 11 for s in slots)
+    m.load_done(0, ok=True)
+    pos = 11
+    while pos < len(prompt):
+        slots = m.reserve(0, prompt[pos:])
+        assert slots is not None
+        pos += len(slots[0])
+        m.commit(0, pos)
+    _, hit = m.admit(1, prompt + [3])
+    assert hit >= 11 - 11 % lcm, f"the load's whole blocks were not cached: hit {hit}"
+    m.self_check()
+    _release_all(m, [0, 1])
+
+
+def test_token_loads_pass_the_machine():
+    """The machine draws a prefiller's store (``features`` bit 2 with the connector) and vLLM passes it: loads end
+    inside a block in the programs drawn, and only there."""
+    from hypothesis import Phase, settings
+
+    from pagedkv.testing.managers.machine import machine_for
+    from pagedkv.testing.settings import manager_settings
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    ends = []
+
+    class Counting(machine_for(vm.cache_manager, windows=vm.cache_manager_windows, layouts=("gemma3",),
+                               name="gemma3")):
+        def start_load(self, rid, req, cached, external, stored, hits):
+            ends.append((self.token_store, (cached + external) % self.bs))
+            return super().start_load(rid, req, cached, external, stored, hits)
+
+    assert programs.run_recorded(Counting, settings(manager_settings(100, 30), derandomize=True,
+                                                    phases=(Phase.explicit, Phase.generate))) is None
+    assert any(token and inside for token, inside in ends), ends
+    assert all(inside == 0 for token, inside in ends if not token), ends
+
+
 @pytest.mark.parametrize("layout", ["gemma3", "gpt-oss-2full-sw", "mixed-block-sizes"])
 def test_rejected_drafts_are_never_served(layout):
     """Draft tokens get slots but are no request's tokens until accepted: after every draft is rejected, a

@@ -72,6 +72,7 @@ DRAWS = {
     "reset": "prefix-cache resets",
     "async_steps": "asynchronous steps (a step reserved while the last one's writes are in flight)",
     "connector": "a KV connector's loads and stores",
+    "token_loads": "connector loads ending inside a block (P/D disaggregation: the prompt less a backoff)",
     "speculative": "speculative drafts",
     "kv_events": "KV events (a router's prefix index rebuilt from them, judged against the cache)",
     "misuse": "misuse (declared refusals raise and change nothing: the API rules)",

@@ -266,13 +266,14 @@ class ManagerMachine(RuleBasedStateMachine):
     # layer) needs a second; the map keeps the draw (and so every other program) as it was
     @initialize(num_blocks=st.integers(4, 12), block_size=st.integers(0, 2),
                 num_layers=st.integers(1, 2).map(lambda n: n + 1),
-                window=st.integers(0, 3), layout=st.integers(0, 11), features=st.integers(0, 3),
+                window=st.integers(0, 3), layout=st.integers(0, 11), features=st.integers(0, 7),
                 pool_per_group=st.booleans())
     def start(self, num_blocks, block_size, num_layers, window, layout=0, features=0, pool_per_group=False):
         """The pool: ``block_size`` and ``window`` index the sizes the manager takes, ``layout`` its
         layouts (a hybrid one takes ``block_size`` as its hash block size and ``window`` as its window draw,
         :func:`~.protocol.layout_window`: 0-2 tokens, or several blocks); ``features`` asks for a connector (bit 0)
-        and speculative decoding (bit 1);
+        and speculative decoding (bit 1), and makes the connector's store a P/D prefiller's (bit 2: any prefix of a
+        prompt, where the manager declares ``token_loads``; else whole blocks);
         ``pool_per_group``: a hybrid layout's pool holds ``num_blocks`` per group (a roomy pool where three
         groups' prompts fit and hit) rather than in all (pressure on every allocation); a one-group pool holds
         three times ``num_blocks`` (several requests live at once, where a pool of 4-12 one-token blocks refuses
@@ -287,6 +288,7 @@ class ManagerMachine(RuleBasedStateMachine):
         num_blocks *= (len(groups) or ROOMY_ONE_GROUP) if pool_per_group else 1
         config = ManagerConfig(num_blocks, bs, self.windows[window % len(self.windows)], num_layers, self.num_kv_heads,
                                self.head_dim, groups=groups, connector=bool(features & 1),
+                               token_loads=features & 5 == 5,
                                num_speculative_tokens=MAX_DRAFTS if features & 2 else 0,
                                # whole-prompt admission on half the pools, read off a draw every program
                                # has (so that no other draw moves)
@@ -318,6 +320,9 @@ class ManagerMachine(RuleBasedStateMachine):
         self.coordinated = self.grouped and len(self.groups) > 1 and self.caps.coordinated_lookup and all(
             g.kind in ("full", "sliding_window") for g in self.groups)
         self.connector = self.caps.connector and config.connector
+        # the store a P/D prefiller fills (the prompt less a backoff: a load ending inside a block), or an offloading
+        # store's whole blocks
+        self.token_store = self.connector and self.caps.token_loads and config.token_loads
         self.speculative = self.caps.speculative and config.num_speculative_tokens > 0
         # the engine runs an EAGLE-family drafter (its lookup drops a hit's last block), drafts drawn or not: a
         # manager declaring eagle_drop without speculative (vLLM beside a Mamba group) serves EAGLE's replay
@@ -1080,9 +1085,12 @@ class ManagerMachine(RuleBasedStateMachine):
                   if not is_embedding(key) or p < len(tokens) and tokens[p] == PLACEHOLDER}
         req = Request(namespace, [], dict(extras), [], len(tokens))
         req.extend(tokens)
-        if store_ahead:
-            stored = len(tokens) // self.bs
-        stored = min(stored * self.bs, len(tokens) // self.bs * self.bs) if self.connector else 0
+        if not self.connector:
+            stored = 0
+        elif self.token_store:  # a prefiller computed the prompt less a backoff of ``stored - 1`` tokens
+            stored = len(tokens) if store_ahead else max(0, len(tokens) - stored + 1) if stored else 0
+        else:
+            stored = min(len(tokens) // self.bs if store_ahead else stored, len(tokens) // self.bs) * self.bs
         if resumed is not None:  # the holdings before: the preemption frees what it held, then looks it up again
             got = self.m.resume(rid)
             self.account(resumed, f"resume of request {rid}", moves=self.cow_moves())
@@ -1172,9 +1180,11 @@ class ManagerMachine(RuleBasedStateMachine):
         """The connector loads ``external`` tokens past the local hit: their blocks reserved and checked;
         the request waits for :meth:`finish_load`."""
         end = cached + external
-        assert end <= min(stored, max(0, req.num_prompt - self.caps.min_computed_on_full_hit)) and end % self.bs == 0, \
+        assert end <= min(stored, max(0, req.num_prompt - self.caps.min_computed_on_full_hit)) and (
+                self.token_store or end % self.bs == 0), \
             f"request {rid}: the connector takes {external} tokens past a local hit of {cached}, beyond the " \
-            f"{stored} the store holds (or the prompt's last token, or not whole blocks)"
+            f"{stored} the store holds (or the prompt's last token, or not whole blocks of a store that holds whole " \
+            f"blocks)"
         before = self.holdings()
         need = self.admission_need(rid, req, cached, end, end)
         slots = self.m.load(rid)
@@ -1248,8 +1258,9 @@ class ManagerMachine(RuleBasedStateMachine):
         """A request: a system prompt and its own suffix, under a namespace, with a multimodal input
         ``extra`` (its placeholder run, as long as :data:`IMAGE_LENGTHS` says, ``image_at`` into the suffix);
         the first prefill chunk reserved (written now or later). With a connector, the store holds the
-        prompt's first ``stored`` hit-sized blocks (its tokens past the local hit are loaded first); with
-        ``store_ahead``, the whole prompt (a store shared with other instances, ahead of the device cache):
+        prompt's first ``stored`` hit-sized blocks (its tokens past the local hit are loaded first), or, a P/D
+        prefiller's store (``start``'s ``features`` bit 2), the prompt less a backoff of ``stored - 1`` tokens (none
+        for ``stored`` 0); with ``store_ahead``, the whole prompt (a store shared with other instances, ahead of the device cache):
         every local hit short of the prompt then meets a load, whose blocks are allocated while the hit's
         may still sit in the free queue.
         ``n`` > 1: parallel sampling, ``n`` requests of the prompt admitted in one scheduler step, each's
@@ -1295,7 +1306,11 @@ class ManagerMachine(RuleBasedStateMachine):
         if extra is not None and suffix and self.caps.extra_keys and not attached:
             length = IMAGE_LENGTHS[extra]
             first = len(system) + image_at % max(1, len(suffix) - length + 1)  # inside the suffix where it fits
-            for i in range(min(length, len(tokens) - first)):
+            # whole even where the suffix is shorter: an engine's processor expands an input to the run its content
+            # gives, and vLLM keys a block by the input's identifier and offset, not its length (a run cut here
+            # would be one image at two lengths)
+            tokens += [PLACEHOLDER] * max(0, first + length - len(tokens))
+            for i in range(length):
                 extras[first + i] = ("mm", extra, i)
                 tokens[first + i] = PLACEHOLDER
         end = len(tokens)

@@ -31,7 +31,8 @@ A group's slot is ``block_id * group.block_size + offset``. A one-group manager 
 
 **A KV connector** (``capabilities.connector``: vLLM's scheduler-side ``KVConnectorBase_V1``, LMCache,
 NIXL): the machine plays the external store. ``admit(..., num_stored=S)`` says the store holds the
-prompt's first ``S`` tokens (whole blocks); the manager takes the tokens past its local hit as external
+prompt's first ``S`` tokens (whole blocks, or any prefix where ``capabilities.token_loads``: a P/D prefiller's
+prompt less its backoff); the manager takes the tokens past its local hit as external
 (``num_external(rid)``); ``load(rid)`` allocates their blocks and returns the slots the load writes;
 the request is not stepped until ``load_done(rid, ok)``; a failed load is recomputed from the local hit.
 A freed request's blocks may be stored: none of them is handed to anyone before ``store_done(rid)``.
@@ -362,6 +363,11 @@ class ManagerCapabilities:
             The machine zeroes after the call returns: a manager holding its pools (``owns_pools``) whose calls run
             copies into new blocks zeroes them itself, before its copies, as vLLM's worker does (vLLM's peer in
             ``qwen3-next-fine``), and does not declare this.
+        token_loads: the manager serves :attr:`ManagerConfig.token_loads`: a connector over a store holding any
+            prefix of the prompt, so that a load may end inside a block: a P/D prefiller's prompt less its backoff
+            (vLLM's ``NixlConnector`` loads the prompt less ``_prefill_backoff()`` tokens past the local hit, the
+            backoff 0 for attention, 1 beside a Mamba group), an LMCache chunk saved unfull. Without it the
+            machine's store holds whole blocks (an offloading store's).
     """
 
     block_size: int
@@ -396,12 +402,13 @@ class ManagerCapabilities:
     hit_alignment: int | None = None
     cached_prompt: bool = False
     zeroes_new_blocks: bool = False
+    token_loads: bool = False
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""
         have = [n for n in ("fork", "namespaces", "extra_keys", "preempt", "resume", "evict", "reset", "defers_commit",
                             "hit_promise", "async_steps", "connector", "speculative", "prompt_embeds", "kv_events",
-                            "cached_prompt", "zeroes_new_blocks")
+                            "cached_prompt", "zeroes_new_blocks", "token_loads")
                 if getattr(self, n)]
         layout = (f"groups {', '.join(_group_name(g) for g in self.groups)}" if self.groups else
                   f"block_size {self.block_size}, window {self.window}")
@@ -435,6 +442,9 @@ class ManagerConfig:
     one prefill token further ahead (``capabilities.reprefill``).
     ``prefix_match_unit``: the hash block size in tokens where finer than the gcd of the groups' block sizes
     (:data:`LAYOUT_PREFIX_MATCH_UNIT`; ``None``: that gcd, ``block_size``).
+    ``token_loads`` (with ``connector``): the connector's store is a P/D prefiller's, holding any prefix of a prompt
+    (``admit``'s ``num_stored`` may end inside a block, and the connector offers it as it is: NIXL's remote prefill);
+    off, an offloading store's whole blocks (the connector rounds what it offers down to whole blocks).
     A manager that cannot serve a connector or drafts leaves the capability off (the machine then asks for
     neither), or raises ``ValueError`` naming it: the machine asks again without drafts, then without the
     connector, and judges what it serves. It never asks for a layout the manager does not list."""
@@ -452,6 +462,7 @@ class ManagerConfig:
     retention_interval: int | None = None
     multi_module_mtp: bool = False
     prefix_match_unit: int | None = None
+    token_loads: bool = False
 
 
 @runtime_checkable
@@ -489,7 +500,8 @@ class CacheManager(Protocol):
         computed token no longer reads may be left untouched then (``-1`` in the table, still free).
 
         ``num_stored`` (connector only; passed only when non-zero): the external store holds the
-        prompt's first ``num_stored`` tokens (whole blocks of every group's size). The manager takes
+        prompt's first ``num_stored`` tokens (whole blocks of every group's size; any prefix, the prompt less a
+        backoff of 0-2 tokens, where the manager declares ``token_loads``). The manager takes
         ``num_external(request_id)`` of them past its local hit (vLLM's
         ``get_num_new_matched_tokens``), at most up to ``len(token_ids) - min_computed_on_full_hit``."""
 

@@ -16,8 +16,8 @@ caught by the machine, :mod:`.machine`). It follows vLLM v1's hybrid design
   reads and the last cached token's block; Mamba: the block holding the state at the hit's end); hit
   blocks are adopted (referenced) by the first ``reserve`` or ``load``;
 - a group releases the blocks no later query of the request reads (:meth:`GroupSpec.first_read`);
-- a connector: external tokens past the local hit load into blocks allocated by ``load``, cached only
-  when ``load_done(ok=True)``; a free waits for a pending load and for ``store_done``;
+- a connector: external tokens past the local hit (whole blocks, or any prefix from a P/D prefiller's store) load
+  into blocks allocated by ``load``, cached only when ``load_done(ok=True)``; a free waits for a pending load and for ``store_done``;
 - drafts get slots but are cached only once accepted (``drop`` truncates the request);
 - beside a Mamba group, the blocks a step's reservation hands out afresh are named for the worker's zeroing
   (``take_zeroed``, as vLLM names them beside Mamba layers); a load's are not: its data lands there first.
@@ -76,7 +76,8 @@ class ReferenceManager:
             block_size=min(g.block_size for g in self.groups), extra_keys=True, prompt_embeds=True, defers_commit=True,
             hit_promise=True, groups=self.groups, connector=config.connector,
             speculative=config.num_speculative_tokens > 0, admission="whole-hit", window_release=True,
-            cached_prompt=True, zeroes_new_blocks=any(g.kind == "mamba" for g in self.groups))
+            cached_prompt=True, zeroes_new_blocks=any(g.kind == "mamba" for g in self.groups),
+            token_loads=config.connector and config.token_loads)
 
     # -- the pool -----------------------------------------------------------------------------------
     def _take(self) -> int:
@@ -141,7 +142,10 @@ class ReferenceManager:
             req.tables[g] = [-1] * needed.start + blocks
             req.pending_hits += [(g, b) for b in blocks]
         req.hit = req.computed = req.reserved = hit
-        req.external = max(0, min(num_stored, cap) - hit) if self.capabilities.connector else 0
+        # the connector offers the store's tokens past the hit up to the prompt less one token: whole blocks from an
+        # offloading store, any prefix from a P/D prefiller's (token_loads)
+        limit = len(token_ids) - 1 if self.capabilities.token_loads else cap
+        req.external = max(0, min(num_stored, limit) - hit) if self.capabilities.connector else 0
         self.requests[request_id] = req
         return tuple(list(t) for t in req.tables), hit
 

@@ -107,15 +107,17 @@ def _connector_class():
 
     class FakeConnector(KVConnectorBase_V1, SupportsHMA):
         """A scheduler-side connector over the machine's store: ``stored[request_id]`` tokens of the prompt are
-        held externally; it promises those past the local hit (capped: the prompt less one token, whole
-        scheduler blocks), records each load plan, and keeps every finished request's blocks for a store
-        (``request_finished_all_groups`` returns ``True``: freed at ``finished_sending``)."""
+        held externally; it promises those past the local hit (capped: the prompt less one token, whole scheduler
+        blocks, or as it is with ``token_loads``: a P/D prefiller's store, ``NixlConnector``'s remote prefill),
+        records each load plan, and keeps every finished request's blocks for a store (``request_finished_all_groups`` returns
+        ``True``: freed at ``finished_sending``)."""
 
-        def __init__(self, kv_cache_config, block_size: int) -> None:
+        def __init__(self, kv_cache_config, block_size: int, token_loads: bool = False) -> None:
             import types
             config = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(is_kv_producer=True))
             super().__init__(config, role=None, kv_cache_config=kv_cache_config)
             self.block_size = block_size
+            self.token_loads = token_loads  # the store is a P/D prefiller's (any prefix), not whole blocks
             self.stored: dict[str, int] = {}  # request -> prompt tokens the external store holds
             self.load_plans: dict[str, int] = {}  # request -> external tokens allocated for its load
             self.storing: dict[str, tuple[list[int], ...]] = {}  # request -> block ids being stored
@@ -129,7 +131,8 @@ def _connector_class():
 
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
             end = min(self.stored.pop(request.request_id, 0), request.num_tokens - 1)
-            end -= end % self.block_size
+            if not self.token_loads:  # an offloading store's whole blocks
+                end -= end % self.block_size
             external = max(0, end - num_computed_tokens)
             return external, external > 0
 
@@ -474,7 +477,8 @@ class VllmHybridCacheManager(VllmCacheManager):
 
             self.pool.get_new_blocks = handed_out
         self.num_lookahead = config.num_speculative_tokens if speculative else 0
-        self.connector = _connector_class()(kv_config, self.scheduler_block_size) if config.connector else None
+        self.connector = (_connector_class()(kv_config, self.scheduler_block_size, config.token_loads)
+                          if config.connector else None)
         self.slot_mapping = _SlotMapping(self.groups, MAX_MODEL_LEN)
         self.split = (_MambaSplit(self.manager, self.scheduler_block_size, self.hash_block_size)
                       if any(g.kind == "mamba" for g in self.groups) else None)
@@ -522,7 +526,10 @@ class VllmHybridCacheManager(VllmCacheManager):
                                                 # the machine's pools: it zeroes what vLLM names (the peer's own
                                                 # pools zero under a load only, where the race is)
                                                 zeroes_new_blocks=kv_config.needs_kv_cache_zeroing
-                                                and not self.fine_grained)
+                                                and not self.fine_grained,
+                                                # the scheduler takes a connector's count as it is (NIXL's
+                                                # remote prefill: the prompt less its backoff)
+                                                token_loads=config.connector and config.token_loads)
 
     # -- admission and the connector --------------------------------------------------------------------
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
