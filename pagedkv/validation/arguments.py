@@ -75,6 +75,24 @@ def logical_pools(layout: object, **pools: object) -> list[object]:
     return out
 
 
+def with_layout_hint(exc: Exception, layout: object, pools: tuple, check_as_head_major) -> Exception:
+    """``exc`` (a check's refusal of NHD-read pools) with a hint to pass ``layout="HND"`` where the same call
+    passes with every pool of ``pools`` read head-major (``check_as_head_major(views)`` returns without
+    raising): an HND kernel calling a check without ``layout=`` gets its block size read as the head count.
+    ``exc`` itself where ``layout`` was given or the call is refused either way."""
+    from pagedkv.layouts import HND
+
+    if not (isinstance(layout, str) and layout == "NHD") or not all(
+            isinstance(p, torch.Tensor) and p.dim() == 4 for p in pools):
+        return exc
+    try:
+        check_as_head_major([HND.logical(p) for p in pools])
+    except Exception:  # noqa: BLE001 - refused as HND too: the error stands as it is
+        return exc
+    return type(exc)(f"{exc} (read as head-major pools [num_blocks, num_kv_heads, block_size, head_dim] the call "
+                     f"is valid: pass layout=\"HND\", the layout Capabilities declares)")
+
+
 def check_cache(name: str, cache: object) -> torch.Tensor:
     """Check one pool: a 4-D ``[num_blocks, block_size, num_kv_heads, head_dim]`` float tensor.
 

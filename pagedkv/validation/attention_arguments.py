@@ -17,9 +17,10 @@ import torch
 from pagedkv.validation.arguments import (FP8_DTYPES, as_head_vector, as_scale, check_cache_pair, check_features,
                                check_head_vector, check_ids_in_range, check_int_tensor, check_like_cache,
                                check_num_splits, check_pool_scales, check_scale, check_softcap, check_tensor,
-                               check_window, logical_pools)
+                               check_window, logical_pools, with_layout_hint)
 from pagedkv.cache.config import DTYPES, blocks_needed
-from pagedkv.errors import ArgumentTypeError, DeviceMismatchError, DTypeMismatchError, ShapeError
+from pagedkv.errors import (ArgumentTypeError, BlockIndexError, DeviceMismatchError, DTypeMismatchError,
+                            ShapeError)
 from pagedkv.validation.levels import validation_level
 
 
@@ -88,6 +89,12 @@ def check_paged_attention(query: object, k_cache: object, v_cache: object, block
     ``supported``: the backend's ``FEATURES``; a feature in use that it does not declare is refused
     (:func:`~pagedkv.validation.arguments.check_features`).
 
+    Returns:
+        :class:`AttentionArgs`: ``block_tables`` as ``int64`` on the caches' device, ``host_seq_lens`` and
+        ``host_q_starts`` (``query_start_loc``) as Python ints, ``scale`` (``head_dim ** -0.5`` when ``None``),
+        ``num_queries_per_kv`` (the GQA group), the features normalised (``window_left``, ``softcap``,
+        ``alibi_slopes`` / ``sinks`` as float32, fp8 scales as float32 ``[num_kv_heads]``).
+
     Raises:
         ShapeError: wrong ranks; ``num_q_heads % num_kv_heads != 0``; ``head_dim`` mismatch;
             ``query_start_loc`` not ``[batch + 1]``, not starting at 0, decreasing, or not ending at
@@ -104,9 +111,14 @@ def check_paged_attention(query: object, k_cache: object, v_cache: object, block
         ArgumentValueError: an unknown ``layout``, or one with no view (a copy pair).
     """
     k_cache, v_cache = logical_pools(layout, k_cache=k_cache, v_cache=v_cache)
-    return attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, "full",
-                          window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                          k_scale=k_scale, v_scale=v_scale, supported=supported)
+    features = dict(window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                    k_scale=k_scale, v_scale=v_scale, supported=supported)
+    try:
+        return attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, "full",
+                              **features)
+    except (ShapeError, BlockIndexError) as exc:
+        raise with_layout_hint(exc, layout, (k_cache, v_cache), lambda pools: attention_args(
+            query, *pools, block_tables, seq_lens, query_start_loc, scale, "full", **features)) from None
 
 
 def attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,

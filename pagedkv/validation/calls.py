@@ -34,6 +34,7 @@ import torch
 from pagedkv.validation.arguments import (ALL_FEATURES, FP8_DTYPES, TableLike, as_scale, check_cache, check_cache_pair,
                                check_features, check_ids_in_range, check_int_tensor, check_kv_scale, check_length,
                                check_like_cache, check_no_overlap, check_pool_scales, check_tensor, logical_pools,
+                               with_layout_hint,
                                normalize_block_table)
 from pagedkv.validation.attention_arguments import AttentionArgs, attention_args, check_paged_attention
 from pagedkv.cache.config import DTYPES, blocks_needed
@@ -66,7 +67,11 @@ def check_scatter(cache: object, block_table: TableLike, values: object,
         ArgumentValueError: an unknown ``layout``, or one with no view.
     """
     (cache,) = logical_pools(layout, cache=cache)
-    return scatter_args(cache, block_table, values, start)
+    try:
+        return scatter_args(cache, block_table, values, start)
+    except (ShapeError, BlockIndexError) as exc:
+        raise with_layout_hint(exc, layout, (cache,),
+                               lambda pools: scatter_args(pools[0], block_table, values, start)) from None
 
 
 def scatter_args(cache: object, block_table: TableLike, values: object, start: object = 0,
@@ -116,7 +121,11 @@ def check_gather(cache: object, block_table: TableLike, seq_len: int, *,
         ArgumentValueError: an unknown ``layout``, or one with no view.
     """
     (cache,) = logical_pools(layout, cache=cache)
-    return gather_args(cache, block_table, seq_len)
+    try:
+        return gather_args(cache, block_table, seq_len)
+    except (ShapeError, BlockIndexError) as exc:
+        raise with_layout_hint(exc, layout, (cache,), lambda pools: gather_args(pools[0], block_table, seq_len)) \
+            from None
 
 
 def gather_args(cache: object, block_table: TableLike, seq_len: object,
@@ -183,7 +192,11 @@ def check_write_kv(k_cache: object, v_cache: object, key: object, value: object,
         ArgumentValueError: an unknown ``layout``, or one with no view.
     """
     k_cache, v_cache = logical_pools(layout, k_cache=k_cache, v_cache=v_cache)
-    return write_kv_args(k_cache, v_cache, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale).slots
+    try:
+        return write_kv_args(k_cache, v_cache, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale).slots
+    except (ShapeError, BlockIndexError) as exc:
+        raise with_layout_hint(exc, layout, (k_cache, v_cache), lambda pools: write_kv_args(
+            *pools, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale)) from None
 
 
 def check_write_overlap(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:

@@ -164,6 +164,36 @@ def test_a_scenario_read_that_differs_prints_expected_and_actual_kv(tmp_path):
     assert "* = first bad block" in out and "*]" in out  # the marker the legend promises is drawn
 
 
+SLOPPY_HND_GATHER = ("from pagedkv.backends import indexed\n"
+                     "from pagedkv.adapter import Capabilities\n"
+                     "name = 'sloppy_hnd_gather'\n"
+                     "capabilities = Capabilities(layout='HND')\n"
+                     "def _nhd(pool):  # [num_blocks, num_kv_heads, block_size, head_dim] seen as the contract's\n"
+                     "    return pool.transpose(1, 2)\n"
+                     "def write_kv(k_cache, v_cache, key, value, slot_mapping, **options):\n"
+                     "    return indexed.write_kv(_nhd(k_cache), _nhd(v_cache), key, value, slot_mapping, **options)\n"
+                     "def paged_attention(query, k_cache, v_cache, *args, **options):\n"
+                     "    return indexed.paged_attention(query, _nhd(k_cache), _nhd(v_cache), *args, **options)\n"
+                     "def gather(cache, block_table, seq_len, validate=True):\n"
+                     "    out = indexed.gather(_nhd(cache), block_table, seq_len, validate)\n"
+                     "    if seq_len > 6:\n"
+                     "        out[6] = 0.0\n"
+                     "    return out\n")
+
+
+def test_a_head_major_kernels_differing_read_is_located_in_its_own_layout(tmp_path):
+    """The read replay adds to a scenario's mismatch goes through the layout the kernel declares, as every call of
+    the run does. Fails before: its gather got the NHD view and refused it ("... needs 5 blocks of block_size
+    1"), which replay printed in place of the differing K/V."""
+    (tmp_path / "sloppy_hnd_gather.py").write_text(SLOPPY_HND_GATHER)
+    path = writing.save_failure(SHARING, "indexed", SCENARIO)
+    code, out = _run(path, ("impl", str(tmp_path / "sloppy_hnd_gather.py")))
+    assert code == 1 and "block_size 1" not in out
+    assert "sequence:         0" in out and "logical position: 6" in out
+    assert "K [0, 0, 0, 0, ...]  V [0, 0, 0, 0, ...]" in next(line for line in out.splitlines()
+                                                            if line.startswith("  actual:"))
+
+
 def test_an_attention_failure_prints_the_first_differing_rows_and_no_false_marker():
     case = Case(Geometry(8, 4, 2, 4, 2), (SeqSpec((2, 3, 6), 9, 3, 0), SeqSpec((0, 1), 8, 1, 0)), seed=7)
     path = writing.save_failure(ATTENTION, "pagedkv.tools.mutants:gqa_modulo", case)

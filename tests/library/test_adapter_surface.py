@@ -139,3 +139,21 @@ def test_a_layout_the_checks_cannot_view_is_refused_naming_it(layout, message):
     _, k, *_ = _hnd_call()
     with pytest.raises(ArgumentValueError, match=message):
         check_gather(k, [0], 1, layout=layout)
+
+
+def test_a_head_major_pool_checked_without_its_layout_is_told_to_pass_it():
+    """A check refusing HND pools read as NHD says to pass ``layout="HND"`` where the call is valid read
+    head-major, and only there. Fails before: "num_kv_heads 16" alone, no word of ``layout``."""
+    import torch
+
+    from pagedkv.adapter import ShapeError, check_gather, check_paged_attention, check_write_kv
+
+    query, k, v, tables, seq_lens, starts = _hnd_call()
+    for refused in (lambda: check_paged_attention(query, k, v, tables, seq_lens, starts),
+                    lambda: check_gather(k, [0, 1], 20),
+                    lambda: check_write_kv(k, v, torch.zeros(3, 2, 8), torch.zeros(3, 2, 8), torch.tensor([0, 1, 40]))):
+        with pytest.raises(ShapeError, match='pass layout="HND"'):
+            refused()
+    with pytest.raises(ShapeError) as refused_either_way:
+        check_gather(k, [0, 9], 20)  # 20 tokens in two blocks of 2 or of 16 with block 9 of 6: refused both ways
+    assert "layout" not in str(refused_either_way.value)

@@ -397,7 +397,9 @@ def _add_values(where: dict, backend: Any, cache, scenario) -> None:
     except ImportError:  # an older kit: no namespaced values to compare with
         return
     from pagedkv.testing.compare import bits
+    from pagedkv.testing.space import as_declared_layout
 
+    reader = as_declared_layout(backend)  # the pools reach its gather in the layout it declares, as in the run
     g, bs = scenario.geometry, scenario.geometry.block_size
     for seq in sorted(cache.sequences, key=lambda s: (s != where.get("seq"), s)):
         state = cache.sequences[seq]
@@ -406,7 +408,7 @@ def _add_values(where: dict, backend: Any, cache, scenario) -> None:
         for layer in range(getattr(scenario, "num_layers", 1)):
             exp = expected_kv(g, state.token_ids[:n], 0, scenario.seed, layer=layer,
                               cache_key=getattr(state, "cache_key", None))
-            got = [backend.gather(pool, table, n).cpu() for pool in (cache.k_cache(layer), cache.v_cache(layer))]
+            got = [reader.gather(pool, table, n).cpu() for pool in (cache.k_cache(layer), cache.v_cache(layer))]
             bad = [(bits(a) != bits(e)).flatten(1).any(1) for a, e in zip(got, exp) if a.shape == e.shape]
             rows = (bad[0] | bad[1]).nonzero().flatten().tolist() if len(bad) == 2 and n else []
             if rows:
