@@ -1260,9 +1260,9 @@ class ManagerMachine(RuleBasedStateMachine):
         the first prefill chunk reserved (written now or later). With a connector, the store holds the
         prompt's first ``stored`` hit-sized blocks (its tokens past the local hit are loaded first), or, a P/D
         prefiller's store (``start``'s ``features`` bit 2), the prompt less a backoff of ``stored - 1`` tokens (none
-        for ``stored`` 0); with ``store_ahead``, the whole prompt (a store shared with other instances, ahead of the device cache):
-        every local hit short of the prompt then meets a load, whose blocks are allocated while the hit's
-        may still sit in the free queue.
+        for ``stored`` 0); with ``store_ahead``, the whole prompt (a store shared with other instances, ahead of
+        the device cache): every local hit short of the prompt then meets a load, whose blocks are allocated while
+        the hit's may still sit in the free queue.
         ``n`` > 1: parallel sampling, ``n`` requests of the prompt admitted in one scheduler step, each's
         first chunk reserved before any is written (one prefill batch): a later one may hit what an earlier
         one cached in this step, whose K/V or recurrent state that step's forward has not written yet

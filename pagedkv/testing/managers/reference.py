@@ -17,7 +17,8 @@ caught by the machine, :mod:`.machine`). It follows vLLM v1's hybrid design
   blocks are adopted (referenced) by the first ``reserve`` or ``load``;
 - a group releases the blocks no later query of the request reads (:meth:`GroupSpec.first_read`);
 - a connector: external tokens past the local hit (whole blocks, or any prefix from a P/D prefiller's store) load
-  into blocks allocated by ``load``, cached only when ``load_done(ok=True)``; a free waits for a pending load and for ``store_done``;
+  into blocks allocated by ``load``, cached only when ``load_done(ok=True)``; a free waits for a pending load and
+  for ``store_done``;
 - drafts get slots but are cached only once accepted (``drop`` truncates the request);
 - beside a Mamba group, the blocks a step's reservation hands out afresh are named for the worker's zeroing
   (``take_zeroed``, as vLLM names them beside Mamba layers); a load's are not: its data lands there first.

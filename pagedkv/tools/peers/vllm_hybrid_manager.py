@@ -109,8 +109,8 @@ def _connector_class():
         """A scheduler-side connector over the machine's store: ``stored[request_id]`` tokens of the prompt are
         held externally; it promises those past the local hit (capped: the prompt less one token, whole scheduler
         blocks, or as it is with ``token_loads``: a P/D prefiller's store, ``NixlConnector``'s remote prefill),
-        records each load plan, and keeps every finished request's blocks for a store (``request_finished_all_groups`` returns
-        ``True``: freed at ``finished_sending``)."""
+        records each load plan, and keeps every finished request's blocks for a store
+        (``request_finished_all_groups`` returns ``True``: freed at ``finished_sending``)."""
 
         def __init__(self, kv_cache_config, block_size: int, token_loads: bool = False) -> None:
             import types
