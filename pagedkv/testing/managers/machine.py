@@ -288,7 +288,7 @@ class ManagerMachine(RuleBasedStateMachine):
         num_blocks *= (len(groups) or ROOMY_ONE_GROUP) if pool_per_group else 1
         config = ManagerConfig(num_blocks, bs, self.windows[window % len(self.windows)], num_layers, self.num_kv_heads,
                                self.head_dim, groups=groups, connector=bool(features & 1),
-                               token_loads=features & 5 == 5,
+                               token_loads=(features & 5) == 5,
                                num_speculative_tokens=MAX_DRAFTS if features & 2 else 0,
                                # whole-prompt admission on half the pools, read off a draw every program
                                # has (so that no other draw moves)

@@ -168,6 +168,7 @@ def _connector_class():
 SLOT_MEMO_SIZE = 8192
 _slot_memo: dict[tuple, tuple] = {}  # (block sizes, start, end, each group's entries read) -> each group's slots
 _slot_tables: dict[tuple, object] = {}  # (block sizes, modes, a step's tokens) -> its MultiGroupBlockTable
+SLOT_TABLES_KEPT = 256  # tables kept (cleared when full)
 
 
 class _SlotMapping:
@@ -222,6 +223,8 @@ class _SlotMapping:
             return [None if slots is None else list(slots) for slots in known]
         table = _slot_tables.get((self.layout, n))
         if table is None:
+            if len(_slot_tables) >= SLOT_TABLES_KEPT:  # each holds a row of MAX_MODEL_LEN entries a group
+                _slot_tables.clear()
             table = _slot_tables[self.layout, n] = self.table_for_tokens(max_num_batched_tokens=max(n, 1))
         table.add_row(tuple(list(t) for t in tables), 0)
         table.commit_block_table(1)
