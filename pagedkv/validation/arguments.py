@@ -75,22 +75,28 @@ def logical_pools(layout: object, **pools: object) -> list[object]:
     return out
 
 
-def with_layout_hint(exc: Exception, layout: object, pools: tuple, check_as_head_major) -> Exception:
-    """``exc`` (a check's refusal of NHD-read pools) with a hint to pass ``layout="HND"`` where the same call
-    passes with every pool of ``pools`` read head-major (``check_as_head_major(views)`` returns without
-    raising): an HND kernel calling a check without ``layout=`` gets its block size read as the head count.
-    ``exc`` itself where ``layout`` was given or the call is refused either way."""
-    from pagedkv.layouts import HND
+def check_in_layout(layout: object, check, **pools: object):
+    """``check(*views)`` over the logical views of ``pools`` in ``layout`` (:func:`logical_pools`), its result.
+    Where the default ``"NHD"`` was read and ``check`` refuses the pools (``ShapeError``, ``BlockIndexError``) but
+    passes them read head-major, the refusal says to pass ``layout="HND"``: an HND kernel calling a check without
+    ``layout=`` gets its block size read as the head count.
 
-    if not (isinstance(layout, str) and layout == "NHD") or not all(
-            isinstance(p, torch.Tensor) and p.dim() == 4 for p in pools):
-        return exc
+    Raises:
+        what :func:`logical_pools` and ``check`` raise.
+    """
+    views = logical_pools(layout, **pools)
     try:
-        check_as_head_major([HND.logical(p) for p in pools])
-    except Exception:  # noqa: BLE001 - refused as HND too: the error stands as it is
-        return exc
-    return type(exc)(f"{exc} (read as head-major pools [num_blocks, num_kv_heads, block_size, head_dim] the call "
-                     f"is valid: pass layout=\"HND\", the layout Capabilities declares)")
+        return check(*views)
+    except (ShapeError, BlockIndexError) as exc:
+        if not (isinstance(layout, str) and layout == "NHD") or not all(
+                isinstance(p, torch.Tensor) and p.dim() == 4 for p in views):
+            raise
+        try:
+            check(*logical_pools("HND", **pools))
+        except Exception:  # noqa: BLE001 - refused as HND too: the error stands as it is
+            raise exc from None
+        raise type(exc)(f"{exc} (read as head-major pools [num_blocks, num_kv_heads, block_size, head_dim] the "
+                        f"call is valid: pass layout=\"HND\", the layout Capabilities declares)") from None
 
 
 def check_cache(name: str, cache: object) -> torch.Tensor:

@@ -17,10 +17,9 @@ import torch
 from pagedkv.validation.arguments import (FP8_DTYPES, as_head_vector, as_scale, check_cache_pair, check_features,
                                check_head_vector, check_ids_in_range, check_int_tensor, check_like_cache,
                                check_num_splits, check_pool_scales, check_scale, check_softcap, check_tensor,
-                               check_window, logical_pools, with_layout_hint)
+                               check_window, check_in_layout)
 from pagedkv.cache.config import DTYPES, blocks_needed
-from pagedkv.errors import (ArgumentTypeError, BlockIndexError, DeviceMismatchError, DTypeMismatchError,
-                            ShapeError)
+from pagedkv.errors import ArgumentTypeError, DeviceMismatchError, DTypeMismatchError, ShapeError
 from pagedkv.validation.levels import validation_level
 
 
@@ -110,15 +109,10 @@ def check_paged_attention(query: object, k_cache: object, v_cache: object, block
         BackendError: a feature in use that ``supported`` does not declare.
         ArgumentValueError: an unknown ``layout``, or one with no view (a copy pair).
     """
-    k_cache, v_cache = logical_pools(layout, k_cache=k_cache, v_cache=v_cache)
-    features = dict(window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-                    k_scale=k_scale, v_scale=v_scale, supported=supported)
-    try:
-        return attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, "full",
-                              **features)
-    except (ShapeError, BlockIndexError) as exc:
-        raise with_layout_hint(exc, layout, (k_cache, v_cache), lambda pools: attention_args(
-            query, *pools, block_tables, seq_lens, query_start_loc, scale, "full", **features)) from None
+    return check_in_layout(layout, lambda k, v: attention_args(
+        query, k, v, block_tables, seq_lens, query_start_loc, scale, "full", window_left=window_left,
+        softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+        supported=supported), k_cache=k_cache, v_cache=v_cache)
 
 
 def attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=None,

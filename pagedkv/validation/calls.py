@@ -33,8 +33,8 @@ import torch
 
 from pagedkv.validation.arguments import (ALL_FEATURES, FP8_DTYPES, TableLike, as_scale, check_cache, check_cache_pair,
                                check_features, check_ids_in_range, check_int_tensor, check_kv_scale, check_length,
-                               check_like_cache, check_no_overlap, check_pool_scales, check_tensor, logical_pools,
-                               with_layout_hint,
+                               check_in_layout, check_like_cache, check_no_overlap, check_pool_scales,
+                               check_tensor,
                                normalize_block_table)
 from pagedkv.validation.attention_arguments import AttentionArgs, attention_args, check_paged_attention
 from pagedkv.cache.config import DTYPES, blocks_needed
@@ -66,12 +66,7 @@ def check_scatter(cache: object, block_table: TableLike, values: object,
         DTypeMismatchError / DeviceMismatchError: ``values`` unlike ``cache``.
         ArgumentValueError: an unknown ``layout``, or one with no view.
     """
-    (cache,) = logical_pools(layout, cache=cache)
-    try:
-        return scatter_args(cache, block_table, values, start)
-    except (ShapeError, BlockIndexError) as exc:
-        raise with_layout_hint(exc, layout, (cache,),
-                               lambda pools: scatter_args(pools[0], block_table, values, start)) from None
+    return check_in_layout(layout, lambda pool: scatter_args(pool, block_table, values, start), cache=cache)
 
 
 def scatter_args(cache: object, block_table: TableLike, values: object, start: object = 0,
@@ -120,12 +115,7 @@ def check_gather(cache: object, block_table: TableLike, seq_len: int, *,
             entries is fine).
         ArgumentValueError: an unknown ``layout``, or one with no view.
     """
-    (cache,) = logical_pools(layout, cache=cache)
-    try:
-        return gather_args(cache, block_table, seq_len)
-    except (ShapeError, BlockIndexError) as exc:
-        raise with_layout_hint(exc, layout, (cache,), lambda pools: gather_args(pools[0], block_table, seq_len)) \
-            from None
+    return check_in_layout(layout, lambda pool: gather_args(pool, block_table, seq_len), cache=cache)
 
 
 def gather_args(cache: object, block_table: TableLike, seq_len: object,
@@ -191,12 +181,8 @@ def check_write_kv(k_cache: object, v_cache: object, key: object, value: object,
         ArgumentTypeError: an fp8 pool without scales, or scales for a non-fp8 pool.
         ArgumentValueError: an unknown ``layout``, or one with no view.
     """
-    k_cache, v_cache = logical_pools(layout, k_cache=k_cache, v_cache=v_cache)
-    try:
-        return write_kv_args(k_cache, v_cache, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale).slots
-    except (ShapeError, BlockIndexError) as exc:
-        raise with_layout_hint(exc, layout, (k_cache, v_cache), lambda pools: write_kv_args(
-            *pools, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale)) from None
+    return check_in_layout(layout, lambda k, v: write_kv_args(k, v, key, value, slot_mapping, k_scale=k_scale,
+                                                              v_scale=v_scale).slots, k_cache=k_cache, v_cache=v_cache)
 
 
 def check_write_overlap(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
