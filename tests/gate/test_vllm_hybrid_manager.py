@@ -72,6 +72,13 @@ def test_slots_are_the_table_positions_in_every_group(layout):
     _release_all(m, [0])
 
 
+def _fresh_cache(cached):
+    """``cached`` (a ``functools.lru_cache`` function) with a cache of its own, empty."""
+    import functools
+
+    return functools.lru_cache(maxsize=cached.cache_info().maxsize)(cached.__wrapped__)
+
+
 def test_slots_come_from_vllms_slot_mapping(monkeypatch):
     """The slots are what vLLM's worker computes, not a derivation of the block table: with vLLM's
     ``BlockTable.compute_slot_mapping`` padding every slot, every attention group's slots are the pad."""
@@ -84,7 +91,7 @@ def test_slots_come_from_vllms_slot_mapping(monkeypatch):
         self.slot_mapping.gpu.fill_(-1)
 
     monkeypatch.setattr(BlockTable, "compute_slot_mapping", pad_only)
-    monkeypatch.setattr(vm, "_slot_memo", {})  # what earlier tests' launches answered
+    monkeypatch.setattr(vm, "_vllm_slots", _fresh_cache(vm._vllm_slots))  # not what earlier tests' launches answered
     m.admit(0, [1, 2, 3])
     assert m.reserve(0, [1, 2, 3]) == ([-1, -1, -1], [-1, -1, -1])
 
@@ -96,7 +103,7 @@ def test_a_kept_slot_mapping_is_one_for_the_same_positions_and_entries_read(monk
     from pagedkv.tools.peers import vllm_hybrid_manager as vm
     from vllm.v1.worker.block_table import BlockTable
 
-    monkeypatch.setattr(vm, "_slot_memo", {})
+    monkeypatch.setattr(vm, "_vllm_slots", _fresh_cache(vm._vllm_slots))
     launches = []
     compute = BlockTable.compute_slot_mapping
 

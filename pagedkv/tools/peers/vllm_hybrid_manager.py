@@ -164,24 +164,52 @@ def _connector_class():
     return FakeConnector
 
 
-#: Slot mappings :class:`_SlotMapping` keeps, over every manager of a process (cleared when full).
+#: Slot mappings kept over every manager of a process (the least recently used dropped first).
 SLOT_MEMO_SIZE = 8192
-_slot_memo: dict[tuple, tuple] = {}  # (block sizes, start, end, each group's entries read) -> each group's slots
-_slot_tables: dict[tuple, object] = {}  # (block sizes, modes, a step's tokens) -> its MultiGroupBlockTable
-SLOT_TABLES_KEPT = 256  # tables kept (cleared when full)
+
+
+@functools.lru_cache(maxsize=256)
+def _block_table(block_sizes: tuple[int, ...], modes: tuple, num_tokens: int, device):
+    """vLLM's worker-side ``MultiGroupBlockTable`` for one request row and steps of ``num_tokens`` tokens (a full
+    batch: ``max_num_batched_tokens`` is the step's tokens, so the kernel's last program pads no slot)."""
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+
+    return MultiGroupBlockTable(max_num_reqs=1, max_num_batched_tokens=max(num_tokens, 1), pin_memory=False,
+                                device=device, block_sizes=list(block_sizes),
+                                max_num_blocks=[math.ceil(MAX_MODEL_LEN / bs) + 1 for bs in block_sizes],
+                                slot_mapping_modes=list(modes))
+
+
+@functools.lru_cache(maxsize=SLOT_MEMO_SIZE)
+def _vllm_slots(block_sizes: tuple[int, ...], modes: tuple, device, start: int, end: int,
+                entries: tuple[tuple[int, ...] | None, ...]) -> tuple[tuple[int, ...] | None, ...]:
+    """Each group's slots of positions ``start..end`` from vLLM's ``compute_slot_mapping`` (its Triton kernel),
+    ``entries`` each group's table entries up to the block of position ``end - 1``: all the kernel reads (``None``
+    for a state group, which has no slot mapping)."""
+    import torch
+
+    n = end - start
+    table = _block_table(block_sizes, modes, n, device)
+    table.add_row(tuple(list(e or ()) for e in entries), 0)
+    table.commit_block_table(1)
+    table.compute_slot_mapping(1, torch.tensor([0, n], dtype=torch.int32, device=device),
+                               torch.arange(start, end, dtype=torch.int64, device=device))
+    table.clear_row(0)
+    return tuple(None if e is None else tuple(bt.slot_mapping.gpu[:n].tolist())
+                 for bt, e in zip(table.block_tables, entries))
 
 
 class _SlotMapping:
-    """vLLM's worker-side ``MultiGroupBlockTable`` for one request row: ``slots(tables, start, end)`` is each
-    group's ``slot_mapping`` for positions ``start..end`` (``compute_slot_mapping``, vLLM's Triton kernel).
+    """vLLM's worker-side block table for one request row: ``slots(tables, start, end)`` is each group's
+    ``slot_mapping`` for positions ``start..end`` (``compute_slot_mapping``, vLLM's Triton kernel).
 
-    One table per step size, built with ``max_num_batched_tokens`` equal to the step's tokens (a full batch):
-    the kernel's last program pads the slot mapping from the step's tokens to ``max_num_batched_tokens``, which
-    nothing here reads, and in Triton's interpreter a 4,096-token pad cost more than the slots themselves.
-    The kernel reads only the positions and the table entries they fall in, so its answer is kept per those
-    (:data:`SLOT_MEMO_SIZE` of them, shared by the managers a search builds): a search asks the same ones again
-    and again (two of three launches in a ``qwen3-next-fine`` search), and the machine judges every slot returned
-    either way."""
+    The table is built per step size with ``max_num_batched_tokens`` equal to the step's tokens
+    (:func:`_block_table`): the kernel's last program pads the slot mapping from the step's tokens to
+    ``max_num_batched_tokens``, which nothing here reads, and in Triton's interpreter a 4,096-token pad cost more
+    than the slots themselves. The kernel reads only the positions and the table entries they fall in, so its
+    answer is kept per those (:func:`_vllm_slots`, shared by the managers a search builds): a search asks the same
+    ones again and again (two of three launches in a ``qwen3-next-fine`` search), and the machine judges every slot
+    returned either way."""
 
     def __init__(self, groups: Sequence[GroupSpec], max_tokens: int) -> None:
         import torch
@@ -193,50 +221,26 @@ class _SlotMapping:
         from pagedkv.tools.peers.vllm import _real_triton_in_vllm
         try:
             _real_triton_in_vllm()
-            from vllm.v1.worker.block_table import MultiGroupBlockTable, SlotMappingMode
+            from vllm.v1.worker.block_table import SlotMappingMode
         except ImportError as exc:
             raise BackendUnavailableError(f"vLLM's worker block table does not import ({exc}); install: "
                                           f"{RECIPE}") from exc
         wrap_interpreted_launches()
-        self.torch = torch
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.modes = [SlotMappingMode.NONE if g.kind == "mamba" else SlotMappingMode.TOKEN_TO_KV_SLOT
-                      for g in groups]
+        self.modes = tuple(SlotMappingMode.NONE if g.kind == "mamba" else SlotMappingMode.TOKEN_TO_KV_SLOT
+                           for g in groups)
+        self.block_sizes = tuple(g.block_size for g in groups)
         self.max_tokens = max_tokens
-        self.block_sizes = [g.block_size for g in groups]
-        self.table_for_tokens = functools.partial(
-            MultiGroupBlockTable, max_num_reqs=1, pin_memory=False, device=self.device,
-            block_sizes=[g.block_size for g in groups],
-            max_num_blocks=[math.ceil(MAX_MODEL_LEN / g.block_size) + 1 for g in groups],
-            slot_mapping_modes=self.modes)
-        self.layout = (tuple(self.block_sizes), tuple(mode.value for mode in self.modes))
 
     def slots(self, tables: Sequence[Sequence[int]], start: int, end: int) -> list[list[int] | None]:
         """Each group's slots of positions ``start..end`` (``None`` for a state group)."""
-        torch, n = self.torch, end - start
+        n = end - start
         if not 0 <= n <= self.max_tokens:
             raise ValueError(f"a step of {n} tokens (positions {start}..{end}): 0 to {self.max_tokens} fit")
-        key = (self.layout, start, end, *(None if mode.value == "none" else tuple(t[:-(-end // bs)])
-                                          for t, mode, bs in zip(tables, self.modes, self.block_sizes)))
-        known = _slot_memo.get(key)
-        if known is not None:
-            return [None if slots is None else list(slots) for slots in known]
-        table = _slot_tables.get((self.layout, n))
-        if table is None:
-            if len(_slot_tables) >= SLOT_TABLES_KEPT:  # each holds a row of MAX_MODEL_LEN entries a group
-                _slot_tables.clear()
-            table = _slot_tables[self.layout, n] = self.table_for_tokens(max_num_batched_tokens=max(n, 1))
-        table.add_row(tuple(list(t) for t in tables), 0)
-        table.commit_block_table(1)
-        table.compute_slot_mapping(1, torch.tensor([0, n], dtype=torch.int32, device=self.device),
-                                   torch.arange(start, end, dtype=torch.int64, device=self.device))
-        table.clear_row(0)
-        got = [None if mode.value == "none" else bt.slot_mapping.gpu[:n].tolist()
-               for bt, mode in zip(table.block_tables, self.modes)]
-        if len(_slot_memo) >= SLOT_MEMO_SIZE:
-            _slot_memo.clear()
-        _slot_memo[key] = tuple(None if slots is None else tuple(slots) for slots in got)
-        return got
+        entries = tuple(None if mode.value == "none" else tuple(t[:-(-end // bs)])
+                        for t, mode, bs in zip(tables, self.modes, self.block_sizes))
+        return [None if slots is None else list(slots)
+                for slots in _vllm_slots(self.block_sizes, self.modes, self.device, start, end, entries)]
 
 
 def _scheduler_class():
