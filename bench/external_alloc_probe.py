@@ -73,7 +73,8 @@ def _run(args: list[str], cwd: Path, log: Path) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tests", type=Path, required=True, help="a scratch copy of vLLM's tests (holds tests/v1/core)")
+    parser.add_argument("--tests", type=Path, required=True,
+                        help="a scratch copy of vLLM's tests (holds tests/v1/core)")
     parser.add_argument("--deselect", type=Path, help="node ids to leave out of vLLM's tests, one a line")
     parser.add_argument("--workers", default="2", help="pytest -n for both runs (default 2)")
     args = parser.parse_args(argv)
