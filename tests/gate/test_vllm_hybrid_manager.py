@@ -1300,3 +1300,108 @@ def test_an_unpin_that_leaks_its_blocks_is_caught(monkeypatch):
     monkeypatch.setattr(BlockPool, "unpin_blocks", leak)
     steps = _gate(("hisparse",), 25)
     assert steps is not None and "free queue" in steps.error, steps and steps.error
+
+
+def _hisparse_with_evicted_indexer(prompt):
+    """HiSparse with the offloading connector: ``prompt`` served and stored, then its indexer blocks evicted from
+    the device while the host tier keeps its latent pages (the state an indexer-only offload completes)."""
+    m = _manager("hisparse", num_blocks=12, connector=True)
+    _prefill(m, 0, prompt)
+    m.free(0)
+    m.store_done(0)
+    tables, hit = m.admit(1, prompt)
+    m.free(1)
+    m.store_done(1)
+    m.pool.evict_blocks(set(tables[1]))
+    return m, hit
+
+
+def test_hisparse_loads_the_indexer_beneath_the_host_tiers_pages():
+    """vLLM's ``OffloadingConnector`` under HiSparse loads past the local hit only as far as the host tier's hit
+    (``_max_loadable_tokens``): the load writes the indexer's new blocks and leaves the latent pages the host tier
+    kept (``-1``, ``capabilities.loads_keep_held``); once it lands the request is scheduled again (vLLM's empty
+    computed blocks passed, the coordinator's tracked-request branch) and reads every token through its tables."""
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2, 3]
+    m, hit = _hisparse_with_evicted_indexer(prompt)
+    assert hit == 8
+    tables, local = m.admit(2, prompt, num_stored=8)
+    assert local == 0 and m.num_external(2) == 8, (local, m.num_external(2))
+    latent, indexer = m.load(2)
+    assert latent == [-1] * 8, latent
+    table = m.block_table(2)
+    assert [s // BS for s in indexer[::BS]] == table[1][:4], (indexer, table)
+    assert all(b >= m.host_base for b in table[0]), table  # the latent pages read from the host tier
+    m.load_done(2, True)
+    slots = m.reserve(2, prompt[8:])
+    assert slots is not None and len(slots[0]) == 1, slots
+    m.commit(2, len(prompt))
+    _release_all(m, [2])
+
+
+def test_hisparse_store_holds_the_indexer_alone():
+    """A finished request waits for its store (``request_finished`` delays the free), which reads the indexer group
+    alone (``capabilities.stored_groups``); its blocks return at ``store_done``."""
+    m = _manager("hisparse", num_blocks=12, connector=True)
+    assert m.capabilities.stored_groups == (1,) and m.capabilities.loads_keep_held
+    _prefill(m, 0, [1, 2, 3, 4, 5])
+    m.free(0)
+    assert m.holds(0)
+    m.store_done(0)
+    assert not m.holds(0)
+    _release_all(m, [])
+
+
+def test_a_load_leaving_new_blocks_unwritten_is_caught(monkeypatch):
+    """``loads_keep_held`` lets a load give ``-1`` only to be judged by the reads: a HiSparse load that also leaves
+    the indexer's newly allocated blocks unwritten fails once the request's tokens are read."""
+    from pagedkv.testing.managers.machine import machine_for
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+    from pagedkv.tools.peers.vllm_hisparse_manager import VllmHiSparseCacheManager
+
+    load = VllmHiSparseCacheManager.load
+
+    def leave_everything(self, request_id):
+        got = load(self, request_id)
+        return None if got is None else tuple([-1] * len(slots) for slots in got)
+
+    monkeypatch.setattr(VllmHiSparseCacheManager, "load", leave_everything)
+    steps = _hisparse_load_program()
+    machine = machine_for(vm.cache_manager, windows=vm.cache_manager_windows, layouts=("hisparse",), name="hisparse")
+    with pytest.raises(AssertionError, match="(?s)request 6 .*reads wrong K"):
+        programs.run_program(machine, steps)
+    monkeypatch.setattr(VllmHiSparseCacheManager, "load", load)
+    programs.run_program(machine, steps)  # the release, the same program
+
+
+def _hisparse_load_program():
+    turn = dict(system=[0], suffix=[], namespace=None, extra=None, image_at=0, tail=0)
+    # a search's program: request 6's load (after the pause's traffic, request 5) restores the indexer beneath two
+    # pages the host tier kept
+    steps = [("start", dict(num_blocks=4, block_size=1, num_layers=2, window=0, layout=0, features=1)),
+             ("system_prompts", dict(prompts=[[0]])),
+             ("serve", dict(turn, tokens=[0], reply=[0])),
+             ("finish_store_rid", dict(rid=0)), ("finish_store_rid", dict(rid=1)),
+             ("serve", dict(turn, tokens=[1], reply=[0])),
+             ("serve", dict(turn, tokens=[0], reply=[0, 0]))]
+    return steps
+
+
+def test_a_load_taking_a_block_no_token_needs_is_caught(monkeypatch):
+    """A load's tables hold the blocks its tokens lie in and no more: the host tier's external allocation taking
+    one block more than its tokens need fails at the load."""
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    from pagedkv.testing.managers.machine import machine_for
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    allocate = SingleTypeKVCacheManager.allocate_external_computed_blocks
+
+    def one_more(self, request_id, num_local_computed_tokens, num_external_computed_tokens, *args, **kwargs):
+        allocate(self, request_id, num_local_computed_tokens, num_external_computed_tokens, *args, **kwargs)
+        if num_external_computed_tokens > 0 and type(self).__name__ == "HiSparseSourceManager":  # the host tier
+            self.req_to_blocks[request_id].extend(self.block_pool.get_new_blocks(1))
+
+    monkeypatch.setattr(SingleTypeKVCacheManager, "allocate_external_computed_blocks", one_more)
+    machine = machine_for(vm.cache_manager, windows=vm.cache_manager_windows, layouts=("hisparse",), name="hisparse")
+    with pytest.raises(AssertionError, match="(?s)request 6: after its load .*a block no token needs"):
+        programs.run_program(machine, _hisparse_load_program())

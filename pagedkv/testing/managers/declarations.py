@@ -54,6 +54,11 @@ QUALIFIERS = {
     "hit_promise without admission": (lambda c: bool(c.hit_promise) and c.admission is None,
                                       "refusals unjudged: a request refused at its first reservation or load (or "
                                       "at admit) escapes the hit promise"),
+    "loads_keep_held": (lambda c: bool(c.loads_keep_held and c.connector),
+                        "a connector load leaves unwritten the tokens whose blocks a group's longer hit holds (a host "
+                        "tier's pages), judged as the reads find them"),
+    "stored_groups": (lambda c: c.stored_groups is not None and bool(c.connector),
+                      "a freed request waiting for its store holds only the groups the store reads"),
     "retention_interval": (lambda c: c.retention_interval is not None,
                            "sparse prefix-cache retention: a window group caches only the blocks a kept boundary "
                            "needs"),

@@ -303,6 +303,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.caps = self.m.capabilities
         if self.capabilities_seen is not None:
             self.capabilities_seen.setdefault(repr(self.caps), [self.caps, 0])[1] += 1
+        self.num_blocks = config.num_blocks
         if self.pools_seen is not None:
             self.pools_seen.add(config.num_blocks)
         assert self.probed_misuse is None or bool(self.caps.misuse) == self.probed_misuse, \
@@ -624,10 +625,20 @@ class ManagerMachine(RuleBasedStateMachine):
 
     # -- the model of the free queue, the hit promise and in-flight reads ------------------------------
     def settle(self, rid: int) -> None:
-        """A deferred free whose last pending step, load or store completed happens now."""
+        """A deferred free whose last pending step, load or store completed happens now; one left waiting for its
+        store alone holds what the store reads (:meth:`hold_for_store`)."""
         if rid in self.zombies and not self.zombies[rid].pending():
             del self.zombies[rid]
             assert not self.m.holds(rid), f"request {rid} is still held after its free completed"
+        elif rid in self.zombies:
+            self.hold_for_store(self.zombies[rid])
+
+    def hold_for_store(self, req: Request) -> None:
+        """A freed request waiting for its store alone (no load, no step in flight) holds only the blocks of the
+        groups the store reads (``capabilities.stored_groups``; every group where ``None``)."""
+        stored = self.caps.stored_groups
+        if stored is not None and req.storing and req.loading is None and not req.in_flight:
+            req.table = tuple(table if g in stored else [] for g, table in enumerate(req.table))
 
     def tables(self) -> list[tuple[int, tuple]]:
         """``(request, its block tables)`` of every adopted live request and every deferred free."""
@@ -1198,13 +1209,39 @@ class ManagerMachine(RuleBasedStateMachine):
         # adopted: it stays in the free queue, where the load's own allocation may take it (what it cached evicted)
         tables = self.m.block_table(rid)
         hits = [b for b in hits if any(b in t[:-(-cached // self.gbs[g])] for g, t in enumerate(tables))]
+        # (capabilities.loads_keep_held) a token the load leaves as its group's longer hit holds it: that block is a
+        # hit the load adopts, not one handed out afresh, and the load writes nothing there
+        kept = self.kept_by_load(slots, tables, cached)
+        hits += sorted(kept - set(hits))
         self.account(before, f"load of request {rid}", hits=hits, moves=self.cow_moves(), loading=req)
         self.check_slots(rid, slots, cached, external, "load",
                          lambda g, i: self.groups[g].first_read(end) > cached + i or (
-                             self.groups[g].kind == "mamba" and i < external - 1))
+                             self.groups[g].kind == "mamba" and i < external - 1) or (
+                             self.caps.loads_keep_held and self.held_at(tables[g], g, cached + i)))
+        # a load takes the blocks its tokens lie in and no more (vLLM's allocate_external_computed_blocks: a block
+        # taken past them is a block no token of the request needs yet); a Mamba group's state blocks are its own
+        lookahead = self.caps.lookahead if self.speculative else 0
+        for g, table in enumerate(self.m.block_table(rid)):
+            need = -(-(end + lookahead) // self.gbs[g])
+            assert self.groups[g].kind == "mamba" or len(table) <= need, \
+                f"request {rid}: after its load of tokens {cached}..{end - 1}, group {g}'s block table {table} " \
+                f"holds {len(table)} blocks, past the {need} its tokens lie in (a block no token needs)"
         req.loading = (cached, tuple(list(s) for s in slots))
         req.table = self.m.block_table(rid)
         return True
+
+    def held_at(self, table: list[int], g: int, position: int) -> bool:
+        """Group ``g``'s table holds a block for token ``position``."""
+        i = position // self.gbs[g]
+        return i < len(table) and table[i] >= 0
+
+    def kept_by_load(self, slots: tuple, tables: tuple, start: int) -> set[int]:
+        """The blocks a load starting at token ``start`` leaves unwritten under ``capabilities.loads_keep_held``:
+        those its ``-1`` slots lie in where the group's table holds a block."""
+        if not self.caps.loads_keep_held:
+            return set()
+        return {tables[g][(start + i) // self.gbs[g]] for g, group_slots in enumerate(slots)
+                for i, slot in enumerate(group_slots) if slot < 0 and self.held_at(tables[g], g, start + i)}
 
     def judge_now(self) -> None:
         """Run every invariant now, as after a step of the program: a rule that runs several scheduler steps (a
@@ -1237,6 +1274,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if req.pending():
             req.table = self.m.block_table(rid) if req.adopted else tuple([] for _ in self.groups)
             self.zombies[rid] = req
+            self.hold_for_store(req)
         self.m.free(rid)
         if not req.pending():
             assert not self.m.holds(rid), f"request {rid} is still held after free"
@@ -1677,6 +1715,14 @@ class ManagerMachine(RuleBasedStateMachine):
         for rid in sorted(r for r, q in self.zombies.items() if q.storing):
             self.finish_store_rid(rid)
         if self.total is None:
+            # no free count to size the traffic by: the largest request the pool admits (its groups' blocks of
+            # num_blocks shared, ``stored`` - 1 more), down to one block, each refused one taking nothing
+            for n in range(self.num_blocks // len(self.groups) + stored - 1, 0, -1):
+                rid = self.next_id
+                if self.pressure(n):
+                    if rid in self.zombies and self.zombies[rid].storing:
+                        self.finish_store_rid(rid)
+                    break
             return stored * self.bs
 
         def ahead_of_conversation() -> int | None:  # free blocks the queue model holds ahead of its last release
@@ -1709,15 +1755,18 @@ class ManagerMachine(RuleBasedStateMachine):
         # for it come from the queue's front
         return (stored + -(-ahead * self.gbs[0] // self.bs)) * self.bs
 
-    def pressure(self, n):
+    def pressure(self, n) -> bool:
         """Memory pressure: a request of ``n`` blocks of every group's size, prompt tokens no other request
         has, prefilled in one step and finished: the free queue's front ``n`` blocks per group are handed
-        out (what they cached evicted, in the order the manager promises) and come back holding its prefix."""
+        out (what they cached evicted, in the order the manager promises) and come back holding its prefix.
+        ``False``: the request was refused (nothing taken)."""
         rid = self.new_id()
         tokens, history = [1000 + rid] + [0] * (n * self.bs - 1), self.history
-        if self.admit(rid, tokens, None, {}, len(tokens), True):
+        admitted = self.admit(rid, tokens, None, {}, len(tokens), True)
+        if admitted:
             self.release(rid)
         self.history = history  # not a conversation to continue
+        return admitted
 
     @rule(rid=consumes(reqs))
     def free(self, rid):
@@ -1786,9 +1835,11 @@ class ManagerMachine(RuleBasedStateMachine):
         tail, say, while the full group's stays)."""
         self.log("evict", n=n, by_allocation=by_allocation)
         if by_allocation and self.caps.eviction_order == "lru" and self.model_known and self.total is not None:
-            return self.pressure(-(-(max(0, self.total - len(self.ever_used)) + n) // len(self.groups)))
+            self.pressure(-(-(max(0, self.total - len(self.ever_used)) + n) // len(self.groups)))
+            return
         if by_allocation:
-            return self.pressure(2 * n)
+            self.pressure(2 * n)
+            return
         evicted = self.m.evict(n)
         if evicted is None:
             self.model_known = False

@@ -368,6 +368,17 @@ class ManagerCapabilities:
             (vLLM's ``NixlConnector`` loads the prompt less ``_prefill_backoff()`` tokens past the local hit, the
             backoff 0 for attention, 1 beside a Mamba group), an LMCache chunk saved unfull. Without it the
             machine's store holds whole blocks (an offloading store's).
+        loads_keep_held: a connector load may leave a group's token unwritten where the request's table already
+            holds its block from a longer hit of that group than the agreed one (vLLM's HiSparse: the host tier keeps
+            the latent pages past an indexer block evicted from the device, and ``OffloadingConnector`` loads only
+            the indexer group there, bounded by the host tier's hit): ``load`` gives such a token's slot as ``-1``;
+            the machine writes nothing there (nor a failed load's garbage) and judges the block as every read
+            finds it. Without it a load writes every token of every group that holds a block for it.
+        stored_groups: with a connector, the groups whose blocks a freed request's store reads (vLLM's
+            ``OffloadingConnector`` under HiSparse: the indexer group alone, ``get_offloading_group_ids``): until
+            ``store_done`` the machine keeps the request's blocks of these groups from anyone else, and takes the
+            others as released at the free (a HiSparse latent page copied to the host tier, its device copy
+            unpinned, may be handed out). ``None``: every group's.
     """
 
     block_size: int
@@ -403,6 +414,8 @@ class ManagerCapabilities:
     cached_prompt: bool = False
     zeroes_new_blocks: bool = False
     token_loads: bool = False
+    loads_keep_held: bool = False
+    stored_groups: tuple[int, ...] | None = None
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""

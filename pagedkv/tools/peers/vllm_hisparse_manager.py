@@ -23,6 +23,17 @@ once (``release_completed_host_copies``, ``update_spills``), as vLLM's ``_publis
 ``counts()`` is not reported: a page is held in two tiers, which one table entry cannot say. ``self_check``: both
 pools' free queues hold exactly their unreferenced blocks, and every device block's ``ref_cnt`` is what live rows
 pin (indexer rows, pinned resident pages, hot regions, spills in flight).
+
+With ``config.connector``, vLLM's ``OffloadingConnector`` (its scheduler side, built as vLLM's HiSparse tests build
+it) over the machine's store, as a HiSparse deployment pairs it with ``HiSparseConnector`` (a ``MultiConnector``).
+Under HiSparse it offloads the indexer group only (``get_offloading_group_ids``) and loads no further than the host
+tier's own hit (``_max_loadable_tokens``, the latent group bounding): a load restores indexer blocks evicted from
+the device beneath latent pages the host tier still holds. ``allocate_slots`` keeps those host pages (HiSparse's
+latent group ``retains_longer_hit``), the load leaves them as they are (``capabilities.loads_keep_held``: their
+slots ``-1``), and its completion runs ``HiSparseConnectorScheduler.update_connector_output``'s
+``finish_host_import``. The request is then scheduled again as vLLM's scheduler schedules a request whose load
+landed (``empty_kv_cache_blocks`` passed as its computed blocks). A freed request's blocks wait for its store
+(``request_finished`` delays the free to ``finished_sending``) and for a load still in flight.
 """
 
 from __future__ import annotations
@@ -36,6 +47,39 @@ from pagedkv.tools.peers.vllm_manager import MAX_MODEL_LEN, VllmCacheManager, _i
 HOST_BLOCKS_PER_DEVICE_BLOCK = 2
 #: Hot-region blocks per request (``HiSparseHotSpec.blocks_per_request``, as vLLM's tests build it).
 HOT_BLOCKS_PER_REQUEST = 2
+
+
+class _Store:
+    """``OffloadingConnectorScheduler``'s lookup over the machine's store: ``stored[request_id]`` whole blocks of
+    the prompt (less its last token) held externally, offered past ``num_computed_tokens`` up to
+    ``max_num_new_tokens`` (the bound ``OffloadingConnector._max_loadable_tokens`` passes), loaded asynchronously;
+    every finished request is stored (its free delayed to ``finished_sending``)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.stored: dict[str, int] = {}
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens, max_num_new_tokens=None):
+        end = min(self.stored.pop(request.request_id, 0), request.num_tokens - 1)
+        external = max(0, end - end % self.block_size - num_computed_tokens)
+        if max_num_new_tokens is not None:
+            external = min(external, max_num_new_tokens)
+        return external, external > 0
+
+    def request_finished(self, request):
+        return True, None
+
+
+def _offloading_connector(manager, block_size: int):
+    """vLLM's ``OffloadingConnector`` bound to ``manager`` with :class:`_Store` as its scheduler side (as vLLM's
+    ``test_connector_completes_partial_prefix_without_importing_missing_host_kv`` builds it)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+    connector = object.__new__(OffloadingConnector)
+    connector._kv_cache_config = manager.kv_cache_config
+    connector.connector_scheduler = _Store(block_size)
+    connector.bind_kv_cache_manager(manager)
+    return connector
 
 
 class VllmHiSparseCacheManager(VllmCacheManager):
@@ -89,17 +133,91 @@ class VllmHiSparseCacheManager(VllmCacheManager):
         self.settled: dict[int, int] = {}  # request -> tokens whose step completed (the in-flight count's basis)
         self.steps: dict[int, list] = {}  # request -> the worker's work of its steps not yet completed
         self.full_sequence_must_fit = False
-        self.capabilities = ManagerCapabilities(block_size=bs, groups=groups, extra_keys=True, owns_pools=True)
+        self.connector = _offloading_connector(self.manager, bs) if config.connector else None
+        self.external: dict[int, int] = {}  # request -> external tokens the connector promised
+        self.loading: dict[int, int] = {}  # request -> its local hit, while its load is in flight
+        self.waits: dict[int, tuple[set, object]] = {}  # freed request -> (what its free waits for, the request)
+        self.landed: set[int] = set()  # loaded requests not yet scheduled again (their blocks held, none pending)
+        self.capabilities = ManagerCapabilities(block_size=bs, groups=groups, extra_keys=True, owns_pools=True,
+                                                connector=config.connector, loads_keep_held=config.connector,
+                                                # the store reads the indexer: get_offloading_group_ids
+                                                stored_groups=(1,) if config.connector else None)
 
     def admit(self, request_id: int, token_ids: Sequence[int], namespace: Hashable = None,
-              extra_keys: Sequence[ExtraKey] = ()):
+              extra_keys: Sequence[ExtraKey] = (), *, num_stored: int = 0):
         request = self._request(request_id, token_ids, namespace, extra_keys)
         blocks, num_cached, _ = self.manager.get_computed_blocks(request)
         request.num_computed_tokens = 0
         self.requests[request_id] = request
         self.pending[request_id] = (blocks, num_cached)
         self.settled[request_id] = num_cached
+        if self.connector is not None:  # hits are whole blocks here: no partial local tail to trim
+            self.connector.connector_scheduler.stored[request.request_id] = num_stored
+            self.external[request_id], _ = self.connector.get_num_new_matched_tokens(request, num_cached)
         return self.block_table(request_id), num_cached
+
+    # -- the connector ----------------------------------------------------------------------------------
+    def num_external(self, request_id: int) -> int:
+        return self.external.get(request_id, 0)
+
+    def load(self, request_id: int):
+        """``allocate_slots`` for the local hit and the external tokens with ``delay_cache_blocks``: the indexer's
+        slots of the external tokens, the latent group's ``-1`` where the host tier's hit kept the page."""
+        request = self.requests[request_id]
+        blocks, num_local = self.pending[request_id]
+        num_external = self.external[request_id]
+        got = self.manager.allocate_slots(request, 0, num_new_computed_tokens=num_local, new_computed_blocks=blocks,
+                                          num_external_computed_tokens=num_external, delay_cache_blocks=True,
+                                          skip_zeroing_group_ids=self.connector.get_loaded_kv_cache_group_ids(request))
+        if got is None:
+            return None
+        host_hit = blocks.get_block_ids()[0]
+        del self.pending[request_id]
+        end = num_local + num_external
+        request.num_computed_tokens = self.settled[request_id] = end  # no step: a load
+        self.loading[request_id] = num_local
+        bs = self.block_size
+        host_row = self.latent.req_to_blocks[request.request_id]
+        kept = {p for p in range(num_local // bs, -(-end // bs))
+                if p < len(host_hit) and host_row[p].block_id == host_hit[p]}
+        latent, indexer = self.block_table(request_id)
+        return ([-1 if p // bs in kept else latent[p // bs] * bs + p % bs for p in range(num_local, end)],
+                [indexer[p // bs] * bs + p % bs for p in range(num_local, end)])
+
+    def load_done(self, request_id: int, ok: bool) -> int | None:
+        """The load's completion as ``HiSparseConnectorScheduler.update_connector_output`` and the scheduler's
+        ``_update_waiting_for_remote_kv`` take it: ``finish_host_import``, then the loaded blocks cached; a failed
+        load leaves the request at its local hit (``_update_requests_with_invalid_blocks``), cached, or freed where
+        that is none (looked up again at its next step)."""
+        num_local = self.loading.pop(request_id)
+        rid = str(request_id)
+        self.coordinator.finish_host_import(rid, failed=not ok)
+        if request_id in self.waits:  # freed while loading: finished_recving frees its blocks now
+            self.waits[request_id][0].discard("load")
+            self._release(request_id)
+            return None
+        request = self.requests[request_id]
+        self.external[request_id] = 0
+        if not ok:
+            request.num_computed_tokens = self.settled[request_id] = num_local
+        self.pending[request_id] = (self.manager.empty_kv_cache_blocks, 0)  # its next allocate_slots passes them
+        if request.num_computed_tokens:
+            self.manager.cache_blocks(request, request.num_computed_tokens)
+            self.landed.add(request_id)
+            return None
+        self.manager.free(request)  # nothing valid: a new admission with no hit (the local one was none)
+        return 0
+
+    def store_done(self, request_id: int) -> None:
+        if request_id in self.waits:
+            self.waits[request_id][0].discard("store")
+            self._release(request_id)
+
+    def _release(self, request_id: int) -> None:
+        waits, request = self.waits[request_id]
+        if not waits:
+            del self.waits[request_id]
+            self.manager.free(request)
 
     def resume(self, request_id: int):
         raise NotImplementedError("resume: not declared (capabilities.resume is False)")
@@ -108,6 +226,7 @@ class VllmHiSparseCacheManager(VllmCacheManager):
         start = self._allocate(request_id, token_ids)
         if start is None:
             return None
+        self.landed.discard(request_id)
         request, end = self.requests[request_id], start + len(token_ids)
         rid = str(request_id)
         scheduled = [(rid, start, len(token_ids))]
@@ -168,11 +287,19 @@ class VllmHiSparseCacheManager(VllmCacheManager):
         self.pending.pop(request_id, None)
         self.settled.pop(request_id, None)
         self.steps.pop(request_id, None)
-        self.manager.free(request)
+        self.external.pop(request_id, None)
+        self.landed.discard(request_id)
+        if self.connector is None:
+            self.manager.free(request)
+            return
+        delay, _ = self.connector.request_finished_all_groups(request, self.manager.get_block_ids(request.request_id))
+        waits = ({"store"} if delay else set()) | ({"load"} if request_id in self.loading else set())
+        self.waits[request_id] = (waits, request)
+        self._release(request_id)
 
     def block_table(self, request_id: int) -> tuple[list[int], list[int]]:
         rid = str(request_id)
-        if request_id in self.pending:
+        if request_id in self.pending and request_id not in self.landed:
             blocks, num_cached = self.pending[request_id]
             ids = blocks.get_block_ids()
             if not any(ids):
@@ -183,9 +310,20 @@ class VllmHiSparseCacheManager(VllmCacheManager):
             return [self.host_base + b if b else -1 for b in host], self._ids(ids[1])
         host_row = self.latent.req_to_blocks.get(rid, [])
         resident = self.resident.get_residency_row(rid)
+        # a device copy not written yet is read from the host page: a load's pages until it lands, and a page whose
+        # restore (host to device, before the next forward) is planned and not yet acknowledged
+        unwritten = set(range(self.loading[request_id] // self.block_size, len(host_row))
+                        if request_id in self.loading else ())
+        state = self.coordinator.request_states.get(rid)
+        if state is not None:
+            spills = self.coordinator.pending_spills
+            unwritten |= {page for page, spill in state.pending_pages.items()
+                          if spill in spills and spills[spill].restore}
         latent = []
         for page in range(max(len(host_row), len(resident))):
-            if page < len(resident) and not resident[page].is_null:
+            if page in unwritten and page < len(host_row) and not host_row[page].is_null:
+                latent.append(self.host_base + host_row[page].block_id)
+            elif page < len(resident) and not resident[page].is_null:
                 latent.append(resident[page].block_id)
             elif page < len(host_row) and not host_row[page].is_null:
                 latent.append(self.host_base + host_row[page].block_id)
@@ -197,7 +335,8 @@ class VllmHiSparseCacheManager(VllmCacheManager):
         return self.layers[layer]
 
     def holds(self, request_id: int) -> bool:
-        return any(str(request_id) in m.req_to_blocks for m in self.manager.coordinator.single_type_managers)
+        return request_id in self.waits or any(
+            str(request_id) in m.req_to_blocks for m in self.manager.coordinator.single_type_managers)
 
     def counts(self):
         return None
