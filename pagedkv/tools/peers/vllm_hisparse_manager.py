@@ -187,8 +187,12 @@ class VllmHiSparseCacheManager(VllmCacheManager):
     def load_done(self, request_id: int, ok: bool) -> int | None:
         """The load's completion as ``HiSparseConnectorScheduler.update_connector_output`` and the scheduler's
         ``_update_waiting_for_remote_kv`` take it: ``finish_host_import``, then the loaded blocks cached; a failed
-        load leaves the request at its local hit (``_update_requests_with_invalid_blocks``), cached, or freed where
-        that is none (looked up again at its next step)."""
+        load leaves the request at its local hit (``_update_requests_with_invalid_blocks``), cached, or, where that
+        hit is none, frees its blocks (vLLM's ``_update_waiting_for_remote_kv``): it starts again from token 0
+        (the protocol keeps a failed load's new hit to the local one).
+
+        Returns:
+            ``0`` where the request's blocks were freed (held again from its next ``reserve``), else ``None``."""
         num_local = self.loading.pop(request_id)
         rid = str(request_id)
         self.coordinator.finish_host_import(rid, failed=not ok)
