@@ -40,6 +40,9 @@ _PROFILE = pytest.StashKey[str]()
 _CANDIDATES = pytest.StashKey[list]()
 _FAILURE_DIR_EXISTED = pytest.StashKey[bool]()
 _DESELECTED = pytest.StashKey[list]()  # node ids of conformance tests deselected (this process, or every worker)
+_DECLARED = pytest.StashKey[dict]()  # each candidate's declared space as this process first read it
+_DECLARED_ELSEWHERE = pytest.StashKey[list]()  # (who, declared spaces): the workers' reads, gathered
+_MISMATCHES = pytest.StashKey[list]()  # lines naming where those reads differ from the first
 _SPECIALISATIONS = "pagedkv-specialisations"  # per-process tallies, under the run's shared directory
 
 
@@ -208,7 +211,19 @@ def candidates(config: pytest.Config) -> list:
         for message in filter(None, map(misspelled_capabilities, loaded)):  # once, in the warnings summary
             config.issue_config_time_warning(pytest.PytestWarning(f"pagedkv: {message}"), stacklevel=2)
         config.stash[_CANDIDATES] = loaded
+        config.stash[_DECLARED] = _declared_now(loaded)
     return config.stash[_CANDIDATES]
+
+
+def _declared_now(backends: list) -> dict:
+    """:func:`pagedkv.testing.report.declared_spaces`, or ``{}`` where a capabilities read raises (the tests
+    that read them report it)."""
+    from pagedkv.testing.report import declared_spaces
+
+    try:
+        return declared_spaces(backends)
+    except Exception:  # noqa: BLE001 - a candidate's own code: its tests fail with the error
+        return {}
 
 
 def regression_files(config: pytest.Config) -> list[Path]:
@@ -367,8 +382,14 @@ def pytest_deselected(items: list) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: object, error: object) -> None:
     """xdist: a worker's deselected conformance tests, gathered on the controller."""
-    found = getattr(node, "workeroutput", {}).get("pagedkv_deselected", [])
-    node.config.stash.setdefault(_DESELECTED, []).extend(found)
+    output = getattr(node, "workeroutput", {})
+    node.config.stash.setdefault(_DESELECTED, []).extend(output.get("pagedkv_deselected", []))
+    if "pagedkv_declared" in output:
+        import json
+
+        worker = output.get("workerid", "a worker")
+        for when, spaces in json.loads(output["pagedkv_declared"]).items():
+            node.config.stash.setdefault(_DECLARED_ELSEWHERE, []).append((f"xdist worker {worker} ({when})", spaces))
 
 
 def _stats(config: pytest.Config, stats: dict) -> dict:
@@ -394,6 +415,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
 
     for line in summary_lines(_stats(config, terminalreporter.stats), candidates(config), impl_spec(config)):
         terminalreporter.write_line(line)
+    from pagedkv.testing.report import failed_tests
+
+    failing = failed_tests(terminalreporter.stats)
+    if failing:  # some record no property verdict (a crashed worker, a fixed case): the counts above miss them
+        shown = ", ".join(f["nodeid"] for f in failing[:3]) + (", ..." if len(failing) > 3 else "")
+        terminalreporter.write_line(f"pagedkv: {len(failing)} failing test(s), each in the JSON verdict's "
+                                    f"failed_tests: {shown}")
     from pagedkv.testing.device_lease import shared_directory, summary_line
 
     from pagedkv.testing import specialisations
@@ -415,13 +443,40 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
         specialisations.write(shared_directory(config, _SPECIALISATIONS), config.workerinput["workerid"])
         config.workeroutput["pagedkv_deselected"] = config.stash.get(_DESELECTED, [])
+        if _CANDIDATES in config.stash:  # the declared space this worker drew its cases from, first and last
+            import json
+
+            config.workeroutput["pagedkv_declared"] = json.dumps(
+                {"first read": config.stash.get(_DECLARED, {}), "at its end": _declared_now(candidates(config))})
     if not is_active(config) or hasattr(config, "workerinput") or config.option.collectonly:
         return
     try:
         _gate_judged(session, exitstatus)
+        _gate_declared_once(session)
     finally:
         _write_verdict(session)
         _drop_empty_failure_dir(config)
+
+
+def _gate_declared_once(session: pytest.Session) -> None:
+    """Fail the run where a candidate's declared space differs between processes or over the run: each process
+    draws its cases from its own read, and the header and the JSON verdict print the controller's first one."""
+    config = session.config
+    if _CANDIDATES not in config.stash:
+        return
+    from pagedkv.testing.report import declaration_mismatches
+
+    reads = [*config.stash.get(_DECLARED_ELSEWHERE, []), ("the run's end", _declared_now(candidates(config)))]
+    mismatches = declaration_mismatches(config.stash.get(_DECLARED, {}), reads)
+    config.stash[_MISMATCHES] = mismatches
+    if mismatches:
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter:
+            reporter.write_line("ERROR: pagedkv: the candidate's declared capabilities differ between reads; the "
+                                "cases were drawn from a space the verdict does not describe:", red=True, bold=True)
+            for line in mismatches:
+                reporter.write_line(f"  {line}", red=True)
+        session.exitstatus = 1
 
 
 def _gate_judged(session: pytest.Session, exitstatus: int) -> None:
@@ -467,7 +522,8 @@ def _write_verdict(session: pytest.Session) -> None:
 
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     write_verdict(Path(path), _stats(config, reporter.stats if reporter else {}), candidates(config), impl_spec(config),
-                  profile=config.stash.get(_PROFILE, "?"), exit_status=int(session.exitstatus))
+                  profile=config.stash.get(_PROFILE, "?"), exit_status=int(session.exitstatus),
+                  declaration_mismatch=config.stash.get(_MISMATCHES, []))
 
 
 def _report_path(config: pytest.Config) -> str:

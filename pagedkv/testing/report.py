@@ -272,7 +272,52 @@ def declared_space(caps: Any) -> dict:
             "non_promises": {name: bound.as_dict() for name, bound in caps.non_promises}}
 
 
-def verdict(stats: dict, backends: list, spec: str | None, *, profile: str = "", exit_status: int = 0) -> dict:
+def declared_spaces(backends: list) -> dict[str, dict]:
+    """Each backend's :func:`declared_space`, by name, as this process reads its capabilities now."""
+    from pagedkv.backends import backend_name
+    from pagedkv.testing.space import capabilities_under_test
+
+    return {backend_name(b): declared_space(capabilities_under_test(b)) for b in backends}
+
+
+def declaration_mismatches(first: dict[str, dict], reads: list[tuple[str, dict]]) -> list[str]:
+    """Where a candidate's declared space differs between the read the header printed (``first``) and a later
+    read (``reads``: ``(who, declared_spaces(...))``, a pytest-xdist worker's or the run's end): one line each, naming
+    the process, the candidate and the fields. The cases are drawn from each process's own read, so a
+    declaration that differs across processes or over time makes the verdict describe a space that was not the
+    one searched."""
+    lines = []
+    for who, spaces in reads:
+        for name, space in spaces.items():
+            declared = first.get(name)
+            if declared is None:
+                continue
+            fields = [f for f in sorted(set(declared) | set(space)) if declared.get(f) != space.get(f)]
+            if fields:
+                lines.append(f"{who}: candidate {name} declared {', '.join(f'{f}={space.get(f)!r}' for f in fields)} "
+                             f"where the run's header read {', '.join(f'{f}={declared.get(f)!r}' for f in fields)}")
+    return lines
+
+
+def failed_tests(stats: dict) -> list[dict]:
+    """Every test that failed or errored, in any phase: ``{"nodeid", "when", "message"}`` (the report's first
+    line). It includes failures that record no property verdict, such as a crashed xdist worker, a fixed case of
+    ``test_limits`` or a test's own assertion."""
+    out = []
+    for key in ("failed", "error"):
+        for report in stats.get(key, ()):
+            nodeid = getattr(report, "nodeid", "")
+            if not nodeid:
+                continue
+            text = str(getattr(report, "longreprtext", "") or getattr(report, "longrepr", "") or "").strip()
+            line = next((ln.strip() for ln in text.splitlines() if ln.strip().startswith("E ")), "")
+            out.append({"nodeid": nodeid, "when": getattr(report, "when", "call"),
+                        "message": (line or (text.splitlines()[-1] if text else ""))[:500]})
+    return out
+
+
+def verdict(stats: dict, backends: list, spec: str | None, *, profile: str = "", exit_status: int = 0,
+            declaration_mismatch: list[str] = ()) -> dict:
     """The run's verdict as JSON data (schema :data:`VERDICT_SCHEMA`; every field in ``docs/gating.md``).
 
     Per candidate: its declared space; the properties passed, judged (passed and failed), failed (each
@@ -287,7 +332,8 @@ def verdict(stats: dict, backends: list, spec: str | None, *, profile: str = "",
 
     records = _records(stats)
     out = {"schema": VERDICT_SCHEMA, "implementation": spec, "profile": profile, "exit_status": exit_status,
-           "passed": exit_status == 0, "deselected": deselected_conformance_tests(stats), "candidates": []}
+           "passed": exit_status == 0 and not declaration_mismatch, "deselected": deselected_conformance_tests(stats),
+           "failed_tests": failed_tests(stats), "declaration_mismatch": list(declaration_mismatch), "candidates": []}
     for backend in backends:
         name = backend_name(backend)
         mine = [r for r in records if r["backend"] == name]

@@ -579,3 +579,41 @@ def test_the_verdict_names_the_conformance_tests_a_selection_left_out(pytester, 
     left_out = verdict["deselected"]
     assert any(f"test_{BATCH_ORDER}[" in n for n in left_out) and not any(f"test_{REFERENCE}[" in n for n in left_out)
     result.stdout.fnmatch_lines([f"pagedkv: {len(left_out)} conformance tests deselected*"])
+
+
+def test_a_declaration_that_differs_in_the_xdist_workers_fails_the_run(pytester, monkeypatch):
+    """Each process draws its cases from its own read of ``capabilities``; the header and the JSON print the
+    controller's. A candidate declaring float16 to the controller and float32 alone to the workers (whose cases
+    then never hold float16) fails the run, naming the field, even with every property green."""
+    worker_only = ("\nimport os\n\ncapabilities = Capabilities(dtypes={'float32'} if os.environ.get('PYTEST_XDIST_WORKER')"
+                   " else {'float32', 'float16'})\n")
+    pytester.makepyfile(candidate=CANDIDATE.format(factor=0.0, drop=False, non_promises="{}", extra="") + worker_only)
+    pytester.makeini("[pytest]\npagedkv_report_json = out/verdict.json\n")
+    monkeypatch.setenv("PAGEDKV_PROFILE", "smoke")
+    monkeypatch.setenv("PAGEDKV_DEVICE", "cpu")
+    monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(pytester.path / "failures"))
+    monkeypatch.delenv("CI", raising=False)
+    result = pytester.runpytest_subprocess("--pyargs", "pagedkv.testing.suite", "--pagedkv-impl",
+                                           str(pytester.path / "candidate.py"), "-k", f"test_{REFERENCE}",
+                                           "-p", "no:cacheprovider", "-n", "1")
+    verdict = json.loads((pytester.path / "out" / "verdict.json").read_text())
+    assert result.ret == 1, result.stdout.str()[-2000:]
+    assert verdict["passed"] is False and verdict["declaration_mismatch"], verdict
+    assert "dtypes=['float32']" in verdict["declaration_mismatch"][0], verdict["declaration_mismatch"]
+    result.stdout.fnmatch_lines(["*declared capabilities differ between reads*"])
+
+
+def test_failed_tests_names_every_failing_test_with_or_without_a_property_record():
+    """A crashed worker or a fixed case records no property verdict: the JSON's ``failed_tests`` still lists it,
+    with the phase and the report's first error line."""
+    from types import SimpleNamespace
+
+    from pagedkv.testing.report import failed_tests
+
+    crashed = SimpleNamespace(nodeid="test_limits.py::test_limits[k]", when="call",
+                              longreprtext="[gw0] node down: worker 'gw0' crashed while running 'test_limits[k]'")
+    checked = SimpleNamespace(nodeid="test_x.py::test_y", when="setup",
+                              longreprtext="def test_y():\nE   AssertionError: query_start_loc refused\nmore")
+    listed = failed_tests({"failed": [crashed], "error": [checked], "passed": [SimpleNamespace(nodeid="ok")]})
+    assert listed == [{"nodeid": crashed.nodeid, "when": "call", "message": crashed.longreprtext},
+                      {"nodeid": checked.nodeid, "when": "setup", "message": "E   AssertionError: query_start_loc refused"}]
