@@ -585,8 +585,8 @@ def test_a_declaration_that_differs_in_the_xdist_workers_fails_the_run(pytester,
     """Each process draws its cases from its own read of ``capabilities``; the header and the JSON print the
     controller's. A candidate declaring float16 to the controller and float32 alone to the workers (whose cases
     then never hold float16) fails the run, naming the field, even with every property green."""
-    worker_only = ("\nimport os\n\ncapabilities = Capabilities(dtypes={'float32'} if os.environ.get('PYTEST_XDIST_WORKER')"
-                   " else {'float32', 'float16'})\n")
+    worker_only = ("\nimport os\n\ncapabilities = Capabilities(\n"
+                   "    dtypes={'float32'} if os.environ.get('PYTEST_XDIST_WORKER') else {'float32', 'float16'})\n")
     pytester.makepyfile(candidate=CANDIDATE.format(factor=0.0, drop=False, non_promises="{}", extra="") + worker_only)
     pytester.makeini("[pytest]\npagedkv_report_json = out/verdict.json\n")
     monkeypatch.setenv("PAGEDKV_PROFILE", "smoke")
@@ -616,4 +616,5 @@ def test_failed_tests_names_every_failing_test_with_or_without_a_property_record
                               longreprtext="def test_y():\nE   AssertionError: query_start_loc refused\nmore")
     listed = failed_tests({"failed": [crashed], "error": [checked], "passed": [SimpleNamespace(nodeid="ok")]})
     assert listed == [{"nodeid": crashed.nodeid, "when": "call", "message": crashed.longreprtext},
-                      {"nodeid": checked.nodeid, "when": "setup", "message": "E   AssertionError: query_start_loc refused"}]
+                      {"nodeid": checked.nodeid, "when": "setup",
+                       "message": "E   AssertionError: query_start_loc refused"}]
