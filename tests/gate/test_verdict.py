@@ -593,6 +593,7 @@ def test_a_declaration_that_differs_in_the_xdist_workers_fails_the_run(pytester,
     monkeypatch.setenv("PAGEDKV_DEVICE", "cpu")
     monkeypatch.setenv("PAGEDKV_FAILURE_DIR", str(pytester.path / "failures"))
     monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # the nested run's controller is no worker
     result = pytester.runpytest_subprocess("--pyargs", "pagedkv.testing.suite", "--pagedkv-impl",
                                            str(pytester.path / "candidate.py"), "-k", f"test_{REFERENCE}",
                                            "-p", "no:cacheprovider", "-n", "1")
