@@ -387,7 +387,7 @@ def pytest_testnodedown(node: object, error: object) -> None:
     if "pagedkv_declared" in output:
         import json
 
-        worker = output.get("workerid", "a worker")
+        worker = getattr(node, "workerinput", {}).get("workerid") or getattr(getattr(node, "gateway", None), "id", "?")
         for when, spaces in json.loads(output["pagedkv_declared"]).items():
             node.config.stash.setdefault(_DECLARED_ELSEWHERE, []).append((f"xdist worker {worker} ({when})", spaces))
 
@@ -472,6 +472,7 @@ def _gate_declared_once(session: pytest.Session) -> None:
     if mismatches:
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter:
+            reporter.line("")  # the cursor may sit after the progress line's "[100%]"
             reporter.write_line("ERROR: pagedkv: the candidate's declared capabilities differ between reads; the "
                                 "cases were drawn from a space the verdict does not describe:", red=True, bold=True)
             for line in mismatches:

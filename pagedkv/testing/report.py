@@ -292,7 +292,8 @@ def declaration_mismatches(first: dict[str, dict], reads: list[tuple[str, dict]]
             declared = first.get(name)
             if declared is None:
                 continue
-            fields = [f for f in sorted(set(declared) | set(space)) if declared.get(f) != space.get(f)]
+            fields = [f for f in sorted(set(declared) | set(space))
+                      if f != "summary" and declared.get(f) != space.get(f)]  # (the summary repeats the fields)
             if fields:
                 lines.append(f"{who}: candidate {name} declared {', '.join(f'{f}={space.get(f)!r}' for f in fields)} "
                              f"where the run's header read {', '.join(f'{f}={declared.get(f)!r}' for f in fields)}")
