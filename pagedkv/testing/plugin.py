@@ -477,7 +477,8 @@ def _gate_declared_once(session: pytest.Session) -> None:
                                 "cases were drawn from a space the verdict does not describe:", red=True, bold=True)
             for line in mismatches:
                 reporter.write_line(f"  {line}", red=True)
-        session.exitstatus = 1
+        if session.exitstatus in (0, 5):  # an interruption or a usage error keeps its own status
+            session.exitstatus = 1
 
 
 def _gate_judged(session: pytest.Session, exitstatus: int) -> None:

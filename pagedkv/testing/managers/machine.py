@@ -1221,11 +1221,11 @@ class ManagerMachine(RuleBasedStateMachine):
         # a load takes the blocks its tokens lie in and no more (vLLM's allocate_external_computed_blocks: a block
         # taken past them is a block no token of the request needs yet); a Mamba group's state blocks are its own
         lookahead = self.caps.lookahead if self.speculative else 0
-        for g, table in enumerate(self.m.block_table(rid)):
-            need = -(-(end + lookahead) // self.gbs[g])
-            assert self.groups[g].kind == "mamba" or len(table) <= need, \
+        for g, table in enumerate(tables):
+            lie_in = -(-(end + lookahead) // self.gbs[g])
+            assert self.groups[g].kind == "mamba" or len(table) <= lie_in, \
                 f"request {rid}: after its load of tokens {cached}..{end - 1}, group {g}'s block table {table} " \
-                f"holds {len(table)} blocks, past the {need} its tokens lie in (a block no token needs)"
+                f"holds {len(table)} blocks, past the {lie_in} its tokens lie in (a block no token needs)"
         req.loading = (cached, tuple(list(s) for s in slots))
         req.table = self.m.block_table(rid)
         return True
