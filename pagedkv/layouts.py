@@ -12,12 +12,14 @@ block_size]`` per kv head). A :class:`PoolLayout` declares that mapping in one o
   visible in the other; nothing is ever copied.
 - **a copy pair**, where no strided view exists (a layout that interleaves elements in a way
   strides cannot express): ``to_storage(logical) -> storage`` and ``to_logical(storage) -> logical``,
-  each returning a new tensor, inverse of each other bit for bit.
+  each returning a new tensor, inverse of each other bit for bit, each block converted on its own
+  (``to_storage(logical)[b]`` is ``to_storage(logical[b:b + 1])[0]``).
 
 :data:`NHD` and :data:`HND` are two instances of the view form. The conformance suite
 (:mod:`pagedkv.testing.cases.memory`) builds pools through ``allocate`` and reads them through
 ``logical`` when the layout is a view; for a copy pair it keeps logical pools and converts around
-each call of the backend (``to_storage`` before, ``to_logical`` copied back after). Storage indexes
+each call of the backend (``to_storage`` before, ``to_logical`` copied back after; past 2**24 slots
+only the blocks holding anything, one at a time). Storage indexes
 blocks along its dim 0 (``storage[b]`` is block ``b``), so block-strided pools (every other block of
 one arena, as ``kv[:, 0]`` of an interleaved K/V tensor) are ``storage[0::2]``.
 """
@@ -42,7 +44,8 @@ class PoolLayout:
             ``[num_blocks, block_size, num_kv_heads, head_dim]`` shape, its dim 0 the blocks; may be
             uninitialized (``torch.empty``: the suite fills it).
         logical: ``storage -> Tensor[num_blocks, block_size, num_kv_heads, head_dim]``, a view (no copy).
-        to_storage, to_logical: the copy form (new tensors, exact inverses), for a layout with no view.
+        to_storage, to_logical: the copy form (new tensors, exact inverses, storage dim 0 the blocks, each
+            block converted on its own), for a layout with no view.
 
     Raises (on construction):
         ValueError: neither form given completely, or both.

@@ -183,7 +183,8 @@ class DeclaredLayout:
       writes lands in the pool the suite compares;
     - any other pool (a copy-pair layout, a pool a property made with ``torch.where``, a library
       cache's): ``to_storage`` of it, and after the call (raised or not) ``to_logical`` of that storage
-      copied back into the pool, so writes, and stray writes, are seen in logical positions.
+      copied back into the pool, so writes, and stray writes, are seen in logical positions (block by
+      block under :data:`~pagedkv.testing.cases.memory.BLOCKWISE_COPY`: the large-pool checks).
 
     Anything that is not a 4-D tensor (a bad argument of a rejection property) is passed as it is, and a
     ``v_cache`` that is the ``k_cache`` tensor reaches the backend as the same storage object (the
@@ -207,11 +208,13 @@ class DeclaredLayout:
                                           [inspect.Parameter("rest", inspect.Parameter.VAR_POSITIONAL),
                                            inspect.Parameter("options", inspect.Parameter.VAR_KEYWORD)])
         key_layout, value_layout = self._layouts
+        from pagedkv.testing.cases.memory import BLOCKWISE_COPY, blockwise_to_logical, blockwise_to_storage
 
         def op(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
             given = dict(bound.arguments)
             copied = []
+            blockwise = BLOCKWISE_COPY.get()
             for arg in _POOL_ARGS[name]:
                 pool = bound.arguments.get(arg)
                 if not isinstance(pool, torch.Tensor) or pool.dim() != 4:
@@ -222,14 +225,18 @@ class DeclaredLayout:
                 layout = value_layout if arg == "v_cache" else key_layout
                 storage = _storage_or_none(layout, pool)
                 if storage is None:
-                    storage = layout.copy_to_storage(pool)
+                    storage = (blockwise_to_storage(layout, pool) if blockwise and not layout.is_view else
+                               layout.copy_to_storage(pool))
                     copied.append((pool, layout, storage))
                 bound.arguments[arg] = storage
             try:
                 return target(*bound.args, **bound.kwargs)
             finally:
                 for pool, layout, storage in copied:
-                    pool.copy_(layout.copy_to_logical(storage))
+                    if blockwise and not layout.is_view:
+                        blockwise_to_logical(layout, storage, pool)
+                    else:
+                        pool.copy_(layout.copy_to_logical(storage))
 
         op.__name__ = getattr(target, "__name__", name)
         setattr(self, name, op)

@@ -9,7 +9,9 @@ head_dim]`` tensor, so every check and reference reads logical positions:
 - a layout declared as a copy pair: the pool is a plain NHD tensor, and the backend's view
   (:class:`pagedkv.testing.space.DeclaredLayout`) converts it with ``to_storage`` before each call
   and copies ``to_logical`` of the result back after it. The same happens to any pool the kit did not
-  build in the layout (a property's ``torch.where`` of a pool, a library ``PagedKVCache`` pool).
+  build in the layout (a property's ``torch.where`` of a pool, a library ``PagedKVCache`` pool). Under
+  :data:`BLOCKWISE_COPY` (the large-pool checks: lazily backed pools of gigabytes) only the blocks
+  holding anything are converted, one at a time (:func:`blockwise_to_storage`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ POOL_LAYOUTS: contextvars.ContextVar[tuple[PoolLayout, PoolLayout]] = contextvar
 #: The library cache's ``CacheConfig.kv_layout`` for the same pools: ``"HND"`` when both pools are
 #: head-major, else ``"NHD"`` (a ``PagedKVCache`` knows no other layout: its pools are converted per call).
 POOL_LAYOUT: contextvars.ContextVar[str] = contextvars.ContextVar("pagedkv_pool_layout", default="NHD")
+#: On while a large-pool check calls the backend: a copy-pair pool is converted block by block, only the
+#: blocks holding anything, so its lazily backed zero pages stay unwritten (a whole conversion writes them all).
+BLOCKWISE_COPY: contextvars.ContextVar[bool] = contextvars.ContextVar("pagedkv_blockwise_copy", default=False)
+#: Elements scanned at once for nonzero bits (:func:`nonzero_blocks`).
+_CHUNK_ELEMENTS = 1 << 26
 
 
 @contextlib.contextmanager
@@ -45,6 +52,16 @@ def pool_layout(layout):
     finally:
         POOL_LAYOUTS.reset(tokens[0])
         POOL_LAYOUT.reset(tokens[1])
+
+
+@contextlib.contextmanager
+def blockwise_copy():
+    """Inside the block a copy-pair pool reaches the backend converted block by block (:data:`BLOCKWISE_COPY`)."""
+    token = BLOCKWISE_COPY.set(True)
+    try:
+        yield
+    finally:
+        BLOCKWISE_COPY.reset(token)
 
 
 def _fill(storage: torch.Tensor, value: float) -> None:
@@ -117,3 +134,62 @@ def storage_of(pool: torch.Tensor) -> torch.Tensor:
         if storage is not None:
             return storage
     return pool
+
+
+def nonzero_blocks(memory: torch.Tensor) -> list[int]:
+    """The indices along dim 0 of ``memory`` (a pool or its storage: dim 0 the blocks) of the blocks holding
+    any nonzero bit (``-0.0`` included). Chunks are scanned as raw words first: reading fresh zero pages
+    maps no memory, so a lazily backed pool of gigabytes costs the pages written."""
+    if memory.shape[0] == 0 or memory[0].numel() == 0:
+        return []
+    step = max(1, _CHUNK_ELEMENTS // memory[0].numel())
+    found: list[int] = []
+    for first in range(0, memory.shape[0], step):
+        chunk = memory[first:first + step]
+        raw = chunk.reshape(-1).view(torch.uint8)  # a copy only where the chunk is not contiguous
+        words = raw.view(torch.int64) if raw.numel() % 8 == 0 and raw.data_ptr() % 8 == 0 else raw
+        if bool(words.any()):
+            flags = raw.view(chunk.shape[0], -1).ne(0).any(-1)
+            found += [first + int(i) for i in torch.nonzero(flags).flatten().tolist()]
+    return found
+
+
+def blockwise_to_storage(layout: PoolLayout, pool: torch.Tensor) -> torch.Tensor:
+    """``layout.to_storage(pool)`` of a copy-pair layout for a pool mostly of zeros: the storage starts as
+    zeros (fresh pages on a CPU) and only the blocks of ``pool`` holding anything are converted, one block
+    at a time. Exact when the pair converts each block on its own and maps a zero block to zero storage
+    (:func:`copy_pair_blockwise_problem` checks both)."""
+    zero = layout.to_storage(torch.zeros((1, *pool.shape[1:]), dtype=pool.dtype, device=pool.device))
+    shape = (pool.shape[0], *zero.shape[1:])
+    storage = (fresh_pages(shape, zero.dtype) if pool.device.type == "cpu" else
+               torch.zeros(shape, dtype=zero.dtype, device=pool.device))
+    for b in nonzero_blocks(pool):
+        storage[b] = layout.to_storage(pool[b:b + 1])[0]
+    return storage
+
+
+def blockwise_to_logical(layout: PoolLayout, storage: torch.Tensor, pool: torch.Tensor) -> None:
+    """Copy ``layout.to_logical(storage)`` into ``pool`` block by block: every block nonzero in either
+    (a block the backend wrote, or one it cleared)."""
+    for b in sorted(set(nonzero_blocks(storage)) | set(nonzero_blocks(pool))):
+        pool[b] = layout.to_logical(storage[b:b + 1])[0]
+
+
+def copy_pair_blockwise_problem(layout: PoolLayout, block_shape, dtype: torch.dtype, device) -> str | None:
+    """Why ``layout`` (a copy pair) cannot be converted block by block (:func:`blockwise_to_storage`), else
+    ``None``: on three blocks of ``block_shape`` ``[block_size, num_kv_heads, head_dim]`` it must convert each
+    block as the whole does (storage ``[b]`` is block ``b``, :mod:`pagedkv.layouts`) and back bit for bit;
+    ``"zero"`` when it maps a zero block to nonzero storage (lazily backed zero pages cannot hold that)."""
+    gen = torch.Generator().manual_seed(0)
+    pool = (torch.rand((3, *block_shape), generator=gen) + 1).to(device=device, dtype=dtype)
+    whole = layout.to_storage(pool)
+    for b in range(3):
+        one = layout.to_storage(pool[b:b + 1])
+        if one.shape[0] != 1 or tuple(one.shape[1:]) != tuple(whole.shape[1:]) or not torch.equal(
+                one[0].reshape(-1).view(torch.uint8), whole[b].reshape(-1).view(torch.uint8)):
+            return f"its to_storage of block {b} alone is not block {b} of the whole pool's storage"
+        if not torch.equal(layout.to_logical(one)[0].reshape(-1).view(torch.uint8),
+                           pool[b].reshape(-1).view(torch.uint8)):
+            return f"its to_logical does not give block {b} back bit for bit"
+    zero = layout.to_storage(torch.zeros((1, *block_shape), dtype=dtype, device=device))
+    return "zero" if bool(zero.reshape(-1).view(torch.uint8).any()) else None

@@ -7,7 +7,8 @@ and backs with memory only where they are written, so a correct backend costs a 
 the whole pool is still checked: the written rows bit for bit, every other row still zero (scanned in
 chunks, no copy). On a GPU the pools are zero-filled, and each check holds a lease on the run's
 device-memory budget (:mod:`pagedkv.testing.device_lease`) for its two pools: under ``-n auto`` a check
-waits for memory another worker holds rather than skipping.
+waits for memory another worker holds rather than skipping. A layout declared as a copy pair reaches the
+backend as storage of the same kind (fresh pages, zeros), only the blocks holding anything converted.
 """
 
 from __future__ import annotations
@@ -18,21 +19,34 @@ import torch
 
 from pagedkv.attention.dense import reference_attention
 from pagedkv.testing.cases.limit import LimitCase
-from pagedkv.testing.cases.memory import POOL_LAYOUTS, new_lazy_pools, new_pools, storage_of
+from pagedkv.testing.cases.memory import (POOL_LAYOUTS, blockwise_copy, copy_pair_blockwise_problem, new_lazy_pools,
+                                          new_pools, nonzero_blocks, storage_of)
 from pagedkv.testing.compare import Mismatch, MissingOp, assert_attention_close, bits, require
 from pagedkv.testing.device_lease import leased
 
-_CHUNK_ELEMENTS = 1 << 26
-
-
 def _pools(case: LimitCase, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lazy (CPU) or zeroed (GPU) logical pools, their storage in the declared layout (a copy-pair layout
-    cannot be converted around each call at this size: skipped)."""
+    """Lazy (CPU) or zeroed (GPU) logical pools, their storage in the declared layout. A copy-pair layout is
+    converted block by block around each call (only the blocks holding anything: the checks call under
+    :data:`~pagedkv.testing.cases.memory.BLOCKWISE_COPY`), once three blocks show the pair converts each
+    block on its own.
+
+    Raises:
+        Mismatch: a copy pair that does not convert block by block (storage ``[b]`` is block ``b``).
+        MissingOp: a copy pair mapping zeros to nonzero storage, or fresh pages that do not read as zeros
+            (``machine_limit``).
+    """
     g = case.geometry
-    copy_form = [layout.name for layout in POOL_LAYOUTS.get() if not layout.is_view]
-    if copy_form:
-        raise MissingOp(f"layout {copy_form[0]} is declared as a copy pair: pools past {case.limit} cannot be "
-                        f"converted on every call (declare it as a view: allocate + logical)", "outside_declared_space")
+    for layout in POOL_LAYOUTS.get():
+        if layout.is_view:
+            continue
+        problem = copy_pair_blockwise_problem(layout, (g.block_size, g.num_kv_heads, g.head_dim), g.torch_dtype,
+                                              device)
+        if problem == "zero":
+            raise MissingOp(f"layout {layout.name} (a copy pair) stores a zero block as nonzero storage: pools past "
+                            f"{case.limit} cannot be held on lazily backed zero pages", "machine_limit")
+        if problem:
+            raise Mismatch(f"layout {layout.name} is declared as a copy pair that does not convert block by block "
+                           f"(storage[b] is block b, pagedkv.layouts): {problem}", {"block": 0})
     shape = (g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim)
     if str(device) == "cpu":
         pools = new_lazy_pools(shape, g.torch_dtype)
@@ -44,25 +58,23 @@ def _pools(case: LimitCase, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return pools
 
 
+def _leased_bytes(case: LimitCase) -> int:
+    """Device bytes a check holds: K and V, and the storage of each pool in a copy-pair layout."""
+    return (2 + sum(not layout.is_view for layout in POOL_LAYOUTS.get())) * case.pool_bytes
+
+
 def _memory(pool: torch.Tensor) -> torch.Tensor:
     """The pool's storage in memory order (its layout's storage tensor, dim 0 the blocks): no copy."""
     return storage_of(pool)
 
 
 def nonzero_slots(pool: torch.Tensor) -> list[int]:
-    """Slots holding anything but zero bits. Chunks of blocks are scanned as 64-bit words first (reading
-    fresh pages maps no memory); only a chunk with a set bit is looked at slot by slot."""
-    memory, bs = _memory(pool), pool.shape[1]
-    step = max(1, _CHUNK_ELEMENTS // (bs * pool.shape[2] * pool.shape[3]))
+    """Slots holding anything but zero bits: the blocks a scan of the raw words finds
+    (:func:`~pagedkv.testing.cases.memory.nonzero_blocks`), then those blocks slot by slot."""
     found = []
-    for first in range(0, pool.shape[0], step):
-        chunk = memory[first:first + step]
-        words = chunk.reshape(-1).view(torch.uint8)
-        words = words.view(torch.int64) if words.numel() % 8 == 0 else words
-        if not bool(words.any()):
-            continue
-        written = (bits(pool[first:first + step]) != 0).flatten(2).any(-1)  # [blocks, block_size]
-        found += [(first + int(b)) * bs + int(o) for b, o in torch.nonzero(written).tolist()]
+    for block in nonzero_blocks(_memory(pool)):
+        written = (bits(pool[block]) != 0).flatten(1).any(-1)  # [block_size]
+        found += [block * pool.shape[1] + int(o) for o in torch.nonzero(written).flatten().tolist()]
     return found
 
 
@@ -70,7 +82,8 @@ def _row(pool: torch.Tensor, slot: int) -> torch.Tensor:
     return pool[slot // pool.shape[1], slot % pool.shape[1]]
 
 
-@leased(lambda case: 2 * case.pool_bytes)  # K and V
+@leased(_leased_bytes)
+@blockwise_copy()
 def write_kv_exact_past_the_limit(backend: Any, case: LimitCase, device: str = "cpu") -> None:
     """``write_kv`` puts each token at its slot past the limit (and in the last blocks) and nowhere else.
 
@@ -104,7 +117,8 @@ def _require_rows_at(pool: torch.Tensor, slots: list[int], rows: torch.Tensor, b
                        f"{unmapped} (float32 or int32 slot arithmetic?)", {"slot": bad, "block": bad // block_size})
 
 
-@leased(lambda case: 2 * case.pool_bytes)  # K and V
+@leased(_leased_bytes)
+@blockwise_copy()
 def attention_past_the_limit(backend: Any, case: LimitCase, device: str = "cpu") -> None:
     """``paged_attention`` over sequences held in the last blocks of the pools equals the fp64 reference.
 
@@ -146,7 +160,8 @@ def _table_past_the_limit(case: LimitCase) -> tuple[list[int], int]:
     return [case.first_slot_past // g.block_size, nb - 2, nb - 1], 2 * g.block_size + max(1, g.block_size // 2)
 
 
-@leased(lambda case: 2 * case.pool_bytes)  # K and V
+@leased(_leased_bytes)
+@blockwise_copy()
 def gather_exact_past_the_limit(backend: Any, case: LimitCase, device: str = "cpu") -> None:
     """``gather`` reads, bit for bit, rows held in the block past the limit and in the last blocks.
 
@@ -174,7 +189,8 @@ def gather_exact_past_the_limit(backend: Any, case: LimitCase, device: str = "cp
                             "slot": table[p // g.block_size] * g.block_size + p % g.block_size})
 
 
-@leased(lambda case: 2 * case.pool_bytes)  # K and V
+@leased(_leased_bytes)
+@blockwise_copy()
 def scatter_exact_past_the_limit(backend: Any, case: LimitCase, device: str = "cpu") -> None:
     """``scatter`` writes each position into its slot past the limit and in the last blocks, and nowhere else.
 
