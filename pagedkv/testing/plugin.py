@@ -470,15 +470,21 @@ def _gate_declared_once(session: pytest.Session) -> None:
     mismatches = declaration_mismatches(config.stash.get(_DECLARED, {}), reads)
     config.stash[_MISMATCHES] = mismatches
     if mismatches:
-        reporter = config.pluginmanager.get_plugin("terminalreporter")
-        if reporter:
-            reporter.line("")  # the cursor may sit after the progress line's "[100%]"
-            reporter.write_line("ERROR: pagedkv: the candidate's declared capabilities differ between reads; the "
-                                "cases were drawn from a space the verdict does not describe:", red=True, bold=True)
-            for line in mismatches:
-                reporter.write_line(f"  {line}", red=True)
+        _error(config, "pagedkv: the candidate's declared capabilities differ between reads; the cases were drawn "
+                       "from a space the verdict does not describe:", mismatches)
         if session.exitstatus in (0, 5):  # an interruption or a usage error keeps its own status
             session.exitstatus = 1
+
+
+def _error(config: pytest.Config, first: str, details: list[str] = ()) -> None:
+    """An ``ERROR:`` line on the terminal, in red, with indented ``details`` below it."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    reporter.line("")  # the cursor may sit after the progress line's "[100%]"
+    reporter.write_line(f"ERROR: {first}", red=True, bold=True)
+    for line in details:
+        reporter.write_line(f"  {line}", red=True)
 
 
 def _gate_judged(session: pytest.Session, exitstatus: int) -> None:
@@ -491,10 +497,7 @@ def _gate_judged(session: pytest.Session, exitstatus: int) -> None:
     stats = reporter.stats if reporter else {}
     problem = judged_problem(stats, impl_spec(config), min_judged(config), SUITE_COMMAND)
     if problem:
-        if reporter:
-            if reporter.verbosity < 0:  # -q leaves the cursor after the progress line's "[100%]"
-                reporter.line("")
-            reporter.write_line(f"ERROR: {problem}", red=True, bold=True)
+        _error(config, problem)
         session.exitstatus = pytest.ExitCode.USAGE_ERROR if "no pagedkv conformance property" in problem else 1
 
 
