@@ -4,15 +4,16 @@ planted fault in it is caught.
 The candidates (``tests/gate/declarable.py``) wrap pagedkv's ``indexed`` ops behind a declared layout (NHD,
 HND, a view ``PoolLayout``, a copy pair, a key/value pair of them), page table (padded, CSR), op subset
 (attention only, ``write_kv`` + attention, all four), dtype subset, block sizes, head dims, features
-(none, some, all) and ``finite_unused_slots`` (on, off). :data:`CONFIGURATIONS` is a covering set: every
-value of every axis appears, each layout with both page tables across the set, rather than the cross
-product. Each runs every registered property through the gate's core
-(:func:`pagedkv.testing.execute.run`, the function the pytest plugin runs per property) with one drawn
-example beside the explicit ones; the properties past 2**24 slots and 2**31 elements (tens of seconds
-each, independent of the layout's code path beyond what the other properties cover) are left to the
-full gate. Each outcome goes through the gate's verdict policy (:func:`pagedkv.testing.verdict.decide`)
-and the judged share is the policy's count (:func:`pagedkv.testing.verdict.count`, what the plugin's
-summary prints); it must reach :data:`TARGET_SHARE`. About 25 s on two cores with ``-n 2``.
+(none, some, all), ``finite_unused_slots`` (on, off) and ``shared_kv_storage`` (on, off: MLA's latent
+cache). :data:`CONFIGURATIONS` is a covering set: every value of every axis appears, each layout with
+both page tables across the set, rather than the cross product. Each runs every registered property
+through the gate's core (:func:`pagedkv.testing.execute.run`, the function the pytest plugin runs per
+property) with one drawn example beside the explicit ones; the properties past 2**24 slots and 2**31
+elements (tens of seconds each, independent of the layout's code path beyond what the other properties
+cover) are left to the full gate. Each outcome goes through the gate's verdict policy
+(:func:`pagedkv.testing.verdict.decide`) and the judged share is the policy's count
+(:func:`pagedkv.testing.verdict.count`, what the plugin's summary prints); it must reach
+:data:`TARGET_SHARE`. About 25 s on two cores with ``-n 2``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ CONFIGURATIONS = {
         ATTEND, "reads_storage_as_nhd"),
     "key-value-pair-padded-all-ops": (
         Capabilities(layout=PACKED_PAIR, dtypes={"bfloat16", "float32"}, **SMALL), ALL_OPS, "write_kv_swaps_pools"),
+    "mla-latent-csr-write-attention": (
+        Capabilities(page_table="csr", shared_kv_storage=True, head_dims_v=Sizes(), dtypes={"float32", "float16"},
+                     **SMALL), WRITE_AND_ATTEND, "write_kv_swaps_pools"),
     "key-value-pair-csr-write-attention-all-features": (
         Capabilities(layout=PACKED_PAIR, page_table="csr", features={"window", "softcap", "alibi", "sinks", "fp8"},
                      preconditions={"finite_unused_slots"}, **SMALL), WRITE_AND_ATTEND, "ignores_last_page_len"),
@@ -115,7 +119,7 @@ def _fixed_invalid_calls(backend, caps) -> dict:
     own property; ``{"judged": n, "skipped": n, "failed": [lines]}``."""
     from pagedkv.testing.cases.case import Case, Geometry, SeqSpec
     from pagedkv.testing.cases.invalid_call import FAULTS, InvalidCall, fault_sites, inexpressible
-    from pagedkv.testing.cases.translate import into_space
+    from pagedkv.testing.cases.translate import as_written_by, into_space
 
     fixed = Case(Geometry(num_blocks=6, block_size=2, num_kv_heads=2, num_queries_per_kv=2),
                  (SeqSpec((4, 1), 3, 2, 1), SeqSpec((0, 3, 5), 5, 1, 0)), values="identity", poison="nan")
@@ -127,8 +131,9 @@ def _fixed_invalid_calls(backend, caps) -> dict:
             tally["skipped"] += 1
             continue
         prop = properties()[f"{op}_rejects_bad_arguments_and_writes_nothing"]
-        verdict = decide(execute.run_case(prop, (backend,), InvalidCall(op, fault, case,
-                                                                          fault_sites(op, fault, case)[-1]), "cpu"))
+        written = as_written_by(op, case)
+        verdict = decide(execute.run_case(prop, (backend,), InvalidCall(op, fault, written,
+                                                                          fault_sites(op, fault, written)[-1]), "cpu"))
         if verdict.status == "failed":
             tally["failed"].append(f"{op}/{fault}: {verdict.message}")
         else:  # a call the gate could not run (the case rejected, an op missing) is not judged

@@ -160,8 +160,7 @@ def into_space(case: Any, caps: Any) -> tuple[Any | None, str]:
         moved, how = into_space(inner, caps)
         if moved is None:
             return None, how
-        if case.op in ("scatter", "write_kv") and moved.layout == "latent":  # a write takes two pools (the contract)
-            moved = dataclasses.replace(moved, layout="contiguous")
+        moved = as_written_by(case.op, moved)
         from pagedkv.testing.cases.invalid_call import fault_sites
 
         if case.seq not in fault_sites(case.op, case.fault, moved):
@@ -188,6 +187,14 @@ def into_space(case: Any, caps: Any) -> tuple[Any | None, str]:
     if moved is None:
         return None, stored
     return moved, _changes(g, moved_geometry) + (f", {stored}" if stored else "")
+
+
+def as_written_by(op: str, case: Case) -> Case:
+    """``case`` as ``op`` takes its pools: a write (``scatter``, ``write_kv``) takes two pools that never overlap
+    (the contract), so a latent case (V a view of K's first columns, MLA) is written as two contiguous pools."""
+    if op in ("scatter", "write_kv") and case.layout == "latent":
+        return dataclasses.replace(case, layout="contiguous")
+    return case
 
 
 def _storage(case: Case, caps: Any) -> tuple[Case | None, str]:
