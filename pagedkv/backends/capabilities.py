@@ -224,6 +224,8 @@ class Capabilities:
             lower (:meth:`rerun_ulps`).
 
     Raises (on construction):
+        TypeError: a size field that is not exactly a :class:`Sizes` (a subclass could draw one space and
+            print another).
         ValueError: an unknown dtype, feature, precondition or layout name; a non-promise without a reason
             or with a malformed bound.
     """
@@ -251,6 +253,13 @@ class Capabilities:
     lse_base: str = "e"
 
     def __post_init__(self) -> None:
+        for name in ("block_sizes", "head_dims", "gqa_groups", "num_kv_heads", "head_dims_v"):
+            sizes = getattr(self, name)
+            # exactly Sizes: what the strategies draw (allows, choose) and what the verdict prints (describe)
+            # must be one declaration, which a subclass overriding either could split
+            if not (type(sizes) is Sizes or (sizes is None and name == "head_dims_v")):
+                raise TypeError(f"Capabilities.{name} must be a pagedkv Sizes (values=, or min=/max=/multiple_of=), "
+                                f"not {type(sizes).__name__}")
         if isinstance(self.nondeterminism_ulp, bool) or not isinstance(self.nondeterminism_ulp, int) or \
                 not 0 <= self.nondeterminism_ulp <= MAX_NONDETERMINISM_ULP:
             raise ValueError(f"Capabilities.nondeterminism_ulp must be an int in [0, {MAX_NONDETERMINISM_ULP}], got "
@@ -350,8 +359,9 @@ class Capabilities:
         if self.split_k:
             parts.append("split-K")
         if self.head_dims_v is not None:
-            parts.append(f"head_dim_v {self.head_dims_v.describe()}"
-                         + (" (V in K's storage)" if self.shared_kv_storage else ""))
+            parts.append(f"head_dim_v {self.head_dims_v.describe()}")
+        if self.shared_kv_storage:
+            parts.append("V in K's storage (shared_kv_storage)")
         if self.lse is not None:
             parts.append(f"LSE {self.lse} base {self.lse_base}")
         if self.preconditions:

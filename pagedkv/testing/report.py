@@ -268,7 +268,10 @@ def declared_space(caps: Any) -> dict:
             "max_pool_bytes": caps.max_pool_bytes, "layout": describe_layout(caps.layout),
             "page_table": caps.page_table, "strided_pools": caps.strided_pools,
             "strided_metadata": caps.strided_metadata, "repeated_blocks": caps.repeated_blocks,
-            "split_k": caps.split_k, "features": sorted(caps.features), "preconditions": sorted(caps.preconditions),
+            "split_k": caps.split_k, "head_dims_v": caps.head_dims_v.describe() if caps.head_dims_v else None,
+            "shared_kv_storage": caps.shared_kv_storage, "lse": caps.lse,
+            "specialize_on": sorted(caps.specialize_on) if caps.specialize_on is not None else None,
+            "features": sorted(caps.features), "preconditions": sorted(caps.preconditions),
             "non_promises": {name: bound.as_dict() for name, bound in caps.non_promises}}
 
 

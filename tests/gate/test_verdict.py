@@ -619,3 +619,23 @@ def test_failed_tests_names_every_failing_test_with_or_without_a_property_record
     assert listed == [{"nodeid": crashed.nodeid, "when": "call", "message": crashed.longreprtext},
                       {"nodeid": checked.nodeid, "when": "setup",
                        "message": "E   AssertionError: query_start_loc refused"}]
+
+
+def test_a_size_declaration_is_one_space_for_the_draws_and_the_verdict():
+    """A ``Sizes`` subclass could allow one set to the strategies and describe another in the verdict (allows
+    8 alone, prints "any"): refused. Every declaration that narrows or reshapes the space reaches the summary
+    and the JSON's ``declared_space``."""
+    from pagedkv.backends.capabilities import Capabilities, Sizes
+    from pagedkv.testing.report import declared_space
+
+    class EightOnly(Sizes):
+        def allows(self, n):
+            return n == 8
+
+    with pytest.raises(TypeError, match="Capabilities.head_dims must be a pagedkv Sizes"):
+        Capabilities(head_dims=EightOnly())
+    latent = Capabilities(shared_kv_storage=True, lse="head_major", specialize_on={"head_dim"})
+    assert "V in K's storage" in latent.summary()
+    space = declared_space(latent)
+    assert space["shared_kv_storage"] is True and space["lse"] == "head_major"
+    assert space["specialize_on"] == ["head_dim"] and space["head_dims_v"] is None
