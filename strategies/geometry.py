@@ -15,9 +15,13 @@ HEAD_DIMS = (1, 2, 3, 4, 5, 7, 8)  # small odd head dims where the ops allow the
 REALISTIC_BLOCK_SIZES = (32, 64, 128, 256, 544)
 REALISTIC_HEAD_DIMS = (32, 40, 64, 72, 80, 96, 112, 128, 192, 256, 576)
 REALISTIC_GROUP_SIZES = (8, 16, 17, 48, 64, 71)
-#: KV-head counts of production models past the small ones (Llama 3 8B / 70B, Qwen, Mistral: 8), drawn at small head
-#: dims and groups (a kernel's head tile or head stride wrong from the fourth head on shows there)
+#: KV-head counts of production models past the small ones (Llama 3 8B / 70B, Qwen, Mistral: 8), drawn at GQA groups
+#: up to 7 and head dims up to theirs (a kernel's head tile or head stride wrong from the fourth head on shows at
+#: small head dims; one wrong only at production widths, 8 kv heads of 128, needs both drawn together)
 REALISTIC_KV_HEADS = (4, 8)
+#: The widest head_dim drawn beside :data:`REALISTIC_KV_HEADS` (the wider ones are MLA's latent 576 and
+#: Gemma's 256, models of one or few kv heads).
+REALISTIC_KV_HEADS_MAX_HEAD_DIM = 128
 #: Every value the geometry strategies draw, per specialising parameter (what a palette picks from).
 UNIVERSE = {"block_size": BLOCK_SIZES + REALISTIC_BLOCK_SIZES, "head_dim": HEAD_DIMS + REALISTIC_HEAD_DIMS,
             "gqa_group": GROUP_SIZES + REALISTIC_GROUP_SIZES, "dtype": DTYPES}
@@ -71,11 +75,16 @@ def geometries(draw, *, num_blocks: int | None = None, block_sizes=BLOCK_SIZES, 
     group = pick("gqa_group", group_sizes, REALISTIC_GROUP_SIZES, caps.gqa_groups if caps else None)
     head_dim = pick("head_dim", head_dims, REALISTIC_HEAD_DIMS, caps.head_dims if caps else None)
     kv_heads = draw(sized(tuple(range(1, (1 if group > 7 else max_kv_heads) + 1)),
-                          REALISTIC_KV_HEADS if realistic and group <= 7 and head_dim <= 8 else (),
+                          REALISTIC_KV_HEADS if realistic and group <= 7 and head_dim <= REALISTIC_KV_HEADS_MAX_HEAD_DIM
+                          else (),
                           caps.num_kv_heads if caps else None))
+    # many kv heads of a production width in blocks of hundreds of slots: pools of 100 MB an example, no new code
+    # path; such heads take the small block sizes
+    wide_heads = kv_heads > max(REALISTIC_KV_HEADS[0] - 1, max_kv_heads) and head_dim > max(HEAD_DIMS)
     return Geometry(
         num_blocks=num_blocks if num_blocks is not None else draw(st.integers(1, 12)),
-        block_size=pick("block_size", block_sizes, REALISTIC_BLOCK_SIZES, caps.block_sizes if caps else None),
+        block_size=pick("block_size", block_sizes, () if wide_heads else REALISTIC_BLOCK_SIZES,
+                        caps.block_sizes if caps else None),
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         num_queries_per_kv=group,

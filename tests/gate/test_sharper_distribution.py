@@ -123,3 +123,12 @@ def test_soft_caps_at_most_one_are_drawn_in_half_the_soft_capped_cases_of_a_shor
     caps = [c.softcap for c in _drawn_in_short_runs(cases(features=("softcap",)), 12) if c.softcap > 0]
     small = sum(c <= 1 for c in caps)
     assert len(caps) >= 50 and 0.4 <= small / len(caps) <= 0.75, f"{small} of {len(caps)} soft-caps at most 1"
+
+
+def test_production_kv_head_counts_are_drawn_at_production_head_dims_in_small_blocks():
+    """8 kv heads of width 128 (Llama 3, Mistral, Qwen): a kernel whose head tile is wrong only there is reached,
+    in small blocks (the pools stay a few MB)."""
+    from pagedkv.testing.strategies.geometry import REALISTIC_KV_HEADS, geometries
+
+    geometry = find(geometries(), lambda g: g.num_kv_heads in REALISTIC_KV_HEADS and g.head_dim >= 64, settings=FIND)
+    assert geometry.head_dim <= 128 and geometry.block_size <= 16
