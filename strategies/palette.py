@@ -14,7 +14,8 @@ The palette is seeded by the run (:func:`palette_seed`): fixed under ``ci`` (and
 ``repro``), rotating by the UTC day under ``gpu`` and ``nightly``, ``$PAGEDKV_PALETTE_SEED`` to pin one;
 ``$PAGEDKV_PALETTE=off`` draws freely. Each size always includes its boundary values: the first shape
 holds every parameter's smallest allowed value, the second every largest (each declared dtype is
-drawn as often), and each feature is in a set alone and in the set of all of them. A V width of its own
+drawn as often), the deployed sizes (:data:`DEPLOYED`) come next, and each feature is in a set alone and in
+the set of all of them. A V width of its own
 (:func:`v_width_options`) is part of a shape, never a kernel of its own: MLA's 512 for a 576-wide K, and
 for about half the other shapes a narrower or wider V (a candidate that declares V widths draws the
 MLA shape one case in three, :func:`is_mla_shape`); the LSE (``return_lse``, a kernel variant) is
@@ -43,6 +44,9 @@ LSE = "lse"
 #: ``(shapes, feature sets)`` per profile: ``ci`` stays at most 10 x 14 = 140 attention specialisations.
 PALETTE_SIZES = {"smoke": (4, 4), "dev": (10, 8), "ci": (10, 8), "repro": (10, 8), "gpu": (16, 10),
                  "nightly": (24, 12)}
+#: The sizes most models deploy (Llama, Mistral, Qwen: head_dim 128, GQA group 4 or 8; vLLM's block size 16), in
+#: every palette that declares them: a fixed ``ci`` palette never leaves out the kernel most traffic runs.
+DEPLOYED = {"head_dim": (128, 64), "block_size": (16,), "gqa_group": (4, 8)}
 #: Profiles whose palette rotates with the UTC day (the others are fixed: a gate must not flip on a rerun).
 ROTATING = frozenset({"gpu", "nightly"})
 _CAPS_FIELD = {"block_size": "block_sizes", "head_dim": "head_dims", "gqa_group": "gqa_groups"}
@@ -121,11 +125,13 @@ def _allowed(name: str, caps: Any, universe: dict) -> list:
     return sorted(set(values or (sizes.choose(()) if sizes is not None else universe[name])))
 
 
-def _column(values: list, count: int, rng: random.Random) -> list:
-    """``count`` values: the smallest, the largest, then the others in a seeded order (repeating when
-    there are fewer values than rows)."""
+def _column(values: list, count: int, rng: random.Random, deployed: tuple = ()) -> list:
+    """``count`` values: the smallest, the largest, the ``deployed`` ones among ``values``, then the others in a
+    seeded order (repeating when there are fewer values than rows)."""
     inner = values[1:-1] if len(values) > 2 else list(values)
     rng.shuffle(inner)
+    first = [v for v in deployed if v in inner]
+    inner = first + [v for v in inner if v not in first]
     rest = [inner[i % len(inner)] for i in range(max(0, count - 2))] if inner else []
     return ([values[0], values[-1]] + rest)[:count]
 
@@ -136,7 +142,8 @@ def build_palette(names: frozenset, caps: Any, profile: str, seed: int, universe
     count, num_sets = PALETTE_SIZES.get(profile, PALETTE_SIZES["ci"])
     rng = random.Random(f"{seed}/{profile}")
     shape_names = [n for n in SHAPE_NAMES if n in names]
-    columns = {n: _column(_allowed(n, caps, universe), count, rng) for n in shape_names if n != "dtype"}
+    columns = {n: _column(_allowed(n, caps, universe), count, rng, DEPLOYED.get(n, ())) for n in shape_names
+               if n != "dtype"}
     if "dtype" in shape_names:  # every declared dtype, evenly
         dtypes = _allowed("dtype", caps, universe)
         rng.shuffle(dtypes)

@@ -83,11 +83,33 @@ def header_lines(spec: str | None, backends: list, device: str | None, profile: 
     if spec:
         for backend in backends:
             lines.append(f"pagedkv declared space: {capabilities_under_test(backend).summary()}")
+            lines += [f"pagedkv drawn from: {note}" for note in drawn_space(backend)]
     left = crashed_case_files()
     if left:
         lines.append(f"pagedkv: {len(left)} case file(s) left by a run that crashed mid-case (replay them): "
                      + ", ".join(str(p) for p in left[:3]))
     return lines
+
+
+def drawn_space(backend: Any) -> list[str]:
+    """Where this run draws less than the candidate declares, one line each: a dtype Triton's interpreter
+    leaves out, the interpreter's example cap, the compile budget's palette (``specialize_on``)."""
+    from hypothesis import settings
+
+    from pagedkv.backends.capabilities import capabilities_of
+    from pagedkv.testing.space import capabilities_under_test, example_cap
+    from pagedkv.testing.strategies.geometry import run_palette
+
+    declared, judged = capabilities_of(backend), capabilities_under_test(backend)
+    notes = [f"{dtype} declared, not drawn: Triton's interpreter multiplies its bit patterns"
+             for dtype in sorted(declared.dtypes - judged.dtypes)]
+    cap = example_cap((backend,), settings().max_examples)
+    if cap is not None:
+        notes.append(f"at most {cap} examples a property (Triton's interpreter runs the kernels)")
+    palette = run_palette(capabilities_under_test(backend, for_drawing=True))
+    if palette is not None:
+        notes.append(f"the compile budget (specialize_on {sorted(palette.names)}): {palette.describe()}")
+    return notes
 
 
 def failure_text(sentence: str, outcome: Any, backend: Any = None) -> str:
@@ -269,7 +291,8 @@ def declared_space(caps: Any) -> dict:
             "page_table": caps.page_table, "strided_pools": caps.strided_pools,
             "strided_metadata": caps.strided_metadata, "repeated_blocks": caps.repeated_blocks,
             "split_k": caps.split_k, "head_dims_v": caps.head_dims_v.describe() if caps.head_dims_v else None,
-            "shared_kv_storage": caps.shared_kv_storage, "lse": caps.lse,
+            "shared_kv_storage": caps.shared_kv_storage, "lse": caps.lse, "lse_base": caps.lse_base,
+            "nondeterminism_ulp": caps.nondeterminism_ulp,
             "specialize_on": sorted(caps.specialize_on) if caps.specialize_on is not None else None,
             "features": sorted(caps.features), "preconditions": sorted(caps.preconditions),
             "non_promises": {name: bound.as_dict() for name, bound in caps.non_promises}}
@@ -295,8 +318,9 @@ def declaration_mismatches(first: dict[str, dict], reads: list[tuple[str, dict]]
             declared = first.get(name)
             if declared is None:
                 continue
-            fields = [f for f in sorted(set(declared) | set(space))
-                      if f != "summary" and declared.get(f) != space.get(f)]  # (the summary repeats the fields)
+            fields = [f for f in sorted(set(declared) | set(space)) if declared.get(f) != space.get(f)]
+            if len(fields) > 1 and "summary" in fields:  # the summary repeats the fields: named alone, or not
+                fields.remove("summary")
             if fields:
                 lines.append(f"{who}: candidate {name} declared {', '.join(f'{f}={space.get(f)!r}' for f in fields)} "
                              f"where the run's header read {', '.join(f'{f}={declared.get(f)!r}' for f in fields)}")
@@ -356,6 +380,7 @@ def verdict(stats: dict, backends: list, spec: str | None, *, profile: str = "",
         out["candidates"].append({
             "name": name,
             "declared_space": declared_space(capabilities_under_test(backend)),
+            "drawn_space": drawn_space(backend),
             "passed": sorted({r["prop"] for r in props if r["status"] == "passed" and r["kind"] != "precondition"}),
             "judged": sorted({r["prop"] for r in props if r["status"] in ("passed", "failed")
                               and r["kind"] != "precondition"}),

@@ -232,3 +232,24 @@ def test_an_mla_space_draws_the_mla_shape_one_case_in_three():
 
     assert 0.18 < share(MLA_LIKE) < 0.5
     assert share(TRITON_LIKE) < 0.12
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_palette_holds_the_deployed_sizes_and_the_verdict_names_it(seed):
+    """A fixed ``ci`` palette never leaves out the shape most traffic runs (head_dim 128 beside 64, GQA 4 and 8,
+    block size 16), and the header and the JSON say which sizes the compile budget drew."""
+    from pagedkv.testing.report import drawn_space
+    from pagedkv.testing.strategies.palette import DEPLOYED
+
+    palette = build_palette(SPECIALIZATION_NAMES, TRITON_LIKE, "ci", seed, UNIVERSE)
+    for name, sizes in DEPLOYED.items():
+        assert set(sizes) <= {s[name] for s in palette.shapes}, (name, palette.describe())
+
+    class HeadDimTemplated:
+        capabilities = Capabilities(specialize_on={"head_dim"})
+
+        def paged_attention(self, *args):
+            raise AssertionError("not called")
+
+    (note,) = drawn_space(HeadDimTemplated())
+    assert note.startswith("the compile budget (specialize_on ['head_dim']): palette (") and "128" in note

@@ -639,3 +639,16 @@ def test_a_size_declaration_is_one_space_for_the_draws_and_the_verdict():
     space = declared_space(latent)
     assert space["shared_kv_storage"] is True and space["lse"] == "head_major"
     assert space["specialize_on"] == ["head_dim"] and space["head_dims_v"] is None
+
+
+@pytest.mark.parametrize("field,value", [("head_dims_v", "Sizes()"), ("shared_kv_storage", True),
+                                         ("lse", "token_major"), ("nondeterminism_ulp", 4),
+                                         ("specialize_on", {"head_dim"})])
+def test_a_declaration_differing_in_any_field_is_a_mismatch(field, value):
+    from pagedkv.backends.capabilities import Capabilities, Sizes
+    from pagedkv.testing.report import declaration_mismatches, declared_space
+
+    value = Sizes() if value == "Sizes()" else value
+    header, worker = declared_space(Capabilities()), declared_space(Capabilities(**{field: value}))
+    (line,) = declaration_mismatches({"k": header}, [("xdist worker gw0 (first read)", {"k": worker})])
+    assert line.startswith(f"xdist worker gw0 (first read): candidate k declared {field}=") and "summary" not in line
