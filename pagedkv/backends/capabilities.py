@@ -364,6 +364,8 @@ class Capabilities:
             parts.append("V in K's storage (shared_kv_storage)")
         if self.lse is not None:
             parts.append(f"LSE {self.lse} base {self.lse_base}")
+        if self.nondeterminism_ulp:
+            parts.append(f"reruns differ within {self.nondeterminism_ulp} ulps")
         if self.preconditions:
             parts.append(f"assumes {sorted(self.preconditions)}")
         if self.non_promises:
