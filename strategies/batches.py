@@ -34,6 +34,11 @@ LONG_CONTEXTS = (255, 256, 500, 511, 513, 1000, 1023, 1025, 2047, 2048, 2049, 30
 LONG_MAX_BLOCKS = 4096
 #: One attention case in this many is long (a uniform draw; see ``docs/gating.md`` for the measured share).
 LONG_ONE_IN = 4
+#: Decode batches past a kernel's batch tile (8 or 16 sequences a program): one short batch in
+#: :data:`WIDE_ONE_IN` at block sizes up to 16 holds :data:`WIDE_BATCH` sequences, every query one token
+#: at most (the shape continuous batching decodes in), where the caller allows four sequences or more.
+WIDE_BATCH = (9, 17)
+WIDE_ONE_IN = 8
 #: Long cases stay cheap: one kv head, a GQA group of 1 or 2 and the smallest head dims, where the
 #: declared space allows (else its smallest sizes).
 LONG_HEAD_DIMS = (1, 2, 4, 8)
@@ -95,12 +100,16 @@ def _lengths(draw, block_size: int, max_seqs: int, max_len: int, max_q_len: int)
     other sequences keep their short lengths, so a batch mixes decodes, prefills, chunked prefills and
     empty sequences with one sequence crossing kernel tiles.
     One batch in four is decodes only (every query at most one token, empty sequences included), the
-    shape a kernel's split-KV path (vLLM's 3D ``unified_attention``, flash-decoding) is chosen for.
+    shape a kernel's split-KV path (vLLM's 3D ``unified_attention``, flash-decoding) is chosen for; one in
+    :data:`WIDE_ONE_IN` is a wide decode batch (:data:`WIDE_BATCH` sequences), past a batch tile.
     """
     count = draw(st.integers(1, max_seqs))
+    wide = max_seqs >= 4 and block_size <= 16 and draw(st.integers(0, WIDE_ONE_IN - 1)) == WIDE_ONE_IN - 1
+    if wide:  # the top value turns it on: a failure shrinks toward the short batch
+        count = draw(st.integers(*WIDE_BATCH))
     long_lens = [n for n in TILE_EDGES if n > max_len] if block_size <= 16 else []
     longest = draw(st.integers(0, count - 1)) if long_lens and draw(st.integers(0, 3)) == 3 else None
-    decode_only = draw(st.integers(0, 3)) == 3  # a batch of decodes only: what split-KV (3D) paths serve
+    decode_only = wide or draw(st.integers(0, 3)) == 3  # a batch of decodes only: what split-KV (3D) paths serve
     out = []
     for i in range(count):
         n = draw(st.sampled_from(long_lens)) if i == longest else draw(seq_lens(block_size, max_len))

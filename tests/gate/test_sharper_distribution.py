@@ -132,3 +132,13 @@ def test_production_kv_head_counts_are_drawn_at_production_head_dims_in_small_bl
 
     geometry = find(geometries(), lambda g: g.num_kv_heads in REALISTIC_KV_HEADS and g.head_dim >= 64, settings=FIND)
     assert geometry.head_dim <= 128 and geometry.block_size <= 16
+
+
+def test_a_decode_batch_past_a_batch_tile_of_eight_or_sixteen_is_drawn():
+    """Continuous batching decodes dozens of sequences a step: a kernel wrong from its ninth sequence on (a batch
+    tile of 8) is reached, in a batch of decodes (every query at most one token), at a small block size."""
+    from pagedkv.testing.strategies.batches import WIDE_BATCH
+
+    case = find(cases(), lambda c: len(c.seqs) > 8, settings=FIND)
+    assert len(case.seqs) <= WIDE_BATCH[1] and all(s.q_len <= 1 for s in case.seqs)
+    assert case.geometry.block_size <= 16
