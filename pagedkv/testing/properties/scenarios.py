@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from pagedkv.backends.capabilities import capabilities_of
 from pagedkv.cache.paged_cache import PagedKVCache
 from pagedkv.testing.cases.case import CacheScenario, token_kv
-from pagedkv.backends.capabilities import capabilities_of
 from pagedkv.testing.compare import Mismatch, bits, require, rerun_differs, rerun_scale
 from pagedkv.testing.compare import assert_bitwise_equal
 from pagedkv.testing.properties.cache_model import latent_pools
