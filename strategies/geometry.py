@@ -74,13 +74,12 @@ def geometries(draw, *, num_blocks: int | None = None, block_sizes=BLOCK_SIZES, 
 
     group = pick("gqa_group", group_sizes, REALISTIC_GROUP_SIZES, caps.gqa_groups if caps else None)
     head_dim = pick("head_dim", head_dims, REALISTIC_HEAD_DIMS, caps.head_dims if caps else None)
+    production_heads = realistic and group <= 7 and head_dim <= REALISTIC_KV_HEADS_MAX_HEAD_DIM
     kv_heads = draw(sized(tuple(range(1, (1 if group > 7 else max_kv_heads) + 1)),
-                          REALISTIC_KV_HEADS if realistic and group <= 7 and head_dim <= REALISTIC_KV_HEADS_MAX_HEAD_DIM
-                          else (),
-                          caps.num_kv_heads if caps else None))
+                          REALISTIC_KV_HEADS if production_heads else (), caps.num_kv_heads if caps else None))
     # many kv heads of a production width in blocks of hundreds of slots: pools of 100 MB an example, no new code
     # path; such heads take the small block sizes
-    wide_heads = kv_heads > max(REALISTIC_KV_HEADS[0] - 1, max_kv_heads) and head_dim > max(HEAD_DIMS)
+    wide_heads = REALISTIC_KV_HEADS[0] <= kv_heads and kv_heads > max_kv_heads and head_dim > max(HEAD_DIMS)
     return Geometry(
         num_blocks=num_blocks if num_blocks is not None else draw(st.integers(1, 12)),
         block_size=pick("block_size", block_sizes, () if wide_heads else REALISTIC_BLOCK_SIZES,

@@ -15,11 +15,10 @@ The palette is seeded by the run (:func:`palette_seed`): fixed under ``ci`` (and
 ``$PAGEDKV_PALETTE=off`` draws freely. Each size always includes its boundary values: the first shape
 holds every parameter's smallest allowed value, the second every largest (each declared dtype is
 drawn as often), the deployed sizes (:data:`DEPLOYED`) come next, and each feature is in a set alone and in
-the set of all of them. A V width of its own
-(:func:`v_width_options`) is part of a shape, never a kernel of its own: MLA's 512 for a 576-wide K, and
-for about half the other shapes a narrower or wider V (a candidate that declares V widths draws the
-MLA shape one case in three, :func:`is_mla_shape`); the LSE (``return_lse``, a kernel variant) is
-drawn in two sets of its own, alone and with every non-fp8 feature. At most
+the set of all of them. A V width of its own (:func:`v_width_options`) is part of a shape, never a
+kernel of its own: MLA's 512 for a 576-wide K, and for about half the other shapes a narrower or wider V
+(a candidate that declares V widths draws the MLA shape one case in three, :func:`is_mla_shape`); the LSE
+(``return_lse``, a kernel variant) is drawn in two sets of its own, alone and with every non-fp8 feature. At most
 ``len(shapes) * len(feature_sets)`` attention specialisations (fp8 sets twice: e4m3 and e5m2),
 :data:`PALETTE_SIZES` per profile.
 """

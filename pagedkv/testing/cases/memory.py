@@ -23,6 +23,7 @@ import torch
 
 from pagedkv.cache.hugepages import fresh_pages
 from pagedkv.layouts import HND, NHD, PoolLayout, pool_layouts
+from pagedkv.testing.compare import bits
 
 #: ``(key_layout, value_layout)`` of the pools the kit builds (NHD; the declared ones while a backend runs).
 POOL_LAYOUTS: contextvars.ContextVar[tuple[PoolLayout, PoolLayout]] = contextvars.ContextVar(
@@ -185,11 +186,11 @@ def copy_pair_blockwise_problem(layout: PoolLayout, block_shape, dtype: torch.dt
     whole = layout.to_storage(pool)
     for b in range(3):
         one = layout.to_storage(pool[b:b + 1])
-        if one.shape[0] != 1 or tuple(one.shape[1:]) != tuple(whole.shape[1:]) or not torch.equal(
-                one[0].reshape(-1).view(torch.uint8), whole[b].reshape(-1).view(torch.uint8)):
+        if one.shape[0] != 1 or one.shape[1:] != whole.shape[1:] or one.dtype != whole.dtype or not torch.equal(
+                bits(one[0]), bits(whole[b])):
             return f"its to_storage of block {b} alone is not block {b} of the whole pool's storage"
-        if not torch.equal(layout.to_logical(one)[0].reshape(-1).view(torch.uint8),
-                           pool[b].reshape(-1).view(torch.uint8)):
+        back = layout.to_logical(one)[0]
+        if back.shape != pool[b].shape or back.dtype != pool.dtype or not torch.equal(bits(back), bits(pool[b])):
             return f"its to_logical does not give block {b} back bit for bit"
     zero = layout.to_storage(torch.zeros((1, *block_shape), dtype=dtype, device=device))
-    return "zero" if bool(zero.reshape(-1).view(torch.uint8).any()) else None
+    return "zero" if bool(bits(zero).any()) else None

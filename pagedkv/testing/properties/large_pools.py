@@ -24,6 +24,7 @@ from pagedkv.testing.cases.memory import (POOL_LAYOUTS, blockwise_copy, copy_pai
 from pagedkv.testing.compare import Mismatch, MissingOp, assert_attention_close, bits, require
 from pagedkv.testing.device_lease import leased
 
+
 def _pools(case: LimitCase, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Lazy (CPU) or zeroed (GPU) logical pools, their storage in the declared layout. A copy-pair layout is
     converted block by block around each call (only the blocks holding anything: the checks call under
