@@ -46,7 +46,7 @@ def main() -> int:
             if (q.replay_open is None or not q.adopted or q.pending() or q.embedded()
                     or not q.reserved == q.committed >= q.num_prompt):
                 continue
-            r = machine.eagle_boundary(q)
+            r = machine.replay_boundary(q)
             if not r:
                 continue
             promised = machine.pool_entries - q.replay_open <= free

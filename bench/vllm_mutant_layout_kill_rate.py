@@ -49,10 +49,11 @@ for seed in {seeds!r}:
     for name in {layouts!r}:
         machine = machine_for(vm.cache_manager, windows=vm.cache_manager_windows, layouts=(name,), name=name)
         if seed == 0:  # the derandomized search (the per-push gate's kind of search)
-            steps = programs.run_recorded(machine, settings(manager_kill_rate_settings({programs}), derandomize=True))
+            steps = programs.run_recorded(machine, settings(manager_kill_rate_settings({programs}, {steps}),
+                                                            derandomize=True))
         else:
             with forced_seed(property_seed(seed, MANAGER_MACHINE)):
-                steps = programs.run_recorded(machine, manager_kill_rate_settings({programs}))
+                steps = programs.run_recorded(machine, manager_kill_rate_settings({programs}, {steps}))
         examples += machine.examples_run
         if steps is not None:
             error = name + ": " + steps.error.splitlines()[0][:240]
@@ -60,8 +61,8 @@ for seed in {seeds!r}:
     runs.append(dict(seed=seed, killed=bool(error), programs=examples, seconds=round(time.perf_counter() - start, 1),
                      cpu_s=round(time.process_time() - cpu, 1), error=error))
     print(json.dumps(runs[-1]), flush=True)
-json.dump(dict(id={mutant!r}, layouts={layouts!r}, programs_per_layout={programs}, tree={tree!r}, runs=runs),
-          open({out!r}, "w"), indent=1)
+json.dump(dict(id={mutant!r}, layouts={layouts!r}, programs_per_layout={programs}, steps={steps}, tree={tree!r},
+               runs=runs), open({out!r}, "w"), indent=1)
 """
 
 
@@ -84,6 +85,7 @@ def main() -> int:
                         help="FIRST-LAST (default 2-6); seed 0 is the derandomized search")
     parser.add_argument("--layouts", nargs="+", required=True, help="the peer's layouts to search, in order")
     parser.add_argument("--programs", type=int, default=100, help="programs per layout (ci: 100)")
+    parser.add_argument("--steps", type=int, default=30, help="rules per program (the vLLM peer's gate: 30)")
     parser.add_argument("--json", required=True, help="where the runs go")
     args = parser.parse_args()
     import vllm.v1.core as core  # the installed package's files, found without importing a module to mutate
@@ -107,7 +109,8 @@ def main() -> int:
     tree = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "describe", "--always", "--dirty"],
                           capture_output=True, text=True).stdout.strip() or None  # the pagedkv tree searched
     child = BOOTSTRAP + CHILD.format(install=install, loaded=loaded, seeds=args.seeds, layouts=args.layouts,
-                                     programs=args.programs, mutant=args.mutant, out=args.json, tree=tree)
+                                     programs=args.programs, steps=args.steps, mutant=args.mutant, out=args.json,
+                                     tree=tree)
     return subprocess.call([sys.executable, "-c", child])
 
 

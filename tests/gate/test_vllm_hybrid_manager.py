@@ -819,6 +819,30 @@ def test_a_next_turn_under_eagle_beside_mamba_passes_the_machine():
     programs.run_program(_machine(("qwen3-next-fine",), block_sizes=(2,)), _next_turn_program())
 
 
+def _resent_turn_program() -> list:
+    """qwen3-next-fine at a prefix-match unit of 2, no drafts and no connector (features 0): a 7-token prompt
+    prefilled and finished, then the next turn (that prompt and one more token) admitted: released, not live."""
+    return [("system_prompts", {"prompts": [[1, 2, 3, 1, 2, 3, 1]]}),
+            ("start", {"num_blocks": 16, "block_size": 0, "num_layers": 1, "window": 0, "layout": 0, "features": 0}),
+            ("serve", {"system": [1, 2, 3, 1, 2, 3, 1], "suffix": [], "namespace": None, "extra": None,
+                       "image_at": 0, "tokens": [], "reply": [6]})]
+
+
+def test_a_released_prompts_replay_boundary_is_promised_without_eagle(monkeypatch):
+    """Without EAGLE the replay promise also covers a request that computed its prompt and was released: its
+    partial entry at the replay boundary (6 of 7 tokens, inside the full group's 8-token block) and its Mamba
+    checkpoint wait in the free queue, hittable until an eviction. The release passes; a manager that never
+    registers the prompt tail's partial entry fails ("replay boundary of 6 tokens"). Fails before (only a live
+    request stopped at the boundary was promised: the released one's resend hitting 0 passed)."""
+    from vllm.v1.core import single_type_kv_cache_manager as stm
+
+    machine = _machine(("qwen3-next-fine",), block_sizes=(2,))
+    programs.run_program(machine, _resent_turn_program())
+    monkeypatch.setattr(stm.FullAttentionManager, "_cache_partial_tail_block", lambda self, *a, **k: None)
+    with pytest.raises(AssertionError, match="replay boundary of 6 tokens"):
+        programs.run_program(machine, _resent_turn_program())
+
+
 def test_an_evicted_eagle_checkpoint_is_not_promised(monkeypatch):
     """Under EAGLE the Mamba checkpoint of a 7-token prompt (4 tokens, inside its block) moves at the next step to
     a copy-on-write block freed once copied: in a pool of 4 blocks the decode step that opens a new block evicts

@@ -329,6 +329,8 @@ class ManagerMachine(RuleBasedStateMachine):
         # manager declaring eagle_drop without speculative (vLLM beside a Mamba group) serves EAGLE's replay
         # boundaries while the machine draws no drafts
         self.eagle_server = self.caps.eagle_drop and config.num_speculative_tokens > 0
+        # the replay promise's window (:meth:`replay_hit`) is kept: fine-grained hits, or EAGLE's replay boundaries
+        self.replay_window = bool(self.caps.hit_alignment) or self.eagle_server
         self.reprefill = self.caps.reprefill if self.speculative else 0  # tokens a reservation leaves uncached
         self.gbs = [g.block_size for g in self.groups]
         self.bs = math.lcm(*self.gbs)  # a hit is whole blocks of every group
@@ -669,7 +671,7 @@ class ManagerMachine(RuleBasedStateMachine):
         (``capabilities.zeroes_new_blocks``) are zeroed now, or, for the connector load of ``loading``, once its
         data landed (:meth:`finish_load_rid`)."""
         after = self.holdings()
-        if self.eagle_server:
+        if self.replay_window:
             # blocks that entered the free queue (:meth:`replay_hit`): every block no longer held that was held at
             # the last count, before the call or as a hit it adopted (a partial hit's copy-on-write releases its
             # source in the same call), and the moved entries' blocks
@@ -826,48 +828,52 @@ class ManagerMachine(RuleBasedStateMachine):
         every block a hit of ``r`` tokens needs (none evictable, its Mamba state there not yet moved by a next step),
         so a prompt whose first ``r`` tokens are ``q``'s hits at least ``r``.
 
+        That state outlives the request's next step, as its blocks outlive the request: the request computed past
+        ``r``, so a checkpoint inside a block is moved, at the next step, to a copy-on-write block freed once copied;
+        one in its own block is released by ``remove_skipped_blocks`` (Mamba keeps only its running state); the
+        full-attention entries up to ``r`` (the partial one registered once the request computed ``r``) are freed
+        with the request. All of them sit in the free queue, hittable until evicted. So the promise also covers a
+        request ``q``, live or released, that admitted a hit of at most ``r`` and computed its prompt of ``P`` tokens
+        (decode steps since move only its running state), while no block that entered the free queue since that
+        state could first enter it (after the step computing it, or at the step adopting it as a hit of ``r``) can
+        have been evicted: vLLM's ``BlockPool`` appends a cached block at the queue's tail (``free_blocks``;
+        uncached ones go to the front) and evicts only the block ``get_new_blocks`` pops from the front, so once one
+        is evicted every block in the queue entered after it; while no more blocks entered since
+        (:attr:`pool_entries`, counted from above) than the queue holds now, none was. An eviction or reset ends it
+        (:meth:`end_replay_windows`). Without the manager's free count only the live request stopped at ``r`` is
+        promised.
+
         Under EAGLE (``capabilities.eagle_drop`` with drafts asked for, :attr:`eagle_server`) the replay boundary is
         one prefix-match unit below the prompt's last whole unit, ``r = floor(P / u) * u - u`` (vLLM's
         ``get_mamba_prefill_checkpoint_position(P, u, drop_eagle_block=True)``: the Mamba checkpoint sits where
-        EAGLE's lookup, matching the unit past a hit and dropping it, resumes). The lookup needs the full-attention
-        entries up to ``floor(P / u) * u`` (``FullAttentionManager._cache_partial_tail_block``, registered once the
-        request computed its prompt) and the Mamba state at ``r``, which the request computed past and so no longer
-        holds: a checkpoint inside a block is moved, at the next step, to a copy-on-write block freed once copied;
-        one in its own block is released by ``remove_skipped_blocks`` (Mamba keeps only its running state). Both sit
-        in the free queue, hittable until evicted. So the promise covers a request ``q``, live or released (its
-        full-attention blocks held, or in the free queue since), that admitted a hit of at most ``r`` and computed
-        its prompt of ``P`` tokens (decode steps since move only its running state), while no block that entered
-        the free queue since that state could first enter it (after the step computing it, or at the step adopting
-        it as a hit of ``r``) can have been evicted: vLLM's ``BlockPool`` appends a cached block at the queue's tail
-        (``free_blocks``; uncached ones go to the front) and evicts only the block ``get_new_blocks`` pops from the
-        front, so once one is evicted every block in the queue entered after it; while no more blocks entered since
-        (:attr:`pool_entries`, counted from above) than the queue holds now, none was. An eviction or reset ends it
-        (:meth:`end_replay_windows`).
+        EAGLE's lookup, matching the unit past a hit and dropping it, resumes), and the lookup needs the
+        full-attention entries up to ``floor(P / u) * u`` (registered once the request computed its prompt): only
+        the window above is promised.
 
-        Not promised with a connector (a load re-aligns the local hit to whole scheduler blocks), drafts, extra keys
-        or embeddings (their keys see what the identity does not); under EAGLE, multimodal inputs are let in (each
-        token's identity names its input and offset, and an equal identity at the unit past ``r`` makes every hash
-        block up to it equal), embeddings are not."""
+        Not promised with a connector (a load re-aligns the local hit to whole scheduler blocks), drafts or
+        embeddings (their keys see what the identity does not); multimodal inputs are let in (each token's identity
+        names its input and offset, and an equal identity at the last unit the lookup matches makes every hash
+        block up to it equal)."""
         if not self.caps.hit_alignment or self.connector or self.speculative:
             return 0
-        if req.embedded() if self.eagle_server else req.extras:
+        if req.embedded():
             return 0
-        counts = self.m.counts() if self.eagle_server else None
+        counts = self.m.counts()
         if self.eagle_server and counts is None:  # no free count to bound the evictions by: nothing promised
             return 0
         cap, best = len(req.tokens) - self.caps.min_computed_on_full_hit, 0
-        free = counts[0] if counts is not None else 0
-        for q in [*self.live.values(), *(self.replayable if self.eagle_server else [])]:
-            if not q.adopted or q.pending() or (q.embedded() if self.eagle_server else q.extras):
+        for q in [*self.live.values(), *self.replayable]:
+            if not q.adopted or q.pending() or q.embedded() or q.reserved != q.committed:
                 continue
-            if self.eagle_server:  # its prompt computed; EAGLE's lookup matches the unit past r
-                if q.replay_open is None or self.pool_entries - q.replay_open > free:
-                    continue
-                stop, matched, r = q.num_prompt, q.num_prompt // self.unit * self.unit, self.eagle_boundary(q)
-            else:
-                stop = matched = r = (q.num_prompt - 1) // self.unit * self.unit
-            if (q.reserved == q.committed and (q.committed >= stop if self.eagle_server else q.committed == stop)
-                    and best < r <= cap and matched <= len(req.tokens)
+            r = self.replay_boundary(q)
+            # EAGLE's lookup matches the unit past r (and drops it)
+            matched = q.num_prompt // self.unit * self.unit if self.eagle_server else r
+            # its prompt computed, and no eviction since its state at r entered the free queue
+            windowed = (counts is not None and q.replay_open is not None and q.committed >= q.num_prompt
+                        and self.pool_entries - q.replay_open <= counts[0])
+            # (without EAGLE) live and stopped at r: it holds that state
+            stopped = not self.eagle_server and q.committed == r and any(q is x for x in self.live.values())
+            if ((windowed or stopped) and best < r <= cap and matched <= len(req.tokens)
                     and q.identities[matched - 1] == req.identities[matched - 1]):
                 best = r
         return best
@@ -891,9 +897,12 @@ class ManagerMachine(RuleBasedStateMachine):
         for q in self.live.values():
             q.replay_open = None
 
-    def eagle_boundary(self, q: Request) -> int:
-        """``q``'s replay boundary under EAGLE (:meth:`replay_hit`): ``floor(P / u) * u - u``."""
-        return max(q.num_prompt // self.unit * self.unit - self.unit, 0)
+    def replay_boundary(self, q: Request) -> int:
+        """``q``'s replay boundary (:meth:`replay_hit`): ``floor((P - 1) / u) * u``, under EAGLE
+        ``floor(P / u) * u - u``."""
+        if self.eagle_server:
+            return max(q.num_prompt // self.unit * self.unit - self.unit, 0)
+        return (q.num_prompt - 1) // self.unit * self.unit
 
     def eagle_next_block(self, req: Request, hit: int, still: list[set]) -> bool:
         """Whether a hit of ``hit`` tokens survives the EAGLE drop (``capabilities.eagle_drop``): every
@@ -986,7 +995,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if start + len(token_ids) > len(req.tokens):
             req.extend(token_ids[len(req.tokens) - start:])
         n = len(token_ids)
-        r = self.eagle_boundary(req) if self.eagle_server else 0
+        r = self.replay_boundary(req) if self.replay_window else 0
         if r and (start < r <= start + n or start == req.hit == r):
             # this step computes its replay boundary's state, which enters the free queue after it (or adopts it as
             # a hit of r, which may enter it from this step on): hittable while the count from here allows
@@ -1137,12 +1146,11 @@ class ManagerMachine(RuleBasedStateMachine):
             self.kv_events.judge_hit(rid, namespace, tokens, cached, self.gbs)
         promised, replay = self.promised_hit(req), self.replay_hit(req)
         type(self).hits_due += promised > 0
-        assert cached >= replay, f"request {rid}: a hit of {cached} tokens, but " + (
-            f"a request that computed a prompt sharing this one past its replay boundary of {replay} tokens, live or "
-            f"released, and no block that entered the free queue since can have been evicted (the replay promise of "
-            f"fine-grained hits: under EAGLE)" if self.eagle_server else
-            f"a live request stopped at its replay boundary of {replay} tokens of this prompt, holding every block "
-            f"of that hit (the replay promise of fine-grained hits)")
+        assert cached >= replay, \
+            f"request {rid}: a hit of {cached} tokens, but a request sharing this prompt past its replay boundary of " \
+            f"{replay} tokens computed its prompt, live or released, and no block that entered the free queue since " \
+            f"can have been evicted, or stopped there and is live (the replay promise of fine-grained hits" + \
+            (": under EAGLE)" if self.eagle_server else ")")
         if self.caps.retention_interval is not None:
             req.junction = self.junction(req, cached)
         # where the model knows every cached block of a coordinated layout, no hit is longer than the one vLLM's
@@ -1265,7 +1273,7 @@ class ManagerMachine(RuleBasedStateMachine):
         req = self.live.pop(rid)
         if req.written:
             self.history = [*self.history[-7:], (req.namespace, req.tokens[:req.written], dict(req.extras), req)]
-        if (self.eagle_server and req.replay_open is not None and req.adopted and not req.pending()
+        if (self.replay_window and req.replay_open is not None and req.adopted and not req.pending()
                 and req.reserved == req.committed >= req.num_prompt):
             self.replayable = [*self.replayable[-7:], req]
         if not (req.in_flight and self.caps.async_steps):
