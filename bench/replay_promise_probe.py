@@ -1,12 +1,13 @@
-"""The replay promise under EAGLE beside Mamba checked against vLLM itself: after every step of the release's
-searches in ``qwen3-next-fine`` (the ``ci`` kill-rate search of each seed, as
-``bench/vllm_mutant_layout_kill_rate.py release`` runs it), each request the promise covers at that moment (its
-count of blocks that entered the free queue within what the queue holds: ``ManagerMachine.replay_hit``) is looked
-up by vLLM's coordinator with its prompt extended by one token, which must hit at least its replay boundary
-``floor(P / u) * u - u``. Also counted: the requests the count leaves out, hittable or not (how often the
-promise stands down where vLLM would still hit).
+"""The replay promise of fine-grained hits checked against vLLM itself, with and without EAGLE beside Mamba:
+after every step of the release's searches in ``qwen3-next-fine`` (the ``ci`` kill-rate search of each seed, as
+``bench/vllm_mutant_layout_kill_rate.py release`` runs it), each request whose prompt is computed and whose state
+at its replay boundary its own step computed, with no connector or drafts, is looked up by vLLM's coordinator with
+its prompt extended by one token. Where the promise covers it at that moment (its count of blocks that entered the
+free queue within what the queue holds: ``ManagerMachine.replay_hit``), the lookup must hit at least its replay
+boundary (``floor((P - 1) / u) * u``, under EAGLE ``floor(P / u) * u - u``). Also counted: the requests the count
+leaves out, hittable or not (how often the promise stands down where vLLM would still hit).
 
-    python bench/eagle_replay_promise_probe.py --seeds 0-39 --json out.json
+    python bench/replay_promise_probe.py --seeds 0-39 --json out.json
 
 A lookup only reads vLLM's index (``HybridKVCacheCoordinator.find_longest_cache_hit``); the searches run as
 without the probe.
@@ -39,7 +40,7 @@ def main() -> int:
     broken: list[dict] = []
 
     def probe(machine) -> None:
-        if not getattr(machine, "eagle_server", False) or machine.connector or machine.speculative:
+        if not getattr(machine, "replay_window", False) or machine.connector or machine.speculative:
             return
         free = machine.m.counts()[0]
         for q in [*machine.live.values(), *machine.replayable]:
@@ -54,9 +55,11 @@ def main() -> int:
             extras = sorted((p, key) for p, key in q.extras.items() if p < q.num_prompt)
             request = machine.m._request(-1, tokens, q.namespace, extras)
             _, hit, _ = machine.m.manager.coordinator.find_longest_cache_hit(request.block_hashes, len(tokens) - 1)
-            counts["promised" if promised else "left out", "hits" if hit >= r else "misses"] += 1
+            counts["EAGLE" if machine.eagle_server else "no EAGLE", "promised" if promised else "left out",
+                   "hits" if hit >= r else "misses"] += 1
             if promised and hit < r:
-                broken.append(dict(boundary=r, hit=hit, entered=machine.pool_entries - q.replay_open, free=free,
+                broken.append(dict(eagle=machine.eagle_server, boundary=r, hit=hit,
+                                   entered=machine.pool_entries - q.replay_open, free=free,
                                    program=programs.as_text(list(machine.record or []))))
 
     judge_now = ManagerMachine.judge_now
@@ -82,7 +85,7 @@ def main() -> int:
         runs.append(dict(seed=seed, programs=machine.examples_run, error=steps.error[:240] if steps else ""))
         print(json.dumps({**runs[-1], "broken": len(broken)}), flush=True)
     out = dict(layout="qwen3-next-fine", programs_per_seed=args.programs, runs=runs,
-               lookups={f"{a}, {b}": n for (a, b), n in sorted(counts.items())}, broken=broken[:5],
+               lookups={", ".join(key): n for key, n in sorted(counts.items())}, broken=broken[:5],
                num_broken=len(broken))
     json.dump(out, open(args.json, "w"), indent=1)
     print(json.dumps(out["lookups"]), "broken:", len(broken))
