@@ -67,6 +67,12 @@ def test_slots_are_the_table_positions_in_every_group(layout):
                     for p in range(pos, pos + len(group_slots))]
             # a state (or a token outside the window) only where the group holds a block
             want = [w if table[p // group.block_size] >= 0 else -1 for p, w in zip(range(pos, pos + 99), want)]
+            if group.prefill_checkpoints:  # a state only at the step's end, and an exported checkpoint's in a block
+                # of the table at its offset
+                assert all(s == -1 or divmod(s, group.block_size) in {(b, p % group.block_size) for b in table}
+                           for p, s in zip(range(pos, pos + 99), group_slots[:-1])), (group, pos, tables)
+                want = [*([None] * (len(want) - 1)), want[-1]]
+                group_slots = [*([None] * (len(group_slots) - 1)), group_slots[-1]]
             assert group_slots == want, (group, pos, tables)
             assert group_slots[-1] >= 0, f"{group}: the step's last token has no slot"
     _release_all(m, [0])
@@ -819,12 +825,12 @@ def test_a_next_turn_under_eagle_beside_mamba_passes_the_machine():
     programs.run_program(_machine(("qwen3-next-fine",), block_sizes=(2,)), _next_turn_program())
 
 
-def _resent_turn_program() -> list:
-    """qwen3-next-fine at a prefix-match unit of 2, no drafts and no connector (features 0): a 7-token prompt
+def _resent_turn_program(prompt=(1, 2, 3, 1, 2, 3, 1)) -> list:
+    """A fine-grained layout at a prefix-match unit of 2, no drafts and no connector (features 0): ``prompt``
     prefilled and finished, then the next turn (that prompt and one more token) admitted: released, not live."""
-    return [("system_prompts", {"prompts": [[1, 2, 3, 1, 2, 3, 1]]}),
+    return [("system_prompts", {"prompts": [list(prompt)]}),
             ("start", {"num_blocks": 16, "block_size": 0, "num_layers": 1, "window": 0, "layout": 0, "features": 0}),
-            ("serve", {"system": [1, 2, 3, 1, 2, 3, 1], "suffix": [], "namespace": None, "extra": None,
+            ("serve", {"system": list(prompt), "suffix": [], "namespace": None, "extra": None,
                        "image_at": 0, "tokens": [], "reply": [6]})]
 
 
@@ -841,6 +847,25 @@ def test_a_released_prompts_replay_boundary_is_promised_without_eagle(monkeypatc
     monkeypatch.setattr(stm.FullAttentionManager, "_cache_partial_tail_block", lambda self, *a, **k: None)
     with pytest.raises(AssertionError, match="replay boundary of 6 tokens"):
         programs.run_program(machine, _resent_turn_program())
+
+
+def test_mamba2_layers_export_the_prompts_checkpoint_from_inside_one_chunk(monkeypatch):
+    """``nemotron-h-fine`` (Mamba2 layers: ``MambaSpec.num_prefill_checkpoint_blocks``): vLLM takes a 13-token prompt
+    in one chunk (no stop at its replay boundary of 12 tokens) and exports the state there into a block it reserved
+    (the table's first, not the second where token 11 lies); the resend hits 12 tokens, the program passes the
+    machine. Without the export re-keyed for hits (``MambaManager._cache_partial_tail_block`` skipped) the resend
+    hits less and the replay promise fails. Fails before (no such layout: vLLM's checkpoint-block path never ran)."""
+    from vllm.v1.core import single_type_kv_cache_manager as stm
+
+    prompt = (1, 2, 3) * 4 + (1,)
+    m = _manager("nemotron-h-fine")
+    steps = _prefill(m, 0, list(prompt), chunk=16)
+    assert [len(slots[0]) for _, slots, _ in steps] == [13], "one chunk: the checkpoint is exported, not stopped at"
+    machine = _machine(("nemotron-h-fine",), block_sizes=(2,))
+    programs.run_program(machine, _resent_turn_program(prompt))
+    monkeypatch.setattr(stm.MambaManager, "_cache_partial_tail_block", lambda self, *a, **k: None)
+    with pytest.raises(AssertionError, match="replay boundary of 12 tokens"):
+        programs.run_program(machine, _resent_turn_program(prompt))
 
 
 def test_an_evicted_eagle_checkpoint_is_not_promised(monkeypatch):

@@ -398,14 +398,16 @@ class ManagerMachine(RuleBasedStateMachine):
     def write(self, rid: int, req: Request, slots: tuple, start: int, drafts: int = 0, identities=None) -> None:
         """Write the oracle's K/V of tokens ``start..start+n`` at ``slots`` (one list per group) in every
         layer; a Mamba group's state only after the last token (and the last verified and each draft
-        token). ``identities``: what is written instead of the tokens' own (a failed load's garbage)."""
+        token), or, exporting prefill checkpoints (``GroupSpec.prefill_checkpoints``), wherever the manager named
+        a slot. ``identities``: what is written instead of the tokens' own (a failed load's garbage)."""
         n = len(slots[0]) if slots else 0
         if not n:
             return
         end = start + n
         identities = req.identities[start:end] if identities is None else identities
         for g, group in enumerate(self.groups):
-            keep = [i for i in range(n) if slots[g][i] >= 0 and (group.kind != "mamba" or i >= n - 1 - drafts)]
+            keep = [i for i in range(n) if slots[g][i] >= 0 and (
+                group.kind != "mamba" or group.prefill_checkpoints or i >= n - 1 - drafts)]
             if not keep:
                 continue
             self.write_layers(g, [identities[i] for i in keep], [self.flat(g, slots[g][i]) for i in keep])
@@ -933,8 +935,9 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def check_slots(self, rid: int, slots: tuple, start: int, n: int, what: str, optional) -> None:
         """``slots`` (one list per group) of tokens ``start..start+n``: each in the request's own block at
-        its position, in no block another live request or another group holds; ``-1`` only where
-        ``optional(group, i)`` says the group keeps nothing of token ``start + i``."""
+        its position (an exported prefill checkpoint's state, before the step's last token, in any block of the
+        request's table: the one its manager reserved for it), in no block another live request or another group
+        holds; ``-1`` only where ``optional(group, i)`` says the group keeps nothing of token ``start + i``."""
         assert isinstance(slots, tuple) and len(slots) == len(self.groups), \
             f"request {rid}: {what} returned {slots!r}, not one slot list per KV-cache group ({len(self.groups)})"
         tables = self.m.block_table(rid)
@@ -948,7 +951,10 @@ class ManagerMachine(RuleBasedStateMachine):
                 if slot < 0 and optional(g, i):
                     continue
                 block, offset = divmod(slot, bs)
-                assert slot >= 0 and offset == p % bs and p // bs < len(table) and table[p // bs] == block, \
+                # an exported Mamba checkpoint lands in the block its manager reserved for it, anywhere in the table
+                exported = self.groups[g].prefill_checkpoints and i < n - 1 and block in table
+                at_home = p // bs < len(table) and table[p // bs] == block
+                assert slot >= 0 and offset == p % bs and (at_home or exported), \
                     f"request {rid}: token {p} got slot {slot}" + (f" in group {g}" if self.grouped else "") + \
                     f", but its block table {table} puts it elsewhere"
                 assert block not in others, \

@@ -84,11 +84,18 @@ class GroupSpec:
             query reads is full attention's: a manager without a host tier serves it as a plain ``"full"``
             group, one with a tier names in its block table where each page is read (its device copy, or its
             host block where the copy was reclaimed).
+        prefill_checkpoints: the step that reaches the prompt's end also writes the state at the prompt's last
+            prefix-match boundary below it (``"mamba"`` only; vLLM's Mamba2 layers, ``MambaSpec.
+            num_prefill_checkpoint_blocks``: Nemotron-H, Granite 4, Falcon-H1, Zamba2, exporting the state from
+            inside one forward pass rather than ending a chunk there), into a block its manager reserved for it:
+            a reservation names by a slot of at least 0 each position whose state its step writes (the last
+            always; an exported one in any block of the request's table), ``-1`` at the others.
 
     Raises:
         ValueError: an unknown ``kind``, a ``window`` or ``chunk`` missing, negative or given to another
             kind, a ``block_size`` or ``num_layers`` below 1, a ``chunk`` not a multiple of ``block_size``,
-            ``host_resident`` for a kind other than ``"full"``.
+            ``host_resident`` for a kind other than ``"full"``, ``prefill_checkpoints`` for a kind other than
+            ``"mamba"``.
     """
 
     kind: str
@@ -97,6 +104,7 @@ class GroupSpec:
     chunk: int | None = None
     num_layers: int = 1
     host_resident: bool = False
+    prefill_checkpoints: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in GROUP_KINDS:
@@ -111,6 +119,8 @@ class GroupSpec:
                              f"kind 'chunked_local' only")
         if self.host_resident and self.kind != "full":
             raise ValueError(f"host_resident: a host tier for kind 'full' only, not {self.kind!r}")
+        if self.prefill_checkpoints and self.kind != "mamba":
+            raise ValueError(f"prefill_checkpoints: exported states for kind 'mamba' only, not {self.kind!r}")
 
     def first_read(self, position: int) -> int:
         """The first token position (of the same request) whose slot a query at ``position`` reads: 0
@@ -176,13 +186,17 @@ MULTI_MODULE_MTP_LAYOUTS = ("mtp-multi-module",)
 HYBRID_LAYOUTS["mtp-multi-module"] = lambda bs, w: (GroupSpec("full", max(bs, 3)),)
 
 #: Layouts served with a prefix-match unit finer than every group's block (vLLM's ``--prefix-match-unit``,
-#: ``CacheConfig.prefix_match_unit``, the hash block size): ``qwen3-next-fine`` is Qwen3-Next / Nemotron-H as
-#: vLLM serves them with fine-grained partial hash hits, full attention and a Mamba "align" group of one block
+#: ``CacheConfig.prefix_match_unit``, the hash block size): ``qwen3-next-fine`` is Qwen3-Next (Gated DeltaNet) as
+#: vLLM serves it with fine-grained partial hash hits, full attention and a Mamba "align" group of one block
 #: size (vLLM aligns the attention block to the Mamba state's page), four prefix-match units a block, the unit the
 #: drawn hash block size. A hit then lands on any unit boundary, inside a block (vLLM's
-#: ``HybridKVCacheCoordinator.enable_partial_hash_hits``).
-LAYOUT_PREFIX_MATCH_UNIT = {"qwen3-next-fine"}
+#: ``HybridKVCacheCoordinator.enable_partial_hash_hits``). ``nemotron-h-fine`` is the same for a model of Mamba2
+#: layers (Nemotron-H, Granite 4), whose prompt's last chunk exports the state at its replay boundary
+#: (``GroupSpec.prefill_checkpoints``) where vLLM would otherwise end a chunk there.
+LAYOUT_PREFIX_MATCH_UNIT = {"qwen3-next-fine", "nemotron-h-fine"}
 HYBRID_LAYOUTS["qwen3-next-fine"] = lambda bs, w: (GroupSpec("full", 4 * bs), GroupSpec("mamba", 4 * bs, num_layers=2))
+HYBRID_LAYOUTS["nemotron-h-fine"] = lambda bs, w: (GroupSpec("full", 4 * bs),
+                                                   GroupSpec("mamba", 4 * bs, num_layers=2, prefill_checkpoints=True))
 
 #: DeepSeek-V3.2 / GLM-5 sparse MLA served with a host tier (vLLM's HiSparse, ``vllm/v1/hisparse/``): the latent
 #: group's pages live in a host pool with device copies reclaimed under pressure (``GroupSpec.host_resident``), the

@@ -96,8 +96,11 @@ def _vllm_spec(v, group: GroupSpec):
     if group.kind == "chunked_local":
         return ChunkedLocalAttentionSpec(**common, attention_chunk_size=group.chunk)
     if group.kind == "mamba":
+        # Mamba2 layers export the prompt's checkpoint state from inside a chunk (MambaMixer2.get_kv_cache_spec)
+        checkpoints = dict(num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1) \
+            if group.prefill_checkpoints else {}
         return MambaSpec(block_size=group.block_size, shapes=((1, 1),), dtypes=(torch.float32,),
-                         mamba_cache_mode="align")
+                         mamba_cache_mode="align", **checkpoints)
     raise ValueError(f"group kind {group.kind!r}: expected full, sliding_window, chunked_local or mamba")
 
 
@@ -359,10 +362,10 @@ class _StatePools:
                 read = [t[src, :tokens].clone() for t in self._tensors()]
                 self.forwards.append(_Forward(src, dst, tokens, steps, read, filled_by[-1] if filled_by else None))
 
-    def record(self, request_id: int, end: int, slots: Sequence[Sequence[int]]) -> None:
+    def record(self, request_id: int, end: int, slots: Sequence[Sequence[int]], checkpoints=()) -> None:
         """A reservation (or load) of tokens up to ``end`` writes ``slots`` (per group; each Mamba group's state
-        at its last slot)."""
-        blocks, states = set(), []
+        at its last slot, and at each exported checkpoint of ``checkpoints``: ``(group, block, offset)``)."""
+        blocks, states = set(), list(checkpoints)
         for g, group in enumerate(self.groups):
             bs = group.block_size
             blocks |= {slot // bs for slot in slots[g] if slot >= 0}
@@ -805,10 +808,28 @@ class VllmHybridCacheManager(VllmCacheManager):
         return (block.block_hash_num_tokens - 1) % size + 1 if block.block_hash_num_tokens else size
 
     def _written(self, request_id: int, end: int, slots):
-        """``slots`` returned, the Mamba states they write recorded (:class:`_StatePools`)."""
+        """``slots`` returned, the Mamba states they write recorded (:class:`_StatePools`): each group's at its last
+        slot and, exporting prefill checkpoints, at its checkpoint's (:meth:`_checkpoint`)."""
         if self.pools is not None:
-            self.pools.record(request_id, end, slots)
+            checkpoints = []
+            for g, group in enumerate(self.groups):
+                i = self._checkpoint(request_id, g, end - len(slots[g]), end)
+                if i is not None and slots[g][i] >= 0:
+                    checkpoints.append((g, *divmod(slots[g][i], group.block_size)))
+            self.pools.record(request_id, end, slots, checkpoints)
         return slots
+
+    def _checkpoint(self, request_id: int, g: int, start: int, end: int) -> int | None:
+        """Where among positions ``start..end`` group ``g``'s worker exports the state the request's last allocation
+        reserved a block for (``MambaManager._checkpoints``: the state after token ``position - 1``), as an index
+        from ``start``; ``None`` for none there."""
+        if not self.groups[g].prefill_checkpoints:
+            return None
+        manager = self.manager.coordinator.single_type_managers[g]
+        checkpoint = getattr(manager, "_checkpoints", {}).get(str(request_id))
+        if checkpoint is None or not start <= checkpoint[0] - 1 < end:
+            return None
+        return checkpoint[0] - 1 - start
 
     # -- what the machine reads -------------------------------------------------------------------------
     def _raw_tables(self, request_id: int) -> tuple[list[int], ...]:
@@ -832,6 +853,14 @@ class VllmHybridCacheManager(VllmCacheManager):
             bs = group.block_size
             if slots is None:
                 slots = [table[p // bs] * bs + p % bs if p // bs < len(table) else -1 for p in range(start, end)]
+            if group.prefill_checkpoints:  # a state only where the step writes one: its end and its checkpoint,
+                # the latter in the block vLLM reserved for it (MambaManager._checkpoints: its table index)
+                g = len(out)
+                at = self._checkpoint(request_id, g, start, end)
+                slots = [s if i == end - start - 1 else -1 for i, s in enumerate(slots)]
+                if at is not None:
+                    index = self.manager.coordinator.single_type_managers[g]._checkpoints[str(request_id)][1]
+                    slots[at] = table[index] * bs + (start + at) % bs
             out.append([-1 if p // bs >= len(table) or table[p // bs] == null else s
                         for p, s in zip(range(start, end), slots)])
         return tuple(out)
@@ -883,7 +912,7 @@ cache_manager_windows = vllm_manager.cache_manager_windows
 cache_manager_layouts = ("one-group", "gemma3", "llama4", "jamba", "qwen3-next", "gpt-oss-2full-sw",
                          "mixed-block-sizes", "hymba", "deepseek-v4", "two-window-block-sizes", "gemma3-sparse",
                          "gemma3-interval", "qwen3-next-sparse", "mtp-multi-module", "qwen3-next-fine",
-                         "deepseek-v4-interval", "hisparse")
+                         "deepseek-v4-interval", "hisparse", "nemotron-h-fine")
 
 
 def peer():
