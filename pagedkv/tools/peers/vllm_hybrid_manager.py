@@ -17,7 +17,9 @@ only those boundaries' states; ``KVCacheConfig.prefix_cache_retention_interval``
 and the eviction model follow it), and Qwen3-Next served with fine-grained partial hash hits (``qwen3-next-fine``:
 ``--prefix-match-unit`` finer than the Mamba block, so hits land inside a block; the peer holds the pools, runs the
 scheduler's copy-on-write copies in them as vLLM's worker does and keeps one state per Mamba block:
-:class:`_StatePools`), and DeepSeek-V3.2's sparse MLA served with a host tier (``hisparse``: vLLM's HiSparse,
+:class:`_StatePools`; ``nemotron-h-fine`` the same for Mamba2 layers, whose prompt's last chunk exports the state at
+its replay boundary into a block vLLM reserved for it, ``MambaSpec.num_prefill_checkpoint_blocks``), and
+DeepSeek-V3.2's sparse MLA served with a host tier (``hisparse``: vLLM's HiSparse,
 :mod:`.vllm_hisparse_manager`). vLLM's LRU eviction order is
 declared where the machine knows what vLLM caches (no Mamba group, no EAGLE), and the lookahead slots
 (``num_lookahead_tokens``) where drafts are on.
