@@ -815,23 +815,23 @@ class VllmHybridCacheManager(VllmCacheManager):
         if self.pools is not None:
             checkpoints = []
             for g, group in enumerate(self.groups):
-                i = self._checkpoint(request_id, g, end - len(slots[g]), end)
-                if i is not None and slots[g][i] >= 0:
-                    checkpoints.append((g, *divmod(slots[g][i], group.block_size)))
+                exported = self._checkpoint(request_id, g, end - len(slots[g]), end)
+                if exported is not None and slots[g][exported[0]] >= 0:
+                    checkpoints.append((g, *divmod(slots[g][exported[0]], group.block_size)))
             self.pools.record(request_id, end, slots, checkpoints)
         return slots
 
-    def _checkpoint(self, request_id: int, g: int, start: int, end: int) -> int | None:
+    def _checkpoint(self, request_id: int, g: int, start: int, end: int) -> tuple[int, int] | None:
         """Where among positions ``start..end`` group ``g``'s worker exports the state the request's last allocation
-        reserved a block for (``MambaManager._checkpoints``: the state after token ``position - 1``), as an index
-        from ``start``; ``None`` for none there."""
+        reserved a block for (``MambaManager._checkpoints``: the state after token ``position - 1``): ``(its index
+        from start, the table index of the reserved block)``; ``None`` for none there."""
         if not self.groups[g].prefill_checkpoints:
             return None
         manager = self.manager.coordinator.single_type_managers[g]
         checkpoint = getattr(manager, "_checkpoints", {}).get(str(request_id))
         if checkpoint is None or not start <= checkpoint[0] - 1 < end:
             return None
-        return checkpoint[0] - 1 - start
+        return checkpoint[0] - 1 - start, checkpoint[1]
 
     # -- what the machine reads -------------------------------------------------------------------------
     def _raw_tables(self, request_id: int) -> tuple[list[int], ...]:
@@ -858,10 +858,10 @@ class VllmHybridCacheManager(VllmCacheManager):
             if group.prefill_checkpoints:  # a state only where the step writes one: its end and its checkpoint,
                 # the latter in the block vLLM reserved for it (MambaManager._checkpoints: its table index)
                 g = len(out)
-                at = self._checkpoint(request_id, g, start, end)
+                exported = self._checkpoint(request_id, g, start, end)
                 slots = [s if i == end - start - 1 else -1 for i, s in enumerate(slots)]
-                if at is not None:
-                    index = self.manager.coordinator.single_type_managers[g]._checkpoints[str(request_id)][1]
+                if exported is not None:
+                    at, index = exported
                     slots[at] = table[index] * bs + (start + at) % bs
             out.append([-1 if p // bs >= len(table) or table[p // bs] == null else s
                         for p, s in zip(range(start, end), slots)])
