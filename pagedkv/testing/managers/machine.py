@@ -329,8 +329,8 @@ class ManagerMachine(RuleBasedStateMachine):
         # manager declaring eagle_drop without speculative (vLLM beside a Mamba group) serves EAGLE's replay
         # boundaries while the machine draws no drafts
         self.eagle_server = self.caps.eagle_drop and config.num_speculative_tokens > 0
-        # the replay promise's window (:meth:`replay_hit`) is kept: fine-grained hits, or EAGLE's replay boundaries
-        self.replay_window = bool(self.caps.hit_alignment) or self.eagle_server
+        # the replay promise's window (:meth:`replay_hit`, judged with fine-grained hits only) is kept
+        self.replay_window = bool(self.caps.hit_alignment)
         self.reprefill = self.caps.reprefill if self.speculative else 0  # tokens a reservation leaves uncached
         self.gbs = [g.block_size for g in self.groups]
         self.bs = math.lcm(*self.gbs)  # a hit is whole blocks of every group
@@ -864,7 +864,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.eagle_server and counts is None:  # no free count to bound the evictions by: nothing promised
             return 0
         cap, best = len(req.tokens) - self.caps.min_computed_on_full_hit, 0
-        for q in [*self.live.values(), *self.replayable]:
+        for live, q in [*((True, q) for q in self.live.values()), *((False, q) for q in self.replayable)]:
             if not q.adopted or q.pending() or q.embedded() or q.reserved != q.committed:
                 continue
             r = self.replay_boundary(q)
@@ -874,7 +874,7 @@ class ManagerMachine(RuleBasedStateMachine):
             windowed = (counts is not None and q.replay_open is not None and q.committed >= q.num_prompt
                         and self.pool_entries - q.replay_open <= counts[0])
             # (without EAGLE) live and stopped at r: it holds that state
-            stopped = not self.eagle_server and q.committed == r and any(q is x for x in self.live.values())
+            stopped = live and not self.eagle_server and q.committed == r
             if ((windowed or stopped) and best < r <= cap and matched <= len(req.tokens)
                     and q.identities[matched - 1] == req.identities[matched - 1]):
                 best = r
