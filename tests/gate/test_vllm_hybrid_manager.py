@@ -1454,3 +1454,87 @@ def test_a_load_taking_a_block_no_token_needs_is_caught(monkeypatch):
     machine = machine_for(vm.cache_manager, windows=vm.cache_manager_windows, layouts=("hisparse",), name="hisparse")
     with pytest.raises(AssertionError, match="(?s)request 6: after its load .*a block no token needs"):
         programs.run_program(machine, _hisparse_load_program())
+
+
+def _branch_program(prompt, branch_at: int, chunk: int) -> list:
+    """``prompt`` prefilled in chunks of ``chunk`` tokens (no drafts, no connector: features 0), then, while it is
+    live, a prompt sharing its first ``branch_at`` tokens admitted."""
+    return [("system_prompts", {"prompts": [list(prompt), list(prompt[:branch_at])]}),
+            ("start", {"num_blocks": 16, "block_size": 0, "num_layers": 1, "window": 0, "layout": 0, "features": 0}),
+            ("add", {"system": list(prompt), "suffix": [], "namespace": None, "extra": None, "chunk": chunk,
+                     "write_now": True, "image_at": 0, "stored": 0}),
+            ("add", {"system": list(prompt[:branch_at]), "suffix": [0], "namespace": None, "extra": None,
+                     "chunk": chunk, "write_now": True, "image_at": 0, "stored": 0})]
+
+
+def test_a_cached_mamba_state_is_promised_a_hit(monkeypatch):
+    """``nemotron-h`` at block size 2: an 8-token chunk of an 11-token prompt exports the state after 6 tokens (one
+    block before its end) into its block, which vLLM keeps cached, so a prompt sharing the first 7 tokens hits 6.
+    The release passes; a manager evicting the chunk's checkpoint (as a mutant of the checkpoint branch of
+    ``MambaManager._cache_partial_tail_block`` does) fails the state promise. Fails before (no promise beside a
+    Mamba group: a hit of 0 passed)."""
+    from vllm.v1.core import single_type_kv_cache_manager as stm
+
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    hits = []
+    admit = vm.VllmHybridCacheManager.admit
+
+    def recorded(self, request_id, token_ids, *args, **kwargs):
+        got = admit(self, request_id, token_ids, *args, **kwargs)
+        hits.append(got[1])
+        return got
+
+    monkeypatch.setattr(vm.VllmHybridCacheManager, "admit", recorded)
+    program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2), branch_at=7, chunk=8)
+    machine = _machine(("nemotron-h",), block_sizes=(2,))
+    programs.run_program(machine, program)
+    assert hits == [0, 6], hits
+    cache_tail = stm.MambaManager._cache_partial_tail_block
+
+    def evict_chunk_checkpoints(self, request, num_tokens, retention_interval):
+        checkpoint = self._checkpoints.get(request.request_id)
+        if checkpoint is not None and checkpoint[0] < request.num_prompt_tokens - self.block_size:
+            self.block_pool._maybe_evict_cached_block(self.req_to_blocks[request.request_id][checkpoint[1]])
+            return None
+        return cache_tail(self, request, num_tokens, retention_interval)
+
+    monkeypatch.setattr(stm.MambaManager, "_cache_partial_tail_block", evict_chunk_checkpoints)
+    with pytest.raises(AssertionError, match="the state promise"):
+        programs.run_program(machine, program)
+
+
+def test_an_exported_checkpoint_below_a_null_block_gets_its_slot():
+    """Under EAGLE (``nemotron-h``, features 2) a 15-token prompt in one chunk at block size 4 exports the state after
+    8 tokens into the block reserved at table index 2, while the block token 7 falls in is null: the peer still
+    names that slot (it named ``-1`` before, and the resend's hit of 8 read a state nobody wrote)."""
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    groups = layout_groups("nemotron-h", 4, 0)
+    m = vm.cache_manager(ManagerConfig(12, 4, groups=groups, num_speculative_tokens=2))
+    m.admit(0, list(range(15)))
+    slots = m.reserve(0, list(range(15)))
+    tables = m.block_table(0)
+    assert tables[1][1] == -1 and tables[1][2] >= 0, tables
+    assert slots[1][7] == tables[1][2] * 4 + 3 and slots[1][14] == tables[1][3] * 4 + 2, slots[1]
+    assert [i for i, slot in enumerate(slots[1]) if slot >= 0] == [7, 14], slots[1]
+
+
+def test_a_resumed_request_keeps_its_prompt_and_hits_its_own_states():
+    """``resume`` (vLLM's ``Scheduler._preempt_request``): a request of a 7-token prompt and 5 decoded tokens is freed
+    and looked up again as the same ``Request``, its prompt still 7 tokens (so the scheduler's ``prefill_end``,
+    ``num_tokens - 1``, reaches past it), and hits its own blocks, freed into the cache: 10 tokens, the last block
+    boundary whose Mamba state a decode step wrote. Its recompute of the last 2 tokens then gets one slot each."""
+    m = _manager("nemotron-h", num_blocks=24)
+    _prefill(m, 0, list(range(1, 8)), chunk=8)
+    for end in range(8, 13):
+        m.reserve(0, [9])
+        m.commit(0, end)
+    tables, cached = m.resume(0)
+    request = m.requests[0]
+    assert (request.num_prompt_tokens, request.num_tokens, request.num_preemptions) == (7, 12, 1)
+    assert cached == 10 and len(tables[0]) == 5 and tables[1][4] >= 0, (cached, tables)
+    slots = m.reserve(0, [9, 9])
+    assert [len(group) for group in slots] == [2, 2] and request.num_computed_tokens == 12, slots
+    m.commit(0, 12)
+    _release_all(m, [0])

@@ -146,6 +146,10 @@ class Request:
     # (ManagerMachine.note_partial_tail); reported: its cached-prompt count was judged (capabilities.cached_prompt)
     partial: dict = dataclasses.field(default_factory=dict)
     reported: bool = False
+    state_marks: list = dataclasses.field(default_factory=list)  # (boundary, pool_entries): written, not yet completed
+    # looked up again after a preemption with its output (capabilities.resume): the engine keys its prompt-tail
+    # entries by the prompt it was admitted with, not by ``num_prompt`` here (every token it recomputes)
+    resumed: bool = False
     zero_after_load: set = dataclasses.field(default_factory=set)  # blocks the worker zeroes once its load landed
 
     def pending(self) -> bool:
@@ -331,9 +335,17 @@ class ManagerMachine(RuleBasedStateMachine):
         self.eagle_server = self.caps.eagle_drop and config.num_speculative_tokens > 0
         # the replay promise's window (:meth:`replay_hit`, judged with fine-grained hits only) is kept
         self.replay_window = bool(self.caps.hit_alignment)
+        # the state promise (:meth:`state_hit`): a coordinated layout with a Mamba group, one hit granularity, every
+        # block boundary's state kept (dense) or one every retention interval
+        self.state_window = (self.grouped and len(self.groups) > 1 and self.caps.coordinated_lookup
+                             and self.caps.hit_promise and any(g.kind == "mamba" for g in self.groups)
+                             and all(g.kind in ("full", "sliding_window", "mamba") for g in self.groups)
+                             and not (self.caps.hit_alignment or self.connector or self.eagle_server
+                                      or self.speculative) and self.caps.retention_interval != 0)
         self.reprefill = self.caps.reprefill if self.speculative else 0  # tokens a reservation leaves uncached
         self.gbs = [g.block_size for g in self.groups]
         self.bs = math.lcm(*self.gbs)  # a hit is whole blocks of every group
+        self.state_interval = self.bs if self.caps.retention_interval is None else self.caps.retention_interval
         self.unit = self.caps.hit_alignment or self.bs  # ... or, fine-grained, whole prefix-match units
         self.page = max(self.gbs)  # tokens per page of the machine's pools
         self.layers, self.window = num_layers, self.caps.window
@@ -359,6 +371,9 @@ class ManagerMachine(RuleBasedStateMachine):
         # under EAGLE: an upper bound on the blocks that entered the manager's free queue so far (released by every
         # holder, or a moved copy-on-write entry: :meth:`account`), and the blocks held at the last count
         self.pool_entries, self.pool_held = 0, set()
+        # (boundary, identity of its last token, pool_entries when its state was written) of every Mamba state a
+        # completed step wrote on a block boundary (:meth:`state_hit`)
+        self.state_marks: list[tuple[int, int, int]] = []
         self.rejected: list[tuple] = []  # timelines ending in rejected drafts (namespace, tokens, extras)
         # the model of what the manager declares: block -> identity its cached full block holds (hit
         # promise), the free queue as tiers, front first (eviction order), blocks ever handed out
@@ -539,6 +554,10 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.commit(rid, req.written)
         self.epoch += 1
         req.committed = req.written
+        if req.state_marks:
+            done = [(e, req.identities[e - 1], opened) for e, opened in req.state_marks if e <= req.committed]
+            self.state_marks = [*self.state_marks[-31:], *done]
+            req.state_marks = [(e, opened) for e, opened in req.state_marks if e > req.committed]
         if self.caps.defers_commit:
             # a deferred free's last step may be cached as it completes (a finished request inserted then, as
             # SGLang's radix cache does): hittable, not promised
@@ -560,7 +579,7 @@ class ManagerMachine(RuleBasedStateMachine):
         caches :func:`.lookup.cacheable_tokens` of ``upto``). Recorded as ``req.partial[g] = (block, b)`` for
         :meth:`cached_prompt_floor`, only where the count is judged (a coordinated layout), not for a prompt with
         embeddings (its keys hash embedding slices)."""
-        if not (self.caps.cached_prompt and self.coordinated) or req.partial or req.embedded():
+        if not (self.caps.cached_prompt and self.coordinated) or req.partial or req.embedded() or req.resumed:
             return
         u = self.caps.block_size
         boundary = (req.num_prompt if self.eagle_server else req.num_prompt - 1) // u * u
@@ -650,13 +669,15 @@ class ManagerMachine(RuleBasedStateMachine):
         return out + [(rid, req.table) for rid, req in self.zombies.items()]
 
     def holdings(self) -> dict[int, tuple[int, int]]:
-        """Every block a live request (or a deferred free) holds -> ``(group, position in that table)``."""
+        """Every block a live request (or a deferred free) holds -> ``(group, position in that table)``, its lowest
+        where requests hold it at different positions (an exported Mamba checkpoint in its reserved block, hit
+        through the block its boundary ends)."""
         held: dict[int, tuple[int, int]] = {}
         for _, tables in self.tables():
             for g, table in enumerate(tables):
                 for i, b in enumerate(table):
                     if b >= 0:
-                        held.setdefault(b, (g, i))
+                        held[b] = min(held.get(b, (g, i)), (g, i))
         return held
 
     def in_flight_reads(self) -> set[int]:
@@ -673,13 +694,14 @@ class ManagerMachine(RuleBasedStateMachine):
         (``capabilities.zeroes_new_blocks``) are zeroed now, or, for the connector load of ``loading``, once its
         data landed (:meth:`finish_load_rid`)."""
         after = self.holdings()
-        if self.replay_window:
+        moved = {b for b in before if b in after and before[b] != after[b]}  # released and handed out again
+        if self.replay_window or self.state_window:
             # blocks that entered the free queue (:meth:`replay_hit`): every block no longer held that was held at
             # the last count, before the call or as a hit it adopted (a partial hit's copy-on-write releases its
-            # source in the same call), and the moved entries' blocks
-            self.pool_entries += len((self.pool_held | set(before) | set(hits)) - set(after)) + moves
+            # source in the same call), the moved entries' blocks, and blocks freed and handed out again within the
+            # call (a Mamba group's released state block taken for its next state: popped from the queue's front)
+            self.pool_entries += len((self.pool_held | set(before) | set(hits)) - set(after)) + moves + len(moved)
             self.pool_held = set(after)
-        moved = {b for b in before if b in after and before[b] != after[b]}  # released and handed out again
         released = sorted((b for b in before if b not in after or b in moved),
                           key=lambda b: (before[b][0], -before[b][1]))
         adopted = set(hits) - set(left)
@@ -853,7 +875,8 @@ class ManagerMachine(RuleBasedStateMachine):
         the window above is promised.
 
         Not promised with a connector (a load re-aligns the local hit to whole scheduler blocks), drafts or
-        embeddings (their keys see what the identity does not); multimodal inputs are let in (each token's identity
+        embeddings (their keys see what the identity does not), nor from a resumed request (its engine keys the
+        prompt's tail by the prompt it was admitted with); multimodal inputs are let in (each token's identity
         names its input and offset, and an equal identity at the last unit the lookup matches makes every hash
         block up to it equal)."""
         if not self.caps.hit_alignment or self.connector or self.speculative:
@@ -865,7 +888,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return 0
         cap, best = len(req.tokens) - self.caps.min_computed_on_full_hit, 0
         for live, q in [*((True, q) for q in self.live.values()), *((False, q) for q in self.replayable)]:
-            if not q.adopted or q.pending() or q.embedded() or q.reserved != q.committed:
+            if not q.adopted or q.pending() or q.embedded() or q.resumed or q.reserved != q.committed:
                 continue
             r = self.replay_boundary(q)
             # EAGLE's lookup matches the unit past r (and drops it)
@@ -879,6 +902,30 @@ class ManagerMachine(RuleBasedStateMachine):
                     and q.identities[matched - 1] == req.identities[matched - 1]):
                 best = r
         return best
+
+    def state_hit(self, req: Request) -> int:
+        """The state promise of a coordinated layout with a Mamba group (:attr:`state_window`: no connector, EAGLE or
+        fine-grained hits; retention dense or an interval): the longest boundary ``e`` within the hit's cap at which a
+        completed step of a request sharing ``req``'s first ``e`` tokens wrote the Mamba state, while no block that
+        entered the free queue since can have been evicted, is hit. ``e`` is a block boundary, under a retention
+        interval one of the interval's (the boundaries ``MambaManager.reachable_block_mask`` keeps in every request).
+
+        vLLM's "align" mode caches a Mamba block once the request computed the boundary it ends on
+        (``cache_blocks``): the state written there (a chunk's end, an exported prefill checkpoint, a decode step),
+        and the attention groups' blocks below it, all of which the request held when the state was written. They
+        enter the free queue as they are released (``remove_skipped_blocks`` keeps only the running state; the rest
+        with the request), hittable until ``BlockPool`` evicts them from the front, the same bound as the replay
+        promise's (:meth:`replay_hit`). A Mamba lookup takes the longest cached state below the attention hit, so a
+        cached state at ``e`` is hit at least. Not judged for prompts with embeddings (their keys see bytes the
+        identity does not)."""
+        if not self.state_window or req.embedded():
+            return 0
+        counts = self.m.counts()
+        if counts is None:
+            return 0
+        cap = len(req.tokens) - self.caps.min_computed_on_full_hit
+        return max((e for e, identity, opened in self.state_marks if e <= cap and self.pool_entries - opened
+                    <= counts[0] and req.identities[e - 1] == identity), default=0)
 
     def cow_moves(self, req: Request | None = None, start: int = 0) -> int:
         """Blocks an allocation may hand out and free within the call (:meth:`account`): vLLM's
@@ -895,9 +942,9 @@ class ManagerMachine(RuleBasedStateMachine):
     def end_replay_windows(self) -> None:
         """An eviction or reset may have taken any request's replay boundary state (under EAGLE it sits in the
         free queue, :meth:`replay_hit`): no request's is promised any longer."""
-        self.replayable = []
-        for q in self.live.values():
-            q.replay_open = None
+        self.replayable, self.state_marks = [], []
+        for q in (*self.live.values(), *self.zombies.values()):
+            q.replay_open, q.state_marks = None, []
 
     def replay_boundary(self, q: Request) -> int:
         """``q``'s replay boundary (:meth:`replay_hit`): ``floor((P - 1) / u) * u``, under EAGLE
@@ -1009,6 +1056,12 @@ class ManagerMachine(RuleBasedStateMachine):
             req.replay_open = entries if start == r else self.pool_entries
         self.check_slots(rid, slots, start, n, "reserve",
                          lambda g, i: self.groups[g].kind == "mamba" and i < n - 1 - drafts)
+        if self.state_window and not req.embedded():
+            # the step writes a Mamba state on a block boundary: it enters the free queue after this step at the
+            # earliest (its block is the request's until then)
+            req.state_marks += [(start + i + 1, self.pool_entries) for g, group in enumerate(self.groups)
+                                if group.kind == "mamba" for i, slot in enumerate(slots[g])
+                                if slot >= 0 and (start + i + 1) % self.state_interval == 0]
         table = self.m.block_table(rid)
         pending = self.pending_slots()
         for g, group in enumerate(self.groups):  # what the step's first query reads (a hit's window, its state)
@@ -1109,7 +1162,7 @@ class ManagerMachine(RuleBasedStateMachine):
         # input: the token there is text (an engine gives a row only at a placeholder, and reads no id there)
         extras = {p: key for p, key in extras.items()
                   if not is_embedding(key) or p < len(tokens) and tokens[p] == PLACEHOLDER}
-        req = Request(namespace, [], dict(extras), [], len(tokens))
+        req = Request(namespace, [], dict(extras), [], len(tokens), resumed=resumed is not None)
         req.extend(tokens)
         if not self.connector:
             stored = 0
@@ -1157,6 +1210,11 @@ class ManagerMachine(RuleBasedStateMachine):
             f"{replay} tokens computed its prompt, live or released, and no block that entered the free queue since " \
             f"can have been evicted, or stopped there and is live (the replay promise of fine-grained hits" + \
             (": under EAGLE)" if self.eagle_server else ")")
+        state = self.state_hit(req)
+        assert cached >= state, \
+            f"request {rid}: a hit of {cached} tokens, but a request sharing its first {state} tokens completed a " \
+            f"step writing every Mamba group's state there, on a block boundary, and no block that entered the free " \
+            f"queue since can have been evicted (the state promise: a cached Mamba state hits)"
         if self.caps.retention_interval is not None:
             req.junction = self.junction(req, cached)
         # where the model knows every cached block of a coordinated layout, no hit is longer than the one vLLM's

@@ -84,8 +84,9 @@ class GroupSpec:
             query reads is full attention's: a manager without a host tier serves it as a plain ``"full"``
             group, one with a tier names in its block table where each page is read (its device copy, or its
             host block where the copy was reclaimed).
-        prefill_checkpoints: the step that reaches the prompt's end also writes the state at the prompt's last
-            prefix-match boundary below it (``"mamba"`` only; vLLM's Mamba2 layers, ``MambaSpec.
+        prefill_checkpoints: a prefill step may also write the state at the last prefix-match boundary below its
+            end (vLLM: in every chunk it is valid for, under sparse retention only in the one reaching the prefill's
+            end) (``"mamba"`` only; vLLM's Mamba2 layers, ``MambaSpec.
             num_prefill_checkpoint_blocks``: Nemotron-H, Granite 4, Falcon-H1, Zamba2, exporting the state from
             inside one forward pass rather than ending a chunk there), into a block its manager reserved for it:
             a reservation names by a slot of at least 0 each position whose state its step writes (the last
@@ -172,7 +173,8 @@ HYBRID_LAYOUTS = {
 #: boundary, the prompt less its last token, and a shared-prefix junction are kept); ``n > 0`` also keeps one
 #: boundary every ``n`` scheduler blocks; a Mamba group keeps only those boundaries' states. Every other layout is
 #: dense (every block cached, ``None``).
-LAYOUT_RETENTION = {"gemma3-sparse": 0, "gemma3-interval": 3, "qwen3-next-sparse": 0, "deepseek-v4-interval": 3}
+LAYOUT_RETENTION = {"gemma3-sparse": 0, "gemma3-interval": 3, "qwen3-next-sparse": 0, "deepseek-v4-interval": 3,
+                    "nemotron-h-interval": 3}
 HYBRID_LAYOUTS["gemma3-sparse"] = HYBRID_LAYOUTS["gemma3-interval"] = HYBRID_LAYOUTS["gemma3"]
 HYBRID_LAYOUTS["qwen3-next-sparse"] = HYBRID_LAYOUTS["qwen3-next"]
 HYBRID_LAYOUTS["deepseek-v4-interval"] = HYBRID_LAYOUTS["deepseek-v4"]
@@ -202,6 +204,14 @@ HYBRID_LAYOUTS["nemotron-h-fine"] = lambda bs, w: (GroupSpec("full", 4 * bs),
 #: group's pages live in a host pool with device copies reclaimed under pressure (``GroupSpec.host_resident``), the
 #: indexer's keys a ``full`` group on the device.
 HYBRID_LAYOUTS["hisparse"] = lambda bs, w: (GroupSpec("full", bs, host_resident=True), GroupSpec("full", bs))
+
+#: Nemotron-H, Granite 4, Falcon-H1, Zamba2: Mamba2 layers (``MambaMixer2``) beside full attention, whose every
+#: prefill chunk of two blocks or more exports the state one block before its end into a block the manager reserved
+#: for it (``GroupSpec.prefill_checkpoints``, vLLM's ``MambaSpec.num_prefill_checkpoint_blocks``): a checkpoint on a
+#: block boundary, kept where retention keeps that boundary. ``nemotron-h-interval`` serves it with a retention
+#: interval (:data:`LAYOUT_RETENTION`), so the checkpoint a chunk exports is kept only on a segment's boundary.
+HYBRID_LAYOUTS["nemotron-h"] = HYBRID_LAYOUTS["nemotron-h-interval"] = lambda bs, w: (
+    GroupSpec("full", bs), GroupSpec("mamba", bs, num_layers=2, prefill_checkpoints=True))
 
 
 #: The widest window draw of a hybrid layout: ``window_left`` of this many blocks and one token, a window over several
@@ -277,6 +287,9 @@ class ManagerCapabilities:
         hit_promise: what was committed and not evicted hits: a cached full block stays cached until its
             block is handed out again (or ``evict`` names it, or ``reset`` drops everything), so an admit
             must hit at least every such leading block, up to ``len(prompt) - min_computed_on_full_hit``.
+            Beside a Mamba group with ``coordinated_lookup`` (dense or interval retention, no connector, EAGLE or
+            ``hit_alignment``), what is promised is the state promise: a state a completed step wrote on a block
+            boundary (on an interval's, under ``retention_interval``) hits while no eviction can have taken it.
         async_steps: the next step may be reserved before the previous one's writes complete (vLLM's
             async scheduling): ``commit(rid, n)`` says the step writing tokens below ``n`` completed, and
             blocks those in-flight steps read or write (the attention window behind each in-flight

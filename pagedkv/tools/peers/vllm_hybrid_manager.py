@@ -18,7 +18,9 @@ and the eviction model follow it), and Qwen3-Next served with fine-grained parti
 ``--prefix-match-unit`` finer than the Mamba block, so hits land inside a block; the peer holds the pools, runs the
 scheduler's copy-on-write copies in them as vLLM's worker does and keeps one state per Mamba block:
 :class:`_StatePools`; ``nemotron-h-fine`` the same for Mamba2 layers, whose prompt's last chunk exports the state at
-its replay boundary into a block vLLM reserved for it, ``MambaSpec.num_prefill_checkpoint_blocks``), and
+its replay boundary into a block vLLM reserved for it, ``MambaSpec.num_prefill_checkpoint_blocks``), Mamba2 layers
+at the block granularity (``nemotron-h``: every prefill chunk exports the state one block before its end;
+``nemotron-h-interval``: under a retention interval, kept only on the interval's boundaries), and
 DeepSeek-V3.2's sparse MLA served with a host tier (``hisparse``: vLLM's HiSparse,
 :mod:`.vllm_hisparse_manager`). vLLM's LRU eviction order is
 declared where the machine knows what vLLM caches (no Mamba group, no EAGLE), and the lookahead slots
@@ -43,6 +45,8 @@ declared where the machine knows what vLLM caches (no Mamba group, no EAGLE), an
   indexes states by block id), so its slots are ``block_id * block_size + offset`` of the request's table,
   ``-1`` where the group holds no block.
 - ``commit``: a step completed, the scheduler's next one starts (``new_step_starts``).
+- ``resume``: vLLM's preemption (``Scheduler._preempt_request``): the request's blocks freed, the same ``Request``
+  looked up again with its output, its prompt the admitted one (the prefill's end, ``num_tokens - 1``, past it).
 - ``free``: the connector's ``request_finished_all_groups`` (without the ``remove_skipped_blocks`` vLLM's
   scheduler calls first: the protocol holds every block of a stored request until its store completes, so
   a window's out-of-window blocks are stored too); the fake connector stores every finished request, so the
@@ -534,7 +538,7 @@ class VllmHybridCacheManager(VllmCacheManager):
                                                 # one group: vLLM's unitary coordinator looks no block past the cap
                                                 eagle_margin=len(self.groups) > 1, owns_pools=self.fine_grained,
                                                 hit_alignment=self.hash_block_size if self.fine_grained else None,
-                                                cached_prompt=True,
+                                                cached_prompt=True, resume=True,
                                                 # the machine's pools: it zeroes what vLLM names (the peer's own
                                                 # pools zero under a load only, where the race is)
                                                 zeroes_new_blocks=kv_config.needs_kv_cache_zeroing
@@ -576,6 +580,28 @@ class VllmHybridCacheManager(VllmCacheManager):
         self.pending[request_id] = (blocks, num_local)
         self.settled[request_id] = num_local
         self.external[request_id] = num_external
+        return self.block_table(request_id), num_local
+
+    def resume(self, request_id: int):
+        """Preempt as vLLM's scheduler does (``Scheduler._preempt_request``: every group's blocks freed,
+        ``num_computed_tokens`` 0, no draft tokens) and look the same ``Request`` up again as a waiting one: every
+        token so far, its prompt still the one it was admitted with, so the scheduler's and the manager's
+        ``prefill_end`` (``max(num_prompt_tokens, num_tokens - 1)``) reaches past the prompt, and a Mamba2 group
+        exports the checkpoint of that resumed prefill, not the prompt's. Nothing is stored for it: the connector
+        promises no external tokens, so the lookup is the local one every group agrees on."""
+        request = self.requests[request_id]
+        self.manager.free(request)
+        if self.pools is not None:
+            self.pools.forget(request_id)
+        request.status = self.v.RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        blocks, num_local, boundary = self.manager.get_computed_blocks(request)
+        request.shared_prefix_boundary = boundary
+        self.pending[request_id] = (blocks, num_local)
+        self.settled[request_id] = num_local
+        self.external[request_id] = 0
         return self.block_table(request_id), num_local
 
     def num_external(self, request_id: int) -> int:
@@ -855,16 +881,18 @@ class VllmHybridCacheManager(VllmCacheManager):
             bs = group.block_size
             if slots is None:
                 slots = [table[p // bs] * bs + p % bs if p // bs < len(table) else -1 for p in range(start, end)]
+            slots = [-1 if p // bs >= len(table) or table[p // bs] == null else s for p, s in zip(range(start, end),
+                                                                                                 slots)]
             if group.prefill_checkpoints:  # a state only where the step writes one: its end and its checkpoint,
-                # the latter in the block vLLM reserved for it (MambaManager._checkpoints: its table index)
-                g = len(out)
-                exported = self._checkpoint(request_id, g, start, end)
+                # the latter in the block vLLM reserved for it (MambaManager._checkpoints: its table index), which
+                # need not be the block its position falls in (that one may be null: under EAGLE the checkpoint
+                # sits a block below the reserved one)
+                exported = self._checkpoint(request_id, len(out), start, end)
                 slots = [s if i == end - start - 1 else -1 for i, s in enumerate(slots)]
                 if exported is not None:
                     at, index = exported
                     slots[at] = table[index] * bs + (start + at) % bs
-            out.append([-1 if p // bs >= len(table) or table[p // bs] == null else s
-                        for p, s in zip(range(start, end), slots)])
+            out.append(slots)
         return tuple(out)
 
     def self_check(self) -> None:
@@ -914,7 +942,8 @@ cache_manager_windows = vllm_manager.cache_manager_windows
 cache_manager_layouts = ("one-group", "gemma3", "llama4", "jamba", "qwen3-next", "gpt-oss-2full-sw",
                          "mixed-block-sizes", "hymba", "deepseek-v4", "two-window-block-sizes", "gemma3-sparse",
                          "gemma3-interval", "qwen3-next-sparse", "mtp-multi-module", "qwen3-next-fine",
-                         "deepseek-v4-interval", "hisparse", "nemotron-h-fine")
+                         "deepseek-v4-interval", "hisparse", "nemotron-h-fine", "nemotron-h",
+                         "nemotron-h-interval")
 
 
 def peer():
