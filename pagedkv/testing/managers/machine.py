@@ -668,16 +668,17 @@ class ManagerMachine(RuleBasedStateMachine):
         out = [(rid, self.m.block_table(rid)) for rid, q in self.live.items() if q.adopted]
         return out + [(rid, req.table) for rid, req in self.zombies.items()]
 
-    def holdings(self) -> dict[int, tuple[int, int]]:
-        """Every block a live request (or a deferred free) holds -> ``(group, position in that table)``, its lowest
-        where requests hold it at different positions (an exported Mamba checkpoint in its reserved block, hit
-        through the block its boundary ends)."""
-        held: dict[int, tuple[int, int]] = {}
-        for _, tables in self.tables():
+    def holdings(self) -> dict[int, tuple[int, int, frozenset]]:
+        """Every block a live request (or a deferred free) holds -> ``(group, position in that table, holders)``: its
+        lowest position where requests hold it at different ones (an exported Mamba checkpoint in its reserved block,
+        hit through the block its boundary ends), and each holder's ``(request, position)``."""
+        held: dict[int, tuple[int, int, frozenset]] = {}
+        for rid, tables in self.tables():
             for g, table in enumerate(tables):
                 for i, b in enumerate(table):
                     if b >= 0:
-                        held[b] = min(held.get(b, (g, i)), (g, i))
+                        g0, i0, holders = held.get(b, (g, i, frozenset()))
+                        held[b] = (*min((g0, i0), (g, i)), holders | {(rid, i)})
         return held
 
     def in_flight_reads(self) -> set[int]:
@@ -694,13 +695,16 @@ class ManagerMachine(RuleBasedStateMachine):
         (``capabilities.zeroes_new_blocks``) are zeroed now, or, for the connector load of ``loading``, once its
         data landed (:meth:`finish_load_rid`)."""
         after = self.holdings()
-        moved = {b for b in before if b in after and before[b] != after[b]}  # released and handed out again
+        # released and handed out again within the call: a holder let it go and one holds it where it did not (a
+        # fork or an adopted hit only adds holders; one holder of a shared block leaving only takes one away)
+        moved = {b for b in before if b in after and after[b][2] - before[b][2] and before[b][2] - after[b][2]}
         if self.replay_window or self.state_window:
             # blocks that entered the free queue (:meth:`replay_hit`): every block no longer held that was held at
             # the last count, before the call or as a hit it adopted (a partial hit's copy-on-write releases its
             # source in the same call), the moved entries' blocks, and blocks freed and handed out again within the
             # call (a Mamba group's released state block taken for its next state: popped from the queue's front)
-            self.pool_entries += len((self.pool_held | set(before) | set(hits)) - set(after)) + moves + len(moved)
+            self.pool_entries += len((self.pool_held | set(before) | set(hits)) - set(after)) + moves + len(
+                moved - set(hits))
             self.pool_held = set(after)
         released = sorted((b for b in before if b not in after or b in moved),
                           key=lambda b: (before[b][0], -before[b][1]))
