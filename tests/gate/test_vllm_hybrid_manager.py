@@ -868,12 +868,8 @@ def test_mamba2_layers_export_the_prompts_checkpoint_from_inside_one_chunk(monke
         programs.run_program(machine, _resent_turn_program(prompt))
 
 
-def test_an_evicted_eagle_checkpoint_is_not_promised(monkeypatch):
-    """Under EAGLE the Mamba checkpoint of a 7-token prompt (4 tokens, inside its block) moves at the next step to
-    a copy-on-write block freed once copied: in a pool of 4 blocks the decode step that opens a new block evicts
-    it from the free queue's front, and the next turn hits nothing. The release passes (the replay promise holds
-    only while no block that entered the free queue since can have been evicted). Fails before (the promise
-    followed the blocks of the request's table: "a hit of 0 tokens, but ... replay boundary of 4 tokens")."""
+def _recorded_hits(monkeypatch) -> list[int]:
+    """The hit of every ``admit`` of vLLM's hybrid peer from now on, in order (a list filled as they run)."""
     from pagedkv.tools.peers import vllm_hybrid_manager as vm
 
     hits = []
@@ -885,6 +881,16 @@ def test_an_evicted_eagle_checkpoint_is_not_promised(monkeypatch):
         return got
 
     monkeypatch.setattr(vm.VllmHybridCacheManager, "admit", recorded)
+    return hits
+
+
+def test_an_evicted_eagle_checkpoint_is_not_promised(monkeypatch):
+    """Under EAGLE the Mamba checkpoint of a 7-token prompt (4 tokens, inside its block) moves at the next step to
+    a copy-on-write block freed once copied: in a pool of 4 blocks the decode step that opens a new block evicts
+    it from the free queue's front, and the next turn hits nothing. The release passes (the replay promise holds
+    only while no block that entered the free queue since can have been evicted). Fails before (the promise
+    followed the blocks of the request's table: "a hit of 0 tokens, but ... replay boundary of 4 tokens")."""
+    hits = _recorded_hits(monkeypatch)
     steps = [("start", {"num_blocks": 4, "block_size": 0, "num_layers": 1, "window": 0, "layout": 0, "features": 2}),
              ("serve", {"system": [1, 2, 3, 1, 2, 3, 1], "suffix": [], "namespace": None, "extra": None,
                         "image_at": 0, "tokens": [5, 6], "reply": [6]})]
@@ -1475,17 +1481,7 @@ def test_a_cached_mamba_state_is_promised_a_hit(monkeypatch):
     Mamba group: a hit of 0 passed)."""
     from vllm.v1.core import single_type_kv_cache_manager as stm
 
-    from pagedkv.tools.peers import vllm_hybrid_manager as vm
-
-    hits = []
-    admit = vm.VllmHybridCacheManager.admit
-
-    def recorded(self, request_id, token_ids, *args, **kwargs):
-        got = admit(self, request_id, token_ids, *args, **kwargs)
-        hits.append(got[1])
-        return got
-
-    monkeypatch.setattr(vm.VllmHybridCacheManager, "admit", recorded)
+    hits = _recorded_hits(monkeypatch)
     program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2), branch_at=7, chunk=8)
     machine = _machine(("nemotron-h",), block_sizes=(2,))
     programs.run_program(machine, program)
