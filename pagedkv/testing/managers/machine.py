@@ -1061,11 +1061,12 @@ class ManagerMachine(RuleBasedStateMachine):
         self.check_slots(rid, slots, start, n, "reserve",
                          lambda g, i: self.groups[g].kind == "mamba" and i < n - 1 - drafts)
         if self.state_window and not req.embedded():
-            # the step writes a Mamba state on a block boundary: it enters the free queue after this step at the
-            # earliest (its block is the request's until then)
-            req.state_marks += [(start + i + 1, self.pool_entries) for g, group in enumerate(self.groups)
-                                if group.kind == "mamba" for i, slot in enumerate(slots[g])
-                                if slot >= 0 and (start + i + 1) % self.state_interval == 0]
+            # the step writes every Mamba group's state on a block boundary: it enters the free queue after this
+            # step at the earliest (its block is the request's until then)
+            written = set.intersection(*({i for i, slot in enumerate(slots[g]) if slot >= 0}
+                                         for g, group in enumerate(self.groups) if group.kind == "mamba"))
+            req.state_marks += [(start + i + 1, self.pool_entries) for i in sorted(written)
+                                if (start + i + 1) % self.state_interval == 0]
         table = self.m.block_table(rid)
         pending = self.pending_slots()
         for g, group in enumerate(self.groups):  # what the step's first query reads (a hit's window, its state)
