@@ -335,17 +335,15 @@ class ManagerMachine(RuleBasedStateMachine):
         self.eagle_server = self.caps.eagle_drop and config.num_speculative_tokens > 0
         # the replay promise's window (:meth:`replay_hit`, judged with fine-grained hits only) is kept
         self.replay_window = bool(self.caps.hit_alignment)
-        # the state promise (:meth:`state_hit`): a coordinated layout with a Mamba group, one hit granularity, every
-        # block boundary's state kept (dense) or one every retention interval
+        # the state promise (:meth:`state_hit`): a coordinated layout with a Mamba group, one hit granularity
         self.state_window = (self.grouped and len(self.groups) > 1 and self.caps.coordinated_lookup
                              and self.caps.hit_promise and any(g.kind == "mamba" for g in self.groups)
                              and all(g.kind in ("full", "sliding_window", "mamba") for g in self.groups)
                              and not (self.caps.hit_alignment or self.connector or self.eagle_server
-                                      or self.speculative) and self.caps.retention_interval != 0)
+                                      or self.speculative))
         self.reprefill = self.caps.reprefill if self.speculative else 0  # tokens a reservation leaves uncached
         self.gbs = [g.block_size for g in self.groups]
         self.bs = math.lcm(*self.gbs)  # a hit is whole blocks of every group
-        self.state_interval = self.bs if self.caps.retention_interval is None else self.caps.retention_interval
         self.unit = self.caps.hit_alignment or self.bs  # ... or, fine-grained, whole prefix-match units
         self.page = max(self.gbs)  # tokens per page of the machine's pools
         self.layers, self.window = num_layers, self.caps.window
@@ -909,10 +907,9 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def state_hit(self, req: Request) -> int:
         """The state promise of a coordinated layout with a Mamba group (:attr:`state_window`: no connector, EAGLE or
-        fine-grained hits; retention dense or an interval): the longest boundary ``e`` within the hit's cap at which a
-        completed step of a request sharing ``req``'s first ``e`` tokens wrote the Mamba state, while no block that
-        entered the free queue since can have been evicted, is hit. ``e`` is a block boundary, under a retention
-        interval one of the interval's (the boundaries ``MambaManager.reachable_block_mask`` keeps in every request).
+        fine-grained hits): the longest boundary ``e`` within the hit's cap at which a completed step of a request
+        sharing ``req``'s first ``e`` tokens wrote the Mamba state, while no block that entered the free queue since
+        can have been evicted, is hit. ``e`` is a boundary whose state retention keeps (:meth:`state_kept`).
 
         vLLM's "align" mode caches a Mamba block once the request computed the boundary it ends on
         (``cache_blocks``): the state written there (a chunk's end, an exported prefill checkpoint, a decode step),
@@ -930,6 +927,19 @@ class ManagerMachine(RuleBasedStateMachine):
         cap = len(req.tokens) - self.caps.min_computed_on_full_hit
         return max((e for e, identity, opened in self.state_marks if e <= cap and self.pool_entries - opened
                     <= counts[0] and req.identities[e - 1] == identity), default=0)
+
+    def state_kept(self, req: Request, e: int) -> bool:
+        """Whether vLLM keeps the Mamba state at boundary ``e`` of ``req`` cached
+        (``MambaManager.reachable_block_mask``): every block boundary under dense retention; under a retention
+        interval its boundaries and the prompt's replay boundary (``floor((P - 1) / bs) * bs``); under sparse
+        retention (0) the replay boundary only (a shared-prefix junction too, not promised here). A resumed request's
+        replay boundary is its admitted prompt's, not known here."""
+        interval = self.caps.retention_interval
+        if e % self.bs:
+            return False
+        if interval is None or interval and e % interval == 0:
+            return True
+        return not req.resumed and e == (req.num_prompt - 1) // self.bs * self.bs
 
     def cow_moves(self, req: Request | None = None, start: int = 0) -> int:
         """Blocks an allocation may hand out and free within the call (:meth:`account`): vLLM's
@@ -1066,7 +1076,7 @@ class ManagerMachine(RuleBasedStateMachine):
             written = set.intersection(*({i for i, slot in enumerate(slots[g]) if slot >= 0}
                                          for g, group in enumerate(self.groups) if group.kind == "mamba"))
             req.state_marks += [(start + i + 1, self.pool_entries) for i in sorted(written)
-                                if (start + i + 1) % self.state_interval == 0]
+                                if self.state_kept(req, start + i + 1)]
         table = self.m.block_table(rid)
         pending = self.pending_slots()
         for g, group in enumerate(self.groups):  # what the step's first query reads (a hit's window, its state)

@@ -174,7 +174,7 @@ HYBRID_LAYOUTS = {
 #: boundary every ``n`` scheduler blocks; a Mamba group keeps only those boundaries' states. Every other layout is
 #: dense (every block cached, ``None``).
 LAYOUT_RETENTION = {"gemma3-sparse": 0, "gemma3-interval": 3, "qwen3-next-sparse": 0, "deepseek-v4-interval": 3,
-                    "nemotron-h-interval": 3}
+                    "nemotron-h-interval": 3, "nemotron-h-sparse": 0}
 HYBRID_LAYOUTS["gemma3-sparse"] = HYBRID_LAYOUTS["gemma3-interval"] = HYBRID_LAYOUTS["gemma3"]
 HYBRID_LAYOUTS["qwen3-next-sparse"] = HYBRID_LAYOUTS["qwen3-next"]
 HYBRID_LAYOUTS["deepseek-v4-interval"] = HYBRID_LAYOUTS["deepseek-v4"]
@@ -209,9 +209,10 @@ HYBRID_LAYOUTS["hisparse"] = lambda bs, w: (GroupSpec("full", bs, host_resident=
 #: prefill chunk of two blocks or more exports the state one block before its end into a block the manager reserved
 #: for it (``GroupSpec.prefill_checkpoints``, vLLM's ``MambaSpec.num_prefill_checkpoint_blocks``): a checkpoint on a
 #: block boundary, kept where retention keeps that boundary. ``nemotron-h-interval`` serves it with a retention
-#: interval (:data:`LAYOUT_RETENTION`), so the checkpoint a chunk exports is kept only on a segment's boundary.
-HYBRID_LAYOUTS["nemotron-h"] = HYBRID_LAYOUTS["nemotron-h-interval"] = lambda bs, w: (
-    GroupSpec("full", bs), GroupSpec("mamba", bs, num_layers=2, prefill_checkpoints=True))
+#: interval (:data:`LAYOUT_RETENTION`), so the checkpoint a chunk exports is kept only on a segment's boundary;
+#: ``nemotron-h-sparse`` under vLLM's default sparse retention, where only the chunk reaching the prefill's end exports.
+HYBRID_LAYOUTS["nemotron-h"] = HYBRID_LAYOUTS["nemotron-h-interval"] = HYBRID_LAYOUTS["nemotron-h-sparse"] = (
+    lambda bs, w: (GroupSpec("full", bs), GroupSpec("mamba", bs, num_layers=2, prefill_checkpoints=True)))
 
 
 #: The widest window draw of a hybrid layout: ``window_left`` of this many blocks and one token, a window over several
@@ -287,9 +288,9 @@ class ManagerCapabilities:
         hit_promise: what was committed and not evicted hits: a cached full block stays cached until its
             block is handed out again (or ``evict`` names it, or ``reset`` drops everything), so an admit
             must hit at least every such leading block, up to ``len(prompt) - min_computed_on_full_hit``.
-            Beside a Mamba group with ``coordinated_lookup`` (dense or interval retention, no connector, EAGLE or
-            ``hit_alignment``), what is promised is the state promise: a state a completed step wrote on a block
-            boundary (on an interval's, under ``retention_interval``) hits while no eviction can have taken it.
+            Beside a Mamba group with ``coordinated_lookup`` (no connector, EAGLE or ``hit_alignment``), what is
+            promised is the state promise: a state a completed step wrote on a block boundary that retention keeps
+            (``retention_interval``) hits while no eviction can have taken it.
         async_steps: the next step may be reserved before the previous one's writes complete (vLLM's
             async scheduling): ``commit(rid, n)`` says the step writing tokens below ``n`` completed, and
             blocks those in-flight steps read or write (the attention window behind each in-flight

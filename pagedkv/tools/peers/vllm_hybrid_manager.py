@@ -943,7 +943,7 @@ cache_manager_layouts = ("one-group", "gemma3", "llama4", "jamba", "qwen3-next",
                          "mixed-block-sizes", "hymba", "deepseek-v4", "two-window-block-sizes", "gemma3-sparse",
                          "gemma3-interval", "qwen3-next-sparse", "mtp-multi-module", "qwen3-next-fine",
                          "deepseek-v4-interval", "hisparse", "nemotron-h-fine", "nemotron-h",
-                         "nemotron-h-interval")
+                         "nemotron-h-interval", "nemotron-h-sparse")
 
 
 def peer():
