@@ -939,7 +939,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return False
         if interval is None or interval and e % interval == 0:
             return True
-        return not req.resumed and e == (req.num_prompt - 1) // self.bs * self.bs
+        return not req.resumed and e == self.replay_boundary(req)
 
     def cow_moves(self, req: Request | None = None, start: int = 0) -> int:
         """Blocks an allocation may hand out and free within the call (:meth:`account`): vLLM's
@@ -955,7 +955,8 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def end_replay_windows(self) -> None:
         """An eviction or reset may have taken any request's replay boundary state (under EAGLE it sits in the
-        free queue, :meth:`replay_hit`): no request's is promised any longer."""
+        free queue, :meth:`replay_hit`) and any Mamba state the state promise counts on (:meth:`state_hit`): none
+        is promised any longer."""
         self.replayable, self.state_marks = [], []
         for q in (*self.live.values(), *self.zombies.values()):
             q.replay_open, q.state_marks = None, []

@@ -20,7 +20,8 @@ scheduler's copy-on-write copies in them as vLLM's worker does and keeps one sta
 :class:`_StatePools`; ``nemotron-h-fine`` the same for Mamba2 layers, whose prompt's last chunk exports the state at
 its replay boundary into a block vLLM reserved for it, ``MambaSpec.num_prefill_checkpoint_blocks``), Mamba2 layers
 at the block granularity (``nemotron-h``: every prefill chunk exports the state one block before its end;
-``nemotron-h-interval``: under a retention interval, kept only on the interval's boundaries), and
+``nemotron-h-interval``: under a retention interval, kept only on the interval's boundaries; ``nemotron-h-sparse``:
+under sparse retention, only the prefill's last chunk exports), and
 DeepSeek-V3.2's sparse MLA served with a host tier (``hisparse``: vLLM's HiSparse,
 :mod:`.vllm_hisparse_manager`). vLLM's LRU eviction order is
 declared where the machine knows what vLLM caches (no Mamba group, no EAGLE), and the lookahead slots
@@ -837,13 +838,10 @@ class VllmHybridCacheManager(VllmCacheManager):
 
     def _written(self, request_id: int, end: int, slots):
         """``slots`` returned, the Mamba states they write recorded (:class:`_StatePools`): each group's at its last
-        slot and, exporting prefill checkpoints, at its checkpoint's (:meth:`_checkpoint`)."""
+        slot and, exporting prefill checkpoints, at its checkpoint's, the one other slot :meth:`_slots` names there."""
         if self.pools is not None:
-            checkpoints = []
-            for g, group in enumerate(self.groups):
-                exported = self._checkpoint(request_id, g, end - len(slots[g]), end)
-                if exported is not None and slots[g][exported[0]] >= 0:
-                    checkpoints.append((g, *divmod(slots[g][exported[0]], group.block_size)))
+            checkpoints = [(g, *divmod(slot, group.block_size)) for g, group in enumerate(self.groups)
+                           if group.prefill_checkpoints for slot in slots[g][:-1] if slot >= 0]
             self.pools.record(request_id, end, slots, checkpoints)
         return slots
 
