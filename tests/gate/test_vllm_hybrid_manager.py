@@ -929,7 +929,7 @@ def test_mamba_checkpoint_ignoring_eagle_is_caught(monkeypatch):
                 manager.drop_eagle_checkpoint_block = False
 
     monkeypatch.setattr(HybridKVCacheCoordinator, "__init__", ignoring_eagle)
-    with pytest.raises(AssertionError, match="replay promise of fine-grained hits: under EAGLE"):
+    with pytest.raises(AssertionError, match="the replay promise: under EAGLE"):
         programs.run_program(_machine(("qwen3-next-fine",), block_sizes=(2,)), _next_turn_program())
 
 
@@ -1534,3 +1534,21 @@ def test_a_resumed_request_keeps_its_prompt_and_hits_its_own_states():
     assert [len(group) for group in slots] == [2, 2] and request.num_computed_tokens == 12, slots
     m.commit(0, 12)
     _release_all(m, [0])
+
+
+def test_a_prefilled_prompt_is_promised_its_replay_boundary_under_sparse_retention(monkeypatch):
+    """``nemotron-h-sparse`` at block size 2: an 11-token prompt prefilled in one chunk exports the state at its
+    replay boundary, 10 tokens (the only Mamba state sparse retention keeps), so a prompt sharing the first 10 tokens
+    hits 10 while the first is live. The release passes; a manager exporting no prefill checkpoint (its state at 10
+    never written) fails the replay promise. Fails before (the replay promise was judged with fine-grained hits
+    only: a hit of 0 passed)."""
+    from vllm.v1.core import single_type_kv_cache_manager as stm
+
+    hits = _recorded_hits(monkeypatch)
+    program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2), branch_at=10, chunk=16)
+    machine = _machine(("nemotron-h-sparse",), block_sizes=(2,))
+    programs.run_program(machine, program)
+    assert hits == [0, 10], hits
+    monkeypatch.setattr(stm.MambaManager, "_needs_internal_checkpoint", lambda self, *args: False)
+    with pytest.raises(AssertionError, match="the replay promise"):
+        programs.run_program(machine, program)

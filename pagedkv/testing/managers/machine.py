@@ -15,22 +15,21 @@ block another live request holds; free + used = total, and used = 0 with no live
 prefix some request committed (same namespace and extra keys) and leaves the tokens the manager promises
 to compute; a freed request is not held; the manager's own ``self_check``.
 
-What a manager declares is judged too (:class:`~.protocol.ManagerCapabilities`): the ``"lru"`` eviction
-order (every block handed out afresh is the front of the machine's model of the free queue), the hit
-promise (an admit hits every committed leading block not evicted since; under sparse retention only the window
-blocks a hit at a kept boundary needs; with groups of full attention and sliding windows the hit vLLM's
-coordinator agrees on where the manager declares it, :mod:`.lookup`, and no more where every cached block is
-known), and asynchronous steps (a next
-step reserved while the previous one's writes are in flight; no block an in-flight step reads or writes
-handed to anyone, a free deferred until its steps complete), the admission promise (a reservation or load
-refused only when the pool is short of its need) and the window release promise (no block wholly before what
-the next query reads kept past a reservation), and, where hits land inside blocks (``hit_alignment``: vLLM's
-fine-grained partial hash hits), the replay promise (a live request stopped at its replay boundary holds every
-block of that hit, so a prompt sharing it hits at least there), and the cached-prompt promise (``cached_prompt``:
-at a prefill's first output the count of prompt tokens cached that the manager reports, vLLM's
-``num_cache_creation_tokens``, reaches what the request's own tables hold cached). Namespaces are drawn so that
-their encodings collide (a cache salt spelled like a LoRA name, one LoRA name at two paths) and multimodal inputs as
-placeholder runs, so one image at two offsets in one block differs only in its offset.
+What a manager declares is judged too (:class:`~.protocol.ManagerCapabilities`): the ``"lru"`` eviction order (every
+block handed out afresh is the front of the machine's model of the free queue), the hit promise (an admit hits every
+committed leading block not evicted since; under sparse retention only the window blocks a hit at a kept boundary needs;
+with groups of full attention and sliding windows the hit vLLM's coordinator agrees on where the manager declares it,
+:mod:`.lookup`, and no more where every cached block is known), and asynchronous steps (a next step reserved while the
+previous one's writes are in flight; no block an in-flight step reads or writes handed to anyone, a free deferred until
+its steps complete), the admission promise (a reservation or load refused only when the pool is short of its need) and
+the window release promise (no block wholly before what the next query reads kept past a reservation), and, where hits
+land inside blocks (``hit_alignment``: vLLM's fine-grained partial hash hits) or every Mamba group exports prefill
+checkpoints, the replay promise (a live request stopped at its replay boundary holds every block of that hit, so a
+prompt sharing it hits at least there), and the cached-prompt promise (``cached_prompt``: at a prefill's first output
+the count of prompt tokens cached that the manager reports, vLLM's ``num_cache_creation_tokens``, reaches what the
+request's own tables hold cached). Namespaces are drawn so that their encodings collide (a cache salt spelled like a
+LoRA name, one LoRA name at two paths) and multimodal inputs as placeholder runs, so one image at two offsets in one
+block differs only in its offset.
 
 KV-cache groups (:class:`~.protocol.GroupSpec`, a layout of :data:`~.protocol.HYBRID_LAYOUTS` the manager
 lists): every group's blocks come from one pool, and block ``b`` is one page of every layer slot (layer
@@ -333,14 +332,16 @@ class ManagerMachine(RuleBasedStateMachine):
         # manager declaring eagle_drop without speculative (vLLM beside a Mamba group) serves EAGLE's replay
         # boundaries while the machine draws no drafts
         self.eagle_server = self.caps.eagle_drop and config.num_speculative_tokens > 0
-        # the replay promise's window (:meth:`replay_hit`, judged with fine-grained hits only) is kept
-        self.replay_window = bool(self.caps.hit_alignment)
         # the state promise (:meth:`state_hit`): a coordinated layout with a Mamba group, one hit granularity
         self.state_window = (self.grouped and len(self.groups) > 1 and self.caps.coordinated_lookup
                              and self.caps.hit_promise and any(g.kind == "mamba" for g in self.groups)
                              and all(g.kind in ("full", "sliding_window", "mamba") for g in self.groups)
                              and not (self.caps.hit_alignment or self.connector or self.eagle_server
                                       or self.speculative))
+        # the replay promise's window (:meth:`replay_hit`) is kept: with fine-grained hits, or where every Mamba
+        # group exports prefill checkpoints under the state promise
+        self.replay_window = bool(self.caps.hit_alignment) or self.state_window and all(
+            g.prefill_checkpoints for g in self.groups if g.kind == "mamba")
         self.reprefill = self.caps.reprefill if self.speculative else 0  # tokens a reservation leaves uncached
         self.gbs = [g.block_size for g in self.groups]
         self.bs = math.lcm(*self.gbs)  # a hit is whole blocks of every group
@@ -847,7 +848,8 @@ class ManagerMachine(RuleBasedStateMachine):
         return 0
 
     def replay_hit(self, req: Request) -> int:
-        """The replay promise of fine-grained hits (``capabilities.hit_alignment``): a live request ``q`` whose
+        """The replay promise of fine-grained hits (``capabilities.hit_alignment``) and of layouts whose every Mamba
+        group exports prefill checkpoints under the state promise (:attr:`replay_window`): a live request ``q`` whose
         steps stopped exactly at its replay boundary ``r`` (its prompt less one token, down to whole prefix-match
         units: where vLLM registers the partial entries of the prompt's tail, ``FullAttentionManager.
         _cache_partial_tail_block`` and ``MambaManager._cache_partial_tail_block``), all of them completed, holds
@@ -876,12 +878,19 @@ class ManagerMachine(RuleBasedStateMachine):
         full-attention entries up to ``floor(P / u) * u`` (registered once the request computed its prompt): only
         the window above is promised.
 
+        Without fine-grained hits (``GroupSpec.prefill_checkpoints`` in every Mamba group: vLLM's Mamba2 layers at
+        one block size, ``r`` a block boundary) the state at ``r`` is written by a chunk ending there, or exported by
+        the chunk crossing it: vLLM's "align" scheduler (``Scheduler._mamba_block_aligned_split``) ends every prefill
+        chunk but the last on a block boundary, and the last one at ``r`` unless the manager exports the checkpoint
+        ``floor((P - 1) / bs) * bs = r`` from inside it (``MambaManager._needs_internal_checkpoint``, for the chunk
+        reaching the prefill's end under every retention).
+
         Not promised with a connector (a load re-aligns the local hit to whole scheduler blocks), drafts or
         embeddings (their keys see what the identity does not), nor from a resumed request (its engine keys the
         prompt's tail by the prompt it was admitted with); multimodal inputs are let in (each token's identity
         names its input and offset, and an equal identity at the last unit the lookup matches makes every hash
         block up to it equal)."""
-        if not self.caps.hit_alignment or self.connector or self.speculative:
+        if not self.replay_window or self.connector or self.speculative:
             return 0
         if req.embedded():
             return 0
@@ -1224,7 +1233,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert cached >= replay, \
             f"request {rid}: a hit of {cached} tokens, but a request sharing this prompt past its replay boundary of " \
             f"{replay} tokens computed its prompt, live or released, and no block that entered the free queue since " \
-            f"can have been evicted, or stopped there and is live (the replay promise of fine-grained hits" + \
+            f"can have been evicted, or stopped there and is live (the replay promise" + \
             (": under EAGLE)" if self.eagle_server else ")")
         state = self.state_hit(req)
         assert cached >= state, \

@@ -90,7 +90,9 @@ class GroupSpec:
             num_prefill_checkpoint_blocks``: Nemotron-H, Granite 4, Falcon-H1, Zamba2, exporting the state from
             inside one forward pass rather than ending a chunk there), into a block its manager reserved for it:
             a reservation names by a slot of at least 0 each position whose state its step writes (the last
-            always; an exported one in any block of the request's table), ``-1`` at the others.
+            always; an exported one in any block of the request's table), ``-1`` at the others. Where every Mamba
+            group exports them under the state promise, the state at a prefilled prompt's replay boundary is
+            promised a hit (``ManagerMachine.replay_hit``).
 
     Raises:
         ValueError: an unknown ``kind``, a ``window`` or ``chunk`` missing, negative or given to another
