@@ -1552,3 +1552,23 @@ def test_a_prefilled_prompt_is_promised_its_replay_boundary_under_sparse_retenti
     monkeypatch.setattr(stm.MambaManager, "_needs_internal_checkpoint", lambda self, *args: False)
     with pytest.raises(AssertionError, match="the replay promise"):
         programs.run_program(machine, program)
+
+
+def test_a_branch_point_cuts_an_earlier_prompt_beside_a_mamba_group():
+    """``branch_point`` (beside a Mamba group under the state promise): a system prompt cut from an earlier
+    request's prompt inside its own suffix, so a later request shares the first 5 tokens and goes on with its own;
+    its hit reaches the last block boundary whose state the first request's chunk wrote below the cut (4). Fails
+    before: no such rule (shared runs ended only at a system prompt's end)."""
+    machine = _machine(("nemotron-h",), block_sizes=(2,))()
+    machine.start(num_blocks=16, block_size=0, num_layers=1, window=0, layout=0, features=0)
+    (first,) = machine.add(system=[1, 2, 3], suffix=[4, 5, 6, 7, 8], namespace=None, extra=None, chunk=4,
+                           write_now=True).values
+    machine.step(rid=first, n=4, token=0, write_now=True)
+    cut = machine.branch_point(pick=0, cut=5)
+    assert cut == [1, 2, 3, 4, 5], cut
+    (second,) = machine.add(system=cut, suffix=[9, 9], namespace=None, extra=None, chunk=7, write_now=True).values
+    one, two = machine.live[first], machine.live[second]
+    assert one.identities[4] == two.identities[4] and one.identities[5] != two.identities[5]
+    assert two.hit == 4, two.hit
+    machine.check()
+    machine.teardown()

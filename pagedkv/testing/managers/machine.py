@@ -367,6 +367,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.history: list[tuple] = []
         # released requests whose prompt's EAGLE replay boundary may stay hittable (:meth:`replay_hit`), newest last
         self.replayable: list[Request] = []
+        # each admitted prompt's text before its first input, by request (:meth:`branch_point`), oldest first
+        self.branchable: dict[int, list[int]] = {}
         # under EAGLE: an upper bound on the blocks that entered the manager's free queue so far (released by every
         # holder, or a moved copy-on-write entry: :meth:`account`), and the blocks held at the last count
         self.pool_entries, self.pool_held = 0, set()
@@ -1189,6 +1191,8 @@ class ManagerMachine(RuleBasedStateMachine):
                   if not is_embedding(key) or p < len(tokens) and tokens[p] == PLACEHOLDER}
         req = Request(namespace, [], dict(extras), [], len(tokens), resumed=resumed is not None)
         req.extend(tokens)
+        if resumed is None:
+            self.branchable[rid] = list(tokens[:min(extras, default=len(tokens))])
         if not self.connector:
             stored = 0
         elif self.token_store:  # a prefiller computed the prompt less a backoff of ``stored - 1`` tokens
@@ -1508,6 +1512,17 @@ class ManagerMachine(RuleBasedStateMachine):
             self.release(rid)
             self.judge_now()
             conversation = req
+
+    @precondition(lambda self: getattr(self, "state_window", False) and any(self.branchable.values()))
+    @rule(target=systems, pick=st.integers(0, 7), cut=st.integers(1, 15))
+    def branch_point(self, pick, cut):
+        """A system prompt cut from an earlier request's prompt (``pick`` back from the newest), its first ``cut``
+        tokens: requests built on it share them and go on with their own (a message edited and resent, a beam, a
+        tree of thoughts). Beside a Mamba group the cut decides which cached state a hit needs (a chunk's end, a
+        checkpoint exported below it, a decode step's boundary), where system prompts alone end shared runs only
+        at their own lengths. Nothing reaches the manager; the requests built on it record their prompts."""
+        prompts = [prompt for prompt in self.branchable.values() if prompt]
+        return prompts[-1 - pick % len(prompts)][:cut]
 
     def attach(self, start: int, suffix: list, more, tail: int) -> tuple[list, dict]:
         """``add``'s attachments: the suffix with the inputs of ``more`` (``(input, gap)``, last first) inserted at
