@@ -367,7 +367,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.history: list[tuple] = []
         # released requests whose prompt's EAGLE replay boundary may stay hittable (:meth:`replay_hit`), newest last
         self.replayable: list[Request] = []
-        # each admitted prompt's text before its first input, by request (:meth:`branch_point`), oldest first
+        # each admitted prompt's text before its first input, by request, oldest first (:mod:`.branch_points`)
         self.branchable: dict[int, list[int]] = {}
         # under EAGLE: an upper bound on the blocks that entered the manager's free queue so far (released by every
         # holder, or a moved copy-on-write entry: :meth:`account`), and the blocks held at the last count
@@ -1513,17 +1513,6 @@ class ManagerMachine(RuleBasedStateMachine):
             self.judge_now()
             conversation = req
 
-    @precondition(lambda self: getattr(self, "state_window", False) and any(self.branchable.values()))
-    @rule(target=systems, pick=st.integers(0, 7), cut=st.integers(1, 15))
-    def branch_point(self, pick, cut):
-        """A system prompt cut from an earlier request's prompt (``pick`` back from the newest), its first ``cut``
-        tokens: requests built on it share them and go on with their own (a message edited and resent, a beam, a
-        tree of thoughts). Beside a Mamba group the cut decides which cached state a hit needs (a chunk's end, a
-        checkpoint exported below it, a decode step's boundary), where system prompts alone end shared runs only
-        at their own lengths. Nothing reaches the manager; the requests built on it record their prompts."""
-        prompts = [prompt for prompt in self.branchable.values() if prompt]
-        return prompts[-1 - pick % len(prompts)][:cut]
-
     def attach(self, start: int, suffix: list, more, tail: int) -> tuple[list, dict]:
         """``add``'s attachments: the suffix with the inputs of ``more`` (``(input, gap)``, last first) inserted at
         its end, each followed by ``gap`` of the suffix's last tokens, and text tokens in front of them dropped (or,
@@ -2111,14 +2100,19 @@ def machine_for(make_manager: Callable, *, block_sizes=(1, 2, 4), windows=(None,
                 name: str = "Machine", rule_sets: tuple = (), **attributes):
     """A :class:`ManagerMachine` subclass over ``make_manager`` (a factory taking :class:`ManagerConfig`)
     in ``layouts`` (:data:`~.protocol.HYBRID_LAYOUTS` names or :data:`~.protocol.ONE_GROUP`), with the
-    rules of ``rule_sets`` mixed in (e.g. :class:`~.api_rules.ApiRules`) and class ``attributes`` set
+    rules of ``rule_sets`` mixed in (e.g. :class:`~.api_rules.ApiRules`; :class:`~.branch_points.BranchPoints`
+    where a layout has a Mamba group) and class ``attributes`` set
     (``kv_backend``, ``num_kv_heads``, ``head_dim``, ``dtype``).
 
     Raises:
         ValueError: an unknown layout name.
     """
-    for layout in layouts:
-        layout_groups(layout, 1, 0)  # ValueError for an unknown name, before any run
+    from pagedkv.testing.managers.branch_points import BranchPoints
+
+    # ValueError for an unknown name, before any run
+    mamba = any(group.kind == "mamba" for layout in layouts for group in layout_groups(layout, 1, 0))
+    # branch points only where a Mamba group may be: every other machine draws what it drew before
+    rule_sets = (*rule_sets, BranchPoints) if mamba else tuple(rule_sets)
     return type(name, (*rule_sets, ManagerMachine), {"make_manager": staticmethod(make_manager),
                                                      "capabilities_seen": {}, "pools_seen": set(),
                                                      "block_sizes": tuple(block_sizes),
