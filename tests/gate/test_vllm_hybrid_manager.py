@@ -1572,3 +1572,33 @@ def test_a_branch_point_cuts_an_earlier_prompt_beside_a_mamba_group():
     assert two.hit == 4, two.hit
     machine.check()
     machine.teardown()
+
+
+def test_under_eagle_a_cached_mamba_state_is_promised_with_the_block_past_it(monkeypatch):
+    """``nemotron-h`` under EAGLE (features 2) at block size 2: the 8-token chunk of an 11-token prompt exports the
+    state after 6 tokens. vLLM's lookup matches full attention one block past a hit and drops it, so a prompt
+    sharing the first 9 tokens hits 6 (the block 6..8 shared and cached), one sharing 7 hits nothing. The release
+    passes; a manager evicting the chunk's checkpoint fails the state promise. Fails before (no state promise under
+    EAGLE: a hit of 0 passed)."""
+    from vllm.v1.core import single_type_kv_cache_manager as stm
+
+    hits = _recorded_hits(monkeypatch)
+    machine = _machine(("nemotron-h",), block_sizes=(2,))
+    shared = {}
+    for branch_at in (7, 9):
+        shared[branch_at] = _branch_program((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2), branch_at=branch_at, chunk=8)
+        shared[branch_at][1][1]["features"] = 2  # an EAGLE server (no drafts drawn beside Mamba)
+        programs.run_program(machine, shared[branch_at])
+    assert hits == [0, 0, 0, 6], hits
+    cache_tail = stm.MambaManager._cache_partial_tail_block
+
+    def evict_chunk_checkpoints(self, request, num_tokens, retention_interval):
+        checkpoint = self._checkpoints.get(request.request_id)
+        if checkpoint is not None and checkpoint[0] < request.num_prompt_tokens - self.block_size:
+            self.block_pool._maybe_evict_cached_block(self.req_to_blocks[request.request_id][checkpoint[1]])
+            return None
+        return cache_tail(self, request, num_tokens, retention_interval)
+
+    monkeypatch.setattr(stm.MambaManager, "_cache_partial_tail_block", evict_chunk_checkpoints)
+    with pytest.raises(AssertionError, match="the state promise"):
+        programs.run_program(machine, shared[9])

@@ -332,15 +332,23 @@ class ManagerMachine(RuleBasedStateMachine):
         # manager declaring eagle_drop without speculative (vLLM beside a Mamba group) serves EAGLE's replay
         # boundaries while the machine draws no drafts
         self.eagle_server = self.caps.eagle_drop and config.num_speculative_tokens > 0
-        # the state promise (:meth:`state_hit`): a coordinated layout with a Mamba group, one hit granularity
+        # the state promise (:meth:`state_hit`): a coordinated layout with a Mamba group, one hit granularity; under
+        # EAGLE (no drafts drawn beside Mamba) one full-attention and one Mamba group under dense retention, where
+        # vLLM's lookup runs once and the full-attention block past a state must be cached too (:attr:`state_reach`)
+        eagle_state = (self.eagle_server and self.caps.retention_interval is None
+                       and sorted(g.kind for g in self.groups) == ["full", "mamba"])
         self.state_window = (self.grouped and len(self.groups) > 1 and self.caps.coordinated_lookup
                              and self.caps.hit_promise and any(g.kind == "mamba" for g in self.groups)
                              and all(g.kind in ("full", "sliding_window", "mamba") for g in self.groups)
-                             and not (self.caps.hit_alignment or self.connector or self.eagle_server
-                                      or self.speculative))
+                             and not (self.caps.hit_alignment or self.connector or self.speculative)
+                             and (not self.eagle_server or eagle_state))
+        # tokens past a Mamba state ``e`` a prompt shares and the writer committed for ``e`` to be promised: under
+        # EAGLE the full-attention block EAGLE's lookup matches past the hit and drops
+        self.state_reach = next(g.block_size for g in self.groups if g.kind == "full") if (
+            self.state_window and self.eagle_server) else 0
         # the replay promise's window (:meth:`replay_hit`) is kept: with fine-grained hits, or where every Mamba
-        # group exports prefill checkpoints under the state promise
-        self.replay_window = bool(self.caps.hit_alignment) or self.state_window and all(
+        # group exports prefill checkpoints under the state promise without EAGLE
+        self.replay_window = bool(self.caps.hit_alignment) or self.state_window and not self.eagle_server and all(
             g.prefill_checkpoints for g in self.groups if g.kind == "mamba")
         self.reprefill = self.caps.reprefill if self.speculative else 0  # tokens a reservation leaves uncached
         self.gbs = [g.block_size for g in self.groups]
@@ -556,9 +564,11 @@ class ManagerMachine(RuleBasedStateMachine):
         self.epoch += 1
         req.committed = req.written
         if req.state_marks:
-            done = [(e, req.identities[e - 1], opened) for e, opened in req.state_marks if e <= req.committed]
+            reach = self.state_reach  # under EAGLE the block past the state committed too
+            done = [(e, req.identities[e + reach - 1], opened) for e, opened in req.state_marks
+                    if e + reach <= req.committed]
             self.state_marks = [*self.state_marks[-31:], *done]
-            req.state_marks = [(e, opened) for e, opened in req.state_marks if e > req.committed]
+            req.state_marks = [(e, opened) for e, opened in req.state_marks if e + reach > req.committed]
         if self.caps.defers_commit:
             # a deferred free's last step may be cached as it completes (a finished request inserted then, as
             # SGLang's radix cache does): hittable, not promised
@@ -917,7 +927,7 @@ class ManagerMachine(RuleBasedStateMachine):
         return best
 
     def state_hit(self, req: Request) -> int:
-        """The state promise of a coordinated layout with a Mamba group (:attr:`state_window`: no connector, EAGLE or
+        """The state promise of a coordinated layout with a Mamba group (:attr:`state_window`: no connector, drafts or
         fine-grained hits): the longest boundary ``e`` within the hit's cap at which a completed step of a request
         sharing ``req``'s first ``e`` tokens wrote the Mamba state, while no block that entered the free queue since
         can have been evicted, is hit. ``e`` is a boundary whose state retention keeps (:meth:`state_kept`).
@@ -929,15 +939,24 @@ class ManagerMachine(RuleBasedStateMachine):
         with the request), hittable until ``BlockPool`` evicts them from the front, the same bound as the replay
         promise's (:meth:`replay_hit`). A Mamba lookup takes the longest cached state below the attention hit, so a
         cached state at ``e`` is hit at least. Not judged for prompts with embeddings (their keys see bytes the
-        identity does not)."""
+        identity does not).
+
+        Under EAGLE (one full-attention group of block size ``b`` and one Mamba group, dense retention) vLLM's
+        lookup (``HybridKVCacheCoordinator.find_longest_cache_hit``, one pass for a full group and one other)
+        matches full attention up to ``b`` tokens past the cap, within the prompt's whole hash blocks, drops the last
+        block, and takes the longest cached state below: ``e`` is promised once the writer committed ``e + b``
+        tokens (that block cached) and to a prompt sharing those ``e + b`` tokens (:attr:`state_reach`)."""
         if not self.state_window or req.embedded():
             return 0
         counts = self.m.counts()
         if counts is None:
             return 0
-        cap = len(req.tokens) - self.caps.min_computed_on_full_hit
-        return max((e for e, identity, opened in self.state_marks if e <= cap and self.pool_entries - opened
-                    <= counts[0] and req.identities[e - 1] == identity), default=0)
+        cap, reach = len(req.tokens) - self.caps.min_computed_on_full_hit, self.state_reach
+        # under EAGLE the block matched past the hit lies within the prompt's whole hash blocks
+        limit = len(req.tokens) // self.bs * self.bs if reach else len(req.tokens)
+        return max((e for e, identity, opened in self.state_marks if e <= cap and e + reach <= limit
+                    and self.pool_entries - opened <= counts[0] and req.identities[e + reach - 1] == identity),
+                   default=0)
 
     def state_kept(self, req: Request, e: int) -> bool:
         """Whether vLLM keeps the Mamba state at boundary ``e`` of ``req`` cached
