@@ -1473,19 +1473,11 @@ def _branch_program(prompt, branch_at: int, chunk: int) -> list:
                      "chunk": chunk, "write_now": True, "image_at": 0, "stored": 0})]
 
 
-def test_a_cached_mamba_state_is_promised_a_hit(monkeypatch):
-    """``nemotron-h`` at block size 2: an 8-token chunk of an 11-token prompt exports the state after 6 tokens (one
-    block before its end) into its block, which vLLM keeps cached, so a prompt sharing the first 7 tokens hits 6.
-    The release passes; a manager evicting the chunk's checkpoint (as a mutant of the checkpoint branch of
-    ``MambaManager._cache_partial_tail_block`` does) fails the state promise. Fails before (no promise beside a
-    Mamba group: a hit of 0 passed)."""
+def _evict_chunk_checkpoints(monkeypatch) -> None:
+    """A fault planted in vLLM's ``MambaManager._cache_partial_tail_block``: every prefill chunk's exported checkpoint
+    below the prompt's last block is evicted as if transient (what its checkpoint-branch mutants do)."""
     from vllm.v1.core import single_type_kv_cache_manager as stm
 
-    hits = _recorded_hits(monkeypatch)
-    program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2), branch_at=7, chunk=8)
-    machine = _machine(("nemotron-h",), block_sizes=(2,))
-    programs.run_program(machine, program)
-    assert hits == [0, 6], hits
     cache_tail = stm.MambaManager._cache_partial_tail_block
 
     def evict_chunk_checkpoints(self, request, num_tokens, retention_interval):
@@ -1496,6 +1488,20 @@ def test_a_cached_mamba_state_is_promised_a_hit(monkeypatch):
         return cache_tail(self, request, num_tokens, retention_interval)
 
     monkeypatch.setattr(stm.MambaManager, "_cache_partial_tail_block", evict_chunk_checkpoints)
+
+
+def test_a_cached_mamba_state_is_promised_a_hit(monkeypatch):
+    """``nemotron-h`` at block size 2: an 8-token chunk of an 11-token prompt exports the state after 6 tokens (one
+    block before its end) into its block, which vLLM keeps cached, so a prompt sharing the first 7 tokens hits 6.
+    The release passes; a manager evicting the chunk's checkpoint (as a mutant of the checkpoint branch of
+    ``MambaManager._cache_partial_tail_block`` does) fails the state promise. Fails before (no promise beside a
+    Mamba group: a hit of 0 passed)."""
+    hits = _recorded_hits(monkeypatch)
+    program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2), branch_at=7, chunk=8)
+    machine = _machine(("nemotron-h",), block_sizes=(2,))
+    programs.run_program(machine, program)
+    assert hits == [0, 6], hits
+    _evict_chunk_checkpoints(monkeypatch)
     with pytest.raises(AssertionError, match="the state promise"):
         programs.run_program(machine, program)
 
@@ -1580,8 +1586,6 @@ def test_under_eagle_a_cached_mamba_state_is_promised_with_the_block_past_it(mon
     sharing the first 9 tokens hits 6 (the block 6..8 shared and cached), one sharing 7 hits nothing. The release
     passes; a manager evicting the chunk's checkpoint fails the state promise. Fails before (no state promise under
     EAGLE: a hit of 0 passed)."""
-    from vllm.v1.core import single_type_kv_cache_manager as stm
-
     hits = _recorded_hits(monkeypatch)
     machine = _machine(("nemotron-h",), block_sizes=(2,))
     shared = {}
@@ -1590,15 +1594,6 @@ def test_under_eagle_a_cached_mamba_state_is_promised_with_the_block_past_it(mon
         shared[branch_at][1][1]["features"] = 2  # an EAGLE server (no drafts drawn beside Mamba)
         programs.run_program(machine, shared[branch_at])
     assert hits == [0, 0, 0, 6], hits
-    cache_tail = stm.MambaManager._cache_partial_tail_block
-
-    def evict_chunk_checkpoints(self, request, num_tokens, retention_interval):
-        checkpoint = self._checkpoints.get(request.request_id)
-        if checkpoint is not None and checkpoint[0] < request.num_prompt_tokens - self.block_size:
-            self.block_pool._maybe_evict_cached_block(self.req_to_blocks[request.request_id][checkpoint[1]])
-            return None
-        return cache_tail(self, request, num_tokens, retention_interval)
-
-    monkeypatch.setattr(stm.MambaManager, "_cache_partial_tail_block", evict_chunk_checkpoints)
+    _evict_chunk_checkpoints(monkeypatch)
     with pytest.raises(AssertionError, match="the state promise"):
         programs.run_program(machine, shared[9])
