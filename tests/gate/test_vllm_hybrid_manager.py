@@ -1580,14 +1580,16 @@ def test_a_branch_point_cuts_an_earlier_prompt_beside_a_mamba_group():
     machine.teardown()
 
 
-def test_under_eagle_a_cached_mamba_state_is_promised_with_the_block_past_it(monkeypatch):
-    """``nemotron-h`` under EAGLE (features 2) at block size 2: the 8-token chunk of an 11-token prompt exports the
+@pytest.mark.parametrize("layout", ["nemotron-h", "nemotron-h-interval"])
+def test_under_eagle_a_cached_mamba_state_is_promised_with_the_block_past_it(monkeypatch, layout):
+    """``nemotron-h`` under EAGLE (features 2) at block size 2, dense or under a retention interval of 3 blocks (6
+    tokens, which Mamba's mask does not shift under EAGLE): the 8-token chunk of an 11-token prompt exports the
     state after 6 tokens. vLLM's lookup matches full attention one block past a hit and drops it, so a prompt
     sharing the first 9 tokens hits 6 (the block 6..8 shared and cached), one sharing 7 hits nothing. The release
     passes; a manager evicting the chunk's checkpoint fails the state promise. Fails before (no state promise under
     EAGLE: a hit of 0 passed)."""
     hits = _recorded_hits(monkeypatch)
-    machine = _machine(("nemotron-h",), block_sizes=(2,))
+    machine = _machine((layout,), block_sizes=(2,))
     shared = {}
     for branch_at in (7, 9):
         shared[branch_at] = _branch_program((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2), branch_at=branch_at, chunk=8)

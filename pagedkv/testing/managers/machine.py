@@ -333,10 +333,9 @@ class ManagerMachine(RuleBasedStateMachine):
         # boundaries while the machine draws no drafts
         self.eagle_server = self.caps.eagle_drop and config.num_speculative_tokens > 0
         # the state promise (:meth:`state_hit`): a coordinated layout with a Mamba group, one hit granularity; under
-        # EAGLE (no drafts drawn beside Mamba) one full-attention and one Mamba group under dense retention, where
-        # vLLM's lookup runs once and the full-attention block past a state must be cached too (:attr:`state_reach`)
-        eagle_state = (self.eagle_server and self.caps.retention_interval is None
-                       and sorted(g.kind for g in self.groups) == ["full", "mamba"])
+        # EAGLE (no drafts drawn beside Mamba) one full-attention and one Mamba group, where vLLM's lookup runs once
+        # and the full-attention block past a state must be cached too (:attr:`state_reach`)
+        eagle_state = self.eagle_server and sorted(g.kind for g in self.groups) == ["full", "mamba"]
         self.state_window = (self.grouped and len(self.groups) > 1 and self.caps.coordinated_lookup
                              and self.caps.hit_promise and any(g.kind == "mamba" for g in self.groups)
                              and all(g.kind in ("full", "sliding_window", "mamba") for g in self.groups)
