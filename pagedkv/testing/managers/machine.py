@@ -374,7 +374,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.history: list[tuple] = []
         # released requests whose prompt's EAGLE replay boundary may stay hittable (:meth:`replay_hit`), newest last
         self.replayable: list[Request] = []
-        # each admitted prompt's text before its first input, by request, oldest first (:mod:`.branch_points`)
+        # under the state promise, each admitted prompt's text before its first input, by request, oldest first:
+        # what :mod:`.branch_points` cuts (its only reader)
         self.branchable: dict[int, list[int]] = {}
         # under EAGLE: an upper bound on the blocks that entered the manager's free queue so far (released by every
         # holder, or a moved copy-on-write entry: :meth:`account`), and the blocks held at the last count
@@ -940,10 +941,11 @@ class ManagerMachine(RuleBasedStateMachine):
         cached state at ``e`` is hit at least. Not judged for prompts with embeddings (their keys see bytes the
         identity does not).
 
-        Under EAGLE (one full-attention group of block size ``b`` and one Mamba group, dense retention) vLLM's
-        lookup (``HybridKVCacheCoordinator.find_longest_cache_hit``, one pass for a full group and one other)
-        matches full attention up to ``b`` tokens past the cap, within the prompt's whole hash blocks, drops the last
-        block, and takes the longest cached state below: ``e`` is promised once the writer committed ``e + b``
+        Under EAGLE (one full-attention group of block size ``b`` and one Mamba group, whose retention mask does not
+        shift under EAGLE: draft models have no Mamba layers) vLLM's lookup (``HybridKVCacheCoordinator.
+        find_longest_cache_hit``, one pass for a full group and one other) matches full attention up to ``b`` tokens
+        past the cap, within the prompt's whole hash blocks, drops the last block, and takes the longest cached state
+        below: ``e`` is promised once the writer committed ``e + b``
         tokens (that block cached) and to a prompt sharing those ``e + b`` tokens (:attr:`state_reach`)."""
         if not self.state_window or req.embedded():
             return 0
@@ -1209,7 +1211,7 @@ class ManagerMachine(RuleBasedStateMachine):
                   if not is_embedding(key) or p < len(tokens) and tokens[p] == PLACEHOLDER}
         req = Request(namespace, [], dict(extras), [], len(tokens), resumed=resumed is not None)
         req.extend(tokens)
-        if resumed is None:
+        if resumed is None and self.state_window:
             self.branchable[rid] = list(tokens[:min(extras, default=len(tokens))])
         if not self.connector:
             stored = 0
