@@ -1542,16 +1542,18 @@ def test_a_resumed_request_keeps_its_prompt_and_hits_its_own_states():
     _release_all(m, [0])
 
 
-def test_a_prefilled_prompt_is_promised_its_replay_boundary_under_sparse_retention(monkeypatch):
+@pytest.mark.parametrize("features", [0, 1], ids=["plain", "connector"])
+def test_a_prefilled_prompt_is_promised_its_replay_boundary_under_sparse_retention(monkeypatch, features):
     """``nemotron-h-sparse`` at block size 2: an 11-token prompt prefilled in one chunk exports the state at its
     replay boundary, 10 tokens (the only Mamba state sparse retention keeps), so a prompt sharing the first 10 tokens
-    hits 10 while the first is live. The release passes; a manager exporting no prefill checkpoint (its state at 10
-    never written) fails the replay promise. Fails before (the replay promise was judged with fine-grained hits
-    only: a hit of 0 passed)."""
+    hits 10 while the first is live, with a KV connector (features 1, nothing stored) or without. The release passes;
+    a manager exporting no prefill checkpoint (its state at 10 never written) fails the replay promise. Fails before
+    (the replay promise was judged with fine-grained hits only, and then not with a connector: a hit of 0 passed)."""
     from vllm.v1.core import single_type_kv_cache_manager as stm
 
     hits = _recorded_hits(monkeypatch)
     program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2), branch_at=10, chunk=16)
+    program[1][1]["features"] = features
     machine = _machine(("nemotron-h-sparse",), block_sizes=(2,))
     programs.run_program(machine, program)
     assert hits == [0, 10], hits
@@ -1570,7 +1572,7 @@ def test_a_branch_point_cuts_an_earlier_prompt_beside_a_mamba_group():
     (first,) = machine.add(system=[1, 2, 3], suffix=[4, 5, 6, 7, 8], namespace=None, extra=None, chunk=4,
                            write_now=True).values
     machine.step(rid=first, n=4, token=0, write_now=True)
-    cut = machine.branch_point(pick=0, cut=5)
+    cut = machine.branch_point(pick=0, cut=5, state=0)
     assert cut == [1, 2, 3, 4, 5], cut
     (second,) = machine.add(system=cut, suffix=[9, 9], namespace=None, extra=None, chunk=7, write_now=True).values
     one, two = machine.live[first], machine.live[second]
@@ -1578,6 +1580,42 @@ def test_a_branch_point_cuts_an_earlier_prompt_beside_a_mamba_group():
     assert two.hit == 4, two.hit
     machine.check()
     machine.teardown()
+
+
+def test_a_branch_point_cuts_past_a_state_the_earlier_prompt_wrote():
+    """``branch_point`` with ``state`` > 0: the cut counts from a boundary whose Mamba state the earlier request's
+    steps wrote (an 8-token prompt in chunks of 4 at block size 2: each chunk's checkpoint one block below its end, 2
+    and 6, and the first chunk's end, 4), newest first; a later request cut one token past 4 hits exactly 4. Fails
+    before: cuts counted from the prompt's start only."""
+    machine = _machine(("nemotron-h",), block_sizes=(2,))()
+    machine.start(num_blocks=16, block_size=0, num_layers=1, window=0, layout=0, features=0)
+    (first,) = machine.add(system=[1, 2, 3], suffix=[4, 5, 6, 7, 8], namespace=None, extra=None, chunk=4,
+                           write_now=True).values
+    machine.step(rid=first, n=4, token=0, write_now=True)
+    assert machine.branch_states[first] == [2, 4, 6], machine.branch_states
+    cuts = [machine.branch_point(pick=0, cut=1, state=state) for state in (1, 2, 3, 4, -1)]
+    assert cuts == [list(range(1, 8)), list(range(1, 6)), list(range(1, 4)), list(range(1, 8)), [1]], cuts
+    (second,) = machine.add(system=cuts[1], suffix=[9, 9], namespace=None, extra=None, chunk=7,
+                            write_now=True).values
+    assert machine.live[second].hit == 4, machine.live[second].hit
+    machine.check()
+    machine.teardown()
+
+
+def test_with_a_connector_a_cached_mamba_state_is_promised_a_hit(monkeypatch):
+    """The state promise in a program with a KV connector (features 1; nothing stored, so the local hit is the
+    lookup every group agrees on): the 8-token chunk of an 11-token prompt exports the state after 6 tokens, so a
+    prompt sharing the first 7 hits 6. The release passes; a manager evicting the chunk's checkpoint fails the
+    state promise. Fails before (no state promise with a connector: a hit of 0 passed)."""
+    hits = _recorded_hits(monkeypatch)
+    program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2), branch_at=7, chunk=8)
+    program[1][1]["features"] = 1
+    machine = _machine(("nemotron-h",), block_sizes=(2,))
+    programs.run_program(machine, program)
+    assert hits == [0, 6], hits
+    _evict_chunk_checkpoints(monkeypatch)
+    with pytest.raises(AssertionError, match="the state promise"):
+        programs.run_program(machine, program)
 
 
 @pytest.mark.parametrize("layout", ["nemotron-h", "nemotron-h-interval"])

@@ -2,6 +2,7 @@
 inside a prompt (a message edited and resent, a beam, a tree of thoughts), not only at a system prompt's end
 (1-9 tokens). Beside a Mamba group the cut decides which cached state a hit needs: a chunk's end, a checkpoint
 exported one block below it, a decode step's boundary (the state promise, :meth:`~.machine.ManagerMachine.state_hit`).
+So about half the cuts fall a few tokens past a state the earlier request's steps wrote: every such state is asked for.
 
 :class:`BranchPoints` is mixed into the machines :func:`~.machine.machine_for` builds for layouts with a Mamba
 group; its rule is drawn under the state promise only (:attr:`~.machine.ManagerMachine.state_window`). Machines
@@ -21,9 +22,13 @@ class BranchPoints:
     systems = Bundle("systems")
 
     @precondition(lambda self: self.state_window and any(self.branchable.values()))
-    @rule(target=systems, pick=st.integers(0, 7), cut=st.integers(1, 15))
-    def branch_point(self, pick: int, cut: int) -> list[int]:
-        """The first ``cut`` tokens of an earlier request's prompt (its text before any input; ``pick`` back from
-        the newest), a system prompt for requests to come."""
-        prompts = [prompt for prompt in self.branchable.values() if prompt]
-        return prompts[-1 - pick % len(prompts)][:cut]
+    @rule(target=systems, pick=st.integers(0, 7), cut=st.integers(1, 15), state=st.integers(-3, 3))
+    def branch_point(self, pick: int, cut: int, state: int) -> list[int]:
+        """An earlier request's prompt (its text before any input; ``pick`` back from the newest) cut ``cut`` tokens
+        past its start (``state`` at most 0) or past a boundary whose Mamba state its steps wrote and retention keeps
+        (``state`` back from the newest of them; from the start where it wrote none): a system prompt for requests to
+        come. Past a state, a later request's hit needs exactly that state: the one below it if it is lost."""
+        rids = [rid for rid, prompt in self.branchable.items() if prompt]
+        rid = rids[-1 - pick % len(rids)]
+        states = self.branch_states.get(rid) if state > 0 else None
+        return self.branchable[rid][:(states[-1 - (state - 1) % len(states)] if states else 0) + cut]

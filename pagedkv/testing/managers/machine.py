@@ -332,14 +332,15 @@ class ManagerMachine(RuleBasedStateMachine):
         # manager declaring eagle_drop without speculative (vLLM beside a Mamba group) serves EAGLE's replay
         # boundaries while the machine draws no drafts
         self.eagle_server = self.caps.eagle_drop and config.num_speculative_tokens > 0
-        # the state promise (:meth:`state_hit`): a coordinated layout with a Mamba group, one hit granularity; under
-        # EAGLE (no drafts drawn beside Mamba) one full-attention and one Mamba group, where vLLM's lookup runs once
-        # and the full-attention block past a state must be cached too (:attr:`state_reach`)
+        # the state promise (:meth:`state_hit`): a coordinated layout with a Mamba group, one hit granularity, with a
+        # connector or without (it bounds the local hit, which a load only extends); under EAGLE (no drafts drawn
+        # beside Mamba) one full-attention and one Mamba group, where vLLM's lookup runs once and the full-attention
+        # block past a state must be cached too (:attr:`state_reach`)
         eagle_state = self.eagle_server and sorted(g.kind for g in self.groups) == ["full", "mamba"]
         self.state_window = (self.grouped and len(self.groups) > 1 and self.caps.coordinated_lookup
                              and self.caps.hit_promise and any(g.kind == "mamba" for g in self.groups)
                              and all(g.kind in ("full", "sliding_window", "mamba") for g in self.groups)
-                             and not (self.caps.hit_alignment or self.connector or self.speculative)
+                             and not (self.caps.hit_alignment or self.speculative)
                              and (not self.eagle_server or eagle_state))
         # tokens past a Mamba state ``e`` a prompt shares and the writer committed for ``e`` to be promised: under
         # EAGLE the full-attention block EAGLE's lookup matches past the hit and drops
@@ -377,6 +378,8 @@ class ManagerMachine(RuleBasedStateMachine):
         # under the state promise, each admitted prompt's text before its first input, by request, oldest first:
         # what :mod:`.branch_points` cuts (its only reader)
         self.branchable: dict[int, list[int]] = {}
+        # ... and the boundaries inside it whose Mamba state its steps wrote and retention keeps, oldest first
+        self.branch_states: dict[int, list[int]] = {}
         # under EAGLE: an upper bound on the blocks that entered the manager's free queue so far (released by every
         # holder, or a moved copy-on-write entry: :meth:`account`), and the blocks held at the last count
         self.pool_entries, self.pool_held = 0, set()
@@ -897,12 +900,13 @@ class ManagerMachine(RuleBasedStateMachine):
         ``floor((P - 1) / bs) * bs = r`` from inside it (``MambaManager._needs_internal_checkpoint``, for the chunk
         reaching the prefill's end under every retention).
 
-        Not promised with a connector (a load re-aligns the local hit to whole scheduler blocks), drafts or
-        embeddings (their keys see what the identity does not), nor from a resumed request (its engine keys the
-        prompt's tail by the prompt it was admitted with); multimodal inputs are let in (each token's identity
+        Not promised with a connector beside fine-grained hits (a load re-aligns the local hit to whole scheduler
+        blocks; at block granularity ``r`` is one already), drafts or embeddings (their keys see what the identity
+        does not), nor from a resumed request (its engine keys the prompt's tail by the prompt it was admitted
+        with); multimodal inputs are let in (each token's identity
         names its input and offset, and an equal identity at the last unit the lookup matches makes every hash
         block up to it equal)."""
-        if not self.replay_window or self.connector or self.speculative:
+        if not self.replay_window or self.connector and self.caps.hit_alignment or self.speculative:
             return 0
         if req.embedded():
             return 0
@@ -927,10 +931,11 @@ class ManagerMachine(RuleBasedStateMachine):
         return best
 
     def state_hit(self, req: Request) -> int:
-        """The state promise of a coordinated layout with a Mamba group (:attr:`state_window`: no connector, drafts or
-        fine-grained hits): the longest boundary ``e`` within the hit's cap at which a completed step of a request
-        sharing ``req``'s first ``e`` tokens wrote the Mamba state, while no block that entered the free queue since
-        can have been evicted, is hit. ``e`` is a boundary whose state retention keeps (:meth:`state_kept`).
+        """The state promise of a coordinated layout with a Mamba group (:attr:`state_window`: no drafts or
+        fine-grained hits; a connector's loads come past the local hit this bounds): the longest boundary ``e``
+        within the hit's cap at which a completed step of a request sharing ``req``'s first ``e`` tokens wrote the
+        Mamba state, while no block that entered the free queue since can have been evicted, is hit. ``e`` is a
+        boundary whose state retention keeps (:meth:`state_kept`).
 
         vLLM's "align" mode caches a Mamba block once the request computed the boundary it ends on
         (``cache_blocks``): the state written there (a chunk's end, an exported prefill checkpoint, a decode step),
@@ -1107,8 +1112,10 @@ class ManagerMachine(RuleBasedStateMachine):
             # step at the earliest (its block is the request's until then)
             written = set.intersection(*({i for i, slot in enumerate(slots[g]) if slot >= 0}
                                          for g, group in enumerate(self.groups) if group.kind == "mamba"))
-            req.state_marks += [(start + i + 1, self.pool_entries) for i in sorted(written)
-                                if self.state_kept(req, start + i + 1)]
+            marks = [(start + i + 1, self.pool_entries) for i in sorted(written) if self.state_kept(req, start + i + 1)]
+            req.state_marks += marks
+            if rid in self.branchable:  # a branch point may cut just past one (:mod:`.branch_points`)
+                self.branch_states.setdefault(rid, []).extend(e for e, _ in marks if e < len(self.branchable[rid]))
         table = self.m.block_table(rid)
         pending = self.pending_slots()
         for g, group in enumerate(self.groups):  # what the step's first query reads (a hit's window, its state)
