@@ -903,9 +903,8 @@ class ManagerMachine(RuleBasedStateMachine):
         Not promised with a connector beside fine-grained hits (a load re-aligns the local hit to whole scheduler
         blocks; at block granularity ``r`` is one already), drafts or embeddings (their keys see what the identity
         does not), nor from a resumed request (its engine keys the prompt's tail by the prompt it was admitted
-        with); multimodal inputs are let in (each token's identity
-        names its input and offset, and an equal identity at the last unit the lookup matches makes every hash
-        block up to it equal)."""
+        with); multimodal inputs are let in (each token's identity names its input and offset, and an equal identity
+        at the last unit the lookup matches makes every hash block up to it equal)."""
         if not self.replay_window or self.connector and self.caps.hit_alignment or self.speculative:
             return 0
         if req.embedded():
