@@ -1490,14 +1490,17 @@ def _evict_chunk_checkpoints(monkeypatch) -> None:
     monkeypatch.setattr(stm.MambaManager, "_cache_partial_tail_block", evict_chunk_checkpoints)
 
 
-def test_a_cached_mamba_state_is_promised_a_hit(monkeypatch):
+@pytest.mark.parametrize("features", [0, 1], ids=["plain", "connector"])
+def test_a_cached_mamba_state_is_promised_a_hit(monkeypatch, features):
     """``nemotron-h`` at block size 2: an 8-token chunk of an 11-token prompt exports the state after 6 tokens (one
-    block before its end) into its block, which vLLM keeps cached, so a prompt sharing the first 7 tokens hits 6.
-    The release passes; a manager evicting the chunk's checkpoint (as a mutant of the checkpoint branch of
+    block before its end) into its block, which vLLM keeps cached, so a prompt sharing the first 7 tokens hits 6,
+    with a KV connector (features 1; nothing stored, so the local hit is the lookup every group agrees on) or
+    without. The release passes; a manager evicting the chunk's checkpoint (as a mutant of the checkpoint branch of
     ``MambaManager._cache_partial_tail_block`` does) fails the state promise. Fails before (no promise beside a
-    Mamba group: a hit of 0 passed)."""
+    Mamba group, and then none with a connector: a hit of 0 passed)."""
     hits = _recorded_hits(monkeypatch)
     program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2), branch_at=7, chunk=8)
+    program[1][1]["features"] = features
     machine = _machine(("nemotron-h",), block_sizes=(2,))
     programs.run_program(machine, program)
     assert hits == [0, 6], hits
@@ -1600,22 +1603,6 @@ def test_a_branch_point_cuts_past_a_state_the_earlier_prompt_wrote():
     assert machine.live[second].hit == 4, machine.live[second].hit
     machine.check()
     machine.teardown()
-
-
-def test_with_a_connector_a_cached_mamba_state_is_promised_a_hit(monkeypatch):
-    """The state promise in a program with a KV connector (features 1; nothing stored, so the local hit is the
-    lookup every group agrees on): the 8-token chunk of an 11-token prompt exports the state after 6 tokens, so a
-    prompt sharing the first 7 hits 6. The release passes; a manager evicting the chunk's checkpoint fails the
-    state promise. Fails before (no state promise with a connector: a hit of 0 passed)."""
-    hits = _recorded_hits(monkeypatch)
-    program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2), branch_at=7, chunk=8)
-    program[1][1]["features"] = 1
-    machine = _machine(("nemotron-h",), block_sizes=(2,))
-    programs.run_program(machine, program)
-    assert hits == [0, 6], hits
-    _evict_chunk_checkpoints(monkeypatch)
-    with pytest.raises(AssertionError, match="the state promise"):
-        programs.run_program(machine, program)
 
 
 @pytest.mark.parametrize("layout", ["nemotron-h", "nemotron-h-interval"])
