@@ -1462,11 +1462,12 @@ def test_a_load_taking_a_block_no_token_needs_is_caught(monkeypatch):
         programs.run_program(machine, _hisparse_load_program())
 
 
-def _branch_program(prompt, branch_at: int, chunk: int) -> list:
-    """``prompt`` prefilled in chunks of ``chunk`` tokens (no drafts, no connector: features 0), then, while it is
-    live, a prompt sharing its first ``branch_at`` tokens admitted."""
+def _branch_program(prompt, branch_at: int, chunk: int, features: int = 0) -> list:
+    """``prompt`` prefilled in chunks of ``chunk`` tokens (no drafts drawn: ``features`` 0 asks for nothing, 1 a
+    connector, 2 an EAGLE server), then, while it is live, a prompt sharing its first ``branch_at`` tokens admitted."""
     return [("system_prompts", {"prompts": [list(prompt), list(prompt[:branch_at])]}),
-            ("start", {"num_blocks": 16, "block_size": 0, "num_layers": 1, "window": 0, "layout": 0, "features": 0}),
+            ("start", {"num_blocks": 16, "block_size": 0, "num_layers": 1, "window": 0, "layout": 0,
+                       "features": features}),
             ("add", {"system": list(prompt), "suffix": [], "namespace": None, "extra": None, "chunk": chunk,
                      "write_now": True, "image_at": 0, "stored": 0}),
             ("add", {"system": list(prompt[:branch_at]), "suffix": [0], "namespace": None, "extra": None,
@@ -1499,8 +1500,7 @@ def test_a_cached_mamba_state_is_promised_a_hit(monkeypatch, features):
     ``MambaManager._cache_partial_tail_block`` does) fails the state promise. Fails before (no promise beside a
     Mamba group, and then none with a connector: a hit of 0 passed)."""
     hits = _recorded_hits(monkeypatch)
-    program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2), branch_at=7, chunk=8)
-    program[1][1]["features"] = features
+    program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2), branch_at=7, chunk=8, features=features)
     machine = _machine(("nemotron-h",), block_sizes=(2,))
     programs.run_program(machine, program)
     assert hits == [0, 6], hits
@@ -1555,8 +1555,7 @@ def test_a_prefilled_prompt_is_promised_its_replay_boundary_under_sparse_retenti
     from vllm.v1.core import single_type_kv_cache_manager as stm
 
     hits = _recorded_hits(monkeypatch)
-    program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2), branch_at=10, chunk=16)
-    program[1][1]["features"] = features
+    program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2), branch_at=10, chunk=16, features=features)
     machine = _machine(("nemotron-h-sparse",), block_sizes=(2,))
     programs.run_program(machine, program)
     assert hits == [0, 10], hits
@@ -1617,8 +1616,9 @@ def test_under_eagle_a_cached_mamba_state_is_promised_with_the_block_past_it(mon
     machine = _machine((layout,), block_sizes=(2,))
     shared = {}
     for branch_at in (7, 9):
-        shared[branch_at] = _branch_program((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2), branch_at=branch_at, chunk=8)
-        shared[branch_at][1][1]["features"] = 2  # an EAGLE server (no drafts drawn beside Mamba)
+        # features 2: an EAGLE server (no drafts drawn beside Mamba)
+        shared[branch_at] = _branch_program((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2), branch_at=branch_at, chunk=8,
+                                            features=2)
         programs.run_program(machine, shared[branch_at])
     assert hits == [0, 0, 0, 6], hits
     _evict_chunk_checkpoints(monkeypatch)

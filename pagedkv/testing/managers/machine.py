@@ -71,6 +71,7 @@ from pagedkv.testing.managers.kv_events import EventIndex
 from pagedkv.testing.managers import lookup
 from pagedkv.testing.managers.kv_io import KVIO
 from pagedkv.testing.managers.oracle import stable_hash, token_identity
+from pagedkv.testing.managers.branch_points import BranchPoints
 from pagedkv.testing.managers.calls import ManagerCalls, call_manager, check_served
 from pagedkv.testing.managers.protocol import (MULTI_MODULE_MTP_LAYOUTS, ONE_GROUP, ManagerConfig, as_grouped,
                                                is_embedding, layout_groups, layout_prefix_match_unit, layout_retention,
@@ -949,8 +950,8 @@ class ManagerMachine(RuleBasedStateMachine):
         shift under EAGLE: draft models have no Mamba layers) vLLM's lookup (``HybridKVCacheCoordinator.
         find_longest_cache_hit``, one pass for a full group and one other) matches full attention up to ``b`` tokens
         past the cap, within the prompt's whole hash blocks, drops the last block, and takes the longest cached state
-        below: ``e`` is promised once the writer committed ``e + b``
-        tokens (that block cached) and to a prompt sharing those ``e + b`` tokens (:attr:`state_reach`)."""
+        below: ``e`` is promised once the writer committed ``e + b`` tokens (that block cached) and to a prompt
+        sharing those ``e + b`` tokens (:attr:`state_reach`)."""
         if not self.state_window or req.embedded():
             return 0
         counts = self.m.counts()
@@ -2133,8 +2134,6 @@ def machine_for(make_manager: Callable, *, block_sizes=(1, 2, 4), windows=(None,
     Raises:
         ValueError: an unknown layout name.
     """
-    from pagedkv.testing.managers.branch_points import BranchPoints
-
     # ValueError for an unknown name, before any run
     mamba = any(group.kind == "mamba" for layout in layouts for group in layout_groups(layout, 1, 0))
     # branch points only where a Mamba group may be: every other machine draws what it drew before
