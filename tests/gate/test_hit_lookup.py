@@ -52,6 +52,24 @@ def test_sparse_retention_under_eagle_keeps_the_block_above_each_boundary():
     assert lookup.cacheable_tokens(5, 1, 2, eagle=False) == 4
 
 
+@pytest.mark.parametrize(("start", "end", "unit", "block_size", "eagle", "prefill_end", "position"), [
+    (0, 4, 2, 2, False, 0, 2),    # a first chunk of two blocks: one block before its end
+    (4, 8, 2, 2, True, 0, 6),     # EAGLE: the last unit boundary (8) less a unit
+    (4, 8, 2, 2, False, 0, 6),    # without: the last boundary below the end, 7 // 2 * 2
+    (4, 6, 2, 2, False, 0, 0),    # a one-block chunk: the checkpoint would be the state it starts from
+    (3, 8, 1, 1, False, 0, 7),    # unit 1: the token before the end
+    (5, 9, 2, 2, False, 0, 0),    # a chunk starting inside a unit exports nothing
+    (4, 10, 2, 2, False, 11, 0),  # sparse retention: only the chunk reaching the prefill's end exports
+    (4, 11, 2, 2, False, 11, 10),
+    (0, 16, 2, 8, False, 0, 14),  # a unit finer than the Mamba block: the last unit boundary below the end
+])
+def test_a_prefill_chunk_exports_its_checkpoint_where_vllms_rule_says(start, end, unit, block_size, eagle,
+                                                                      prefill_end, position):
+    """Chunks worked by hand from vLLM 0.32's ``get_mamba_prefill_checkpoint_position`` and
+    ``is_mamba_prefill_checkpoint_valid`` (checkpoint alignment 1): where the chunk exports, or 0."""
+    assert lookup.prefill_checkpoint(start, end, unit, block_size, eagle, prefill_end) == position
+
+
 def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="groups"):
         lookup.coordinated_hit((GroupSpec("mamba", 1),), lambda g, end: True, 3, 4, 1, eagle=False)

@@ -1545,21 +1545,26 @@ def test_a_resumed_request_keeps_its_prompt_and_hits_its_own_states():
     _release_all(m, [0])
 
 
-@pytest.mark.parametrize("features", [0, 1], ids=["plain", "connector"])
-def test_a_prefilled_prompt_is_promised_its_replay_boundary_under_sparse_retention(monkeypatch, features):
+@pytest.mark.parametrize(("features", "replay"), [(0, 10), (1, 10), (2, 8)], ids=["plain", "connector", "eagle"])
+def test_a_prefilled_prompt_is_promised_its_replay_boundary_under_sparse_retention(monkeypatch, features, replay):
     """``nemotron-h-sparse`` at block size 2: an 11-token prompt prefilled in one chunk exports the state at its
     replay boundary, 10 tokens (the only Mamba state sparse retention keeps), so a prompt sharing the first 10 tokens
-    hits 10 while the first is live, with a KV connector (features 1, nothing stored) or without. The release passes;
-    a manager exporting no prefill checkpoint (its state at 10 never written) fails the replay promise. Fails before
-    (the replay promise was judged with fine-grained hits only, and then not with a connector: a hit of 0 passed)."""
+    hits 10 while the first is live, with a KV connector (features 1, nothing stored) or without; under EAGLE
+    (features 2) the boundary is a block lower, 8 tokens (vLLM's ``drop_eagle_checkpoint_block``). The release passes;
+    a manager exporting no prefill checkpoint (its state there never written) fails the replay promise. Fails before
+    (the replay promise was judged with fine-grained hits only, then not with a connector, then not under EAGLE at
+    block granularity: a hit of 0 passed)."""
     from vllm.v1.core import single_type_kv_cache_manager as stm
 
     hits = _recorded_hits(monkeypatch)
     program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2), branch_at=10, chunk=16, features=features)
     machine = _machine(("nemotron-h-sparse",), block_sizes=(2,))
     programs.run_program(machine, program)
-    assert hits == [0, 10], hits
+    assert hits == [0, replay], hits
     monkeypatch.setattr(stm.MambaManager, "_needs_internal_checkpoint", lambda self, *args: False)
+    with pytest.raises(AssertionError, match="the checkpoint promise"):
+        programs.run_program(machine, program)
+    _declare_no_checkpoint_promise(monkeypatch)  # the replay promise holds for a manager declaring only the layout
     with pytest.raises(AssertionError, match="the replay promise"):
         programs.run_program(machine, program)
 
@@ -1624,3 +1629,99 @@ def test_under_eagle_a_cached_mamba_state_is_promised_with_the_block_past_it(mon
     _evict_chunk_checkpoints(monkeypatch)
     with pytest.raises(AssertionError, match="the state promise"):
         programs.run_program(machine, shared[9])
+
+
+def test_a_mamba_group_under_eagle_holds_the_drafters_scratch_blocks_and_keeps_its_checkpoint(monkeypatch):
+    """vLLM gives a Mamba layer ``num_speculative_blocks = num_speculative_tokens`` scratch blocks wherever a drafter
+    runs (``MambaBase.get_kv_cache_spec``): the peer's Mamba group under EAGLE holds 3 past its running state, and
+    relocates them as a prefill goes on. ``nemotron-h`` at block size 2: an 8-token prompt prefilled in two chunks of
+    4, the second exporting its checkpoint at 6 tokens into the column of the first chunk's first scratch block; a
+    prompt sharing the 8 tokens hits 6 (EAGLE's replay boundary). A manager that takes no checkpoint block for a
+    chunk (its state at 6 never written) fails the replay promise under EAGLE. Fails before (the peer built its Mamba
+    group without scratch blocks, and the replay promise was not judged under EAGLE at block granularity)."""
+    from vllm.v1.core import single_type_kv_cache_manager as stm
+
+    m = _manager("nemotron-h", num_speculative_tokens=3)
+    mamba = next(manager for manager in m.manager.coordinator.single_type_managers
+                 if isinstance(manager, stm.MambaManager))
+    assert mamba.num_speculative_blocks == 3
+    _prefill(m, 0, list(range(1, 9)), chunk=4)
+    table = m.block_table(0)[1]
+    assert len(table) == 4 + 3 and all(b >= 0 for b in table[-4:]), table  # running state and 3 scratch blocks
+    _release_all(m, [0])
+
+    hits = _recorded_hits(monkeypatch)
+    program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8), branch_at=8, chunk=4, features=2)
+    program.insert(3, ("step", {"rid": 0, "n": 4, "token": 0, "write_now": True}))
+    machine = _machine(("nemotron-h",), block_sizes=(2,))
+    programs.run_program(machine, program)
+    assert hits == [0, 6], hits
+    monkeypatch.setattr(stm.MambaManager, "_needs_internal_checkpoint", lambda self, *args: False)
+    with pytest.raises(AssertionError, match="the checkpoint promise: vLLM's prefill checkpoint rule, under EAGLE"):
+        programs.run_program(machine, program)
+    _declare_no_checkpoint_promise(monkeypatch)
+    with pytest.raises(AssertionError, match="the replay promise: under EAGLE"):
+        programs.run_program(machine, program)
+
+
+def _declare_no_checkpoint_promise(monkeypatch) -> None:
+    """vLLM's peer declaring its Mamba2 layout without ``capabilities.chunk_checkpoints`` (what a manager of its own
+    rule would declare): the machine then judges its exports by the state and replay promises alone."""
+    import dataclasses
+
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    init = vm.VllmHybridCacheManager.__init__
+
+    def declared(self, config):
+        init(self, config)
+        self.capabilities = dataclasses.replace(self.capabilities, chunk_checkpoints=False)
+
+    monkeypatch.setattr(vm.VllmHybridCacheManager, "__init__", declared)
+
+
+def test_the_checkpoint_rule_is_vllms():
+    """:func:`~pagedkv.testing.managers.lookup.prefill_checkpoint` restates vLLM's prefill checkpoint rule: the same
+    position, or 0 where vLLM exports none, for every chunk of up to 24 tokens from 0 to 24 at units 1, 2 and 4,
+    Mamba blocks of one, two and four units, with and without EAGLE, under sparse retention's ``prefill_end`` or
+    none."""
+    from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position, is_mamba_prefill_checkpoint_valid
+
+    from pagedkv.testing.managers.lookup import prefill_checkpoint
+
+    exported = 0
+    for unit in (1, 2, 4):
+        for block_size in (unit, 2 * unit, 4 * unit):
+            for eagle in (False, True):
+                for start in range(25):
+                    for end in range(start + 1, start + 25):
+                        for prefill_end in (0, 13):
+                            c = get_mamba_prefill_checkpoint_position(end, unit, eagle)
+                            valid = (is_mamba_prefill_checkpoint_valid(start, end, c, unit, block_size, 1)
+                                     and -(-end // block_size) - 2 >= 0 and end >= prefill_end)
+                            want = c if valid else 0
+                            got = prefill_checkpoint(start, end, unit, block_size, eagle, prefill_end)
+                            assert got == want, (unit, block_size, eagle, start, end, prefill_end, got, want)
+                            exported += bool(want)
+    assert exported > 1000, exported  # the grid reaches exports, not only chunks without one
+
+
+def test_a_chunk_owes_the_checkpoint_vllms_rule_exports():
+    """``nemotron-h`` at block size 2 without EAGLE: a 12-token prompt prefilled in chunks of 4, each chunk exporting
+    the state one block before its end (2, 6 and 10 tokens). The release names those slots; a manager that takes no
+    checkpoint block (its states there never written) fails the checkpoint promise at the first chunk's reservation,
+    with no later prompt needed to ask for that state. Fails before (nothing judged an export a
+    manager skipped: the state promise follows what was written)."""
+    from vllm.v1.core import single_type_kv_cache_manager as stm
+
+    program = _branch_program(tuple(range(1, 13)), branch_at=12, chunk=4)
+    program.insert(3, ("step", {"rid": 0, "n": 4, "token": 0, "write_now": True}))
+    program.insert(4, ("step", {"rid": 0, "n": 4, "token": 0, "write_now": True}))
+    machine = _machine(("nemotron-h",), block_sizes=(2,))
+    programs.run_program(machine, program)
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as patch:
+        patch.setattr(stm.MambaManager, "_needs_internal_checkpoint", lambda self, *args: False)
+        with pytest.raises(AssertionError, match=r"request 0: the reservation of tokens 0\.\.3 names no slot for the "
+                                                 r"state at 2 tokens in group 1 \(mamba\).*the checkpoint promise"):
+            programs.run_program(machine, program)

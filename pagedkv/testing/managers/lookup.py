@@ -96,6 +96,22 @@ def cacheable_tokens(num_tokens: int, block_size: int, alignment: int, eagle: bo
     return min(num_tokens, aligned + block_size) if eagle and aligned > 0 else aligned
 
 
+def prefill_checkpoint(start: int, end: int, unit: int, block_size: int, eagle: bool, prefill_end: int = 0) -> int:
+    """Where a prefill chunk computing tokens ``start..end - 1`` exports the Mamba state of a group of Mamba2 layers
+    (``GroupSpec.prefill_checkpoints``, block size ``block_size``, prefix-match unit ``unit``): the position ``c``
+    whose state (after token ``c - 1``) it writes from inside the chunk, or 0 for none. vLLM 0.32's rule
+    (``get_mamba_prefill_checkpoint_position`` and ``is_mamba_prefill_checkpoint_valid``, checkpoint alignment 1,
+    as ``MambaManager._needs_internal_checkpoint`` applies them): ``c`` is the last unit boundary below ``end``
+    (under EAGLE one unit lower still), exported where the chunk starts on a unit boundary, ``c`` lies at least a
+    unit past ``start`` and inside the chunk, the block holding token ``c - 1`` is past the one holding the state
+    the chunk starts from, and the chunk reaches ``prefill_end`` (sparse retention: the prompt's end; else 0)."""
+    c = max((end if eagle else end - 1) // unit * unit - (unit if eagle else 0), 0)
+    checkpoint_block = _cdiv(end, block_size) - 2
+    valid = (start % unit == 0 and checkpoint_block > (start - 1) // block_size and start + unit <= c
+             and start < c < end and checkpoint_block >= 0 and end >= prefill_end)
+    return c if valid else 0
+
+
 def _full_hit(cached: Callable[[int], bool], block_size: int, max_length: int, alignment: int, drop: bool) -> int:
     """``FullAttentionManager.find_longest_cache_hit`` (no fine-grained hash hits): the leading run of cached
     blocks within ``max_length``; with ``drop``, one block less; rounded down to ``alignment``."""

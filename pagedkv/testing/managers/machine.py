@@ -348,8 +348,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.state_reach = next(g.block_size for g in self.groups if g.kind == "full") if (
             self.state_window and self.eagle_server) else 0
         # the replay promise's window (:meth:`replay_hit`) is kept: with fine-grained hits, or where every Mamba
-        # group exports prefill checkpoints under the state promise without EAGLE
-        self.replay_window = bool(self.caps.hit_alignment) or self.state_window and not self.eagle_server and all(
+        # group exports prefill checkpoints under the state promise (under EAGLE too: the checkpoint moves with r)
+        self.replay_window = bool(self.caps.hit_alignment) or self.state_window and all(
             g.prefill_checkpoints for g in self.groups if g.kind == "mamba")
         self.reprefill = self.caps.reprefill if self.speculative else 0  # tokens a reservation leaves uncached
         self.gbs = [g.block_size for g in self.groups]
@@ -899,7 +899,9 @@ class ManagerMachine(RuleBasedStateMachine):
         the chunk crossing it: vLLM's "align" scheduler (``Scheduler._mamba_block_aligned_split``) ends every prefill
         chunk but the last on a block boundary, and the last one at ``r`` unless the manager exports the checkpoint
         ``floor((P - 1) / bs) * bs = r`` from inside it (``MambaManager._needs_internal_checkpoint``, for the chunk
-        reaching the prefill's end under every retention).
+        reaching the prefill's end under every retention; under EAGLE ``r = floor(P / bs) * bs - bs``, in a column
+        that may hold one of the drafter's scratch blocks, ``MambaSpec.num_speculative_blocks``, kept there for the
+        export).
 
         Not promised with a connector beside fine-grained hits (a load re-aligns the local hit to whole scheduler
         blocks; at block granularity ``r`` is one already), drafts or embeddings (their keys see what the identity
@@ -1107,6 +1109,8 @@ class ManagerMachine(RuleBasedStateMachine):
             req.replay_open = entries if start == r else self.pool_entries
         self.check_slots(rid, slots, start, n, "reserve",
                          lambda g, i: self.groups[g].kind == "mamba" and i < n - 1 - drafts)
+        if self.caps.chunk_checkpoints and not drafts:
+            self.check_checkpoint_export(rid, req, slots, start, n)
         if self.state_window and not req.embedded():
             # the step writes every Mamba group's state on a block boundary: it enters the free queue after this
             # step at the earliest (its block is the request's until then)
@@ -1135,6 +1139,24 @@ class ManagerMachine(RuleBasedStateMachine):
             req.in_flight.append(Step(start, req.reserved, tuple(list(s) for s in slots),
                                       self.read_blocks(table, start, req.reserved), self.epoch))
         return True
+
+    def check_checkpoint_export(self, rid: int, req: Request, slots, start: int, n: int) -> None:
+        """The checkpoint promise (``capabilities.chunk_checkpoints``): a reservation of tokens ``start..start + n - 1``
+        names a slot for the state at the position its Mamba groups of Mamba2 layers export
+        (:func:`.lookup.prefill_checkpoint`; vLLM's ``prefill_end``, the prompt's end under sparse retention, is
+        ``max(P, tokens - 1)``), so that a manager reserving no block for a checkpoint it owes fails here and not
+        only where a later prompt happens to ask for that state."""
+        sparse = self.caps.retention_interval == 0
+        prefill_end = max(req.num_prompt, len(req.tokens) - 1) if sparse else 0
+        for g, group in enumerate(self.groups):
+            if not group.prefill_checkpoints:
+                continue
+            c = lookup.prefill_checkpoint(start, start + n, self.caps.block_size, group.block_size,
+                                          self.eagle_server, prefill_end)
+            assert not c or slots[g][c - 1 - start] >= 0, \
+                f"request {rid}: the reservation of tokens {start}..{start + n - 1} names no slot for the state at " \
+                f"{c} tokens in group {g} ({group.kind}), which its chunk exports (the checkpoint promise: vLLM's " \
+                f"prefill checkpoint rule{', under EAGLE' if self.eagle_server else ''})"
 
     def admission_need(self, rid: int, req: Request, start: int, end: int, computed: int) -> tuple | None:
         """``(free blocks, blocks needed)`` of a reservation or load of tokens ``start..end``

@@ -404,6 +404,10 @@ class ManagerCapabilities:
             the indexer group there, bounded by the host tier's hit): ``load`` gives such a token's slot as ``-1``;
             the machine writes nothing there (nor a failed load's garbage) and judges the block as every read
             finds it. Without it a load writes every token of every group that holds a block for it.
+        chunk_checkpoints: the checkpoint promise: every Mamba group declaring ``prefill_checkpoints`` exports the
+            state wherever vLLM's rule says a prefill chunk does (:func:`~.lookup.prefill_checkpoint`), naming that
+            position's slot in the reservation. Without it an export is the manager's choice, judged only where it
+            writes one (the state promise) or where the replay promise asks for the prompt's replay boundary.
         stored_groups: with a connector, the groups whose blocks a freed request's store reads (vLLM's
             ``OffloadingConnector`` under HiSparse: the indexer group alone, ``get_offloading_group_ids``): until
             ``store_done`` the machine keeps the request's blocks of these groups from anyone else, and takes the
@@ -446,12 +450,13 @@ class ManagerCapabilities:
     token_loads: bool = False
     loads_keep_held: bool = False
     stored_groups: tuple[int, ...] | None = None
+    chunk_checkpoints: bool = False
 
     def summary(self) -> str:
         """One line: the capabilities the machine judges."""
         have = [n for n in ("fork", "namespaces", "extra_keys", "preempt", "resume", "evict", "reset", "defers_commit",
                             "hit_promise", "async_steps", "connector", "speculative", "prompt_embeds", "kv_events",
-                            "cached_prompt", "zeroes_new_blocks", "token_loads")
+                            "cached_prompt", "zeroes_new_blocks", "token_loads", "chunk_checkpoints")
                 if getattr(self, n)]
         layout = (f"groups {', '.join(_group_name(g) for g in self.groups)}" if self.groups else
                   f"block_size {self.block_size}, window {self.window}")

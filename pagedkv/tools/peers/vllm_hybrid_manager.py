@@ -64,7 +64,10 @@ applied: the machine chooses the chunks.
 
 Speculative decoding is on in the layouts without chunked local attention (vLLM refuses EAGLE there) and
 without a Mamba group (vLLM keeps draft states in ``num_speculative_blocks`` scratch blocks addressed from
-the last state block, not at the drafts' positions that the protocol's state slots name).
+the last state block, not at the drafts' positions that the protocol's state slots name). Beside a Mamba group
+EAGLE's server runs without drafts: the lookup's dropped block, the checkpoints at its replay boundary and the
+Mamba group's scratch blocks (``num_speculative_tokens`` of them, as vLLM's ``MambaBase.get_kv_cache_spec``
+declares them) are vLLM's.
 
 The fake connector (``FakeConnector``) is a ``KVConnectorBase_V1`` with ``SupportsHMA`` in the scheduler role:
 it promises what the store (the machine) holds, capped as vLLM requires (the prompt less one token, whole
@@ -91,7 +94,7 @@ from pagedkv.tools.peers.vllm_manager import MAX_MODEL_LEN, RECIPE, VllmCacheMan
 #: The peer's name (what the summary and the peers table call it).
 name = "vllm_cache_manager"
 
-def _vllm_spec(v, group: GroupSpec):
+def _vllm_spec(v, group: GroupSpec, num_speculative_blocks: int = 0):
     import torch
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec
 
@@ -106,8 +109,9 @@ def _vllm_spec(v, group: GroupSpec):
         # Mamba2 layers export the prompt's checkpoint state from inside a chunk (MambaMixer2.get_kv_cache_spec)
         checkpoints = dict(num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1) \
             if group.prefill_checkpoints else {}
+        # a drafter's per-draft-token states: num_speculative_tokens scratch blocks (MambaBase.get_kv_cache_spec)
         return MambaSpec(block_size=group.block_size, shapes=((1, 1),), dtypes=(torch.float32,),
-                         mamba_cache_mode="align", **checkpoints)
+                         mamba_cache_mode="align", num_speculative_blocks=num_speculative_blocks, **checkpoints)
     raise ValueError(f"group kind {group.kind!r}: expected full, sliding_window, chunked_local or mamba")
 
 
@@ -453,10 +457,12 @@ class VllmHybridCacheManager(VllmCacheManager):
         # EAGLE runs beside a Mamba group all the same (Qwen3-Next, Nemotron-H serve with EAGLE / MTP drafters):
         # the coordinator's lookup drops a hit's last block and the Mamba checkpoints move to that replay boundary
         # (``drop_eagle_checkpoint_block``, ``get_mamba_prefill_checkpoint_position``); the machine then draws no
-        # drafts (``speculative`` off), so each step is one the drafter proposed nothing in or had all rejected
+        # drafts (``speculative`` off), so each step is one the drafter proposed nothing in or had all rejected; the
+        # Mamba group holds the drafter's scratch blocks all the same (``_vllm_spec``), relocated as a prefill goes on
         self.eagle = config.num_speculative_tokens > 0 and all(g.kind != "chunked_local" for g in self.groups)
         kv_config = v.KVCacheConfig(num_blocks=config.num_blocks + 1, kv_cache_tensors=[], kv_cache_groups=[
-            v.KVCacheGroupSpec([f"layer{i}"], _vllm_spec(v, g)) for i, g in enumerate(self.groups)],
+            v.KVCacheGroupSpec([f"layer{i}"], _vllm_spec(v, g, config.num_speculative_tokens if self.eagle else 0))
+            for i, g in enumerate(self.groups)],
             prefix_cache_retention_interval=config.retention_interval)  # engine: --prefix-cache-retention-interval
         sizes = [g.block_size for g in self.groups]
         # vLLM's resolve_kv_cache_block_sizes (kv_cache_utils.py): the scheduler block the groups' lcm, the hash
@@ -531,6 +537,7 @@ class VllmHybridCacheManager(VllmCacheManager):
                                                 admission=admission, window_release=True,
                                                 retention_interval=config.retention_interval,
                                                 eagle_drop=eagle_drop, coordinated_lookup=True,
+                                                chunk_checkpoints=any(g.prefill_checkpoints for g in self.groups),
                                                 # fine-grained: partial entries' events (cache_partial_block: a run
                                                 # of any length chained from a hash-block key never announced) are
                                                 # not what the event index models
