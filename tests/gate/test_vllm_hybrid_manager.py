@@ -886,24 +886,27 @@ def _recorded_hits(monkeypatch) -> list[int]:
 
 def test_an_evicted_eagle_checkpoint_is_not_promised(monkeypatch):
     """Under EAGLE the Mamba checkpoint of a 7-token prompt (4 tokens, inside its block) moves at the next step to
-    a copy-on-write block freed once copied: in a pool of 4 blocks the decode step that opens a new block evicts
-    it from the free queue's front, and the next turn hits nothing. The release passes (the replay promise holds
+    a copy-on-write block freed once copied: in a pool of 5 blocks (the Mamba group holds the drafter's 3 scratch
+    blocks besides) the decode step that opens a new block evicts it from the free queue's front, and the next turn
+    hits nothing. The release passes (the replay promise holds
     only while no block that entered the free queue since can have been evicted). Fails before (the promise
     followed the blocks of the request's table: "a hit of 0 tokens, but ... replay boundary of 4 tokens")."""
     hits = _recorded_hits(monkeypatch)
-    steps = [("start", {"num_blocks": 4, "block_size": 0, "num_layers": 1, "window": 0, "layout": 0, "features": 2}),
+    steps = [("start", {"num_blocks": 5, "block_size": 0, "num_layers": 1, "window": 0, "layout": 0, "features": 2}),
              ("serve", {"system": [1, 2, 3, 1, 2, 3, 1], "suffix": [], "namespace": None, "extra": None,
                         "image_at": 0, "tokens": [5, 6], "reply": [6]})]
     programs.run_program(_machine(("qwen3-next-fine",), block_sizes=(2,)), steps)
     assert hits == [0, 0], hits  # the checkpoint is gone: the next turn hits nothing
 
 
-def test_a_failed_load_beside_mamba_looks_up_a_hit_with_its_state():
+def test_a_failed_load_beside_mamba_looks_up_a_hit_with_its_state(monkeypatch):
     """A failed load's re-lookup hit past the local hit (a fine-grained hit of 12 tokens the connector cut to 8):
     the peer takes the coordinator's lookup capped at the local hit, whose Mamba group ends on a cached state.
     Fails before (the longer hit cut to 8 tokens left the Mamba group no state block there: "token 7 (written)
-    has no block in its table [-1] (group 1, mamba)")."""
-    steps = [("start", {"num_blocks": 7, "block_size": 0, "num_layers": 2, "window": 0, "layout": 0, "features": 3,
+    has no block in its table [-1] (group 1, mamba)"). A pool of 8 blocks: the Mamba group holds the drafter's 3
+    scratch blocks besides (features 3: a connector and EAGLE)."""
+    hits = _recorded_hits(monkeypatch)
+    steps = [("start", {"num_blocks": 8, "block_size": 0, "num_layers": 2, "window": 0, "layout": 0, "features": 3,
                         "pool_per_group": True}),
              ("serve", {"system": [3, 0, 1, 1], "suffix": [0, 0], "namespace": None, "extra": None, "image_at": 0,
                         "more": [["image-2", 2]], "tail": 1, "tokens": [], "reply": []}),
@@ -911,6 +914,7 @@ def test_a_failed_load_beside_mamba_looks_up_a_hit_with_its_state():
                             "store_ahead": True}),
              ("finish_load_rid", {"rid": 2, "ok": False})]
     programs.run_program(_machine(("qwen3-next-fine",), block_sizes=(2,)), steps)
+    assert hits == [0, 12, 8], hits  # the next turn's fine-grained hit, then the failed load's re-lookup
 
 
 def test_mamba_checkpoint_ignoring_eagle_is_caught(monkeypatch):
