@@ -888,9 +888,9 @@ def test_an_evicted_eagle_checkpoint_is_not_promised(monkeypatch):
     """Under EAGLE the Mamba checkpoint of a 7-token prompt (4 tokens, inside its block) moves at the next step to
     a copy-on-write block freed once copied: in a pool of 5 blocks (the Mamba group holds the drafter's 3 scratch
     blocks besides) the decode step that opens a new block evicts it from the free queue's front, and the next turn
-    hits nothing. The release passes (the replay promise holds
-    only while no block that entered the free queue since can have been evicted). Fails before (the promise
-    followed the blocks of the request's table: "a hit of 0 tokens, but ... replay boundary of 4 tokens")."""
+    hits nothing. The release passes (the replay promise holds only while no block that entered the free queue since
+    can have been evicted). Fails before (the promise followed the blocks of the request's table: "a hit of 0
+    tokens, but ... replay boundary of 4 tokens")."""
     hits = _recorded_hits(monkeypatch)
     steps = [("start", {"num_blocks": 5, "block_size": 0, "num_layers": 1, "window": 0, "layout": 0, "features": 2}),
              ("serve", {"system": [1, 2, 3, 1, 2, 3, 1], "suffix": [], "namespace": None, "extra": None,
@@ -1710,7 +1710,7 @@ def test_the_checkpoint_rule_is_vllms():
     assert exported > 1000, exported  # the grid reaches exports, not only chunks without one
 
 
-def test_a_chunk_owes_the_checkpoint_vllms_rule_exports():
+def test_a_chunk_owes_the_checkpoint_vllms_rule_exports(monkeypatch):
     """``nemotron-h`` at block size 2 without EAGLE: a 12-token prompt prefilled in chunks of 4, each chunk exporting
     the state one block before its end (2, 6 and 10 tokens). The release names those slots; a manager that takes no
     checkpoint block (its states there never written) fails the checkpoint promise at the first chunk's reservation,
@@ -1723,9 +1723,7 @@ def test_a_chunk_owes_the_checkpoint_vllms_rule_exports():
     program.insert(4, ("step", {"rid": 0, "n": 4, "token": 0, "write_now": True}))
     machine = _machine(("nemotron-h",), block_sizes=(2,))
     programs.run_program(machine, program)
-    monkeypatch = pytest.MonkeyPatch()
-    with monkeypatch.context() as patch:
-        patch.setattr(stm.MambaManager, "_needs_internal_checkpoint", lambda self, *args: False)
-        with pytest.raises(AssertionError, match=r"request 0: the reservation of tokens 0\.\.3 names no slot for the "
-                                                 r"state at 2 tokens in group 1 \(mamba\).*the checkpoint promise"):
-            programs.run_program(machine, program)
+    monkeypatch.setattr(stm.MambaManager, "_needs_internal_checkpoint", lambda self, *args: False)
+    with pytest.raises(AssertionError, match=r"request 0: the reservation of tokens 0\.\.3 names no slot for the state "
+                                             r"at 2 tokens in group 1 \(mamba\).*the checkpoint promise"):
+        programs.run_program(machine, program)
