@@ -1466,14 +1466,16 @@ def test_a_load_taking_a_block_no_token_needs_is_caught(monkeypatch):
         programs.run_program(machine, _hisparse_load_program())
 
 
-def _branch_program(prompt, branch_at: int, chunk: int, features: int = 0) -> list:
-    """``prompt`` prefilled in chunks of ``chunk`` tokens (no drafts drawn: ``features`` 0 asks for nothing, 1 a
-    connector, 2 an EAGLE server), then, while it is live, a prompt sharing its first ``branch_at`` tokens admitted."""
+def _branch_program(prompt, branch_at: int, chunk: int, features: int = 0, steps: int = 0) -> list:
+    """``prompt`` admitted with a first chunk of ``chunk`` tokens and ``steps`` more chunks of that size (no drafts
+    drawn: ``features`` 0 asks for nothing, 1 a connector, 2 an EAGLE server), then, while it is live, a prompt
+    sharing its first ``branch_at`` tokens admitted."""
     return [("system_prompts", {"prompts": [list(prompt), list(prompt[:branch_at])]}),
             ("start", {"num_blocks": 16, "block_size": 0, "num_layers": 1, "window": 0, "layout": 0,
                        "features": features}),
             ("add", {"system": list(prompt), "suffix": [], "namespace": None, "extra": None, "chunk": chunk,
                      "write_now": True, "image_at": 0, "stored": 0}),
+            *[("step", {"rid": 0, "n": chunk, "token": 0, "write_now": True})] * steps,
             ("add", {"system": list(prompt[:branch_at]), "suffix": [0], "namespace": None, "extra": None,
                      "chunk": chunk, "write_now": True, "image_at": 0, "stored": 0})]
 
@@ -1655,8 +1657,7 @@ def test_a_mamba_group_under_eagle_holds_the_drafters_scratch_blocks_and_keeps_i
     _release_all(m, [0])
 
     hits = _recorded_hits(monkeypatch)
-    program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8), branch_at=8, chunk=4, features=2)
-    program.insert(3, ("step", {"rid": 0, "n": 4, "token": 0, "write_now": True}))
+    program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8), branch_at=8, chunk=4, features=2, steps=1)
     machine = _machine(("nemotron-h",), block_sizes=(2,))
     programs.run_program(machine, program)
     assert hits == [0, 6], hits
@@ -1718,9 +1719,7 @@ def test_a_chunk_owes_the_checkpoint_vllms_rule_exports(monkeypatch):
     manager skipped: the state promise follows what was written)."""
     from vllm.v1.core import single_type_kv_cache_manager as stm
 
-    program = _branch_program(tuple(range(1, 13)), branch_at=12, chunk=4)
-    program.insert(3, ("step", {"rid": 0, "n": 4, "token": 0, "write_now": True}))
-    program.insert(4, ("step", {"rid": 0, "n": 4, "token": 0, "write_now": True}))
+    program = _branch_program(tuple(range(1, 13)), branch_at=12, chunk=4, steps=2)
     machine = _machine(("nemotron-h",), block_sizes=(2,))
     programs.run_program(machine, program)
     monkeypatch.setattr(stm.MambaManager, "_needs_internal_checkpoint", lambda self, *args: False)

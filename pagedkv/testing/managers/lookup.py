@@ -106,9 +106,10 @@ def prefill_checkpoint(start: int, end: int, unit: int, block_size: int, eagle: 
     unit past ``start`` and inside the chunk, the block holding token ``c - 1`` is past the one holding the state
     the chunk starts from, and the chunk reaches ``prefill_end`` (sparse retention: the prompt's end; else 0)."""
     c = max((end if eagle else end - 1) // unit * unit - (unit if eagle else 0), 0)
+    # vLLM's checkpoint column; past the column of the state the chunk starts from (-1 at 0), so never negative
     checkpoint_block = _cdiv(end, block_size) - 2
-    valid = (start % unit == 0 and checkpoint_block > (start - 1) // block_size and start + unit <= c
-             and start < c < end and checkpoint_block >= 0 and end >= prefill_end)
+    valid = (start % unit == 0 and start + unit <= c < end and checkpoint_block > (start - 1) // block_size
+             and end >= prefill_end)
     return c if valid else 0
 
 
