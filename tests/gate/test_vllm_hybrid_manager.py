@@ -1515,6 +1515,32 @@ def test_a_cached_mamba_state_is_promised_a_hit(monkeypatch, features):
         programs.run_program(machine, program)
 
 
+@pytest.mark.parametrize("features", [0, 2], ids=["plain", "eagle"])
+def test_a_mamba_state_retention_drops_is_never_hit(monkeypatch, features):
+    """``nemotron-h-interval`` at block size 2 (a retention interval of 6 tokens): the first 4-token chunk of an
+    11-token prompt exports the state after 2 tokens, which is no segment's boundary, replay boundary or junction,
+    so vLLM evicts it as transient. A prompt sharing the first 5 tokens hits 0 (the chunk's end, 4, is no kept
+    boundary either), with or without an EAGLE server (features 2: its lookup matches the block past a state). A
+    manager whose checkpoint retention ignores the interval keeps it (as ``-0422`` of
+    ``MambaManager._cache_partial_tail_block`` does: its retention mask asked about block -1), and its hit of 2
+    fails the retention promise. Fails before: no hit was too long beside a Mamba group."""
+    from vllm.v1.core import single_type_kv_cache_manager as stm
+
+    hits = _recorded_hits(monkeypatch)
+    program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2), branch_at=5, chunk=4, features=features)
+    machine = _machine(("nemotron-h-interval",), block_sizes=(2,))
+    programs.run_program(machine, program)
+    assert hits == [0, 0], hits
+    cache_tail = stm.MambaManager._cache_partial_tail_block
+    monkeypatch.setattr(stm.MambaManager, "_cache_partial_tail_block",
+                        lambda self, request, num_tokens, retention_interval: cache_tail(self, request, num_tokens,
+                                                                                         None))
+    hits.clear()
+    with pytest.raises(AssertionError, match="the retention promise"):
+        programs.run_program(machine, program)
+    assert hits == [0, 2], hits
+
+
 def test_an_exported_checkpoint_below_a_null_block_gets_its_slot():
     """Under EAGLE (``nemotron-h``, features 2) a 15-token prompt in one chunk at block size 4 exports the state after
     8 tokens into the block reserved at table index 2, while the block token 7 falls in is null: the peer still

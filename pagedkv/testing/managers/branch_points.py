@@ -2,7 +2,9 @@
 inside a prompt (a message edited and resent, a beam, a tree of thoughts), not only at a system prompt's end
 (1-9 tokens). Beside a Mamba group the cut decides which cached state a hit needs: a chunk's end, a checkpoint
 exported one block below it, a decode step's boundary (the state promise, :meth:`~.machine.ManagerMachine.state_hit`).
-So about half the cuts fall a few tokens past a state the earlier request's steps wrote: every such state is asked for.
+So about half the cuts fall a few tokens past a state the earlier request's steps wrote: every such state is asked for
+where retention keeps it, and under sparse retention one it drops is there to be wrongly hit (the retention promise,
+:meth:`~.machine.ManagerMachine.check_state_retained`).
 
 :class:`BranchPoints` is mixed into the machines :func:`~.machine.machine_for` builds for layouts with a Mamba
 group; its rule is drawn under the state promise only (:attr:`~.machine.ManagerMachine.state_window`). Machines
@@ -26,7 +28,8 @@ class BranchPoints:
     def branch_point(self, pick: int, cut: int, state: int) -> list[int]:
         """An earlier request's prompt (its text before any input; ``pick`` back from the newest) cut ``cut`` tokens
         past its start (``state`` at most 0) or past a boundary whose Mamba state its steps wrote and retention keeps
-        (``state`` back from the newest of them; from the start where it wrote none): a system prompt for requests to
+        (under sparse retention: wrote on a block boundary, kept or not; ``state`` back from the newest of them; from
+        the start where it wrote none): a system prompt for requests to
         come. Past a state, a later request's hit needs exactly that state: the one below it if it is lost."""
         rids = [rid for rid, prompt in self.branchable.items() if prompt]
         rid = rids[-1 - pick % len(rids)]

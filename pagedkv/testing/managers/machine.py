@@ -17,7 +17,8 @@ to compute; a freed request is not held; the manager's own ``self_check``.
 
 What a manager declares is judged too (:class:`~.protocol.ManagerCapabilities`): the ``"lru"`` eviction order (every
 block handed out afresh is the front of the machine's model of the free queue), the hit promise (an admit hits every
-committed leading block not evicted since; under sparse retention only the window blocks a hit at a kept boundary needs;
+committed leading block not evicted since; under sparse retention only the window blocks a hit at a kept boundary needs,
+and beside a Mamba group no hit on a state retention drops;
 with groups of full attention and sliding windows the hit vLLM's coordinator agrees on where the manager declares it,
 :mod:`.lookup`, and no more where every cached block is known), and asynchronous steps (a next step reserved while the
 previous one's writes are in flight; no block an in-flight step reads or writes handed to anyone, a free deferred until
@@ -379,7 +380,8 @@ class ManagerMachine(RuleBasedStateMachine):
         # under the state promise, each admitted prompt's text before its first input, by request, oldest first:
         # what :mod:`.branch_points` cuts (its only reader)
         self.branchable: dict[int, list[int]] = {}
-        # ... and the boundaries inside it whose Mamba state its steps wrote and retention keeps, oldest first
+        # ... and the boundaries inside it whose Mamba state its steps wrote and retention keeps (under sparse
+        # retention: every one on a block boundary), oldest first
         self.branch_states: dict[int, list[int]] = {}
         # under EAGLE: an upper bound on the blocks that entered the manager's free queue so far (released by every
         # holder, or a moved copy-on-write entry: :meth:`account`), and the blocks held at the last count
@@ -387,6 +389,10 @@ class ManagerMachine(RuleBasedStateMachine):
         # (boundary, identity of its last token, pool_entries when its state was written) of every Mamba state a
         # completed step wrote on a block boundary (:meth:`state_hit`)
         self.state_marks: list[tuple[int, int, int]] = []
+        # under sparse retention, the identities of the boundaries a writer's retention keeps past its segments'
+        # (its prompt's replay boundaries and its shared-prefix junction): with a segment's boundary, the only
+        # states a hit may read (:meth:`check_state_retained`)
+        self.reachable_states: set[int] = set()
         self.rejected: list[tuple] = []  # timelines ending in rejected drafts (namespace, tokens, extras)
         # the model of what the manager declares: block -> identity its cached full block holds (hit
         # promise), the free queue as tiers, front first (eviction order), blocks ever handed out
@@ -979,6 +985,38 @@ class ManagerMachine(RuleBasedStateMachine):
             return True
         return not req.resumed and e == self.replay_boundary(req)
 
+    def check_state_retained(self, rid: int, req: Request, cached: int) -> None:
+        """The retention promise beside a Mamba group (under the state promise, sparse retention, the cache
+        known): a hit of ``cached`` tokens reads the Mamba state there, which vLLM keeps only on a segment's
+        boundary (a retention interval's multiple; none under interval 0), at a replay boundary of a prompt
+        sharing it, or at the shared-prefix junction of a request sharing it
+        (``MambaManager.reachable_block_mask`` and ``_cache_partial_tail_block``). A state retention drops is
+        transient: the next step overwrites it, so a hit there serves what a policy promised to free. Not judged
+        where a connector loads past the hit (its load restores the state at its end, and the local hit may run
+        past the Mamba group's: ``get_computed_blocks_for_connector``)."""
+        interval = self.caps.retention_interval
+        if not (cached and self.state_window and self.model_known) or req.embedded():
+            return
+        kept = interval and cached % interval == 0 or req.identities[cached - 1] in self.reachable_states
+        assert kept, \
+            f"request {rid}: a hit of {cached} tokens reads a Mamba state retention (interval {interval}) drops: " \
+            f"{cached} is not a multiple of the interval, nor a replay boundary or shared-prefix junction of a " \
+            f"request sharing those tokens (the retention promise)"
+
+    def mark_reachable_states(self, req: Request) -> None:
+        """Record ``req``'s boundaries sparse retention keeps (:meth:`check_state_retained`): its prompt's replay
+        boundaries and its junction, each with and without EAGLE's shift (a block lower: vLLM's junction is its
+        full-attention hit, which EAGLE's lookup ends a block lower), rounded down to whole blocks of every group
+        and of each."""
+        junction = req.junction or 0
+        boundaries = {*lookup.replay_boundaries(req.num_prompt, self.bs, False),
+                      *lookup.replay_boundaries(req.num_prompt, self.bs, True), junction,
+                      *((junction - size for size in {self.bs, *self.gbs}) if self.eagle_server else ())}
+        for b in boundaries:
+            for size in {self.bs, *self.gbs}:
+                if 0 < b // size * size <= len(req.identities):
+                    self.reachable_states.add(req.identities[b // size * size - 1])
+
     def cow_moves(self, req: Request | None = None, start: int = 0) -> int:
         """Blocks an allocation may hand out and free within the call (:meth:`account`): vLLM's
         ``MambaManager.allocate_new_blocks`` moves a producer's partial tail entry to one copy-on-write block
@@ -1116,10 +1154,16 @@ class ManagerMachine(RuleBasedStateMachine):
             # step at the earliest (its block is the request's until then)
             written = set.intersection(*({i for i, slot in enumerate(slots[g]) if slot >= 0}
                                          for g, group in enumerate(self.groups) if group.kind == "mamba"))
-            marks = [(start + i + 1, self.pool_entries) for i in sorted(written) if self.state_kept(req, start + i + 1)]
+            ends = [start + i + 1 for i in sorted(written)]
+            marks = [(e, self.pool_entries) for e in ends if self.state_kept(req, e)]
             req.state_marks += marks
-            if rid in self.branchable:  # a branch point may cut just past one (:mod:`.branch_points`)
-                self.branch_states.setdefault(rid, []).extend(e for e, _ in marks if e < len(self.branchable[rid]))
+            if rid in self.branchable:
+                # a branch point may cut just past one (:mod:`.branch_points`): a state retention keeps, which the
+                # state promise asks for, or under sparse retention any on a block boundary, where one it drops
+                # must not hit (:meth:`check_state_retained`)
+                cuts = ([e for e in ends if e % self.bs == 0] if self.caps.retention_interval is not None else
+                        [e for e, _ in marks])
+                self.branch_states.setdefault(rid, []).extend(e for e in cuts if e < len(self.branchable[rid]))
         table = self.m.block_table(rid)
         pending = self.pending_slots()
         for g, group in enumerate(self.groups):  # what the step's first query reads (a hit's window, its state)
@@ -1294,7 +1338,10 @@ class ManagerMachine(RuleBasedStateMachine):
             f"step writing every Mamba group's state there, on a block boundary, and no block that entered the free " \
             f"queue since can have been evicted (the state promise: a cached Mamba state hits)"
         if self.caps.retention_interval is not None:
+            if not (self.connector and stored and self.m.num_external(rid)):  # else a load restores the state
+                self.check_state_retained(rid, req, cached)
             req.junction = self.junction(req, cached)
+            self.mark_reachable_states(req)
         # where the model knows every cached block of a coordinated layout, no hit is longer than the one vLLM's
         # coordinator agrees on over it: a longer one read a block sparse retention should have dropped, or kept a
         # block EAGLE drops. A ceiling needs no hit promise: where vLLM caches less than the model records (a

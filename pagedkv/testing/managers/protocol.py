@@ -343,7 +343,9 @@ class ManagerCapabilities:
             vLLM's ``prefix_cache_retention_interval``): ``None`` (dense) every block of a sliding-window
             group a whole-block hit needs is cached; otherwise only the blocks a hit needs at a kept boundary
             (each multiple of a positive interval, the prompt's replay boundary ``num_prompt - 1`` and a
-            shared-prefix junction, each rounded down to whole scheduler blocks).
+            shared-prefix junction, each rounded down to whole scheduler blocks). Beside a Mamba group under the
+            state promise it is a ceiling too (the retention promise): a hit reads a Mamba state only at such a
+            kept boundary of a request sharing it, never at one retention drops.
         eagle_drop: with speculative decoding on, a hit leaves its last block to recompute (vLLM's EAGLE / MTP:
             the draft model's K/V of a hit's last token is written with the token after it, so each group
             matches one block past the hit and drops it). The hit promise is then the longest whole-block
