@@ -903,10 +903,10 @@ def test_a_failed_load_beside_mamba_looks_up_a_hit_with_its_state(monkeypatch):
     """A failed load's re-lookup hit past the local hit (a fine-grained hit of 12 tokens the connector cut to 8):
     the peer takes the coordinator's lookup capped at the local hit, whose Mamba group ends on a cached state.
     Fails before (the longer hit cut to 8 tokens left the Mamba group no state block there: "token 7 (written)
-    has no block in its table [-1] (group 1, mamba)"). A pool of 9 blocks: the Mamba group holds the drafter's 3
-    scratch blocks, and the attention group its lookahead slots, besides (features 3: a connector and EAGLE)."""
+    has no block in its table [-1] (group 1, mamba)"). A pool of 8 blocks: the Mamba group holds the drafter's 3
+    scratch blocks besides (features 3: a connector and EAGLE)."""
     hits = _recorded_hits(monkeypatch)
-    steps = [("start", {"num_blocks": 9, "block_size": 0, "num_layers": 2, "window": 0, "layout": 0, "features": 3,
+    steps = [("start", {"num_blocks": 8, "block_size": 0, "num_layers": 2, "window": 0, "layout": 0, "features": 3,
                         "pool_per_group": True}),
              ("serve", {"system": [3, 0, 1, 1], "suffix": [0, 0], "namespace": None, "extra": None, "image_at": 0,
                         "more": [["image-2", 2]], "tail": 1, "tokens": [], "reply": []}),
@@ -1539,22 +1539,6 @@ def test_a_mamba_state_retention_drops_is_never_hit(monkeypatch, features):
     with pytest.raises(AssertionError, match="the retention promise"):
         programs.run_program(machine, program)
     assert hits == [0, 2], hits
-
-
-def test_an_eagle_server_beside_mamba_reserves_the_drafters_lookahead_slots():
-    """vLLM's scheduler reserves the drafter's lookahead slots (``VllmConfig.num_lookahead_tokens``, 2 for an EAGLE
-    drafter of 2 tokens) at every ``allocate_slots`` wherever one runs, beside a Mamba group too, where the machine
-    draws no drafts: a 7-token prefill at block size 2 takes 5 full-attention blocks (9 tokens' worth) where it takes
-    4 without a drafter. Fails before (the peer reserved them only where drafts are drawn: 4 blocks)."""
-    tables = []
-    for num_speculative_tokens in (0, 2):
-        m = _manager("nemotron-h", num_speculative_tokens=num_speculative_tokens)
-        m.admit(0, list(range(1, 8)))
-        m.reserve(0, list(range(1, 8)))
-        tables.append(m.block_table(0)[0])
-        m.commit(0, 7)
-        _release_all(m, [0])
-    assert [len(table) for table in tables] == [4, 5], tables
 
 
 def test_an_exported_checkpoint_below_a_null_block_gets_its_slot():

@@ -499,9 +499,7 @@ class VllmHybridCacheManager(VllmCacheManager):
                 return blocks
 
             self.pool.get_new_blocks = handed_out
-        # the drafter's lookahead slots (VllmConfig.num_lookahead_tokens): reserved at every allocate_slots wherever
-        # an EAGLE-family drafter runs, beside a Mamba group too, where the machine draws no drafts to write there
-        self.num_lookahead = config.num_speculative_tokens if self.eagle else 0
+        self.num_lookahead = config.num_speculative_tokens if speculative else 0
         self.connector = (_connector_class()(kv_config, self.scheduler_block_size, config.token_loads)
                           if config.connector else None)
         self.slot_mapping = _SlotMapping(self.groups, MAX_MODEL_LEN)
