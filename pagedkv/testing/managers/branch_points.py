@@ -29,8 +29,8 @@ class BranchPoints:
         """An earlier request's prompt (its text before any input; ``pick`` back from the newest) cut ``cut`` tokens
         past its start (``state`` at most 0) or past a boundary whose Mamba state its steps wrote and retention keeps
         (under sparse retention: wrote on a block boundary, kept or not; ``state`` back from the newest of them; from
-        the start where it wrote none): a system prompt for requests to
-        come. Past a state, a later request's hit needs exactly that state: the one below it if it is lost."""
+        the start where it wrote none): a system prompt for requests to come. Past a state, a later request's hit
+        needs exactly that state: the one below it if it is lost or retention dropped it."""
         rids = [rid for rid, prompt in self.branchable.items() if prompt]
         rid = rids[-1 - pick % len(rids)]
         states = self.branch_states.get(rid) if state > 0 else None
