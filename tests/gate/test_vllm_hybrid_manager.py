@@ -1541,6 +1541,30 @@ def test_a_mamba_state_retention_drops_is_never_hit(monkeypatch, features):
     assert hits == [0, 2], hits
 
 
+def test_under_eagle_both_replay_boundaries_keep_their_state_under_sparse_retention(monkeypatch):
+    """``nemotron-h-sparse`` under EAGLE (features 2) at block size 2: an 8-token prompt prefilled in chunks of 2 has
+    two replay boundaries (``kv_cache_coordinator.replay_boundaries``: the resend's, 4, and a longer sibling's, 6),
+    and vLLM's mask keeps the state at both. A prompt sharing the first 6 tokens matches 3 full-attention blocks and
+    drops the last, so it hits 4. A manager whose mask pins no replay boundary (as ``-0307`` and ``-0309`` of
+    ``MambaManager.reachable_block_mask`` do at some boundaries) keeps only the state at 6, which the prompt's
+    checkpoint re-keys, and the hit of 0 fails the state promise. Fails before (the state promise counted only the
+    sibling's boundary under EAGLE: a hit of 0 passed)."""
+    from vllm.v1.core import single_type_kv_cache_manager as stm
+
+    hits = _recorded_hits(monkeypatch)
+    program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8), branch_at=6, chunk=2, features=2, steps=3)
+    machine = _machine(("nemotron-h-sparse",), block_sizes=(2,))
+    programs.run_program(machine, program)
+    assert hits == [0, 4], hits
+    mask = stm.MambaManager.reachable_block_mask.__func__
+    monkeypatch.setattr(stm.MambaManager, "reachable_block_mask", classmethod(
+        lambda cls, *args, **kwargs: mask(cls, *args, **{**kwargs, "reachable_boundaries": ()})))
+    hits.clear()
+    with pytest.raises(AssertionError, match="the state promise"):
+        programs.run_program(machine, program)
+    assert hits == [0, 0], hits
+
+
 def test_an_exported_checkpoint_below_a_null_block_gets_its_slot():
     """Under EAGLE (``nemotron-h``, features 2) a 15-token prompt in one chunk at block size 4 exports the state after
     8 tokens into the block reserved at table index 2, while the block token 7 falls in is null: the peer still

@@ -975,15 +975,20 @@ class ManagerMachine(RuleBasedStateMachine):
     def state_kept(self, req: Request, e: int) -> bool:
         """Whether vLLM keeps the Mamba state at boundary ``e`` of ``req`` cached
         (``MambaManager.reachable_block_mask``): every block boundary under dense retention; under a retention
-        interval its boundaries and the prompt's replay boundary (``floor((P - 1) / bs) * bs``); under sparse
-        retention (0) the replay boundary only (a shared-prefix junction too, not promised here). A resumed request's
-        replay boundary is its admitted prompt's, not known here."""
+        interval its boundaries and the prompt's replay boundary (``floor((P - 1) / bs) * bs``; under EAGLE both of
+        ``kv_cache_coordinator.replay_boundaries``, ``floor((P - 1) / bs) * bs - bs`` and ``floor(P / bs) * bs - bs``);
+        under sparse retention (0) the replay boundaries only (a shared-prefix junction too, not promised here). A
+        resumed request's replay boundary is its admitted prompt's, not known here."""
         interval = self.caps.retention_interval
         if e % self.bs:
             return False
         if interval is None or interval and e % interval == 0:
             return True
-        return not req.resumed and e == self.replay_boundary(req)
+        # under EAGLE both of vLLM's replay boundaries: the resend's and a longer sibling's (they differ where the
+        # prompt ends on a block boundary)
+        replay = {b // self.bs * self.bs for b in lookup.replay_boundaries(req.num_prompt, self.bs, True)} if (
+            self.eagle_server) else {self.replay_boundary(req)}
+        return not req.resumed and e in replay
 
     def check_state_retained(self, rid: int, req: Request, cached: int) -> None:
         """The retention promise beside a Mamba group (under the state promise, sparse retention, the cache
