@@ -1565,6 +1565,21 @@ def test_under_eagle_both_replay_boundaries_keep_their_state_under_sparse_retent
     assert hits == [0, 0], hits
 
 
+def test_equal_multimodal_inputs_hash_alike_whatever_their_string_objects():
+    """vLLM's default block hash (``sha256``) pickles a block's extra keys, and pickle writes a string it has seen in
+    the same key as a back-reference: two equal images in one block hash one way where their identifiers are one
+    object and another where they are two. The peer interns identifiers, so equal prompts hash alike. Fails before
+    (a variant whose image was changed back built its identifier afresh, and the release missed its own prefix: a
+    false alarm of the replay promise in ``nemotron-h``, bench/results/false-alarms/nemotron-h-seed40-replay-promise.txt)."""
+    m = _manager("nemotron-h")
+    one, other = "image-1", "".join(["image-", "1"])
+    assert one == other and one is not other
+    tokens = [1, 2, 3, 4, 5, 6]
+    m.admit(0, tokens, None, [(2, ("mm", one, 0)), (3, ("mm", one, 0))])
+    m.admit(1, tokens, None, [(2, ("mm", one, 0)), (3, ("mm", other, 0))])
+    assert m.requests[0].block_hashes == m.requests[1].block_hashes
+
+
 def test_an_exported_checkpoint_below_a_null_block_gets_its_slot():
     """Under EAGLE (``nemotron-h``, features 2) a 15-token prompt in one chunk at block size 4 exports the state after
     8 tokens into the block reserved at table index 2, while the block token 7 falls in is null: the peer still

@@ -209,7 +209,10 @@ class VllmCacheManager:
             ids = self.__dict__.setdefault("lora_ids", {})
             lora = v.LoRARequest(lora_name=adapter[0], lora_int_id=ids.setdefault(adapter, len(ids) + 1),
                                  lora_path=adapter[1])
-        features = [v.MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+        # interned: vLLM's default block hash (``sha256``, ``prefix_caching_hash_algo``) pickles the extra keys, and
+        # pickle's memo writes a string seen before in the same key as a back-reference, so two equal identifiers
+        # in one block hash one way as one object and another as two: equal prompts would miss each other
+        features = [v.MultiModalFeatureSpec(data=None, modality="image", identifier=sys.intern(ident),
                                             mm_position=v.PlaceholderRange(offset=offset, length=length))
                     for ident, offset, length in multimodal_spans(extra_keys)] or None
         embeds, is_token = prompt_embeddings(v.torch, extra_keys, len(token_ids))
