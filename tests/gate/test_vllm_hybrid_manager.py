@@ -1570,7 +1570,8 @@ def test_equal_multimodal_inputs_hash_alike_whatever_their_string_objects():
     the same key as a back-reference: two equal images in one block hash one way where their identifiers are one
     object and another where they are two. The peer interns identifiers, so equal prompts hash alike. Fails before
     (a variant whose image was changed back built its identifier afresh, and the release missed its own prefix: a
-    false alarm of the replay promise in ``nemotron-h``, bench/results/false-alarms/nemotron-h-seed40-replay-promise.txt)."""
+    false alarm of the replay promise in ``nemotron-h``,
+    bench/results/false-alarms/nemotron-h-seed40-replay-promise.txt)."""
     m = _manager("nemotron-h")
     one, other = "image-1", "".join(["image-", "1"])
     assert one == other and one is not other
