@@ -984,10 +984,9 @@ class ManagerMachine(RuleBasedStateMachine):
             return False
         if interval is None or interval and e % interval == 0:
             return True
-        # under EAGLE both of vLLM's replay boundaries: the resend's and a longer sibling's (they differ where the
-        # prompt ends on a block boundary)
-        replay = {b // self.bs * self.bs for b in lookup.replay_boundaries(req.num_prompt, self.bs, True)} if (
-            self.eagle_server) else {self.replay_boundary(req)}
+        # vLLM's replay boundaries, rounded down to whole blocks (under EAGLE two: the resend's and a longer
+        # sibling's, which differ where the prompt ends on a block boundary)
+        replay = {b // self.bs * self.bs for b in lookup.replay_boundaries(req.num_prompt, self.bs, self.eagle_server)}
         return not req.resumed and e in replay
 
     def check_state_retained(self, rid: int, req: Request, cached: int) -> None:
@@ -1011,16 +1010,15 @@ class ManagerMachine(RuleBasedStateMachine):
     def mark_reachable_states(self, req: Request) -> None:
         """Record ``req``'s boundaries sparse retention keeps (:meth:`check_state_retained`): its prompt's replay
         boundaries and its junction, each with and without EAGLE's shift (a block lower: vLLM's junction is its
-        full-attention hit, which EAGLE's lookup ends a block lower), rounded down to whole blocks of every group
-        and of each."""
+        full-attention hit, which EAGLE's lookup ends a block lower), rounded down to whole blocks (a hit is whole
+        blocks, so no other position is looked up)."""
         junction = req.junction or 0
         boundaries = {*lookup.replay_boundaries(req.num_prompt, self.bs, False),
                       *lookup.replay_boundaries(req.num_prompt, self.bs, True), junction,
-                      *((junction - size for size in {self.bs, *self.gbs}) if self.eagle_server else ())}
+                      *((junction - self.bs,) if self.eagle_server else ())}
         for b in boundaries:
-            for size in {self.bs, *self.gbs}:
-                if 0 < b // size * size <= len(req.identities):
-                    self.reachable_states.add(req.identities[b // size * size - 1])
+            if 0 < b // self.bs * self.bs <= len(req.identities):
+                self.reachable_states.add(req.identities[b // self.bs * self.bs - 1])
 
     def cow_moves(self, req: Request | None = None, start: int = 0) -> int:
         """Blocks an allocation may hand out and free within the call (:meth:`account`): vLLM's
@@ -1342,8 +1340,9 @@ class ManagerMachine(RuleBasedStateMachine):
             f"request {rid}: a hit of {cached} tokens, but a request sharing its first {state} tokens completed a " \
             f"step writing every Mamba group's state there, on a block boundary, and no block that entered the free " \
             f"queue since can have been evicted (the state promise: a cached Mamba state hits)"
+        external = self.m.num_external(rid) if stored else 0
         if self.caps.retention_interval is not None:
-            if not (self.connector and stored and self.m.num_external(rid)):  # else a load restores the state
+            if not external:  # else a load restores the state
                 self.check_state_retained(rid, req, cached)
             req.junction = self.junction(req, cached)
             self.mark_reachable_states(req)
@@ -1364,7 +1363,6 @@ class ManagerMachine(RuleBasedStateMachine):
             f"request {rid}: a hit of {cached} tokens, but its first {promised} were committed and not evicted " \
             f"since (the hit promise: what is cached hits)"
         tables = self.m.block_table(rid)
-        external = self.m.num_external(rid) if stored else 0
         for g, blocks in enumerate(block_ids):
             assert list(blocks) == tables[g][:len(blocks)], \
                 f"request {rid}: admit returned blocks {list(blocks)}" + (f" in group {g}" if self.grouped else "") + \
