@@ -1792,3 +1792,40 @@ def test_a_chunk_owes_the_checkpoint_vllms_rule_exports(monkeypatch):
     with pytest.raises(AssertionError, match=r"request 0: the reservation of tokens 0\.\.3 names no slot for the state "
                                              r"at 2 tokens in group 1 \(mamba\).*the checkpoint promise"):
         programs.run_program(machine, program)
+
+
+def test_under_eagle_and_a_retention_interval_vllm_evicts_the_resends_replay_state(monkeypatch):
+    """vLLM's finding (docs/peers.md): ``nemotron-h-interval`` (a retention interval of 3 blocks) at block size 1
+    under EAGLE. A preempted request recomputes a 3-token prompt; vLLM's block-aligned split computes 2 tokens in the
+    first step, which writes the state at 2 and exports the one at 1 as the chunk's checkpoint. The prompt's replay
+    boundaries are 1 (a resend's: capped at 2 tokens, EAGLE drops a block) and 2 (a longer sibling's);
+    ``cache_blocks`` caches the state at 1 because the mask pins it, then ``MambaManager._cache_partial_tail_block``
+    evicts that checkpoint as transient: it asks the mask without the replay boundaries, and exempts only the
+    prompt's checkpoint (2) and the junction. A prompt sharing the first 2 tokens then hits 0 where the state
+    promise says 1. Exempting the replay boundaries as well (a fix sketched here by naming the checkpoint the
+    junction) makes the same program pass."""
+    import json
+    from pathlib import Path
+
+    from vllm.v1.core import single_type_kv_cache_manager as stm
+    from vllm.v1.core.kv_cache_coordinator import replay_boundaries
+
+    case = Path(programs.__file__).parent / "cases" / "vllm_eagle_interval_evicts_resend_replay_state.json"
+    assert "(the state promise: a cached Mamba state hits)" in json.loads(case.read_text())["error"]
+    assert programs.replay_file(str(case), quiet=True) == 1
+    cache_tail = stm.MambaManager._cache_partial_tail_block
+
+    def replay_boundaries_kept(self, request, num_tokens, retention_interval):
+        checkpoint = self._checkpoints.get(request.request_id)
+        kept = replay_boundaries(request.num_prompt_tokens, self.cache_hit_alignment_tokens,
+                                 self.drop_eagle_checkpoint_block)
+        if checkpoint is None or checkpoint[0] not in kept:
+            return cache_tail(self, request, num_tokens, retention_interval)
+        junction, request.shared_prefix_boundary = request.shared_prefix_boundary, checkpoint[0]
+        try:
+            return cache_tail(self, request, num_tokens, retention_interval)
+        finally:
+            request.shared_prefix_boundary = junction
+
+    monkeypatch.setattr(stm.MambaManager, "_cache_partial_tail_block", replay_boundaries_kept)
+    assert programs.replay_file(str(case), quiet=True) == 0
