@@ -1829,3 +1829,36 @@ def test_under_eagle_and_a_retention_interval_vllm_evicts_the_resends_replay_sta
 
     monkeypatch.setattr(stm.MambaManager, "_cache_partial_tail_block", replay_boundaries_kept)
     assert programs.replay_file(str(case), quiet=True) == 0
+
+
+def test_a_resumed_chunk_from_a_partial_hit_crosses_a_block_boundary_and_vllm_caches_its_unwritten_state(
+        monkeypatch):
+    """vLLM's finding (docs/peers.md): ``nemotron-h-fine`` (Mamba blocks of 8 tokens, hashes of 2, Mamba2's
+    internal prefill checkpoint). A preempted request of 20 tokens resumes from a fine-grained hit of 4, mid-block.
+    ``Scheduler._mamba_block_aligned_split`` drops the stop at the next block boundary (8) because the internal
+    checkpoint (18) is valid for the chunk's unclipped end (20), then clips the chunk at the shared-prefix junction
+    (16) floored to whole blocks from the chunk's start, 4 + 8 = 12, not from a block boundary; the checkpoint no
+    longer lies in it. The step writes the state at 12 only, yet ``cache_blocks`` caches the Mamba block ending at 8:
+    the copy of the hit's state at 4, under the hash of 8 tokens. A later prompt sharing those 8 tokens hits 8 and
+    reads it. With the stop at the next block boundary kept for a chunk starting mid-block (a fix sketched here) the
+    same program passes."""
+    import json
+    from pathlib import Path
+
+    from pagedkv.tools.peers import vllm_hybrid_manager as vm
+
+    case = Path(programs.__file__).parent / "cases" / "vllm_resumed_partial_hit_caches_an_unwritten_mamba_state.json"
+    assert "reads wrong state at token 7 (group 1 (mamba)" in json.loads(case.read_text())["error"]
+    assert programs.replay_file(str(case), quiet=True) == 1
+    scheduler = vm._scheduler_class()
+    split = scheduler._mamba_block_aligned_split
+
+    def stop_at_the_next_block_boundary(self, request, num_new_tokens, num_local=0, num_external=0):
+        taken = split(self, request, num_new_tokens, num_local, num_external)
+        start = request.num_computed_tokens + num_local + num_external
+        if start % self.block_size:
+            taken = min(taken, (start // self.block_size + 1) * self.block_size - start)
+        return taken
+
+    monkeypatch.setattr(scheduler, "_mamba_block_aligned_split", stop_at_the_next_block_boundary)
+    assert programs.replay_file(str(case), quiet=True) == 0
