@@ -1664,7 +1664,8 @@ def test_a_branch_point_cuts_an_earlier_prompt_beside_a_mamba_group():
 def test_a_branch_point_cuts_past_a_state_the_earlier_prompt_wrote():
     """``branch_point`` with ``state`` > 0: the cut counts from a boundary whose Mamba state the earlier request's
     steps wrote (an 8-token prompt in chunks of 4 at block size 2: each chunk's checkpoint one block below its end, 2
-    and 6, and the first chunk's end, 4), newest first; a later request cut one token past 4 hits exactly 4. Fails
+    and 6, and the first chunk's end, 4), newest first; with ``state`` 0 from the prompt's start, below 0 back from
+    its end (the last message edited and resent). A later request cut one token past 4 hits exactly 4. Fails
     before: cuts counted from the prompt's start only."""
     machine = _machine(("nemotron-h",), block_sizes=(2,))()
     machine.start(num_blocks=16, block_size=0, num_layers=1, window=0, layout=0, features=0)
@@ -1672,8 +1673,11 @@ def test_a_branch_point_cuts_past_a_state_the_earlier_prompt_wrote():
                            write_now=True).values
     machine.step(rid=first, n=4, token=0, write_now=True)
     assert machine.branch_states[first] == [2, 4, 6], machine.branch_states
-    cuts = [machine.branch_point(pick=0, cut=1, state=state) for state in (1, 2, 3, 4, -1)]
-    assert cuts == [list(range(1, 8)), list(range(1, 6)), list(range(1, 4)), list(range(1, 8)), [1]], cuts
+    cuts = [machine.branch_point(pick=0, cut=1, state=state) for state in (1, 2, 3, 4, 0, -1)]
+    assert cuts == [list(range(1, 8)), list(range(1, 6)), list(range(1, 4)), list(range(1, 8)), [1],
+                    list(range(1, 8))], cuts
+    assert machine.branch_point(pick=0, cut=3, state=-2) == list(range(1, 6))
+    assert machine.branch_point(pick=0, cut=15, state=-1) == [1]  # one token at least
     (second,) = machine.add(system=cuts[1], suffix=[9, 9], namespace=None, extra=None, chunk=7,
                             write_now=True).values
     assert machine.live[second].hit == 4, machine.live[second].hit
@@ -1862,3 +1866,35 @@ def test_a_resumed_chunk_from_a_partial_hit_crosses_a_block_boundary_and_vllm_ca
 
     monkeypatch.setattr(scheduler, "_mamba_block_aligned_split", stop_at_the_next_block_boundary)
     assert programs.replay_file(str(case), quiet=True) == 0
+
+@pytest.mark.parametrize("layout", ["nemotron-h-sparse", "nemotron-h-interval"])
+def test_a_shared_prefix_junctions_state_is_promised_under_sparse_retention(monkeypatch, layout):
+    """At block size 2, without EAGLE: a 12-token prompt is computed, so full attention caches its blocks and Mamba
+    keeps only its replay boundary's state (10) and, under the interval, a segment's (6). A second prompt shares its
+    first 8 tokens: full attention hits 8, Mamba 0 or 6, so vLLM's scheduler ends a chunk at the junction (8) and
+    the mask pins the state written there. A third prompt sharing the same 8 tokens hits 8. A manager whose mask pins
+    no reachable boundary (as ``-0307`` of ``MambaManager.reachable_block_mask`` does) hits 0 or 6 and fails the
+    state promise. Fails before (the junction's state was not promised: those hits passed)."""
+    from vllm.v1.core import single_type_kv_cache_manager as stm
+
+    prompt, junction = (1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3), 8
+
+    def add(system, suffix=()):
+        return ("add", {"system": list(system), "suffix": list(suffix), "namespace": None, "extra": None,
+                        "chunk": 12, "write_now": True, "image_at": 0, "stored": 0})
+
+    program = [("system_prompts", {"prompts": [list(prompt), list(prompt[:junction])]}),
+               ("start", {"num_blocks": 16, "block_size": 0, "num_layers": 1, "window": 0, "layout": 0,
+                          "features": 0}),
+               add(prompt), add(prompt[:junction], (7, 7, 7, 7)), add(prompt[:junction], (9,))]
+    hits = _recorded_hits(monkeypatch)
+    machine = _machine((layout,), block_sizes=(2,))
+    programs.run_program(machine, program)
+    assert hits == [0, 0, 8], hits
+    mask = stm.MambaManager.reachable_block_mask.__func__
+    monkeypatch.setattr(stm.MambaManager, "reachable_block_mask", classmethod(
+        lambda cls, *args, **kwargs: mask(cls, *args, **{**kwargs, "reachable_boundaries": ()})))
+    hits.clear()
+    with pytest.raises(AssertionError, match="the state promise"):
+        programs.run_program(machine, program)
+    assert hits == [0, 0, 0 if layout == "nemotron-h-sparse" else 6], hits

@@ -975,10 +975,11 @@ class ManagerMachine(RuleBasedStateMachine):
     def state_kept(self, req: Request, e: int) -> bool:
         """Whether vLLM keeps the Mamba state at boundary ``e`` of ``req`` cached
         (``MambaManager.reachable_block_mask``): every block boundary under dense retention; under a retention
-        interval its boundaries and the prompt's replay boundary (``floor((P - 1) / bs) * bs``; under EAGLE both of
-        ``kv_cache_coordinator.replay_boundaries``, ``floor((P - 1) / bs) * bs - bs`` and ``floor(P / bs) * bs - bs``);
-        under sparse retention (0) the replay boundaries only (a shared-prefix junction too, not promised here). A
-        resumed request's replay boundary is its admitted prompt's, not known here."""
+        interval its boundaries, the prompt's replay boundary (``floor((P - 1) / bs) * bs``; under EAGLE both of
+        ``kv_cache_coordinator.replay_boundaries``, ``floor((P - 1) / bs) * bs - bs`` and ``floor(P / bs) * bs - bs``)
+        and, without EAGLE, the request's shared-prefix junction (:meth:`junction`: the scheduler ends a chunk there
+        and the mask pins it); under sparse retention (0) the replay boundaries and the junction only. A resumed
+        request's boundaries are its admitted prompt's, not known here."""
         interval = self.caps.retention_interval
         if e % self.bs:
             return False
@@ -987,7 +988,9 @@ class ManagerMachine(RuleBasedStateMachine):
         # vLLM's replay boundaries, rounded down to whole blocks (under EAGLE two: the resend's and a longer
         # sibling's, which differ where the prompt ends on a block boundary)
         replay = {b // self.bs * self.bs for b in lookup.replay_boundaries(req.num_prompt, self.bs, self.eagle_server)}
-        return not req.resumed and e in replay
+        # the junction too, where vLLM's equals the model's (under EAGLE its lookup ends a block lower)
+        junction = req.junction if not self.eagle_server else None
+        return not req.resumed and (e in replay or bool(junction) and e == junction)
 
     def check_state_retained(self, rid: int, req: Request, cached: int) -> None:
         """The retention promise beside a Mamba group (under the state promise, sparse retention, the cache
