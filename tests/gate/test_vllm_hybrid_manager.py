@@ -1685,6 +1685,28 @@ def test_a_branch_point_cuts_past_a_state_the_earlier_prompt_wrote():
     machine.teardown()
 
 
+def test_with_fine_grained_hits_branch_points_cut_a_prompt_short_of_its_end():
+    """``qwen3-next-fine`` (fine-grained hits beside a Mamba group; the replay promise, not the state promise, is
+    judged there): ``branch_point`` is drawn once a prompt was admitted, and a cut from its end shares all of it but
+    its last tokens, the run its replay boundary's state serves (a sibling of an 11-token prompt sharing 10 or 9 tokens
+    hits the 8 its Mamba state at a whole block allows). Fails before: branch points only under the state promise."""
+    machine = _machine(("qwen3-next-fine",), block_sizes=(2,))()
+    machine.start(num_blocks=16, block_size=0, num_layers=1, window=0, layout=0, features=0)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
+    machine.add(system=prompt, suffix=[], namespace=None, extra=None, chunk=12, write_now=True)
+    assert not machine.state_window and machine.replay_window
+    rule = type(machine).branch_point.hypothesis_stateful_rule  # what Hypothesis checks before drawing it
+    assert all(precondition(machine) for precondition in rule.preconditions), "branch_point is not drawn"
+    for cut in (1, 2):
+        system = machine.branch_point(pick=0, cut=cut, state=-1)
+        assert system == prompt[:-cut]
+        (sibling,) = machine.add(system=system, suffix=[9], namespace=None, extra=None, chunk=12,
+                                 write_now=True).values
+        assert machine.live[sibling].hit == 8, machine.live[sibling].hit
+    machine.check()
+    machine.teardown()
+
+
 @pytest.mark.parametrize("layout", ["nemotron-h", "nemotron-h-interval"])
 def test_under_eagle_a_cached_mamba_state_is_promised_with_the_block_past_it(monkeypatch, layout):
     """``nemotron-h`` under EAGLE (features 2) at block size 2, dense or under a retention interval of 3 blocks (6

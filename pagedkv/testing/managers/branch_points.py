@@ -10,9 +10,11 @@ states kept only for the prompt's replay boundaries lie (vLLM's ``reachable_bloc
 retention; the segments do not).
 
 :class:`BranchPoints` is mixed into the machines :func:`~.machine.machine_for` builds for layouts with a Mamba
-group; its rule is drawn under the state promise only (:attr:`~.machine.ManagerMachine.state_window`). Machines
-without a Mamba group keep their rules, so their derandomized searches draw what they drew before. Nothing reaches
-the manager: the requests built on a branch point record their prompts, so a program file replays in any machine.
+group; its rule is drawn under the state promise (:attr:`~.machine.ManagerMachine.state_window`) or the replay
+promise (:attr:`~.machine.ManagerMachine.replay_window`: fine-grained hits, where a cut from the prompt's end asks for
+its replay boundary's state). Machines without a Mamba group keep their rules, so their derandomized searches draw
+what they drew before. Nothing reaches the manager: the requests built on a branch point record their prompts, so a
+program file replays in any machine.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class BranchPoints:
 
     systems = Bundle("systems")
 
-    @precondition(lambda self: self.state_window and any(self.branchable.values()))
+    @precondition(lambda self: (self.state_window or self.replay_window) and any(self.branchable.values()))
     @rule(target=systems, pick=st.integers(0, 7), cut=st.integers(1, 15), state=st.integers(-3, 3))
     def branch_point(self, pick: int, cut: int, state: int) -> list[int]:
         """An earlier request's prompt (its text before any input; ``pick`` back from the newest) cut ``cut`` tokens

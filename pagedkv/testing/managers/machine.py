@@ -377,8 +377,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.history: list[tuple] = []
         # released requests whose prompt's EAGLE replay boundary may stay hittable (:meth:`replay_hit`), newest last
         self.replayable: list[Request] = []
-        # under the state promise, each admitted prompt's text before its first input, by request, oldest first:
-        # what :mod:`.branch_points` cuts (its only reader)
+        # under the state or the replay promise, each admitted prompt's text before its first input, by request,
+        # oldest first: what :mod:`.branch_points` cuts (its only reader)
         self.branchable: dict[int, list[int]] = {}
         # ... and the boundaries inside it whose Mamba state its steps wrote and retention keeps (under sparse
         # retention: every one on a block boundary), oldest first
@@ -1290,7 +1290,7 @@ class ManagerMachine(RuleBasedStateMachine):
                   if not is_embedding(key) or p < len(tokens) and tokens[p] == PLACEHOLDER}
         req = Request(namespace, [], dict(extras), [], len(tokens), resumed=resumed is not None)
         req.extend(tokens)
-        if resumed is None and self.state_window:
+        if resumed is None and (self.state_window or self.replay_window):
             self.branchable[rid] = list(tokens[:min(extras, default=len(tokens))])
         if not self.connector:
             stored = 0
