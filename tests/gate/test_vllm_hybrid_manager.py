@@ -1497,6 +1497,16 @@ def _evict_chunk_checkpoints(monkeypatch) -> None:
     monkeypatch.setattr(stm.MambaManager, "_cache_partial_tail_block", evict_chunk_checkpoints)
 
 
+def _pin_no_reachable_boundary(monkeypatch) -> None:
+    """A fault planted in vLLM's ``MambaManager.reachable_block_mask``: under sparse retention no replay boundary or
+    junction is pinned, only segment boundaries (what its mutants ``-0307`` and ``-0309`` do at some boundaries)."""
+    from vllm.v1.core import single_type_kv_cache_manager as stm
+
+    mask = stm.MambaManager.reachable_block_mask.__func__
+    monkeypatch.setattr(stm.MambaManager, "reachable_block_mask", classmethod(
+        lambda cls, *args, **kwargs: mask(cls, *args, **{**kwargs, "reachable_boundaries": ()})))
+
+
 @pytest.mark.parametrize("features", [0, 1], ids=["plain", "connector"])
 def test_a_cached_mamba_state_is_promised_a_hit(monkeypatch, features):
     """``nemotron-h`` at block size 2: an 8-token chunk of an 11-token prompt exports the state after 6 tokens (one
@@ -1549,16 +1559,12 @@ def test_under_eagle_both_replay_boundaries_keep_their_state_under_sparse_retent
     ``MambaManager.reachable_block_mask`` do at some boundaries) keeps only the state at 6, which the prompt's
     checkpoint re-keys, and the hit of 0 fails the state promise. Fails before (the state promise counted only the
     sibling's boundary under EAGLE: a hit of 0 passed)."""
-    from vllm.v1.core import single_type_kv_cache_manager as stm
-
     hits = _recorded_hits(monkeypatch)
     program = _branch_program((1, 2, 3, 4, 5, 6, 7, 8), branch_at=6, chunk=2, features=2, steps=3)
     machine = _machine(("nemotron-h-sparse",), block_sizes=(2,))
     programs.run_program(machine, program)
     assert hits == [0, 4], hits
-    mask = stm.MambaManager.reachable_block_mask.__func__
-    monkeypatch.setattr(stm.MambaManager, "reachable_block_mask", classmethod(
-        lambda cls, *args, **kwargs: mask(cls, *args, **{**kwargs, "reachable_boundaries": ()})))
+    _pin_no_reachable_boundary(monkeypatch)
     hits.clear()
     with pytest.raises(AssertionError, match="the state promise"):
         programs.run_program(machine, program)
@@ -1897,8 +1903,6 @@ def test_a_shared_prefix_junctions_state_is_promised_under_sparse_retention(monk
     the mask pins the state written there. A third prompt sharing the same 8 tokens hits 8. A manager whose mask pins
     no reachable boundary (as ``-0307`` of ``MambaManager.reachable_block_mask`` does) hits 0 or 6 and fails the
     state promise. Fails before (the junction's state was not promised: those hits passed)."""
-    from vllm.v1.core import single_type_kv_cache_manager as stm
-
     prompt, junction = (1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3), 8
 
     def add(system, suffix=()):
@@ -1913,9 +1917,7 @@ def test_a_shared_prefix_junctions_state_is_promised_under_sparse_retention(monk
     machine = _machine((layout,), block_sizes=(2,))
     programs.run_program(machine, program)
     assert hits == [0, 0, 8], hits
-    mask = stm.MambaManager.reachable_block_mask.__func__
-    monkeypatch.setattr(stm.MambaManager, "reachable_block_mask", classmethod(
-        lambda cls, *args, **kwargs: mask(cls, *args, **{**kwargs, "reachable_boundaries": ()})))
+    _pin_no_reachable_boundary(monkeypatch)
     hits.clear()
     with pytest.raises(AssertionError, match="the state promise"):
         programs.run_program(machine, program)
