@@ -1826,6 +1826,18 @@ def test_a_chunk_owes_the_checkpoint_vllms_rule_exports(monkeypatch):
         programs.run_program(machine, program)
 
 
+def _finding_case(name: str, error: str) -> str:
+    """The path of a vLLM finding's case file (``pagedkv/testing/managers/cases/<name>.json``), checked to record
+    ``error`` and to fail again on the release: a test then replays it with a fix planted."""
+    import json
+    from pathlib import Path
+
+    case = Path(programs.__file__).parent / "cases" / f"{name}.json"
+    assert error in json.loads(case.read_text())["error"]
+    assert programs.replay_file(str(case), quiet=True) == 1
+    return str(case)
+
+
 def test_under_eagle_and_a_retention_interval_vllm_evicts_the_resends_replay_state(monkeypatch):
     """vLLM's finding (docs/peers.md): ``nemotron-h-interval`` (a retention interval of 3 blocks) at block size 1
     under EAGLE. A preempted request recomputes a 3-token prompt; vLLM's block-aligned split computes 2 tokens in the
@@ -1836,15 +1848,11 @@ def test_under_eagle_and_a_retention_interval_vllm_evicts_the_resends_replay_sta
     prompt's checkpoint (2) and the junction. A prompt sharing the first 2 tokens then hits 0 where the state
     promise says 1. Exempting the replay boundaries as well (a fix sketched here by naming the checkpoint the
     junction) makes the same program pass."""
-    import json
-    from pathlib import Path
-
     from vllm.v1.core import single_type_kv_cache_manager as stm
     from vllm.v1.core.kv_cache_coordinator import replay_boundaries
 
-    case = Path(programs.__file__).parent / "cases" / "vllm_eagle_interval_evicts_resend_replay_state.json"
-    assert "(the state promise: a cached Mamba state hits)" in json.loads(case.read_text())["error"]
-    assert programs.replay_file(str(case), quiet=True) == 1
+    case = _finding_case("vllm_eagle_interval_evicts_resend_replay_state",
+                         "(the state promise: a cached Mamba state hits)")
     cache_tail = stm.MambaManager._cache_partial_tail_block
 
     def replay_boundaries_kept(self, request, num_tokens, retention_interval):
@@ -1860,7 +1868,7 @@ def test_under_eagle_and_a_retention_interval_vllm_evicts_the_resends_replay_sta
             request.shared_prefix_boundary = junction
 
     monkeypatch.setattr(stm.MambaManager, "_cache_partial_tail_block", replay_boundaries_kept)
-    assert programs.replay_file(str(case), quiet=True) == 0
+    assert programs.replay_file(case, quiet=True) == 0
 
 
 def test_a_resumed_chunk_from_a_partial_hit_crosses_a_block_boundary_and_vllm_caches_its_unwritten_state(
@@ -1874,14 +1882,10 @@ def test_a_resumed_chunk_from_a_partial_hit_crosses_a_block_boundary_and_vllm_ca
     the copy of the hit's state at 4, under the hash of 8 tokens. A later prompt sharing those 8 tokens hits 8 and
     reads it. With the stop at the next block boundary kept for a chunk starting mid-block (a fix sketched here) the
     same program passes."""
-    import json
-    from pathlib import Path
-
     from pagedkv.tools.peers import vllm_hybrid_manager as vm
 
-    case = Path(programs.__file__).parent / "cases" / "vllm_resumed_partial_hit_caches_an_unwritten_mamba_state.json"
-    assert "reads wrong state at token 7 (group 1 (mamba)" in json.loads(case.read_text())["error"]
-    assert programs.replay_file(str(case), quiet=True) == 1
+    case = _finding_case("vllm_resumed_partial_hit_caches_an_unwritten_mamba_state",
+                         "reads wrong state at token 7 (group 1 (mamba)")
     scheduler = vm._scheduler_class()
     split = scheduler._mamba_block_aligned_split
 
@@ -1893,7 +1897,8 @@ def test_a_resumed_chunk_from_a_partial_hit_crosses_a_block_boundary_and_vllm_ca
         return taken
 
     monkeypatch.setattr(scheduler, "_mamba_block_aligned_split", stop_at_the_next_block_boundary)
-    assert programs.replay_file(str(case), quiet=True) == 0
+    assert programs.replay_file(case, quiet=True) == 0
+
 
 @pytest.mark.parametrize("layout", ["nemotron-h-sparse", "nemotron-h-interval"])
 def test_a_shared_prefix_junctions_state_is_promised_under_sparse_retention(monkeypatch, layout):
