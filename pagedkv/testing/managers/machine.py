@@ -987,10 +987,10 @@ class ManagerMachine(RuleBasedStateMachine):
             return True
         # vLLM's replay boundaries, rounded down to whole blocks (under EAGLE two: the resend's and a longer
         # sibling's, which differ where the prompt ends on a block boundary)
-        replay = {b // self.bs * self.bs for b in lookup.replay_boundaries(req.num_prompt, self.bs, self.eagle_server)}
-        # the junction too, where vLLM's equals the model's (under EAGLE its lookup ends a block lower)
-        junction = req.junction if not self.eagle_server else None
-        return not req.resumed and (e in replay or bool(junction) and e == junction)
+        kept = {b // self.bs * self.bs for b in lookup.replay_boundaries(req.num_prompt, self.bs, self.eagle_server)}
+        if not self.eagle_server:  # the junction too, where vLLM's equals the model's (under EAGLE a block lower)
+            kept.add(req.junction)  # None or 0 where there is none: no boundary e >= 1 matches it
+        return not req.resumed and e in kept
 
     def check_state_retained(self, rid: int, req: Request, cached: int) -> None:
         """The retention promise beside a Mamba group (under the state promise, sparse retention, the cache
